@@ -1,0 +1,183 @@
+"""The one small interface every agent runtime implements.
+
+A runtime turns a prompt into a stream of :data:`RuntimeEvent` values. The
+machine's run engine owns durability: the runtime hands each event to
+``ctx.emit`` and that call returns only once the event is stored (so a slow
+disk slows the runtime down instead of buffering without bound). A runtime
+that needs a person's decision calls ``ctx.ask_permission`` and waits; the
+engine records the request, pauses the run and returns the decision once it
+is answered (possibly after a daemon restart, see :class:`ResumeInfo`).
+
+Cancellation is asyncio cancellation: the engine cancels the task running
+:meth:`Runtime.run`; the runtime tells its backend to stop (ACP
+``session/cancel``) and re-raises ``CancelledError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = [
+    "PermissionDecision",
+    "PermissionOption",
+    "PermissionRequest",
+    "ResumeInfo",
+    "RunContext",
+    "RunOutcome",
+    "Runtime",
+    "RuntimeEvent",
+    "RuntimeFailed",
+    "SessionStarted",
+    "TextDelta",
+    "ToolCall",
+    "ToolResult",
+    "UsageReport",
+]
+
+
+class RuntimeFailed(Exception):
+    """The runtime's backend failed (process died, protocol error...).
+
+    Raised by :meth:`Runtime.run`; the engine ends the run with RUN_ERROR code
+    RUNTIME_FAILED and ``message`` (which must not contain secrets).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SessionStarted:
+    """The backend opened (or loaded) a session; the engine persists its id."""
+
+    session_id: str
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of the agent's reply text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """The agent started a tool call."""
+
+    call_id: str
+    title: str
+    kind: str = "other"
+    input_json: str = "{}"
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A tool call finished (status: "completed" or "failed")."""
+
+    call_id: str
+    status: str
+    output: str = ""
+
+
+@dataclass(frozen=True)
+class PermissionOption:
+    """One answer a person may give (ACP kinds: allow_once, allow_always,
+    reject_once, reject_always)."""
+
+    option_id: str
+    name: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class PermissionRequest:
+    """The agent asks before running a tool.
+
+    ``request_id`` must be stable for the same request when a run is driven
+    again after a restart (use the tool call id), so the engine can match it
+    with the stored pending request.
+    """
+
+    request_id: str
+    call_id: str
+    title: str
+    options: tuple[PermissionOption, ...]
+
+
+@dataclass(frozen=True)
+class PermissionDecision:
+    """The person's answer: the chosen option id (empty when cancelled)."""
+
+    option_id: str
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class UsageReport:
+    """Token usage reported by the backend for this run (added up by the engine)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+RuntimeEvent = SessionStarted | TextDelta | ToolCall | ToolResult | UsageReport
+
+
+@dataclass(frozen=True)
+class ResumeInfo:
+    """Set when the engine drives a run again after a restart.
+
+    The run was paused on ``pending`` and the person has answered
+    ``decision``. The runtime re-opens its session (``session_id``) and drives
+    the prompt again; the engine suppresses events it already stored and
+    answers the matching permission request with ``decision`` at once.
+    """
+
+    pending: PermissionRequest
+    decision: PermissionDecision
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How a run ended normally (stop_reason e.g. "end_turn", "cancelled")."""
+
+    stop_reason: str = "end_turn"
+
+
+@dataclass
+class RunContext:
+    """Everything a runtime needs for one run; built by the engine."""
+
+    agent_id: str
+    run_id: str
+    folder: Path
+    prompt: str
+    settings: Mapping[str, Any]
+    emit: Callable[[RuntimeEvent], Awaitable[None]]
+    ask_permission: Callable[[PermissionRequest], Awaitable[PermissionDecision]]
+    session_id: str | None = None
+    attachments: tuple[Path, ...] = ()
+    resume: ResumeInfo | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Runtime(Protocol):
+    """One agent's connection to its backend. Created per agent, reused across runs."""
+
+    name: str
+
+    async def run(self, ctx: RunContext) -> RunOutcome:
+        """Drive one prompt to its end, emitting events through ``ctx.emit``."""
+        ...
+
+    async def close(self) -> None:
+        """Stop the backend (process) if any; idempotent."""
+        ...
+
+    async def delete_session(self, session_id: str) -> None:
+        """Remove the backend's own stored session (files under ~/.claude...)."""
+        ...

@@ -1,0 +1,21 @@
+"""Code both daemons use: errors, ids, atomic files, config helpers, crypto,
+the object store, retry policy, metrics helpers, TLS helpers, gRPC error
+mapping, and the generated protobuf stubs under ``shared.pb``.
+
+Modules are imported by name (``from shared.store import open_store``);
+this package deliberately imports nothing at import time so that the light
+modules do not pull in grpc or aiobotocore.
+"""
+
+__all__ = [
+    "atomic",
+    "config",
+    "crypto",
+    "errors",
+    "ids",
+    "metrics",
+    "retry",
+    "rpc",
+    "store",
+    "tls",
+]

@@ -1,0 +1,103 @@
+"""Helpers for the daemons' typed config objects.
+
+Each daemon has one frozen config dataclass built once by its CLI. Values
+come from, in order of precedence: command-line flags, then the environment,
+then a TOML config file, then the default. The environment is passed in as a
+mapping (the CLI passes ``os.environ``) so nothing below the CLI reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from shared.errors import ConfigError
+
+__all__ = ["load_toml", "pick", "parse_bool", "parse_size"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def load_toml(path: Path | None) -> dict[str, Any]:
+    """Read a TOML config file; a missing path gives ``{}``; a bad file raises ConfigError."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(str(path), f"cannot read: {e}") from None
+
+
+def pick(
+    name: str,
+    *,
+    flag: Any,
+    env: Mapping[str, str],
+    env_key: str | None,
+    file: Mapping[str, Any],
+    default: T,
+    parse: Callable[[Any], T] | None = None,
+) -> T:
+    """Return the first of flag, ``env[env_key]``, ``file[name]``, default that is set.
+
+    ``parse`` converts a string/file value to the field's type; a value it
+    rejects (ValueError/TypeError) raises ConfigError naming the field.
+    """
+    sources: list[tuple[str, Any]] = [("flag", flag)]
+    if env_key is not None:
+        sources.append((f"${env_key}", env.get(env_key)))
+    sources.append(("config file", file.get(name)))
+    for origin, value in sources:
+        if value is None or value == "":
+            continue
+        if parse is None:
+            return value  # type: ignore[no-any-return]
+        try:
+            return parse(value)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(name, f"bad value from {origin}: {e}") from None
+    return default
+
+
+def parse_bool(value: Any) -> bool:
+    """Parse yes/no style booleans from env or file."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gib": 1024**3,
+}
+
+
+def parse_size(value: Any) -> int:
+    """Parse a byte size such as ``1048576``, ``20MiB`` or ``512k``."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("size must not be negative")
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(num) :]
+    if unit not in _UNITS or not num:
+        raise ValueError(f"not a size: {value!r}")
+    return int(float(num) * _UNITS[unit])

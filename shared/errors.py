@@ -1,0 +1,199 @@
+"""The one exception tree of the platform.
+
+Every error our code raises on purpose derives from :class:`AgentsError`.
+Subclasses carry their data as attributes; messages read
+``"operation target: cause"``. The gRPC layer (:mod:`shared.rpc`) maps each
+class to one status code through a single table, so domain code never
+imports ``grpc``.
+
+::
+
+    AgentsError
+    ├── InvalidArgument            field, reason            -> INVALID_ARGUMENT
+    │   ├── InvalidId              kind, value
+    │   └── TooLarge               field, limit, size
+    ├── NotFound                   kind, ident              -> NOT_FOUND
+    ├── AlreadyExists              kind, ident              -> ALREADY_EXISTS
+    ├── InvalidState               what, reason             -> FAILED_PRECONDITION
+    ├── PreconditionFailed         key                      -> ABORTED
+    ├── QuotaExceeded              what, limit              -> RESOURCE_EXHAUSTED
+    ├── Unauthenticated                                     -> UNAUTHENTICATED
+    ├── PermissionDenied                                    -> PERMISSION_DENIED
+    ├── IntegrityError             what                     -> DATA_LOSS
+    ├── Cancelled                                           -> CANCELLED
+    ├── DeadlineExceeded                                    -> DEADLINE_EXCEEDED
+    ├── TransientError             (retryable)              -> UNAVAILABLE
+    │   └── StoreUnavailable
+    ├── StoreError                 (permanent store fault)  -> INTERNAL
+    │   └── StoreIncompatible      the bucket lacks a feature we need
+    ├── ConfigError                field, reason            (CLI only)
+    └── RpcError                   code, details            (client side, unmapped)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentsError",
+    "AlreadyExists",
+    "Cancelled",
+    "ConfigError",
+    "DeadlineExceeded",
+    "IntegrityError",
+    "InvalidArgument",
+    "InvalidId",
+    "InvalidState",
+    "NotFound",
+    "PermissionDenied",
+    "PreconditionFailed",
+    "QuotaExceeded",
+    "RpcError",
+    "StoreError",
+    "StoreIncompatible",
+    "StoreUnavailable",
+    "TooLarge",
+    "TransientError",
+    "Unauthenticated",
+]
+
+
+class AgentsError(Exception):
+    """Root of every error the platform raises on purpose."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(AgentsError):
+    """A request field is malformed or out of range."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class InvalidId(InvalidArgument):
+    """An identifier does not match its strict pattern."""
+
+    def __init__(self, kind: str, value: str, field: str | None = None) -> None:
+        shown = value if len(value) <= 64 else value[:61] + "..."
+        super().__init__(field or kind, f"invalid {kind} id {shown!r}")
+        self.kind = kind
+        self.value = value
+
+
+class TooLarge(InvalidArgument):
+    """A value is larger than its configured limit."""
+
+    def __init__(self, field: str, limit: int, size: int | None = None) -> None:
+        got = f" (got {size} bytes)" if size is not None else ""
+        super().__init__(field, f"larger than the limit of {limit} bytes{got}")
+        self.limit = limit
+        self.size = size
+
+
+class NotFound(AgentsError):
+    """The named thing does not exist (or is not visible to the caller)."""
+
+    def __init__(self, kind: str, ident: str) -> None:
+        super().__init__(f"{kind} {ident}: not found")
+        self.kind = kind
+        self.ident = ident
+
+
+class AlreadyExists(AgentsError):
+    """Creating a thing that already exists."""
+
+    def __init__(self, kind: str, ident: str) -> None:
+        super().__init__(f"{kind} {ident}: already exists")
+        self.kind = kind
+        self.ident = ident
+
+
+class InvalidState(AgentsError):
+    """The operation is not allowed in the target's current state."""
+
+    def __init__(self, what: str, reason: str) -> None:
+        super().__init__(f"{what}: {reason}")
+        self.what = what
+        self.reason = reason
+
+
+class PreconditionFailed(AgentsError):
+    """A conditional write lost: the key exists, or its etag changed."""
+
+    def __init__(self, key: str, reason: str = "precondition failed") -> None:
+        super().__init__(f"put {key}: {reason}")
+        self.key = key
+
+
+class QuotaExceeded(AgentsError):
+    """A bounded resource (queue depth, count) is full."""
+
+    def __init__(self, what: str, limit: int) -> None:
+        super().__init__(f"{what}: limit of {limit} reached")
+        self.what = what
+        self.limit = limit
+
+
+class Unauthenticated(AgentsError):
+    """No valid credential was presented."""
+
+
+class PermissionDenied(AgentsError):
+    """The caller is known but may not do this."""
+
+
+class IntegrityError(AgentsError):
+    """Data failed authentication or a checksum: it is corrupt or forged."""
+
+    def __init__(self, what: str, reason: str) -> None:
+        super().__init__(f"{what}: {reason}")
+        self.what = what
+        self.reason = reason
+
+
+class Cancelled(AgentsError):
+    """The operation was cancelled by its caller."""
+
+
+class DeadlineExceeded(AgentsError):
+    """The operation ran out of time."""
+
+
+class TransientError(AgentsError):
+    """A fault that may go away: retrying an idempotent call is safe."""
+
+
+class StoreUnavailable(TransientError):
+    """The object store did not answer or answered with a server error."""
+
+
+class StoreError(AgentsError):
+    """A permanent object-store fault (bad credentials, bad bucket...)."""
+
+
+class StoreIncompatible(StoreError):
+    """The store lacks a feature we rely on (e.g. conditional writes)."""
+
+
+class ConfigError(AgentsError):
+    """Configuration is missing or invalid."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"config {field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class RpcError(AgentsError):
+    """A gRPC call failed with a status that maps to no domain error."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"rpc {code}: {details}")
+        self.code = code
+        self.details = details

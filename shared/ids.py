@@ -1,0 +1,78 @@
+"""Identifiers: how they are made and the strict patterns that validate them.
+
+Every id that arrives from outside (a request field, a file name, a store
+key) goes through :func:`validate_id` before it touches a path, a key or a
+query. Ids are ``<prefix>_<26 chars>``: 10 characters of millisecond time
+and 16 of randomness in lower-case Crockford base32, so they sort by
+creation time and are safe in paths, URLs and store keys.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from typing import Final
+
+from shared.errors import InvalidId
+
+__all__ = ["KINDS", "is_valid_id", "new_id", "validate_id", "validate_sha256"]
+
+_ALPHABET: Final = "0123456789abcdefghjkmnpqrstvwxyz"
+
+#: kind -> prefix. The prefix makes a pasted id self-describing.
+KINDS: Final[dict[str, str]] = {
+    "account": "acct",
+    "agent": "ag",
+    "attachment": "att",
+    "backup": "bk",
+    "event": "ev",
+    "machine": "mc",
+    "prompt": "pr",
+    "run": "run",
+    "schedule": "sch",
+    "token": "tok",
+    "credential": "adm",
+    "audit": "au",
+}
+
+_BODY: Final = f"[{_ALPHABET}]{{26}}"
+_PATTERNS: Final[dict[str, re.Pattern[str]]] = {
+    kind: re.compile(rf"\A{prefix}_{_BODY}\Z") for kind, prefix in KINDS.items()
+}
+_SHA256: Final = re.compile(r"\A[0-9a-f]{64}\Z")
+
+
+def _encode(value: int, length: int) -> str:
+    out = []
+    for _ in range(length):
+        out.append(_ALPHABET[value & 31])
+        value >>= 5
+    return "".join(reversed(out))
+
+
+def new_id(kind: str, *, now_ms: int | None = None) -> str:
+    """Return a fresh id of ``kind`` (a key of :data:`KINDS`)."""
+    prefix = KINDS[kind]
+    ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return f"{prefix}_{_encode(ms, 10)}{_encode(secrets.randbits(80), 16)}"
+
+
+def is_valid_id(kind: str, value: str) -> bool:
+    """True when ``value`` is a well-formed id of ``kind``."""
+    pattern = _PATTERNS.get(kind)
+    return bool(pattern and isinstance(value, str) and pattern.match(value))
+
+
+def validate_id(kind: str, value: str, field: str | None = None) -> str:
+    """Return ``value`` if it is a well-formed id of ``kind``, else raise InvalidId."""
+    if not is_valid_id(kind, value):
+        raise InvalidId(kind, value if isinstance(value, str) else repr(value), field)
+    return value
+
+
+def validate_sha256(value: str, field: str = "sha256") -> str:
+    """Return ``value`` if it is 64 lower-case hex characters, else raise InvalidId."""
+    if not isinstance(value, str) or not _SHA256.match(value):
+        raise InvalidId("sha256", str(value), field)
+    return value

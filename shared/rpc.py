@@ -1,0 +1,259 @@
+"""The one edge between domain errors and gRPC status codes.
+
+Servers install :class:`ErrorInterceptor`; handlers simply raise
+:class:`shared.errors.AgentsError` subclasses. The interceptor turns each one
+into a status code from :data:`STATUS_TABLE`, with the error's message as
+details and a google.rpc ``Status`` in the trailing metadata carrying an
+``ErrorInfo`` (reason = the error class) and, for bad input, a
+``BadRequest`` field violation. Anything unmapped is logged and becomes
+INTERNAL with no detail leaked. ``asyncio.CancelledError`` passes through.
+
+Clients mirror it with :func:`rpc_errors` / :func:`domain_error`: a failed
+call becomes the same domain error class, with the same message, or
+:class:`shared.errors.RpcError` carrying the status code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, NoReturn
+
+import grpc
+import grpc.aio
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from shared import errors as E
+
+__all__ = [
+    "STATUS_TABLE",
+    "ErrorInterceptor",
+    "domain_error",
+    "rpc_errors",
+    "serve_health_and_reflection",
+    "status_for",
+]
+
+logger = logging.getLogger(__name__)
+
+ERROR_DOMAIN = "agents.platform"
+_DETAILS_KEY = "grpc-status-details-bin"
+
+#: Domain error class -> gRPC status. Order matters: the first matching base wins,
+#: so subclasses are listed before their parents.
+STATUS_TABLE: tuple[tuple[type[E.AgentsError], grpc.StatusCode], ...] = (
+    (E.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (E.NotFound, grpc.StatusCode.NOT_FOUND),
+    (E.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (E.InvalidState, grpc.StatusCode.FAILED_PRECONDITION),
+    (E.PreconditionFailed, grpc.StatusCode.ABORTED),
+    (E.QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (E.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (E.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (E.IntegrityError, grpc.StatusCode.DATA_LOSS),
+    (E.Cancelled, grpc.StatusCode.CANCELLED),
+    (E.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (E.TransientError, grpc.StatusCode.UNAVAILABLE),
+    (E.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+    (E.StoreError, grpc.StatusCode.INTERNAL),
+)
+
+# Classes a client may rebuild from ErrorInfo.reason; anything else becomes RpcError.
+_BY_NAME: dict[str, type[E.AgentsError]] = {
+    cls.__name__: cls
+    for cls in (
+        E.InvalidArgument,
+        E.InvalidId,
+        E.TooLarge,
+        E.NotFound,
+        E.AlreadyExists,
+        E.InvalidState,
+        E.PreconditionFailed,
+        E.QuotaExceeded,
+        E.Unauthenticated,
+        E.PermissionDenied,
+        E.IntegrityError,
+        E.Cancelled,
+        E.DeadlineExceeded,
+        E.TransientError,
+        E.StoreUnavailable,
+        E.StoreError,
+        E.StoreIncompatible,
+    )
+}
+# Attributes worth carrying across the wire (never secrets: they are ids and limits).
+_CARRIED = ("field", "reason", "kind", "ident", "value", "what", "key", "limit", "size")
+
+
+def status_for(exc: E.AgentsError) -> grpc.StatusCode:
+    """Return the status code for a domain error (INTERNAL when unmapped)."""
+    for cls, code in STATUS_TABLE:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _rich_status(exc: E.AgentsError, code: grpc.StatusCode) -> status_pb2.Status:
+    info = error_details_pb2.ErrorInfo(reason=type(exc).__name__, domain=ERROR_DOMAIN)
+    for attr in _CARRIED:
+        value = getattr(exc, attr, None)
+        if value is not None:
+            info.metadata[attr] = str(value)
+    status = status_pb2.Status(code=code.value[0], message=exc.message)
+    status.details.add().Pack(info)
+    if isinstance(exc, E.InvalidArgument):
+        bad = error_details_pb2.BadRequest()
+        bad.field_violations.add(field=exc.field, description=exc.reason)
+        status.details.add().Pack(bad)
+    return status
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
+    if isinstance(exc, E.AgentsError):
+        code = status_for(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            logger.error("internal error: %s", exc)
+            await context.abort(code, "internal error")
+        status = _rich_status(exc, code)
+        await context.abort(
+            code, exc.message, trailing_metadata=((_DETAILS_KEY, status.SerializeToString()),)
+        )
+    logger.exception("unhandled error in handler", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # context.abort() raises grpc's own AbortError; it must pass through untouched.
+    return type(exc).__name__ == "AbortError" or isinstance(exc, grpc.RpcError)
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            return await behavior(request, context)
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            await _abort(context, exc)
+
+    return wrapper
+
+
+def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(behavior):
+
+        async def gen_wrapper(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except Exception as exc:
+                if _is_abort(exc):
+                    raise
+                await _abort(context, exc)
+
+        return gen_wrapper
+    return _wrap_unary(behavior)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Maps domain errors raised by any handler to gRPC statuses (see module doc)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary), **kwargs)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream), **kwargs
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary), **kwargs)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream(handler.stream_stream), **kwargs
+            )
+        return handler
+
+
+def _details_status(metadata: Iterable[tuple[str, Any]] | None) -> status_pb2.Status | None:
+    for key, value in metadata or ():
+        if key == _DETAILS_KEY and isinstance(value, bytes):
+            status = status_pb2.Status()
+            try:
+                status.ParseFromString(value)
+            except Exception:  # malformed details: fall back to the plain status
+                return None
+            return status
+    return None
+
+
+def domain_error(exc: grpc.aio.AioRpcError) -> E.AgentsError:
+    """Rebuild the domain error a server raised, or an RpcError carrying the code."""
+    code = exc.code()
+    details = exc.details() or ""
+    status = _details_status(exc.trailing_metadata())  # type: ignore[arg-type]
+    if status is not None:
+        for any_detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if any_detail.Is(info.DESCRIPTOR) and any_detail.Unpack(info):
+                cls = _BY_NAME.get(info.reason)
+                if cls is not None and info.domain == ERROR_DOMAIN:
+                    err = cls.__new__(cls)
+                    E.AgentsError.__init__(err, details)
+                    for attr, value in info.metadata.items():
+                        if attr in _CARRIED:
+                            setattr(err, attr, value)
+                    return err
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return E.TransientError(details or "service unavailable")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return E.DeadlineExceeded(details or "deadline exceeded")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return E.Unauthenticated(details or "unauthenticated")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return E.PermissionDenied(details or "permission denied")
+    return E.RpcError(code.name if code is not None else "UNKNOWN", details)
+
+
+@contextlib.asynccontextmanager
+async def rpc_errors() -> AsyncIterator[None]:
+    """Re-raise gRPC failures inside the block as domain errors."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        raise domain_error(exc) from None
+
+
+async def serve_health_and_reflection(
+    server: grpc.aio.Server, service_names: Iterable[str]
+) -> HealthServicer:
+    """Register gRPC health checking (every service SERVING) and reflection.
+
+    Returns the health servicer so the daemon can flip it to NOT_SERVING
+    while it drains at shutdown.
+    """
+    names = list(service_names)
+    servicer = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in [*names, ""]:
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection([*names, health_name, reflection.SERVICE_NAME], server)
+    return servicer

@@ -1,0 +1,128 @@
+"""The error edge: domain errors cross a real gRPC connection and come back typed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from shared import errors as E
+from shared.rpc import ErrorInterceptor, domain_error, rpc_errors, serve_health_and_reflection
+
+_raw: dict[str, Any] = {"request_deserializer": None, "response_serializer": None}
+
+
+def _server_error(name: str) -> Exception:
+    return {
+        "invalid": E.InvalidId("agent", "../etc", field="agent_id"),
+        "toolarge": E.TooLarge("prompt", 10, 11),
+        "missing": E.NotFound("agent", "ag_x"),
+        "state": E.InvalidState("prompt ag_x", "agent is archived"),
+        "quota": E.QuotaExceeded("queue", 5),
+        "store": E.StoreError("s3 bucket: access denied (secret=abc)"),
+        "boom": RuntimeError("secret detail"),
+    }[name]
+
+
+async def unary(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    raise _server_error(request.decode())
+
+
+async def stream(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[bytes]:
+    yield b"first"
+    raise _server_error(request.decode())
+
+
+@pytest.fixture
+async def channel() -> AsyncIterator[grpc.aio.Channel]:
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    handler = grpc.method_handlers_generic_handler(
+        "test.Svc",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary, **_raw),
+            "Stream": grpc.unary_stream_rpc_method_handler(stream, **_raw),
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))
+    await serve_health_and_reflection(server, ["test.Svc"])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            yield ch
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "cls"),
+    [
+        ("invalid", grpc.StatusCode.INVALID_ARGUMENT, E.InvalidId),
+        ("toolarge", grpc.StatusCode.INVALID_ARGUMENT, E.TooLarge),
+        ("missing", grpc.StatusCode.NOT_FOUND, E.NotFound),
+        ("state", grpc.StatusCode.FAILED_PRECONDITION, E.InvalidState),
+        ("quota", grpc.StatusCode.RESOURCE_EXHAUSTED, E.QuotaExceeded),
+    ],
+)
+async def test_domain_errors_map_to_status_and_back(
+    channel: grpc.aio.Channel, name: str, code: grpc.StatusCode, cls: type[E.AgentsError]
+) -> None:
+    call = channel.unary_unary("/test.Svc/Unary")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call(name.encode())
+    assert info.value.code() == code
+    assert info.value.details() == str(_server_error(name))
+    err = domain_error(info.value)
+    assert type(err) is cls
+    assert str(err) == str(_server_error(name))
+
+
+async def test_invalid_argument_names_the_field(channel: grpc.aio.Channel) -> None:
+    call = channel.unary_unary("/test.Svc/Unary")
+    with pytest.raises(E.InvalidId) as info:
+        async with rpc_errors():
+            await call(b"invalid")
+    assert info.value.field == "agent_id"
+    assert "agent_id" in str(info.value)
+    # The google.rpc status carries a BadRequest field violation too.
+    with pytest.raises(grpc.aio.AioRpcError) as raw:
+        await call(b"invalid")
+    md = dict(raw.value.trailing_metadata() or ())
+    status = status_pb2.Status.FromString(md["grpc-status-details-bin"])
+    bad = error_details_pb2.BadRequest()
+    assert any(d.Unpack(bad) for d in status.details if d.Is(bad.DESCRIPTOR))
+    assert bad.field_violations[0].field == "agent_id"
+
+
+@pytest.mark.parametrize("name", ["boom", "store"])
+async def test_unmapped_and_internal_errors_leak_nothing(
+    channel: grpc.aio.Channel, name: str
+) -> None:
+    call = channel.unary_unary("/test.Svc/Unary")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call(name.encode())
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert info.value.details() == "internal error"
+    assert isinstance(domain_error(info.value), E.RpcError)
+
+
+async def test_stream_error_after_items(channel: grpc.aio.Channel) -> None:
+    call = channel.unary_stream("/test.Svc/Stream")
+    got: list[bytes] = []
+    with pytest.raises(E.NotFound):
+        async with rpc_errors():
+            async for item in call(b"missing"):
+                got.append(item)
+    assert got == [b"first"]
+
+
+async def test_health_reports_serving(channel: grpc.aio.Channel) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    reply = await stub.Check(health_pb2.HealthCheckRequest(service="test.Svc"))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
