@@ -9,8 +9,8 @@ grpcio-tools and mypy-protobuf from the ``dev`` extra.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

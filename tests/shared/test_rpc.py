@@ -32,7 +32,9 @@ async def unary(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> 
     raise _server_error(request.decode())
 
 
-async def stream(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[bytes]:
+async def stream(
+    request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[bytes]:
     yield b"first"
     raise _server_error(request.decode())
 
