@@ -162,14 +162,17 @@ def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
     return _wrap_unary(behavior)
 
 
+_Handler = grpc.RpcMethodHandler[Any, Any]
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Maps domain errors raised by any handler to gRPC statuses (see module doc)."""
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
+    ) -> _Handler:
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
