@@ -19,7 +19,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeAlias
 
 import grpc
 import grpc.aio
@@ -162,7 +162,7 @@ def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
     return _wrap_unary(behavior)
 
 
-_Handler = grpc.RpcMethodHandler[Any, Any]
+_Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
