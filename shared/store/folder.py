@@ -1,0 +1,367 @@
+"""An object store in a local folder: each object one file.
+
+Layout: the object ``a/b/c`` is the file ``<root>/a/b/c``. Each file starts
+with a fixed-size header holding the SHA-256 of its content (the etag), so
+``head`` and ``list`` read a few bytes instead of hashing whole objects, and
+``get`` can verify the content. Writes go temp file -> fsync -> rename ->
+fsync the folder (:mod:`shared.atomic`); conditional writes and every rename
+or unlink run under an asyncio lock plus ``fcntl.flock`` on ``<root>/.lock``,
+so two processes sharing one folder keep compare-and-swap correct. Files are
+0600, folders 0700. Blocking I/O runs in worker threads, in bounded chunks.
+
+Limits of a file system that an S3 bucket does not have: a key cannot also
+be a folder of other keys (``a`` and ``a/b`` cannot coexist); such a put is
+refused with InvalidArgument.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator, Generator
+from pathlib import Path
+from typing import BinaryIO, Final
+
+from shared.atomic import DIR_MODE, ensure_private_dir, fsync_dir, open_atomic
+from shared.errors import (
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    PreconditionFailed,
+    StoreError,
+)
+from shared.store.base import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    ObjectInfo,
+    PutData,
+    StoreBase,
+    check_conditions,
+    check_sizes,
+    iter_chunks,
+    validate_key,
+    validate_prefix,
+)
+
+__all__ = ["FolderStore"]
+
+logger = logging.getLogger(__name__)
+
+_MAGIC: Final = b"agents-object-v1 sha256:"
+_HEADER_LEN: Final = len(_MAGIC) + 64 + 1
+_WRITE_CHUNK: Final = 1024 * 1024
+_LOCK_NAME: Final = ".lock"
+# A concurrent delete may prune the folder a put just created; retry that often.
+_MKDIR_ATTEMPTS: Final = 5
+
+
+def _header(etag: str) -> bytes:
+    return _MAGIC + etag.encode("ascii") + b"\n"
+
+
+def _parse_header(raw: bytes, key: str) -> str:
+    if len(raw) != _HEADER_LEN or not raw.startswith(_MAGIC) or not raw.endswith(b"\n"):
+        raise IntegrityError(f"object {key}", "missing or damaged header")
+    return raw[len(_MAGIC) : -1].decode("ascii", "replace")
+
+
+class FolderStore(StoreBase):
+    """An :class:`~shared.store.base.ObjectStore` in the folder ``root``."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root).absolute()
+        self._alock = asyncio.Lock()
+        self._lock_fd: int | None = None
+        self._root_ready = False
+
+    # -- helpers (blocking; run in worker threads) ------------------------
+
+    def _ensure_root(self) -> None:
+        if not self._root_ready:
+            ensure_private_dir(self.root)
+            self._root_ready = True
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*key.split("/"))
+
+    def _make_parents(self, key: str) -> Path:
+        self._ensure_root()
+        path = self.root
+        for segment in key.split("/")[:-1]:
+            path = path / segment
+            try:
+                os.mkdir(path, DIR_MODE)
+            except FileExistsError:
+                if not path.is_dir():
+                    raise InvalidArgument(
+                        "key", f"{key!r} lies under an existing object in a folder store"
+                    ) from None
+            else:
+                os.chmod(path, DIR_MODE)
+        return path
+
+    def _open_object(self, key: str) -> tuple[BinaryIO, str, int]:
+        path = self._path(key)
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed by the caller
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise NotFound("object", key) from None
+        except OSError as exc:
+            raise StoreError(f"get {key}: {exc.strerror}") from None
+        try:
+            size = os.fstat(f.fileno()).st_size - _HEADER_LEN
+            etag = _parse_header(f.read(_HEADER_LEN), key)
+        except BaseException:
+            f.close()
+            raise
+        return f, etag, size
+
+    def _current_etag(self, key: str) -> str | None:
+        try:
+            f, etag, _ = self._open_object(key)
+        except NotFound:
+            return None
+        f.close()
+        return etag
+
+    def _acquire_file_lock(self) -> None:
+        if self._lock_fd is None:
+            self._ensure_root()
+            self._lock_fd = os.open(self.root / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+
+    def _release_file_lock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    @contextlib.asynccontextmanager
+    async def _locked(self) -> AsyncIterator[None]:
+        """Hold the in-process lock, then the cross-process file lock."""
+        async with self._alock:
+            acquiring = asyncio.ensure_future(asyncio.to_thread(self._acquire_file_lock))
+            try:
+                await asyncio.shield(acquiring)
+            except asyncio.CancelledError:
+                # The thread may still win the lock after we were cancelled:
+                # wait for it and let go, or the folder stays locked.
+                with contextlib.suppress(Exception):
+                    await acquiring
+                    self._release_file_lock()
+                raise
+            try:
+                yield
+            finally:
+                self._release_file_lock()
+
+    # -- reads -------------------------------------------------------------
+
+    def _read_all(self, key: str) -> bytes:
+        f, etag, _ = self._open_object(key)
+        with f:
+            data = f.read()
+        if hashlib.sha256(data).hexdigest() != etag:
+            raise IntegrityError(f"object {key}", "content does not match its hash")
+        return data
+
+    async def get(self, key: str) -> bytes:
+        """See :meth:`ObjectStore.get`. Raises IntegrityError on a corrupt file."""
+        validate_key(key)
+        return await asyncio.to_thread(self._read_all, key)
+
+    async def get_stream(
+        self, key: str, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> AsyncIterator[bytes]:
+        """See :meth:`ObjectStore.get_stream`; the hash is checked at the end."""
+        validate_key(key)
+        check_sizes(chunk_size)
+        f, etag, _ = await asyncio.to_thread(self._open_object, key)
+        try:
+            hasher = hashlib.sha256()
+            while chunk := await asyncio.to_thread(f.read, chunk_size):
+                hasher.update(chunk)
+                yield chunk
+            if hasher.hexdigest() != etag:
+                raise IntegrityError(f"object {key}", "content does not match its hash")
+        finally:
+            f.close()
+
+    async def head(self, key: str) -> ObjectInfo:
+        """See :meth:`ObjectStore.head`."""
+        validate_key(key)
+
+        def _head() -> ObjectInfo:
+            f, etag, size = self._open_object(key)
+            f.close()
+            return ObjectInfo(key, size, etag)
+
+        return await asyncio.to_thread(_head)
+
+    # -- writes ------------------------------------------------------------
+
+    async def _open_temp(
+        self, key: str
+    ) -> tuple[contextlib.AbstractContextManager[BinaryIO], BinaryIO]:
+        path = self._path(key)
+        for attempt in range(_MKDIR_ATTEMPTS):
+            await asyncio.to_thread(self._make_parents, key)
+            if await asyncio.to_thread(path.is_dir):
+                raise InvalidArgument(
+                    "key", f"{key!r} is a folder of other objects in a folder store"
+                )
+            manager = open_atomic(path)
+            try:
+                f = await asyncio.to_thread(manager.__enter__)
+            except FileNotFoundError:
+                if attempt + 1 == _MKDIR_ATTEMPTS:
+                    raise
+                continue
+            return manager, f
+        raise AssertionError("unreachable")
+
+    async def put(
+        self,
+        key: str,
+        data: PutData,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> str:
+        """See :meth:`ObjectStore.put`."""
+        validate_key(key)
+        check_conditions(key, if_none_match, if_match)
+        manager, f = await self._open_temp(key)
+        try:
+            hasher = hashlib.sha256()
+            await asyncio.to_thread(f.write, _header("0" * 64))
+            async for chunk in iter_chunks(data, _WRITE_CHUNK):
+                hasher.update(chunk)
+                await asyncio.to_thread(f.write, chunk)
+            etag = hasher.hexdigest()
+
+            def _finish_temp() -> None:
+                f.seek(0)
+                f.write(_header(etag))
+                f.flush()
+                # fsync outside the lock; open_atomic's own fsync then finds nothing dirty.
+                os.fsync(f.fileno())
+
+            await asyncio.to_thread(_finish_temp)
+            async with self._locked():
+                if if_none_match or if_match is not None:
+                    current = await asyncio.to_thread(self._current_etag, key)
+                    if if_none_match and current is not None:
+                        raise PreconditionFailed(key, "object already exists")
+                    if if_match is not None and current is None:
+                        raise PreconditionFailed(key, "object does not exist")
+                    if if_match is not None and current != if_match:
+                        raise PreconditionFailed(key, "etag does not match")
+                await asyncio.to_thread(manager.__exit__, None, None, None)
+        except BaseException as exc:
+            with contextlib.suppress(BaseException):
+                await asyncio.to_thread(manager.__exit__, type(exc), exc, exc.__traceback__)
+            raise
+        return etag
+
+    def _delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return
+        except OSError as exc:
+            raise StoreError(f"delete {key}: {exc.strerror}") from None
+        fsync_dir(path.parent)
+        # Prune folders the delete emptied, so deleted prefixes leave no trace.
+        parent = path.parent
+        while parent != self.root:
+            try:
+                os.rmdir(parent)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    logger.warning("cannot prune folder in store: %s", exc.strerror)
+                break
+            parent = parent.parent
+
+    async def delete(self, key: str) -> None:
+        """See :meth:`ObjectStore.delete`."""
+        validate_key(key)
+        async with self._locked():
+            await asyncio.to_thread(self._delete, key)
+
+    # -- listing -----------------------------------------------------------
+
+    def _walk(
+        self, folder: Path, base: str, prefix: str, after: str
+    ) -> Generator[ObjectInfo, None, None]:
+        """Yield objects under ``folder`` (key prefix ``base``) in lexical key order."""
+        try:
+            with os.scandir(folder) as scan:
+                entries = [e for e in scan if not e.name.startswith(".")]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        # A folder's keys all start with "name/": sorting it as that string puts
+        # it where its keys belong among its sibling files ("a-b" < "a/x").
+        named = [
+            (base + e.name + ("/" if e.is_dir(follow_symlinks=False) else ""), e) for e in entries
+        ]
+        ordered = sorted(named, key=lambda pair: pair[0])
+        for name, entry in ordered:
+            if name.endswith("/"):
+                if not (name.startswith(prefix) or prefix.startswith(name)):
+                    continue
+                if after and not after.startswith(name) and after > name:
+                    continue
+                yield from self._walk(Path(entry.path), name, prefix, after)
+            elif entry.is_file(follow_symlinks=False):
+                if not name.startswith(prefix) or name <= after:
+                    continue
+                try:
+                    validate_key(name)
+                    with open(entry.path, "rb") as f:
+                        etag = _parse_header(f.read(_HEADER_LEN), name)
+                        size = os.fstat(f.fileno()).st_size - _HEADER_LEN
+                except FileNotFoundError:
+                    continue  # deleted while we walked
+                except (InvalidArgument, IntegrityError):
+                    logger.warning("skipping a file that is not a store object")
+                    continue
+                yield ObjectInfo(name, size, etag)
+
+    async def list_pages(
+        self,
+        prefix: str = "",
+        *,
+        start_after: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncIterator[list[ObjectInfo]]:
+        """See :meth:`ObjectStore.list_pages`."""
+        validate_prefix(prefix)
+        check_sizes(page_size, "page_size")
+        walker = self._walk(self.root, "", prefix, start_after or "")
+
+        def _take() -> list[ObjectInfo]:
+            page: list[ObjectInfo] = []
+            for info in walker:
+                page.append(info)
+                if len(page) == page_size:
+                    break
+            return page
+
+        try:
+            while page := await asyncio.to_thread(_take):
+                yield page
+                if len(page) < page_size:
+                    return
+        finally:
+            walker.close()
+
+    async def close(self) -> None:
+        """Close the lock file. The store may not be used afterwards."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -1,0 +1,418 @@
+"""Cross-cutting behaviour as wrappers around any ObjectStore: retries and metrics.
+
+Backends stay free of policy: :func:`~shared.store.url.open_store` returns
+``MeteredStore(RetryingStore(backend))`` so every operation is retried by one
+policy (:mod:`shared.retry`) and each try-sequence is measured once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Final, Self
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from tenacity import AsyncRetrying
+
+from shared.errors import (
+    AgentsError,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    PreconditionFailed,
+    TransientError,
+)
+from shared.retry import DEFAULT_ATTEMPTS, DEFAULT_TOTAL, retrying
+from shared.store.base import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    ObjectInfo,
+    ObjectStore,
+    PutData,
+    flatten_pages,
+)
+
+__all__ = ["METRIC_NAMESPACES", "MeteredStore", "RetryingStore"]
+
+logger = logging.getLogger(__name__)
+
+
+class RetryingStore:
+    """Retries idempotent operations of ``inner`` on TransientError.
+
+    Retried: get, head, delete, put of ``bytes`` (the data can be sent again),
+    each listing page (resumed after the last key seen), and opening a stream
+    (until its first chunk arrives). Not retried: a put of an async iterable,
+    which cannot be replayed, and a stream once bytes have been yielded.
+
+    A conditional put of bytes whose first try may have landed before a
+    transient error is resolved on the retry's PreconditionFailed: if the
+    object now holds exactly our bytes, the write is reported as ours.
+    """
+
+    def __init__(
+        self, inner: ObjectStore, *, attempts: int = DEFAULT_ATTEMPTS, total: float = DEFAULT_TOTAL
+    ) -> None:
+        self.inner = inner
+        self._attempts = attempts
+        self._total = total
+
+    def _policy(self, op: str) -> AsyncRetrying:
+        return retrying(f"store.{op}", attempts=self._attempts, total=self._total)
+
+    async def get(self, key: str) -> bytes:
+        """See :meth:`ObjectStore.get`."""
+        async for attempt in self._policy("get"):
+            with attempt:
+                return await self.inner.get(key)
+        raise AssertionError("unreachable")
+
+    async def get_stream(
+        self, key: str, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> AsyncIterator[bytes]:
+        """See :meth:`ObjectStore.get_stream`."""
+        stream: AsyncIterator[bytes] | None = None
+        first = b""
+        async for attempt in self._policy("get_stream"):
+            with attempt:
+                stream = self.inner.get_stream(key, chunk_size)
+                try:
+                    first = await anext(stream)
+                except StopAsyncIteration:
+                    return
+        assert stream is not None
+        yield first
+        async for chunk in stream:
+            yield chunk
+
+    async def head(self, key: str) -> ObjectInfo:
+        """See :meth:`ObjectStore.head`."""
+        async for attempt in self._policy("head"):
+            with attempt:
+                return await self.inner.head(key)
+        raise AssertionError("unreachable")
+
+    async def put(
+        self,
+        key: str,
+        data: PutData,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> str:
+        """See :meth:`ObjectStore.put`."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            return await self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
+        content = bytes(data)
+        tries = 0
+        async for attempt in self._policy("put"):
+            with attempt:
+                tries += 1
+                try:
+                    return await self.inner.put(
+                        key, content, if_none_match=if_none_match, if_match=if_match
+                    )
+                except PreconditionFailed:
+                    if tries == 1 or not (if_none_match or if_match is not None):
+                        raise
+                    # An earlier try may have written before its answer was lost.
+                    if await self._holds(key, content):
+                        return (await self.inner.head(key)).etag
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _holds(self, key: str, content: bytes) -> bool:
+        try:
+            return await self.inner.get(key) == content
+        except (NotFound, TransientError):
+            return False
+
+    async def delete(self, key: str) -> None:
+        """See :meth:`ObjectStore.delete`."""
+        async for attempt in self._policy("delete"):
+            with attempt:
+                await self.inner.delete(key)
+                return
+
+    async def list_pages(
+        self,
+        prefix: str = "",
+        *,
+        start_after: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncIterator[list[ObjectInfo]]:
+        """See :meth:`ObjectStore.list_pages`; a failed page resumes after the last key."""
+        after = start_after
+        pages = self.inner.list_pages(prefix, start_after=after, page_size=page_size)
+        while True:
+            page: list[ObjectInfo] | None = None
+            async for attempt in self._policy("list"):
+                with attempt:
+                    try:
+                        page = await anext(pages)
+                    except StopAsyncIteration:
+                        return
+                    except TransientError:
+                        # The generator is finished after raising: restart it from
+                        # the last key we handed out.
+                        pages = self.inner.list_pages(
+                            prefix, start_after=after, page_size=page_size
+                        )
+                        raise
+            assert page is not None
+            after = page[-1].key
+            yield page
+
+    def list(
+        self,
+        prefix: str = "",
+        *,
+        start_after: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncIterator[ObjectInfo]:
+        """See :meth:`ObjectStore.list`."""
+        return flatten_pages(self.list_pages(prefix, start_after=start_after, page_size=page_size))
+
+    async def close(self) -> None:
+        """Close the inner store."""
+        await self.inner.close()
+
+    async def __aenter__(self) -> Self:
+        await self.inner.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+#: The daemons' metric namespaces.
+METRIC_NAMESPACES: Final = frozenset({"agents_cp", "agents_machine"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Metrics:
+    operations: Counter
+    seconds: Histogram
+    errors: Counter
+
+
+# Metrics exist once per (registry, namespace): a second store in one process
+# shares them instead of failing on a duplicate registration.
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, _Metrics]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _metrics(registry: CollectorRegistry, namespace: str) -> _Metrics:
+    per_registry = _METRICS.setdefault(registry, {})
+    if namespace not in per_registry:
+        labels = ("operation", "outcome")
+        per_registry[namespace] = _Metrics(
+            operations=Counter(
+                f"{namespace}_store_operations",
+                "Object store operations, by operation and outcome.",
+                labels,
+                registry=registry,
+            ),
+            seconds=Histogram(
+                f"{namespace}_store_operation_seconds",
+                "Object store operation latency in seconds (retries included).",
+                labels,
+                registry=registry,
+                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            ),
+            errors=Counter(
+                f"{namespace}_store_errors",
+                "Object store faults (unavailable or permanent), by operation and outcome.",
+                labels,
+                registry=registry,
+            ),
+        )
+    return per_registry[namespace]
+
+
+def outcome_of(error: BaseException | None) -> str:
+    """The bounded ``outcome`` label for an operation that raised ``error`` (or None)."""
+    if error is None:
+        return "ok"
+    if isinstance(error, NotFound):
+        return "not_found"
+    if isinstance(error, PreconditionFailed):
+        return "precondition_failed"
+    if isinstance(error, InvalidArgument):
+        return "invalid"
+    if isinstance(error, TransientError):
+        return "unavailable"
+    if isinstance(error, IntegrityError):
+        return "corrupt"
+    if isinstance(error, AgentsError):
+        return "error"
+    if isinstance(error, GeneratorExit):
+        return "ok"  # the caller stopped reading early
+    if not isinstance(error, Exception):
+        return "cancelled"
+    return "error"
+
+
+_FAULTS: Final = frozenset({"unavailable", "corrupt", "error"})
+
+
+class _Timer:
+    def __init__(self, metrics: _Metrics, operation: str) -> None:
+        self._metrics = metrics
+        self._operation = operation
+        self._start = time.perf_counter()
+
+    def done(self, error: BaseException | None) -> None:
+        outcome = outcome_of(error)
+        self._metrics.operations.labels(self._operation, outcome).inc()
+        self._metrics.seconds.labels(self._operation, outcome).observe(
+            time.perf_counter() - self._start
+        )
+        if outcome in _FAULTS:
+            self._metrics.errors.labels(self._operation, outcome).inc()
+
+
+class MeteredStore:
+    """Counts and times every operation of ``inner``.
+
+    Metrics (labels ``operation`` and ``outcome`` only; never a key):
+    ``<namespace>_store_operations_total``, ``<namespace>_store_operation_seconds``
+    and ``<namespace>_store_errors_total`` (outcomes ``unavailable``, ``corrupt``,
+    ``error``: faults, not NotFound or lost conditional writes).
+    A listing counts one ``list`` operation per page.
+    """
+
+    def __init__(
+        self,
+        inner: ObjectStore,
+        namespace: str,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if namespace not in METRIC_NAMESPACES:
+            raise InvalidArgument("namespace", f"must be one of {sorted(METRIC_NAMESPACES)}")
+        self.inner = inner
+        self._metrics = _metrics(registry if registry is not None else REGISTRY, namespace)
+
+    def _timer(self, operation: str) -> _Timer:
+        return _Timer(self._metrics, operation)
+
+    async def get(self, key: str) -> bytes:
+        """See :meth:`ObjectStore.get`."""
+        timer = self._timer("get")
+        try:
+            data = await self.inner.get(key)
+        except BaseException as exc:
+            timer.done(exc)
+            raise
+        timer.done(None)
+        return data
+
+    async def get_stream(
+        self, key: str, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> AsyncIterator[bytes]:
+        """See :meth:`ObjectStore.get_stream`; timed from open to the last chunk."""
+        timer = self._timer("get_stream")
+        try:
+            async for chunk in self.inner.get_stream(key, chunk_size):
+                yield chunk
+        except BaseException as exc:
+            timer.done(exc)
+            raise
+        timer.done(None)
+
+    async def head(self, key: str) -> ObjectInfo:
+        """See :meth:`ObjectStore.head`."""
+        timer = self._timer("head")
+        try:
+            info = await self.inner.head(key)
+        except BaseException as exc:
+            timer.done(exc)
+            raise
+        timer.done(None)
+        return info
+
+    async def put(
+        self,
+        key: str,
+        data: PutData,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> str:
+        """See :meth:`ObjectStore.put`."""
+        timer = self._timer("put")
+        try:
+            etag = await self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
+        except BaseException as exc:
+            timer.done(exc)
+            raise
+        timer.done(None)
+        return etag
+
+    async def delete(self, key: str) -> None:
+        """See :meth:`ObjectStore.delete`."""
+        timer = self._timer("delete")
+        try:
+            await self.inner.delete(key)
+        except BaseException as exc:
+            timer.done(exc)
+            raise
+        timer.done(None)
+
+    async def list_pages(
+        self,
+        prefix: str = "",
+        *,
+        start_after: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncIterator[list[ObjectInfo]]:
+        """See :meth:`ObjectStore.list_pages`."""
+        pages = self.inner.list_pages(prefix, start_after=start_after, page_size=page_size)
+        while True:
+            timer = self._timer("list")
+            try:
+                page = await anext(pages)
+            except StopAsyncIteration:
+                timer.done(None)
+                return
+            except BaseException as exc:
+                timer.done(exc)
+                raise
+            timer.done(None)
+            yield page
+
+    def list(
+        self,
+        prefix: str = "",
+        *,
+        start_after: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncIterator[ObjectInfo]:
+        """See :meth:`ObjectStore.list`."""
+        return flatten_pages(self.list_pages(prefix, start_after=start_after, page_size=page_size))
+
+    async def close(self) -> None:
+        """Close the inner store."""
+        await self.inner.close()
+
+    async def __aenter__(self) -> Self:
+        await self.inner.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,138 @@
+"""Run moto's S3 server as a real subprocess, and a header-stripping proxy.
+
+``moto_server()`` starts ``python -m moto.server`` on a free port of
+127.0.0.1, waits (with a deadline) until it answers, yields its endpoint URL
+and kills it at teardown. ``stripping_proxy(upstream)`` is a tiny real HTTP
+proxy that forwards to ``upstream`` minus the ``If-None-Match``/``If-Match``
+headers: a stand-in for an S3-compatible server that ignores conditional writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+__all__ = ["free_port", "moto_server", "stripping_proxy"]
+
+START_DEADLINE = 30.0
+
+
+def free_port() -> int:
+    """Return a port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return bool(response.status < 500)
+    except urllib.error.HTTPError as exc:
+        return exc.code < 500
+    except OSError:
+        return False
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def moto_server(deadline: float = START_DEADLINE) -> Iterator[str]:
+    """Yield the endpoint URL of a fresh moto S3 server subprocess."""
+    for _ in range(3):  # the free port may be taken before moto binds it
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            stop_at = time.monotonic() + deadline
+            while proc.poll() is None and time.monotonic() < stop_at:
+                if _answers(url + "/moto-api/"):
+                    break
+                time.sleep(0.05)  # polling with a deadline, not synchronisation by sleep
+            else:
+                if proc.poll() is None:
+                    raise TimeoutError(f"moto server did not answer within {deadline}s")
+                continue  # it exited (port taken?): try another port
+            yield url
+            return
+        finally:
+            _stop(proc)
+    raise RuntimeError("moto server failed to start three times")
+
+
+_DROPPED = frozenset(
+    {"if-none-match", "if-match", "connection", "keep-alive", "proxy-connection", "host"}
+)
+_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
+
+
+def _handler(upstream: str) -> type[BaseHTTPRequestHandler]:
+    target = urlsplit(upstream)
+
+    class StripConditions(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _forward(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _DROPPED}
+            headers["Host"] = target.netloc
+            conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+            try:
+                conn.request(self.command, self.path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for name, value in response.getheaders():
+                    if name.lower() not in _HOP:
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+            finally:
+                conn.close()
+
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass  # keep test output clean
+
+    return StripConditions
+
+
+@contextlib.contextmanager
+def stripping_proxy(upstream: str) -> Iterator[str]:
+    """Yield the URL of a proxy to ``upstream`` that drops conditional headers."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(upstream))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="strip-proxy", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
