@@ -1,0 +1,338 @@
+"""gRPC Admin servicer: authenticate, translate, call one domain method, encode."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any, Final
+
+import grpc
+import grpc.aio
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from controlplane.accounts import AccountService
+from controlplane.authz import CredentialService, Principal
+from controlplane.machines import MachineService
+from controlplane.metrics import ControlMetrics
+from controlplane.presence import MachineStatus, PresenceRegistry
+from controlplane.records import Account, JoinToken, Machine
+from controlplane.tokens import TokenService
+from shared.errors import AgentsError
+from shared.ids import validate_id
+from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
+from shared.rpc import status_for
+
+__all__ = ["AdminServicer"]
+
+logger = logging.getLogger(__name__)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+_LATER: Final = "not implemented yet: arrives in a later release"
+
+
+def _ts(value: dt.datetime | None) -> Timestamp | None:
+    if value is None:
+        return None
+    ts = Timestamp()
+    ts.FromDatetime(value.astimezone(dt.UTC))
+    return ts
+
+
+def _account(a: Account) -> admin_pb2.Account:
+    return admin_pb2.Account(
+        account_id=a.account_id,
+        github_user_id=a.github_user_id,
+        github_login=a.github_login,
+        signed_up_at=_ts(a.signed_up_at),
+        recovery_public_key=a.recovery_public_key,
+        state=a.state,
+    )
+
+
+def _token(t: JoinToken, now: dt.datetime) -> admin_pb2.JoinToken:
+    return admin_pb2.JoinToken(
+        token_id=t.token_id,
+        account_id=t.account_id,
+        created_at=_ts(t.created_at),
+        expires_at=_ts(t.expires_at),
+        max_uses=t.max_uses,
+        uses=t.uses,
+        revoked=t.revoked,
+        state=t.state(now),
+        repair_machine_id=t.repair_machine_id,
+    )
+
+
+def _machine(s: MachineStatus) -> admin_pb2.Machine:
+    m: Machine = s.machine
+    return admin_pb2.Machine(
+        machine_id=m.machine_id,
+        account_id=m.account_id,
+        name=m.name,
+        hostname=m.hostname,
+        version=s.version,
+        joined_at=_ts(m.joined_at),
+        last_seen_at=_ts(s.last_seen_at),
+        online=s.online and not m.revoked,
+        agent_count=s.agent_count,
+        revoked=m.revoked,
+        certificate_serial=m.cert_serial,
+        certificate_not_after=_ts(m.cert_not_after),
+        provider=m.provider,
+    )
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """Accounts, tokens, machines and credentials for operators and account admins."""
+
+    def __init__(
+        self,
+        *,
+        accounts: AccountService,
+        credentials: CredentialService,
+        tokens: TokenService,
+        machines: MachineService,
+        presence: PresenceRegistry,
+        metrics: ControlMetrics,
+        ca_hash: str,
+        join_address: str,
+    ) -> None:
+        self._accounts = accounts
+        self._credentials = credentials
+        self._tokens = tokens
+        self._machines = machines
+        self._presence = presence
+        self._metrics = metrics
+        self._ca_hash = ca_hash
+        self._join_address = join_address
+
+    async def _auth(self, context: Context, method: str) -> Principal:
+        bearer: str | None = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str):
+                scheme, _, rest = value.partition(" ")
+                if scheme.lower() == "bearer":
+                    bearer = rest.strip()
+        try:
+            return await self._credentials.authenticate(bearer)
+        except AgentsError as e:
+            self._count(method, e)
+            raise
+
+    def _count(self, method: str, error: AgentsError | None = None) -> None:
+        code = "OK" if error is None else status_for(error).name
+        self._metrics.admin_calls.labels(method, code).inc()
+
+    async def _status(self, m: Machine) -> admin_pb2.Machine:
+        return _machine(await self._presence.status(m))
+
+    # Each RPC: authenticate, one domain call, encode; the error interceptor maps errors.
+
+    async def CreateAccount(
+        self, request: admin_pb2.CreateAccountRequest, context: Context
+    ) -> admin_pb2.CreateAccountResponse:
+        """See admin.proto."""
+        p = await self._auth(context, "CreateAccount")
+        try:
+            p.require_operator("account create")
+            made = await self._accounts.create(
+                request.github_user_id,
+                request.github_login,
+                request.recovery_public_key or None,
+                p.credential_id,
+            )
+        except AgentsError as e:
+            self._count("CreateAccount", e)
+            raise
+        self._count("CreateAccount")
+        return admin_pb2.CreateAccountResponse(
+            account=_account(made.account), recovery_private_key=made.recovery_private_key or b""
+        )
+
+    async def GetAccount(
+        self, request: admin_pb2.GetAccountRequest, context: Context
+    ) -> admin_pb2.Account:
+        """See admin.proto."""
+        p = await self._auth(context, "GetAccount")
+        try:
+            validate_id("account", request.account_id, "account_id")
+            p.visible_account(request.account_id, "account", request.account_id)
+            account = await self._accounts.get(request.account_id)
+        except AgentsError as e:
+            self._count("GetAccount", e)
+            raise
+        self._count("GetAccount")
+        return _account(account)
+
+    async def ListAccounts(
+        self, request: admin_pb2.ListAccountsRequest, context: Context
+    ) -> admin_pb2.ListAccountsResponse:
+        """See admin.proto."""
+        p = await self._auth(context, "ListAccounts")
+        try:
+            if p.is_operator:
+                accounts = await self._accounts.list()
+            else:
+                accounts = [await self._accounts.get(p.account_id)]
+        except AgentsError as e:
+            self._count("ListAccounts", e)
+            raise
+        self._count("ListAccounts")
+        return admin_pb2.ListAccountsResponse(accounts=[_account(a) for a in accounts])
+
+    async def CreateJoinToken(
+        self, request: admin_pb2.CreateJoinTokenRequest, context: Context
+    ) -> admin_pb2.CreateJoinTokenResponse:
+        """See admin.proto."""
+        p = await self._auth(context, "CreateJoinToken")
+        try:
+            made = await self._tokens.create(
+                p, request.account_id, request.ttl_seconds, request.max_uses
+            )
+        except AgentsError as e:
+            self._count("CreateJoinToken", e)
+            raise
+        self._count("CreateJoinToken")
+        return admin_pb2.CreateJoinTokenResponse(
+            token=_token(made.token, made.token.created_at),
+            token_value=made.value,
+            ca_hash=self._ca_hash,
+            join_address=self._join_address,
+        )
+
+    async def ListJoinTokens(
+        self, request: admin_pb2.ListJoinTokensRequest, context: Context
+    ) -> admin_pb2.ListJoinTokensResponse:
+        """See admin.proto."""
+        p = await self._auth(context, "ListJoinTokens")
+        try:
+            tokens = await self._tokens.list(p, request.account_id)
+        except AgentsError as e:
+            self._count("ListJoinTokens", e)
+            raise
+        self._count("ListJoinTokens")
+        now = dt.datetime.now(dt.UTC)
+        return admin_pb2.ListJoinTokensResponse(tokens=[_token(t, now) for t in tokens])
+
+    async def RevokeJoinToken(
+        self, request: admin_pb2.RevokeJoinTokenRequest, context: Context
+    ) -> admin_pb2.JoinToken:
+        """See admin.proto."""
+        p = await self._auth(context, "RevokeJoinToken")
+        try:
+            token = await self._tokens.revoke(p, request.token_id)
+        except AgentsError as e:
+            self._count("RevokeJoinToken", e)
+            raise
+        self._count("RevokeJoinToken")
+        return _token(token, dt.datetime.now(dt.UTC))
+
+    async def ListMachines(
+        self, request: admin_pb2.ListMachinesRequest, context: Context
+    ) -> admin_pb2.ListMachinesResponse:
+        """See admin.proto."""
+        p = await self._auth(context, "ListMachines")
+        try:
+            machines = await self._machines.list(p, request.account_id)
+            out = [await self._status(m) for m in machines]
+        except AgentsError as e:
+            self._count("ListMachines", e)
+            raise
+        self._count("ListMachines")
+        return admin_pb2.ListMachinesResponse(machines=out)
+
+    async def GetMachine(
+        self, request: admin_pb2.GetMachineRequest, context: Context
+    ) -> admin_pb2.Machine:
+        """See admin.proto."""
+        p = await self._auth(context, "GetMachine")
+        try:
+            out = await self._status(await self._machines.get(p, request.machine_id))
+        except AgentsError as e:
+            self._count("GetMachine", e)
+            raise
+        self._count("GetMachine")
+        return out
+
+    async def RenameMachine(
+        self, request: admin_pb2.RenameMachineRequest, context: Context
+    ) -> admin_pb2.Machine:
+        """See admin.proto."""
+        p = await self._auth(context, "RenameMachine")
+        try:
+            machine = await self._machines.rename(p, request.machine_id, request.name)
+            out = await self._status(machine)
+        except AgentsError as e:
+            self._count("RenameMachine", e)
+            raise
+        self._count("RenameMachine")
+        return out
+
+    async def RevokeMachine(
+        self, request: admin_pb2.RevokeMachineRequest, context: Context
+    ) -> admin_pb2.Machine:
+        """See admin.proto."""
+        p = await self._auth(context, "RevokeMachine")
+        try:
+            machine = await self._machines.revoke(p, request.machine_id)
+            out = await self._status(machine)
+        except AgentsError as e:
+            self._count("RevokeMachine", e)
+            raise
+        self._count("RevokeMachine")
+        return out
+
+    async def CreateCredential(
+        self, request: admin_pb2.CreateCredentialRequest, context: Context
+    ) -> admin_pb2.CreateCredentialResponse:
+        """See admin.proto."""
+        p = await self._auth(context, "CreateCredential")
+        try:
+            made = await self._credentials.create_for_account(p, request.account_id, request.label)
+        except AgentsError as e:
+            self._count("CreateCredential", e)
+            raise
+        self._count("CreateCredential")
+        return admin_pb2.CreateCredentialResponse(
+            credential_id=made.credential.credential_id,
+            credential=made.value,
+            account_id=made.credential.account_id,
+        )
+
+    async def _later(self, context: Context, method: str) -> Any:
+        await self._auth(context, method)
+        self._metrics.admin_calls.labels(method, "UNIMPLEMENTED").inc()
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method}: {_LATER}")
+
+    async def DeleteAccount(self, request: Any, context: Context) -> Any:
+        """Later issue."""
+        return await self._later(context, "DeleteAccount")
+
+    async def GetDeletion(self, request: Any, context: Context) -> Any:
+        """Later issue."""
+        return await self._later(context, "GetDeletion")
+
+    async def CreateRepairToken(self, request: Any, context: Context) -> Any:
+        """Later issue."""
+        return await self._later(context, "CreateRepairToken")
+
+    async def SetProvider(self, request: Any, context: Context) -> Any:
+        """Later issue."""
+        return await self._later(context, "SetProvider")
+
+    async def SendPrompt(self, request: Any, context: Context) -> Any:
+        """Later issue."""
+        return await self._later(context, "SendPrompt")
+
+    async def ListPrompts(self, request: Any, context: Context) -> Any:
+        """Later issue."""
+        return await self._later(context, "ListPrompts")
+
+    async def RotateServerCertificate(self, request: Any, context: Context) -> Any:
+        """Later issue."""
+        return await self._later(context, "RotateServerCertificate")
+
+    async def RolloverCA(self, request: Any, context: Context) -> Any:
+        """Later issue."""
+        return await self._later(context, "RolloverCA")

@@ -1,0 +1,147 @@
+"""Admin principals and credentials: who is calling, and what they may see.
+
+Four separate steps, each in its own place: the servicer reads the bearer
+credential; :meth:`CredentialService.authenticate` verifies it into a
+:class:`Principal`; the ownership record (an object's account id) is looked up
+by the domain service; :meth:`Principal.visible_account` makes the decision.
+An account admin asking for another account's object gets exactly the
+NotFound a missing object gives.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Final
+
+from controlplane import jsonstore
+from controlplane.accounts import AccountService
+from controlplane.audit import Auditor, Clock, utcnow
+from controlplane.hashing import hash_secret, new_secret, split_bearer, verify_secret
+from controlplane.records import Credential, credential_key
+from shared.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from shared.ids import new_id, validate_id
+from shared.store.base import ObjectStore
+
+__all__ = ["OPERATOR", "CredentialService", "NewCredential", "Principal"]
+
+logger = logging.getLogger(__name__)
+
+OPERATOR: Final = "operator"
+ACCOUNT: Final = "account"
+_PURPOSE: Final = "credential"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """A verified admin caller."""
+
+    credential_id: str
+    scope: str
+    """"operator" (every account) or "account" (only ``account_id``)."""
+    account_id: str = ""
+
+    @property
+    def is_operator(self) -> bool:
+        """Whether this principal may act on every account."""
+        return self.scope == OPERATOR
+
+    def require_operator(self, what: str) -> None:
+        """PermissionDenied unless the caller is the operator."""
+        if not self.is_operator:
+            raise PermissionDenied(f"{what}: needs an operator credential")
+
+    def can_see(self, account_id: str) -> bool:
+        """Whether objects of ``account_id`` are visible to this principal."""
+        return self.is_operator or account_id == self.account_id
+
+    def visible_account(self, account_id: str, kind: str, ident: str) -> None:
+        """NotFound(kind, ident), exactly as for a missing object, unless visible."""
+        if not self.can_see(account_id):
+            raise NotFound(kind, ident)
+
+    def listing_scope(self, requested: str) -> str | None:
+        """Which account a listing covers: None means every account (operator only)."""
+        if requested:
+            validate_id("account", requested, "account_id")
+            self.visible_account(requested, "account", requested)
+            return requested
+        return None if self.is_operator else self.account_id
+
+
+@dataclass(frozen=True)
+class NewCredential:
+    """A credential just made: its record and the value shown once."""
+
+    credential: Credential
+    value: str
+    """``adm_<id>.<secret>``; never stored."""
+
+
+class CredentialService:
+    """Admin credentials in the store (hash only)."""
+
+    def __init__(
+        self, store: ObjectStore, accounts: AccountService, auditor: Auditor, clock: Clock = utcnow
+    ) -> None:
+        self._store = store
+        self._accounts = accounts
+        self._audit = auditor
+        self._clock = clock
+
+    async def _create(self, scope: str, account_id: str, label: str) -> NewCredential:
+        cred_id = new_id("credential")
+        secret = new_secret()
+        cred = Credential(
+            credential_id=cred_id,
+            scope=scope,
+            account_id=account_id,
+            secret_hash=hash_secret(_PURPOSE, cred_id, secret),
+            created_at=self._clock(),
+            label=label,
+        )
+        await jsonstore.create(self._store, credential_key(cred_id), cred.to_dict())
+        return NewCredential(cred, f"{cred_id}.{secret}")
+
+    async def create_operator(self, label: str = "operator") -> NewCredential:
+        """Make an operator credential (``init`` makes the first one)."""
+        made = await self._create(OPERATOR, "", label)
+        await self._audit.record("system", "credential.create", made.credential.credential_id)
+        return made
+
+    async def create_for_account(
+        self, principal: Principal, account_id: str, label: str
+    ) -> NewCredential:
+        """Make a credential scoped to one account (operator only)."""
+        principal.require_operator("credential create")
+        validate_id("account", account_id, "account_id")
+        if not label or len(label) > 64 or not label.isprintable():
+            raise InvalidArgument("label", "must be 1-64 printable characters")
+        await self._accounts.require_active(account_id, "credential create")
+        made = await self._create(ACCOUNT, account_id, label)
+        await self._audit.record(
+            principal.credential_id, "credential.create", made.credential.credential_id, account_id
+        )
+        return made
+
+    async def authenticate(self, bearer: str | None) -> Principal:
+        """Verify ``adm_<id>.<secret>``; Unauthenticated with a reason, never echoing it."""
+        if not bearer:
+            raise Unauthenticated("admin: no credential (authorization: Bearer adm_...)")
+        try:
+            cred_id, secret = split_bearer(bearer, "credential", "credential")
+        except InvalidArgument:
+            raise Unauthenticated("admin: malformed credential") from None
+        try:
+            cred = Credential.from_dict(await jsonstore.read(self._store, credential_key(cred_id)))
+        except NotFound:
+            raise Unauthenticated("admin: unknown credential") from None
+        if not verify_secret(_PURPOSE, cred_id, secret, cred.secret_hash):
+            raise Unauthenticated("admin: wrong credential secret")
+        if cred.revoked:
+            raise Unauthenticated("admin: credential revoked")
+        if cred.scope == ACCOUNT:
+            await self._accounts.require_active(cred.account_id, "admin")
+        elif cred.scope != OPERATOR:
+            raise Unauthenticated("admin: credential has an unknown scope")
+        return Principal(cred.credential_id, cred.scope, cred.account_id)

@@ -1,0 +1,81 @@
+"""``agents-control init``: make a new control plane's keys, config and first credential."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Final
+
+from controlplane.accounts import AccountService
+from controlplane.audit import Auditor
+from controlplane.authz import CredentialService
+from controlplane.config import ControlConfig
+from controlplane.keys import check_home_empty, create_home_keys
+from controlplane.records import utc_iso
+from controlplane.server import open_control_store
+from shared.atomic import write_atomic
+from shared.errors import InvalidState, NotFound, PreconditionFailed
+
+__all__ = ["DEPLOYMENT_KEY", "InitResult", "init_control_plane", "toml_dumps"]
+
+logger = logging.getLogger(__name__)
+
+#: Marks a store as holding a control plane; ``init`` refuses a store that has one.
+DEPLOYMENT_KEY: Final = "cp/deployment.json"
+
+
+@dataclass(frozen=True)
+class InitResult:
+    """What ``init`` shows the operator once."""
+
+    operator_credential: str
+    ca_hash: str
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    # A JSON string with only ASCII escapes is a valid TOML basic string.
+    return json.dumps(str(value), ensure_ascii=True)
+
+
+def toml_dumps(values: dict[str, Any]) -> str:
+    """A flat table of scalars and lists as TOML text."""
+    lines = ["# agents-control configuration (written by init; flags and env override it)"]
+    lines += [f"{key} = {_toml_value(value)}" for key, value in sorted(values.items())]
+    return "\n".join(lines) + "\n"
+
+
+async def init_control_plane(cfg: ControlConfig) -> InitResult:
+    """Refuse a non-empty home or an initialised store; make keys, config, credential."""
+    check_home_empty(cfg.home)
+    if not cfg.store_url:
+        raise InvalidState("init", "--store is required (s3://bucket/prefix or a folder)")
+    store = await open_control_store(cfg, None)
+    try:
+        try:
+            await store.head(DEPLOYMENT_KEY)
+        except NotFound:
+            pass
+        else:
+            raise InvalidState("init", "the store already holds a control plane")
+        keys = create_home_keys(cfg.home, cfg.server_names)
+        marker = {"ca_hash": keys.ca_hash, "created_at": utc_iso(dt.datetime.now(dt.UTC))}
+        try:
+            await store.put(DEPLOYMENT_KEY, json.dumps(marker).encode(), if_none_match=True)
+        except PreconditionFailed:
+            raise InvalidState("init", "the store already holds a control plane") from None
+        write_atomic(cfg.config_path, toml_dumps(cfg.file_values()).encode(), mode=0o600)
+        auditor = Auditor(store)
+        creds = CredentialService(store, AccountService(store, auditor), auditor)
+        made = await creds.create_operator()
+    finally:
+        await store.close()
+    logger.info("initialised control plane in %s", cfg.home)
+    return InitResult(made.value, keys.ca_hash)

@@ -1,0 +1,148 @@
+"""The CLI's client for the Admin service: TLS trusting our CA, bearer credential.
+
+Replies come back as plain dicts (protobuf field names), so protobuf stops here.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+import grpc.aio
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
+from shared.rpc import rpc_errors
+
+__all__ = ["AdminClient"]
+
+logger = logging.getLogger(__name__)
+
+
+def _dict(message: Message) -> dict[str, Any]:
+    return MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+class AdminClient:
+    """``async with AdminClient(address, ca_pem, credential) as c: await c.list_machines()``."""
+
+    def __init__(self, address: str, ca_pem: bytes, credential: str, timeout: float = 30) -> None:
+        self._address = address
+        self._ca_pem = ca_pem
+        self._metadata = (("authorization", f"Bearer {credential}"),)
+        self._timeout = timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: admin_pb2_grpc.AdminStub | None = None
+
+    async def __aenter__(self) -> Self:
+        creds = grpc.ssl_channel_credentials(root_certificates=self._ca_pem)
+        self._channel = grpc.aio.secure_channel(self._address, creds)
+        self._stub = admin_pb2_grpc.AdminStub(self._channel)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._channel is not None:
+            await self._channel.close(None)
+
+    async def _call(self, method: Any, request: Message) -> dict[str, Any]:
+        async with rpc_errors():
+            # The generated stubs are typed for the sync API; on an aio channel they await.
+            reply: Message = await method(request, metadata=self._metadata, timeout=self._timeout)
+        return _dict(reply)
+
+    @property
+    def stub(self) -> admin_pb2_grpc.AdminStub:
+        """The raw stub (for tests)."""
+        assert self._stub is not None, "use AdminClient as an async context manager"
+        return self._stub
+
+    async def create_account(
+        self, github_user_id: int, github_login: str, recovery_public_key: bytes = b""
+    ) -> dict[str, Any]:
+        """CreateAccount."""
+        return await self._call(
+            self.stub.CreateAccount,
+            admin_pb2.CreateAccountRequest(
+                github_user_id=github_user_id,
+                github_login=github_login,
+                recovery_public_key=recovery_public_key,
+            ),
+        )
+
+    async def get_account(self, account_id: str) -> dict[str, Any]:
+        """GetAccount."""
+        return await self._call(
+            self.stub.GetAccount, admin_pb2.GetAccountRequest(account_id=account_id)
+        )
+
+    async def list_accounts(self) -> list[dict[str, Any]]:
+        """ListAccounts."""
+        reply = await self._call(self.stub.ListAccounts, admin_pb2.ListAccountsRequest())
+        return list(reply.get("accounts", []))
+
+    async def create_token(
+        self, account_id: str, ttl_seconds: int = 0, max_uses: int = 0
+    ) -> dict[str, Any]:
+        """CreateJoinToken."""
+        return await self._call(
+            self.stub.CreateJoinToken,
+            admin_pb2.CreateJoinTokenRequest(
+                account_id=account_id, ttl_seconds=ttl_seconds, max_uses=max_uses
+            ),
+        )
+
+    async def list_tokens(self, account_id: str = "") -> list[dict[str, Any]]:
+        """ListJoinTokens."""
+        reply = await self._call(
+            self.stub.ListJoinTokens, admin_pb2.ListJoinTokensRequest(account_id=account_id)
+        )
+        return list(reply.get("tokens", []))
+
+    async def revoke_token(self, token_id: str) -> dict[str, Any]:
+        """RevokeJoinToken."""
+        return await self._call(
+            self.stub.RevokeJoinToken, admin_pb2.RevokeJoinTokenRequest(token_id=token_id)
+        )
+
+    async def list_machines(self, account_id: str = "") -> list[dict[str, Any]]:
+        """ListMachines."""
+        reply = await self._call(
+            self.stub.ListMachines, admin_pb2.ListMachinesRequest(account_id=account_id)
+        )
+        return list(reply.get("machines", []))
+
+    async def get_machine(self, machine_id: str) -> dict[str, Any]:
+        """GetMachine."""
+        return await self._call(
+            self.stub.GetMachine, admin_pb2.GetMachineRequest(machine_id=machine_id)
+        )
+
+    async def rename_machine(self, machine_id: str, name: str) -> dict[str, Any]:
+        """RenameMachine."""
+        return await self._call(
+            self.stub.RenameMachine,
+            admin_pb2.RenameMachineRequest(machine_id=machine_id, name=name),
+        )
+
+    async def revoke_machine(self, machine_id: str) -> dict[str, Any]:
+        """RevokeMachine."""
+        return await self._call(
+            self.stub.RevokeMachine, admin_pb2.RevokeMachineRequest(machine_id=machine_id)
+        )
+
+    async def create_credential(self, account_id: str, label: str) -> dict[str, Any]:
+        """CreateCredential."""
+        return await self._call(
+            self.stub.CreateCredential,
+            admin_pb2.CreateCredentialRequest(account_id=account_id, label=label),
+        )

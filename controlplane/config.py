@@ -1,0 +1,220 @@
+"""The control plane's one configuration object, built once by the CLI.
+
+Values come from flags, then the environment, then ``<home>/config.toml``, then
+defaults (:func:`shared.config.pick`). This is the only module of the control
+plane that looks at environment values; the CLI passes ``os.environ`` in.
+
+Environment variables: ``AGENTS_CONTROL_HOME``, ``AGENTS_CONTROL_STORE``,
+``AGENTS_CONTROL_STORE_ENDPOINT``, ``AGENTS_CONTROL_STORE_REGION``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AGENTS_CONTROL_LISTEN``,
+``AGENTS_CONTROL_LINK_LISTEN``, ``AGENTS_CONTROL_ADVERTISE_HOST``,
+``AGENTS_CONTROL_METRICS``, ``AGENTS_CONTROL_ADDRESS``,
+``AGENTS_CONTROL_CREDENTIAL``, ``AGENTS_CONTROL_HEARTBEAT``,
+``AGENTS_CONTROL_LOG_LEVEL``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from shared.config import load_toml, pick
+from shared.errors import ConfigError
+
+__all__ = [
+    "CONFIG_FILE",
+    "MAX_TOKEN_TTL",
+    "SERVE_FILE",
+    "ControlConfig",
+    "default_home",
+    "load_config",
+    "parse_hostport",
+]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE: Final = "config.toml"
+#: Written by ``serve`` once it listens: the actual ports (useful with port 0).
+SERVE_FILE: Final = "serve.json"
+#: A join token lives at most this many seconds (24 hours).
+MAX_TOKEN_TTL: Final = 24 * 3600
+
+
+def parse_hostport(value: str, field_name: str, *, allow_empty: bool = False) -> tuple[str, int]:
+    """Split ``host:port`` (port 0..65535; ``[v6]:port`` allowed) or raise ConfigError."""
+    text = str(value).strip()
+    if not text:
+        if allow_empty:
+            return ("", 0)
+        raise ConfigError(field_name, "must be host:port")
+    host, sep, port_text = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigError(field_name, f"must be host:port, got {text!r}")
+    return host, int(port_text)
+
+
+def default_home(env: Mapping[str, str]) -> Path:
+    """``$AGENTS_CONTROL_HOME`` or ``~/.agents-control``."""
+    value = env.get("AGENTS_CONTROL_HOME")
+    return Path(value) if value else Path.home() / ".agents-control"
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """Everything the control-plane daemon and its CLI need, validated once."""
+
+    home: Path
+    """Folder holding only keys and config (0700, files 0600); all state is in the store."""
+    store_url: str = ""
+    """Where state lives: ``s3://bucket/prefix`` or ``file:///path`` (or a plain path)."""
+    store_endpoint: str | None = None
+    """http(s) URL of an S3-compatible server (MinIO, moto); None for AWS."""
+    store_region: str = "us-east-1"
+    """The bucket's region."""
+    store_access_key: str | None = field(default=None, repr=False)
+    """S3 access key id (``AWS_ACCESS_KEY_ID``); never written to the config file."""
+    store_secret_key: str | None = field(default=None, repr=False)
+    """S3 secret key (``AWS_SECRET_ACCESS_KEY``); never written to the config file."""
+    listen: str = "127.0.0.1:7443"
+    """Public listener (server TLS only): Join, Admin, health. Port 0 picks a free one."""
+    link_listen: str = "127.0.0.1:7444"
+    """Link listener (mutual TLS required): Connect, RenewCertificate, backups."""
+    advertise_host: str = ""
+    """Host printed in join commands; empty means the public listener's host."""
+    server_names: tuple[str, ...] = ()
+    """Extra DNS names / IPs for the server certificate (besides localhost, 127.0.0.1)."""
+    metrics_listen: str = "127.0.0.1:9470"
+    """``host:port`` of ``/metrics``; empty disables it."""
+    address: str = ""
+    """Where the CLI reaches the daemon's public listener; empty: from serve.json."""
+    credential: str | None = field(default=None, repr=False)
+    """Admin credential the CLI sends (``--credential`` / ``AGENTS_CONTROL_CREDENTIAL``)."""
+    heartbeat_interval: float = 15.0
+    """Seconds between a machine's heartbeats; 3 missed ones mark it offline."""
+    presence_write_interval: float = 60.0
+    """Least seconds between two last-seen writes of one machine (at least 60)."""
+    cert_lifetime_days: float = 30.0
+    """Lifetime of machine client certificates."""
+    renew_threshold: float = 1 / 3
+    """Ask a machine to renew once less than this fraction of its lifetime remains."""
+    token_ttl: int = 3600
+    """Default join-token lifetime in seconds (at most 24 hours)."""
+    log_level: str = "INFO"
+    """Python logging level name."""
+
+    @property
+    def config_path(self) -> Path:
+        """The TOML file in the home."""
+        return self.home / CONFIG_FILE
+
+    @property
+    def serve_path(self) -> Path:
+        """The serve.json file in the home."""
+        return self.home / SERVE_FILE
+
+    def validate(self) -> ControlConfig:
+        """Raise ConfigError naming the first bad field; return self."""
+        parse_hostport(self.listen, "listen")
+        parse_hostport(self.link_listen, "link_listen")
+        parse_hostport(self.metrics_listen, "metrics_listen", allow_empty=True)
+        if self.address:
+            parse_hostport(self.address, "address")
+        if not 0.05 <= self.heartbeat_interval <= 300:
+            raise ConfigError("heartbeat_interval", "must be between 0.05 and 300 seconds")
+        if not 60 <= self.presence_write_interval <= 3600:
+            raise ConfigError("presence_write_interval", "must be between 60 and 3600 seconds")
+        if not 1 / 24 <= self.cert_lifetime_days <= 397:
+            raise ConfigError("cert_lifetime_days", "must be between 1 hour and 397 days")
+        if not 0 < self.renew_threshold < 1:
+            raise ConfigError("renew_threshold", "must be between 0 and 1")
+        if not 60 <= self.token_ttl <= MAX_TOKEN_TTL:
+            raise ConfigError("token_ttl", f"must be between 60 and {MAX_TOKEN_TTL} seconds")
+        if (self.store_access_key is None) != (self.store_secret_key is None):
+            raise ConfigError("store_secret_key", "access key and secret key go together")
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ConfigError("log_level", "must be DEBUG, INFO, WARNING or ERROR")
+        return self
+
+    def file_values(self) -> dict[str, Any]:
+        """The settings ``init`` writes to config.toml (no secrets)."""
+        out: dict[str, Any] = {
+            "store_url": self.store_url,
+            "store_region": self.store_region,
+            "listen": self.listen,
+            "link_listen": self.link_listen,
+            "metrics_listen": self.metrics_listen,
+            "heartbeat_interval": self.heartbeat_interval,
+            "cert_lifetime_days": self.cert_lifetime_days,
+            "token_ttl": self.token_ttl,
+        }
+        if self.store_endpoint:
+            out["store_endpoint"] = self.store_endpoint
+        if self.advertise_host:
+            out["advertise_host"] = self.advertise_host
+        if self.server_names:
+            out["server_names"] = list(self.server_names)
+        return out
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    if isinstance(value, list | tuple):
+        return tuple(str(v).strip() for v in value if str(v).strip())
+    return tuple(v.strip() for v in str(value).split(",") if v.strip())
+
+
+def load_config(
+    flags: Mapping[str, Any], env: Mapping[str, str], *, read_file: bool = True
+) -> ControlConfig:
+    """Build and validate the config from flags > env > ``<home>/config.toml`` > defaults.
+
+    ``flags`` holds the CLI's parsed options by field name (None when not given).
+    """
+    home = Path(flags.get("home") or default_home(env)).expanduser()
+    file = load_toml(home / CONFIG_FILE) if read_file else {}
+    d = ControlConfig(home=home)
+
+    def get(name: str, env_key: str | None, default: Any, parse: Any = None) -> Any:
+        return pick(
+            name,
+            flag=flags.get(name),
+            env=env,
+            env_key=env_key,
+            file=file,
+            default=default,
+            parse=parse,
+        )
+
+    def secret(name: str, env_key: str) -> str | None:
+        value = flags.get(name) or env.get(env_key)
+        return str(value) if value else None
+
+    cfg = ControlConfig(
+        home=home,
+        store_url=get("store_url", "AGENTS_CONTROL_STORE", d.store_url, str),
+        store_endpoint=get("store_endpoint", "AGENTS_CONTROL_STORE_ENDPOINT", None, str),
+        store_region=get("store_region", "AGENTS_CONTROL_STORE_REGION", d.store_region, str),
+        store_access_key=secret("store_access_key", "AWS_ACCESS_KEY_ID"),
+        store_secret_key=secret("store_secret_key", "AWS_SECRET_ACCESS_KEY"),
+        listen=get("listen", "AGENTS_CONTROL_LISTEN", d.listen, str),
+        link_listen=get("link_listen", "AGENTS_CONTROL_LINK_LISTEN", d.link_listen, str),
+        advertise_host=get("advertise_host", "AGENTS_CONTROL_ADVERTISE_HOST", "", str),
+        server_names=get("server_names", None, (), _names),
+        metrics_listen=get("metrics_listen", "AGENTS_CONTROL_METRICS", d.metrics_listen, str),
+        address=get("address", "AGENTS_CONTROL_ADDRESS", "", str),
+        credential=secret("credential", "AGENTS_CONTROL_CREDENTIAL"),
+        heartbeat_interval=get(
+            "heartbeat_interval", "AGENTS_CONTROL_HEARTBEAT", d.heartbeat_interval, float
+        ),
+        presence_write_interval=get(
+            "presence_write_interval", None, d.presence_write_interval, float
+        ),
+        cert_lifetime_days=get("cert_lifetime_days", None, d.cert_lifetime_days, float),
+        renew_threshold=get("renew_threshold", None, d.renew_threshold, float),
+        token_ttl=get("token_ttl", None, d.token_ttl, int),
+        log_level=get("log_level", "AGENTS_CONTROL_LOG_LEVEL", d.log_level, str).upper(),
+    )
+    return cfg.validate()

@@ -1,0 +1,256 @@
+"""Machine records: register at join, read with authorisation, rename, revoke, renew."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from controlplane import jsonstore
+from controlplane.accounts import AccountService
+from controlplane.audit import Auditor, Clock, utcnow
+from controlplane.authz import Principal
+from controlplane.records import (
+    Machine,
+    machine_index_key,
+    machine_key,
+    machines_prefix,
+    utc_iso,
+)
+from shared.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from shared.ids import is_valid_id, new_id, validate_id
+from shared.store.base import ObjectStore
+from shared.tls import IssuedCert, PeerIdentity
+
+__all__ = ["MachineInfo", "MachineService", "validate_name"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_NAME: Final = 64
+_MAX_VERSION: Final = 64
+_MAX_HOSTNAME: Final = 253
+
+RevokeHook = Callable[[str, str], Awaitable[None]]
+
+
+def validate_name(name: str, field: str = "name") -> str:
+    """A machine name: 1..64 printable characters, trimmed."""
+    if not isinstance(name, str):
+        raise InvalidArgument(field, "must be a string")
+    name = name.strip()
+    if not name or len(name) > _MAX_NAME or not name.isprintable():
+        raise InvalidArgument(field, f"must be 1-{_MAX_NAME} printable characters")
+    return name
+
+
+def _short_text(value: str, field: str, limit: int) -> str:
+    if not isinstance(value, str) or len(value) > limit or not value.isprintable():
+        raise InvalidArgument(field, f"must be at most {limit} printable characters")
+    return value
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """What a machine says about itself at join (validated by :meth:`validate`)."""
+
+    name: str
+    version: str
+    hostname: str
+    box_public_key: bytes = b""
+    signing_public_key: bytes = b""
+
+    def validate(self) -> MachineInfo:
+        """Return a cleaned copy or raise InvalidArgument naming the field."""
+        hostname = _short_text(self.hostname, "machine.hostname", _MAX_HOSTNAME)
+        name = validate_name(self.name or hostname or "machine", "machine.name")
+        version = _short_text(self.version, "machine.version", _MAX_VERSION)
+        for field, key in (
+            ("machine.box_public_key", self.box_public_key),
+            ("machine.signing_public_key", self.signing_public_key),
+        ):
+            if key and len(key) != 32:
+                raise InvalidArgument(field, "must be 32 bytes")
+        return MachineInfo(name, version, hostname, self.box_public_key, self.signing_public_key)
+
+
+class MachineService:
+    """Machines of every account, and the checks on a machine's certificate."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        accounts: AccountService,
+        auditor: Auditor,
+        clock: Clock = utcnow,
+    ) -> None:
+        self._store = store
+        self._accounts = accounts
+        self._audit = auditor
+        self._clock = clock
+        self._revoke_hooks: list[RevokeHook] = []
+        # Revoked machine ids seen by this process: refused without a store read.
+        self._revoked: set[str] = set()
+
+    def on_revoke(self, hook: RevokeHook) -> None:
+        """Call ``hook(account_id, machine_id)`` after a machine is revoked."""
+        self._revoke_hooks.append(hook)
+
+    @staticmethod
+    def new_machine_id() -> str:
+        """A fresh machine id (made before signing, as it goes into the certificate)."""
+        return new_id("machine")
+
+    async def register(
+        self,
+        account_id: str,
+        machine_id: str,
+        info: MachineInfo,
+        cert: IssuedCert,
+        token_id: str,
+    ) -> Machine:
+        """Write a new machine's record and its id -> account index entry."""
+        machine = Machine(
+            machine_id=validate_id("machine", machine_id, "machine_id"),
+            account_id=validate_id("account", account_id, "account_id"),
+            name=info.name,
+            hostname=info.hostname,
+            version=info.version,
+            joined_at=self._clock(),
+            cert_serial=cert.serial,
+            cert_not_after=cert.not_after,
+            box_public_key=info.box_public_key,
+            signing_public_key=info.signing_public_key,
+            token_id=token_id,
+        )
+        await jsonstore.create(
+            self._store, machine_index_key(machine_id), {"account_id": account_id}
+        )
+        await jsonstore.create(self._store, machine_key(account_id, machine_id), machine.to_dict())
+        await self._audit.record(token_id, "machine.join", machine_id, account_id)
+        logger.info("machine %s joined account %s", machine_id, account_id)
+        return machine
+
+    async def _load(self, account_id: str, machine_id: str) -> Machine:
+        try:
+            data = await jsonstore.read(self._store, machine_key(account_id, machine_id))
+        except NotFound:
+            raise NotFound("machine", machine_id) from None
+        return Machine.from_dict(data)
+
+    async def _owner(self, machine_id: str) -> str:
+        try:
+            data = await jsonstore.read(self._store, machine_index_key(machine_id))
+        except NotFound:
+            raise NotFound("machine", machine_id) from None
+        return validate_id("account", str(data.get("account_id", "")), "account_id")
+
+    async def get(self, principal: Principal, machine_id: str) -> Machine:
+        """One machine; NotFound when missing or not visible to ``principal``."""
+        validate_id("machine", machine_id, "machine_id")
+        account_id = await self._owner(machine_id)
+        principal.visible_account(account_id, "machine", machine_id)
+        return await self._load(account_id, machine_id)
+
+    async def list(self, principal: Principal, account_id: str = "") -> list[Machine]:
+        """Machines of one account, or of every account for the operator; oldest first."""
+        scope = principal.listing_scope(account_id)
+        account_ids = (
+            [scope] if scope is not None else [a.account_id for a in await self._accounts.list()]
+        )
+        out: list[Machine] = []
+        for acct in account_ids:
+            prefix = machines_prefix(acct)
+            async for info in self._store.list(prefix):
+                name = info.key[len(prefix) :].removesuffix(".json")
+                if not is_valid_id("machine", name):
+                    continue
+                try:
+                    out.append(await self._load(acct, name))
+                except NotFound:
+                    continue
+        return out
+
+    async def rename(self, principal: Principal, machine_id: str, name: str) -> Machine:
+        """Rename a machine."""
+        new_name = validate_name(name)
+        machine = await self.get(principal, machine_id)
+
+        def change(d: dict[str, Any]) -> dict[str, Any]:
+            return {**d, "name": new_name}
+
+        data = await jsonstore.update(
+            self._store, machine_key(machine.account_id, machine_id), change
+        )
+        await self._audit.record(
+            principal.credential_id, "machine.rename", machine_id, machine.account_id
+        )
+        return Machine.from_dict(data)
+
+    async def revoke(self, principal: Principal, machine_id: str) -> Machine:
+        """Revoke a machine: its certificates are refused and its stream closed. Idempotent."""
+        machine = await self.get(principal, machine_id)
+        now = self._clock()
+
+        def change(d: dict[str, Any]) -> dict[str, Any] | None:
+            if d.get("revoked"):
+                return None
+            return {**d, "revoked": True, "revoked_at": utc_iso(now)}
+
+        data = await jsonstore.update(
+            self._store, machine_key(machine.account_id, machine_id), change
+        )
+        self._revoked.add(machine_id)
+        await self._audit.record(
+            principal.credential_id, "machine.revoke", machine_id, machine.account_id
+        )
+        for hook in self._revoke_hooks:
+            await hook(machine.account_id, machine_id)
+        return Machine.from_dict(data)
+
+    async def authorize_peer(self, peer: PeerIdentity) -> Machine:
+        """The machine a verified client certificate names, if it may still act.
+
+        Unauthenticated when the machine is unknown, revoked, or the certificate
+        is not its current (or previous) one; PermissionDenied when the account
+        is being deleted.
+        """
+        if peer.machine_id in self._revoked:
+            raise Unauthenticated("link: machine revoked")
+        try:
+            machine = await self._load(peer.account_id, peer.machine_id)
+        except NotFound:
+            raise Unauthenticated("link: unknown machine") from None
+        if machine.revoked:
+            self._revoked.add(machine.machine_id)
+            raise Unauthenticated("link: machine revoked")
+        if not machine.accepts_serial(peer.serial):
+            raise Unauthenticated("link: certificate superseded")
+        if await self._accounts.is_deleting(peer.account_id):
+            raise PermissionDenied("link: account is being deleted")
+        return machine
+
+    def is_revoked(self, machine_id: str) -> bool:
+        """Whether this process saw ``machine_id`` revoked."""
+        return machine_id in self._revoked
+
+    async def renewed(self, machine: Machine, cert: IssuedCert) -> Machine:
+        """Record a renewed certificate; the previous one stays valid until it expires."""
+
+        def change(d: dict[str, Any]) -> dict[str, Any]:
+            if d.get("revoked"):
+                raise Unauthenticated("link: machine revoked")
+            return {
+                **d,
+                "previous_cert_serial": d.get("cert_serial", ""),
+                "cert_serial": cert.serial,
+                "cert_not_after": utc_iso(cert.not_after),
+            }
+
+        data = await jsonstore.update(
+            self._store, machine_key(machine.account_id, machine.machine_id), change
+        )
+        await self._audit.record(
+            machine.machine_id, "machine.renew", machine.machine_id, machine.account_id
+        )
+        return Machine.from_dict(data)

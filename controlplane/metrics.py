@@ -1,0 +1,50 @@
+"""The control plane's Prometheus metrics (prefix ``agents_cp_``; no ids as labels)."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+__all__ = ["ControlMetrics"]
+
+logger = logging.getLogger(__name__)
+
+
+class ControlMetrics:
+    """Every metric the daemon exports besides the store's own."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.machines_online = Gauge(
+            "agents_cp_machines_online", "Machines with a live Connect stream.", registry=registry
+        )
+        self.connects = Counter(
+            "agents_cp_connects",
+            "Connect streams opened, by outcome (ok, refused, bad_hello).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.disconnects = Counter(
+            "agents_cp_disconnects",
+            "Connect streams ended, by reason (closed, timeout, revoked, replaced).",
+            ["reason"],
+            registry=registry,
+        )
+        self.joins = Counter(
+            "agents_cp_joins",
+            "Join attempts, by outcome (ok, unauthenticated, denied, invalid, error).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.renewals = Counter(
+            "agents_cp_cert_renewals",
+            "Certificate renewals, by outcome.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.admin_calls = Counter(
+            "agents_cp_admin_calls",
+            "Admin RPCs, by method and status code.",
+            ["method", "code"],
+            registry=registry,
+        )

@@ -1,0 +1,219 @@
+"""Presence: the registry of live machine links, and last-seen bookkeeping.
+
+Each machine has at most one live :class:`Session` (a new Connect replaces the
+old one). Messages for a machine go into its session's outbox; the Connect
+handler sends them in order. "Last seen" is written to the store at most once
+per ``write_interval`` per machine while it is connected, and once more when
+its link ends, so presence costs O(machines / minute) writes whatever the
+heartbeat rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from controlplane.audit import Clock, utcnow
+from controlplane.records import Machine, Presence, decode, encode, presence_key
+from shared.errors import AgentsError, NotFound
+from shared.store.base import ObjectStore
+
+__all__ = [
+    "AccountDeletedNotice",
+    "CloseLink",
+    "MachineStatus",
+    "Outgoing",
+    "PresenceRegistry",
+    "RenewNowNotice",
+    "RevokedNotice",
+    "Session",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RevokedNotice:
+    """Tell the machine it was revoked; the link closes after it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class AccountDeletedNotice:
+    """Tell the machine its account is being deleted; the link closes after it."""
+
+    account_id: str
+
+
+@dataclass(frozen=True)
+class RenewNowNotice:
+    """Ask the machine to renew its certificate."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class CloseLink:
+    """End the link without a notice (replaced by a newer link, or timed out)."""
+
+    reason: str
+
+
+Outgoing = RevokedNotice | AccountDeletedNotice | RenewNowNotice | CloseLink
+#: Notices after which the link closes.
+TERMINAL = (RevokedNotice, AccountDeletedNotice, CloseLink)
+
+
+@dataclass
+class Session:
+    """One live link of one machine."""
+
+    machine_id: str
+    account_id: str
+    version: str
+    agent_count: int
+    connected_at: dt.datetime
+    last_seen_at: dt.datetime
+    outbox: asyncio.Queue[Outgoing] = field(default_factory=asyncio.Queue)
+    last_write: float = -1e18
+    """Monotonic time of the last last-seen write."""
+    closed: bool = False
+
+    async def next_outgoing(self) -> Outgoing:
+        """Wait for the next message for this machine."""
+        return await self.outbox.get()
+
+
+@dataclass(frozen=True)
+class MachineStatus:
+    """A machine as listings show it: the record plus what presence knows."""
+
+    machine: Machine
+    online: bool
+    last_seen_at: dt.datetime | None
+    version: str
+    agent_count: int
+
+
+class PresenceRegistry:
+    """Live sessions by machine id; one instance per daemon."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        write_interval: float = 60.0,
+        clock: Clock = utcnow,
+        monotonic: Callable[[], float] = time.monotonic,
+        on_change: Callable[[int], None] | None = None,
+    ) -> None:
+        self._store = store
+        self._write_interval = write_interval
+        self._clock = clock
+        self._monotonic = monotonic
+        self._on_change = on_change
+        self._sessions: dict[str, Session] = {}
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(len(self._sessions))
+
+    @property
+    def online_count(self) -> int:
+        """How many machines have a live link."""
+        return len(self._sessions)
+
+    def session(self, machine_id: str) -> Session | None:
+        """The machine's live session, if any."""
+        return self._sessions.get(machine_id)
+
+    async def open(self, machine: Machine, version: str, agent_count: int) -> Session:
+        """Register a new link; an older link of the same machine is told to close."""
+        now = self._clock()
+        session = Session(
+            machine_id=machine.machine_id,
+            account_id=machine.account_id,
+            version=version,
+            agent_count=agent_count,
+            connected_at=now,
+            last_seen_at=now,
+        )
+        old = self._sessions.get(machine.machine_id)
+        if old is not None:
+            old.closed = True
+            old.outbox.put_nowait(CloseLink("replaced by a newer link"))
+        self._sessions[machine.machine_id] = session
+        self._changed()
+        await self._write(session, force=True)
+        logger.info("machine %s online", machine.machine_id)
+        return session
+
+    async def seen(self, session: Session, agent_count: int | None = None) -> None:
+        """A heartbeat (or any message) arrived: update, and write at most once per interval."""
+        session.last_seen_at = self._clock()
+        if agent_count is not None:
+            session.agent_count = agent_count
+        await self._write(session, force=False)
+
+    async def close(self, session: Session) -> None:
+        """The link ended: forget it (unless replaced) and write last seen."""
+        session.closed = True
+        if self._sessions.get(session.machine_id) is session:
+            del self._sessions[session.machine_id]
+            self._changed()
+            logger.info("machine %s offline", session.machine_id)
+        await self._write(session, force=True)
+
+    def notify(self, machine_id: str, message: Outgoing) -> bool:
+        """Queue a message for the machine's live link; False when it is offline."""
+        session = self._sessions.get(machine_id)
+        if session is None:
+            return False
+        session.outbox.put_nowait(message)
+        return True
+
+    async def kick(self, account_id: str, machine_id: str) -> None:
+        """Close a revoked machine's link at once (a hook for MachineService.revoke)."""
+        if self.notify(machine_id, RevokedNotice("machine revoked by an administrator")):
+            session = self._sessions.pop(machine_id, None)
+            if session is not None:
+                session.closed = True
+                self._changed()
+
+    async def _write(self, session: Session, *, force: bool) -> None:
+        now = self._monotonic()
+        if not force and now - session.last_write < self._write_interval:
+            return
+        session.last_write = now
+        record = Presence(
+            machine_id=session.machine_id,
+            last_seen_at=session.last_seen_at,
+            version=session.version,
+            agent_count=session.agent_count,
+        )
+        try:
+            await self._store.put(
+                presence_key(session.account_id, session.machine_id), encode(record)
+            )
+        except AgentsError as e:
+            # Presence is advisory: a failed write must not end the link.
+            logger.warning("presence %s: cannot write last seen: %s", session.machine_id, e)
+
+    async def status(self, machine: Machine) -> MachineStatus:
+        """The machine's listing view: live session first, else its stored last seen."""
+        live = self._sessions.get(machine.machine_id)
+        if live is not None:
+            return MachineStatus(machine, True, live.last_seen_at, live.version, live.agent_count)
+        try:
+            data = await self._store.get(presence_key(machine.account_id, machine.machine_id))
+        except NotFound:
+            return MachineStatus(machine, False, None, machine.version, 0)
+        rec = Presence.from_dict(decode(data, "presence"))
+        return MachineStatus(
+            machine, False, rec.last_seen_at, rec.version or machine.version, rec.agent_count
+        )

@@ -1,0 +1,241 @@
+"""The daemon: wires store, keys and domain services into one gRPC server.
+
+Two TLS listeners serve the same services (gRPC's TLS server cannot make a
+client certificate optional): the public one without client certificates
+(Join, Admin, health) and the link one that requires a certificate from our CA
+(every other MachineLink RPC; the servicer refuses them without one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import os
+import signal
+from types import TracebackType
+from typing import Self
+
+import grpc
+import grpc.aio
+from prometheus_client import CollectorRegistry
+
+from controlplane.accounts import AccountService
+from controlplane.admin_servicer import AdminServicer
+from controlplane.audit import Auditor
+from controlplane.authz import CredentialService
+from controlplane.config import ControlConfig, parse_hostport
+from controlplane.keys import HomeKeys, load_home_keys
+from controlplane.link_servicer import LinkServicer
+from controlplane.machines import MachineService
+from controlplane.metrics import ControlMetrics
+from controlplane.pairing import Pairing
+from controlplane.presence import PresenceRegistry
+from controlplane.tokens import TokenService
+from shared.atomic import write_atomic
+from shared.metrics import MetricsServer, new_registry, start_metrics_server
+from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
+from shared.rpc import ErrorInterceptor, serve_health_and_reflection
+from shared.store import ObjectStore, StoreOptions, open_store
+
+__all__ = ["ControlPlane", "Services", "open_control_store", "run_daemon"]
+
+logger = logging.getLogger(__name__)
+
+#: Largest gRPC message accepted (prompts and segments are chunked below this).
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+LINK_SERVICE = link_pb2.DESCRIPTOR.services_by_name["MachineLink"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+
+
+async def open_control_store(cfg: ControlConfig, registry: CollectorRegistry | None) -> ObjectStore:
+    """Open the configured store (metrics under ``agents_cp_store_*``)."""
+    options = StoreOptions(
+        access_key=cfg.store_access_key,
+        secret_key=cfg.store_secret_key,
+        region=cfg.store_region,
+        endpoint_url=cfg.store_endpoint,
+    )
+    return await open_store(
+        cfg.store_url, options=options, namespace="agents_cp", registry=registry
+    )
+
+
+class Services:
+    """The domain objects of one daemon, built from a store and keys."""
+
+    def __init__(self, cfg: ControlConfig, store: ObjectStore, keys: HomeKeys) -> None:
+        self.auditor = Auditor(store)
+        self.accounts = AccountService(store, self.auditor)
+        self.credentials = CredentialService(store, self.accounts, self.auditor)
+        self.tokens = TokenService(store, self.accounts, self.auditor, default_ttl=cfg.token_ttl)
+        self.machines = MachineService(store, self.accounts, self.auditor)
+        self.pairing = Pairing(
+            self.tokens,
+            self.machines,
+            self.accounts,
+            keys.ca,
+            dt.timedelta(days=cfg.cert_lifetime_days),
+        )
+
+
+class ControlPlane:
+    """A running control plane: ``async with ControlPlane(cfg) as cp: await cp.wait()``."""
+
+    def __init__(self, cfg: ControlConfig) -> None:
+        self.cfg = cfg
+        self.registry = new_registry()
+        self.metrics = ControlMetrics(self.registry)
+        self._store: ObjectStore | None = None
+        self._server: grpc.aio.Server | None = None
+        self._metrics_server: MetricsServer | None = None
+        self.public_port = 0
+        self.link_port = 0
+        self._stopped = asyncio.Event()
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop(0)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop(5)
+
+    async def start(self) -> None:
+        """Open the store, bind both listeners and /metrics, write serve.json."""
+        cfg = self.cfg
+        keys = load_home_keys(cfg.home)
+        self._store = await open_control_store(cfg, self.registry)
+        services = Services(cfg, self._store, keys)
+        presence = PresenceRegistry(
+            self._store,
+            write_interval=cfg.presence_write_interval,
+            on_change=self.metrics.machines_online.set,
+        )
+        services.machines.on_revoke(presence.kick)
+
+        server = grpc.aio.server(
+            interceptors=[ErrorInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._server = server
+        pair = [(keys.server.key_pem, keys.server.cert_pem)]
+        public_creds = grpc.ssl_server_credentials(pair)
+        link_creds = grpc.ssl_server_credentials(
+            pair, root_certificates=keys.ca.cert_pem, require_client_auth=True
+        )
+        host, port = parse_hostport(cfg.listen, "listen")
+        self.public_port = server.add_secure_port(f"{_bracket(host)}:{port}", public_creds)
+        lhost, lport = parse_hostport(cfg.link_listen, "link_listen")
+        self.link_port = server.add_secure_port(f"{_bracket(lhost)}:{lport}", link_creds)
+        advertise = cfg.advertise_host or host
+        if advertise in ("0.0.0.0", "::"):
+            logger.warning("listening on all interfaces; set advertise_host for join commands")
+        link = LinkServicer(
+            pairing=services.pairing,
+            machines=services.machines,
+            presence=presence,
+            metrics=self.metrics,
+            heartbeat_interval=cfg.heartbeat_interval,
+            renew_threshold=cfg.renew_threshold,
+            link_port=self.link_port,
+            link_host=cfg.advertise_host,
+        )
+        admin = AdminServicer(
+            accounts=services.accounts,
+            credentials=services.credentials,
+            tokens=services.tokens,
+            machines=services.machines,
+            presence=presence,
+            metrics=self.metrics,
+            ca_hash=keys.ca_hash,
+            join_address=f"{_bracket(advertise)}:{self.public_port}",
+        )
+        link_pb2_grpc.add_MachineLinkServicer_to_server(link, server)
+        admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
+        self._health = await serve_health_and_reflection(server, [LINK_SERVICE, ADMIN_SERVICE])
+        await server.start()
+        metrics_addr = ""
+        if cfg.metrics_listen:
+            mhost, mport = parse_hostport(cfg.metrics_listen, "metrics_listen")
+            self._metrics_server = start_metrics_server(self.registry, mhost, mport)
+            metrics_addr = f"{_bracket(mhost)}:{self._metrics_server.port}"
+        info = {
+            "pid": os.getpid(),
+            "public": f"{_bracket(host)}:{self.public_port}",
+            "link": f"{_bracket(lhost)}:{self.link_port}",
+            "join_address": f"{_bracket(advertise)}:{self.public_port}",
+            "metrics": metrics_addr,
+            "ca_hash": keys.ca_hash,
+        }
+        write_atomic(cfg.serve_path, json.dumps(info, indent=2).encode() + b"\n", mode=0o600)
+        logger.info(
+            "serving: public %s, link %s, metrics %s", info["public"], info["link"], metrics_addr
+        )
+
+    async def wait(self) -> None:
+        """Wait until :meth:`stop` is called."""
+        await self._stopped.wait()
+
+    def request_stop(self) -> None:
+        """Ask :meth:`wait` to return (signal handlers call this)."""
+        self._stopped.set()
+
+    async def stop(self, grace: float) -> None:
+        """Drain for ``grace`` seconds, then close the server, /metrics and the store."""
+        self._stopped.set()
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.stop(grace)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
+        if self._store is not None:
+            store, self._store = self._store, None
+            await store.close()
+        try:
+            self.cfg.serve_path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def run_daemon(cfg: ControlConfig, grace: float = 10.0) -> None:
+    """Run until SIGTERM/SIGINT: the first drains for ``grace`` seconds, a second cancels."""
+    loop = asyncio.get_running_loop()
+    async with ControlPlane(cfg) as cp:
+        signals = 0
+        main = asyncio.current_task()
+
+        def on_signal() -> None:
+            nonlocal signals
+            signals += 1
+            if signals == 1:
+                logger.info("stopping (grace %.0fs); signal again to cancel", grace)
+                cp.request_stop()
+            elif main is not None:
+                main.cancel()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            await cp.wait()
+            await cp.stop(grace)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)

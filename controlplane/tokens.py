@@ -1,0 +1,184 @@
+"""Join tokens: short-lived, limited-use, stored as a hash, consumed with CAS."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import dataclass
+from typing import Any, Final
+
+from controlplane import jsonstore
+from controlplane.accounts import AccountService
+from controlplane.audit import Auditor, Clock, utcnow
+from controlplane.authz import Principal
+from controlplane.config import MAX_TOKEN_TTL
+from controlplane.hashing import hash_secret, new_secret, split_bearer, verify_secret
+from controlplane.records import JoinToken, token_index_key, token_key, tokens_prefix
+from shared.errors import InvalidArgument, NotFound, Unauthenticated
+from shared.ids import is_valid_id, new_id, validate_id
+from shared.store.base import ObjectStore
+
+__all__ = ["MAX_USES", "NewToken", "TokenService"]
+
+logger = logging.getLogger(__name__)
+
+#: The most joins one token may allow.
+MAX_USES: Final = 1000
+_PURPOSE: Final = "token"
+
+
+@dataclass(frozen=True)
+class NewToken:
+    """A token just made: its record and the value shown once."""
+
+    token: JoinToken
+    value: str
+    """``tok_<id>.<secret>``; never stored."""
+
+
+class TokenService:
+    """Join tokens of every account."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        accounts: AccountService,
+        auditor: Auditor,
+        *,
+        default_ttl: int = 3600,
+        clock: Clock = utcnow,
+    ) -> None:
+        self._store = store
+        self._accounts = accounts
+        self._audit = auditor
+        self._default_ttl = default_ttl
+        self._clock = clock
+
+    async def create(
+        self,
+        principal: Principal,
+        account_id: str,
+        ttl_seconds: int = 0,
+        max_uses: int = 0,
+        repair_machine_id: str = "",
+    ) -> NewToken:
+        """Make a token for ``account_id``: TTL default from config, at most 24 h."""
+        validate_id("account", account_id, "account_id")
+        principal.visible_account(account_id, "account", account_id)
+        ttl = ttl_seconds or self._default_ttl
+        if not 1 <= ttl <= MAX_TOKEN_TTL:
+            raise InvalidArgument("ttl_seconds", f"must be between 1 and {MAX_TOKEN_TTL} seconds")
+        uses = max_uses or 1
+        if not 1 <= uses <= MAX_USES:
+            raise InvalidArgument("max_uses", f"must be between 1 and {MAX_USES}")
+        try:
+            await self._accounts.get(account_id)
+        except NotFound:
+            raise NotFound("account", account_id) from None
+        await self._accounts.require_active(account_id, "token create")
+        now = self._clock()
+        token_id = new_id("token")
+        secret = new_secret()
+        token = JoinToken(
+            token_id=token_id,
+            account_id=account_id,
+            secret_hash=hash_secret(_PURPOSE, token_id, secret),
+            created_at=now,
+            expires_at=now + dt.timedelta(seconds=ttl),
+            max_uses=uses,
+            created_by=principal.credential_id,
+            repair_machine_id=repair_machine_id,
+        )
+        await jsonstore.create(self._store, token_index_key(token_id), {"account_id": account_id})
+        await jsonstore.create(self._store, token_key(account_id, token_id), token.to_dict())
+        await self._audit.record(principal.credential_id, "token.create", token_id, account_id)
+        return NewToken(token, f"{token_id}.{secret}")
+
+    async def _owner(self, token_id: str) -> str:
+        data = await jsonstore.read(self._store, token_index_key(token_id))
+        return validate_id("account", str(data.get("account_id", "")), "account_id")
+
+    async def get(self, principal: Principal, token_id: str) -> JoinToken:
+        """One token; NotFound when missing or not visible to ``principal``."""
+        validate_id("token", token_id, "token_id")
+        try:
+            account_id = await self._owner(token_id)
+            principal.visible_account(account_id, "token", token_id)
+            data = await jsonstore.read(self._store, token_key(account_id, token_id))
+        except NotFound:
+            raise NotFound("token", token_id) from None
+        return JoinToken.from_dict(data)
+
+    async def list(self, principal: Principal, account_id: str = "") -> list[JoinToken]:
+        """Tokens of one account, or of every account for the operator; oldest first."""
+        scope = principal.listing_scope(account_id)
+        account_ids = (
+            [scope] if scope is not None else [a.account_id for a in await self._accounts.list()]
+        )
+        out: list[JoinToken] = []
+        for acct in account_ids:
+            prefix = tokens_prefix(acct)
+            async for info in self._store.list(prefix):
+                name = info.key[len(prefix) :].removesuffix(".json")
+                if not is_valid_id("token", name):
+                    continue
+                try:
+                    out.append(JoinToken.from_dict(await jsonstore.read(self._store, info.key)))
+                except NotFound:
+                    continue
+        return out
+
+    async def revoke(self, principal: Principal, token_id: str) -> JoinToken:
+        """Revoke a token (idempotent)."""
+        token = await self.get(principal, token_id)
+
+        def change(d: dict[str, Any]) -> dict[str, Any] | None:
+            if d.get("revoked"):
+                return None
+            return {**d, "revoked": True}
+
+        data = await jsonstore.update(self._store, token_key(token.account_id, token_id), change)
+        await self._audit.record(
+            principal.credential_id, "token.revoke", token_id, token.account_id
+        )
+        return JoinToken.from_dict(data)
+
+    async def consume(self, value: str) -> JoinToken:
+        """Check a presented token and use it once (compare-and-swap on its use count).
+
+        Raises Unauthenticated ("join: token expired", ...) or PermissionDenied
+        when the account is deleted or being deleted. Never echoes the secret.
+        """
+        try:
+            token_id, secret = split_bearer(value, "token", "token")
+        except InvalidArgument:
+            raise Unauthenticated("join: malformed token (want tok_<id>.<secret>)") from None
+        try:
+            account_id = await self._owner(token_id)
+            key = token_key(account_id, token_id)
+            token = JoinToken.from_dict(await jsonstore.read(self._store, key))
+        except NotFound:
+            raise Unauthenticated("join: unknown token") from None
+        if not verify_secret(_PURPOSE, token_id, secret, token.secret_hash):
+            raise Unauthenticated("join: wrong token secret")
+        self._check_usable(token)
+        await self._accounts.require_active(account_id, "join")
+
+        def change(d: dict[str, Any]) -> dict[str, Any]:
+            # Re-checked on every CAS attempt: a concurrent join may have used it up.
+            self._check_usable(JoinToken.from_dict(d))
+            return {**d, "uses": int(d.get("uses", 0)) + 1}
+
+        data = await jsonstore.update(self._store, key, change)
+        used = JoinToken.from_dict(data)
+        await self._audit.record(token_id, "token.use", token_id, account_id)
+        return used
+
+    def _check_usable(self, token: JoinToken) -> None:
+        state = token.state(self._clock())
+        if state == "revoked":
+            raise Unauthenticated("join: token revoked")
+        if state == "used":
+            raise Unauthenticated("join: token already used")
+        if state == "expired":
+            raise Unauthenticated("join: token expired")

@@ -1,0 +1,179 @@
+"""The machine's domain wired together: database, agents, attachments, run engine.
+
+:func:`open_machine` is the one place that builds them, as an async context
+manager, so the daemon, tests and benchmarks share the same construction and
+shutdown order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from machine import store
+from machine.agents import AgentsService
+from machine.attachments import AttachmentStore
+from machine.config import MachineConfig
+from machine.db import Database
+from machine.metrics import MachineMetrics
+from machine.runs import RunEngine
+from machine.runtimes import RuntimeRegistry, default_registry
+from shared.atomic import ensure_private_dir
+from shared.ids import new_id
+
+__all__ = ["Machine", "MachineStatus", "open_machine"]
+
+logger = logging.getLogger(__name__)
+
+_PRUNE_EVERY = 3600.0
+
+
+@dataclass(frozen=True)
+class MachineStatus:
+    """Counts for ``agents-machine status``."""
+
+    data_dir: str
+    machine_id: str
+    active_agents: int
+    archived_agents: int
+    open_runs: int
+    waiting_runs: int
+    runtimes: list[str]
+    started_at: float
+    schema_version: int
+
+
+@dataclass
+class Machine:
+    """Everything the servicer calls."""
+
+    config: MachineConfig
+    db: Database
+    machine_id: str
+    agents: AgentsService
+    attachments: AttachmentStore
+    runs: RunEngine
+    runtimes: RuntimeRegistry
+    started_at: float
+
+    async def status(self) -> MachineStatus:
+        """Current counts."""
+
+        def read(conn: sqlite3.Connection) -> tuple[int, int, int, int]:
+            counts = dict(conn.execute("SELECT state, COUNT(*) FROM agents GROUP BY state"))
+            runs = dict(conn.execute("SELECT state, COUNT(*) FROM runs GROUP BY state"))
+            open_runs = sum(runs.get(s, 0) for s in ("queued", "running", "waiting_permission"))
+            return (
+                counts.get("active", 0),
+                counts.get("archived", 0),
+                open_runs,
+                runs.get("waiting_permission", 0),
+            )
+
+        active, archived, open_runs, waiting = await self.db.read(read)
+        return MachineStatus(
+            data_dir=str(self.config.data_dir),
+            machine_id=self.machine_id,
+            active_agents=active,
+            archived_agents=archived,
+            open_runs=open_runs,
+            waiting_runs=waiting,
+            runtimes=self.runtimes.names(),
+            started_at=self.started_at,
+            schema_version=self.db.schema_version,
+        )
+
+    async def prune(self) -> int:
+        """Delete machine log entries older than the retention; return how many."""
+        cutoff = time.time() - self.config.event_retention_days * 86400
+
+        def write(conn: sqlite3.Connection) -> int:
+            return conn.execute("DELETE FROM machine_log WHERE time < ?", (cutoff,)).rowcount
+
+        return await self.db.write(write)
+
+
+def _machine_id(conn: sqlite3.Connection) -> str:
+    # The origin every agent created here carries; made once with the database.
+    existing = store.get_setting(conn, "machine_id")
+    if existing is not None:
+        return existing
+    made = new_id("machine")
+    store.set_setting(conn, "machine_id", made)
+    return made
+
+
+async def _prune_loop(machine: Machine) -> None:
+    while True:
+        try:
+            removed = await machine.prune()
+            if removed:
+                logger.info("pruned %d machine log entries", removed)
+        except Exception:
+            logger.exception("pruning the machine log failed")
+        await asyncio.sleep(_PRUNE_EVERY)
+
+
+@contextlib.asynccontextmanager
+async def open_machine(
+    config: MachineConfig,
+    *,
+    metrics: MachineMetrics | None = None,
+    runtimes: RuntimeRegistry | None = None,
+) -> AsyncIterator[Machine]:
+    """Open the data folder and database, recover runs, and yield the machine.
+
+    On exit, runs get ``config.shutdown_grace_seconds`` to end, then are
+    interrupted; runs waiting for a person stay waiting.
+    """
+    ensure_private_dir(config.data_dir)
+    ensure_private_dir(config.attachments_dir)
+    db = await Database.open(
+        config.db_path, on_commit=metrics.observe_commit if metrics is not None else None
+    )
+    prune: asyncio.Task[None] | None = None
+    engine: RunEngine | None = None
+    try:
+        machine_id = await db.write(_machine_id)
+        registry = runtimes or default_registry()
+        attachments = AttachmentStore(
+            db, config.attachments_dir, limit=config.attachment_limit, machine_id=machine_id
+        )
+        engine = RunEngine(
+            db,
+            machine_id=machine_id,
+            runtimes=registry,
+            attachments=attachments,
+            prompt_limit=config.prompt_limit,
+            metrics=metrics,
+        )
+        machine = Machine(
+            config=config,
+            db=db,
+            machine_id=machine_id,
+            agents=AgentsService(db, machine_id=machine_id, runtimes=registry),
+            attachments=attachments,
+            runs=engine,
+            runtimes=registry,
+            started_at=time.time(),
+        )
+        interrupted = await engine.start()
+        if interrupted:
+            logger.warning(
+                "%d run(s) were in flight at the last stop: marked interrupted", interrupted
+            )
+        if config.background_loops:
+            prune = asyncio.create_task(_prune_loop(machine), name="machine-log-prune")
+        yield machine
+    finally:
+        if prune is not None:
+            prune.cancel()
+            await asyncio.gather(prune, return_exceptions=True)
+        if engine is not None:
+            await engine.close(config.shutdown_grace_seconds)
+        await db.close()

@@ -1,0 +1,127 @@
+"""Attachments: content-addressed files under ``attachments/<sha256>``.
+
+An upload streams into a temp file in the same folder while it is hashed and
+counted; over the limit, the temp file is removed and TooLarge raised, so
+nothing is left. A complete upload is fsync'd, renamed to its hash (0600) and
+the folder fsync'd, then recorded against the agent that will use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from machine import store
+from machine.db import Database
+from machine.models import AttachmentRecord
+from shared.atomic import ensure_private_dir, fsync_dir
+from shared.errors import InvalidArgument, NotFound, TooLarge
+from shared.ids import validate_id, validate_sha256
+
+__all__ = ["AttachmentStore"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_FILE_NAME = 255
+
+
+class AttachmentStore:
+    """Stores uploads and answers which agent may use which attachment."""
+
+    def __init__(
+        self,
+        db: Database,
+        folder: Path,
+        *,
+        limit: int,
+        machine_id: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._db = db
+        self.folder = folder
+        self.limit = limit
+        self._machine_id = machine_id
+        self._clock = clock
+
+    def path(self, sha256: str) -> Path:
+        """Where an attachment's bytes live."""
+        return self.folder / validate_sha256(sha256)
+
+    async def upload(
+        self, *, agent_id: str, file_name: str, declared_size: int, chunks: AsyncIterator[bytes]
+    ) -> AttachmentRecord:
+        """Store ``chunks`` for ``agent_id``; TooLarge (field ``attachment``) over the limit."""
+        validate_id("agent", agent_id, "agent_id")
+        if len(file_name) > _MAX_FILE_NAME or "/" in file_name or "\x00" in file_name:
+            raise InvalidArgument("file_name", "must be a plain file name of at most 255 bytes")
+        if declared_size < 0:
+            raise InvalidArgument("size", "must not be negative")
+        if declared_size > self.limit:
+            raise TooLarge("attachment", self.limit, declared_size)
+        await self._db.read(lambda c: store.get_agent(c, agent_id, self._machine_id))
+        ensure_private_dir(self.folder)
+        tmp = self.folder / f".upload-{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > self.limit:
+                        raise TooLarge("attachment", self.limit, size)
+                    digest.update(chunk)
+                    await asyncio.to_thread(f.write, chunk)
+                f.flush()
+                await asyncio.to_thread(os.fsync, f.fileno())
+            sha = digest.hexdigest()
+            final = self.folder / sha
+            await asyncio.to_thread(_commit_file, tmp, final)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        now = self._clock()
+
+        def write(conn: sqlite3.Connection) -> None:
+            store.get_agent(conn, agent_id, self._machine_id)
+            conn.execute(
+                "INSERT INTO attachments (sha256, size, created_at) VALUES (?,?,?) "
+                "ON CONFLICT (sha256) DO NOTHING",
+                (sha, size, now),
+            )
+            conn.execute(
+                "INSERT INTO attachment_refs (sha256, agent_id, run_id, file_name, created_at)"
+                " VALUES (?,?,'',?,?) ON CONFLICT DO NOTHING",
+                (sha, agent_id, file_name, now),
+            )
+
+        await self._db.write(write)
+        logger.info("attachment %s (%d bytes) stored for %s", sha[:12], size, agent_id)
+        return AttachmentRecord(sha, size, agent_id, file_name)
+
+    def check_usable(self, conn: sqlite3.Connection, agent_id: str, sha256: str) -> Path:
+        """In a transaction: the attachment is recorded for the agent and on disk."""
+        validate_sha256(sha256, "attachments")
+        row = conn.execute(
+            "SELECT 1 FROM attachment_refs WHERE sha256 = ? AND agent_id = ? LIMIT 1",
+            (sha256, agent_id),
+        ).fetchone()
+        path = self.folder / sha256
+        if row is None or not path.exists():
+            raise NotFound("attachment", sha256)
+        return path
+
+
+def _commit_file(tmp: Path, final: Path) -> None:
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, final)  # same content, same name: replacing an existing copy is harmless
+    fsync_dir(final.parent)

@@ -1,0 +1,172 @@
+"""Translate domain records to and from machine.v1 protobuf messages.
+
+Only the servicer and the CLI client use this module: protobuf stops here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from machine.models import (
+    AgentRecord,
+    AgentState,
+    EventKind,
+    RunErrorCode,
+    RunRecord,
+    RunState,
+    SearchHit,
+    StoredEvent,
+)
+from shared.pb.machine.v1 import machine_pb2 as pb
+
+__all__ = ["agent_to_pb", "event_to_pb", "hit_to_pb", "run_to_pb", "ts"]
+
+logger = logging.getLogger(__name__)
+
+_AGENT_STATE = {
+    AgentState.ACTIVE: pb.AGENT_STATE_ACTIVE,
+    AgentState.ARCHIVED: pb.AGENT_STATE_ARCHIVED,
+}
+_RUN_STATE = {
+    RunState.QUEUED: pb.RUN_STATE_QUEUED,
+    RunState.RUNNING: pb.RUN_STATE_RUNNING,
+    RunState.WAITING_PERMISSION: pb.RUN_STATE_WAITING_PERMISSION,
+    RunState.FINISHED: pb.RUN_STATE_FINISHED,
+    RunState.FAILED: pb.RUN_STATE_FAILED,
+    RunState.INTERRUPTED: pb.RUN_STATE_INTERRUPTED,
+    RunState.CANCELLED: pb.RUN_STATE_CANCELLED,
+}
+
+
+def ts(seconds: float | None) -> Timestamp | None:
+    """A Timestamp from Unix seconds (None stays None)."""
+    if seconds is None:
+        return None
+    out = Timestamp()
+    out.FromNanoseconds(int(seconds * 1e9))
+    return out
+
+
+def agent_to_pb(agent: AgentRecord) -> pb.Agent:
+    """Domain agent -> message."""
+    return pb.Agent(
+        id=agent.id,
+        name=agent.name,
+        folder=agent.folder,
+        runtime=agent.runtime,
+        settings_json=json.dumps(agent.settings, sort_keys=True),
+        state=_AGENT_STATE[agent.state],
+        origin_machine=agent.origin_machine,
+        local=agent.local,
+        session_id=agent.session_id or "",
+        created_at=ts(agent.created_at),
+        updated_at=ts(agent.updated_at),
+        last_seq=agent.last_seq,
+    )
+
+
+def run_to_pb(run: RunRecord) -> pb.Run:
+    """Domain run -> message."""
+    return pb.Run(
+        id=run.id,
+        agent_id=run.agent_id,
+        state=_RUN_STATE[run.state],
+        prompt=run.prompt,
+        created_at=ts(run.created_at),
+        started_at=ts(run.started_at),
+        finished_at=ts(run.finished_at),
+        usage=pb.Usage(input_tokens=run.input_tokens, output_tokens=run.output_tokens),
+        duration_ms=run.duration_ms,
+        error_code=pb.RunErrorCode.Value(
+            run.error_code.value if run.error_code else "RUN_ERROR_CODE_UNSPECIFIED"
+        ),
+    )
+
+
+def event_to_pb(ev: StoredEvent) -> pb.RunEvent:
+    """Stored event -> message (payload in its oneof field)."""
+    out = pb.RunEvent(
+        agent_id=ev.agent_id,
+        seq=ev.seq,
+        run_id=ev.run_id,
+        kind=pb.RunEventKind.Value(ev.kind.value),
+        time=ts(ev.time),
+    )
+    p = ev.payload
+    if ev.kind is EventKind.RUN_STARTED:
+        out.run_started.CopyFrom(
+            pb.RunStarted(
+                prompt=p.get("prompt", ""),
+                attachments=p.get("attachments", []),
+                runtime=p.get("runtime", ""),
+            )
+        )
+    elif ev.kind is EventKind.TEXT_DELTA:
+        out.text_delta.CopyFrom(pb.TextDelta(text=p.get("text", "")))
+    elif ev.kind is EventKind.TOOL_CALL:
+        out.tool_call.CopyFrom(
+            pb.ToolCall(
+                call_id=p.get("call_id", ""),
+                title=p.get("title", ""),
+                tool_kind=p.get("tool_kind", ""),
+                input_json=p.get("input_json", ""),
+            )
+        )
+    elif ev.kind is EventKind.TOOL_RESULT:
+        out.tool_result.CopyFrom(
+            pb.ToolResult(
+                call_id=p.get("call_id", ""), status=p.get("status", ""), output=p.get("output", "")
+            )
+        )
+    elif ev.kind is EventKind.PERMISSION_REQUEST:
+        out.permission_request.CopyFrom(
+            pb.PermissionRequest(
+                request_id=p.get("request_id", ""),
+                call_id=p.get("call_id", ""),
+                title=p.get("title", ""),
+                options=[pb.PermissionOption(**o) for o in p.get("options", [])],
+            )
+        )
+    elif ev.kind is EventKind.PERMISSION_ANSWERED:
+        out.permission_answered.CopyFrom(
+            pb.PermissionAnswered(
+                request_id=p.get("request_id", ""),
+                option_id=p.get("option_id", ""),
+                remember=bool(p.get("remember")),
+                by_rule=bool(p.get("by_rule")),
+            )
+        )
+    elif ev.kind is EventKind.RUN_FINISHED:
+        usage = p.get("usage", {})
+        out.run_finished.CopyFrom(
+            pb.RunFinished(
+                stop_reason=p.get("stop_reason", ""),
+                usage=pb.Usage(
+                    input_tokens=usage.get("input_tokens", 0),
+                    output_tokens=usage.get("output_tokens", 0),
+                ),
+                duration_ms=p.get("duration_ms", 0),
+            )
+        )
+    elif ev.kind is EventKind.RUN_ERROR:
+        code = RunErrorCode(p.get("code", RunErrorCode.RUNTIME_FAILED.value))
+        out.run_error.CopyFrom(
+            pb.RunError(code=pb.RunErrorCode.Value(code.value), message=p.get("message", ""))
+        )
+    return out
+
+
+def hit_to_pb(hit: SearchHit) -> pb.SearchHit:
+    """Search hit -> message."""
+    return pb.SearchHit(
+        agent_id=hit.agent_id,
+        agent_name=hit.agent_name,
+        archived=hit.archived,
+        run_id=hit.run_id,
+        seq=hit.seq,
+        source=hit.source,
+        snippet=hit.snippet,
+    )

@@ -1,0 +1,229 @@
+"""The machine daemon's configuration: one frozen dataclass, built once by the CLI.
+
+Values come from command-line flags, then the environment (passed in as a
+mapping), then a TOML file (``<data_dir>/machine.toml`` or ``--config``), then
+defaults. This is the only module of the machine package that looks at
+environment values.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.config import load_toml, parse_bool, parse_size, pick
+from shared.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_ATTACHMENT_LIMIT",
+    "DEFAULT_PROMPT_LIMIT",
+    "MachineConfig",
+    "default_data_dir",
+    "parse_hostport",
+    "resolve_data_dir",
+    "server_data_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROMPT_LIMIT = 1024 * 1024
+DEFAULT_ATTACHMENT_LIMIT = 20 * 1024 * 1024
+DEFAULT_EVENT_RETENTION_DAYS = 7
+# Unix socket paths are limited to ~107 bytes on Linux (104 on macOS).
+_MAX_SOCKET_PATH = 100
+
+
+def default_data_dir(env: Mapping[str, str], home: Path, platform: str | None = None) -> Path:
+    """The per-user data folder: ``$XDG_DATA_HOME/Agents`` or ``~/.local/share/Agents``
+    on Linux, ``~/Library/Application Support/Agents`` on macOS."""
+    platform = platform or sys.platform
+    if platform == "darwin":
+        return home / "Library" / "Application Support" / "Agents"
+    xdg = env.get("XDG_DATA_HOME", "")
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "Agents"
+    return home / ".local" / "share" / "Agents"
+
+
+def server_data_dir(home: Path) -> Path:
+    """The data folder of a server installed by ``agents-machine join``."""
+    return home / ".agents-server" / "root"
+
+
+def resolve_data_dir(flag: str | Path | None, env: Mapping[str, str], home: Path) -> Path:
+    """``--data-dir`` > ``$AGENTS_DATA_DIR`` > the platform default, made absolute."""
+    chosen: str | Path | None = flag or env.get("AGENTS_DATA_DIR") or None
+    path = Path(chosen).expanduser() if chosen else default_data_dir(env, home)
+    return path.absolute()
+
+
+def parse_hostport(value: str, field: str) -> tuple[str, int]:
+    """Parse ``HOST:PORT`` where HOST must be a loopback address (127.0.0.1, ::1)."""
+    host, sep, port_text = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host:
+        raise ConfigError(field, f"expected HOST:PORT, got {value!r}")
+    try:
+        port = int(port_text)
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(field, f"expected a loopback IP and a port, got {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(field, f"port out of range in {value!r}")
+    if not addr.is_loopback:
+        # No authentication on the machine API yet: never expose it beyond this host.
+        raise ConfigError(field, f"only loopback addresses are allowed, got {host!r}")
+    return str(addr), port
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    """Everything the machine daemon needs to know, fixed at start."""
+
+    data_dir: Path
+    """The data folder (0700): machine.db, attachments/, keys/, backups/..."""
+
+    socket_path: Path | None = None
+    """The gRPC Unix socket; ``None`` means ``<data_dir>/machine.sock``."""
+
+    tcp_address: str | None = None
+    """Optional extra gRPC listener ``HOST:PORT`` on a loopback address only (port 0
+    picks a free one). There is no authentication on it, so it is for tests and
+    local tools; remote access goes through the control plane."""
+
+    metrics_address: str | None = None
+    """``HOST:PORT`` (loopback) for Prometheus ``/metrics``; ``None`` turns it off."""
+
+    prompt_limit: int = DEFAULT_PROMPT_LIMIT
+    """Largest prompt accepted, in bytes of UTF-8 (default 1 MiB)."""
+
+    attachment_limit: int = DEFAULT_ATTACHMENT_LIMIT
+    """Largest attachment accepted, in bytes (default 20 MiB)."""
+
+    event_retention_days: int = DEFAULT_EVENT_RETENTION_DAYS
+    """Entries of the machine event log older than this are pruned (default 7)."""
+
+    background_loops: bool = True
+    """Run periodic jobs (pruning). Tests switch them off."""
+
+    shutdown_grace_seconds: float = 10.0
+    """On the first SIGTERM, runs get this long to end before they are interrupted."""
+
+    @property
+    def socket(self) -> Path:
+        """The Unix socket path actually used."""
+        return self.socket_path or self.data_dir / "machine.sock"
+
+    @property
+    def db_path(self) -> Path:
+        """The SQLite database."""
+        return self.data_dir / "machine.db"
+
+    @property
+    def attachments_dir(self) -> Path:
+        """Content-addressed attachments."""
+        return self.data_dir / "attachments"
+
+    def validate(self) -> MachineConfig:
+        """Raise ConfigError naming the first bad field; return self."""
+        if not self.data_dir.is_absolute():
+            raise ConfigError("data_dir", f"must be an absolute path, got {self.data_dir}")
+        if len(str(self.socket)) > _MAX_SOCKET_PATH:
+            raise ConfigError(
+                "socket_path", f"too long for a Unix socket ({len(str(self.socket))} bytes)"
+            )
+        if self.tcp_address is not None:
+            parse_hostport(self.tcp_address, "tcp_address")
+        if self.metrics_address is not None:
+            parse_hostport(self.metrics_address, "metrics_address")
+        if self.prompt_limit < 1:
+            raise ConfigError("prompt_limit", "must be at least 1 byte")
+        if self.attachment_limit < 1:
+            raise ConfigError("attachment_limit", "must be at least 1 byte")
+        if not 1 <= self.event_retention_days <= 3650:
+            raise ConfigError("event_retention_days", "must be between 1 and 3650")
+        if self.shutdown_grace_seconds < 0:
+            raise ConfigError("shutdown_grace_seconds", "must not be negative")
+        return self
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        flags: Mapping[str, Any],
+        env: Mapping[str, str],
+        home: Path,
+        config_file: Path | None = None,
+    ) -> MachineConfig:
+        """Build from flags > env > file > defaults and validate.
+
+        ``flags`` holds the CLI's values by field name (``None`` when not given).
+        The file is ``config_file`` or ``<data_dir>/machine.toml`` when present.
+        """
+        data_dir = resolve_data_dir(flags.get("data_dir"), env, home)
+        file = load_toml(config_file or data_dir / "machine.toml")
+
+        def opt(name: str, env_key: str) -> str | None:
+            value: str | None = pick(
+                name, flag=flags.get(name), env=env, env_key=env_key, file=file, default=None
+            )
+            return value
+
+        socket = opt("socket_path", "AGENTS_MACHINE_SOCKET")
+        cfg = cls(
+            data_dir=data_dir,
+            socket_path=Path(socket).absolute() if socket else None,
+            tcp_address=opt("tcp_address", "AGENTS_MACHINE_TCP"),
+            metrics_address=opt("metrics_address", "AGENTS_MACHINE_METRICS"),
+            prompt_limit=pick(
+                "prompt_limit",
+                flag=flags.get("prompt_limit"),
+                env=env,
+                env_key="AGENTS_MACHINE_PROMPT_LIMIT",
+                file=file,
+                default=DEFAULT_PROMPT_LIMIT,
+                parse=parse_size,
+            ),
+            attachment_limit=pick(
+                "attachment_limit",
+                flag=flags.get("attachment_limit"),
+                env=env,
+                env_key="AGENTS_MACHINE_ATTACHMENT_LIMIT",
+                file=file,
+                default=DEFAULT_ATTACHMENT_LIMIT,
+                parse=parse_size,
+            ),
+            event_retention_days=pick(
+                "event_retention_days",
+                flag=flags.get("event_retention_days"),
+                env=env,
+                env_key="AGENTS_MACHINE_EVENT_RETENTION_DAYS",
+                file=file,
+                default=DEFAULT_EVENT_RETENTION_DAYS,
+                parse=int,
+            ),
+            background_loops=pick(
+                "background_loops",
+                flag=flags.get("background_loops"),
+                env=env,
+                env_key="AGENTS_MACHINE_BACKGROUND_LOOPS",
+                file=file,
+                default=True,
+                parse=parse_bool,
+            ),
+            shutdown_grace_seconds=pick(
+                "shutdown_grace_seconds",
+                flag=flags.get("shutdown_grace_seconds"),
+                env=env,
+                env_key="AGENTS_MACHINE_SHUTDOWN_GRACE",
+                file=file,
+                default=10.0,
+                parse=float,
+            ),
+        )
+        return cfg.validate()

@@ -1,0 +1,220 @@
+"""The machine daemon: the gRPC server on the data folder's Unix socket.
+
+:func:`serve` runs until SIGTERM/SIGINT. The first signal drains: no new
+RPCs, runs get ``shutdown_grace_seconds`` to end, then are interrupted (runs
+waiting for a person stay waiting). A second signal interrupts at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from machine.app import Machine, open_machine
+from machine.config import MachineConfig, parse_hostport
+from machine.metrics import MachineMetrics
+from machine.service import SERVICE_NAME, MachineServicer
+from shared.errors import InvalidState
+from shared.metrics import MetricsServer, new_registry, start_metrics_server
+from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
+from shared.rpc import ErrorInterceptor, serve_health_and_reflection
+
+__all__ = ["ServeInfo", "serve"]
+
+logger = logging.getLogger(__name__)
+
+_STREAM_FLUSH_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class ServeInfo:
+    """Where a started daemon listens (passed to ``serve``'s ``ready`` callback)."""
+
+    socket: Path
+    tcp_port: int | None
+    metrics_port: int | None
+    machine_id: str
+
+
+@contextlib.contextmanager
+def _data_dir_lock(data_dir: Path) -> Any:
+    """Hold an exclusive lock so two daemons never share a data folder."""
+    fd = os.open(data_dir / "machine.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InvalidState(
+                f"serve {data_dir}", "another agents-machine is already using this data folder"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _control_link(
+    config: MachineConfig, machine: Machine, metrics: MachineMetrics
+) -> contextlib.AbstractAsyncContextManager[Any]:
+    # ===================================================================
+    # CONTROL-PLANE LINK (the lead wires deliveries). When the machine has
+    # joined a control plane (link.json exists) and machine.link is
+    # installed, the daemon keeps the link open for as long as it serves.
+    # Imported late: a stand-alone machine never loads it.
+    # ===================================================================
+    if not (config.data_dir / "link.json").exists():
+        return contextlib.nullcontext()
+    if importlib.util.find_spec("machine.link") is None:
+        logger.warning("link.json found but machine.link is unavailable: not connecting")
+        return contextlib.nullcontext()
+    link_module = importlib.import_module("machine.link")
+
+    async def agent_count() -> int:
+        status = await machine.status()
+        return status.active_agents + status.archived_agents
+
+    link: contextlib.AbstractAsyncContextManager[Any] = link_module.ControlLink(
+        data_dir=config.data_dir,
+        agent_count=agent_count,
+        version=_version(),
+        registry=metrics.registry,
+    )
+    return link
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agents-platform")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _prepare_socket(path: Path) -> None:
+    # The data-folder lock proves no daemon owns a leftover socket: remove it.
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+@contextlib.asynccontextmanager
+async def _metrics(config: MachineConfig, metrics: MachineMetrics) -> AsyncIterator[int | None]:
+    if config.metrics_address is None:
+        yield None
+        return
+    host, port = parse_hostport(config.metrics_address, "metrics_address")
+    server: MetricsServer = await asyncio.to_thread(
+        start_metrics_server, metrics.registry, host, port
+    )
+    try:
+        yield server.port
+    finally:
+        await asyncio.to_thread(server.close)
+
+
+async def serve(
+    config: MachineConfig,
+    *,
+    ready: Callable[[ServeInfo], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set).
+
+    ``ready`` is called once the server accepts connections, with where it
+    listens. Signal handlers are installed only in the main thread.
+    """
+    config.validate()
+    stop = stop or asyncio.Event()
+    metrics = MachineMetrics(new_registry())
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+    machine_ref: list[Machine] = []
+
+    def on_signal() -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen == 1:
+            logger.info("stopping: draining (send the signal again to stop at once)")
+            stop.set()
+        else:
+            logger.warning("second stop signal: interrupting runs now")
+            for m in machine_ref:
+                m.runs.interrupt_now()
+
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, on_signal)
+            installed.append(sig)
+        except (RuntimeError, ValueError):  # not the main thread
+            break
+    try:
+        from shared.atomic import ensure_private_dir
+
+        ensure_private_dir(config.data_dir)
+        with _data_dir_lock(config.data_dir):
+            async with (
+                open_machine(config, metrics=metrics) as machine,
+                _metrics(config, metrics) as metrics_port,
+            ):
+                machine_ref.append(machine)
+                await _serve_grpc(config, machine, metrics, metrics_port, ready, stop)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+async def _serve_grpc(
+    config: MachineConfig,
+    machine: Machine,
+    metrics: MachineMetrics,
+    metrics_port: int | None,
+    ready: Callable[[ServeInfo], None] | None,
+    stop: asyncio.Event,
+) -> None:
+    max_message = max(4 * 1024 * 1024, config.prompt_limit + 64 * 1024)
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", max_message),
+            ("grpc.max_send_message_length", max_message),
+        ],
+    )
+    pb_grpc.add_MachineServiceServicer_to_server(MachineServicer(machine), server)
+    health = await serve_health_and_reflection(server, [SERVICE_NAME])
+    socket = config.socket
+    _prepare_socket(socket)
+    server.add_insecure_port(f"unix://{socket}")
+    tcp_port: int | None = None
+    if config.tcp_address is not None:
+        host, port = parse_hostport(config.tcp_address, "tcp_address")
+        tcp_port = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    os.chmod(socket, 0o600)
+    logger.info("agents-machine serving on unix://%s", socket)
+    try:
+        async with _control_link(config, machine, metrics):
+            if ready is not None:
+                ready(ServeInfo(socket, tcp_port, metrics_port, machine.machine_id))
+            await stop.wait()
+            await health.enter_graceful_shutdown()
+            # Let runs end (or interrupt them) while streams can still carry their
+            # last events, then stop the server.
+            await machine.runs.close(config.shutdown_grace_seconds)
+    finally:
+        await server.stop(_STREAM_FLUSH_SECONDS)
+        with contextlib.suppress(FileNotFoundError):
+            socket.unlink()
+        logger.info("agents-machine stopped")

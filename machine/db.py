@@ -1,0 +1,216 @@
+"""machine.db access: one writer thread with group commit, one reader thread.
+
+SQLite work never runs on the event loop. Writes are callables queued to a
+dedicated writer thread that owns the only writing connection; the thread
+takes every write waiting in the queue, runs each in its own SAVEPOINT inside
+one transaction and commits once. With ``synchronous=FULL`` that commit is
+one fsync for the whole batch, so concurrent appenders share it (group
+commit) and a write's future resolves only after its data is on disk.
+
+Reads run on a second connection in a single reader thread; WAL mode lets
+them proceed while the writer commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from machine.schema import migrate
+from shared.errors import StoreError
+
+__all__ = ["CommitObserver", "Database"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Called by the writer thread after each commit with (batch size, seconds).
+CommitObserver = Callable[[int, float], None]
+
+_MAX_BATCH = 512
+
+
+@dataclass
+class _Job:
+    fn: Callable[[sqlite3.Connection], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    conn.row_factory = sqlite3.Row
+    # Durability and hygiene settings are per connection (journal_mode is persistent).
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute("PRAGMA foreign_keys = ON")
+    conn.execute("PRAGMA secure_delete = ON")
+    conn.execute("PRAGMA busy_timeout = 30000")
+    return conn
+
+
+def _settle(job: _Job, result: Any, error: BaseException | None) -> None:
+    def done() -> None:
+        if job.future.done():  # the caller went away; the write stands anyway
+            return
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+
+    try:
+        job.loop.call_soon_threadsafe(done)
+    except RuntimeError:  # loop closed during shutdown
+        pass
+
+
+class Database:
+    """The machine database. Use :meth:`open`, then :meth:`write`/:meth:`read`."""
+
+    def __init__(self, path: Path, *, on_commit: CommitObserver | None = None) -> None:
+        self.path = path
+        self.schema_version = 0
+        self._on_commit = on_commit
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._wconn: sqlite3.Connection | None = None
+        self._rconn: sqlite3.Connection | None = None
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="machine-db-read")
+        self._closed = False
+
+    @classmethod
+    async def open(cls, path: Path, *, on_commit: CommitObserver | None = None) -> Database:
+        """Open (creating 0600 if needed) and migrate the database; start its threads."""
+        db = cls(path, on_commit=on_commit)
+        await asyncio.to_thread(db._open_sync)
+        db._writer = threading.Thread(target=db._write_loop, name="machine-db-write", daemon=True)
+        db._writer.start()
+        return db
+
+    def _open_sync(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.close(fd)
+        os.chmod(self.path, 0o600)
+        try:
+            self._wconn = _connect(self.path)
+            self.schema_version = migrate(self._wconn, where=str(self.path))
+            self._rconn = _connect(self.path)
+        except sqlite3.DatabaseError as e:
+            self._close_conns()
+            raise StoreError(f"open {self.path}: {e}") from None
+        except BaseException:
+            self._close_conns()
+            raise
+        for suffix in ("-wal", "-shm"):
+            side = self.path.with_name(self.path.name + suffix)
+            if side.exists():
+                os.chmod(side, 0o600)
+
+    def _close_conns(self) -> None:
+        for conn in (self._wconn, self._rconn):
+            if conn is not None:
+                conn.close()
+        self._wconn = self._rconn = None
+
+    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn(conn)`` in the writer thread inside a transaction; return its result
+        once the transaction is committed (fsync'd). If ``fn`` raises, its changes are
+        rolled back and the exception is re-raised here; other writes of the batch stand."""
+        if self._closed:
+            raise StoreError(f"write {self.path}: database is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put(_Job(fn, future, loop))
+        return await future
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn(conn)`` on the reader connection (sees committed data only)."""
+        if self._closed or self._rconn is None:
+            raise StoreError(f"read {self.path}: database is closed")
+        conn = self._rconn
+
+        def run() -> T:
+            conn.execute("BEGIN")
+            try:
+                return fn(conn)
+            finally:
+                conn.execute("COMMIT")
+
+        return await asyncio.get_running_loop().run_in_executor(self._reader, run)
+
+    def _write_loop(self) -> None:
+        assert self._wconn is not None
+        conn = self._wconn
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is None:
+                break
+            batch = [first]
+            while len(batch) < _MAX_BATCH:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            self._run_batch(conn, batch)
+        conn.close()
+
+    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
+        start = time.perf_counter()
+        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for job in batch:
+                conn.execute("SAVEPOINT job")
+                try:
+                    result = job.fn(conn)
+                except BaseException as e:  # handed to the caller
+                    conn.execute("ROLLBACK TO job")
+                    conn.execute("RELEASE job")
+                    outcomes.append((job, None, e))
+                else:
+                    conn.execute("RELEASE job")
+                    outcomes.append((job, result, None))
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            logger.error("machine.db commit failed: %s", e)
+            if conn.in_transaction:
+                conn.rollback()
+            failure = StoreError(f"write {self.path}: {e}")
+            for job in batch:
+                _settle(job, None, failure)
+            return
+        elapsed = time.perf_counter() - start
+        if self._on_commit is not None:
+            self._on_commit(len(batch), elapsed)
+        for job, result, error in outcomes:
+            _settle(job, result, error)
+
+    async def close(self) -> None:
+        """Finish queued writes, stop the threads and close the connections."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        if self._writer is not None:
+            await asyncio.to_thread(self._writer.join)
+        rconn = self._rconn
+        if rconn is not None:
+            await asyncio.get_running_loop().run_in_executor(self._reader, rconn.close)
+        self._reader.shutdown(wait=True)
+        self._wconn = self._rconn = None

@@ -1,0 +1,92 @@
+"""Live conversation feeds: readers wait here for events as they are stored.
+
+The run engine publishes each event after its transaction commits. A feed
+keeps a short ring of recent events so followers usually need no database
+read; a follower that falls behind the ring reads from the database instead
+(everything is stored there first), so a slow reader never blocks a run and
+never loses an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+from machine.models import StoredEvent
+
+__all__ = ["ConversationFeed", "FeedHub"]
+
+logger = logging.getLogger(__name__)
+
+_RING = 1024
+
+
+class ConversationFeed:
+    """One agent's recent events and a wake-up for readers."""
+
+    def __init__(self) -> None:
+        self._ring: deque[StoredEvent] = deque(maxlen=_RING)
+        self._last_seq = -1
+        self._changed = asyncio.Event()
+
+    @property
+    def last_seq(self) -> int:
+        """Highest seq published since start (-1: none yet)."""
+        return self._last_seq
+
+    def publish(self, events: Iterable[StoredEvent]) -> None:
+        """Add committed events (in seq order) and wake every reader."""
+        added = False
+        for ev in events:
+            if ev.seq <= self._last_seq:
+                continue
+            self._ring.append(ev)
+            self._last_seq = ev.seq
+            added = True
+        if added:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    def since(self, after_seq: int) -> list[StoredEvent] | None:
+        """Events with seq > after_seq from the ring, or None when the ring cannot
+        prove it holds all of them (the reader must use the database)."""
+        if self._last_seq < 0:
+            return None
+        if after_seq >= self._last_seq:
+            return []
+        out = [ev for ev in self._ring if ev.seq > after_seq]
+        if not out or out[0].seq != after_seq + 1:
+            return None
+        for a, b in zip(out, out[1:], strict=False):
+            if b.seq != a.seq + 1:
+                return None
+        return out
+
+    async def wait_after(self, seq: int) -> None:
+        """Return once an event with seq > ``seq`` has been published."""
+        while self._last_seq <= seq:
+            await self._changed.wait()
+
+
+class FeedHub:
+    """Feeds by agent id."""
+
+    def __init__(self) -> None:
+        self._feeds: dict[str, ConversationFeed] = {}
+
+    def feed(self, agent_id: str) -> ConversationFeed:
+        """The agent's feed (created on first use)."""
+        feed = self._feeds.get(agent_id)
+        if feed is None:
+            feed = self._feeds[agent_id] = ConversationFeed()
+        return feed
+
+    def publish(self, events: Iterable[StoredEvent]) -> None:
+        """Route events to their agents' feeds."""
+        by_agent: dict[str, list[StoredEvent]] = {}
+        for ev in events:
+            by_agent.setdefault(ev.agent_id, []).append(ev)
+        for agent_id, evs in by_agent.items():
+            self.feed(agent_id).publish(sorted(evs, key=lambda e: e.seq))

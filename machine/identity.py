@@ -1,0 +1,369 @@
+"""The machine's identity on disk: its keys and its control-plane link record.
+
+Layout inside the data folder (folders 0700, files 0600)::
+
+    keys/signing.key   Ed25519 signing key, PKCS#8 PEM
+    keys/box.key       X25519 box key (shared.crypto text form, ``agsk1_...``):
+                       prompts for a stopped workspace are sealed to it
+    keys/tls.key       ECDSA P-256 TLS client key, PKCS#8 PEM
+    keys/tls.crt       the client certificate the control plane issued, PEM
+    keys/ca.crt        the control plane CA certificate (the pinned one), PEM
+    link.json          control address, ids, account recovery public key,
+                       heartbeat interval, certificate expiry
+
+``link.json`` is written last, so its presence is what "joined" means: a join
+interrupted half-way leaves no ``link.json`` and may simply be run again.
+Nothing here ever logs or formats key material.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import errno
+import json
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+from shared import tls
+from shared.atomic import ensure_private_dir, fsync_dir, write_atomic
+from shared.crypto import BoxKeyPair, decode_private_key, decode_public_key, encode_private_key
+from shared.crypto import encode_public_key as encode_box_public_key
+from shared.errors import AgentsError, IntegrityError, InvalidArgument, InvalidState
+from shared.ids import validate_id
+
+__all__ = [
+    "BOX_KEY",
+    "CA_CERT",
+    "KEYS_DIR",
+    "LINK_FILE",
+    "SIGNING_KEY",
+    "TLS_CERT",
+    "TLS_KEY",
+    "LinkRecord",
+    "MachineKeys",
+    "NewKeys",
+    "check_not_joined",
+    "is_joined",
+    "load_keys",
+    "load_link",
+    "save_certificate",
+    "save_link",
+    "staged_join",
+    "write_identity",
+]
+
+logger = logging.getLogger(__name__)
+
+KEYS_DIR: Final = "keys"
+LINK_FILE: Final = "link.json"
+SIGNING_KEY: Final = "signing.key"
+BOX_KEY: Final = "box.key"
+TLS_KEY: Final = "tls.key"
+TLS_CERT: Final = "tls.crt"
+CA_CERT: Final = "ca.crt"
+
+_FORMAT: Final = 1
+_STAGE_MARK: Final = ".join-"
+# link.json is small; anything bigger is not ours.
+_MAX_LINK_BYTES: Final = 64 * 1024
+
+
+@dataclass(frozen=True)
+class LinkRecord:
+    """What ``link.json`` holds: how to reach the control plane and who we are there."""
+
+    control_address: str
+    """``host:port`` of the control plane's machine endpoint (mutual TLS)."""
+    machine_id: str
+    """This machine's id (``mc_...``), as issued at join."""
+    account_id: str
+    """The owning account's id (``acct_...``)."""
+    account_recovery_public_key: bytes
+    """The account's X25519 recovery public key (32 bytes); backups are sealed to it too."""
+    heartbeat_interval: float
+    """Seconds between heartbeats, as the control plane last said."""
+    cert_not_after: dt.datetime
+    """Expiry of the current client certificate (UTC)."""
+    cert_received_at: dt.datetime
+    """When the current client certificate was received (UTC); renewal is timed from it."""
+
+    def __post_init__(self) -> None:
+        validate_id("machine", self.machine_id, "machine_id")
+        validate_id("account", self.account_id, "account_id")
+        if len(self.account_recovery_public_key) != 32:
+            raise InvalidArgument("account_recovery_public_key", "must be 32 bytes")
+        if not self.heartbeat_interval > 0:
+            raise InvalidArgument("heartbeat_interval", "must be positive")
+        for name in ("cert_not_after", "cert_received_at"):
+            if getattr(self, name).tzinfo is None:
+                raise InvalidArgument(name, "must be timezone-aware")
+
+    def to_json(self) -> bytes:
+        """Serialise as the ``link.json`` document."""
+        doc = {
+            "format": _FORMAT,
+            "control_address": self.control_address,
+            "machine_id": self.machine_id,
+            "account_id": self.account_id,
+            "account_recovery_public_key": encode_box_public_key(self.account_recovery_public_key),
+            "heartbeat_interval_ms": round(self.heartbeat_interval * 1000),
+            "cert_not_after": self.cert_not_after.astimezone(dt.UTC).isoformat(),
+            "cert_received_at": self.cert_received_at.astimezone(dt.UTC).isoformat(),
+        }
+        return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> LinkRecord:
+        """Parse a ``link.json`` document; raise IntegrityError when it is malformed."""
+        try:
+            doc: Any = json.loads(data)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+            if doc.get("format") != _FORMAT:
+                raise ValueError(f"unknown format {doc.get('format')!r}")
+            return cls(
+                control_address=str(doc["control_address"]),
+                machine_id=str(doc["machine_id"]),
+                account_id=str(doc["account_id"]),
+                account_recovery_public_key=decode_public_key(
+                    str(doc["account_recovery_public_key"])
+                ),
+                heartbeat_interval=int(doc["heartbeat_interval_ms"]) / 1000,
+                cert_not_after=dt.datetime.fromisoformat(str(doc["cert_not_after"])),
+                cert_received_at=dt.datetime.fromisoformat(str(doc["cert_received_at"])),
+            )
+        except (ValueError, KeyError, TypeError, AgentsError) as e:
+            raise IntegrityError(LINK_FILE, f"malformed: {e}") from None
+
+
+@dataclass(frozen=True)
+class NewKeys:
+    """Freshly made private keys of a machine about to join."""
+
+    signing_key: ed25519.Ed25519PrivateKey = field(repr=False)
+    box: BoxKeyPair = field(repr=False)
+    tls_key: ec.EllipticCurvePrivateKey = field(repr=False)
+
+    @classmethod
+    def generate(cls) -> NewKeys:
+        """Make a signing key, a box key and a TLS client key."""
+        return cls(
+            signing_key=ed25519.Ed25519PrivateKey.generate(),
+            box=BoxKeyPair.generate(),
+            tls_key=tls.new_tls_key(),
+        )
+
+    @property
+    def signing_public_key(self) -> bytes:
+        """Raw 32-byte Ed25519 public key."""
+        return self.signing_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    def csr_pem(self) -> bytes:
+        """A PEM CSR for the TLS key (the control plane sets the identity)."""
+        return tls.build_csr(self.tls_key)
+
+
+@dataclass(frozen=True)
+class MachineKeys:
+    """The machine's keys and certificates as loaded from ``keys/``."""
+
+    signing_key: ed25519.Ed25519PrivateKey = field(repr=False)
+    box: BoxKeyPair = field(repr=False)
+    tls_key_pem: bytes = field(repr=False)
+    tls_cert_pem: bytes
+    ca_cert_pem: bytes
+
+
+def is_joined(data_dir: Path) -> bool:
+    """True when ``data_dir`` holds a committed join (its ``link.json``)."""
+    return (data_dir / LINK_FILE).is_file()
+
+
+def _signing_pem(key: ed25519.Ed25519PrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def write_identity(
+    root: Path,
+    keys: NewKeys,
+    *,
+    cert_pem: bytes,
+    ca_cert_pem: bytes,
+    link: LinkRecord,
+) -> None:
+    """Write ``keys/`` and then ``link.json`` under ``root`` (a staging folder at join)."""
+    keys_dir = ensure_private_dir(root / KEYS_DIR)
+    write_atomic(keys_dir / SIGNING_KEY, _signing_pem(keys.signing_key))
+    write_atomic(keys_dir / BOX_KEY, (encode_private_key(keys.box.private_key) + "\n").encode())
+    write_atomic(keys_dir / TLS_KEY, tls.private_key_pem(keys.tls_key))
+    write_atomic(keys_dir / TLS_CERT, cert_pem)
+    write_atomic(keys_dir / CA_CERT, ca_cert_pem)
+    write_atomic(root / LINK_FILE, link.to_json())
+
+
+def _read_private(path: Path, limit: int = 64 * 1024) -> bytes:
+    try:
+        with path.open("rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise InvalidState(str(path.parent.parent), f"missing {path.name}: not joined") from None
+    if len(data) > limit:
+        raise IntegrityError(path.name, "too large")
+    return data
+
+
+def load_link(data_dir: Path) -> LinkRecord:
+    """Read ``link.json``; InvalidState when the machine has not joined."""
+    path = data_dir / LINK_FILE
+    if not path.is_file():
+        raise InvalidState(str(data_dir), "not joined to a control plane (no link.json)")
+    return LinkRecord.from_json(_read_private(path, _MAX_LINK_BYTES))
+
+
+def save_link(data_dir: Path, link: LinkRecord) -> None:
+    """Replace ``link.json`` atomically."""
+    write_atomic(data_dir / LINK_FILE, link.to_json())
+
+
+def load_keys(data_dir: Path) -> MachineKeys:
+    """Read every key and certificate under ``keys/``; IntegrityError if one is damaged."""
+    keys_dir = data_dir / KEYS_DIR
+    signing_pem = _read_private(keys_dir / SIGNING_KEY)
+    box_text = _read_private(keys_dir / BOX_KEY)
+    tls_key_pem = _read_private(keys_dir / TLS_KEY)
+    tls_cert_pem = _read_private(keys_dir / TLS_CERT)
+    ca_cert_pem = _read_private(keys_dir / CA_CERT)
+    try:
+        signing = serialization.load_pem_private_key(signing_pem, password=None)
+    except (ValueError, TypeError):
+        raise IntegrityError(SIGNING_KEY, "cannot parse the signing key") from None
+    if not isinstance(signing, ed25519.Ed25519PrivateKey):
+        raise IntegrityError(SIGNING_KEY, "not an Ed25519 key")
+    try:
+        box = BoxKeyPair.from_private(decode_private_key(box_text.decode("ascii").strip()))
+        tls.load_private_key(tls_key_pem)
+        tls.load_cert(tls_cert_pem, TLS_CERT)
+        tls.load_cert(ca_cert_pem, CA_CERT)
+    except (InvalidArgument, UnicodeDecodeError) as e:
+        # InvalidArgument messages name the field, never the key bytes.
+        raise IntegrityError(str(keys_dir), f"damaged key file: {e}") from None
+    return MachineKeys(
+        signing_key=signing,
+        box=box,
+        tls_key_pem=tls_key_pem,
+        tls_cert_pem=tls_cert_pem,
+        ca_cert_pem=ca_cert_pem,
+    )
+
+
+def save_certificate(
+    data_dir: Path, cert_pem: bytes, ca_cert_pem: bytes, link: LinkRecord
+) -> LinkRecord:
+    """Store a renewed client certificate (same TLS key) and update ``link.json``.
+
+    Each file is replaced atomically; the certificate goes first so that a
+    crash in between leaves a newer certificate with an older expiry in
+    ``link.json``, which only makes the next renewal come early.
+    """
+    keys_dir = data_dir / KEYS_DIR
+    write_atomic(keys_dir / CA_CERT, ca_cert_pem)
+    write_atomic(keys_dir / TLS_CERT, cert_pem)
+    updated = LinkRecord(
+        control_address=link.control_address,
+        machine_id=link.machine_id,
+        account_id=link.account_id,
+        account_recovery_public_key=link.account_recovery_public_key,
+        heartbeat_interval=link.heartbeat_interval,
+        cert_not_after=tls.cert_not_after(cert_pem),
+        cert_received_at=dt.datetime.now(dt.UTC),
+    )
+    save_link(data_dir, updated)
+    return updated
+
+
+def _remove_stale_stages(data_dir: Path) -> None:
+    # A crash during a past join may have left a staging folder behind.
+    prefix = f".{data_dir.name}{_STAGE_MARK}"
+    for entry in data_dir.parent.glob(prefix + "*"):
+        if entry.is_dir() and not entry.is_symlink():
+            logger.info("removing a stale join staging folder %s", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _commit(stage: Path, data_dir: Path) -> None:
+    try:
+        # rename(2) onto a missing or empty folder swaps the whole identity in at once.
+        os.rename(stage, data_dir)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    else:
+        fsync_dir(data_dir.parent)
+        return
+    # A data folder already in use (a stand-alone machine joining): move the key
+    # files in one by one, then link.json, which is the commit point.
+    ensure_private_dir(data_dir, 0o700)
+    keys_dir = ensure_private_dir(data_dir / KEYS_DIR)
+    for name in (SIGNING_KEY, BOX_KEY, TLS_KEY, TLS_CERT, CA_CERT):
+        os.replace(stage / KEYS_DIR / name, keys_dir / name)
+    fsync_dir(keys_dir)
+    os.replace(stage / LINK_FILE, data_dir / LINK_FILE)
+    fsync_dir(data_dir)
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+def check_not_joined(data_dir: Path) -> None:
+    """Raise InvalidState (field ``data_dir``) when ``data_dir`` is already joined."""
+    if not is_joined(data_dir):
+        return
+    try:
+        where = load_link(data_dir)
+        detail = f" to {where.control_address} as machine {where.machine_id}"
+    except IntegrityError:
+        detail = ""
+    raise InvalidState(
+        "data_dir",
+        f"{data_dir} is already joined{detail}; use another --data-dir or remove this one first",
+    )
+
+
+@contextlib.contextmanager
+def staged_join(data_dir: Path) -> Iterator[Path]:
+    """Yield an empty private staging folder beside ``data_dir``; commit it on success.
+
+    Write the identity into the yielded folder. When the block ends normally
+    the identity is moved into ``data_dir`` (see :func:`_commit`); when it
+    raises, the staging folder is removed and ``data_dir`` is untouched, so a
+    refused join writes nothing on the machine.
+    """
+    data_dir = data_dir.absolute()
+    check_not_joined(data_dir)
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_stages(data_dir)
+    stage = data_dir.parent / f".{data_dir.name}{_STAGE_MARK}{secrets.token_hex(6)}"
+    stage.mkdir(mode=0o700)
+    os.chmod(stage, 0o700)
+    try:
+        yield stage
+        if is_joined(data_dir):  # another join won the race while we talked to the server
+            raise InvalidState("data_dir", f"{data_dir} was joined by another process")
+        _commit(stage, data_dir)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)

@@ -1,0 +1,329 @@
+"""Joining a control plane: pin its CA, trade a one-time token for a certificate.
+
+The flow (``agents-machine join --address H:P --token T --ca-hash sha256:...``):
+
+1. Check the inputs: the token's shape, the hash's shape, the address.
+2. Open a bare TLS connection to the address, send nothing but the TLS
+   handshake, and read the certificate chain the server presents. One of the
+   chain's certificates must be a CA whose public key hashes to the pinned
+   value, and the server's own certificate must be signed by it. Only then is
+   the token sent, over a gRPC channel that trusts that CA and nothing else.
+3. Make the machine's keys (Ed25519 signing, X25519 box, P-256 TLS) and a CSR;
+   call ``Join``; check the answer (certificate for our key, issued by the
+   pinned CA, well-formed ids).
+4. Write ``keys/`` and ``link.json`` into a staging folder beside the data
+   folder and move them into place only once everything succeeded, so a
+   refused join writes nothing on the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import ipaddress
+import logging
+import re
+import socket
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import grpc
+import grpc.aio
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from machine import identity
+from shared import tls
+from shared.errors import (
+    AgentsError,
+    IntegrityError,
+    InvalidArgument,
+    TransientError,
+)
+from shared.ids import is_valid_id, validate_id
+from shared.pb.control.v1 import link_pb2, link_pb2_grpc
+from shared.rpc import rpc_errors
+
+__all__ = [
+    "JoinResult",
+    "fetch_pinned_ca",
+    "join_control_plane",
+    "parse_address",
+    "validate_ca_hash",
+    "validate_name",
+    "validate_token",
+]
+
+logger = logging.getLogger(__name__)
+
+VERSION: Final = "0.1.0"
+#: Seconds allowed for the pin-check handshake and for the Join call.
+CONNECT_TIMEOUT: Final = 10.0
+JOIN_TIMEOUT: Final = 30.0
+
+_TOKEN_RE: Final = re.compile(r"\A(tok_[0-9a-z]{26})\.([A-Za-z0-9_-]{16,128})\Z")
+_CA_HASH_RE: Final = re.compile(r"\Asha256:[0-9a-f]{64}\Z")
+_HOST_RE: Final = re.compile(
+    r"\A(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z"
+)
+_MAX_NAME: Final = 64
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    """What a successful join produced."""
+
+    machine_id: str
+    account_id: str
+    control_address: str
+
+
+def validate_token(token: str) -> str:
+    """Return the token id of ``<tok_id>.<secret>``; InvalidArgument naming ``token``.
+
+    The message never repeats the token: its second half is a secret.
+    """
+    m = _TOKEN_RE.match(token.strip()) if isinstance(token, str) else None
+    if m is None or not is_valid_id("token", m.group(1)):
+        raise InvalidArgument("token", "must look like <tok_id>.<secret> (tok_... dot secret)")
+    return m.group(1)
+
+
+def validate_ca_hash(ca_hash: str) -> str:
+    """Return the normalised ``sha256:<64 hex>``; InvalidArgument naming ``ca_hash``."""
+    value = ca_hash.strip().lower() if isinstance(ca_hash, str) else ""
+    if not _CA_HASH_RE.match(value):
+        raise InvalidArgument("ca_hash", "must look like sha256:<64 hex characters>")
+    return value
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` for IPv6); InvalidArgument naming ``address``."""
+    text = address.strip() if isinstance(address, str) else ""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise InvalidArgument("address", f"must be HOST:PORT, got {text[:100]!r}")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise InvalidArgument("address", f"port must be 1..65535, got {port}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise InvalidArgument("address", f"not an IPv6 address: {host!r}") from None
+        return host[1:-1], port
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        if not _HOST_RE.match(host):
+            raise InvalidArgument("address", f"not a host name: {host[:100]!r}") from None
+    return host, port
+
+
+def validate_name(name: str | None) -> str:
+    """The machine's display name: given, else the host name; 1..64 printable chars."""
+    value = (name if name is not None else socket.gethostname()).strip()
+    if name is None:
+        value = value[:_MAX_NAME] or "machine"
+    if not 1 <= len(value) <= _MAX_NAME or not value.isprintable():
+        raise InvalidArgument("name", f"must be 1..{_MAX_NAME} printable characters")
+    return value
+
+
+def _spki_hash(cert: x509.Certificate) -> str:
+    return tls.ca_hash(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _is_ca(cert: x509.Certificate) -> bool:
+    try:
+        return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return False
+
+
+def _fetch_chain_blocking(host: str, port: int, timeout: float) -> list[bytes]:
+    # A bare TLS handshake with verification off: we verify by the pin below,
+    # and nothing but the ClientHello is sent before that.
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols(["h2"])
+    with (
+        socket.create_connection((host, port), timeout=timeout) as raw,
+        ctx.wrap_socket(raw, server_hostname=host) as sock,
+    ):
+        # Python 3.13 makes this public (SSLSocket.get_unverified_chain); 3.11
+        # has it on the private _sslobj.
+        sslobj = getattr(sock, "_sslobj", None)
+        getter = getattr(sslobj, "get_unverified_chain", None)
+        if getter is None:
+            leaf = sock.getpeercert(binary_form=True)
+            return [leaf] if leaf else []
+        chain = getter() or []
+        return [c.public_bytes(ssl._ssl.ENCODING_DER) for c in chain]  # type: ignore[attr-defined]
+
+
+async def fetch_pinned_ca(
+    host: str, port: int, ca_hash: str, *, timeout: float = CONNECT_TIMEOUT
+) -> bytes:
+    """Return the PEM of the server's CA once it matches ``ca_hash``.
+
+    Raises TransientError when the server cannot be reached, and
+    IntegrityError (field ``ca_hash``) when no certificate of the chain is a CA
+    with the pinned key or the server's certificate is not signed by it.
+    """
+    try:
+        ders = await asyncio.wait_for(
+            asyncio.to_thread(_fetch_chain_blocking, host, port, timeout), timeout + 1
+        )
+    except (OSError, TimeoutError, ssl.SSLError) as e:
+        raise TransientError(f"join {host}:{port}: cannot reach the control plane: {e}") from None
+    try:
+        chain = [x509.load_der_x509_certificate(d) for d in ders]
+    except ValueError:
+        raise IntegrityError("ca_hash", "the server sent an unreadable certificate") from None
+    if not chain:
+        raise IntegrityError("ca_hash", "the server sent no certificate")
+    expected = validate_ca_hash(ca_hash)
+    pinned = [c for c in chain if _is_ca(c) and _spki_hash(c) == expected]
+    if not pinned:
+        seen = ", ".join(_spki_hash(c) for c in chain if _is_ca(c)) or "no CA certificate"
+        raise IntegrityError(
+            "ca_hash",
+            f"the control plane at {host}:{port} does not present the pinned CA "
+            f"(expected {expected}, server offers {seen}); check --ca-hash, or you may "
+            "be talking to another server",
+        )
+    ca = pinned[0]
+    leaf = chain[0]
+    now = dt.datetime.now(dt.UTC)
+    try:
+        leaf.verify_directly_issued_by(ca)
+    except Exception:  # cryptography raises several types for a bad signature
+        raise IntegrityError(
+            "ca_hash", f"the server certificate of {host}:{port} is not issued by the pinned CA"
+        ) from None
+    if not leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
+        raise IntegrityError("ca_hash", f"the server certificate of {host}:{port} is not valid now")
+    return ca.public_bytes(serialization.Encoding.PEM)
+
+
+def _check_reply(
+    reply: link_pb2.JoinResponse, keys: identity.NewKeys, ca_pem: bytes, expected_hash: str
+) -> tuple[bytes, bytes]:
+    """Validate the Join answer; return (client cert PEM, CA PEM)."""
+    validate_id("machine", reply.machine_id, "machine_id")
+    validate_id("account", reply.account_id, "account_id")
+    if len(reply.account_recovery_public_key) != 32:
+        raise IntegrityError("join", "account recovery public key is not 32 bytes")
+    cert_pem = reply.certificate_pem.encode("ascii", "replace")
+    try:
+        tls.verify_issued_by(cert_pem, ca_pem)
+        cert = tls.load_cert(cert_pem)
+        ident = tls.identity_from_cert(cert_pem)
+        if reply.ca_certificate_pem:
+            tls.check_ca_hash(reply.ca_certificate_pem, expected_hash)
+    except InvalidArgument as e:
+        raise IntegrityError("join", f"bad certificate in the reply: {e}") from None
+    mine = keys.tls_key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    theirs = cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    if mine != theirs:
+        raise IntegrityError("join", "the certificate is not for our key")
+    if (ident.machine_id, ident.account_id) != (reply.machine_id, reply.account_id):
+        raise IntegrityError("join", "the certificate names another machine")
+    return cert_pem, ca_pem
+
+
+def _join_hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _link_address(reply: link_pb2.JoinResponse, host: str, port: int) -> str:
+    """The mutual-TLS listener the reply names (same host as the join by default)."""
+    link_host = reply.link_host or host
+    link_port = reply.link_port or port
+    try:
+        parsed_host, parsed_port = parse_address(_join_hostport(link_host, link_port))
+    except InvalidArgument as e:
+        raise IntegrityError("join", f"bad link address in the reply: {e}") from None
+    return (
+        f"[{parsed_host}]:{parsed_port}" if ":" in parsed_host else f"{parsed_host}:{parsed_port}"
+    )
+
+
+async def join_control_plane(
+    *, data_dir: Path, address: str, token: str, ca_hash: str, name: str | None
+) -> JoinResult:
+    """Join the control plane at ``address`` with a one-time ``token``.
+
+    Raises InvalidArgument (naming the field) for malformed input, InvalidState
+    when ``data_dir`` is already joined, IntegrityError when the CA does not
+    match the pin, TransientError when the control plane cannot be reached,
+    and the control plane's refusal (Unauthenticated for a bad, expired, used
+    or revoked token; PermissionDenied for a deleted account) otherwise.
+    In every failure case nothing is written under ``data_dir``.
+    """
+    validate_token(token)
+    expected = validate_ca_hash(ca_hash)
+    host, port = parse_address(address)
+    machine_name = validate_name(name)
+    data_dir = Path(data_dir).absolute()
+    # Refuse early, before a token is spent; staged_join checks again at commit.
+    identity.check_not_joined(data_dir)
+
+    ca_pem = await fetch_pinned_ca(host, port, expected)
+    logger.info("control plane %s:%d presents the pinned CA %s", host, port, expected)
+
+    keys = await asyncio.to_thread(identity.NewKeys.generate)
+    request = link_pb2.JoinRequest(
+        token=token.strip(),
+        csr_pem=keys.csr_pem().decode("ascii"),
+        machine=link_pb2.MachineInfo(
+            name=machine_name,
+            version=VERSION,
+            hostname=socket.gethostname()[:253],
+            box_public_key=keys.box.public_key,
+            signing_public_key=keys.signing_public_key,
+        ),
+    )
+    target = _join_hostport(host, port)
+    creds = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+    async with grpc.aio.secure_channel(target, creds) as channel:
+        stub = link_pb2_grpc.MachineLinkStub(channel)
+        try:
+            async with rpc_errors():
+                reply = await stub.Join(request, timeout=JOIN_TIMEOUT)
+        except AgentsError as e:
+            logger.warning("join %s refused: %s: %s", target, type(e).__name__, e)
+            raise
+    cert_pem, ca_pem = _check_reply(reply, keys, ca_pem, expected)
+    link_address = _link_address(reply, host, port)
+    interval_ms = reply.heartbeat_interval_ms or 10_000
+    link = identity.LinkRecord(
+        control_address=link_address,
+        machine_id=reply.machine_id,
+        account_id=reply.account_id,
+        account_recovery_public_key=bytes(reply.account_recovery_public_key),
+        heartbeat_interval=interval_ms / 1000,
+        cert_not_after=tls.cert_not_after(cert_pem),
+        cert_received_at=dt.datetime.now(dt.UTC),
+    )
+    # Only now, with the certificate in hand, does anything touch the disk.
+    with identity.staged_join(data_dir) as stage:
+        await asyncio.to_thread(
+            identity.write_identity, stage, keys, cert_pem=cert_pem, ca_cert_pem=ca_pem, link=link
+        )
+    logger.info(
+        "joined %s as machine %s of account %s", link_address, link.machine_id, link.account_id
+    )
+    return JoinResult(
+        machine_id=link.machine_id, account_id=link.account_id, control_address=link_address
+    )

@@ -1,0 +1,599 @@
+"""The machine's live link to its control plane.
+
+:class:`ControlLink` is an async context manager. While it is open, one
+background task keeps a ``Connect`` stream to the control plane's mutual-TLS
+listener: it sends ``hello``, waits for ``welcome``, then sends a heartbeat
+every interval the welcome names, hands deliveries to ``on_delivery`` and
+acknowledges each once that returns (the callback stores it durably).
+
+Reconnect policy: a failed attempt is retried forever with exponential backoff
+and full jitter (``backoff_initial`` doubling up to ``backoff_max`` seconds),
+so a thousand machines that lose the control plane at once come back spread
+out. A stream that was up for a while and then dropped starts over at the
+shortest wait. The link stops for good (and logs an ERROR) when the control
+plane says ``revoked`` or ``account_deleted``, or refuses the stream with
+UNAUTHENTICATED or PERMISSION_DENIED.
+
+Renewal: once less than ``renew_fraction`` of the certificate's lifetime is
+left (timed from when we received it), or when the control plane says
+``renew_now``, the link sends a CSR for the same TLS key to
+``RenewCertificate`` and replaces ``keys/tls.crt`` atomically. The live stream
+keeps going; the next connection uses the new certificate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import enum
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+
+import grpc
+import grpc.aio
+from cryptography.hazmat.primitives import serialization
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
+
+from machine import identity
+from shared import tls
+from shared.errors import (
+    AgentsError,
+    IntegrityError,
+    InvalidArgument,
+    InvalidState,
+    PermissionDenied,
+    TransientError,
+    Unauthenticated,
+)
+from shared.pb.control.v1 import link_pb2, link_pb2_grpc
+from shared.rpc import domain_error
+
+__all__ = ["ControlLink", "Delivery", "LinkState"]
+
+logger = logging.getLogger(__name__)
+
+_UINT32_MAX: Final = 2**32 - 1
+# gRPC servers refuse pings more often than every 5 minutes by default (they
+# answer with GOAWAY "too_many_pings"), so keepalive stays at that floor; it
+# only matters for a control plane that vanished without closing the socket.
+_CHANNEL_OPTIONS: Final = (
+    ("grpc.keepalive_time_ms", 300_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+class LinkState(enum.Enum):
+    """Where the link is."""
+
+    STARTING = "starting"
+    CONNECTING = "connecting"
+    CONNECTED = "connected"
+    BACKING_OFF = "backing_off"
+    REVOKED = "revoked"
+    """The control plane revoked this machine (or refused its certificate): no retry."""
+    ACCOUNT_DELETED = "account_deleted"
+    """The owning account was deleted: no retry."""
+    STOPPED = "stopped"
+
+
+_FINAL: Final = frozenset({LinkState.REVOKED, LinkState.ACCOUNT_DELETED, LinkState.STOPPED})
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A prompt the control plane delivered, still sealed to our box key."""
+
+    id: str
+    """The prompt id (``pr_...``); acknowledged once ``on_delivery`` returns."""
+    agent_id: str
+    """The agent it is for (``ag_...``)."""
+    sealed_prompt: bytes = field(repr=False)
+    """The prompt, sealed (shared.crypto) to the machine's box public key."""
+    created_at: dt.datetime | None
+    """When it was sent (UTC)."""
+
+
+class _Stop(Exception):
+    """The control plane told us to stop for good."""
+
+    def __init__(self, state: LinkState, reason: str) -> None:
+        super().__init__(reason)
+        self.state = state
+        self.reason = reason
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.connected = Gauge(
+            "agents_machine_link_connected",
+            "1 while the Connect stream to the control plane is up.",
+            registry=registry,
+        )
+        self.reconnects = Counter(
+            "agents_machine_link_reconnects",
+            "Connection attempts after the first one.",
+            registry=registry,
+        )
+        self.heartbeats = Counter(
+            "agents_machine_link_heartbeats",
+            "Heartbeats sent on the Connect stream.",
+            registry=registry,
+        )
+        self.renewals = Counter(
+            "agents_machine_link_renewals",
+            "Client certificate renewals, by result.",
+            ["result"],
+            registry=registry,
+        )
+        self.deliveries = Counter(
+            "agents_machine_link_deliveries",
+            "Deliveries received and acknowledged.",
+            registry=registry,
+        )
+
+
+_Call = grpc.aio.StreamStreamCall[link_pb2.MachineMessage, link_pb2.ControlMessage]
+
+
+async def _read(call: _Call) -> link_pb2.ControlMessage | None:
+    """The next message, or None at a clean end (a failed stream raises AioRpcError)."""
+    msg = await call.read()
+    return msg if isinstance(msg, link_pb2.ControlMessage) else None
+
+
+def _is_transient(exc: BaseException) -> bool:
+    return not isinstance(exc, _Stop | asyncio.CancelledError | InvalidState | IntegrityError)
+
+
+class ControlLink:
+    """Keeps this machine connected to its control plane (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        data_dir: Path,
+        agent_count: Callable[[], Awaitable[int]],
+        version: str,
+        on_delivery: Callable[[Delivery], Awaitable[None]] | None = None,
+        registry: CollectorRegistry | None = None,
+        renew_fraction: float = 1 / 3,
+        backoff_initial: float = 0.5,
+        backoff_max: float = 30.0,
+        handshake_timeout: float = 10.0,
+        stable_after: float = 10.0,
+    ) -> None:
+        if not 0 < renew_fraction < 1:
+            raise InvalidArgument("renew_fraction", "must be between 0 and 1")
+        if not 0 < backoff_initial <= backoff_max:
+            raise InvalidArgument("backoff_initial", "must be > 0 and <= backoff_max")
+        self._data_dir = data_dir
+        self._agent_count = agent_count
+        self._version = version
+        self._on_delivery = on_delivery
+        self._renew_fraction = renew_fraction
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._handshake_timeout = handshake_timeout
+        self._stable_after = stable_after
+        self._metrics = _Metrics(registry if registry is not None else CollectorRegistry())
+        self._state = LinkState.STARTING
+        self._state_changed = asyncio.Condition()
+        self._stop = asyncio.Event()
+        self._renew_now = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._attempts = 0
+        self._last_agent_count = 0
+        self._link: identity.LinkRecord | None = None
+        self._final_reason = ""
+
+    # ------------------------------------------------------------------ public
+
+    @staticmethod
+    def is_joined(data_dir: Path) -> bool:
+        """True when ``data_dir`` holds a committed join."""
+        return identity.is_joined(data_dir)
+
+    @property
+    def state(self) -> LinkState:
+        """The link's current state."""
+        return self._state
+
+    @property
+    def connected(self) -> bool:
+        """True while the Connect stream is up (welcome received)."""
+        return self._state is LinkState.CONNECTED
+
+    @property
+    def final_reason(self) -> str:
+        """Why the link stopped for good (revoked / account deleted), else empty."""
+        return self._final_reason
+
+    async def wait_for_state(self, *states: LinkState, timeout: float) -> LinkState:
+        """Wait until the state is one of ``states``; TimeoutError after ``timeout``."""
+        async with asyncio.timeout(timeout), self._state_changed:
+            await self._state_changed.wait_for(lambda: self._state in states)
+        return self._state
+
+    async def __aenter__(self) -> ControlLink:
+        self._link = await asyncio.to_thread(identity.load_link, self._data_dir)
+        self._task = asyncio.create_task(self._run(), name="control-link")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Close the stream cleanly (half-close, then wait briefly) and stop the task."""
+        self._stop.set()
+        task, self._task = self._task, None
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._state not in _FINAL:
+            await self._set_state(LinkState.STOPPED)
+
+    # ---------------------------------------------------------------- the loop
+
+    async def _set_state(self, state: LinkState) -> None:
+        async with self._state_changed:
+            self._state = state
+            self._metrics.connected.set(1 if state is LinkState.CONNECTED else 0)
+            self._state_changed.notify_all()
+
+    async def _interruptible_sleep(self, seconds: float) -> None:
+        # tenacity's sleep hook: a close() wakes the backoff at once.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    async def _before_sleep(self, state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        wait = state.next_action.sleep if state.next_action is not None else 0.0
+        if self._link is not None and self._cert_expired():
+            # The control plane will refuse it at the handshake until the
+            # machine is paired again; keep trying (the clock may be wrong).
+            logger.error(
+                "control link: the client certificate expired at %s; re-pair this "
+                "machine (agents-control machine repair)",
+                self._link.cert_not_after.isoformat(),
+            )
+        logger.warning(
+            "control link to %s failed (attempt %d), retrying in %.2fs: %s: %s",
+            self._link.control_address if self._link else "?",
+            state.attempt_number,
+            wait,
+            type(error).__name__,
+            error,
+        )
+        await self._set_state(LinkState.BACKING_OFF)
+
+    def _cert_expired(self) -> bool:
+        return self._link is not None and self._link.cert_not_after <= dt.datetime.now(dt.UTC)
+
+    async def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                retrying = AsyncRetrying(
+                    wait=wait_random_exponential(
+                        multiplier=self._backoff_initial, max=self._backoff_max
+                    ),
+                    retry=retry_if_exception(_is_transient),
+                    before_sleep=self._before_sleep,
+                    sleep=self._interruptible_sleep,
+                    reraise=True,
+                )
+                async for attempt in retrying:
+                    with attempt:
+                        await self._session()
+                if not self._stop.is_set():
+                    # A long-lived stream ended: come back after a short random
+                    # pause so a restarted control plane is not hit all at once.
+                    await self._interruptible_sleep(self._backoff_initial * random.random())
+        except _Stop as stop:
+            self._final_reason = stop.reason
+            logger.error(
+                "control link stopped for good: %s; this machine will not reconnect "
+                "(re-pair it with a repair token from `agents-control machine repair`)",
+                stop.reason,
+            )
+            await self._set_state(stop.state)
+        except (InvalidState, IntegrityError) as e:
+            logger.error("control link cannot start: %s", e)
+            await self._set_state(LinkState.STOPPED)
+        finally:
+            if self._state is LinkState.CONNECTED:
+                await self._set_state(LinkState.STOPPED)
+
+    async def _session(self) -> None:
+        """One connection. Returns after a stable stream ended; raises otherwise."""
+        if self._stop.is_set():
+            return
+        if self._attempts:
+            self._metrics.reconnects.inc()
+        self._attempts += 1
+        await self._set_state(LinkState.CONNECTING)
+        link = await asyncio.to_thread(identity.load_link, self._data_dir)
+        keys = await asyncio.to_thread(identity.load_keys, self._data_dir)
+        self._link = link
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=keys.ca_cert_pem,
+            private_key=keys.tls_key_pem,
+            certificate_chain=keys.tls_cert_pem,
+        )
+        channel = grpc.aio.secure_channel(link.control_address, creds, options=_CHANNEL_OPTIONS)
+        stub = link_pb2_grpc.MachineLinkStub(channel)
+        # Called without an iterator, the call is driven by write()/read();
+        # grpc-stubs does not know that form.
+        call = stub.Connect()  # type: ignore[call-arg]
+        started = time.monotonic()
+        try:
+            await self._converse(call, stub, keys)
+        except grpc.aio.AioRpcError as e:
+            raise self._map_error(e) from None
+        finally:
+            call.cancel()
+            await channel.close(grace=None)
+            if self._state is LinkState.CONNECTED:
+                await self._set_state(LinkState.CONNECTING)
+        if self._stop.is_set():
+            return
+        if time.monotonic() - started < self._stable_after:
+            # A stream that keeps dying young must back off like a failed dial.
+            raise TransientError("control link: the stream closed soon after it opened")
+        logger.warning("control link: the control plane closed the stream; reconnecting")
+
+    def _map_error(self, e: grpc.aio.AioRpcError) -> Exception:
+        err = domain_error(e)
+        if isinstance(err, PermissionDenied):
+            # The control plane's answer for an account deleted or being deleted.
+            return _Stop(LinkState.ACCOUNT_DELETED, f"the control plane refused the account: {err}")
+        if isinstance(err, Unauthenticated):
+            return _Stop(LinkState.REVOKED, f"the control plane refused this machine: {err}")
+        return err
+
+    async def _converse(
+        self,
+        call: _Call,
+        stub: link_pb2_grpc.MachineLinkAsyncStub,
+        keys: identity.MachineKeys,
+    ) -> None:
+        write_lock = asyncio.Lock()
+
+        async def send(msg: link_pb2.MachineMessage) -> None:
+            async with write_lock:
+                await call.write(msg)
+
+        count = await self._count_agents()
+        await send(
+            link_pb2.MachineMessage(hello=link_pb2.Hello(version=self._version, agent_count=count))
+        )
+        first = await asyncio.wait_for(_read(call), self._handshake_timeout)
+        if first is None:
+            # A refusal arrives as an AioRpcError from read(); EOF is a clean close.
+            raise TransientError("control link: stream closed before welcome")
+        kind = first.WhichOneof("kind")
+        self._check_notice(first)
+        if kind != "welcome":
+            raise TransientError(f"control link: expected welcome, got {kind}")
+        interval = first.welcome.heartbeat_interval_ms / 1000 or self._link_interval()
+        logger.info(
+            "control link up: %s as %s, heartbeat every %.3fs",
+            self._link.control_address if self._link else "?",
+            first.welcome.machine_id,
+            interval,
+        )
+        await self._set_state(LinkState.CONNECTED)
+
+        reader = asyncio.create_task(self._read_loop(call, send), name="link-read")
+        helpers = [
+            asyncio.create_task(self._heartbeat_loop(send, interval), name="link-heartbeat"),
+            asyncio.create_task(self._renew_loop(stub, keys), name="link-renew"),
+        ]
+        stopper = asyncio.create_task(self._stop.wait(), name="link-stop")
+        tasks: list[asyncio.Task[Any]] = [reader, *helpers, stopper]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if stopper in done and not reader.done():
+                for t in helpers:
+                    t.cancel()
+                await asyncio.gather(*helpers, return_exceptions=True)
+                await self._half_close(call, reader, write_lock)
+        finally:
+            # Cancelling a task blocked in call.read() cancels the whole RPC,
+            # so the reader goes last, after the goodbye above.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for t in done:
+            if not t.cancelled() and (exc := t.exception()) is not None:
+                raise exc
+
+    async def _half_close(
+        self, call: _Call, reader: asyncio.Task[None], write_lock: asyncio.Lock
+    ) -> None:
+        # A clean goodbye: end our side so the control plane sees the machine
+        # leave at once rather than after missed heartbeats, then give it a
+        # moment to end the stream.
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            async with write_lock:
+                await call.done_writing()
+        await asyncio.wait({reader}, timeout=1.0)
+
+    def _link_interval(self) -> float:
+        return self._link.heartbeat_interval if self._link else 10.0
+
+    def _check_notice(self, msg: link_pb2.ControlMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "revoked":
+            raise _Stop(LinkState.REVOKED, f"machine revoked: {msg.revoked.reason or 'no reason'}")
+        if kind == "account_deleted":
+            raise _Stop(LinkState.ACCOUNT_DELETED, "the account was deleted")
+
+    async def _read_loop(
+        self,
+        call: _Call,
+        send: Callable[[link_pb2.MachineMessage], Awaitable[None]],
+    ) -> None:
+        while True:
+            msg = await _read(call)
+            if msg is None:
+                # read() raises AioRpcError for a failed stream: EOF means a clean close.
+                return
+            self._check_notice(msg)
+            kind = msg.WhichOneof("kind")
+            if kind == "renew_now":
+                logger.info("control plane asks for renewal: %s", msg.renew_now.reason)
+                self._renew_now.set()
+            elif kind == "delivery":
+                await self._deliver(msg.delivery, send)
+            else:
+                logger.debug("control link: ignoring %s", kind)
+
+    async def _deliver(
+        self,
+        pb: link_pb2.Delivery,
+        send: Callable[[link_pb2.MachineMessage], Awaitable[None]],
+    ) -> None:
+        if self._on_delivery is None:
+            logger.warning("delivery %s dropped: this daemon takes no deliveries", pb.id)
+            return
+        created = pb.created_at.ToDatetime(dt.UTC) if pb.HasField("created_at") else None
+        delivery = Delivery(
+            id=pb.id,
+            agent_id=pb.agent_id,
+            sealed_prompt=bytes(pb.sealed_prompt),
+            created_at=created,
+        )
+        try:
+            await self._on_delivery(delivery)
+        except AgentsError as e:
+            # Not acknowledged: the control plane delivers it again on the next stream.
+            logger.warning("delivery %s not stored: %s", pb.id, e)
+            return
+        await send(link_pb2.MachineMessage(ack=link_pb2.Ack(delivery_id=pb.id)))
+        self._metrics.deliveries.inc()
+
+    async def _count_agents(self) -> int:
+        try:
+            count = int(await self._agent_count())
+        except Exception:  # a heartbeat must not die with the counter
+            logger.exception("agent count failed; sending the last known value")
+            return self._last_agent_count
+        self._last_agent_count = max(0, min(count, _UINT32_MAX))
+        return self._last_agent_count
+
+    async def _heartbeat_loop(
+        self, send: Callable[[link_pb2.MachineMessage], Awaitable[None]], interval: float
+    ) -> None:
+        # Ticks are scheduled on a fixed grid so a slow send does not drift the beat.
+        next_at = time.monotonic() + interval
+        while True:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at = max(next_at + interval, time.monotonic())
+            count = await self._count_agents()
+            await send(link_pb2.MachineMessage(heartbeat=link_pb2.Heartbeat(agent_count=count)))
+            self._metrics.heartbeats.inc()
+
+    # ---------------------------------------------------------------- renewal
+
+    def _renew_in(self, keys: identity.MachineKeys) -> float:
+        """Seconds until renewal is due (<= 0: due now)."""
+        cert = tls.load_cert(keys.tls_cert_pem)
+        link = self._link
+        start = cert.not_valid_before_utc
+        if link is not None and link.cert_received_at > start:
+            # Certificates are back-dated for clock skew; the lifetime that
+            # counts is the one we actually hold the certificate for.
+            start = link.cert_received_at
+        end = cert.not_valid_after_utc
+        renew_at = end - (end - start) * self._renew_fraction
+        return (renew_at - dt.datetime.now(dt.UTC)).total_seconds()
+
+    async def _renew_loop(
+        self, stub: link_pb2_grpc.MachineLinkAsyncStub, keys: identity.MachineKeys
+    ) -> None:
+        failures = 0
+        while True:
+            delay = self._renew_in(keys)
+            if failures:
+                delay = max(delay, min(self._backoff_max, self._backoff_initial * 2**failures))
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._renew_now.wait(), delay)
+            self._renew_now.clear()
+            try:
+                keys = await self._renew(stub, keys)
+                failures = 0
+            except grpc.aio.AioRpcError as e:
+                err = self._map_error(e)
+                if isinstance(err, _Stop):
+                    raise err from None
+                failures += 1
+                self._metrics.renewals.labels("error").inc()
+                logger.warning("certificate renewal failed: %s", err)
+            except AgentsError as e:
+                failures += 1
+                self._metrics.renewals.labels("error").inc()
+                logger.warning("certificate renewal failed: %s", e)
+
+    async def _renew(
+        self, stub: link_pb2_grpc.MachineLinkAsyncStub, keys: identity.MachineKeys
+    ) -> identity.MachineKeys:
+        key = tls.load_private_key(keys.tls_key_pem)
+        csr = tls.build_csr(key).decode("ascii")
+        reply = await stub.RenewCertificate(
+            link_pb2.RenewCertificateRequest(csr_pem=csr), timeout=self._handshake_timeout
+        )
+        cert_pem = reply.certificate_pem.encode("ascii", "replace")
+        ca_pem = (
+            reply.ca_certificate_pem.encode("ascii", "replace")
+            if reply.ca_certificate_pem
+            else keys.ca_cert_pem
+        )
+        try:
+            tls.verify_issued_by(cert_pem, ca_pem)
+            ident = tls.identity_from_cert(cert_pem)
+            new_key = tls.load_cert(cert_pem).public_key()
+        except InvalidArgument as e:
+            raise IntegrityError("renewal", f"bad certificate in the reply: {e}") from None
+        spki = serialization.PublicFormat.SubjectPublicKeyInfo
+        if new_key.public_bytes(serialization.Encoding.DER, spki) != key.public_key().public_bytes(
+            serialization.Encoding.DER, spki
+        ):
+            raise IntegrityError("renewal", "the certificate is not for our key")
+        link = self._link
+        if link is None or (ident.machine_id, ident.account_id) != (
+            link.machine_id,
+            link.account_id,
+        ):
+            raise IntegrityError("renewal", "the certificate names another machine")
+        self._link = await asyncio.to_thread(
+            identity.save_certificate, self._data_dir, cert_pem, ca_pem, link
+        )
+        self._metrics.renewals.labels("ok").inc()
+        logger.info("client certificate renewed; valid until %s", self._link.cert_not_after)
+        return identity.MachineKeys(
+            signing_key=keys.signing_key,
+            box=keys.box,
+            tls_key_pem=keys.tls_key_pem,
+            tls_cert_pem=cert_pem,
+            ca_cert_pem=ca_pem,
+        )

@@ -1,0 +1,164 @@
+"""Plain records the machine's domain works with (no protobuf, no SQL)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "AgentRecord",
+    "AgentState",
+    "AttachmentRecord",
+    "EventKind",
+    "PendingPermission",
+    "RunErrorCode",
+    "RunRecord",
+    "RunState",
+    "SearchHit",
+    "StoredEvent",
+    "TERMINAL_KINDS",
+]
+
+
+class AgentState(enum.StrEnum):
+    """An agent's lifecycle state."""
+
+    ACTIVE = "active"
+    ARCHIVED = "archived"
+
+
+class RunState(enum.StrEnum):
+    """A run's state; the last four are final."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    WAITING_PERMISSION = "waiting_permission"
+    FINISHED = "finished"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    CANCELLED = "cancelled"
+
+    @property
+    def open(self) -> bool:
+        """True while the run has not ended."""
+        return self in (RunState.QUEUED, RunState.RUNNING, RunState.WAITING_PERMISSION)
+
+
+class EventKind(enum.StrEnum):
+    """What a conversation event says (names match the proto enum)."""
+
+    RUN_STARTED = "RUN_STARTED"
+    TEXT_DELTA = "TEXT_DELTA"
+    TOOL_CALL = "TOOL_CALL"
+    TOOL_RESULT = "TOOL_RESULT"
+    PERMISSION_REQUEST = "PERMISSION_REQUEST"
+    PERMISSION_ANSWERED = "PERMISSION_ANSWERED"
+    RUN_FINISHED = "RUN_FINISHED"
+    RUN_ERROR = "RUN_ERROR"
+
+
+TERMINAL_KINDS = frozenset({EventKind.RUN_FINISHED, EventKind.RUN_ERROR})
+
+
+class RunErrorCode(enum.StrEnum):
+    """Why a run ended with RUN_ERROR (names match the proto enum)."""
+
+    RUN_INTERRUPTED = "RUN_INTERRUPTED"
+    RUNTIME_FAILED = "RUNTIME_FAILED"
+    CANCELLED = "CANCELLED"
+    RUNTIME_UNAVAILABLE = "RUNTIME_UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class AgentRecord:
+    """One agent as stored."""
+
+    id: str
+    name: str
+    folder: str
+    runtime: str
+    settings: dict[str, Any]
+    state: AgentState
+    origin_machine: str
+    local: bool
+    session_id: str | None
+    created_at: float
+    updated_at: float
+    last_seq: int
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    """One conversation event as stored (``payload`` is the kind's JSON object)."""
+
+    agent_id: str
+    seq: int
+    run_id: str
+    kind: EventKind
+    payload: dict[str, Any]
+    time: float
+
+    @property
+    def terminal(self) -> bool:
+        """True for RUN_FINISHED and RUN_ERROR."""
+        return self.kind in TERMINAL_KINDS
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run: state plus usage and time history."""
+
+    id: str
+    agent_id: str
+    state: RunState
+    prompt: str
+    attachments: tuple[str, ...]
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    input_tokens: int
+    output_tokens: int
+    duration_ms: int
+    stop_reason: str | None
+    error_code: RunErrorCode | None
+
+
+@dataclass(frozen=True)
+class PendingPermission:
+    """A stored permission request and, once given, its answer."""
+
+    run_id: str
+    request_id: str
+    agent_id: str
+    call_id: str
+    title: str
+    options: tuple[tuple[str, str, str], ...]  # (option_id, name, kind)
+    seq: int
+    state: str
+    option_id: str | None = None
+    remember: bool = False
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """One full-text search match."""
+
+    agent_id: str
+    agent_name: str
+    archived: bool
+    run_id: str
+    seq: int
+    source: str
+    snippet: str
+
+
+@dataclass(frozen=True)
+class AttachmentRecord:
+    """A stored attachment recorded against an agent."""
+
+    sha256: str
+    size: int
+    agent_id: str
+    file_name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,199 @@
+"""machine.db schema and its migrations.
+
+``MIGRATIONS[i]`` moves a database from version ``i`` to ``i + 1``; the
+current version is kept in ``schema_version``. A database written by a newer
+agents-machine (a higher version than we know) is refused rather than
+guessed at.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from typing import Final
+
+from shared.errors import InvalidState
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "migrate"]
+
+logger = logging.getLogger(__name__)
+
+_V1: Final = """
+CREATE TABLE settings (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+
+CREATE TABLE agents (
+    id             TEXT PRIMARY KEY,
+    name           TEXT NOT NULL,
+    folder         TEXT NOT NULL,
+    runtime        TEXT NOT NULL,
+    settings_json  TEXT NOT NULL DEFAULT '{}',
+    state          TEXT NOT NULL CHECK (state IN ('active', 'archived')),
+    origin_machine TEXT NOT NULL,
+    session_id     TEXT,
+    created_at     REAL NOT NULL,
+    updated_at     REAL NOT NULL,
+    last_seq       INTEGER NOT NULL DEFAULT 0
+);
+
+CREATE TABLE runs (
+    id               TEXT PRIMARY KEY,
+    agent_id         TEXT NOT NULL REFERENCES agents(id) ON DELETE CASCADE,
+    state            TEXT NOT NULL CHECK (state IN ('queued', 'running',
+                         'waiting_permission', 'finished', 'failed', 'interrupted',
+                         'cancelled')),
+    prompt           TEXT NOT NULL,
+    attachments_json TEXT NOT NULL DEFAULT '[]',
+    created_at       REAL NOT NULL,
+    started_at       REAL,
+    finished_at      REAL,
+    input_tokens     INTEGER NOT NULL DEFAULT 0,
+    output_tokens    INTEGER NOT NULL DEFAULT 0,
+    duration_ms      INTEGER NOT NULL DEFAULT 0,
+    stop_reason      TEXT,
+    error_code       TEXT
+);
+CREATE INDEX runs_agent ON runs (agent_id, created_at);
+CREATE INDEX runs_state ON runs (state);
+
+CREATE TABLE events (
+    id           INTEGER PRIMARY KEY,
+    agent_id     TEXT NOT NULL REFERENCES agents(id) ON DELETE CASCADE,
+    seq          INTEGER NOT NULL,
+    run_id       TEXT NOT NULL,
+    kind         TEXT NOT NULL,
+    payload_json TEXT NOT NULL,
+    time         REAL NOT NULL,
+    UNIQUE (agent_id, seq)
+);
+CREATE INDEX events_run ON events (run_id, seq);
+
+CREATE TABLE summaries (
+    run_id     TEXT PRIMARY KEY REFERENCES runs(id) ON DELETE CASCADE,
+    agent_id   TEXT NOT NULL REFERENCES agents(id) ON DELETE CASCADE,
+    text       TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+
+CREATE TABLE tool_log (
+    id         INTEGER PRIMARY KEY,
+    agent_id   TEXT NOT NULL REFERENCES agents(id) ON DELETE CASCADE,
+    run_id     TEXT NOT NULL,
+    call_id    TEXT NOT NULL,
+    title      TEXT NOT NULL,
+    tool_kind  TEXT NOT NULL,
+    input_json TEXT NOT NULL,
+    status     TEXT,
+    output     TEXT,
+    started_at REAL NOT NULL,
+    ended_at   REAL,
+    UNIQUE (run_id, call_id)
+);
+
+CREATE TABLE permissions (
+    run_id       TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    request_id   TEXT NOT NULL,
+    agent_id     TEXT NOT NULL REFERENCES agents(id) ON DELETE CASCADE,
+    call_id      TEXT NOT NULL,
+    title        TEXT NOT NULL,
+    options_json TEXT NOT NULL,
+    seq          INTEGER NOT NULL,
+    state        TEXT NOT NULL CHECK (state IN ('pending', 'answered', 'cancelled')),
+    option_id    TEXT,
+    remember     INTEGER NOT NULL DEFAULT 0,
+    requested_at REAL NOT NULL,
+    answered_at  REAL,
+    PRIMARY KEY (run_id, request_id)
+);
+
+CREATE TABLE permission_rules (
+    agent_id   TEXT NOT NULL REFERENCES agents(id) ON DELETE CASCADE,
+    tool       TEXT NOT NULL,
+    decision   TEXT NOT NULL CHECK (decision IN ('allow', 'reject')),
+    created_at REAL NOT NULL,
+    PRIMARY KEY (agent_id, tool)
+);
+
+CREATE TABLE attachments (
+    sha256     TEXT PRIMARY KEY,
+    size       INTEGER NOT NULL,
+    created_at REAL NOT NULL
+);
+
+CREATE TABLE attachment_refs (
+    sha256     TEXT NOT NULL REFERENCES attachments(sha256),
+    agent_id   TEXT NOT NULL REFERENCES agents(id) ON DELETE CASCADE,
+    run_id     TEXT NOT NULL DEFAULT '',
+    file_name  TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (sha256, agent_id, run_id)
+);
+
+CREATE TABLE machine_log (
+    id     INTEGER PRIMARY KEY,
+    time   REAL NOT NULL,
+    kind   TEXT NOT NULL,
+    detail TEXT NOT NULL
+);
+CREATE INDEX machine_log_time ON machine_log (time);
+
+CREATE VIRTUAL TABLE search USING fts5 (
+    text,
+    agent_id UNINDEXED,
+    run_id UNINDEXED,
+    seq UNINDEXED,
+    source UNINDEXED,
+    tokenize = 'unicode61'
+);
+"""
+
+#: MIGRATIONS[i] upgrades version i to i + 1.
+MIGRATIONS: Final[tuple[str, ...]] = (_V1,)
+SCHEMA_VERSION: Final = len(MIGRATIONS)
+
+
+def _current_version(conn: sqlite3.Connection) -> int:
+    row = conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
+    ).fetchone()
+    if row is None:
+        return 0
+    got = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
+    return int(got[0] or 0)
+
+
+def migrate(conn: sqlite3.Connection, *, where: str = "machine.db") -> int:
+    """Bring ``conn``'s schema to :data:`SCHEMA_VERSION`; return the version.
+
+    Each step runs in its own transaction together with its version bump, so
+    a crash mid-migration leaves the previous version intact.
+    """
+    version = _current_version(conn)
+    if version > SCHEMA_VERSION:
+        raise InvalidState(
+            where,
+            f"schema version {version} is newer than this agents-machine supports "
+            f"({SCHEMA_VERSION}); upgrade agents-machine",
+        )
+    while version < SCHEMA_VERSION:
+        script = MIGRATIONS[version]
+        logger.info("%s: migrating schema %d -> %d", where, version, version + 1)
+        # executescript commits implicitly; wrap the step in one explicit transaction.
+        try:
+            conn.executescript(
+                "BEGIN IMMEDIATE;\n"
+                "CREATE TABLE IF NOT EXISTS schema_version "
+                "(version INTEGER PRIMARY KEY, applied_at REAL NOT NULL);\n"
+                f"{script}\n"
+                f"INSERT INTO schema_version VALUES ({version + 1}, "
+                "CAST(strftime('%s', 'now') AS REAL));\n"
+                "COMMIT;"
+            )
+        except BaseException:
+            if conn.in_transaction:
+                conn.rollback()
+            raise
+        version += 1
+    return version

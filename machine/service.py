@@ -1,0 +1,219 @@
+"""The MachineService servicer: decode, one domain call, encode.
+
+Domain errors raised here are turned into gRPC statuses by
+:class:`shared.rpc.ErrorInterceptor`; nothing in this module maps errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from machine import codec
+from machine.app import Machine
+from shared.errors import InvalidArgument
+from shared.pb.machine.v1 import machine_pb2 as pb
+from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
+
+__all__ = ["SERVICE_NAME", "MachineServicer"]
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MachineService"].full_name
+_LATER = "arrives with a later issue"
+
+Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+class MachineServicer(pb_grpc.MachineServiceServicer):
+    """Thin adapter from machine.v1 messages to the :class:`Machine` domain."""
+
+    def __init__(self, machine: Machine) -> None:
+        self._m = machine
+
+    # ---------------------------------------------------------------- agents
+
+    async def CreateAgent(self, request: pb.CreateAgentRequest, context: Ctx) -> pb.Agent:
+        agent = await self._m.agents.create(
+            name=request.name,
+            folder=request.folder,
+            runtime=request.runtime,
+            settings_json=request.settings_json,
+        )
+        return codec.agent_to_pb(agent)
+
+    async def ListAgents(
+        self, request: pb.ListAgentsRequest, context: Ctx
+    ) -> pb.ListAgentsResponse:
+        agents = await self._m.agents.list(include_archived=request.include_archived)
+        return pb.ListAgentsResponse(agents=[codec.agent_to_pb(a) for a in agents])
+
+    async def GetAgent(self, request: pb.GetAgentRequest, context: Ctx) -> pb.Agent:
+        return codec.agent_to_pb(await self._m.agents.get(request.agent_id))
+
+    async def RenameAgent(self, request: pb.RenameAgentRequest, context: Ctx) -> pb.Agent:
+        return codec.agent_to_pb(await self._m.agents.rename(request.agent_id, request.name))
+
+    async def ArchiveAgent(self, request: pb.ArchiveAgentRequest, context: Ctx) -> pb.Agent:
+        return codec.agent_to_pb(await self._m.agents.archive(request.agent_id))
+
+    async def UnarchiveAgent(self, request: pb.UnarchiveAgentRequest, context: Ctx) -> pb.Agent:
+        return codec.agent_to_pb(await self._m.agents.unarchive(request.agent_id))
+
+    async def DeleteAgent(
+        self, request: pb.DeleteAgentRequest, context: Ctx
+    ) -> pb.DeleteAgentResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"DeleteAgent (erasure) {_LATER}")
+        raise AssertionError("unreachable")
+
+    # ---------------------------------------------------------------- runs
+
+    async def Prompt(self, request: pb.PromptRequest, context: Ctx) -> AsyncIterator[pb.RunEvent]:
+        events = await self._m.runs.prompt(
+            request.agent_id, request.text, list(request.attachments)
+        )
+        async for ev in events:
+            yield codec.event_to_pb(ev)
+
+    async def Replay(self, request: pb.ReplayRequest, context: Ctx) -> AsyncIterator[pb.RunEvent]:
+        events = await self._m.runs.replay(
+            request.agent_id, request.after_seq, follow=request.follow
+        )
+        async for ev in events:
+            yield codec.event_to_pb(ev)
+
+    async def CancelRun(self, request: pb.CancelRunRequest, context: Ctx) -> pb.Run:
+        return codec.run_to_pb(await self._m.runs.cancel(request.run_id))
+
+    async def AnswerPermission(
+        self, request: pb.AnswerPermissionRequest, context: Ctx
+    ) -> pb.AnswerPermissionResponse:
+        run = await self._m.runs.answer(
+            request.run_id, request.request_id, request.option_id, remember=request.remember
+        )
+        return pb.AnswerPermissionResponse(run=codec.run_to_pb(run))
+
+    async def GetRun(self, request: pb.GetRunRequest, context: Ctx) -> pb.Run:
+        return codec.run_to_pb(await self._m.runs.get_run(request.run_id))
+
+    async def ListRuns(self, request: pb.ListRunsRequest, context: Ctx) -> pb.ListRunsResponse:
+        runs = await self._m.runs.list_runs(request.agent_id, request.limit)
+        return pb.ListRunsResponse(runs=[codec.run_to_pb(r) for r in runs])
+
+    async def Search(self, request: pb.SearchRequest, context: Ctx) -> pb.SearchResponse:
+        hits = await self._m.agents.search(
+            request.query, agent_id=request.agent_id, limit=request.limit
+        )
+        return pb.SearchResponse(hits=[codec.hit_to_pb(h) for h in hits])
+
+    async def UploadAttachment(
+        self, request_iterator: AsyncIterator[pb.UploadAttachmentRequest], context: Ctx
+    ) -> pb.Attachment:
+        parts = request_iterator.__aiter__()
+        try:
+            first = await parts.__anext__()
+        except StopAsyncIteration:
+            raise InvalidArgument("header", "an upload starts with a header") from None
+        if first.WhichOneof("part") != "header":
+            raise InvalidArgument("header", "an upload starts with a header")
+        header = first.header
+
+        async def chunks() -> AsyncIterator[bytes]:
+            async for msg in parts:
+                if msg.WhichOneof("part") != "chunk":
+                    raise InvalidArgument("chunk", "only chunks may follow the header")
+                yield msg.chunk
+
+        record = await self._m.attachments.upload(
+            agent_id=header.agent_id,
+            file_name=header.file_name,
+            declared_size=header.size,
+            chunks=chunks(),
+        )
+        return pb.Attachment(sha256=record.sha256, size=record.size, agent_id=record.agent_id)
+
+    # ---------------------------------------------------------------- later issues
+
+    async def _later(self, context: Ctx, what: str) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} {_LATER}")
+
+    async def ListErasures(
+        self, request: pb.ListErasuresRequest, context: Ctx
+    ) -> pb.ListErasuresResponse:
+        await self._later(context, "ListErasures")
+        raise AssertionError("unreachable")
+
+    async def Export(
+        self, request: pb.ExportRequest, context: Ctx
+    ) -> AsyncIterator[pb.ExportChunk]:
+        await self._later(context, "Export")
+        yield pb.ExportChunk()  # pragma: no cover - abort raised above
+
+    async def Import(
+        self, request_iterator: AsyncIterator[pb.ImportChunk], context: Ctx
+    ) -> pb.ImportResponse:
+        await self._later(context, "Import")
+        raise AssertionError("unreachable")
+
+    async def BackupNow(self, request: pb.BackupNowRequest, context: Ctx) -> pb.Backup:
+        await self._later(context, "BackupNow")
+        raise AssertionError("unreachable")
+
+    async def ListBackups(
+        self, request: pb.ListBackupsRequest, context: Ctx
+    ) -> pb.ListBackupsResponse:
+        await self._later(context, "ListBackups")
+        raise AssertionError("unreachable")
+
+    async def VerifyBackup(
+        self, request: pb.VerifyBackupRequest, context: Ctx
+    ) -> pb.VerifyBackupResponse:
+        await self._later(context, "VerifyBackup")
+        raise AssertionError("unreachable")
+
+    async def Restore(self, request: pb.RestoreRequest, context: Ctx) -> pb.RestoreResponse:
+        await self._later(context, "Restore")
+        raise AssertionError("unreachable")
+
+    async def CreateSchedule(self, request: pb.CreateScheduleRequest, context: Ctx) -> pb.Schedule:
+        await self._later(context, "CreateSchedule")
+        raise AssertionError("unreachable")
+
+    async def ListSchedules(
+        self, request: pb.ListSchedulesRequest, context: Ctx
+    ) -> pb.ListSchedulesResponse:
+        await self._later(context, "ListSchedules")
+        raise AssertionError("unreachable")
+
+    async def DeleteSchedule(
+        self, request: pb.DeleteScheduleRequest, context: Ctx
+    ) -> pb.DeleteScheduleResponse:
+        await self._later(context, "DeleteSchedule")
+        raise AssertionError("unreachable")
+
+    # ---------------------------------------------------------------- status
+
+    async def Status(self, request: pb.StatusRequest, context: Ctx) -> pb.StatusResponse:
+        from importlib.metadata import PackageNotFoundError, version
+
+        st = await self._m.status()
+        try:
+            ver = version("agents-platform")
+        except PackageNotFoundError:
+            ver = "unknown"
+        return pb.StatusResponse(
+            version=ver,
+            data_dir=st.data_dir,
+            machine_id=st.machine_id,
+            active_agents=st.active_agents,
+            archived_agents=st.archived_agents,
+            open_runs=st.open_runs,
+            waiting_runs=st.waiting_runs,
+            runtimes=st.runtimes,
+            started_at=codec.ts(st.started_at),
+            schema_version=st.schema_version,
+        )

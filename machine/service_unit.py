@@ -1,0 +1,150 @@
+"""Install the machine daemon as a systemd service (``join --install-service``).
+
+:func:`install_service` writes ``agents-machine.service`` running
+``agents-machine serve --data-dir <dir>`` into a unit folder (default
+``/etc/systemd/system``) and, when ``systemctl`` is available, reloads systemd
+and enables and starts the unit. Tests point ``unit_dir`` at a temp folder and
+pass ``systemctl=None``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from shared.atomic import write_atomic
+from shared.errors import InvalidArgument, InvalidState
+
+__all__ = [
+    "DEFAULT_UNIT_DIR",
+    "UNIT_NAME",
+    "InstalledService",
+    "default_executable",
+    "install_service",
+    "render_unit",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_UNIT_DIR: Final = Path("/etc/systemd/system")
+UNIT_NAME: Final = "agents-machine.service"
+_SYSTEMCTL_TIMEOUT: Final = 60.0
+
+
+@dataclass(frozen=True)
+class InstalledService:
+    """Where the unit was written and whether systemd started it."""
+
+    unit_path: Path
+    started: bool
+
+
+def default_executable() -> Path:
+    """The ``agents-machine`` script beside the running interpreter."""
+    return Path(sys.executable).parent / "agents-machine"
+
+
+def _quote(value: str, field: str) -> str:
+    # systemd splits ExecStart like a shell but with its own rules: double-quote
+    # each word, escape backslashes and quotes, and double '%' (a specifier).
+    if any(ch in value for ch in "\n\r\0"):
+        raise InvalidArgument(field, "must not contain newlines or NUL")
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    return f'"{escaped}"'
+
+
+def render_unit(
+    *, executable: Path, data_dir: Path, user: str | None = None, extra_args: tuple[str, ...] = ()
+) -> str:
+    """Return the text of the systemd unit for ``agents-machine serve``."""
+    words = [
+        _quote(str(executable), "executable"),
+        "serve",
+        "--data-dir",
+        _quote(str(data_dir), "data_dir"),
+        *(_quote(a, "extra_args") for a in extra_args),
+    ]
+    lines = [
+        "[Unit]",
+        "Description=Agents machine daemon",
+        "After=network-online.target",
+        "Wants=network-online.target",
+        "",
+        "[Service]",
+        "Type=simple",
+        f"ExecStart={' '.join(words)}",
+        "Restart=on-failure",
+        "RestartSec=2",
+        # Files the daemon makes are private (keys, database) whatever the umask.
+        "UMask=0077",
+        "NoNewPrivileges=yes",
+        "KillSignal=SIGTERM",
+        "TimeoutStopSec=30",
+    ]
+    if user:
+        if not user.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise InvalidArgument("user", f"not a user name: {user!r}")
+        lines.append(f"User={user}")
+    lines += ["", "[Install]", "WantedBy=multi-user.target", ""]
+    return "\n".join(lines)
+
+
+def _run(systemctl: str, *args: str) -> None:
+    cmd = [systemctl, *args]
+    try:
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=_SYSTEMCTL_TIMEOUT, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise InvalidState("systemd", f"{' '.join(cmd)} failed: {e}") from None
+    if done.returncode != 0:
+        err = (done.stderr or done.stdout).strip().splitlines()
+        raise InvalidState(
+            "systemd", f"{' '.join(cmd)} exited {done.returncode}: {err[-1] if err else ''}"
+        )
+
+
+def install_service(
+    *,
+    data_dir: Path,
+    unit_dir: Path = DEFAULT_UNIT_DIR,
+    executable: Path | None = None,
+    user: str | None = None,
+    systemctl: str | None = "",
+    unit_name: str = UNIT_NAME,
+) -> InstalledService:
+    """Write the unit into ``unit_dir`` and start it with systemctl when there is one.
+
+    ``systemctl=""`` (the default) looks ``systemctl`` up on PATH; ``None``
+    never runs it (the unit is only written). A unit folder we cannot write
+    raises InvalidState with the path, so the CLI can say "run as root".
+    """
+    if "/" in unit_name or not unit_name.endswith(".service"):
+        raise InvalidArgument("unit_name", "must be a file name ending in .service")
+    text = render_unit(
+        executable=(executable or default_executable()).absolute(),
+        data_dir=data_dir.absolute(),
+        user=user,
+    )
+    path = unit_dir / unit_name
+    try:
+        unit_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text.encode(), mode=0o644)
+    except OSError as e:
+        raise InvalidState(
+            str(unit_dir), f"cannot write the systemd unit (run as root?): {e.strerror}"
+        ) from None
+    logger.info("wrote systemd unit %s", path)
+    tool = shutil.which("systemctl") if systemctl == "" else systemctl
+    if not tool:
+        logger.warning("systemctl not found: %s written but not started", path)
+        return InstalledService(unit_path=path, started=False)
+    _run(tool, "daemon-reload")
+    _run(tool, "enable", "--now", unit_name)
+    logger.info("started %s", unit_name)
+    return InstalledService(unit_path=path, started=True)

@@ -1,0 +1,39 @@
+"""ControlConfig: flags > env > file > defaults, and validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controlplane.config import load_config
+from shared.errors import ConfigError
+
+
+def test_precedence(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text('listen = "127.0.0.1:1"\nheartbeat_interval = 9.0\n')
+    env = {
+        "AGENTS_CONTROL_LISTEN": "127.0.0.1:2",
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+    }
+    cfg = load_config({"home": tmp_path}, env)
+    assert cfg.listen == "127.0.0.1:2" and cfg.heartbeat_interval == 9.0
+    assert cfg.store_access_key == "k" and "s" not in repr(cfg).split("store_region")[0][-5:]
+    assert "store_secret_key" not in repr(cfg)
+    cfg = load_config({"home": tmp_path, "listen": "127.0.0.1:3"}, env)
+    assert cfg.listen == "127.0.0.1:3"
+    assert load_config({}, {"AGENTS_CONTROL_HOME": str(tmp_path)}).home == tmp_path
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        ({"listen": "nope"}, "listen"),
+        ({"heartbeat_interval": 0.0001}, "heartbeat_interval"),
+        ({"log_level": "LOUD"}, "log_level"),
+    ],
+)
+def test_validation_names_the_field(tmp_path: Path, flags: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        load_config({"home": tmp_path, **flags}, {})

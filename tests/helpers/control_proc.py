@@ -1,0 +1,174 @@
+"""Run a real ``agents-control`` (init + serve) as subprocesses for integration tests.
+
+Usage::
+
+    with control_plane(tmp_path, store_url=..., env=...) as cp:
+        cp.cli("account", "create", "--github-id", "1", "--github-login", "a")
+
+``cp.public`` / ``cp.link`` are the daemon's actual addresses (read from
+serve.json); ``cp.operator`` is the operator credential init printed. The
+daemon is stopped with SIGTERM in ``finally`` and killed if it does not exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+START_DEADLINE = 20.0
+
+
+def agents_control_exe() -> Path:
+    """The console script; installed in editable mode if it is missing."""
+    exe = VENV_BIN / "agents-control"
+    if not exe.exists():
+        subprocess.run(
+            [str(VENV_BIN / "pip"), "install", "-q", "-e", str(ROOT), "--no-deps"],
+            check=True,
+            timeout=300,
+        )
+    return exe
+
+
+@dataclass
+class CliResult:
+    """What one CLI run printed."""
+
+    code: int
+    out: str
+    err: str
+
+
+@dataclass
+class ControlProc:
+    """A running control plane and a way to call its CLI."""
+
+    home: Path
+    env: dict[str, str]
+    operator: str
+    ca_hash: str
+    process: subprocess.Popen[bytes] | None = None
+    serve_info: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+
+    @property
+    def public(self) -> str:
+        """host:port of the public listener (Join, Admin)."""
+        return self.serve_info["public"]
+
+    @property
+    def link(self) -> str:
+        """host:port of the mutual-TLS link listener."""
+        return self.serve_info["link"]
+
+    @property
+    def ca_pem(self) -> bytes:
+        """The CA certificate."""
+        return (self.home / "ca.pem").read_bytes()
+
+    def cli(self, *args: str, credential: str | None = None, timeout: float = 30) -> CliResult:
+        """Run ``agents-control ARGS --home HOME`` with the operator credential by default."""
+        env = dict(self.env)
+        env["AGENTS_CONTROL_CREDENTIAL"] = credential if credential is not None else self.operator
+        argv = [str(agents_control_exe()), *args, "--home", str(self.home)]
+        proc = subprocess.run(argv, env=env, capture_output=True, timeout=timeout)
+        return CliResult(proc.returncode, proc.stdout.decode(), proc.stderr.decode())
+
+
+def run_init(
+    home: Path, store_url: str, env: Mapping[str, str], extra: Sequence[str] = ()
+) -> ControlProc:
+    """``agents-control init`` with ephemeral ports; returns the credential it printed."""
+    full_env = {**os.environ, **env}
+    full_env.pop("AGENTS_CONTROL_CREDENTIAL", None)
+    argv = [
+        str(agents_control_exe()),
+        "init",
+        "--home",
+        str(home),
+        "--store",
+        store_url,
+        "--listen",
+        "127.0.0.1:0",
+        "--link-listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        *extra,
+    ]
+    proc = subprocess.run(argv, env=full_env, capture_output=True, timeout=60)
+    out = proc.stdout.decode()
+    if proc.returncode != 0:
+        raise AssertionError(f"init failed ({proc.returncode}): {proc.stderr.decode()}")
+    cred = re.search(r"^(adm_[0-9a-z]{26}\.[A-Za-z0-9_-]{43})$", out, re.M)
+    ca = re.search(r"CA hash: (sha256:[0-9a-f]{64})", out)
+    assert cred and ca, out
+    return ControlProc(home=home, env=full_env, operator=cred.group(1), ca_hash=ca.group(1))
+
+
+def start_serve(cp: ControlProc, extra: Sequence[str] = ()) -> None:
+    """Start ``serve`` and wait (deadline) until serve.json names its ports."""
+    serve_json = cp.home / "serve.json"
+    cp.log_path = cp.home.parent / f"{cp.home.name}-serve.log"
+    log = cp.log_path.open("wb")
+    cp.process = subprocess.Popen(
+        [str(agents_control_exe()), "serve", "--home", str(cp.home), *extra],
+        env=cp.env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    deadline = time.monotonic() + START_DEADLINE
+    while time.monotonic() < deadline:
+        if cp.process.poll() is not None:
+            raise AssertionError(f"serve exited early:\n{cp.log_path.read_text()}")
+        if serve_json.exists():
+            try:
+                info = json.loads(serve_json.read_text())
+            except ValueError:
+                info = {}
+            if info.get("pid") == cp.process.pid:
+                cp.serve_info = info
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"serve not ready in {START_DEADLINE}s:\n{cp.log_path.read_text()}")
+
+
+def stop_serve(cp: ControlProc) -> None:
+    """SIGTERM, wait with a deadline, then kill."""
+    if cp.process is None or cp.process.poll() is not None:
+        return
+    cp.process.send_signal(signal.SIGTERM)
+    try:
+        cp.process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        cp.process.kill()
+        cp.process.wait(timeout=5)
+
+
+@contextmanager
+def control_plane(
+    home: Path,
+    store_url: str,
+    env: Mapping[str, str] | None = None,
+    init_args: Sequence[str] = (),
+    serve_args: Sequence[str] = (),
+) -> Iterator[ControlProc]:
+    """init + serve; the daemon is stopped in ``finally``."""
+    cp = run_init(home, store_url, env or {}, init_args)
+    try:
+        start_serve(cp, serve_args)
+        yield cp
+    finally:
+        stop_serve(cp)

@@ -1,0 +1,145 @@
+"""Run ``agents-machine serve`` as a real subprocess on a temp data folder.
+
+``MachineProc.start()`` launches the daemon (``.venv/bin/agents-machine``),
+waits with a deadline until its gRPC health check answers SERVING on the
+Unix socket, and ``stop()`` / ``kill()`` end it, always waiting with a
+deadline. Use it as a context manager so teardown kills it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+__all__ = ["AGENTS_MACHINE", "MachineProc", "run_cli"]
+
+AGENTS_MACHINE = Path(sys.executable).parent / "agents-machine"
+START_DEADLINE = 20.0
+STOP_DEADLINE = 15.0
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    env.update(extra or {})
+    return env
+
+
+def run_cli(
+    data_dir: Path, *args: str, timeout: float = 30.0, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``agents-machine --data-dir DATA ARGS...`` and capture its output."""
+    return subprocess.run(
+        [str(AGENTS_MACHINE), "--data-dir", str(data_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=stdin,
+        env=_env(),
+        check=False,
+    )
+
+
+class MachineProc:
+    """One daemon process over one data folder (restartable)."""
+
+    def __init__(self, data_dir: Path, *extra_args: str) -> None:
+        self.data_dir = data_dir
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+
+    @property
+    def socket(self) -> Path:
+        """The daemon's Unix socket."""
+        return self.data_dir / "machine.sock"
+
+    @property
+    def target(self) -> str:
+        """gRPC target for the socket."""
+        return f"unix://{self.socket}"
+
+    def start(self) -> MachineProc:
+        """Start the daemon and wait until it is healthy."""
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [
+                str(AGENTS_MACHINE),
+                "--data-dir",
+                str(self.data_dir),
+                "serve",
+                "--no-background",
+                "--grace",
+                "2",
+                *self.extra_args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+        )
+        log.close()
+        deadline = time.monotonic() + START_DEADLINE
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agents-machine exited early:\n{self.log()}")
+            if self.socket.exists() and self._healthy():
+                return self
+            time.sleep(0.05)  # polling with a deadline, not synchronisation
+        self.kill()
+        raise RuntimeError(f"agents-machine did not become healthy:\n{self.log()}")
+
+    def _healthy(self) -> bool:
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+            except grpc.RpcError:
+                return False
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def log(self) -> str:
+        """The daemon's output so far."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> int:
+        """SIGTERM, then wait (with a deadline) for a clean exit; return its code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=STOP_DEADLINE)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        finally:
+            self.proc = None if self.proc.poll() is not None else self.proc
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, or a failed teardown) and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=STOP_DEADLINE)
+        self.proc = None
+
+    def __enter__(self) -> MachineProc:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.kill()

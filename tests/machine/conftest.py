@@ -1,0 +1,30 @@
+"""Fixtures for the machine's unit tests: a config on a temp folder, an open machine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from machine.app import Machine, open_machine
+from machine.config import MachineConfig
+
+
+@pytest.fixture
+def machine_config(tmp_path: Path) -> MachineConfig:
+    """A config on a fresh data folder, no background loops, no grace."""
+    return MachineConfig(
+        data_dir=tmp_path / "data",
+        background_loops=False,
+        shutdown_grace_seconds=0,
+        attachment_limit=64 * 1024,
+        prompt_limit=4096,
+    ).validate()
+
+
+@pytest.fixture
+async def machine_app(machine_config: MachineConfig) -> AsyncIterator[Machine]:
+    """An open machine (database, agents, run engine); closed afterwards."""
+    async with open_machine(machine_config) as m:
+        yield m

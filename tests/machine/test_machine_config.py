@@ -1,0 +1,68 @@
+"""MachineConfig: data folder resolution, precedence, validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from machine.config import MachineConfig, default_data_dir, resolve_data_dir, server_data_dir
+from shared.errors import ConfigError
+
+HOME = Path("/home/u")
+
+
+def test_default_data_dir_per_platform() -> None:
+    assert default_data_dir({}, HOME, "linux") == HOME / ".local/share/Agents"
+    assert default_data_dir({"XDG_DATA_HOME": "/x"}, HOME, "linux") == Path("/x/Agents")
+    assert default_data_dir({"XDG_DATA_HOME": "rel"}, HOME, "linux") == HOME / ".local/share/Agents"
+    mac = default_data_dir({}, HOME, "darwin")
+    assert mac == HOME / "Library/Application Support/Agents"
+    assert server_data_dir(HOME) == HOME / ".agents-server/root"
+
+
+def test_flag_beats_env_beats_default() -> None:
+    env = {"AGENTS_DATA_DIR": "/env/dir"}
+    assert resolve_data_dir("/flag/dir", env, HOME) == Path("/flag/dir")
+    assert resolve_data_dir(None, env, HOME) == Path("/env/dir")
+
+
+def test_build_reads_file_and_env(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "machine.toml").write_text('prompt_limit = "2KiB"\nattachment_limit = 100\n')
+    cfg = MachineConfig.build(
+        flags={"data_dir": str(data), "attachment_limit": "300"},
+        env={"AGENTS_MACHINE_PROMPT_LIMIT": "1k"},
+        home=HOME,
+    )
+    assert cfg.prompt_limit == 1024  # env beats file
+    assert cfg.attachment_limit == 300  # flag beats file
+    assert cfg.socket == data / "machine.sock"
+    assert cfg.metrics_address is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tcp_address", "0.0.0.0:5000"),
+        ("tcp_address", "nonsense"),
+        ("metrics_address", "10.0.0.1:9000"),
+        ("prompt_limit", 0),
+        ("event_retention_days", 0),
+    ],
+)
+def test_validate_names_the_bad_field(tmp_path: Path, field: str, value: object) -> None:
+    cfg = MachineConfig(data_dir=tmp_path, **{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert err.value.field == field
+
+
+def test_bad_env_value_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="prompt_limit"):
+        MachineConfig.build(
+            flags={"data_dir": str(tmp_path)},
+            env={"AGENTS_MACHINE_PROMPT_LIMIT": "lots"},
+            home=HOME,
+        )
