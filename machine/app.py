@@ -140,7 +140,9 @@ async def open_machine(
     engine: RunEngine | None = None
     try:
         machine_id = await db.write(_machine_id)
-        registry = runtimes or default_registry()
+        registry = runtimes or default_registry(
+            claude_home=config.claude_home, codex_home=config.codex_home
+        )
         attachments = AttachmentStore(
             db, config.attachments_dir, limit=config.attachment_limit, machine_id=machine_id
         )

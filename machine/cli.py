@@ -407,14 +407,29 @@ def _cmd_join(args: argparse.Namespace, env: dict[str, str]) -> int:
     return _run_serve(cfg)
 
 
+def _add_global_options(p: argparse.ArgumentParser, default: Any) -> None:
+    p.add_argument(
+        "--data-dir",
+        default=default,
+        help="data folder (default: $AGENTS_DATA_DIR or the platform's)",
+    )
+    p.add_argument(
+        "--socket", default=default, help="daemon socket (default: <data dir>/machine.sock)"
+    )
+    p.add_argument("--json", action="store_true", default=default, help="print JSON for scripts")
+
+
 def _parser() -> _Parser:
     p = _Parser(prog=PROG, description="The machine agent: runs your AI coding agents.")
-    p.add_argument("--data-dir", help="data folder (default: $AGENTS_DATA_DIR or the platform's)")
-    p.add_argument("--socket", help="daemon socket (default: <data dir>/machine.sock)")
-    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _add_global_options(p, argparse.SUPPRESS)
+    p.set_defaults(data_dir=None, socket=None, json=False)
+    # The same options are accepted after the subcommand too (`serve --data-dir D`),
+    # as systemd units and pasted join commands put them there.
+    common = _Parser(add_help=False)
+    _add_global_options(common, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
 
-    s = sub.add_parser("serve", help="run the daemon")
+    s = sub.add_parser("serve", parents=[common], help="run the daemon")
     s.add_argument("--tcp", help="also listen on HOST:PORT (loopback only)")
     s.add_argument("--metrics", help="serve /metrics on HOST:PORT (loopback only)")
     s.add_argument("--prompt-limit", help="largest prompt (default 1MiB)")
@@ -423,49 +438,51 @@ def _parser() -> _Parser:
     s.add_argument("--no-background", action="store_true", help="no periodic jobs (tests)")
     s.add_argument("--config", help="TOML config file (default <data dir>/machine.toml)")
 
-    j = sub.add_parser("join", help="join a control plane, then serve")
+    j = sub.add_parser("join", parents=[common], help="join a control plane, then serve")
     j.add_argument("address", help="control plane HOST:PORT")
     j.add_argument("--token", required=True, help="one-time join token")
     j.add_argument("--ca-hash", required=True, help="sha256:HEX of the control plane CA key")
     j.add_argument("--name", help="this machine's name")
     j.add_argument("--install-service", action="store_true", help="install a systemd unit")
 
-    sub.add_parser("status", help="the daemon's health and counts")
+    sub.add_parser("status", parents=[common], help="the daemon's health and counts")
 
-    a = sub.add_parser("agent", help="agents and their runs")
+    a = sub.add_parser("agent", parents=[common], help="agents and their runs")
     verbs = a.add_subparsers(dest="verb", parser_class=_Parser)
-    c = verbs.add_parser("create", help="create an agent")
+    c = verbs.add_parser("create", parents=[common], help="create an agent")
     c.add_argument("name")
     c.add_argument("--folder", help="the folder it works in (default: here)")
     c.add_argument("--runtime", help="echo (default) or acp")
     c.add_argument("--settings", help="runtime settings as a JSON object")
-    ls = verbs.add_parser("list", help="list agents")
+    ls = verbs.add_parser("list", parents=[common], help="list agents")
     ls.add_argument("--all", action="store_true", help="include archived agents")
     for verb in ("show", "archive", "unarchive"):
-        verbs.add_parser(verb, help=f"{verb} an agent").add_argument("id")
-    r = verbs.add_parser("rename", help="rename an agent")
+        verbs.add_parser(verb, parents=[common], help=f"{verb} an agent").add_argument("id")
+    r = verbs.add_parser("rename", parents=[common], help="rename an agent")
     r.add_argument("id")
     r.add_argument("name")
-    pr = verbs.add_parser("prompt", help="prompt an agent and stream the run")
+    pr = verbs.add_parser("prompt", parents=[common], help="prompt an agent and stream the run")
     pr.add_argument("id")
     pr.add_argument("text", nargs="*")
     pr.add_argument("--stdin", action="store_true", help="read the prompt from stdin")
     pr.add_argument("--attach", action="append", help="attach a file (repeatable)")
-    rp = verbs.add_parser("replay", help="stream an agent's stored events")
+    rp = verbs.add_parser("replay", parents=[common], help="stream an agent's stored events")
     rp.add_argument("id")
     rp.add_argument("--after", type=int, default=0, help="only events after this seq")
     rp.add_argument("--follow", action="store_true", help="keep streaming new events")
-    cn = verbs.add_parser("cancel", help="cancel a run")
+    cn = verbs.add_parser("cancel", parents=[common], help="cancel a run")
     cn.add_argument("run_id")
-    an = verbs.add_parser("answer", help="answer a permission request")
+    an = verbs.add_parser("answer", parents=[common], help="answer a permission request")
     an.add_argument("run_id")
     an.add_argument("request_id")
     an.add_argument("option_id")
     an.add_argument("--remember", action="store_true", help="for this agent and tool, always")
-    ru = verbs.add_parser("runs", help="an agent's runs: usage and time history")
+    ru = verbs.add_parser("runs", parents=[common], help="an agent's runs: usage and time history")
     ru.add_argument("id")
     ru.add_argument("--limit", type=int, default=20)
-    se = verbs.add_parser("search", help="search conversations, tool logs and summaries")
+    se = verbs.add_parser(
+        "search", parents=[common], help="search conversations, tool logs and summaries"
+    )
     se.add_argument("query", nargs="+")
     se.add_argument("--agent", help="only this agent")
     se.add_argument("--limit", type=int, default=20)

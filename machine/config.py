@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from machine.runtimes.claude_files import default_claude_home, default_codex_home
 from shared.config import load_toml, parse_bool, parse_size, pick
 from shared.errors import ConfigError
 
@@ -113,6 +114,13 @@ class MachineConfig:
 
     shutdown_grace_seconds: float = 10.0
     """On the first SIGTERM, runs get this long to end before they are interrupted."""
+
+    claude_home: Path | None = None
+    """Claude Code's folder (``$CLAUDE_CONFIG_DIR`` or ``~/.claude``): deleting a
+    Claude session removes its files here. ``None``: the acp runtime's default."""
+
+    codex_home: Path | None = None
+    """Codex's folder (``$CODEX_HOME`` or ``~/.codex``), as ``claude_home``."""
 
     @property
     def socket(self) -> Path:
@@ -225,5 +233,7 @@ class MachineConfig:
                 default=10.0,
                 parse=float,
             ),
+            claude_home=default_claude_home(env, home),
+            codex_home=default_codex_home(env, home),
         )
         return cfg.validate()

@@ -3,20 +3,19 @@
 A runtime kind is a pair of functions: ``validate_settings(settings) -> dict``
 (raises InvalidArgument naming ``settings_json``) used when an agent is created,
 and ``create_runtime(*, agent_id, folder, settings) -> Runtime`` used when the
-agent first runs. ``echo`` is always there; ``acp`` comes from
-:mod:`machine.runtimes.acp` when that module imports.
+agent first runs: ``echo`` (built in, the default) and ``acp``.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from machine.runtimes import echo
+from machine.runtimes import acp, echo
 from machine.runtimes.base import Runtime
 from shared.errors import InvalidArgument
 
@@ -64,35 +63,24 @@ class RuntimeRegistry:
         return self.kind(name).create_runtime(agent_id=agent_id, folder=folder, settings=settings)
 
 
-def _load_acp() -> RuntimeKind | None:
-    try:
-        mod = importlib.import_module("machine.runtimes.acp")
-    except ImportError as e:
-        logger.info("acp runtime unavailable: %s", e)
-        return None
-    kind = getattr(mod, "KIND", None)
-    if isinstance(kind, RuntimeKind):
-        return kind
-    validate = getattr(mod, "validate_settings", None)
-    create = getattr(mod, "create_runtime", None)
-    if validate is None or create is None:
-        logger.warning("machine.runtimes.acp lacks validate_settings/create_runtime; skipped")
-        return None
-    return RuntimeKind("acp", validate, create)
+def _builtin(claude_home: Path | None, codex_home: Path | None) -> dict[str, RuntimeKind]:
+    # The acp runtime removes Claude/Codex session files on delete: bind the
+    # folders the config resolved so it never reads the environment itself.
+    create_acp = functools.partial(
+        acp.create_runtime, claude_home=claude_home, codex_home=codex_home
+    )
+    return {
+        "echo": RuntimeKind("echo", echo.validate_settings, echo.create_runtime),
+        "acp": RuntimeKind("acp", acp.validate_settings, create_acp),
+    }
 
 
-def _builtin() -> dict[str, RuntimeKind]:
-    kinds = {"echo": RuntimeKind("echo", echo.validate_settings, echo.create_runtime)}
-    acp = _load_acp()
-    if acp is not None:
-        kinds["acp"] = acp
-    return kinds
+def default_registry(
+    *, claude_home: Path | None = None, codex_home: Path | None = None
+) -> RuntimeRegistry:
+    """A registry of the built-in runtimes, ``echo`` and ``acp``."""
+    return RuntimeRegistry(_builtin(claude_home, codex_home))
 
 
-def default_registry() -> RuntimeRegistry:
-    """A registry of every runtime that imports on this machine."""
-    return RuntimeRegistry(RUNTIMES)
-
-
-#: name -> kind: "echo" always, "acp" when machine.runtimes.acp imports.
-RUNTIMES: dict[str, RuntimeKind] = _builtin()
+#: name -> kind, with the acp runtime's default folders.
+RUNTIMES: dict[str, RuntimeKind] = _builtin(None, None)
