@@ -131,7 +131,9 @@ class ControlPlane:
             ],
         )
         self._server = server
-        pair = [(keys.server.key_pem, keys.server.cert_pem)]
+        # The chain carries the CA too: a joining machine checks it against the
+        # pinned hash before it sends its token (kubeadm-style discovery).
+        pair = [(keys.server.key_pem, keys.server.cert_pem + keys.ca.cert_pem)]
         public_creds = grpc.ssl_server_credentials(pair)
         link_creds = grpc.ssl_server_credentials(
             pair, root_certificates=keys.ca.cert_pem, require_client_auth=True
