@@ -169,6 +169,17 @@ class PresenceRegistry:
             logger.info("machine %s offline", session.machine_id)
         await self._write(session, force=True)
 
+    def close_all(self, reason: str) -> int:
+        """Tell every live link to end (at shutdown, so draining does not wait on them).
+
+        Machines reconnect with backoff, to this daemon's successor.
+        Returns how many links were told.
+        """
+        sessions = list(self._sessions.values())
+        for session in sessions:
+            session.outbox.put_nowait(CloseLink(reason))
+        return len(sessions)
+
     def notify(self, machine_id: str, message: Outgoing) -> bool:
         """Queue a message for the machine's live link; False when it is offline."""
         session = self._sessions.get(machine_id)

@@ -90,6 +90,7 @@ class ControlPlane:
         self._store: ObjectStore | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
+        self._presence: PresenceRegistry | None = None
         self.public_port = 0
         self.link_port = 0
         self._stopped = asyncio.Event()
@@ -122,6 +123,7 @@ class ControlPlane:
             on_change=self.metrics.machines_online.set,
         )
         services.machines.on_revoke(presence.kick)
+        self._presence = presence
 
         server = grpc.aio.server(
             interceptors=[ErrorInterceptor()],
@@ -200,6 +202,10 @@ class ControlPlane:
         self._stopped.set()
         if self._server is not None:
             server, self._server = self._server, None
+            # Connect streams never end by themselves: close them first so the
+            # drain waits only for ordinary calls.
+            if self._presence is not None:
+                self._presence.close_all("control plane shutting down")
             await server.stop(grace)
         if self._metrics_server is not None:
             self._metrics_server.close()

@@ -487,3 +487,40 @@ async def test_machine_renews_its_certificate_and_stays_online(
         for m in machines:  # the control plane's stop waits for open streams
             m.kill()
         stop_serve(cp)
+
+
+# ------------------------------------------------------------ control-plane restart
+
+
+async def test_control_plane_restart_drains_fast_and_machine_reconnects(
+    tmp_path: Path, moto_endpoint: str, s3_bucket: str, machines: list[MachineProc]
+) -> None:
+    """A SIGTERM'd control plane does not wait on live Connect streams, and a machine
+    reconnects by itself, with the certificate it has, once the daemon is back."""
+    ports = ["--listen", f"127.0.0.1:{_free_port()}", "--link-listen", f"127.0.0.1:{_free_port()}"]
+    with control_plane(
+        tmp_path / "cp-home",
+        f"s3://{s3_bucket}/cp",
+        env=_env(moto_endpoint),
+        init_args=["--heartbeat-interval", str(HEARTBEAT), *ports],
+    ) as cp:
+        account_id = _create_account(cp)
+        proc = _start(
+            machines, tmp_path / "machine", _printed_join(cp, account_id), tmp_path / "m.log"
+        )
+        async with admin(cp) as client:
+            await _until(proc.joined, PROCESS_DEADLINE, "join")
+            await _until(lambda: _online(client, account_id), 10, "online")
+
+        assert cp.process is not None
+        started = time.monotonic()
+        stop_serve(cp)
+        assert cp.process.returncode == 0
+        assert time.monotonic() - started < 4.0, "drain waited on the machine's stream"
+        assert proc.proc.poll() is None, "the machine must survive its control plane"
+
+        start_serve(cp)
+        async with admin(cp) as client:
+            await _until(lambda: _online(client, account_id), 20, "online after restart")
+        assert "joined as machine" in proc.output()
+        assert proc.output().count("joined as machine") == 1
