@@ -130,6 +130,9 @@ class ControlPlane:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # Machines ping every 30 s to notice a vanished control plane
+                # (machine/link.py); the default floor would GOAWAY them.
+                ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
             ],
         )
         self._server = server
