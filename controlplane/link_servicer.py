@@ -18,6 +18,7 @@ from controlplane.pairing import Pairing
 from controlplane.presence import (
     AccountDeletedNotice,
     CloseLink,
+    CloseReason,
     Outgoing,
     PresenceRegistry,
     RenewNowNotice,
@@ -177,7 +178,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
                 if message is not None:
                     yield message
                 if isinstance(item, CloseLink):
-                    reason = item.reason.split(" ")[0]
+                    reason = item.reason.value
                     break
                 if isinstance(item, RevokedNotice | AccountDeletedNotice):
                     reason = "revoked" if isinstance(item, RevokedNotice) else "account_deleted"
@@ -199,7 +200,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         timeout: float,
     ) -> None:
         """Consume the machine's messages; end the link after 3 silent intervals."""
-        reason = "closed"
+        reason = CloseReason.CLOSED
         try:
             while True:
                 async with asyncio.timeout(timeout):
@@ -212,13 +213,14 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
                 else:
                     await self._presence.seen(session)
         except TimeoutError:
-            reason = "timeout"
+            reason = CloseReason.TIMEOUT
             logger.info("machine %s: no heartbeat for %.1fs", session.machine_id, timeout)
         except StopAsyncIteration:
-            reason = "closed"
+            reason = CloseReason.CLOSED
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the stream broke: the link is over either way
+            reason = CloseReason.BROKEN
             logger.info("machine %s: link read ended: %s", session.machine_id, e)
         session.outbox.put_nowait(CloseLink(reason))
 

@@ -26,19 +26,20 @@ class ControlMetrics:
         )
         self.disconnects = Counter(
             "agents_cp_disconnects",
-            "Connect streams ended, by reason (closed, timeout, revoked, replaced).",
+            "Connect streams ended, by reason (closed, timeout, replaced, shutdown, broken, "
+            "revoked, account_deleted).",
             ["reason"],
             registry=registry,
         )
         self.joins = Counter(
             "agents_cp_joins",
-            "Join attempts, by outcome (ok, unauthenticated, denied, invalid, error).",
+            "Join attempts, by outcome (ok, or the lower-case gRPC status of the refusal).",
             ["outcome"],
             registry=registry,
         )
         self.renewals = Counter(
             "agents_cp_cert_renewals",
-            "Certificate renewals, by outcome.",
+            "Certificate renewals, by outcome (ok, or the lower-case gRPC status).",
             ["outcome"],
             registry=registry,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -57,11 +58,21 @@ class RenewNowNotice:
     reason: str
 
 
+class CloseReason(enum.Enum):
+    """Why a link ended without a notice; the value is the metrics label."""
+
+    CLOSED = "closed"
+    TIMEOUT = "timeout"
+    REPLACED = "replaced"
+    SHUTDOWN = "shutdown"
+    BROKEN = "broken"
+
+
 @dataclass(frozen=True)
 class CloseLink:
-    """End the link without a notice (replaced by a newer link, or timed out)."""
+    """End the link without a notice (see :class:`CloseReason`)."""
 
-    reason: str
+    reason: CloseReason
 
 
 Outgoing = RevokedNotice | AccountDeletedNotice | RenewNowNotice | CloseLink
@@ -146,7 +157,7 @@ class PresenceRegistry:
         old = self._sessions.get(machine.machine_id)
         if old is not None:
             old.closed = True
-            old.outbox.put_nowait(CloseLink("replaced by a newer link"))
+            old.outbox.put_nowait(CloseLink(CloseReason.REPLACED))
         self._sessions[machine.machine_id] = session
         self._changed()
         await self._write(session, force=True)
@@ -169,7 +180,7 @@ class PresenceRegistry:
             logger.info("machine %s offline", session.machine_id)
         await self._write(session, force=True)
 
-    def close_all(self, reason: str) -> int:
+    def close_all(self, reason: CloseReason = CloseReason.SHUTDOWN) -> int:
         """Tell every live link to end (at shutdown, so draining does not wait on them).
 
         Machines reconnect with backoff, to this daemon's successor.

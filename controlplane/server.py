@@ -208,7 +208,7 @@ class ControlPlane:
             # Connect streams never end by themselves: close them first so the
             # drain waits only for ordinary calls.
             if self._presence is not None:
-                self._presence.close_all("control plane shutting down")
+                self._presence.close_all()
             await server.stop(grace)
         if self._metrics_server is not None:
             self._metrics_server.close()

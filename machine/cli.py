@@ -429,16 +429,19 @@ def _parser() -> _Parser:
     _add_global_options(common, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
 
-    s = sub.add_parser("serve", parents=[common], help="run the daemon")
-    s.add_argument("--tcp", help="also listen on HOST:PORT (loopback only)")
-    s.add_argument("--metrics", help="serve /metrics on HOST:PORT (loopback only)")
-    s.add_argument("--prompt-limit", help="largest prompt (default 1MiB)")
-    s.add_argument("--attachment-limit", help="largest attachment (default 20MiB)")
-    s.add_argument("--grace", type=float, help="seconds runs get to end at stop (default 10)")
-    s.add_argument("--no-background", action="store_true", help="no periodic jobs (tests)")
-    s.add_argument("--config", help="TOML config file (default <data dir>/machine.toml)")
+    # `join` serves once joined, so it takes the daemon's options too.
+    serving = _Parser(add_help=False)
+    serving.add_argument("--tcp", help="also listen on HOST:PORT (loopback only)")
+    serving.add_argument("--metrics", help="serve /metrics on HOST:PORT (loopback only)")
+    serving.add_argument("--prompt-limit", help="largest prompt (default 1MiB)")
+    serving.add_argument("--attachment-limit", help="largest attachment (default 20MiB)")
+    serving.add_argument("--grace", type=float, help="seconds runs get to end at stop (default 10)")
+    serving.add_argument("--no-background", action="store_true", help="no periodic jobs (tests)")
+    serving.add_argument("--config", help="TOML config file (default <data dir>/machine.toml)")
 
-    j = sub.add_parser("join", parents=[common], help="join a control plane, then serve")
+    sub.add_parser("serve", parents=[common, serving], help="run the daemon")
+
+    j = sub.add_parser("join", parents=[common, serving], help="join a control plane, then serve")
     j.add_argument("address", help="control plane HOST:PORT")
     j.add_argument("--token", required=True, help="one-time join token")
     j.add_argument("--ca-hash", required=True, help="sha256:HEX of the control plane CA key")

@@ -130,8 +130,8 @@ class _Metrics:
         )
         self.renewals = Counter(
             "agents_machine_link_renewals",
-            "Client certificate renewals, by result.",
-            ["result"],
+            "Client certificate renewals, by outcome (ok, error).",
+            ["outcome"],
             registry=registry,
         )
         self.deliveries = Counter(

@@ -519,7 +519,7 @@ def _sample(registry: CollectorRegistry, name: str) -> float:
 
 
 def _sample_ok(registry: CollectorRegistry) -> float:
-    value = registry.get_sample_value("agents_machine_link_renewals_total", {"result": "ok"})
+    value = registry.get_sample_value("agents_machine_link_renewals_total", {"outcome": "ok"})
     return 0.0 if value is None else value
 
 
