@@ -88,16 +88,21 @@ _DROPPED = frozenset(
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
 
 
-def _handler(upstream: str) -> type[BaseHTTPRequestHandler]:
+def _handler(
+    upstream: str, *, strip: bool = True, seen: list[str] | None = None
+) -> type[BaseHTTPRequestHandler]:
     target = urlsplit(upstream)
+    dropped = _DROPPED if strip else _DROPPED - {"if-none-match", "if-match"}
 
     class StripConditions(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def _forward(self) -> None:
+            if seen is not None:
+                seen.append(f"{self.command} {self.path}")
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in _DROPPED}
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
             headers["Host"] = target.netloc
             conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
             try:
@@ -126,7 +131,21 @@ def _handler(upstream: str) -> type[BaseHTTPRequestHandler]:
 @contextlib.contextmanager
 def stripping_proxy(upstream: str) -> Iterator[str]:
     """Yield the URL of a proxy to ``upstream`` that drops conditional headers."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(upstream))
+    with _proxy(_handler(upstream)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def recording_proxy(upstream: str) -> Iterator[tuple[str, list[str]]]:
+    """Yield the URL of a faithful proxy to ``upstream`` and the requests it forwarded."""
+    seen: list[str] = []
+    with _proxy(_handler(upstream, strip=False, seen=seen)) as url:
+        yield url, seen
+
+
+@contextlib.contextmanager
+def _proxy(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="strip-proxy", daemon=True)
     thread.start()

@@ -25,7 +25,7 @@ from shared.store import (
     parse_store_url,
     validate_key,
 )
-from tests.helpers.moto_server import stripping_proxy
+from tests.helpers.moto_server import recording_proxy, stripping_proxy
 
 MIB = 1024 * 1024
 
@@ -308,6 +308,27 @@ async def test_s3_refused_when_server_ignores_conditions(
             assert [i async for i in direct.list()] == []
         finally:
             await direct.close()
+
+
+async def test_s3_bad_keys_send_no_request(moto_endpoint: str, s3_config: S3Config) -> None:
+    """Bad keys are refused before any I/O: the S3 server never hears of them."""
+    with recording_proxy(moto_endpoint) as (proxy, seen):
+        config = S3Config(
+            bucket=s3_config.bucket,
+            prefix=s3_config.prefix,
+            endpoint_url=proxy,
+            access_key=s3_config.access_key,
+            secret_key=s3_config.secret_key,
+        )
+        async with S3Store(config) as store:
+            await store.put("good", b"x")  # the proxy does forward requests
+            before = len(seen)
+            assert before > 0
+            for key in BAD_KEYS:
+                for call in (store.get(key), store.put(key, b"x"), store.delete(key)):
+                    with pytest.raises(InvalidArgument):
+                        await call
+            assert seen[before:] == []
 
 
 async def test_s3_probe_accepts_moto(s3_config: S3Config) -> None:
