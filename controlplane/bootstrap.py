@@ -16,7 +16,7 @@ from controlplane.keys import check_home_empty, create_home_keys
 from controlplane.records import utc_iso
 from controlplane.server import open_control_store
 from shared.atomic import write_atomic
-from shared.errors import InvalidState, NotFound, PreconditionFailed
+from shared.errors import InvalidArgument, InvalidState, NotFound, PreconditionFailed
 
 __all__ = ["DEPLOYMENT_KEY", "InitResult", "init_control_plane", "toml_dumps"]
 
@@ -53,10 +53,14 @@ def toml_dumps(values: dict[str, Any]) -> str:
 
 
 async def init_control_plane(cfg: ControlConfig) -> InitResult:
-    """Refuse a non-empty home or an initialised store; make keys, config, credential."""
-    check_home_empty(cfg.home)
+    """Refuse a non-empty home or an initialised store; make keys, config, credential.
+
+    Raises InvalidArgument("store", ...) when no store is given: missing input,
+    which the CLI reports as a usage error (exit 2).
+    """
     if not cfg.store_url:
-        raise InvalidState("init", "--store is required (s3://bucket/prefix or a folder)")
+        raise InvalidArgument("store", "required: give --store s3://bucket/prefix or a folder")
+    check_home_empty(cfg.home)
     store = await open_control_store(cfg, None)
     try:
         try:

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from controlplane.bootstrap import init_control_plane
-from controlplane.client import AdminClient
+from controlplane.client import AdminClient, ControlPlaneUnreachable
 from controlplane.config import ControlConfig, load_config
 from controlplane.keys import load_ca_cert
 from controlplane.server import run_daemon
@@ -50,7 +50,21 @@ def _duration(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([smhd]?)\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 3600, 30m, 1h)")
-    return int(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    seconds = int(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    if seconds < 1:
+        # On the wire 0 means "the default"; on the command line it would be a surprise.
+        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text!r}")
+    return seconds
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _common(p: argparse.ArgumentParser, *, client: bool = True) -> None:
@@ -113,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = tok.add_parser("create", help="create a join token and print the join command")
     _common(p)
     p.add_argument("--account", required=True, help="account id")
-    p.add_argument("--ttl", type=_duration, default=0, help="lifetime (default 1h, max 24h)")
-    p.add_argument("--uses", type=int, default=1, help="how many joins (default 1)")
+    p.add_argument("--ttl", type=_duration, default=None, help="lifetime (default 1h, max 24h)")
+    p.add_argument("--uses", type=_at_least_one, default=1, help="how many joins (default 1)")
     p = tok.add_parser("list", help="list join tokens")
     _common(p)
     p.add_argument("--account", default="", help="account id")
@@ -254,7 +268,9 @@ async def _run_admin(args: argparse.Namespace, cfg: ControlConfig, out: Console)
             emit(accounts, ["account", "login", "github id", "signed up", "state"], rows)
             return EXIT_OK
         if cmd == "token" and verb == "create":
-            reply = await c.create_token(args.account, args.ttl, args.uses)
+            # No --ttl: send 0, which the control plane reads as its configured default.
+            ttl = 0 if args.ttl is None else args.ttl
+            reply = await c.create_token(args.account, ttl, args.uses)
             command = _join_command(reply)
             if as_json:
                 emit({**reply, "join_command": command})
@@ -345,26 +361,43 @@ async def _run(args: argparse.Namespace, cfg: ControlConfig, out: Console) -> in
     return await _run_admin(args, cfg, out)
 
 
+def _fail(line: str, hint: str | None = None) -> None:
+    """Print an error as ONE line on stderr (plus an optional "Try:" line).
+
+    Plain print, not rich: rich wraps at the terminal width (80 columns when
+    stderr is a pipe), which would split the line. Newlines inside a message
+    (a path, a server's text) are folded for the same reason.
+    """
+    print(" ".join(line.split()), file=sys.stderr)
+    if hint:
+        print(f"Try: {hint}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``agents-control``."""
-    err = Console(stderr=True, highlight=False)
     try:
         args = build_parser().parse_args(argv)
         cfg = load_config(_flags(args), os.environ, read_file=args.cmd != "init")
     except UsageError as e:
-        err.print(f"{e}\nTry: agents-control --help", markup=False)
+        _fail(str(e), "agents-control --help")
         return EXIT_USAGE
     except (ConfigError, InvalidArgument) as e:
-        err.print(f"agents-control: {e}", markup=False)
+        _fail(f"agents-control: {e}")
         return EXIT_USAGE
     _setup_logging(cfg.log_level if args.cmd in ("serve", "init") else "WARNING")
     try:
         return asyncio.run(_run(args, cfg, Console(highlight=False)))
-    except (ConfigError, InvalidArgument, UsageError) as e:
-        err.print(f"agents-control: {e}", markup=False)
+    except UsageError as e:
+        _fail(str(e), "agents-control --help")
         return EXIT_USAGE
+    except (ConfigError, InvalidArgument) as e:
+        _fail(f"agents-control: {e}")
+        return EXIT_USAGE
+    except ControlPlaneUnreachable as e:
+        _fail(f"agents-control: {e} (is `agents-control serve` running?)")
+        return EXIT_FAIL
     except AgentsError as e:
-        err.print(f"agents-control: {e}", markup=False)
+        _fail(f"agents-control: {e}")
         return EXIT_FAIL
     except KeyboardInterrupt:
         return 130

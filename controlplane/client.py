@@ -14,12 +14,32 @@ import grpc.aio
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from shared.errors import TransientError
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
-from shared.rpc import rpc_errors
+from shared.rpc import domain_error
 
-__all__ = ["AdminClient"]
+__all__ = ["AdminClient", "ControlPlaneUnreachable"]
 
 logger = logging.getLogger(__name__)
+
+# Every status our servers send on purpose carries this trailer (see shared.rpc).
+_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class ControlPlaneUnreachable(TransientError):
+    """No control plane answered at ``address`` (refused, closed, TLS failed)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"control plane not reachable at {address}")
+        self.address = address
+
+
+def _from_transport(exc: grpc.aio.AioRpcError) -> bool:
+    """True when UNAVAILABLE came from the channel, not from a handler of ours."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailers: Any = exc.trailing_metadata() or ()
+    return not any(item[0] == _DETAILS_KEY for item in trailers)
 
 
 def _dict(message: Message) -> dict[str, Any]:
@@ -55,9 +75,16 @@ class AdminClient:
             await self._channel.close(None)
 
     async def _call(self, method: Any, request: Message) -> dict[str, Any]:
-        async with rpc_errors():
+        try:
             # The generated stubs are typed for the sync API; on an aio channel they await.
             reply: Message = await method(request, metadata=self._metadata, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            if _from_transport(exc):
+                # gRPC's own text ("failed to connect to all addresses; ...") is noise
+                # to an operator; keep it for debugging only.
+                logger.debug("admin call to %s failed: %s", self._address, exc.details())
+                raise ControlPlaneUnreachable(self._address) from None
+            raise domain_error(exc) from None
         return _dict(reply)
 
     @property

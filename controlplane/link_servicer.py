@@ -139,19 +139,23 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self, request_iterator: AsyncIterator[link_pb2.MachineMessage], context: Context
     ) -> AsyncIterator[link_pb2.ControlMessage]:
         """See link.proto: hello -> welcome, then heartbeats/acks <-> notices."""
+        timeout = 3 * self._heartbeat
+        # Read the hello BEFORE refusing anyone: ending the call while the machine's
+        # first write is still in flight makes its side see INTERNAL ("Internal
+        # error from Core") instead of our status, and a refused machine would
+        # then retry forever instead of stopping.
+        first: link_pb2.MachineMessage | None
+        try:
+            async with asyncio.timeout(timeout):
+                first = await anext(request_iterator)
+        except (TimeoutError, StopAsyncIteration):
+            first = None
         try:
             machine, pem = await self._peer(context)
         except AgentsError:
             self._metrics.connects.labels("refused").inc()
             raise
-        timeout = 3 * self._heartbeat
-        try:
-            async with asyncio.timeout(timeout):
-                first = await anext(request_iterator)
-        except (TimeoutError, StopAsyncIteration):
-            self._metrics.connects.labels("bad_hello").inc()
-            raise InvalidArgument("hello", "the first message must be hello") from None
-        if first.WhichOneof("kind") != "hello":
+        if first is None or first.WhichOneof("kind") != "hello":
             self._metrics.connects.labels("bad_hello").inc()
             raise InvalidArgument("hello", "the first message must be hello")
         session = await self._presence.open(

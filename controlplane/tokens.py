@@ -62,13 +62,22 @@ class TokenService:
         max_uses: int = 0,
         repair_machine_id: str = "",
     ) -> NewToken:
-        """Make a token for ``account_id``: TTL default from config, at most 24 h."""
+        """Make a token for ``account_id``: TTL default from config, at most 24 h.
+
+        ``ttl_seconds=0`` means the configured default and ``max_uses=0`` means
+        one use: proto3 cannot tell an unset field from 0, so 0 is "not given".
+        Negative values raise InvalidArgument naming the field.
+        """
         validate_id("account", account_id, "account_id")
         principal.visible_account(account_id, "account", account_id)
-        ttl = ttl_seconds or self._default_ttl
+        if ttl_seconds < 0:
+            raise InvalidArgument("ttl_seconds", "must not be negative (0 means the default)")
+        if max_uses < 0:
+            raise InvalidArgument("max_uses", "must not be negative (0 means one use)")
+        ttl = ttl_seconds if ttl_seconds > 0 else self._default_ttl
         if not 1 <= ttl <= MAX_TOKEN_TTL:
             raise InvalidArgument("ttl_seconds", f"must be between 1 and {MAX_TOKEN_TTL} seconds")
-        uses = max_uses or 1
+        uses = max_uses if max_uses > 0 else 1
         if not 1 <= uses <= MAX_USES:
             raise InvalidArgument("max_uses", f"must be between 1 and {MAX_USES}")
         try:

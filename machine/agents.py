@@ -14,7 +14,7 @@ from typing import Any
 
 from machine import store
 from machine.db import Database
-from machine.models import AgentRecord, AgentState, RunState, SearchHit
+from machine.models import AgentRecord, AgentState, MachineIds, RunState, SearchHit
 from machine.runtimes import RuntimeRegistry
 from shared.errors import InvalidArgument, InvalidState, TooLarge
 from shared.ids import new_id, validate_id
@@ -69,25 +69,26 @@ def _parse_settings(settings_json: str) -> dict[str, Any]:
 
 
 class AgentsService:
-    """Agent records on this machine. Only agents whose origin is this machine run."""
+    """Agent records on this machine. Only agents whose origin is one of its own ids run."""
 
     def __init__(
         self,
         db: Database,
         *,
-        machine_id: str,
+        ids: MachineIds,
         runtimes: RuntimeRegistry,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._db = db
-        self.machine_id = machine_id
+        self.ids = ids
+        self._own = ids.own
         self._runtimes = runtimes
         self._clock = clock
 
     async def create(
         self, *, name: str, folder: str, runtime: str = "", settings_json: str = ""
     ) -> AgentRecord:
-        """Create an active agent of this machine."""
+        """Create an active agent of this machine (its origin: the canonical id)."""
         name = validate_name(name)
         folder = _validate_folder(folder)
         runtime = runtime.strip() or "echo"
@@ -100,7 +101,7 @@ class AgentsService:
             runtime=runtime,
             settings=settings,
             state=AgentState.ACTIVE,
-            origin_machine=self.machine_id,
+            origin_machine=self.ids.canonical,
             local=True,
             session_id=None,
             created_at=now,
@@ -119,12 +120,12 @@ class AgentsService:
     async def get(self, agent_id: str) -> AgentRecord:
         """One agent; NotFound when missing."""
         validate_id("agent", agent_id, "agent_id")
-        return await self._db.read(lambda c: store.get_agent(c, agent_id, self.machine_id))
+        return await self._db.read(lambda c: store.get_agent(c, agent_id, self._own))
 
     async def list(self, *, include_archived: bool = False) -> list[AgentRecord]:
         """Agents, newest first."""
         return await self._db.read(
-            lambda c: store.list_agents(c, self.machine_id, include_archived=include_archived)
+            lambda c: store.list_agents(c, self._own, include_archived=include_archived)
         )
 
     async def rename(self, agent_id: str, name: str) -> AgentRecord:
@@ -134,11 +135,11 @@ class AgentsService:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> AgentRecord:
-            store.get_agent(conn, agent_id, self.machine_id)
+            store.get_agent(conn, agent_id, self._own)
             conn.execute(
                 "UPDATE agents SET name = ?, updated_at = ? WHERE id = ?", (name, now, agent_id)
             )
-            return store.get_agent(conn, agent_id, self.machine_id)
+            return store.get_agent(conn, agent_id, self._own)
 
         return await self._db.write(write)
 
@@ -148,7 +149,7 @@ class AgentsService:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> AgentRecord:
-            agent = store.get_agent(conn, agent_id, self.machine_id)
+            agent = store.get_agent(conn, agent_id, self._own)
             if agent.state is AgentState.ARCHIVED:
                 return agent
             open_states = tuple(s.value for s in RunState if s.open)
@@ -165,7 +166,7 @@ class AgentsService:
                 (now, agent_id),
             )
             _log(conn, now, "agent.archived", agent_id)
-            return store.get_agent(conn, agent_id, self.machine_id)
+            return store.get_agent(conn, agent_id, self._own)
 
         return await self._db.write(write)
 
@@ -175,7 +176,7 @@ class AgentsService:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> AgentRecord:
-            agent = store.get_agent(conn, agent_id, self.machine_id)
+            agent = store.get_agent(conn, agent_id, self._own)
             if not agent.local:
                 raise InvalidState(
                     f"unarchive agent {agent_id}",
@@ -187,7 +188,7 @@ class AgentsService:
                 "UPDATE agents SET state = 'active', updated_at = ? WHERE id = ?", (now, agent_id)
             )
             _log(conn, now, "agent.unarchived", agent_id)
-            return store.get_agent(conn, agent_id, self.machine_id)
+            return store.get_agent(conn, agent_id, self._own)
 
         return await self._db.write(write)
 

@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sqlite3
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
-from machine import store
+from machine import identity, store
 from machine.agents import AgentsService
 from machine.attachments import AttachmentStore
 from machine.config import MachineConfig
 from machine.db import Database
 from machine.metrics import MachineMetrics
+from machine.models import MachineIds
 from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry, default_registry
 from shared.atomic import ensure_private_dir
+from shared.errors import AgentsError
 from shared.ids import new_id
 
 __all__ = ["Machine", "MachineStatus", "open_machine"]
@@ -39,6 +43,7 @@ class MachineStatus:
 
     data_dir: str
     machine_id: str
+    joined: bool
     active_agents: int
     archived_agents: int
     open_runs: int
@@ -54,12 +59,17 @@ class Machine:
 
     config: MachineConfig
     db: Database
-    machine_id: str
+    ids: MachineIds
     agents: AgentsService
     attachments: AttachmentStore
     runs: RunEngine
     runtimes: RuntimeRegistry
     started_at: float
+
+    @property
+    def machine_id(self) -> str:
+        """The canonical id: the control plane's once joined, else the local one."""
+        return self.ids.canonical
 
     async def status(self) -> MachineStatus:
         """Current counts."""
@@ -78,7 +88,8 @@ class Machine:
         active, archived, open_runs, waiting = await self.db.read(read)
         return MachineStatus(
             data_dir=str(self.config.data_dir),
-            machine_id=self.machine_id,
+            machine_id=self.ids.canonical,
+            joined=self.ids.joined,
             active_agents=active,
             archived_agents=archived,
             open_runs=open_runs,
@@ -98,14 +109,55 @@ class Machine:
         return await self.db.write(write)
 
 
-def _machine_id(conn: sqlite3.Connection) -> str:
-    # The origin every agent created here carries; made once with the database.
-    existing = store.get_setting(conn, "machine_id")
-    if existing is not None:
-        return existing
-    made = new_id("machine")
-    store.set_setting(conn, "machine_id", made)
-    return made
+# Settings keys: the id made with the database (never changes), every id this
+# machine has had (JSON list, oldest first), and the last id a control plane gave.
+_LOCAL_ID = "machine_id"
+_OWN_IDS = "own_machine_ids"
+_JOINED_ID = "joined_machine_id"
+
+
+def _joined_id(data_dir: Path) -> tuple[bool, str | None]:
+    """(joined, the control plane's id for us) from ``link.json``.
+
+    A damaged ``link.json`` still means joined; its id is then unknown here
+    and the one recorded at an earlier start is used (see _machine_ids).
+    """
+    if not identity.is_joined(data_dir):
+        return False, None
+    try:
+        return True, identity.load_link(data_dir).machine_id
+    except AgentsError as e:
+        logger.error("cannot read the control-plane link record: %s", e)
+        return True, None
+
+
+def _machine_ids(conn: sqlite3.Connection, joined: bool, link_id: str | None) -> MachineIds:
+    """Record ids first seen now and return who this machine is.
+
+    The id made with the database stays one of this machine's own ids for
+    ever, so agents created before a join still run after it.
+    """
+    local = store.get_setting(conn, _LOCAL_ID)
+    if local is None:
+        local = new_id("machine")
+        store.set_setting(conn, _LOCAL_ID, local)
+    raw = store.get_setting(conn, _OWN_IDS)
+    own: list[str] = [str(i) for i in json.loads(raw)] if raw else [local]
+    if local not in own:
+        own.insert(0, local)
+    if link_id is not None:
+        if link_id not in own:
+            logger.info("machine id %s (given at join) recorded as this machine's", link_id)
+            own.append(link_id)
+        if store.get_setting(conn, _JOINED_ID) != link_id:
+            store.set_setting(conn, _JOINED_ID, link_id)
+    encoded = json.dumps(own)
+    if raw != encoded:
+        store.set_setting(conn, _OWN_IDS, encoded)
+    canonical = local
+    if joined:
+        canonical = link_id or store.get_setting(conn, _JOINED_ID) or local
+    return MachineIds(canonical=canonical, own=frozenset(own), joined=joined)
 
 
 async def _prune_loop(machine: Machine) -> None:
@@ -139,16 +191,17 @@ async def open_machine(
     prune: asyncio.Task[None] | None = None
     engine: RunEngine | None = None
     try:
-        machine_id = await db.write(_machine_id)
+        joined, link_id = await asyncio.to_thread(_joined_id, config.data_dir)
+        ids = await db.write(lambda c: _machine_ids(c, joined, link_id))
         registry = runtimes or default_registry(
             claude_home=config.claude_home, codex_home=config.codex_home
         )
         attachments = AttachmentStore(
-            db, config.attachments_dir, limit=config.attachment_limit, machine_id=machine_id
+            db, config.attachments_dir, limit=config.attachment_limit, machine_id=ids.canonical
         )
         engine = RunEngine(
             db,
-            machine_id=machine_id,
+            ids=ids,
             runtimes=registry,
             attachments=attachments,
             prompt_limit=config.prompt_limit,
@@ -157,8 +210,8 @@ async def open_machine(
         machine = Machine(
             config=config,
             db=db,
-            machine_id=machine_id,
-            agents=AgentsService(db, machine_id=machine_id, runtimes=registry),
+            ids=ids,
+            agents=AgentsService(db, ids=ids, runtimes=registry),
             attachments=attachments,
             runs=engine,
             runtimes=registry,

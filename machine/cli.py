@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from machine.config import MachineConfig, server_data_dir
+from machine.models import validate_runtime_ref
 from shared.errors import (
     AgentsError,
     AlreadyExists,
@@ -35,6 +36,7 @@ from shared.errors import (
     NotFound,
     TransientError,
 )
+from shared.ids import validate_id
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from shared.rpc import rpc_errors
@@ -63,9 +65,9 @@ class _DaemonDown(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        raise _Usage(
-            f"{self.prog.removeprefix(PROG + ' ') or 'usage'}: {message}", f"{self.prog} --help"
-        )
+        # main() puts "agents-machine: " in front; name only the subcommand here.
+        where = self.prog.removeprefix(PROG).strip()
+        raise _Usage(f"{where}: {message}" if where else message, f"{self.prog} --help")
 
 
 # ---------------------------------------------------------------- output
@@ -217,17 +219,39 @@ async def _stream(out: Out, events: Any) -> int:
 # ---------------------------------------------------------------- commands
 
 
+# Positional or option -> (id kind, the field named in the error). Checked before
+# the daemon is dialled, so a malformed id is a usage error even when it is down.
+_ID_ARGS: dict[str, tuple[str, str]] = {
+    "id": ("agent", "agent_id"),
+    "agent": ("agent", "agent_id"),
+    "run_id": ("run", "run_id"),
+}
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Validate ids and runtime references given on the command line."""
+    for attr, (kind, field) in _ID_ARGS.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            validate_id(kind, value, field)
+    for attr in ("request_id", "option_id"):
+        value = getattr(args, attr, None)
+        if value is not None:
+            validate_runtime_ref(value, attr)
+
+
 async def _cmd_status(cfg: MachineConfig, args: argparse.Namespace, out: Out) -> int:
     async with _client(cfg) as stub:
         st: pb.StatusResponse = await stub.Status(pb.StatusRequest())
+    joined = st.joined
     if out.as_json:
-        out.message(st)
+        print(json.dumps({**_to_dict(st), "joined": joined}, sort_keys=True), flush=True)
         return EXIT_OK
     table = Table(show_header=False, box=None)
     for key, value in (
         ("version", st.version),
         ("data folder", st.data_dir),
-        ("machine", st.machine_id),
+        ("machine", f"{st.machine_id} ({'joined' if joined else 'stand-alone'})"),
         ("agents", f"{st.active_agents} active, {st.archived_agents} archived"),
         ("runs", f"{st.open_runs} open, {st.waiting_runs} waiting for a person"),
         ("runtimes", ", ".join(st.runtimes)),
@@ -531,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.command == "agent" and args.verb is None:
             raise _Usage("agent: missing verb", f"{PROG} agent --help")
+        _check_args(args)
         return int(asyncio.run(handlers[args.command](cfg, args, out)))
     except _Usage as e:
         return fail(e.message, e.hint, EXIT_USAGE)

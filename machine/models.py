@@ -6,11 +6,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.errors import InvalidArgument
+
 __all__ = [
     "AgentRecord",
     "AgentState",
     "AttachmentRecord",
     "EventKind",
+    "MachineIds",
     "PendingPermission",
     "RunErrorCode",
     "RunRecord",
@@ -18,7 +21,46 @@ __all__ = [
     "SearchHit",
     "StoredEvent",
     "TERMINAL_KINDS",
+    "validate_runtime_ref",
 ]
+
+
+#: Longest request or option id a runtime may issue (they have no fixed pattern).
+MAX_RUNTIME_REF = 200
+
+
+def validate_runtime_ref(value: str, field: str) -> str:
+    """A permission request or option id (issued by a runtime): 1 to 200 characters.
+
+    Runtimes make these, so they follow no id pattern; they are only ever
+    compared and bound as SQL parameters, never used in a path.
+    """
+    if not value or len(value) > MAX_RUNTIME_REF:
+        raise InvalidArgument(field, f"must be 1 to {MAX_RUNTIME_REF} characters")
+    return value
+
+
+@dataclass(frozen=True)
+class MachineIds:
+    """Who this machine is: its canonical id and every id that was ever its own.
+
+    Before a join the canonical id is the one made with the database; once
+    joined it is the id the control plane assigned (the one in the client
+    certificate). Agents whose origin is any of ``own`` run here; any other
+    origin is another machine's.
+    """
+
+    canonical: str
+    own: frozenset[str]
+    joined: bool
+
+    def __post_init__(self) -> None:
+        if self.canonical not in self.own:
+            raise ValueError("the canonical machine id must be one of the own ids")
+
+    def is_own(self, origin: str) -> bool:
+        """True when an agent with this origin was made on this machine."""
+        return origin in self.own
 
 
 class AgentState(enum.StrEnum):

@@ -39,11 +39,13 @@ from machine.models import (
     AgentRecord,
     AgentState,
     EventKind,
+    MachineIds,
     PendingPermission,
     RunErrorCode,
     RunRecord,
     RunState,
     StoredEvent,
+    validate_runtime_ref,
 )
 from machine.runtimes import RuntimeRegistry
 from machine.runtimes.base import (
@@ -70,7 +72,6 @@ __all__ = ["RunEngine"]
 logger = logging.getLogger(__name__)
 
 _MAX_ATTACHMENTS = 32
-_MAX_REQUEST_ID = 200
 _READ_BATCH = 500
 
 _OUTCOME = {
@@ -129,7 +130,7 @@ class RunEngine:
         self,
         db: Database,
         *,
-        machine_id: str,
+        ids: MachineIds,
         runtimes: RuntimeRegistry,
         attachments: AttachmentStore,
         prompt_limit: int,
@@ -137,7 +138,7 @@ class RunEngine:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._db = db
-        self.machine_id = machine_id
+        self.ids = ids
         self._registry = runtimes
         self._attachments = attachments
         self.prompt_limit = prompt_limit
@@ -242,7 +243,7 @@ class RunEngine:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> tuple[RunRecord, int]:
-            agent = store.get_agent(conn, agent_id, self.machine_id)
+            agent = store.get_agent(conn, agent_id, self.ids.own)
             self._check_runnable(agent)
             for sha in attachments:
                 self._attachments.check_usable(conn, agent_id, sha)
@@ -332,7 +333,7 @@ class RunEngine:
         validate_id("agent", agent_id, "agent_id")
         if after_seq < 0:
             raise InvalidArgument("after_seq", "must not be negative")
-        await self._db.read(lambda c: store.get_agent(c, agent_id, self.machine_id))
+        await self._db.read(lambda c: store.get_agent(c, agent_id, self.ids.own))
         return self.follow(agent_id, after_seq, follow=follow)
 
     # ------------------------------------------------------------ control
@@ -347,7 +348,7 @@ class RunEngine:
         validate_id("agent", agent_id, "agent_id")
         if not 0 <= limit <= 1000:
             raise InvalidArgument("limit", "must be 0 to 1000")
-        await self._db.read(lambda c: store.get_agent(c, agent_id, self.machine_id))
+        await self._db.read(lambda c: store.get_agent(c, agent_id, self.ids.own))
         return await self._db.read(lambda c: store.list_runs(c, agent_id, limit or 100))
 
     async def cancel(self, run_id: str) -> RunRecord:
@@ -366,10 +367,8 @@ class RunEngine:
     ) -> RunRecord:
         """Answer a pending permission request; the run carries on."""
         validate_id("run", run_id, "run_id")
-        if not request_id or len(request_id) > _MAX_REQUEST_ID:
-            raise InvalidArgument("request_id", "must be 1 to 200 characters")
-        if not option_id or len(option_id) > _MAX_REQUEST_ID:
-            raise InvalidArgument("option_id", "must be 1 to 200 characters")
+        validate_runtime_ref(request_id, "request_id")
+        validate_runtime_ref(option_id, "option_id")
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> tuple[StoredEvent, RunRecord]:
@@ -474,7 +473,7 @@ class RunEngine:
 
     async def _start_run(self, active: _Active, started: float) -> None:
         run = active.run
-        agent = await self._db.read(lambda c: store.get_agent(c, run.agent_id, self.machine_id))
+        agent = await self._db.read(lambda c: store.get_agent(c, run.agent_id, self.ids.own))
 
         def write(conn: sqlite3.Connection) -> StoredEvent:
             store.set_run_state(conn, run.id, RunState.RUNNING, started_at=started)
@@ -529,7 +528,7 @@ class RunEngine:
         self, active: _Active, started: float, resume: ResumeInfo | None
     ) -> None:
         run = active.run
-        agent = await self._db.read(lambda c: store.get_agent(c, run.agent_id, self.machine_id))
+        agent = await self._db.read(lambda c: store.get_agent(c, run.agent_id, self.ids.own))
         usage = [run.input_tokens, run.output_tokens]
         # While resuming, events the runtime re-emits up to the re-asked request
         # are already stored: drop them.

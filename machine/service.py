@@ -206,6 +206,7 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         except PackageNotFoundError:
             ver = "unknown"
         return pb.StatusResponse(
+            joined=st.joined,
             version=ver,
             data_dir=st.data_dir,
             machine_id=st.machine_id,

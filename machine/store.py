@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from machine.models import (
@@ -26,6 +27,7 @@ from machine.models import (
 from shared.errors import NotFound
 
 __all__ = [
+    "OwnIds",
     "append_event",
     "count_rows",
     "get_agent",
@@ -60,8 +62,17 @@ def set_setting(conn: sqlite3.Connection, key: str, value: str) -> None:
     )
 
 
-def row_to_agent(row: sqlite3.Row, machine_id: str) -> AgentRecord:
-    """Build an AgentRecord; ``local`` compares the origin with ``machine_id``."""
+OwnIds = AbstractSet[str] | str
+"""This machine's own ids (a single id is accepted for callers that know only one)."""
+
+
+def _is_own(origin: str, own: OwnIds) -> bool:
+    # A bare str is one id, not a set of characters.
+    return origin == own if isinstance(own, str) else origin in own
+
+
+def row_to_agent(row: sqlite3.Row, own: OwnIds) -> AgentRecord:
+    """Build an AgentRecord; ``local`` is whether its origin is one of ``own``."""
     return AgentRecord(
         id=row["id"],
         name=row["name"],
@@ -70,7 +81,7 @@ def row_to_agent(row: sqlite3.Row, machine_id: str) -> AgentRecord:
         settings=json.loads(row["settings_json"]),
         state=AgentState(row["state"]),
         origin_machine=row["origin_machine"],
-        local=row["origin_machine"] == machine_id,
+        local=_is_own(row["origin_machine"], own),
         session_id=row["session_id"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
@@ -99,23 +110,23 @@ def insert_agent(conn: sqlite3.Connection, agent: AgentRecord) -> None:
     )
 
 
-def get_agent(conn: sqlite3.Connection, agent_id: str, machine_id: str) -> AgentRecord:
-    """One agent; NotFound when missing."""
+def get_agent(conn: sqlite3.Connection, agent_id: str, own: OwnIds) -> AgentRecord:
+    """One agent; NotFound when missing. ``own``: this machine's ids (see row_to_agent)."""
     row = conn.execute("SELECT * FROM agents WHERE id = ?", (agent_id,)).fetchone()
     if row is None:
         raise NotFound("agent", agent_id)
-    return row_to_agent(row, machine_id)
+    return row_to_agent(row, own)
 
 
 def list_agents(
-    conn: sqlite3.Connection, machine_id: str, *, include_archived: bool
+    conn: sqlite3.Connection, own: OwnIds, *, include_archived: bool
 ) -> list[AgentRecord]:
     """Agents, newest first."""
     sql = "SELECT * FROM agents"
     if not include_archived:
         sql += " WHERE state = 'active'"
     sql += " ORDER BY created_at DESC, id DESC"
-    return [row_to_agent(r, machine_id) for r in conn.execute(sql)]
+    return [row_to_agent(r, own) for r in conn.execute(sql)]
 
 
 def _row_to_run(row: sqlite3.Row) -> RunRecord:

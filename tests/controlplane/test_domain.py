@@ -111,6 +111,21 @@ async def test_token_lifecycle(w: World) -> None:
     assert secret.encode() not in stored
 
 
+async def test_token_zero_means_default_and_negative_is_refused(w: World) -> None:
+    acct = await w.account(1)
+    # proto3 cannot tell "not set" from 0, so 0 is "use the default" (1 h, 1 use).
+    made = await w.tokens.create(w.op, acct, ttl_seconds=0, max_uses=0)
+    assert made.token.expires_at - made.token.created_at == dt.timedelta(hours=1)
+    assert made.token.max_uses == 1
+    with pytest.raises(InvalidArgument, match="ttl_seconds: must not be negative") as ttl:
+        await w.tokens.create(w.op, acct, ttl_seconds=-1)
+    assert ttl.value.field == "ttl_seconds"
+    with pytest.raises(InvalidArgument, match="max_uses: must not be negative") as uses:
+        await w.tokens.create(w.op, acct, max_uses=-5)
+    assert uses.value.field == "max_uses"
+    assert len(await w.tokens.list(w.op, acct)) == 1  # nothing made by the refusals
+
+
 async def test_token_of_deleting_account_refused(w: World) -> None:
     acct = await w.account(1)
     made = await w.tokens.create(w.op, acct)

@@ -6,8 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import shlex
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +23,17 @@ import grpc.aio
 import pytest
 from botocore.config import Config
 
+from controlplane.client import AdminClient
 from shared import tls
+from shared.errors import NotFound
 from shared.ids import new_id
-from shared.pb.control.v1 import link_pb2, link_pb2_grpc
+from shared.pb.control.v1 import admin_pb2, link_pb2, link_pb2_grpc
 from tests.conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
 from tests.helpers.control_proc import ControlProc, control_plane, run_init
 
 pytestmark = pytest.mark.integration
+
+MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
 
 
 def _s3(endpoint: str) -> Any:
@@ -178,6 +186,28 @@ async def test_join_tokens_and_isolation(cp: ControlProc) -> None:
     for args in (["account", "show", acct_b], ["token", "list", "--account", acct_b]):
         res = cp.cli(*args, credential=cred)
         assert res.code == 1 and "not found" in res.err
+    # Listing another account's machines answers exactly like a missing account...
+    absent_acct = new_id("account")
+    other = cp.cli("machine", "list", "--account", acct_b, credential=cred)
+    absent = cp.cli("machine", "list", "--account", absent_acct, credential=cred)
+    assert other.code == absent.code == 1 and other.out == absent.out == ""
+    assert other.err.replace(acct_b, "ID") == absent.err.replace(absent_acct, "ID")
+    assert len(other.err.splitlines()) == 1 and "not found" in other.err
+    # ...down to the gRPC status, and the client maps it to NotFound.
+    async with AdminClient(cp.public, cp.ca_pem, cred, timeout=10) as client:
+        stub: Any = client.stub  # typed for the sync API; on an aio channel it awaits
+        for acct in (acct_b, absent_acct):
+            with pytest.raises(grpc.aio.AioRpcError) as raw:
+                await stub.ListMachines(
+                    admin_pb2.ListMachinesRequest(account_id=acct),
+                    metadata=(("authorization", f"Bearer {cred}"),),
+                    timeout=10,
+                )
+            assert raw.value.code() == grpc.StatusCode.NOT_FOUND
+            assert raw.value.details() == f"account {acct}: not found"
+            with pytest.raises(NotFound) as mapped:
+                await client.list_machines(acct)
+            assert (mapped.value.kind, mapped.value.ident) == ("account", acct)
     assert (
         cp.cli("account", "create", "--github-id", "9", "--github-login", "x", credential=cred).code
         == 1
@@ -194,19 +224,57 @@ async def test_join_tokens_and_isolation(cp: ControlProc) -> None:
     assert too_long.code == 2 and "ttl_seconds" in too_long.err
 
 
-async def test_no_secret_in_clear(cp: ControlProc, moto_endpoint: str, bucket: str) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_no_secret_in_clear(
+    cp: ControlProc, moto_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
     acct = _account(cp, 2001)
-    token, _ = _token(cp, acct["account_id"])
+    token, command = _token(cp, acct["account_id"])
     cred = json.loads(
         _ok(cp.cli("credential", "create", "--account", acct["account_id"], "--json"))
     )["credential"]
+    # A real machine joins with that very token (the printed command, plus
+    # --data-dir), so its data folder and log have had every chance to keep it.
+    data_dir, machine_log = tmp_path / "machine", tmp_path / "machine.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    env["AGENTS_MACHINE_METRICS"] = f"127.0.0.1:{_free_port()}"
+    with machine_log.open("wb") as log:
+        machine = subprocess.Popen(
+            [str(MACHINE_EXE), *shlex.split(command)[1:], "--data-dir", str(data_dir)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 20
+        while "joined as machine" not in machine_log.read_text(errors="replace"):
+            assert machine.poll() is None, machine_log.read_text(errors="replace")
+            assert time.monotonic() < deadline, machine_log.read_text(errors="replace")
+            await asyncio.sleep(0.05)
+        listed = json.loads(
+            _ok(cp.cli("machine", "list", "--account", acct["account_id"], "--json"))
+        )
+        assert len(listed) == 1
+        used = json.loads(_ok(cp.cli("token", "list", "--account", acct["account_id"], "--json")))
+        assert [t["uses"] for t in used] == [1]
+    finally:
+        machine.kill()
+        machine.wait(timeout=15)
+
     secrets_ = [cp.operator, token, cred, acct["recovery_private_key"]]
     needles = [s.encode() for s in secrets_] + [s.split(".")[-1].encode() for s in secrets_]
     hits = []
-    for path in cp.home.rglob("*"):
-        if path.is_file():
-            data = path.read_bytes()
-            hits += [str(path) for n in needles if n in data]
+    for folder in (cp.home, data_dir):
+        for path in folder.rglob("*"):
+            if path.is_file():
+                data = path.read_bytes()
+                hits += [str(path) for n in needles if n in data]
+    assert any(p.is_file() for p in data_dir.rglob("*")), "the machine wrote nothing"
     client = _s3(moto_endpoint)
     keys = [
         o["Key"]
@@ -215,13 +283,16 @@ async def test_no_secret_in_clear(cp: ControlProc, moto_endpoint: str, bucket: s
     ]
     assert any(k.startswith("deploy/credentials/") for k in keys)
     assert any("/tokens/" in k for k in keys)
+    assert any("/machines/" in k for k in keys)
     for key in keys:
         data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
         hits += [key for n in needles if n in data]
     client.close()
     assert cp.log_path is not None
-    log = cp.log_path.read_bytes()
-    hits += ["serve log" for n in needles if n in log]
+    logs = {"serve log": cp.log_path.read_bytes(), "machine log": machine_log.read_bytes()}
+    assert b"joined as machine" in logs["machine log"]
+    for name, text in logs.items():
+        hits += [name for n in needles if n in text]
     assert hits == []
 
 
@@ -310,6 +381,19 @@ async def test_link_foreign_ca_refused_and_revocation(cp: ControlProc) -> None:
                 link_pb2.RenewCertificateRequest(csr_pem=tls.build_csr(tls.new_tls_key()).decode()),
                 timeout=5,
             )
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "revoked" in (info.value.details() or "")
+        # Connect refuses it too, but only after reading the hello: a refusal sent
+        # while the machine's first write is in flight can reach it as INTERNAL,
+        # which it would retry. So: no answer while we stay silent (the server
+        # waits up to 3 heartbeats, 1.5 s here), then the refusal after hello.
+        refused = stub.Connect()
+        answer = asyncio.ensure_future(refused.read())
+        done, _ = await asyncio.wait({answer}, timeout=0.5)
+        assert not done, "refused before the hello was read"
+        await refused.write(link_pb2.MachineMessage(hello=link_pb2.Hello(version="0.1.0")))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(answer, 5)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "revoked" in (info.value.details() or "")
     listed = json.loads(_ok(cp.cli("machine", "show", joined.machine_id)))

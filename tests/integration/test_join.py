@@ -27,12 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import boto3  # type: ignore[import-untyped]
+import grpc
+import grpc.aio
 import pytest
 from botocore.config import Config
 
 from controlplane.client import AdminClient
 from machine import identity
 from shared import tls
+from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from tests.helpers.control_proc import (
     ControlProc,
     control_plane,
@@ -120,6 +123,7 @@ class MachineProc:
         self.log = log
         env = {**os.environ, "AGENTS_MACHINE_METRICS": f"127.0.0.1:{self.metrics_port}"}
         env.pop("AGENTS_DATA_DIR", None)
+        self.started_at = time.monotonic()
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
                 # The printed command as is, plus --data-dir.
@@ -128,7 +132,6 @@ class MachineProc:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        self.started = time.monotonic()
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -224,12 +227,14 @@ async def test_printed_join_online_offline_and_restart(
     argv = _printed_join(cp, account_id)
     data_dir = tmp_path / "machine"
     log = tmp_path / "machine.log"
-    proc = _start(machines, data_dir, argv, log)
     async with admin(cp) as client:
-        await _until(proc.joined, PROCESS_DEADLINE, "join")
-        joined_at = time.monotonic()
-        took = await _until(lambda: _online(client, account_id), 10, "online after join")
-        assert time.monotonic() - joined_at < 2.0, f"online {took:.2f}s after join"
+        # Timed from the moment the join process starts: interpreter start, join,
+        # first Connect and the presence write all count.
+        proc = _start(machines, data_dir, argv, log)
+        await _until(lambda: _online(client, account_id), 10, "online after join")
+        online_after = time.monotonic() - proc.started_at
+        assert proc.joined()
+        assert online_after < 2.0, f"online {online_after:.2f}s after the join process started"
         listed = await client.list_machines(account_id)
         assert len(listed) == 1
         machine_id = listed[0]["machine_id"]
@@ -240,7 +245,7 @@ async def test_printed_join_online_offline_and_restart(
         killed_at = time.monotonic()
         await _until(lambda: _offline(client, account_id), 5, "offline after SIGKILL")
         offline_after = time.monotonic() - killed_at
-        assert offline_after <= 3 * HEARTBEAT + 0.5, offline_after
+        assert offline_after <= 3 * HEARTBEAT + 0.25, offline_after
 
         # Restart with serve: online again under the same id, without a new join.
         restarted = _start(machines, data_dir, ["agents-machine", "serve"], log)
@@ -384,40 +389,79 @@ async def test_revoked_machine_is_cut_off_and_stays_off(
 # ---------------------------------------------------------------- foreign certs
 
 
+async def _issued_client_cert(cp: ControlProc) -> tuple[bytes, bytes]:
+    """A client certificate from the control plane's own CA, through a real Join."""
+    account_id = _create_account(cp, "valid")
+    key = tls.new_tls_key()
+    async with admin(cp) as client:
+        token = (await client.create_token(account_id))["token_value"]
+    creds = grpc.ssl_channel_credentials(root_certificates=cp.ca_pem)
+    async with grpc.aio.secure_channel(cp.public, creds) as channel:
+        reply = await link_pb2_grpc.MachineLinkStub(channel).Join(
+            link_pb2.JoinRequest(
+                token=token,
+                csr_pem=tls.build_csr(key).decode(),
+                machine=link_pb2.MachineInfo(name="valid", version="0.1.0", hostname="h"),
+            ),
+            timeout=10,
+        )
+    return reply.certificate_pem.encode(), tls.private_key_pem(key)
+
+
+def _tls_context(cp: ControlProc, folder: Path, cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
+    folder.mkdir()
+    (folder / "c.pem").write_bytes(cert_pem)
+    (folder / "k.pem").write_bytes(key_pem)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(cadata=cp.ca_pem.decode())
+    ctx.load_cert_chain(folder / "c.pem", folder / "k.pem")
+    ctx.set_alpn_protocols(["h2"])
+    return ctx
+
+
+def _h2_exchange(address: str, ctx: ssl.SSLContext) -> bytes:
+    """Open TLS to ``address``, send the HTTP/2 preface, return the server's first frame
+    header (9 bytes), or fewer bytes if the server closed the connection."""
+    host, port = address.rsplit(":", 1)
+    with (
+        socket.create_connection((host, int(port)), timeout=5) as raw,
+        ctx.wrap_socket(raw, server_hostname="localhost") as s,
+    ):
+        # TLS 1.3 finishes the client side first; the server's verdict on our
+        # certificate arrives on the first read: an alert and a close, where an
+        # accepted client gets the server's HTTP/2 SETTINGS frame.
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        data = b""
+        while len(data) < 9:
+            chunk = s.recv(9 - len(data))
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
 async def test_client_cert_of_another_ca_fails_the_handshake(
     cp: ControlProc, tmp_path: Path
 ) -> None:
+    # Positive control first: the very same exchange with a certificate of this
+    # control plane's CA is accepted and answered with HTTP/2 SETTINGS, so the
+    # refusal below is about the certificate and nothing else.
+    valid = _tls_context(cp, tmp_path / "valid", *await _issued_client_cert(cp))
+    frame = await asyncio.to_thread(_h2_exchange, cp.link, valid)
+    assert len(frame) == 9 and frame[3] == 0x04, frame  # frame type 4 = SETTINGS
+
     stranger = tls.make_ca()
     key = tls.new_tls_key()
-    account_id = "acct_" + "0" * 26
     cert = tls.sign_client_csr(
         stranger,
         tls.build_csr(key),
-        account_id=account_id,
+        account_id="acct_" + "0" * 26,
         machine_id="mc_" + "0" * 26,
         lifetime=dt.timedelta(hours=1),
     )
-    (tmp_path / "c.pem").write_bytes(cert.cert_pem)
-    (tmp_path / "k.pem").write_bytes(tls.private_key_pem(key))
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.load_verify_locations(cadata=cp.ca_pem.decode())
-    ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
-    ctx.set_alpn_protocols(["h2"])
-    host, port = cp.link.rsplit(":", 1)
-
-    def handshake() -> bytes:
-        with (
-            socket.create_connection((host, int(port)), timeout=5) as raw,
-            ctx.wrap_socket(raw, server_hostname="localhost") as s,
-        ):
-            # TLS 1.3 finishes the client side first; the server's verdict on
-            # our certificate arrives on the first read: an alert and a close,
-            # where an accepted client would get HTTP/2 SETTINGS bytes.
-            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-            return s.recv(64)
-
+    foreign = _tls_context(cp, tmp_path / "foreign", cert.cert_pem, tls.private_key_pem(key))
     try:
-        data = await asyncio.to_thread(handshake)
+        data = await asyncio.to_thread(_h2_exchange, cp.link, foreign)
     except (ssl.SSLError, ConnectionResetError) as e:
         assert "alert" in str(e).lower() or isinstance(e, ConnectionResetError), e
         data = b""

@@ -203,6 +203,16 @@ async def test_bad_input_clear_status_cli_exit_2_nothing_written(
         async def prompt(agent_id: str, text: str) -> list[pb.RunEvent]:
             return [ev async for ev in stub.Prompt(pb.PromptRequest(agent_id=agent_id, text=text))]
 
+        def answer(run_id: str, request_id: str, option_id: str) -> object:
+            return stub.AnswerPermission(
+                pb.AnswerPermissionRequest(
+                    run_id=run_id, request_id=request_id, option_id=option_id, remember=True
+                )
+            )
+
+        good_run = "run_0000000000aaaaaaaaaaaaaaaa"  # well formed, never made
+        INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
         cases = [
             (prompt("ag_nope", "hi"), grpc.StatusCode.INVALID_ARGUMENT, "agent_id"),
             (prompt(agent.id, ""), grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty"),
@@ -216,6 +226,20 @@ async def test_bad_input_clear_status_cli_exit_2_nothing_written(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "runtime: unknown runtime 'nope'",
             ),
+            (
+                stub.CancelRun(pb.CancelRunRequest(run_id="../../etc")),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "run_id: invalid run id",
+            ),
+            (
+                stub.CancelRun(pb.CancelRunRequest(run_id=agent.id)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "run_id: invalid run id",
+            ),
+            (answer("run_nope", "req", "allow_once"), INVALID, "run_id: invalid run id"),
+            (answer(good_run, "", "allow_once"), INVALID, "request_id: must be 1 to 200"),
+            (answer(good_run, "r" * 201, "allow_once"), INVALID, "request_id: must be 1 to 200"),
+            (answer(good_run, "req", ""), INVALID, "option_id: must be 1 to 200"),
         ]
         for coro, code, text in cases:
             got_code, details = await status_of(coro)
@@ -241,6 +265,9 @@ async def test_bad_input_clear_status_cli_exit_2_nothing_written(
         (("agent", "prompt", foreign, "hi"), "origin is machine"),
         (("agent", "create", "n", "--runtime", "nope"), "runtime: unknown runtime"),
         (("agent", "prompt", agent.id, "hi", "--attach", str(big)), "attachment: larger"),
+        (("agent", "cancel", "../../etc"), "run_id: invalid run id"),
+        (("agent", "answer", "run_nope", "req", "allow_once"), "run_id: invalid run id"),
+        (("agent", "answer", "run_0000000000aaaaaaaaaaaaaaaa", "", "x"), "request_id: must be"),
     ]
     for args, text in cli_cases:
         done = await asyncio.to_thread(run_cli, data, *args)
@@ -249,5 +276,6 @@ async def test_bad_input_clear_status_cli_exit_2_nothing_written(
         assert first.startswith("agents-machine: ") and text in first, (args, done.stderr)
         assert "Traceback" not in done.stderr
     assert counts(data) == before
+    assert db_rows(data, "SELECT COUNT(*) FROM permissions")[0][0] == 0
     assert sorted(p.name for p in (data / "attachments").iterdir()) == []
     assert proc.stop() == 0

@@ -247,9 +247,17 @@ async def test_cancel_while_waiting_for_permission(agent: FakeAgent, runtime: Ac
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    # The answer, the session/cancel notification and the prompt's end reach the
+    # agent's log in no fixed order: wait for all three, then check each exactly once.
     await wait_until(
-        lambda: agent.count("prompt_end", stop_reason="cancelled") == 1, "prompt ended cancelled"
+        lambda: (
+            agent.count("prompt_end", stop_reason="cancelled") >= 1
+            and agent.count("permission_answer", outcome="cancelled") >= 1
+            and agent.count("cancel") >= 1
+        ),
+        "prompt ended cancelled, permission answered cancelled, cancel sent",
     )
+    assert agent.count("prompt_end", stop_reason="cancelled") == 1
     assert agent.count("permission_answer", outcome="cancelled") == 1
     assert agent.count("cancel") == 1
 

@@ -138,13 +138,15 @@ class FakeControl(link_pb2_grpc.MachineLinkServicer):
     async def Connect(  # type: ignore[override]  # noqa: N802
         self, request_iterator: Any, context: Any
     ) -> None:
-        peer = self._peer(context)
         self.connects += 1
+        # Like the real control plane: read the hello before refusing, or the
+        # machine may see INTERNAL (its write raced our abort) instead of the refusal.
+        first = await context.read()
+        peer = self._peer(context)
         if peer.machine_id in self.revoked:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "link: machine revoked")
         if self.account_deleting:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "link: account is being deleted")
-        first = await context.read()
         stream = Stream(machine_id=peer.machine_id, hello=first.hello)
         self.streams.append(stream)
         await context.write(

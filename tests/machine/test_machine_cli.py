@@ -39,3 +39,64 @@ def test_bad_config_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     code, _, err = run(capsys, "--data-dir", str(tmp_path), "serve", "--tcp", "0.0.0.0:1")
     assert code == 2
     assert err.splitlines()[0].startswith("agents-machine: config tcp_address:")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("explode",), "argument command: invalid choice: 'explode'"),
+        (("--bogus", "status"), "unrecognized arguments: --bogus"),
+        (("agent", "show"), "agent show: the following arguments are required: id"),
+        (("agent", "answer", "run_x"), "agent answer: the following arguments are required"),
+        (("agent", "runs", "ag_x", "--limit", "many"), "agent runs: argument --limit"),
+        (("join", "127.0.0.1:1"), "join: the following arguments are required: --token"),
+    ],
+)
+def test_usage_errors_have_one_prefix(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: tuple[str, ...], says: str
+) -> None:
+    code, out, err = run(capsys, "--data-dir", str(tmp_path), *argv)
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert lines[0].startswith("agents-machine: ") and says in lines[0], lines
+    assert lines[0].count("agents-machine:") == 1, lines
+    assert len(lines) <= 2 and all(line.startswith("Try: ") for line in lines[1:]), lines
+    assert "Traceback" not in err
+
+
+GOOD_RUN = "run_0000000000aaaaaaaaaaaaaaaa"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("agent", "show", "../../etc"), "agent_id: invalid agent id '../../etc'"),
+        (("agent", "archive", "ag_nope"), "agent_id: invalid agent id"),
+        (("agent", "unarchive", ""), "agent_id: invalid agent id"),
+        (("agent", "rename", "x/y", "new"), "agent_id: invalid agent id"),
+        (("agent", "prompt", "ag_../x", "hi"), "agent_id: invalid agent id"),
+        (("agent", "replay", "run_0000000000aaaaaaaaaaaaaaaa"), "agent_id: invalid agent id"),
+        (("agent", "runs", "nope"), "agent_id: invalid agent id"),
+        (("agent", "search", "q", "--agent", "../a"), "agent_id: invalid agent id"),
+        (("agent", "cancel", "../../etc"), "run_id: invalid run id"),
+        (("agent", "answer", "ag_0000000000aaaaaaaaaaaaaaaa", "r", "o"), "run_id: invalid run id"),
+        (("agent", "answer", GOOD_RUN, "", "allow"), "request_id: must be 1 to 200"),
+        (("agent", "answer", GOOD_RUN, "r" * 201, "allow"), "request_id: must be 1 to 200"),
+        (("agent", "answer", GOOD_RUN, "r", ""), "option_id: must be 1 to 200"),
+    ],
+)
+def test_bad_ids_refused_before_dialling(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: tuple[str, ...], says: str
+) -> None:
+    # No daemon runs on tmp_path: a dialled command would say "not running", exit 1.
+    code, out, err = run(capsys, "--data-dir", str(tmp_path), *argv)
+    assert code == 2 and out == "", err
+    lines = err.splitlines()
+    assert lines[0].startswith("agents-machine: ") and says in lines[0], lines
+    assert len(lines) <= 2 and all(line.startswith("Try: ") for line in lines[1:]), lines
+    assert "not running" not in err
+
+
+def test_good_ids_still_dial(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "--data-dir", str(tmp_path), "agent", "cancel", GOOD_RUN)
+    assert code == 1 and "the machine daemon is not running" in err

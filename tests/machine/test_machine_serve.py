@@ -58,3 +58,38 @@ async def test_serve_until_stopped(tmp_path: Path) -> None:
         stop.set()
         await asyncio.wait_for(task, 15)
     assert not info.socket.exists()
+
+
+MIB = 1024 * 1024
+
+
+async def test_default_limits(tmp_path: Path) -> None:
+    # Built as `agents-machine serve` builds it with no limit flags, env or file.
+    cfg = MachineConfig.build(
+        flags={"data_dir": str(tmp_path / "data"), "background_loops": False},
+        env={},
+        home=tmp_path,
+    )
+    assert (cfg.prompt_limit, cfg.attachment_limit) == (1 * MIB, 20 * MIB)
+    assert MachineConfig(data_dir=tmp_path).prompt_limit == 1 * MIB
+    assert MachineConfig(data_dir=tmp_path).attachment_limit == 20 * MIB
+    ready: asyncio.Future[ServeInfo] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(cfg, ready=ready.set_result, stop=stop))
+    try:
+        info = await asyncio.wait_for(ready, 10)
+        async with grpc.aio.insecure_channel(f"unix://{info.socket}") as channel:
+            stub = pb_grpc.MachineServiceStub(channel)
+            agent = await stub.CreateAgent(pb.CreateAgentRequest(name="m", folder=str(tmp_path)))
+            call = stub.Prompt(pb.PromptRequest(agent_id=agent.id, text="x" * (MIB + 1)))
+            try:
+                _ = [e async for e in call]
+                raise AssertionError("a prompt over 1 MiB should be refused")
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert (e.details() or "").startswith("prompt: larger than the limit of 1048576")
+            runs = await stub.ListRuns(pb.ListRunsRequest(agent_id=agent.id))
+            assert list(runs.runs) == []
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)

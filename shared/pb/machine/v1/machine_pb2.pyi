@@ -1912,12 +1912,15 @@ class StatusResponse(_message.Message):
     RUNTIMES_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
     SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
+    JOINED_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """The daemon's version."""
     data_dir: _builtins.str
     """The data folder."""
     machine_id: _builtins.str
-    """This machine's id, or "local" before it joins a control plane."""
+    """This machine's id: the one the control plane gave once joined (it is also
+    in the client certificate), else the id made when the database was created.
+    """
     active_agents: _builtins.int
     """Active agents."""
     archived_agents: _builtins.int
@@ -1928,6 +1931,8 @@ class StatusResponse(_message.Message):
     """Runs waiting for a person."""
     schema_version: _builtins.int
     """Database schema version."""
+    joined: _builtins.bool
+    """Whether this machine has joined a control plane."""
     @_builtins.property
     def runtimes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Runtimes available on this machine."""
@@ -1949,10 +1954,11 @@ class StatusResponse(_message.Message):
         runtimes: _abc.Iterable[_builtins.str] | None = ...,
         started_at: _timestamp_pb2.Timestamp | None = ...,
         schema_version: _builtins.int = ...,
+        joined: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_agents", b"active_agents", "archived_agents", b"archived_agents", "data_dir", b"data_dir", "machine_id", b"machine_id", "open_runs", b"open_runs", "runtimes", b"runtimes", "schema_version", b"schema_version", "started_at", b"started_at", "version", b"version", "waiting_runs", b"waiting_runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_agents", b"active_agents", "archived_agents", b"archived_agents", "data_dir", b"data_dir", "joined", b"joined", "machine_id", b"machine_id", "open_runs", b"open_runs", "runtimes", b"runtimes", "schema_version", b"schema_version", "started_at", b"started_at", "version", b"version", "waiting_runs", b"waiting_runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,126 @@
+"""agents-control behaviour that needs no daemon: how errors print, and input checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from controlplane.cli import main
+from shared import tls
+from tests.helpers.control_proc import agents_control_exe
+
+CREDENTIAL = "adm_" + "0" * 26 + "." + "A" * 43
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # main() reads the real environment: keep the caller's settings out of it.
+    for key in list(os.environ):
+        if key.startswith("AGENTS_CONTROL_"):
+            monkeypatch.delenv(key)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, list[str]]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err.splitlines()
+
+
+def _assert_one_error_line(lines: list[str], *, hint: bool) -> None:
+    assert lines and lines[0].startswith("agents-control"), lines
+    if hint:
+        assert len(lines) == 2 and lines[1].startswith("Try: "), lines
+    else:
+        assert len(lines) == 1, lines
+
+
+def test_long_error_stays_one_line_in_a_narrow_pipe(tmp_path: Path) -> None:
+    # A long path makes the message far wider than 40 columns; COLUMNS=40 is what
+    # a narrow terminal (or a CI runner) would set. A real process, stderr a pipe.
+    home = tmp_path / ("deep-folder-name-" * 4) / "home"
+    home.mkdir(parents=True)
+    (home / "x").write_text("x")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_CONTROL_")}
+    env["COLUMNS"] = "40"
+    proc = subprocess.run(
+        [str(agents_control_exe()), "init", "--home", str(home), "--store", str(tmp_path / "s")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    _assert_one_error_line(lines, hint=False)
+    assert str(home) in lines[0] and "not empty" in lines[0]
+    assert len(lines[0]) > 80
+
+
+def test_usage_error_is_one_line_and_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, lines = run(capsys, "machine", "explode")
+    assert code == 2
+    _assert_one_error_line(lines, hint=True)
+    assert "invalid choice" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--uses", "0"), ("--uses", "-3"), ("--uses", "two"), ("--ttl", "0"), ("--ttl", "0h")],
+)
+def test_token_create_refuses_values_below_one(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str, value: str
+) -> None:
+    # Refused while parsing: nothing is contacted (the address would not answer).
+    code, out, lines = run(
+        capsys,
+        "token",
+        "create",
+        "--home",
+        str(tmp_path),
+        "--address",
+        "127.0.0.1:1",
+        "--credential",
+        CREDENTIAL,
+        "--account",
+        "acct_" + "0" * 26,
+        flag,
+        value,
+    )
+    assert code == 2 and out == ""
+    _assert_one_error_line(lines, hint=True)
+    assert flag in lines[0]
+
+
+def test_init_without_store_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _, lines = run(capsys, "init", "--home", str(tmp_path / "home"))
+    assert code == 2
+    _assert_one_error_line(lines, hint=False)
+    assert "store" in lines[0] and "required" in lines[0]
+    assert not (tmp_path / "home").exists()  # refused before anything was written
+
+
+def test_unreachable_control_plane_is_one_plain_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "ca.pem").write_bytes(tls.make_ca().cert_pem)
+    code, out, lines = run(
+        capsys,
+        "account",
+        "list",
+        "--home",
+        str(tmp_path),
+        "--address",
+        "127.0.0.1:1",
+        "--credential",
+        CREDENTIAL,
+    )
+    assert code == 1 and out == ""
+    assert lines == [
+        "agents-control: control plane not reachable at 127.0.0.1:1 "
+        "(is `agents-control serve` running?)"
+    ]
