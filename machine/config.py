@@ -94,8 +94,9 @@ class MachineConfig:
 
     tcp_address: str | None = None
     """Optional extra gRPC listener ``HOST:PORT`` on a loopback address only (port 0
-    picks a free one). There is no authentication on it, so it is for tests and
-    local tools; remote access goes through the control plane."""
+    picks a free one). Calls on it need ``authorization: Bearer <token>`` with the
+    token from ``<data_dir>/keys/local-api-token``; remote access goes through the
+    control plane."""
 
     metrics_address: str | None = None
     """``HOST:PORT`` (loopback) for Prometheus ``/metrics``; ``None`` turns it off."""

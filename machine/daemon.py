@@ -25,6 +25,7 @@ import grpc.aio
 
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig, parse_hostport
+from machine.local_auth import TOKEN_FILE, BearerTokenInterceptor, load_or_create_token
 from machine.metrics import MachineMetrics
 from machine.service import SERVICE_NAME, MachineServicer
 from shared.errors import InvalidState
@@ -185,23 +186,39 @@ async def _serve_grpc(
     stop: asyncio.Event,
 ) -> None:
     max_message = max(4 * 1024 * 1024, config.prompt_limit + 64 * 1024)
-    server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()],
-        options=[
-            ("grpc.max_receive_message_length", max_message),
-            ("grpc.max_send_message_length", max_message),
-        ],
-    )
-    pb_grpc.add_MachineServiceServicer_to_server(MachineServicer(machine), server)
-    health = await serve_health_and_reflection(server, [SERVICE_NAME])
+    servicer = MachineServicer(machine)
+
+    async def make_server(*interceptors: Any) -> tuple[grpc.aio.Server, Any]:
+        server = grpc.aio.server(
+            interceptors=[*interceptors, ErrorInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", max_message),
+                ("grpc.max_send_message_length", max_message),
+            ],
+        )
+        pb_grpc.add_MachineServiceServicer_to_server(servicer, server)
+        return server, await serve_health_and_reflection(server, [SERVICE_NAME])
+
+    server, health = await make_server()
+    servers = [server]
+    healths = [health]
     socket = config.socket
     _prepare_socket(socket)
     server.add_insecure_port(f"unix://{socket}")
     tcp_port: int | None = None
     if config.tcp_address is not None:
+        # TCP reaches every local user: it gets its own server that demands the
+        # data folder's token (the socket's file mode does that job for unix://).
+        token = await asyncio.to_thread(load_or_create_token, config.data_dir)
+        tcp_server, tcp_health = await make_server(
+            BearerTokenInterceptor(token, config.data_dir / TOKEN_FILE)
+        )
         host, port = parse_hostport(config.tcp_address, "tcp_address")
-        tcp_port = server.add_insecure_port(f"{host}:{port}")
-    await server.start()
+        tcp_port = tcp_server.add_insecure_port(f"{host}:{port}")
+        servers.append(tcp_server)
+        healths.append(tcp_health)
+    for srv in servers:
+        await srv.start()
     os.chmod(socket, 0o600)
     logger.info("agents-machine serving on unix://%s", socket)
     try:
@@ -209,12 +226,13 @@ async def _serve_grpc(
             if ready is not None:
                 ready(ServeInfo(socket, tcp_port, metrics_port, machine.machine_id))
             await stop.wait()
-            await health.enter_graceful_shutdown()
+            for h in healths:
+                await h.enter_graceful_shutdown()
             # Let runs end (or interrupt them) while streams can still carry their
             # last events, then stop the server.
             await machine.runs.close(config.shutdown_grace_seconds)
     finally:
-        await server.stop(_STREAM_FLUSH_SECONDS)
+        await asyncio.gather(*(srv.stop(_STREAM_FLUSH_SECONDS) for srv in servers))
         with contextlib.suppress(FileNotFoundError):
             socket.unlink()
         logger.info("agents-machine stopped")

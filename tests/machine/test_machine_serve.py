@@ -33,7 +33,29 @@ async def test_serve_until_stopped(tmp_path: Path) -> None:
         assert stat.S_IMODE(info.socket.stat().st_mode) == 0o600
         assert stat.S_IMODE(cfg.data_dir.stat().st_mode) == 0o700
         assert info.tcp_port and info.metrics_port
+        token_file = cfg.data_dir / "keys" / "local-api-token"
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{info.tcp_port}") as channel:
+            # TCP reaches every local user: without the data folder's token, nothing.
+            stub = pb_grpc.MachineServiceStub(channel)
+            for md in [(), (("authorization", "Bearer wrong"),), (("authorization", token),)]:
+                try:
+                    await stub.Status(pb.StatusRequest(), metadata=md)
+                    raise AssertionError("TCP call without the token must be refused")
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+                    assert "local-api-token" in (e.details() or "")
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                raise AssertionError("health on TCP also needs the token")
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+        auth = grpc.metadata_call_credentials(
+            lambda _ctx, callback: callback((("authorization", f"Bearer {token}"),), None)
+        )
+        creds = grpc.composite_channel_credentials(grpc.local_channel_credentials(), auth)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{info.tcp_port}", creds) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
