@@ -78,6 +78,9 @@ class NewCredential:
     """``adm_<id>.<secret>``; never stored."""
 
 
+_BAD_CREDENTIAL = "admin: unknown credential or wrong secret"
+
+
 class CredentialService:
     """Admin credentials in the store (hash only)."""
 
@@ -135,9 +138,10 @@ class CredentialService:
         try:
             cred = Credential.from_dict(await jsonstore.read(self._store, credential_key(cred_id)))
         except NotFound:
-            raise Unauthenticated("admin: unknown credential") from None
+            raise Unauthenticated(_BAD_CREDENTIAL) from None
         if not verify_secret(_PURPOSE, cred_id, secret, cred.secret_hash):
-            raise Unauthenticated("admin: wrong credential secret")
+            # Same words as an unknown id: the answer must not tell which ids exist.
+            raise Unauthenticated(_BAD_CREDENTIAL)
         if cred.revoked:
             raise Unauthenticated("admin: credential revoked")
         if cred.scope == ACCOUNT:

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from controlplane.bootstrap import init_control_plane
 from controlplane.client import AdminClient, ControlPlaneUnreachable
@@ -199,7 +200,8 @@ def _print_table(console: Console, columns: Sequence[str], rows: list[list[str]]
         # Ids must print whole: fold rather than truncate them.
         table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(*row)
+        # Cells carry what machines and users typed: text, never Rich markup.
+        table.add_row(*(Text(cell) for cell in row))
     console.print(table)
 
 

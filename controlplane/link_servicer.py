@@ -30,6 +30,7 @@ from shared import tls
 from shared.errors import (
     AgentsError,
     InvalidArgument,
+    InvalidState,
     Unauthenticated,
 )
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
@@ -43,6 +44,10 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 #: Seconds a closing link waits for the machine to half-close after a final notice.
 _LINGER = 0.5
+#: Renewal is refused while more than this fraction of the lifetime remains
+#: (or the configured threshold, if larger): it bounds how often a machine, or a
+#: thief of its current key, can mint certificates.
+_RENEW_EARLIEST = 0.5
 _LATER = "not implemented yet: backups through the control plane arrive in a later release"
 
 
@@ -123,7 +128,13 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
     ) -> link_pb2.RenewCertificateResponse:
         """See link.proto."""
         try:
-            machine, _ = await self._peer(context)
+            machine, pem = await self._peer(context)
+            if tls.identity_from_cert(pem).serial != machine.cert_serial:
+                # A superseded certificate may still connect until it expires, but
+                # never mint a new one: a stolen old key must not outlive it.
+                raise Unauthenticated("renew: only the current certificate may renew")
+            if not tls.needs_renewal(pem, max(self._renew_threshold, _RENEW_EARLIEST)):
+                raise InvalidState("renew", "certificate is not due for renewal yet")
             cert = await self._pairing.renew(machine, request.csr_pem)
         except AgentsError as e:
             self._metrics.renewals.labels(status_for(e).name.lower()).inc()
@@ -140,7 +151,11 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
     ) -> AsyncIterator[link_pb2.ControlMessage]:
         """See link.proto: hello -> welcome, then heartbeats/acks <-> notices."""
         timeout = 3 * self._heartbeat
-        # Read the hello BEFORE refusing anyone: ending the call while the machine's
+        if not context.auth_context().get("x509_pem_cert"):
+            # Anonymous (the public listener): refuse at once, hold nothing open.
+            self._metrics.connects.labels("refused").inc()
+            raise Unauthenticated("link: no client certificate (use the link address)")
+        # Read the hello BEFORE refusing a machine: ending the call while the machine's
         # first write is still in flight makes its side see INTERNAL ("Internal
         # error from Core") instead of our status, and a refused machine would
         # then retry forever instead of stopping.
@@ -158,11 +173,19 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         if first is None or first.WhichOneof("kind") != "hello":
             self._metrics.connects.labels("bad_hello").inc()
             raise InvalidArgument("hello", "the first message must be hello")
-        session = await self._presence.open(
-            machine, first.hello.version[:64], first.hello.agent_count
-        )
+        version = first.hello.version
+        if len(version) > 64 or not version.isprintable():
+            # It reaches operators' terminals through `machine list`.
+            self._metrics.connects.labels("bad_hello").inc()
+            raise InvalidArgument("hello.version", "must be at most 64 printable characters")
+        session = await self._presence.open(machine, version, max(0, first.hello.agent_count))
+        # A revoke that landed between the check above and registering the session
+        # found no session to close: look again now that it is registered.
+        if self._machines.is_revoked(machine.machine_id):
+            session.outbox.put_nowait(RevokedNotice("machine revoked by an administrator"))
         self._metrics.connects.labels("ok").inc()
-        reader = asyncio.create_task(self._read(request_iterator, session, timeout))
+        expires = tls.load_cert(pem).not_valid_after_utc
+        reader = asyncio.create_task(self._read(request_iterator, session, timeout, expires))
         reason = "closed"
         try:
             yield link_pb2.ControlMessage(
@@ -202,13 +225,18 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         requests: AsyncIterator[link_pb2.MachineMessage],
         session: Session,
         timeout: float,
+        expires: dt.datetime,
     ) -> None:
-        """Consume the machine's messages; end the link after 3 silent intervals."""
+        """Consume the machine's messages; end the link after 3 silent intervals,
+        or once the certificate it connected with has expired."""
         reason = CloseReason.CLOSED
         try:
             while True:
                 async with asyncio.timeout(timeout):
                     msg = await anext(requests)
+                if dt.datetime.now(dt.UTC) >= expires:
+                    reason = CloseReason.EXPIRED
+                    break
                 kind = msg.WhichOneof("kind")
                 if kind == "heartbeat":
                     await self._presence.seen(session, msg.heartbeat.agent_count)

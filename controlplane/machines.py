@@ -18,7 +18,13 @@ from controlplane.records import (
     machines_prefix,
     utc_iso,
 )
-from shared.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from shared.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
 from shared.ids import is_valid_id, new_id, validate_id
 from shared.store.base import ObjectStore
 from shared.tls import IssuedCert, PeerIdentity
@@ -126,7 +132,12 @@ class MachineService:
         await jsonstore.create(
             self._store, machine_index_key(machine_id), {"account_id": account_id}
         )
-        await jsonstore.create(self._store, machine_key(account_id, machine_id), machine.to_dict())
+        if not await jsonstore.create(
+            self._store, machine_key(account_id, machine_id), machine.to_dict()
+        ):
+            # Ids are fresh per join, so this is never a retry: refuse rather than
+            # hand out a certificate whose serial no record accepts.
+            raise AlreadyExists("machine", machine_id)
         await self._audit.record(token_id, "machine.join", machine_id, account_id)
         logger.info("machine %s joined account %s", machine_id, account_id)
         return machine

@@ -66,6 +66,7 @@ class CloseReason(enum.Enum):
     REPLACED = "replaced"
     SHUTDOWN = "shutdown"
     BROKEN = "broken"
+    EXPIRED = "expired"
 
 
 @dataclass(frozen=True)

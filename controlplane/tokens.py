@@ -36,6 +36,9 @@ class NewToken:
     """``tok_<id>.<secret>``; never stored."""
 
 
+_BAD_TOKEN = "join: unknown token or wrong secret"
+
+
 class TokenService:
     """Join tokens of every account."""
 
@@ -167,9 +170,10 @@ class TokenService:
             key = token_key(account_id, token_id)
             token = JoinToken.from_dict(await jsonstore.read(self._store, key))
         except NotFound:
-            raise Unauthenticated("join: unknown token") from None
+            raise Unauthenticated(_BAD_TOKEN) from None
         if not verify_secret(_PURPOSE, token_id, secret, token.secret_hash):
-            raise Unauthenticated("join: wrong token secret")
+            # Same words as an unknown id: the answer must not tell which ids exist.
+            raise Unauthenticated(_BAD_TOKEN)
         self._check_usable(token)
         await self._accounts.require_active(account_id, "join")
 

@@ -24,6 +24,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from machine.config import MachineConfig, server_data_dir
 from machine.models import validate_runtime_ref
@@ -99,7 +100,7 @@ def _state(agent: pb.Agent) -> str:
 def _agents_table(out: Out, agents: Sequence[pb.Agent]) -> None:
     table = Table("id", "name", "runtime", "state", "folder", box=None)
     for a in agents:
-        table.add_row(a.id, a.name, a.runtime, _state(a), a.folder)
+        table.add_row(*_cells(a.id, a.name, a.runtime, _state(a), a.folder))
     out.console.print(table)
 
 
@@ -117,7 +118,7 @@ def _agent_detail(out: Out, a: pb.Agent) -> None:
         ("events", str(a.last_seq)),
         ("created", a.created_at.ToDatetime().isoformat(timespec="seconds") + "Z"),
     ):
-        table.add_row(key, value)
+        table.add_row(*_cells(key, value))
     out.console.print(table)
 
 
@@ -257,7 +258,7 @@ async def _cmd_status(cfg: MachineConfig, args: argparse.Namespace, out: Out) ->
         ("runtimes", ", ".join(st.runtimes)),
         ("schema", str(st.schema_version)),
     ):
-        table.add_row(key, value)
+        table.add_row(*_cells(key, value))
     out.console.print(table)
     return EXIT_OK
 
@@ -333,7 +334,7 @@ async def _cmd_agent(cfg: MachineConfig, args: argparse.Namespace, out: Out) -> 
             for r in runs.runs:
                 state = pb.RunState.Name(r.state).removeprefix("RUN_STATE_").lower()
                 tokens = f"{r.usage.input_tokens}/{r.usage.output_tokens}"
-                table.add_row(r.id, state, tokens, str(r.duration_ms), r.prompt[:40])
+                table.add_row(*_cells(r.id, state, tokens, str(r.duration_ms), r.prompt[:40]))
             out.console.print(table)
             return EXIT_OK
         if verb == "search":
@@ -348,7 +349,7 @@ async def _cmd_agent(cfg: MachineConfig, args: argparse.Namespace, out: Out) -> 
             table = Table("agent", "seq", "source", "match", box=None)
             for h in found.hits:
                 name = h.agent_name + (" (archived)" if h.archived else "")
-                table.add_row(name, str(h.seq), h.source, h.snippet)
+                table.add_row(*_cells(name, str(h.seq), h.source, h.snippet))
             out.console.print(table)
             return EXIT_OK
     raise _Usage(f"agent: unknown verb {verb!r}", f"{PROG} agent --help")
@@ -441,6 +442,11 @@ def _add_global_options(p: argparse.ArgumentParser, default: Any) -> None:
         "--socket", default=default, help="daemon socket (default: <data dir>/machine.sock)"
     )
     p.add_argument("--json", action="store_true", default=default, help="print JSON for scripts")
+
+
+def _cells(*values: str) -> list[Text]:
+    # Names, folders and snippets are user or agent text: never Rich markup.
+    return [Text(v) for v in values]
 
 
 def _parser() -> _Parser:

@@ -80,10 +80,11 @@ class InvalidId(InvalidArgument):
     """An identifier does not match its strict pattern."""
 
     def __init__(self, kind: str, value: str, field: str | None = None) -> None:
+        # Only a bounded prefix is kept: the value travels back in error details.
         shown = value if len(value) <= 64 else value[:61] + "..."
         super().__init__(field or kind, f"invalid {kind} id {shown!r}")
         self.kind = kind
-        self.value = value
+        self.value = shown
 
 
 class TooLarge(InvalidArgument):

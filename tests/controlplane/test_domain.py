@@ -91,7 +91,7 @@ async def test_token_lifecycle(w: World) -> None:
     made = await w.tokens.create(w.op, acct)
     assert made.token.expires_at - made.token.created_at == dt.timedelta(hours=1)
     tok_id, secret = made.value.split(".")
-    with pytest.raises(Unauthenticated, match="wrong token secret"):
+    with pytest.raises(Unauthenticated, match="unknown token or wrong secret"):
         await w.tokens.consume(f"{tok_id}.{'A' * 43}")
     with pytest.raises(Unauthenticated, match="malformed"):
         await w.tokens.consume("nonsense")
@@ -188,8 +188,8 @@ async def test_credential_checks(w: World) -> None:
     for bad, reason in [
         (None, "no credential"),
         ("x", "malformed"),
-        (f"{cid}.{'B' * 43}", "wrong credential secret"),
-        (f"{new_id('credential')}.{'B' * 43}", "unknown credential"),
+        (f"{cid}.{'B' * 43}", "unknown credential or wrong secret"),
+        (f"{new_id('credential')}.{'B' * 43}", "unknown credential or wrong secret"),
     ]:
         with pytest.raises(Unauthenticated, match=reason):
             await w.creds.authenticate(bad)
