@@ -16,12 +16,15 @@ from typing import BinaryIO
 __all__ = [
     "ensure_private_dir",
     "fsync_dir",
+    "is_stale_temp",
     "open_atomic",
     "write_atomic",
 ]
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+#: A temp file untouched this long is debris of a crashed write.
+STALE_TEMP_SECONDS = 3600.0
 
 
 def fsync_dir(path: Path) -> None:
@@ -34,10 +37,35 @@ def fsync_dir(path: Path) -> None:
 
 
 def ensure_private_dir(path: Path, mode: int = DIR_MODE) -> Path:
-    """Create ``path`` (and parents) if needed and force its mode to ``mode``."""
-    path.mkdir(parents=True, exist_ok=True, mode=mode)
+    """Create ``path`` (and parents) if needed and force its mode to ``mode``.
+
+    Each folder it creates is made durable by fsyncing its parent: a file
+    written inside it later must not vanish with the folder after a power cut.
+    """
+    missing: list[Path] = []
+    cur = path
+    while not cur.exists():
+        missing.append(cur)
+        if cur.parent == cur:
+            break
+        cur = cur.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, mode)
+        except FileExistsError:
+            continue  # made concurrently
+        fsync_dir(folder.parent)
     os.chmod(path, mode)
     return path
+
+
+def is_stale_temp(name: str, mtime: float, now: float, age: float = STALE_TEMP_SECONDS) -> bool:
+    """Whether ``name`` is a temp file of :func:`open_atomic` left by a crash.
+
+    Only files untouched for ``age`` seconds count, so a write in progress in
+    another process is never taken for debris.
+    """
+    return name.startswith(".") and name.endswith(".tmp") and now - mtime > age
 
 
 def _temp_name(path: Path) -> Path:

@@ -23,11 +23,12 @@ import fcntl
 import hashlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Generator
 from pathlib import Path
 from typing import BinaryIO, Final
 
-from shared.atomic import DIR_MODE, ensure_private_dir, fsync_dir, open_atomic
+from shared.atomic import DIR_MODE, ensure_private_dir, fsync_dir, is_stale_temp, open_atomic
 from shared.errors import (
     IntegrityError,
     InvalidArgument,
@@ -79,12 +80,49 @@ class FolderStore(StoreBase):
         self._lock_fd: int | None = None
         self._root_ready = False
 
+    @classmethod
+    async def open(cls, root: Path | str) -> FolderStore:
+        """Create the root if needed and sweep debris of crashed writes."""
+        store = cls(root)
+        await asyncio.to_thread(store._ensure_root)
+        return store
+
+    async def __aenter__(self) -> FolderStore:
+        await asyncio.to_thread(self._ensure_root)
+        return self
+
     # -- helpers (blocking; run in worker threads) ------------------------
 
     def _ensure_root(self) -> None:
         if not self._root_ready:
             ensure_private_dir(self.root)
+            self._sweep_stale_temps()
             self._root_ready = True
+
+    def _sweep_stale_temps(self) -> None:
+        """Remove temp files of writes that crashed (hidden from listings, they
+        would otherwise outlive every delete of their prefix)."""
+        now = time.time()
+        removed = 0
+        for folder, _dirs, files in os.walk(self.root):
+            for name in files:
+                path = Path(folder) / name
+                with contextlib.suppress(FileNotFoundError):
+                    if is_stale_temp(name, path.stat().st_mtime, now):
+                        path.unlink()
+                        removed += 1
+        if removed:
+            logger.info("folder store %s: removed %d stale temp files", self.root, removed)
+
+    def _prune_stale_temps(self, folder: Path) -> None:
+        now = time.time()
+        with os.scandir(folder) as scan:
+            for entry in scan:
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.is_file(follow_symlinks=False) and is_stale_temp(
+                        entry.name, entry.stat().st_mtime, now
+                    ):
+                        os.unlink(entry.path)
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*key.split("/"))
@@ -103,6 +141,8 @@ class FolderStore(StoreBase):
                     ) from None
             else:
                 os.chmod(path, DIR_MODE)
+                # The new folder's entry must be durable before the object in it is.
+                fsync_dir(path.parent)
         return path
 
     def _open_object(self, key: str) -> tuple[BinaryIO, str, int]:
@@ -280,6 +320,8 @@ class FolderStore(StoreBase):
         parent = path.parent
         while parent != self.root:
             try:
+                with contextlib.suppress(FileNotFoundError):
+                    self._prune_stale_temps(parent)
                 os.rmdir(parent)
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):

@@ -141,7 +141,7 @@ async def open_store(
     target = parse_store_url(url, options)
     backend: ObjectStore
     if isinstance(target, Path):
-        backend = FolderStore(target)
+        backend = await FolderStore.open(target)
     else:
         backend = await S3Store.open(target)
     return MeteredStore(RetryingStore(backend), namespace, registry)

@@ -423,3 +423,52 @@ def test_plain_path_is_folder(tmp_path: Path) -> None:
     assert parse_store_url(str(tmp_path)) == tmp_path
     assert parse_store_url(f"file://{tmp_path}") == tmp_path
     assert os.path.isabs(parse_store_url("relative/dir"))  # type: ignore[arg-type]
+
+
+async def test_folder_store_sweeps_stale_temp_files(tmp_path: Path) -> None:
+    """Temp files of crashed writes vanish at open and when their folder empties;
+    a fresh one (a write in progress elsewhere) is left alone."""
+    import os
+    import time
+
+    root = tmp_path / "root"
+    async with FolderStore(root) as store:
+        await store.put("accounts/a1/account.json", b"{}")
+        await store.put("keep/x", b"1")
+    stale = root / "accounts" / "a1" / ".account.json.0123456789ab.tmp"
+    fresh = root / "keep" / ".x.0123456789ab.tmp"
+    for p in (stale, fresh):
+        p.write_bytes(b"partial")
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    async with FolderStore(root) as store:
+        await store.head("keep/x")  # first use sweeps
+        assert not stale.exists()
+        assert fresh.exists()
+        # Debris appearing later goes when its folder is emptied by a delete.
+        stale.write_bytes(b"partial")
+        os.utime(stale, (old, old))
+        await store.delete("accounts/a1/account.json")
+        assert not (root / "accounts").exists()
+
+
+async def test_folder_store_makes_new_folders_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every folder a put creates is fsynced into its parent before the object lands."""
+    import shared.store.folder as folder_mod
+
+    synced: list[Path] = []
+    real = folder_mod.fsync_dir
+
+    def record(path: Path) -> None:
+        synced.append(Path(path))
+        real(path)
+
+    monkeypatch.setattr(folder_mod, "fsync_dir", record)
+    root = tmp_path / "root"
+    async with FolderStore(root) as store:
+        root.mkdir(mode=0o700, exist_ok=True)
+        await store.put("a/b/c/obj", b"x")
+    for created in (root / "a", root / "a" / "b", root / "a" / "b" / "c"):
+        assert created.parent in synced, f"{created} not made durable in {created.parent}"
