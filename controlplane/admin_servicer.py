@@ -17,7 +17,7 @@ from controlplane.metrics import ControlMetrics
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
 from controlplane.tokens import TokenService
-from shared.errors import AgentsError
+from shared.errors import AgentsError, Unimplemented
 from shared.ids import validate_id
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
 from shared.rpc import status_for
@@ -303,7 +303,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def _later(self, context: Context, method: str) -> Any:
         await self._auth(context, method)
         self._metrics.admin_calls.labels(method, "UNIMPLEMENTED").inc()
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method}: {_LATER}")
+        raise Unimplemented(method, _LATER)
 
     async def DeleteAccount(self, request: Any, context: Context) -> Any:
         """Later issue."""

@@ -32,6 +32,7 @@ from shared.errors import (
     InvalidArgument,
     InvalidState,
     Unauthenticated,
+    Unimplemented,
 )
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import status_for
@@ -270,7 +271,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
 
     async def _later(self, context: Context, what: str) -> Any:
         await self._peer(context)
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what}: {_LATER}")
+        raise Unimplemented(what, _LATER)
 
     async def HaveSegments(self, request: Any, context: Context) -> Any:
         """Later issue."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from machine import identity, store
 from machine.agents import AgentsService
-from machine.attachments import AttachmentStore
+from machine.attachments import AttachmentStore, remove_partial_uploads
 from machine.config import MachineConfig
 from machine.db import Database
 from machine.metrics import MachineMetrics
@@ -185,6 +185,8 @@ async def open_machine(
     """
     ensure_private_dir(config.data_dir)
     ensure_private_dir(config.attachments_dir)
+    # No upload runs yet: any upload temp file is left over from a killed process.
+    await asyncio.to_thread(remove_partial_uploads, config.attachments_dir)
     db = await Database.open(
         config.db_path, on_commit=metrics.observe_commit if metrics is not None else None
     )

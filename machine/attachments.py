@@ -3,7 +3,9 @@
 An upload streams into a temp file in the same folder while it is hashed and
 counted; over the limit, the temp file is removed and TooLarge raised, so
 nothing is left. A complete upload is fsync'd, renamed to its hash (0600) and
-the folder fsync'd, then recorded against the agent that will use it.
+the folder fsync'd, then recorded against the agent that will use it. A
+process killed mid-upload leaves its temp file behind: :func:`remove_partial_uploads`
+deletes those when the machine opens, before any upload can start.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from shared.atomic import ensure_private_dir, fsync_dir
 from shared.errors import InvalidArgument, NotFound, TooLarge
 from shared.ids import validate_id, validate_sha256
 
-__all__ = ["AttachmentStore"]
+__all__ = ["AttachmentStore", "remove_partial_uploads"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_FILE_NAME = 255
+_TMP_PREFIX = ".upload-"
+_TMP_SUFFIX = ".tmp"
 
 
 class AttachmentStore:
@@ -68,7 +72,7 @@ class AttachmentStore:
             raise TooLarge("attachment", self.limit, declared_size)
         await self._db.read(lambda c: store.get_agent(c, agent_id, self._machine_id))
         ensure_private_dir(self.folder)
-        tmp = self.folder / f".upload-{secrets.token_hex(8)}.tmp"
+        tmp = self.folder / f"{_TMP_PREFIX}{secrets.token_hex(8)}{_TMP_SUFFIX}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         digest = hashlib.sha256()
         size = 0
@@ -119,6 +123,31 @@ class AttachmentStore:
         if row is None or not path.exists():
             raise NotFound("attachment", sha256)
         return path
+
+
+def remove_partial_uploads(folder: Path) -> int:
+    """Delete upload temp files left in ``folder`` by a killed process; return how
+    many. Call only while no upload can be in progress (when the machine opens)."""
+    removed = 0
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX)):
+            continue
+        if not entry.is_file(follow_symlinks=False) and not entry.is_symlink():
+            continue
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        removed += 1
+    if removed:
+        fsync_dir(folder)
+        logger.info("removed %d unfinished attachment upload(s) from %s", removed, folder)
+    return removed
 
 
 def _commit_file(tmp: Path, final: Path) -> None:

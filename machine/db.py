@@ -9,11 +9,16 @@ commit) and a write's future resolves only after its data is on disk.
 
 Reads run on a second connection in a single reader thread; WAL mode lets
 them proceed while the writer commits.
+
+Every queued write is answered: a batch that fails for any reason fails all
+its jobs, the commit observer cannot break the writer, and once the writer
+thread has stopped, :meth:`Database.write` raises instead of waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import queue
@@ -52,12 +57,36 @@ def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     conn.row_factory = sqlite3.Row
     # Durability and hygiene settings are per connection (journal_mode is persistent).
-    conn.execute("PRAGMA journal_mode = WAL")
+    row = conn.execute("PRAGMA journal_mode = WAL").fetchone()
+    mode = str(row[0]).lower() if row is not None else "unknown"
+    if mode != "wal":
+        # SQLite answers with the mode it kept when WAL is impossible (typically a
+        # network or otherwise limited filesystem without shared memory); group
+        # commit and concurrent reads rely on WAL, so refuse rather than run without.
+        conn.close()
+        raise StoreError(
+            f"open {path}: SQLite cannot use WAL mode on the data folder's filesystem"
+            f" (journal_mode stayed {mode!r}); put the data folder on a local filesystem"
+        )
     conn.execute("PRAGMA synchronous = FULL")
     conn.execute("PRAGMA foreign_keys = ON")
     conn.execute("PRAGMA secure_delete = ON")
     conn.execute("PRAGMA busy_timeout = 30000")
     return conn
+
+
+def _deliverable(error: BaseException, where: Path) -> BaseException:
+    """``error`` as something a future can carry and a caller can catch.
+
+    A future refuses StopIteration (TypeError, and the caller would wait for
+    ever), and BaseExceptions other than cancellation would escape ``except
+    Exception`` handlers far from their cause: both become a StoreError.
+    """
+    if isinstance(error, StopIteration | StopAsyncIteration) or not isinstance(error, Exception):
+        wrapped = StoreError(f"write {where}: the write raised {type(error).__name__}")
+        wrapped.__cause__ = error
+        return wrapped
+    return error
 
 
 def _settle(job: _Job, result: Any, error: BaseException | None) -> None:
@@ -88,6 +117,10 @@ class Database:
         self._rconn: sqlite3.Connection | None = None
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="machine-db-read")
         self._closed = False
+        # Guards the hand-over between write() and a stopping writer thread, so
+        # no job is queued after the writer's last look at the queue.
+        self._accepting_lock = threading.Lock()
+        self._accepting = True
 
     @classmethod
     async def open(cls, path: Path, *, on_commit: CommitObserver | None = None) -> Database:
@@ -131,7 +164,10 @@ class Database:
             raise StoreError(f"write {self.path}: database is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._queue.put(_Job(fn, future, loop))
+        with self._accepting_lock:
+            if not self._accepting or self._writer is None or not self._writer.is_alive():
+                raise StoreError(f"write {self.path}: the database writer has stopped")
+            self._queue.put(_Job(fn, future, loop))
         return await future
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -152,6 +188,31 @@ class Database:
     def _write_loop(self) -> None:
         assert self._wconn is not None
         conn = self._wconn
+        try:
+            self._serve(conn)
+        except BaseException:
+            logger.exception("machine.db writer stopped unexpectedly")
+        finally:
+            self._stop_accepting()
+            try:
+                conn.close()
+            except sqlite3.Error as e:
+                logger.error("closing the machine.db writer connection failed: %s", e)
+
+    def _stop_accepting(self) -> None:
+        """Refuse new writes and fail any still queued: nobody waits for ever."""
+        with self._accepting_lock:
+            self._accepting = False
+        failure = StoreError(f"write {self.path}: the database writer has stopped")
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                _settle(job, None, failure)
+
+    def _serve(self, conn: sqlite3.Connection) -> None:
         stop = False
         while not stop:
             first = self._queue.get()
@@ -167,8 +228,18 @@ class Database:
                     stop = True
                     break
                 batch.append(nxt)
-            self._run_batch(conn, batch)
-        conn.close()
+            try:
+                self._run_batch(conn, batch)
+            except BaseException as e:
+                # Whatever went wrong, every job of the batch gets an answer and
+                # the writer carries on with the next batch.
+                logger.exception("machine.db write batch failed")
+                with contextlib.suppress(sqlite3.Error):
+                    if conn.in_transaction:
+                        conn.rollback()
+                failure = StoreError(f"write {self.path}: {type(e).__name__}")
+                for job in batch:
+                    _settle(job, None, failure)
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
         start = time.perf_counter()
@@ -182,7 +253,7 @@ class Database:
                 except BaseException as e:  # handed to the caller
                     conn.execute("ROLLBACK TO job")
                     conn.execute("RELEASE job")
-                    outcomes.append((job, None, e))
+                    outcomes.append((job, None, _deliverable(e, self.path)))
                 else:
                     conn.execute("RELEASE job")
                     outcomes.append((job, result, None))
@@ -196,10 +267,14 @@ class Database:
                 _settle(job, None, failure)
             return
         elapsed = time.perf_counter() - start
-        if self._on_commit is not None:
-            self._on_commit(len(batch), elapsed)
+        # Callers first: the data is committed whatever the observer does.
         for job, result, error in outcomes:
             _settle(job, result, error)
+        if self._on_commit is not None:
+            try:
+                self._on_commit(len(batch), elapsed)
+            except Exception:
+                logger.exception("machine.db commit observer failed")
 
     async def close(self) -> None:
         """Finish queued writes, stop the threads and close the connections."""

@@ -5,6 +5,9 @@ keeps a short ring of recent events so followers usually need no database
 read; a follower that falls behind the ring reads from the database instead
 (everything is stored there first), so a slow reader never blocks a run and
 never loses an event.
+
+When a run's final event cannot be stored, :meth:`FeedHub.fail` records it:
+that run's followers then raise StoreError instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from machine.models import StoredEvent
+from shared.errors import StoreError
 
 __all__ = ["ConversationFeed", "FeedHub"]
 
@@ -30,6 +34,7 @@ class ConversationFeed:
         self._ring: deque[StoredEvent] = deque(maxlen=_RING)
         self._last_seq = -1
         self._changed = asyncio.Event()
+        self._failed: dict[str, StoreError] = {}
 
     @property
     def last_seq(self) -> int:
@@ -46,8 +51,20 @@ class ConversationFeed:
             self._last_seq = ev.seq
             added = True
         if added:
-            self._changed.set()
-            self._changed = asyncio.Event()
+            self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def fail(self, run_id: str, error: StoreError) -> None:
+        """Record that ``run_id`` will get no final event; wake its followers."""
+        self._failed[run_id] = error
+        self._wake()
+
+    def clear_failure(self, run_id: str) -> None:
+        """Forget a failure recorded for ``run_id`` (its run has now ended)."""
+        self._failed.pop(run_id, None)
 
     def since(self, after_seq: int) -> list[StoredEvent] | None:
         """Events with seq > after_seq from the ring, or None when the ring cannot
@@ -64,9 +81,17 @@ class ConversationFeed:
                 return None
         return out
 
-    async def wait_after(self, seq: int) -> None:
-        """Return once an event with seq > ``seq`` has been published."""
+    async def wait_after(self, seq: int, run_id: str | None = None) -> None:
+        """Return once an event with seq > ``seq`` has been published.
+
+        With ``run_id``: raise StoreError if that run was failed (see :meth:`fail`).
+        """
         while self._last_seq <= seq:
+            failure = self._failed.get(run_id) if run_id is not None else None
+            if failure is not None:
+                # A fresh exception per follower: one shared instance would pile
+                # up every follower's traceback.
+                raise StoreError(failure.message)
             await self._changed.wait()
 
 
@@ -82,6 +107,14 @@ class FeedHub:
         if feed is None:
             feed = self._feeds[agent_id] = ConversationFeed()
         return feed
+
+    def fail(self, agent_id: str, run_id: str, error: StoreError) -> None:
+        """Make the followers of ``run_id`` raise ``error`` (see ConversationFeed.fail)."""
+        self.feed(agent_id).fail(run_id, error)
+
+    def clear_failure(self, agent_id: str, run_id: str) -> None:
+        """Forget the failure recorded for ``run_id``."""
+        self.feed(agent_id).clear_failure(run_id)
 
     def publish(self, events: Iterable[StoredEvent]) -> None:
         """Route events to their agents' feeds."""

@@ -40,7 +40,7 @@ import grpc
 import grpc.aio
 from cryptography.hazmat.primitives import serialization
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
+from tenacity import RetryCallState
 
 from machine import identity
 from shared import tls
@@ -54,6 +54,7 @@ from shared.errors import (
     Unauthenticated,
 )
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
+from shared.retry import reconnecting
 from shared.rpc import domain_error
 
 __all__ = ["ControlLink", "Delivery", "LinkState"]
@@ -291,14 +292,12 @@ class ControlLink:
     async def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                retrying = AsyncRetrying(
-                    wait=wait_random_exponential(
-                        multiplier=self._backoff_initial, max=self._backoff_max
-                    ),
-                    retry=retry_if_exception(_is_transient),
+                retrying = reconnecting(
+                    retry_on=_is_transient,
+                    initial=self._backoff_initial,
+                    max_delay=self._backoff_max,
                     before_sleep=self._before_sleep,
                     sleep=self._interruptible_sleep,
-                    reraise=True,
                 )
                 async for attempt in retrying:
                     with attempt:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,8 @@ __all__ = [
     "TERMINAL_KINDS",
     "validate_runtime_ref",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 #: Longest request or option id a runtime may issue (they have no fixed pattern).

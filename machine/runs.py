@@ -14,21 +14,26 @@ Rules it keeps:
   permission stay waiting; once answered they are driven again with
   :class:`ResumeInfo`, and what the runtime re-emits before re-asking the
   same request is not stored twice.
+- A write whose caller may be cancelled (a client going away) commits together
+  with its in-memory follow-up or not at all: the follow-up runs even if the
+  caller is cancelled while the write commits.
+- When a run's final event cannot be stored, its followers fail with
+  StoreError instead of waiting for ever; the run stays registered (open in
+  the database) so CancelRun can still end it and a restart interrupts it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from machine import store
 from machine.attachments import AttachmentStore
@@ -64,12 +69,14 @@ from machine.runtimes.base import (
     ToolResult,
     UsageReport,
 )
-from shared.errors import InvalidArgument, InvalidState, TooLarge
+from shared.errors import AgentsError, InvalidArgument, InvalidState, StoreError, TooLarge
 from shared.ids import new_id, validate_id
 
 __all__ = ["RunEngine"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _MAX_ATTACHMENTS = 32
 _READ_BATCH = 500
@@ -101,6 +108,32 @@ def _event_payload(ev: RuntimeEvent) -> tuple[EventKind, dict[str, Any]] | None:
     return None
 
 
+async def _complete(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even if the caller is cancelled meanwhile.
+
+    For a database write and its in-memory follow-up: once the write may have
+    committed, the follow-up (publishing, waking waiters, spawning) must run,
+    or the store and the engine disagree. A cancelled caller still sees
+    CancelledError, after the work is done.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+        except BaseException:
+            break
+    if cancelled:
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("work of a cancelled caller failed: %r", task.exception())
+        raise asyncio.CancelledError()
+    return task.result()
+
+
 def _request_from(perm: PendingPermission) -> PermissionRequest:
     return PermissionRequest(
         request_id=perm.request_id,
@@ -121,6 +154,8 @@ class _Active:
     # Answers that arrived before the run started waiting (a parked run still
     # getting its turn after a restart).
     early: dict[str, PermissionDecision] = field(default_factory=dict)
+    # The run ended in the engine but its final event could not be stored.
+    unended: bool = False
 
 
 class RunEngine:
@@ -260,9 +295,13 @@ class RunEngine:
                 )
             return store.get_run(conn, run_id), agent.last_seq
 
-        run, last_seq = await self._db.write(write)
-        self._spawn(run, parked=False)
-        return run, last_seq
+        async def commit() -> tuple[RunRecord, int]:
+            run, last_seq = await self._db.write(write)
+            self._spawn(run, parked=False)
+            return run, last_seq
+
+        # A committed queued run must be spawned even if the caller has gone.
+        return await _complete(commit())
 
     def _check_runnable(self, agent: AgentRecord) -> None:
         if not agent.local:
@@ -292,7 +331,7 @@ class RunEngine:
     async def _follow_run(
         self, agent_id: str, run_id: str, after: int
     ) -> AsyncIterator[StoredEvent]:
-        async for ev in self.follow(agent_id, after, follow=True):
+        async for ev in self.follow(agent_id, after, follow=True, run_id=run_id):
             if ev.run_id != run_id:
                 continue
             yield ev
@@ -300,9 +339,13 @@ class RunEngine:
                 return
 
     async def follow(
-        self, agent_id: str, after_seq: int, *, follow: bool
+        self, agent_id: str, after_seq: int, *, follow: bool, run_id: str | None = None
     ) -> AsyncIterator[StoredEvent]:
-        """Stored events with seq > after_seq; with ``follow``, then every new one."""
+        """Stored events with seq > after_seq; with ``follow``, then every new one.
+
+        With ``run_id``, once every stored event has been yielded, raise the
+        StoreError recorded for that run if its final event could not be stored.
+        """
         feed = self.feeds.feed(agent_id)
         last = after_seq
         while True:
@@ -324,7 +367,7 @@ class RunEngine:
                 continue
             if not follow:
                 return
-            await feed.wait_after(last)
+            await feed.wait_after(last, run_id)
 
     async def replay(
         self, agent_id: str, after_seq: int = 0, *, follow: bool = False
@@ -358,6 +401,14 @@ class RunEngine:
         if not run.state.open or active is None or active.task is None:
             raise InvalidState(f"cancel run {run_id}", f"the run has already ended ({run.state})")
         active.cancel_reason = "user"
+        if active.unended:
+            # One attempt at a time, shared by concurrent cancels: never two RUN_ERRORs.
+            if active.task.done():
+                active.task = asyncio.create_task(
+                    self._end_unended(active), name=f"end run {run_id}"
+                )
+            await asyncio.shield(active.task)
+            return await self.get_run(run_id)
         active.task.cancel()
         await asyncio.gather(active.task, return_exceptions=True)
         return await self.get_run(run_id)
@@ -413,19 +464,23 @@ class RunEngine:
             store.set_run_state(conn, run_id, RunState.RUNNING)
             return ev, store.get_run(conn, run_id)
 
-        ev, run = await self._db.write(write)
-        self._publish([ev])
-        active = self._active.get(run_id)
-        waiter = active.waiters.get(request_id) if active else None
-        if active is not None:
-            active.run = run
-        if waiter is not None and not waiter.done():
-            waiter.set_result(PermissionDecision(option_id))
-        elif active is not None:
-            active.early[request_id] = PermissionDecision(option_id)
-        else:
-            logger.warning("run %s: answer stored but the run is not active", run_id)
-        return run
+        async def commit() -> RunRecord:
+            ev, run = await self._db.write(write)
+            self._publish([ev])
+            active = self._active.get(run_id)
+            waiter = active.waiters.get(request_id) if active else None
+            if active is not None:
+                active.run = run
+            if waiter is not None and not waiter.done():
+                waiter.set_result(PermissionDecision(option_id))
+            elif active is not None:
+                active.early[request_id] = PermissionDecision(option_id)
+            else:
+                logger.warning("run %s: answer stored but the run is not active", run_id)
+            return run
+
+        # Once the answer commits, the run must carry on even if the caller has gone.
+        return await _complete(commit())
 
     # ------------------------------------------------------------ driving
 
@@ -460,16 +515,47 @@ class RunEngine:
                     await self._start_run(active, started)
                 await self._run_runtime(active, started or self._clock(), resume)
         except asyncio.CancelledError:
-            await self._on_cancelled(active, started)
+            try:
+                await self._on_cancelled(active, started)
+            except Exception as e:
+                self._unended(active, e)
         except Exception as e:
             logger.exception("run %s failed in the engine", run.id)
-            with contextlib.suppress(Exception):
+            try:
                 await self._end(
                     active, RunErrorCode.RUNTIME_FAILED, f"run failed: {type(e).__name__}", started
                 )
+            except Exception as end_error:
+                self._unended(active, end_error)
         finally:
-            self._active.pop(run.id, None)
+            if not active.unended:
+                self._active.pop(run.id, None)
             self._update_gauges()
+
+    def _unended(self, active: _Active, error: Exception) -> None:
+        """The run's final event could not be stored: fail its followers, keep it
+        registered (still open in the database) for CancelRun and restart recovery."""
+        run_id = active.run.id
+        logger.error("run %s: its final event could not be stored: %s", run_id, error)
+        active.unended = True
+        failure = StoreError(f"run {run_id}: its final event could not be stored: {error}")
+        self.feeds.fail(active.run.agent_id, run_id, failure)
+
+    async def _end_unended(self, active: _Active) -> None:
+        """CancelRun on a run whose final event was lost: store RUN_ERROR CANCELLED now."""
+        run_id = active.run.id
+        try:
+            await self._end(active, RunErrorCode.CANCELLED, "cancelled by the user", None)
+        except AgentsError:
+            raise
+        except Exception as e:
+            raise StoreError(
+                f"cancel run {run_id}: the final event could not be stored: {e}"
+            ) from e
+        active.unended = False
+        self._active.pop(run_id, None)
+        self.feeds.clear_failure(active.run.agent_id, run_id)
+        self._update_gauges()
 
     async def _start_run(self, active: _Active, started: float) -> None:
         run = active.run

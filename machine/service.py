@@ -15,7 +15,7 @@ import grpc.aio
 
 from machine import codec
 from machine.app import Machine
-from shared.errors import InvalidArgument
+from shared.errors import InvalidArgument, Unimplemented
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 
@@ -67,8 +67,7 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
     async def DeleteAgent(
         self, request: pb.DeleteAgentRequest, context: Ctx
     ) -> pb.DeleteAgentResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"DeleteAgent (erasure) {_LATER}")
-        raise AssertionError("unreachable")
+        raise Unimplemented("DeleteAgent (erasure)", _LATER)
 
     # ---------------------------------------------------------------- runs
 
@@ -139,7 +138,7 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
     # ---------------------------------------------------------------- later issues
 
     async def _later(self, context: Ctx, what: str) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} {_LATER}")
+        raise Unimplemented(what, _LATER)
 
     async def ListErasures(
         self, request: pb.ListErasuresRequest, context: Ctx

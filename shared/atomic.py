@@ -7,6 +7,7 @@ power cut after the function returns loses nothing.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 from collections.abc import Iterable, Iterator
@@ -20,6 +21,8 @@ __all__ = [
     "open_atomic",
     "write_atomic",
 ]
+
+logger = logging.getLogger(__name__)
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600

@@ -21,6 +21,7 @@ imports ``grpc``.
     ├── PermissionDenied                                    -> PERMISSION_DENIED
     ├── IntegrityError             what                     -> DATA_LOSS
     ├── Cancelled                                           -> CANCELLED
+    ├── Unimplemented              what                     -> UNIMPLEMENTED
     ├── DeadlineExceeded                                    -> DEADLINE_EXCEEDED
     ├── TransientError             (retryable)              -> UNAVAILABLE
     │   └── StoreUnavailable
@@ -31,6 +32,8 @@ imports ``grpc``.
 """
 
 from __future__ import annotations
+
+import logging
 
 __all__ = [
     "AgentsError",
@@ -53,7 +56,10 @@ __all__ = [
     "TooLarge",
     "TransientError",
     "Unauthenticated",
+    "Unimplemented",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class AgentsError(Exception):
@@ -160,6 +166,14 @@ class IntegrityError(AgentsError):
 
 class Cancelled(AgentsError):
     """The operation was cancelled by its caller."""
+
+
+class Unimplemented(AgentsError):
+    """A call the contract names but this release does not serve yet."""
+
+    def __init__(self, what: str, reason: str) -> None:
+        super().__init__(f"{what}: {reason}")
+        self.what = what
 
 
 class DeadlineExceeded(AgentsError):

@@ -9,6 +9,7 @@ creation time and are safe in paths, URLs and store keys.
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 import time
@@ -17,6 +18,8 @@ from typing import Final
 from shared.errors import InvalidId
 
 __all__ = ["KINDS", "is_valid_id", "new_id", "validate_id", "validate_sha256"]
+
+logger = logging.getLogger(__name__)
 
 _ALPHABET: Final = "0123456789abcdefghjkmnpqrstvwxyz"
 

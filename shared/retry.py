@@ -1,4 +1,7 @@
-"""The one retry policy: exponential backoff with jitter, bounded twice.
+"""The retry policies: exponential backoff with jitter.
+
+:func:`retrying` is bounded twice and is for operations; :func:`reconnecting`
+never gives up and is for a link that must come back by itself.
 
 Retries stop after ``attempts`` tries or once the next wait would pass
 ``total`` seconds, whichever comes first, and only for
@@ -26,15 +29,24 @@ from typing import Final, ParamSpec, TypeVar
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
+    retry_if_exception,
     retry_if_exception_type,
     stop_after_attempt,
     stop_before_delay,
     wait_exponential_jitter,
+    wait_random_exponential,
 )
 
 from shared.errors import InvalidArgument, TransientError
 
-__all__ = ["DEFAULT_ATTEMPTS", "DEFAULT_MAX_DELAY", "DEFAULT_TOTAL", "retry_async", "retrying"]
+__all__ = [
+    "DEFAULT_ATTEMPTS",
+    "DEFAULT_MAX_DELAY",
+    "DEFAULT_TOTAL",
+    "reconnecting",
+    "retry_async",
+    "retrying",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +103,32 @@ def retrying(
         wait=wait_exponential_jitter(multiplier=initial, max=max_delay, jitter=initial),
         retry=retry_if_exception_type(TransientError),
         before_sleep=_log_retry(op_name),
+        reraise=True,
+    )
+
+
+def reconnecting(
+    *,
+    retry_on: Callable[[BaseException], bool],
+    initial: float,
+    max_delay: float,
+    before_sleep: Callable[[RetryCallState], Awaitable[None] | None],
+    sleep: Callable[[float], Awaitable[None]],
+) -> AsyncRetrying:
+    """The policy for a link that must come back by itself: retry forever.
+
+    Full jitter (a random wait up to ``initial * 2**n``, capped at ``max_delay``)
+    spreads a fleet of machines reconnecting to a restarted control plane. The
+    caller decides what is worth retrying (``retry_on``) and supplies a
+    ``sleep`` its shutdown can interrupt.
+    """
+    if initial <= 0 or max_delay < initial:
+        raise InvalidArgument("initial", "need 0 < initial <= max_delay")
+    return AsyncRetrying(
+        wait=wait_random_exponential(multiplier=initial, max=max_delay),
+        retry=retry_if_exception(retry_on),
+        before_sleep=before_sleep,
+        sleep=sleep,
         reraise=True,
     )
 

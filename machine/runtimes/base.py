@@ -15,6 +15,7 @@ Cancellation is asyncio cancellation: the engine cancels the task running
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ __all__ = [
     "ToolResult",
     "UsageReport",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class RuntimeFailed(Exception):

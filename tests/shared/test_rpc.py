@@ -23,6 +23,7 @@ def _server_error(name: str) -> Exception:
         "missing": E.NotFound("agent", "ag_x"),
         "state": E.InvalidState("prompt ag_x", "agent is archived"),
         "quota": E.QuotaExceeded("queue", 5),
+        "later": E.Unimplemented("BackupNow", "arrives with a later issue"),
         "store": E.StoreError("s3 bucket: access denied (secret=abc)"),
         "boom": RuntimeError("secret detail"),
     }[name]
@@ -68,6 +69,7 @@ async def channel() -> AsyncIterator[grpc.aio.Channel]:
         ("missing", grpc.StatusCode.NOT_FOUND, E.NotFound),
         ("state", grpc.StatusCode.FAILED_PRECONDITION, E.InvalidState),
         ("quota", grpc.StatusCode.RESOURCE_EXHAUSTED, E.QuotaExceeded),
+        ("later", grpc.StatusCode.UNIMPLEMENTED, E.Unimplemented),
     ],
 )
 async def test_domain_errors_map_to_status_and_back(
