@@ -29,13 +29,21 @@ from controlplane.config import ControlConfig, load_config
 from controlplane.keys import load_ca_cert
 from controlplane.server import run_daemon
 from shared.crypto import decode_public_key, encode_private_key, encode_public_key
-from shared.errors import AgentsError, ConfigError, InvalidArgument
+from shared.errors import (
+    AgentsError,
+    AlreadyExists,
+    ConfigError,
+    InvalidArgument,
+    InvalidState,
+    NotFound,
+)
 
 __all__ = ["main"]
 
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+_BAD_INPUT = (ConfigError, InvalidArgument, NotFound, AlreadyExists, InvalidState)
 
 
 class UsageError(Exception):
@@ -392,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         _fail(str(e), "agents-control --help")
         return EXIT_USAGE
-    except (ConfigError, InvalidArgument) as e:
+    except _BAD_INPUT as e:
+        # What the caller named is wrong (malformed, missing, in the wrong state):
+        # exit 2, as the machine CLI does.
         _fail(f"agents-control: {e}")
         return EXIT_USAGE
     except ControlPlaneUnreachable as e:

@@ -91,6 +91,10 @@ def run(workdir: Path, once: bool) -> int:
         if cred is None:
             raise DemoError("init printed no operator credential")
         env["AGENTS_CONTROL_CREDENTIAL"] = cred.group(1)
+        # Demo data only: keep the operator credential where the hints below find it.
+        cred_file = workdir / "operator-credential"
+        cred_file.touch(mode=0o600)
+        cred_file.write_text(cred.group(1) + "\n")
         home = ["--home", str(control)]
 
         print("2. agents-control serve")
@@ -144,7 +148,10 @@ def run(workdir: Path, once: bool) -> int:
             return 0
         print(f"Running. Data in {workdir}. Try:")
         print(f"  {BIN}/agents-machine --data-dir {machine_dir} agent prompt {agent_id} hi")
-        print(f"  AGENTS_CONTROL_CREDENTIAL=… {BIN}/agents-control machine list --home {control}")
+        print(
+            f"  AGENTS_CONTROL_CREDENTIAL=$(cat {cred_file}) "
+            f"{BIN}/agents-control machine list --home {control}"
+        )
         print("Ctrl-C stops both daemons.")
         try:
             while cp_proc.poll() is None and m_proc.poll() is None:

@@ -180,17 +180,17 @@ async def test_join_tokens_and_isolation(cp: ControlProc) -> None:
         other = cp.cli(*args, credential=cred)
         args[2] = missing
         absent = cp.cli(*args, credential=cred)
-        assert other.code == absent.code == 1
+        assert other.code == absent.code == 2
         assert other.err.replace(mc_b, "ID") == absent.err.replace(missing, "ID")
         assert "not found" in other.err
     for args in (["account", "show", acct_b], ["token", "list", "--account", acct_b]):
         res = cp.cli(*args, credential=cred)
-        assert res.code == 1 and "not found" in res.err
+        assert res.code == 2 and "not found" in res.err
     # Listing another account's machines answers exactly like a missing account...
     absent_acct = new_id("account")
     other = cp.cli("machine", "list", "--account", acct_b, credential=cred)
     absent = cp.cli("machine", "list", "--account", absent_acct, credential=cred)
-    assert other.code == absent.code == 1 and other.out == absent.out == ""
+    assert other.code == absent.code == 2 and other.out == absent.out == ""
     assert other.err.replace(acct_b, "ID") == absent.err.replace(absent_acct, "ID")
     assert len(other.err.splitlines()) == 1 and "not found" in other.err
     # ...down to the gRPC status, and the client maps it to NotFound.
