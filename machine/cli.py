@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -200,7 +200,47 @@ async def _upload(stub: pb_grpc.MachineServiceAsyncStub, agent_id: str, path: Pa
     return reply.sha256
 
 
-async def _stream(out: Out, events: Any) -> int:
+#: A person's answer at the terminal: (option id, remember) or None to leave it pending.
+Asker = Callable[[pb.PermissionRequest], Awaitable[tuple[str, bool] | None]]
+
+
+def _choose(req: pb.PermissionRequest, reply: str) -> tuple[str, bool] | None:
+    """Map what a person typed (a number or an option id; "+" = remember) to an answer."""
+    reply = reply.strip()
+    remember = reply.endswith("+")
+    reply = reply.rstrip("+").strip()
+    options = list(req.options)
+    if reply.isdigit() and 1 <= int(reply) <= len(options):
+        return options[int(reply) - 1].option_id, remember
+    for option in options:
+        if reply == option.option_id:
+            return option.option_id, remember
+    return None
+
+
+async def _ask_at_terminal(req: pb.PermissionRequest) -> tuple[str, bool] | None:
+    """Ask on the terminal; an empty line leaves the request pending."""
+    choices = "  ".join(f"{i}) {o.name or o.option_id}" for i, o in enumerate(req.options, 1))
+    prompt = f"allow {req.title}? {choices}  (number, + to remember, Enter to leave it): "
+    while True:
+        try:
+            reply = await asyncio.to_thread(input, prompt)
+        except EOFError:
+            return None
+        if not reply.strip():
+            return None
+        chosen = _choose(req, reply)
+        if chosen is not None:
+            return chosen
+
+
+async def _stream(
+    out: Out,
+    events: Any,
+    *,
+    ask: Asker | None = None,
+    stub: pb_grpc.MachineServiceAsyncStub | None = None,
+) -> int:
     state: dict[str, bool] = {}
     code: int | None = None
     async for ev in events:
@@ -209,9 +249,26 @@ async def _stream(out: Out, events: Any) -> int:
             kind = ev.WhichOneof("payload")
             if kind in ("run_finished", "run_error"):
                 code = EXIT_OK if kind == "run_finished" else EXIT_FAILED
-        else:
-            got = _render_event(out, ev, state)
-            code = got if got is not None else code
+            continue
+        got = _render_event(out, ev, state)
+        code = got if got is not None else code
+        if (
+            ask is not None
+            and stub is not None
+            and ev.WhichOneof("payload") == ("permission_request")
+        ):
+            # A person is at the terminal: answer here (the stream carries the rest).
+            chosen = await ask(ev.permission_request)
+            if chosen is not None:
+                option_id, remember = chosen
+                await stub.AnswerPermission(
+                    pb.AnswerPermissionRequest(
+                        run_id=ev.run_id,
+                        request_id=ev.permission_request.request_id,
+                        option_id=option_id,
+                        remember=remember,
+                    )
+                )
     if state.get("mid_line"):
         sys.stdout.write("\n")
     return code if code is not None else EXIT_OK
@@ -302,8 +359,13 @@ async def _cmd_agent(cfg: MachineConfig, args: argparse.Namespace, out: Out) -> 
             if args.stdin:
                 text = sys.stdin.read()
             shas = [await _upload(stub, args.id, Path(p)) for p in args.attach or []]
+            # Ask inline only when a person is at the terminal (never for --stdin or scripts).
+            interactive = not args.stdin and sys.stdin.isatty() and sys.stdout.isatty()
             return await _stream(
-                out, stub.Prompt(pb.PromptRequest(agent_id=args.id, text=text, attachments=shas))
+                out,
+                stub.Prompt(pb.PromptRequest(agent_id=args.id, text=text, attachments=shas)),
+                ask=_ask_at_terminal if interactive else None,
+                stub=stub,
             )
         if verb == "replay":
             return await _stream(
