@@ -9,6 +9,7 @@ modules by name; this package imports nothing at import time.
 
 __all__ = [
     "accounts",
+    "admin_metrics",
     "admin_servicer",
     "audit",
     "authz",
@@ -20,6 +21,7 @@ __all__ = [
     "jsonstore",
     "keys",
     "link_servicer",
+    "links",
     "machines",
     "metrics",
     "pairing",

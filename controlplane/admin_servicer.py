@@ -13,14 +13,12 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from controlplane.accounts import AccountService
 from controlplane.authz import CredentialService, Principal
 from controlplane.machines import MachineService
-from controlplane.metrics import ControlMetrics
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
 from controlplane.tokens import TokenService
-from shared.errors import AgentsError, Unimplemented
+from shared.errors import Unimplemented
 from shared.ids import validate_id
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
-from shared.rpc import status_for
 
 __all__ = ["AdminServicer"]
 
@@ -94,7 +92,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         tokens: TokenService,
         machines: MachineService,
         presence: PresenceRegistry,
-        metrics: ControlMetrics,
         ca_hash: str,
         join_address: str,
     ) -> None:
@@ -103,49 +100,36 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._tokens = tokens
         self._machines = machines
         self._presence = presence
-        self._metrics = metrics
         self._ca_hash = ca_hash
         self._join_address = join_address
 
-    async def _auth(self, context: Context, method: str) -> Principal:
+    async def _auth(self, context: Context) -> Principal:
         bearer: str | None = None
         for key, value in context.invocation_metadata() or ():
             if key == "authorization" and isinstance(value, str):
                 scheme, _, rest = value.partition(" ")
                 if scheme.lower() == "bearer":
                     bearer = rest.strip()
-        try:
-            return await self._credentials.authenticate(bearer)
-        except AgentsError as e:
-            self._count(method, e)
-            raise
-
-    def _count(self, method: str, error: AgentsError | None = None) -> None:
-        code = "OK" if error is None else status_for(error).name
-        self._metrics.admin_calls.labels(method, code).inc()
+        return await self._credentials.authenticate(bearer)
 
     async def _status(self, m: Machine) -> admin_pb2.Machine:
         return _machine(await self._presence.status(m))
 
-    # Each RPC: authenticate, one domain call, encode; the error interceptor maps errors.
+    # Each RPC: authenticate, one domain call, encode. The error interceptor maps
+    # errors and controlplane.admin_metrics counts every call (server.py wires both).
 
     async def CreateAccount(
         self, request: admin_pb2.CreateAccountRequest, context: Context
     ) -> admin_pb2.CreateAccountResponse:
         """See admin.proto."""
-        p = await self._auth(context, "CreateAccount")
-        try:
-            p.require_operator("account create")
-            made = await self._accounts.create(
-                request.github_user_id,
-                request.github_login,
-                request.recovery_public_key or None,
-                p.credential_id,
-            )
-        except AgentsError as e:
-            self._count("CreateAccount", e)
-            raise
-        self._count("CreateAccount")
+        p = await self._auth(context)
+        p.require_operator("account create")
+        made = await self._accounts.create(
+            request.github_user_id,
+            request.github_login,
+            request.recovery_public_key or None,
+            p.credential_id,
+        )
         return admin_pb2.CreateAccountResponse(
             account=_account(made.account), recovery_private_key=made.recovery_private_key or b""
         )
@@ -154,46 +138,30 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.GetAccountRequest, context: Context
     ) -> admin_pb2.Account:
         """See admin.proto."""
-        p = await self._auth(context, "GetAccount")
-        try:
-            validate_id("account", request.account_id, "account_id")
-            p.visible_account(request.account_id, "account", request.account_id)
-            account = await self._accounts.get(request.account_id)
-        except AgentsError as e:
-            self._count("GetAccount", e)
-            raise
-        self._count("GetAccount")
-        return _account(account)
+        p = await self._auth(context)
+        validate_id("account", request.account_id, "account_id")
+        p.visible_account(request.account_id, "account", request.account_id)
+        return _account(await self._accounts.get(request.account_id))
 
     async def ListAccounts(
         self, request: admin_pb2.ListAccountsRequest, context: Context
     ) -> admin_pb2.ListAccountsResponse:
         """See admin.proto."""
-        p = await self._auth(context, "ListAccounts")
-        try:
-            if p.is_operator:
-                accounts = await self._accounts.list()
-            else:
-                accounts = [await self._accounts.get(p.account_id)]
-        except AgentsError as e:
-            self._count("ListAccounts", e)
-            raise
-        self._count("ListAccounts")
+        p = await self._auth(context)
+        if p.is_operator:
+            accounts = await self._accounts.list()
+        else:
+            accounts = [await self._accounts.get(p.account_id)]
         return admin_pb2.ListAccountsResponse(accounts=[_account(a) for a in accounts])
 
     async def CreateJoinToken(
         self, request: admin_pb2.CreateJoinTokenRequest, context: Context
     ) -> admin_pb2.CreateJoinTokenResponse:
         """See admin.proto."""
-        p = await self._auth(context, "CreateJoinToken")
-        try:
-            made = await self._tokens.create(
-                p, request.account_id, request.ttl_seconds, request.max_uses
-            )
-        except AgentsError as e:
-            self._count("CreateJoinToken", e)
-            raise
-        self._count("CreateJoinToken")
+        p = await self._auth(context)
+        made = await self._tokens.create(
+            p, request.account_id, request.ttl_seconds, request.max_uses
+        )
         return admin_pb2.CreateJoinTokenResponse(
             token=_token(made.token, made.token.created_at),
             token_value=made.value,
@@ -205,13 +173,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.ListJoinTokensRequest, context: Context
     ) -> admin_pb2.ListJoinTokensResponse:
         """See admin.proto."""
-        p = await self._auth(context, "ListJoinTokens")
-        try:
-            tokens = await self._tokens.list(p, request.account_id)
-        except AgentsError as e:
-            self._count("ListJoinTokens", e)
-            raise
-        self._count("ListJoinTokens")
+        p = await self._auth(context)
+        tokens = await self._tokens.list(p, request.account_id)
         now = dt.datetime.now(dt.UTC)
         return admin_pb2.ListJoinTokensResponse(tokens=[_token(t, now) for t in tokens])
 
@@ -219,81 +182,48 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.RevokeJoinTokenRequest, context: Context
     ) -> admin_pb2.JoinToken:
         """See admin.proto."""
-        p = await self._auth(context, "RevokeJoinToken")
-        try:
-            token = await self._tokens.revoke(p, request.token_id)
-        except AgentsError as e:
-            self._count("RevokeJoinToken", e)
-            raise
-        self._count("RevokeJoinToken")
+        p = await self._auth(context)
+        token = await self._tokens.revoke(p, request.token_id)
         return _token(token, dt.datetime.now(dt.UTC))
 
     async def ListMachines(
         self, request: admin_pb2.ListMachinesRequest, context: Context
     ) -> admin_pb2.ListMachinesResponse:
         """See admin.proto."""
-        p = await self._auth(context, "ListMachines")
-        try:
-            machines = await self._machines.list(p, request.account_id)
-            out = [await self._status(m) for m in machines]
-        except AgentsError as e:
-            self._count("ListMachines", e)
-            raise
-        self._count("ListMachines")
+        p = await self._auth(context)
+        machines = await self._machines.list(p, request.account_id)
+        out = [await self._status(m) for m in machines]
         return admin_pb2.ListMachinesResponse(machines=out)
 
     async def GetMachine(
         self, request: admin_pb2.GetMachineRequest, context: Context
     ) -> admin_pb2.Machine:
         """See admin.proto."""
-        p = await self._auth(context, "GetMachine")
-        try:
-            out = await self._status(await self._machines.get(p, request.machine_id))
-        except AgentsError as e:
-            self._count("GetMachine", e)
-            raise
-        self._count("GetMachine")
-        return out
+        p = await self._auth(context)
+        return await self._status(await self._machines.get(p, request.machine_id))
 
     async def RenameMachine(
         self, request: admin_pb2.RenameMachineRequest, context: Context
     ) -> admin_pb2.Machine:
         """See admin.proto."""
-        p = await self._auth(context, "RenameMachine")
-        try:
-            machine = await self._machines.rename(p, request.machine_id, request.name)
-            out = await self._status(machine)
-        except AgentsError as e:
-            self._count("RenameMachine", e)
-            raise
-        self._count("RenameMachine")
-        return out
+        p = await self._auth(context)
+        machine = await self._machines.rename(p, request.machine_id, request.name)
+        return await self._status(machine)
 
     async def RevokeMachine(
         self, request: admin_pb2.RevokeMachineRequest, context: Context
     ) -> admin_pb2.Machine:
         """See admin.proto."""
-        p = await self._auth(context, "RevokeMachine")
-        try:
-            machine = await self._machines.revoke(p, request.machine_id)
-            out = await self._status(machine)
-        except AgentsError as e:
-            self._count("RevokeMachine", e)
-            raise
-        self._count("RevokeMachine")
-        return out
+        p = await self._auth(context)
+        machine = await self._machines.revoke(p, request.machine_id)
+        return await self._status(machine)
 
     async def CreateCredential(
         self, request: admin_pb2.CreateCredentialRequest, context: Context
     ) -> admin_pb2.CreateCredentialResponse:
         """See admin.proto."""
-        p = await self._auth(context, "CreateCredential")
-        try:
-            made = await self._credentials.create_for_account(p, request.account_id, request.label)
-        except AgentsError as e:
-            self._count("CreateCredential", e)
-            raise
-        self._count("CreateCredential")
+        p = await self._auth(context)
+        made = await self._credentials.create_for_account(p, request.account_id, request.label)
         return admin_pb2.CreateCredentialResponse(
             credential_id=made.credential.credential_id,
             credential=made.value,
@@ -301,8 +231,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         )
 
     async def _later(self, context: Context, method: str) -> Any:
-        await self._auth(context, method)
-        self._metrics.admin_calls.labels(method, "UNIMPLEMENTED").inc()
+        await self._auth(context)
         raise Unimplemented(method, _LATER)
 
     async def DeleteAccount(self, request: Any, context: Context) -> Any:

@@ -1,39 +1,37 @@
-"""gRPC MachineLink servicer: thin translation between messages and domain calls."""
+"""gRPC MachineLink servicer: thin translation between messages and domain calls.
+
+Connect decodes the machine's messages into :mod:`controlplane.links` dataclasses,
+lets :class:`~controlplane.links.LinkSessions` run the link, and encodes its notices.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import datetime as dt
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
 import grpc.aio
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from controlplane.links import (
+    Ack,
+    Heartbeat,
+    Hello,
+    LinkNotice,
+    LinkSessions,
+    MachineMessage,
+    Welcome,
+)
 from controlplane.machines import MachineInfo, MachineService
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
-from controlplane.presence import (
-    AccountDeletedNotice,
-    CloseLink,
-    CloseReason,
-    Outgoing,
-    PresenceRegistry,
-    RenewNowNotice,
-    RevokedNotice,
-    Session,
-)
+from controlplane.presence import AccountDeletedNotice, PresenceRegistry, RevokedNotice
 from controlplane.records import Machine
 from shared import tls
-from shared.errors import (
-    AgentsError,
-    InvalidArgument,
-    InvalidState,
-    Unauthenticated,
-    Unimplemented,
-)
+from shared.errors import AgentsError, InvalidState, Unauthenticated, Unimplemented
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import status_for
 
@@ -43,13 +41,52 @@ logger = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
-#: Seconds a closing link waits for the machine to half-close after a final notice.
-_LINGER = 0.5
 #: Renewal is refused while more than this fraction of the lifetime remains
 #: (or the configured threshold, if larger): it bounds how often a machine, or a
 #: thief of its current key, can mint certificates.
 _RENEW_EARLIEST = 0.5
 _LATER = "not implemented yet: backups through the control plane arrive in a later release"
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _peer_pem(context: Context) -> bytes | None:
+    """The client certificate gRPC verified at the handshake, if any."""
+    certs = list(context.auth_context().get("x509_pem_cert") or [])
+    return certs[0] if certs else None
+
+
+async def _decode(
+    requests: AsyncIterator[link_pb2.MachineMessage],
+) -> AsyncGenerator[MachineMessage, None]:
+    async for msg in requests:
+        kind = msg.WhichOneof("kind")
+        if kind == "hello":
+            yield Hello(msg.hello.version, msg.hello.agent_count)
+        elif kind == "heartbeat":
+            yield Heartbeat(msg.heartbeat.agent_count)
+        else:
+            yield Ack()
+
+
+def _encode(notice: LinkNotice) -> link_pb2.ControlMessage:
+    if isinstance(notice, Welcome):
+        return link_pb2.ControlMessage(
+            welcome=link_pb2.Welcome(
+                heartbeat_interval_ms=int(notice.heartbeat_interval * 1000),
+                server_time=_ts(notice.server_time),
+                machine_id=notice.machine_id,
+            )
+        )
+    if isinstance(notice, RevokedNotice):
+        return link_pb2.ControlMessage(revoked=link_pb2.Revoked(reason=notice.reason))
+    if isinstance(notice, AccountDeletedNotice):
+        return link_pb2.ControlMessage(
+            account_deleted=link_pb2.AccountDeleted(account_id=notice.account_id)
+        )
+    return link_pb2.ControlMessage(renew_now=link_pb2.RenewNow(reason=notice.reason))
 
 
 def _ts(value: dt.datetime) -> Timestamp:
@@ -74,28 +111,27 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         link_host: str = "",
     ) -> None:
         self._pairing = pairing
-        self._machines = machines
-        self._presence = presence
         self._metrics = metrics
         self._heartbeat = heartbeat_interval
         self._renew_threshold = renew_threshold
+        self._sessions = LinkSessions(
+            ca_cert_pem=pairing.ca_cert_pem,
+            machines=machines,
+            presence=presence,
+            metrics=metrics,
+            heartbeat_interval=heartbeat_interval,
+            renew_threshold=renew_threshold,
+            # Looked up here at each call, so tests can move only this module's clock.
+            clock=_utcnow,
+        )
         self.link_port = link_port
         self.link_host = link_host
 
     async def _peer(self, context: Context) -> tuple[Machine, bytes]:
         """The verified machine behind the call's client certificate."""
-        certs = list(context.auth_context().get("x509_pem_cert") or [])
-        if not certs:
-            raise Unauthenticated("link: no client certificate (use the link address)")
-        pem = certs[0]
-        # gRPC verified the chain at the handshake; checking again is cheap and
-        # keeps us safe should the listener ever be configured differently.
-        try:
-            tls.verify_issued_by(pem, self._pairing.ca_cert_pem)
-            peer = tls.identity_from_cert(pem)
-        except InvalidArgument:
-            raise Unauthenticated("link: certificate not issued by this control plane") from None
-        return await self._machines.authorize_peer(peer), pem
+        pem = _peer_pem(context)
+        machine = await self._sessions.authorize(pem)  # refuses a missing certificate
+        return machine, pem or b""
 
     async def Join(self, request: link_pb2.JoinRequest, context: Context) -> link_pb2.JoinResponse:
         """See link.proto."""
@@ -151,123 +187,14 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self, request_iterator: AsyncIterator[link_pb2.MachineMessage], context: Context
     ) -> AsyncIterator[link_pb2.ControlMessage]:
         """See link.proto: hello -> welcome, then heartbeats/acks <-> notices."""
-        timeout = 3 * self._heartbeat
-        if not context.auth_context().get("x509_pem_cert"):
-            # Anonymous (the public listener): refuse at once, hold nothing open.
-            self._metrics.connects.labels("refused").inc()
-            raise Unauthenticated("link: no client certificate (use the link address)")
-        # Read the hello BEFORE refusing a machine: ending the call while the machine's
-        # first write is still in flight makes its side see INTERNAL ("Internal
-        # error from Core") instead of our status, and a refused machine would
-        # then retry forever instead of stopping.
-        first: link_pb2.MachineMessage | None
-        try:
-            async with asyncio.timeout(timeout):
-                first = await anext(request_iterator)
-        except (TimeoutError, StopAsyncIteration):
-            first = None
-        try:
-            machine, pem = await self._peer(context)
-        except AgentsError:
-            self._metrics.connects.labels("refused").inc()
-            raise
-        if first is None or first.WhichOneof("kind") != "hello":
-            self._metrics.connects.labels("bad_hello").inc()
-            raise InvalidArgument("hello", "the first message must be hello")
-        version = first.hello.version
-        if len(version) > 64 or not version.isprintable():
-            # It reaches operators' terminals through `machine list`.
-            self._metrics.connects.labels("bad_hello").inc()
-            raise InvalidArgument("hello.version", "must be at most 64 printable characters")
-        session = await self._presence.open(machine, version, max(0, first.hello.agent_count))
-        # A revoke that landed between the check above and registering the session
-        # found no session to close: look again now that it is registered.
-        if self._machines.is_revoked(machine.machine_id):
-            session.outbox.put_nowait(RevokedNotice("machine revoked by an administrator"))
-        self._metrics.connects.labels("ok").inc()
-        expires = tls.load_cert(pem).not_valid_after_utc
-        reader = asyncio.create_task(self._read(request_iterator, session, timeout, expires))
-        reason = "closed"
-        try:
-            yield link_pb2.ControlMessage(
-                welcome=link_pb2.Welcome(
-                    heartbeat_interval_ms=int(self._heartbeat * 1000),
-                    server_time=_ts(dt.datetime.now(dt.UTC)),
-                    machine_id=machine.machine_id,
-                )
-            )
-            if tls.needs_renewal(pem, self._renew_threshold):
-                yield link_pb2.ControlMessage(
-                    renew_now=link_pb2.RenewNow(reason="certificate nearing expiry")
-                )
-            while True:
-                item = await session.next_outgoing()
-                message = self._encode(item)
-                if message is not None:
-                    yield message
-                if isinstance(item, CloseLink):
-                    reason = item.reason.value
-                    break
-                if isinstance(item, RevokedNotice | AccountDeletedNotice):
-                    reason = "revoked" if isinstance(item, RevokedNotice) else "account_deleted"
-                    # Give the machine a moment to half-close after reading the notice:
-                    # ending the call while it is still sending makes its side see
-                    # an INTERNAL error instead of the notice.
-                    await asyncio.wait([reader], timeout=_LINGER)
-                    break
-        finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
-            await self._presence.close(session)
-            self._metrics.disconnects.labels(reason).inc()
-
-    async def _read(
-        self,
-        requests: AsyncIterator[link_pb2.MachineMessage],
-        session: Session,
-        timeout: float,
-        expires: dt.datetime,
-    ) -> None:
-        """Consume the machine's messages; end the link after 3 silent intervals,
-        or once the certificate it connected with has expired."""
-        reason = CloseReason.CLOSED
-        try:
-            while True:
-                async with asyncio.timeout(timeout):
-                    msg = await anext(requests)
-                if dt.datetime.now(dt.UTC) >= expires:
-                    reason = CloseReason.EXPIRED
-                    break
-                kind = msg.WhichOneof("kind")
-                if kind == "heartbeat":
-                    await self._presence.seen(session, msg.heartbeat.agent_count)
-                elif kind == "ack":
-                    await self._presence.seen(session)
-                else:
-                    await self._presence.seen(session)
-        except TimeoutError:
-            reason = CloseReason.TIMEOUT
-            logger.info("machine %s: no heartbeat for %.1fs", session.machine_id, timeout)
-        except StopAsyncIteration:
-            reason = CloseReason.CLOSED
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the stream broke: the link is over either way
-            reason = CloseReason.BROKEN
-            logger.info("machine %s: link read ended: %s", session.machine_id, e)
-        session.outbox.put_nowait(CloseLink(reason))
-
-    @staticmethod
-    def _encode(item: Outgoing) -> link_pb2.ControlMessage | None:
-        if isinstance(item, RevokedNotice):
-            return link_pb2.ControlMessage(revoked=link_pb2.Revoked(reason=item.reason))
-        if isinstance(item, AccountDeletedNotice):
-            return link_pb2.ControlMessage(
-                account_deleted=link_pb2.AccountDeleted(account_id=item.account_id)
-            )
-        if isinstance(item, RenewNowNotice):
-            return link_pb2.ControlMessage(renew_now=link_pb2.RenewNow(reason=item.reason))
-        return None
+        # Close both generators here, not at garbage collection: the session's
+        # cleanup (presence, disconnect reason) must run as the call ends.
+        async with (
+            contextlib.aclosing(_decode(request_iterator)) as messages,
+            contextlib.aclosing(self._sessions.run(_peer_pem(context), messages)) as notices,
+        ):
+            async for notice in notices:
+                yield _encode(notice)
 
     async def _later(self, context: Context, what: str) -> Any:
         await self._peer(context)

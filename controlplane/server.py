@@ -22,6 +22,7 @@ import grpc.aio
 from prometheus_client import CollectorRegistry
 
 from controlplane.accounts import AccountService
+from controlplane.admin_metrics import AdminCallsInterceptor
 from controlplane.admin_servicer import AdminServicer
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService
@@ -126,7 +127,11 @@ class ControlPlane:
         self._presence = presence
 
         server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()],
+            # Counting first: it wraps the error mapping and so sees the final code.
+            interceptors=[
+                AdminCallsInterceptor(ADMIN_SERVICE, self.metrics.admin_calls),
+                ErrorInterceptor(),
+            ],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -166,7 +171,6 @@ class ControlPlane:
             tokens=services.tokens,
             machines=services.machines,
             presence=presence,
-            metrics=self.metrics,
             ca_hash=keys.ca_hash,
             join_address=f"{_bracket(advertise)}:{self.public_port}",
         )

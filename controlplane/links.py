@@ -1,0 +1,232 @@
+"""Machine link sessions: the rules of one Connect stream, without gRPC.
+
+:meth:`LinkSessions.run` takes the certificate the machine presented and an
+async iterator of its decoded messages, and yields the notices to send it:
+
+1. No certificate (the public listener): refused at once, nothing held open.
+2. Otherwise the hello is read FIRST (up to three heartbeat intervals), then the
+   certificate is authorised: ending the call while the machine's first write
+   is still in flight makes its side see INTERNAL instead of our status, and a
+   refused machine would then retry forever instead of stopping.
+3. The hello must come first and carry a short printable version (it reaches
+   operators' terminals through ``machine list``).
+4. The session is registered, then revocation is checked again: a revoke that
+   landed between authorisation and registration found no session to close.
+5. :class:`Welcome`, then a renew-now notice when the certificate is due, then
+   whatever the presence registry queues for the machine. The link ends on a
+   revoked / account-deleted notice (after a short linger so the machine can
+   read it), on a :class:`~controlplane.presence.CloseLink`, after three silent
+   heartbeat intervals, or once the certificate it connected with has expired.
+
+Outcomes are counted in ``agents_cp_connects_total{outcome}`` and
+``agents_cp_disconnects_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+from controlplane.audit import Clock, utcnow
+from controlplane.machines import MachineService
+from controlplane.metrics import ControlMetrics
+from controlplane.presence import (
+    AccountDeletedNotice,
+    CloseLink,
+    CloseReason,
+    PresenceRegistry,
+    RenewNowNotice,
+    RevokedNotice,
+    Session,
+)
+from controlplane.records import Machine
+from shared import tls
+from shared.errors import AgentsError, InvalidArgument, Unauthenticated
+
+__all__ = [
+    "Ack",
+    "Heartbeat",
+    "Hello",
+    "LinkNotice",
+    "LinkSessions",
+    "MachineMessage",
+    "Welcome",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a closing link waits for the machine to half-close after a final notice.
+LINGER = 0.5
+#: Longest hello version accepted.
+MAX_VERSION = 64
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The machine's first message."""
+
+    version: str
+    agent_count: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Proof of life with the machine's current agent count."""
+
+    agent_count: int
+
+
+@dataclass(frozen=True)
+class Ack:
+    """Any other message (acknowledgements, kinds this release does not know)."""
+
+
+MachineMessage = Hello | Heartbeat | Ack
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The first notice of an accepted link."""
+
+    heartbeat_interval: float
+    """Seconds between the machine's heartbeats."""
+    server_time: dt.datetime
+    machine_id: str
+
+
+LinkNotice = Welcome | RenewNowNotice | RevokedNotice | AccountDeletedNotice
+
+
+class LinkSessions:
+    """Runs machines' Connect streams; one instance per daemon."""
+
+    def __init__(
+        self,
+        *,
+        ca_cert_pem: bytes,
+        machines: MachineService,
+        presence: PresenceRegistry,
+        metrics: ControlMetrics,
+        heartbeat_interval: float,
+        renew_threshold: float,
+        clock: Clock = utcnow,
+        linger: float = LINGER,
+    ) -> None:
+        self._ca_cert_pem = ca_cert_pem
+        self._machines = machines
+        self._presence = presence
+        self._metrics = metrics
+        self._heartbeat = heartbeat_interval
+        self._renew_threshold = renew_threshold
+        self._clock = clock
+        self._linger = linger
+
+    async def authorize(self, cert_pem: bytes | None) -> Machine:
+        """The machine a client certificate names, if it may still act.
+
+        Unauthenticated without a certificate, for one not issued by our CA,
+        and for an unknown or revoked machine (see MachineService.authorize_peer).
+        """
+        if cert_pem is None:
+            raise Unauthenticated("link: no client certificate (use the link address)")
+        # gRPC verified the chain at the handshake; checking again is cheap and
+        # keeps us safe should the listener ever be configured differently.
+        try:
+            tls.verify_issued_by(cert_pem, self._ca_cert_pem)
+            peer = tls.identity_from_cert(cert_pem)
+        except InvalidArgument:
+            raise Unauthenticated("link: certificate not issued by this control plane") from None
+        return await self._machines.authorize_peer(peer)
+
+    async def run(
+        self, cert_pem: bytes | None, messages: AsyncIterator[MachineMessage]
+    ) -> AsyncGenerator[LinkNotice, None]:
+        """Run one link (see the module doc); close the generator to end it early."""
+        timeout = 3 * self._heartbeat
+        if cert_pem is None:
+            self._metrics.connects.labels("refused").inc()
+            raise Unauthenticated("link: no client certificate (use the link address)")
+        first: MachineMessage | None
+        try:
+            async with asyncio.timeout(timeout):
+                first = await anext(messages)
+        except (TimeoutError, StopAsyncIteration):
+            first = None
+        try:
+            machine = await self.authorize(cert_pem)
+        except AgentsError:
+            self._metrics.connects.labels("refused").inc()
+            raise
+        if not isinstance(first, Hello):
+            self._metrics.connects.labels("bad_hello").inc()
+            raise InvalidArgument("hello", "the first message must be hello")
+        if len(first.version) > MAX_VERSION or not first.version.isprintable():
+            self._metrics.connects.labels("bad_hello").inc()
+            raise InvalidArgument(
+                "hello.version", f"must be at most {MAX_VERSION} printable characters"
+            )
+        session = await self._presence.open(machine, first.version, max(0, first.agent_count))
+        if self._machines.is_revoked(machine.machine_id):
+            session.outbox.put_nowait(RevokedNotice("machine revoked by an administrator"))
+        self._metrics.connects.labels("ok").inc()
+        expires = tls.load_cert(cert_pem).not_valid_after_utc
+        reader = asyncio.create_task(self._read(messages, session, timeout, expires))
+        reason = CloseReason.CLOSED.value
+        try:
+            yield Welcome(self._heartbeat, self._clock(), machine.machine_id)
+            if tls.needs_renewal(cert_pem, self._renew_threshold):
+                yield RenewNowNotice("certificate nearing expiry")
+            while True:
+                item = await session.next_outgoing()
+                if isinstance(item, CloseLink):
+                    reason = item.reason.value
+                    break
+                yield item
+                if isinstance(item, RevokedNotice | AccountDeletedNotice):
+                    reason = "revoked" if isinstance(item, RevokedNotice) else "account_deleted"
+                    # Give the machine a moment to half-close after reading the notice:
+                    # ending the call while it is still sending makes its side see
+                    # an INTERNAL error instead of the notice.
+                    await asyncio.wait([reader], timeout=self._linger)
+                    break
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            await self._presence.close(session)
+            self._metrics.disconnects.labels(reason).inc()
+
+    async def _read(
+        self,
+        messages: AsyncIterator[MachineMessage],
+        session: Session,
+        timeout: float,
+        expires: dt.datetime,
+    ) -> None:
+        """Consume the machine's messages; end the link after 3 silent intervals,
+        or once the certificate it connected with has expired."""
+        reason = CloseReason.CLOSED
+        try:
+            while True:
+                async with asyncio.timeout(timeout):
+                    msg = await anext(messages)
+                if self._clock() >= expires:
+                    reason = CloseReason.EXPIRED
+                    break
+                if isinstance(msg, Heartbeat):
+                    await self._presence.seen(session, msg.agent_count)
+                else:
+                    await self._presence.seen(session)
+        except TimeoutError:
+            reason = CloseReason.TIMEOUT
+            logger.info("machine %s: no heartbeat for %.1fs", session.machine_id, timeout)
+        except StopAsyncIteration:
+            reason = CloseReason.CLOSED
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the stream broke: the link is over either way
+            reason = CloseReason.BROKEN
+            logger.info("machine %s: link read ended: %s", session.machine_id, e)
+        session.outbox.put_nowait(CloseLink(reason))
