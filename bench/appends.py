@@ -9,7 +9,8 @@ Both sides make the same events durable on the same disk in the same run:
   followed by ``os.fsync`` (what "one fsync per event" costs).
 
 Usage: ``.venv/bin/python bench/appends.py [--events N] [--appenders K]``.
-Prints both rates and their ratio (store / raw).
+Prints the raw rate, then the store's with one appender and with K, each with
+its ratio (store / raw).
 """
 
 from __future__ import annotations
@@ -88,15 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="folder on the disk to test")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-appends-") as tmp:
-        folder = Path(tmp)
-        raw = bench_raw(folder, args.events)
-        rate, commits = asyncio.run(bench_store(folder, args.events, args.appenders))
-    print(f"raw write+fsync per event : {raw:10.0f} events/s")
-    print(
-        f"machine store, group commit: {rate:10.0f} events/s "
-        f"({args.appenders} appenders, {args.events / max(commits, 1):.1f} events/commit)"
-    )
-    print(f"ratio store/raw            : {rate / raw:10.2f}x")
+        raw = bench_raw(Path(tmp), args.events)
+        # One appender too: what a single run's stream costs, with nothing to batch.
+        rows = []
+        for appenders in sorted({1, args.appenders}):
+            folder = Path(tmp) / f"store-{appenders}"
+            folder.mkdir()
+            rate, commits = asyncio.run(bench_store(folder, args.events, appenders))
+            rows.append((appenders, rate, commits))
+    print(f"raw write+fsync per event  : {raw:10.0f} events/s")
+    for appenders, rate, commits in rows:
+        print(
+            f"machine store, {appenders:2d} appenders: {rate:10.0f} events/s "
+            f"({args.events / max(commits, 1):.1f} events/commit), "
+            f"ratio store/raw {rate / raw:.2f}x"
+        )
     return 0
 
 

@@ -1,0 +1,35 @@
+"""The benchmarks still run (tiny sizes); their figures are not asserted here."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.integration
+
+
+def _run(*argv: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_appends_bench_prints_ratios() -> None:
+    out = _run("bench/appends.py", "--events", "64", "--appenders", "4")
+    assert re.search(r"raw write\+fsync per event\s*:\s*\d+ events/s", out), out
+    assert len(re.findall(r"ratio store/raw \d+\.\d+x", out)) == 2, out
+
+
+def test_connect_bench_prints_figures() -> None:
+    out = _run("-m", "bench.connect", "--streams", "5", "--window", "1", "--joins", "1")
+    assert "process start -> online" in out, out
+    assert re.search(r"KiB per stream", out), out
+    assert re.search(r"us per heartbeat", out), out
