@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from controlplane import jsonstore
 from controlplane.audit import Auditor, Clock, utcnow
@@ -23,6 +23,9 @@ from shared.crypto import BoxKeyPair
 from shared.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
 from shared.ids import is_valid_id, new_id, validate_id
 from shared.store.base import ObjectStore
+
+if TYPE_CHECKING:  # authz imports this module
+    from controlplane.authz import Principal
 
 __all__ = ["AccountService", "CreatedAccount", "validate_github_login"]
 
@@ -123,6 +126,17 @@ class AccountService:
         if account.state != "active":
             raise PermissionDenied(f"{what}: account is being deleted")
         return account
+
+    async def scope_ids(self, principal: Principal, account_id: str = "") -> list[str]:
+        """The account ids a listing by ``principal`` covers.
+
+        ``account_id`` alone when given (and visible), else every account for
+        the operator, else the principal's own account.
+        """
+        scope = principal.listing_scope(account_id)
+        if scope is not None:
+            return [scope]
+        return [a.account_id for a in await self.list()]
 
     async def list(self) -> list[Account]:
         """Every account, oldest first (ids sort by creation time)."""

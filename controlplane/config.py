@@ -1,7 +1,7 @@
 """The control plane's one configuration object, built once by the CLI.
 
 Values come from flags, then the environment, then ``<home>/config.toml``, then
-defaults (:func:`shared.config.pick`). This is the only module of the control
+defaults (:class:`shared.config.Sources`). This is the only module of the control
 plane that looks at environment values; the CLI passes ``os.environ`` in.
 
 Environment variables: ``AGENTS_CONTROL_HOME``, ``AGENTS_CONTROL_STORE``,
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from shared.config import load_toml, pick
+from shared.config import Sources, load_toml, split_hostport
 from shared.errors import ConfigError
 
 __all__ = [
@@ -44,17 +44,17 @@ MAX_TOKEN_TTL: Final = 24 * 3600
 
 
 def parse_hostport(value: str, field_name: str, *, allow_empty: bool = False) -> tuple[str, int]:
-    """Split ``host:port`` (port 0..65535; ``[v6]:port`` allowed) or raise ConfigError."""
+    """Split ``host:port`` (port 0..65535; ``[v6]:port`` allowed) or raise ConfigError.
+
+    Surrounding spaces are ignored; an empty value gives ``("", 0)`` when
+    ``allow_empty`` (a listener that is switched off).
+    """
     text = str(value).strip()
     if not text:
         if allow_empty:
             return ("", 0)
         raise ConfigError(field_name, "must be host:port")
-    host, sep, port_text = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
-        raise ConfigError(field_name, f"must be host:port, got {text!r}")
-    return host, int(port_text)
+    return split_hostport(text, field_name)
 
 
 def default_home(env: Mapping[str, str]) -> Path:
@@ -176,17 +176,7 @@ def load_config(
     home = Path(flags.get("home") or default_home(env)).expanduser()
     file = load_toml(home / CONFIG_FILE) if read_file else {}
     d = ControlConfig(home=home)
-
-    def get(name: str, env_key: str | None, default: Any, parse: Any = None) -> Any:
-        return pick(
-            name,
-            flag=flags.get(name),
-            env=env,
-            env_key=env_key,
-            file=file,
-            default=default,
-            parse=parse,
-        )
+    get = Sources(flags, env, file).get
 
     def secret(name: str, env_key: str) -> str | None:
         value = flags.get(name) or env.get(env_key)

@@ -7,10 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 from controlplane.records import decode, encode
-from shared.errors import InvalidState, PreconditionFailed
+from shared.errors import InvalidState, NotFound, PreconditionFailed
+from shared.ids import is_valid_id
 from shared.store.base import ObjectStore
 
-__all__ = ["create", "read", "read_versioned", "update"]
+__all__ = ["create", "read", "read_all", "read_versioned", "update"]
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,24 @@ CAS_ATTEMPTS = 20
 async def read(store: ObjectStore, key: str) -> dict[str, Any]:
     """The JSON object at ``key``; NotFound if missing."""
     return decode(await store.get(key), key)
+
+
+async def read_all(store: ObjectStore, prefix: str, kind: str) -> list[dict[str, Any]]:
+    """Every ``<prefix><id>.json`` object whose name is a valid ``kind`` id, in key order.
+
+    Other keys under ``prefix`` are skipped, and so is an object deleted
+    between the listing and its read.
+    """
+    out: list[dict[str, Any]] = []
+    async for info in store.list(prefix):
+        name = info.key[len(prefix) :]
+        if not name.endswith(".json") or not is_valid_id(kind, name.removesuffix(".json")):
+            continue
+        try:
+            out.append(await read(store, info.key))
+        except NotFound:
+            continue
+    return out
 
 
 async def read_versioned(store: ObjectStore, key: str) -> tuple[dict[str, Any], str]:

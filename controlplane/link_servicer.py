@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import grpc
 import grpc.aio
 from google.protobuf.timestamp_pb2 import Timestamp
+from prometheus_client import Counter
 
 from controlplane.links import (
     Ack,
@@ -29,9 +30,7 @@ from controlplane.machines import MachineInfo, MachineService
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import AccountDeletedNotice, PresenceRegistry, RevokedNotice
-from controlplane.records import Machine
-from shared import tls
-from shared.errors import AgentsError, InvalidState, Unauthenticated, Unimplemented
+from shared.errors import AgentsError, Unimplemented
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import status_for
 
@@ -41,10 +40,6 @@ logger = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
-#: Renewal is refused while more than this fraction of the lifetime remains
-#: (or the configured threshold, if larger): it bounds how often a machine, or a
-#: thief of its current key, can mint certificates.
-_RENEW_EARLIEST = 0.5
 _LATER = "not implemented yet: backups through the control plane arrive in a later release"
 
 
@@ -56,6 +51,17 @@ def _peer_pem(context: Context) -> bytes | None:
     """The client certificate gRPC verified at the handshake, if any."""
     certs = list(context.auth_context().get("x509_pem_cert") or [])
     return certs[0] if certs else None
+
+
+@contextlib.contextmanager
+def _counted(counter: Counter) -> Iterator[None]:
+    """Count one call by outcome: ok, or the lower-case gRPC status of its error."""
+    try:
+        yield
+    except AgentsError as e:
+        counter.labels(status_for(e).name.lower()).inc()
+        raise
+    counter.labels("ok").inc()
 
 
 async def _decode(
@@ -127,12 +133,6 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self.link_port = link_port
         self.link_host = link_host
 
-    async def _peer(self, context: Context) -> tuple[Machine, bytes]:
-        """The verified machine behind the call's client certificate."""
-        pem = _peer_pem(context)
-        machine = await self._sessions.authorize(pem)  # refuses a missing certificate
-        return machine, pem or b""
-
     async def Join(self, request: link_pb2.JoinRequest, context: Context) -> link_pb2.JoinResponse:
         """See link.proto."""
         info = MachineInfo(
@@ -142,12 +142,8 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             box_public_key=request.machine.box_public_key,
             signing_public_key=request.machine.signing_public_key,
         )
-        try:
+        with _counted(self._metrics.joins):
             result = await self._pairing.join(request.token, request.csr_pem, info)
-        except AgentsError as e:
-            self._metrics.joins.labels(status_for(e).name.lower()).inc()
-            raise
-        self._metrics.joins.labels("ok").inc()
         return link_pb2.JoinResponse(
             certificate_pem=result.cert.cert_pem.decode(),
             ca_certificate_pem=result.ca_cert_pem.decode(),
@@ -164,19 +160,10 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self, request: link_pb2.RenewCertificateRequest, context: Context
     ) -> link_pb2.RenewCertificateResponse:
         """See link.proto."""
-        try:
-            machine, pem = await self._peer(context)
-            if tls.identity_from_cert(pem).serial != machine.cert_serial:
-                # A superseded certificate may still connect until it expires, but
-                # never mint a new one: a stolen old key must not outlive it.
-                raise Unauthenticated("renew: only the current certificate may renew")
-            if not tls.needs_renewal(pem, max(self._renew_threshold, _RENEW_EARLIEST)):
-                raise InvalidState("renew", "certificate is not due for renewal yet")
-            cert = await self._pairing.renew(machine, request.csr_pem)
-        except AgentsError as e:
-            self._metrics.renewals.labels(status_for(e).name.lower()).inc()
-            raise
-        self._metrics.renewals.labels("ok").inc()
+        with _counted(self._metrics.renewals):
+            # authorize refuses a missing certificate.
+            peer = await self._sessions.authorize(_peer_pem(context))
+            cert = await self._pairing.renew_presented(peer, request.csr_pem, self._renew_threshold)
         return link_pb2.RenewCertificateResponse(
             certificate_pem=cert.cert_pem.decode(),
             ca_certificate_pem=self._pairing.ca_cert_pem.decode(),
@@ -197,7 +184,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
                 yield _encode(notice)
 
     async def _later(self, context: Context, what: str) -> Any:
-        await self._peer(context)
+        await self._sessions.authorize(_peer_pem(context))
         raise Unimplemented(what, _LATER)
 
     async def HaveSegments(self, request: Any, context: Context) -> Any:

@@ -31,7 +31,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from controlplane.audit import Clock, utcnow
-from controlplane.machines import MachineService
+from controlplane.machines import AuthorizedPeer, MachineService
 from controlplane.metrics import ControlMetrics
 from controlplane.presence import (
     AccountDeletedNotice,
@@ -42,7 +42,6 @@ from controlplane.presence import (
     RevokedNotice,
     Session,
 )
-from controlplane.records import Machine
 from shared import tls
 from shared.errors import AgentsError, InvalidArgument, Unauthenticated
 
@@ -124,8 +123,8 @@ class LinkSessions:
         self._clock = clock
         self._linger = linger
 
-    async def authorize(self, cert_pem: bytes | None) -> Machine:
-        """The machine a client certificate names, if it may still act.
+    async def authorize(self, cert_pem: bytes | None) -> AuthorizedPeer:
+        """The machine a client certificate names, if it may still act, and its identity.
 
         Unauthenticated without a certificate, for one not issued by our CA,
         and for an unknown or revoked machine (see MachineService.authorize_peer).
@@ -139,7 +138,8 @@ class LinkSessions:
             peer = tls.identity_from_cert(cert_pem)
         except InvalidArgument:
             raise Unauthenticated("link: certificate not issued by this control plane") from None
-        return await self._machines.authorize_peer(peer)
+        machine = await self._machines.authorize_peer(peer)
+        return AuthorizedPeer(machine, peer, cert_pem)
 
     async def run(
         self, cert_pem: bytes | None, messages: AsyncIterator[MachineMessage]
@@ -156,7 +156,7 @@ class LinkSessions:
         except (TimeoutError, StopAsyncIteration):
             first = None
         try:
-            machine = await self.authorize(cert_pem)
+            machine = (await self.authorize(cert_pem)).machine
         except AgentsError:
             self._metrics.connects.labels("refused").inc()
             raise
@@ -224,8 +224,6 @@ class LinkSessions:
             logger.info("machine %s: no heartbeat for %.1fs", session.machine_id, timeout)
         except StopAsyncIteration:
             reason = CloseReason.CLOSED
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # the stream broke: the link is over either way
             reason = CloseReason.BROKEN
             logger.info("machine %s: link read ended: %s", session.machine_id, e)

@@ -25,11 +25,11 @@ from shared.errors import (
     PermissionDenied,
     Unauthenticated,
 )
-from shared.ids import is_valid_id, new_id, validate_id
+from shared.ids import new_id, validate_id
 from shared.store.base import ObjectStore
 from shared.tls import IssuedCert, PeerIdentity
 
-__all__ = ["MachineInfo", "MachineService", "validate_name"]
+__all__ = ["AuthorizedPeer", "MachineInfo", "MachineService", "validate_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,17 @@ class MachineInfo:
             if key and len(key) != 32:
                 raise InvalidArgument(field, "must be 32 bytes")
         return MachineInfo(name, version, hostname, self.box_public_key, self.signing_public_key)
+
+
+@dataclass(frozen=True)
+class AuthorizedPeer:
+    """A machine that may act, with the certificate it presented, parsed once."""
+
+    machine: Machine
+    identity: PeerIdentity
+    """What the presented certificate says (its serial may be the previous one)."""
+    cert_pem: bytes
+    """The presented certificate itself."""
 
 
 class MachineService:
@@ -165,21 +176,10 @@ class MachineService:
 
     async def list(self, principal: Principal, account_id: str = "") -> list[Machine]:
         """Machines of one account, or of every account for the operator; oldest first."""
-        scope = principal.listing_scope(account_id)
-        account_ids = (
-            [scope] if scope is not None else [a.account_id for a in await self._accounts.list()]
-        )
         out: list[Machine] = []
-        for acct in account_ids:
-            prefix = machines_prefix(acct)
-            async for info in self._store.list(prefix):
-                name = info.key[len(prefix) :].removesuffix(".json")
-                if not is_valid_id("machine", name):
-                    continue
-                try:
-                    out.append(await self._load(acct, name))
-                except NotFound:
-                    continue
+        for acct in await self._accounts.scope_ids(principal, account_id):
+            records = await jsonstore.read_all(self._store, machines_prefix(acct), "machine")
+            out.extend(Machine.from_dict(d) for d in records)
         return out
 
     async def rename(self, principal: Principal, machine_id: str, name: str) -> Machine:

@@ -94,7 +94,6 @@ class Session:
     outbox: asyncio.Queue[Outgoing] = field(default_factory=asyncio.Queue)
     last_write: float = -1e18
     """Monotonic time of the last last-seen write."""
-    closed: bool = False
 
     async def next_outgoing(self) -> Outgoing:
         """Wait for the next message for this machine."""
@@ -157,7 +156,6 @@ class PresenceRegistry:
         )
         old = self._sessions.get(machine.machine_id)
         if old is not None:
-            old.closed = True
             old.outbox.put_nowait(CloseLink(CloseReason.REPLACED))
         self._sessions[machine.machine_id] = session
         self._changed()
@@ -174,7 +172,6 @@ class PresenceRegistry:
 
     async def close(self, session: Session) -> None:
         """The link ended: forget it (unless replaced) and write last seen."""
-        session.closed = True
         if self._sessions.get(session.machine_id) is session:
             del self._sessions[session.machine_id]
             self._changed()
@@ -203,9 +200,7 @@ class PresenceRegistry:
     async def kick(self, account_id: str, machine_id: str) -> None:
         """Close a revoked machine's link at once (a hook for MachineService.revoke)."""
         if self.notify(machine_id, RevokedNotice("machine revoked by an administrator")):
-            session = self._sessions.pop(machine_id, None)
-            if session is not None:
-                session.closed = True
+            if self._sessions.pop(machine_id, None) is not None:
                 self._changed()
 
     async def _write(self, session: Session, *, force: bool) -> None:

@@ -15,7 +15,7 @@ from controlplane.config import MAX_TOKEN_TTL
 from controlplane.hashing import hash_secret, new_secret, split_bearer, verify_secret
 from controlplane.records import JoinToken, token_index_key, token_key, tokens_prefix
 from shared.errors import InvalidArgument, NotFound, Unauthenticated
-from shared.ids import is_valid_id, new_id, validate_id
+from shared.ids import new_id, validate_id
 from shared.store.base import ObjectStore
 
 __all__ = ["MAX_USES", "NewToken", "TokenService"]
@@ -63,7 +63,6 @@ class TokenService:
         account_id: str,
         ttl_seconds: int = 0,
         max_uses: int = 0,
-        repair_machine_id: str = "",
     ) -> NewToken:
         """Make a token for ``account_id``: TTL default from config, at most 24 h.
 
@@ -99,7 +98,6 @@ class TokenService:
             expires_at=now + dt.timedelta(seconds=ttl),
             max_uses=uses,
             created_by=principal.credential_id,
-            repair_machine_id=repair_machine_id,
         )
         await jsonstore.create(self._store, token_index_key(token_id), {"account_id": account_id})
         await jsonstore.create(self._store, token_key(account_id, token_id), token.to_dict())
@@ -123,21 +121,10 @@ class TokenService:
 
     async def list(self, principal: Principal, account_id: str = "") -> list[JoinToken]:
         """Tokens of one account, or of every account for the operator; oldest first."""
-        scope = principal.listing_scope(account_id)
-        account_ids = (
-            [scope] if scope is not None else [a.account_id for a in await self._accounts.list()]
-        )
         out: list[JoinToken] = []
-        for acct in account_ids:
-            prefix = tokens_prefix(acct)
-            async for info in self._store.list(prefix):
-                name = info.key[len(prefix) :].removesuffix(".json")
-                if not is_valid_id("token", name):
-                    continue
-                try:
-                    out.append(JoinToken.from_dict(await jsonstore.read(self._store, info.key)))
-                except NotFound:
-                    continue
+        for acct in await self._accounts.scope_ids(principal, account_id):
+            records = await jsonstore.read_all(self._store, tokens_prefix(acct), "token")
+            out.extend(JoinToken.from_dict(d) for d in records)
         return out
 
     async def revoke(self, principal: Principal, token_id: str) -> JoinToken:

@@ -5,5 +5,6 @@ Public entry points live in their modules: :func:`machine.daemon.serve`,
 """
 
 from machine.config import MachineConfig
+from machine.version import machine_version
 
-__all__ = ["MachineConfig"]
+__all__ = ["MachineConfig", "machine_version"]

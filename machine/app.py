@@ -71,6 +71,10 @@ class Machine:
         """The canonical id: the control plane's once joined, else the local one."""
         return self.ids.canonical
 
+    async def agent_count(self) -> int:
+        """How many agents this machine holds, active or archived (one COUNT)."""
+        return await self.db.read(store.count_agents)
+
     async def status(self) -> MachineStatus:
         """Current counts."""
 

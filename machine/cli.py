@@ -469,14 +469,15 @@ def _run_serve(cfg: MachineConfig) -> int:
 
 
 def _cmd_join(args: argparse.Namespace, env: dict[str, str]) -> int:
-    import importlib
+    # Imported here: only `join` needs the join flow and the service installer.
+    from machine.join import join_control_plane
+    from machine.service_unit import install_service
 
     data_dir = Path(args.data_dir).absolute() if args.data_dir else server_data_dir(Path.home())
     args.data_dir = str(data_dir)
     cfg = _serve_config(args, env)
-    join_module = importlib.import_module("machine.join")
     result = asyncio.run(
-        join_module.join_control_plane(
+        join_control_plane(
             data_dir=data_dir,
             address=args.address,
             token=args.token,
@@ -486,8 +487,7 @@ def _cmd_join(args: argparse.Namespace, env: dict[str, str]) -> int:
     )
     print(f"joined as machine {result.machine_id} (account {result.account_id})", flush=True)
     if args.install_service:
-        unit_module = importlib.import_module("machine.service_unit")
-        installed = unit_module.install_service(data_dir=data_dir)
+        installed = install_service(data_dir=data_dir)
         print(f"installed {installed.unit_path}", flush=True)
         if installed.started:
             return EXIT_OK

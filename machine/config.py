@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from machine.runtimes.claude_files import default_claude_home, default_codex_home
-from shared.config import load_toml, parse_bool, parse_size, pick
+from shared.config import Sources, load_toml, parse_bool, parse_size, split_hostport
 from shared.errors import ConfigError
 
 __all__ = [
@@ -64,18 +64,15 @@ def resolve_data_dir(flag: str | Path | None, env: Mapping[str, str], home: Path
 
 
 def parse_hostport(value: str, field: str) -> tuple[str, int]:
-    """Parse ``HOST:PORT`` where HOST must be a loopback address (127.0.0.1, ::1)."""
-    host, sep, port_text = value.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host:
-        raise ConfigError(field, f"expected HOST:PORT, got {value!r}")
+    """Parse ``HOST:PORT`` where HOST must be a loopback address (127.0.0.1, ::1).
+
+    Returns the address in its canonical form; ``[::1]:PORT`` is accepted.
+    """
+    host, port = split_hostport(value, field)
     try:
-        port = int(port_text)
         addr = ipaddress.ip_address(host)
     except ValueError:
         raise ConfigError(field, f"expected a loopback IP and a port, got {value!r}") from None
-    if not 0 <= port <= 65535:
-        raise ConfigError(field, f"port out of range in {value!r}")
     if not addr.is_loopback:
         # No authentication on the machine API yet: never expose it beyond this host.
         raise ConfigError(field, f"only loopback addresses are allowed, got {host!r}")
@@ -177,10 +174,10 @@ class MachineConfig:
         data_dir = resolve_data_dir(flags.get("data_dir"), env, home)
         file = load_toml(config_file or data_dir / "machine.toml")
 
+        src = Sources(flags, env, file)
+
         def opt(name: str, env_key: str) -> str | None:
-            value: str | None = pick(
-                name, flag=flags.get(name), env=env, env_key=env_key, file=file, default=None
-            )
+            value: str | None = src.get(name, env_key, None)
             return value
 
         socket = opt("socket_path", "AGENTS_MACHINE_SOCKET")
@@ -189,50 +186,26 @@ class MachineConfig:
             socket_path=Path(socket).absolute() if socket else None,
             tcp_address=opt("tcp_address", "AGENTS_MACHINE_TCP"),
             metrics_address=opt("metrics_address", "AGENTS_MACHINE_METRICS"),
-            prompt_limit=pick(
-                "prompt_limit",
-                flag=flags.get("prompt_limit"),
-                env=env,
-                env_key="AGENTS_MACHINE_PROMPT_LIMIT",
-                file=file,
-                default=DEFAULT_PROMPT_LIMIT,
-                parse=parse_size,
+            prompt_limit=src.get(
+                "prompt_limit", "AGENTS_MACHINE_PROMPT_LIMIT", DEFAULT_PROMPT_LIMIT, parse_size
             ),
-            attachment_limit=pick(
+            attachment_limit=src.get(
                 "attachment_limit",
-                flag=flags.get("attachment_limit"),
-                env=env,
-                env_key="AGENTS_MACHINE_ATTACHMENT_LIMIT",
-                file=file,
-                default=DEFAULT_ATTACHMENT_LIMIT,
-                parse=parse_size,
+                "AGENTS_MACHINE_ATTACHMENT_LIMIT",
+                DEFAULT_ATTACHMENT_LIMIT,
+                parse_size,
             ),
-            event_retention_days=pick(
+            event_retention_days=src.get(
                 "event_retention_days",
-                flag=flags.get("event_retention_days"),
-                env=env,
-                env_key="AGENTS_MACHINE_EVENT_RETENTION_DAYS",
-                file=file,
-                default=DEFAULT_EVENT_RETENTION_DAYS,
-                parse=int,
+                "AGENTS_MACHINE_EVENT_RETENTION_DAYS",
+                DEFAULT_EVENT_RETENTION_DAYS,
+                int,
             ),
-            background_loops=pick(
-                "background_loops",
-                flag=flags.get("background_loops"),
-                env=env,
-                env_key="AGENTS_MACHINE_BACKGROUND_LOOPS",
-                file=file,
-                default=True,
-                parse=parse_bool,
+            background_loops=src.get(
+                "background_loops", "AGENTS_MACHINE_BACKGROUND_LOOPS", True, parse_bool
             ),
-            shutdown_grace_seconds=pick(
-                "shutdown_grace_seconds",
-                flag=flags.get("shutdown_grace_seconds"),
-                env=env,
-                env_key="AGENTS_MACHINE_SHUTDOWN_GRACE",
-                file=file,
-                default=10.0,
-                parse=float,
+            shutdown_grace_seconds=src.get(
+                "shutdown_grace_seconds", "AGENTS_MACHINE_SHUTDOWN_GRACE", 10.0, float
             ),
             claude_home=default_claude_home(env, home),
             codex_home=default_codex_home(env, home),

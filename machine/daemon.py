@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import importlib
-import importlib.util
 import logging
 import os
 import signal
@@ -23,11 +21,14 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from machine import identity
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig, parse_hostport
+from machine.link import ControlLink
 from machine.local_auth import TOKEN_FILE, BearerTokenInterceptor, load_or_create_token
 from machine.metrics import MachineMetrics
 from machine.service import SERVICE_NAME, MachineServicer
+from machine.version import machine_version
 from shared.errors import InvalidState
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
@@ -68,40 +69,16 @@ def _data_dir_lock(data_dir: Path) -> Any:
 
 def _control_link(
     config: MachineConfig, machine: Machine, metrics: MachineMetrics
-) -> contextlib.AbstractAsyncContextManager[Any]:
-    # ===================================================================
-    # CONTROL-PLANE LINK (the lead wires deliveries). When the machine has
-    # joined a control plane (link.json exists) and machine.link is
-    # installed, the daemon keeps the link open for as long as it serves.
-    # Imported late: a stand-alone machine never loads it.
-    # ===================================================================
-    if not (config.data_dir / "link.json").exists():
+) -> contextlib.AbstractAsyncContextManager[ControlLink | None]:
+    """The control-plane link while the daemon serves; nothing for a stand-alone machine."""
+    if not identity.is_joined(config.data_dir):
         return contextlib.nullcontext()
-    if importlib.util.find_spec("machine.link") is None:
-        logger.warning("link.json found but machine.link is unavailable: not connecting")
-        return contextlib.nullcontext()
-    link_module = importlib.import_module("machine.link")
-
-    async def agent_count() -> int:
-        status = await machine.status()
-        return status.active_agents + status.archived_agents
-
-    link: contextlib.AbstractAsyncContextManager[Any] = link_module.ControlLink(
+    return ControlLink(
         data_dir=config.data_dir,
-        agent_count=agent_count,
-        version=_version(),
+        agent_count=machine.agent_count,
+        version=machine_version(),
         registry=metrics.registry,
     )
-    return link
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("agents-platform")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _prepare_socket(path: Path) -> None:

@@ -1,6 +1,6 @@
 """Joining a control plane: pin its CA, trade a one-time token for a certificate.
 
-The flow (``agents-machine join --address H:P --token T --ca-hash sha256:...``):
+The flow (``agents-machine join H:P --token T --ca-hash sha256:...``):
 
 1. Check the inputs: the token's shape, the hash's shape, the address.
 2. Open a bare TLS connection to the address, send nothing but the TLS
@@ -35,6 +35,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from machine import identity
+from machine.version import machine_version
 from shared import tls
 from shared.errors import (
     AgentsError,
@@ -58,7 +59,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-VERSION: Final = "0.1.0"
 #: Seconds allowed for the pin-check handshake and for the Join call.
 CONNECT_TIMEOUT: Final = 10.0
 JOIN_TIMEOUT: Final = 30.0
@@ -222,23 +222,17 @@ def _check_reply(
         raise IntegrityError("join", "account recovery public key is not 32 bytes")
     cert_pem = reply.certificate_pem.encode("ascii", "replace")
     try:
-        tls.verify_issued_by(cert_pem, ca_pem)
-        cert = tls.load_cert(cert_pem)
-        ident = tls.identity_from_cert(cert_pem)
+        tls.check_client_cert(
+            cert_pem,
+            ca_pem,
+            public_key=keys.tls_key.public_key(),
+            account_id=reply.account_id,
+            machine_id=reply.machine_id,
+        )
         if reply.ca_certificate_pem:
             tls.check_ca_hash(reply.ca_certificate_pem, expected_hash)
     except InvalidArgument as e:
         raise IntegrityError("join", f"bad certificate in the reply: {e}") from None
-    mine = keys.tls_key.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    theirs = cert.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    if mine != theirs:
-        raise IntegrityError("join", "the certificate is not for our key")
-    if (ident.machine_id, ident.account_id) != (reply.machine_id, reply.account_id):
-        raise IntegrityError("join", "the certificate names another machine")
     return cert_pem, ca_pem
 
 
@@ -288,7 +282,7 @@ async def join_control_plane(
         csr_pem=keys.csr_pem().decode("ascii"),
         machine=link_pb2.MachineInfo(
             name=machine_name,
-            version=VERSION,
+            version=machine_version(),
             hostname=socket.gethostname()[:253],
             box_public_key=keys.box.public_key,
             signing_public_key=keys.signing_public_key,

@@ -38,7 +38,6 @@ from typing import Any, Final
 
 import grpc
 import grpc.aio
-from cryptography.hazmat.primitives import serialization
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from tenacity import RetryCallState
 
@@ -272,8 +271,8 @@ class ControlLink:
             # The control plane will refuse it at the handshake until the
             # machine is paired again; keep trying (the clock may be wrong).
             logger.error(
-                "control link: the client certificate expired at %s; re-pair this "
-                "machine (agents-control machine repair)",
+                "control link: the client certificate expired at %s; join this machine "
+                "again with a new token (agents-control token create)",
                 self._link.cert_not_after.isoformat(),
             )
         logger.warning(
@@ -310,7 +309,7 @@ class ControlLink:
             self._final_reason = stop.reason
             logger.error(
                 "control link stopped for good: %s; this machine will not reconnect "
-                "(re-pair it with a repair token from `agents-control machine repair`)",
+                "(join it again with a new token: `agents-control token create`)",
                 stop.reason,
             )
             await self._set_state(stop.state)
@@ -567,23 +566,19 @@ class ControlLink:
             if reply.ca_certificate_pem
             else keys.ca_cert_pem
         )
+        link = self._link
+        if link is None:
+            raise IntegrityError("renewal", "no link record to renew the certificate of")
         try:
-            tls.verify_issued_by(cert_pem, ca_pem)
-            ident = tls.identity_from_cert(cert_pem)
-            new_key = tls.load_cert(cert_pem).public_key()
+            tls.check_client_cert(
+                cert_pem,
+                ca_pem,
+                public_key=key.public_key(),
+                account_id=link.account_id,
+                machine_id=link.machine_id,
+            )
         except InvalidArgument as e:
             raise IntegrityError("renewal", f"bad certificate in the reply: {e}") from None
-        spki = serialization.PublicFormat.SubjectPublicKeyInfo
-        if new_key.public_bytes(serialization.Encoding.DER, spki) != key.public_key().public_bytes(
-            serialization.Encoding.DER, spki
-        ):
-            raise IntegrityError("renewal", "the certificate is not for our key")
-        link = self._link
-        if link is None or (ident.machine_id, ident.account_id) != (
-            link.machine_id,
-            link.account_id,
-        ):
-            raise IntegrityError("renewal", "the certificate names another machine")
         self._link = await asyncio.to_thread(
             identity.save_certificate, self._data_dir, cert_pem, ca_pem, link
         )

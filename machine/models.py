@@ -61,10 +61,6 @@ class MachineIds:
         if self.canonical not in self.own:
             raise ValueError("the canonical machine id must be one of the own ids")
 
-    def is_own(self, origin: str) -> bool:
-        """True when an agent with this origin was made on this machine."""
-        return origin in self.own
-
 
 class AgentState(enum.StrEnum):
     """An agent's lifecycle state."""

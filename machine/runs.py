@@ -215,7 +215,7 @@ class RunEngine:
         events, waiting = await self._db.write(recover)
         self._publish(events)
         for ev in events:
-            self._count_end(RunErrorCode.RUN_INTERRUPTED)
+            self._count_end(RunState.INTERRUPTED)
             logger.info("run %s interrupted by a restart", ev.run_id)
         for run in waiting:
             # Park the run: it holds its agent's turn until someone answers or cancels.
@@ -632,12 +632,7 @@ class RunEngine:
             if suppressing[0]:
                 return
             if isinstance(ev, SessionStarted):
-                await self._db.write(
-                    lambda c: c.execute(
-                        "UPDATE agents SET session_id = ? WHERE id = ?",
-                        (ev.session_id, run.agent_id),
-                    )
-                )
+                await self._db.write(lambda c: store.set_session_id(c, run.agent_id, ev.session_id))
                 return
             mapped = _event_payload(ev)
             if mapped is None:
@@ -707,42 +702,38 @@ class RunEngine:
     async def _ask(self, active: _Active, req: PermissionRequest) -> PermissionDecision:
         run = active.run
         now = self._clock()
-        options = [[o.option_id, o.name, o.kind] for o in req.options]
+        options = [(o.option_id, o.name, o.kind) for o in req.options]
         request_payload = {
             "request_id": req.request_id,
             "call_id": req.call_id,
             "title": req.title,
-            "options": [{"option_id": o[0], "name": o[1], "kind": o[2]} for o in options],
+            "options": [{"option_id": i, "name": n, "kind": k} for i, n, k in options],
         }
 
         def write(conn: sqlite3.Connection) -> tuple[list[StoredEvent], str | None]:
-            row = conn.execute(
-                "SELECT decision FROM permission_rules WHERE agent_id = ? AND tool = ?",
-                (run.agent_id, req.title),
-            ).fetchone()
-            chosen = _option_for_rule(req.options, row["decision"]) if row else None
+            decision = store.rule_for(conn, run.agent_id, req.title)
+            chosen = _option_for_rule(req.options, decision) if decision else None
             events = [
                 store.append_event(
                     conn, run.agent_id, run.id, EventKind.PERMISSION_REQUEST, request_payload, now
                 )
             ]
-            conn.execute(
-                "INSERT INTO permissions (run_id, request_id, agent_id, call_id, title,"
-                " options_json, seq, state, option_id, requested_at, answered_at)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    run.id,
-                    req.request_id,
-                    run.agent_id,
-                    req.call_id,
-                    req.title,
-                    json.dumps(options),
-                    events[0].seq,
-                    "answered" if chosen else "pending",
-                    chosen,
-                    now,
-                    now if chosen else None,
+            store.insert_permission(
+                conn,
+                PendingPermission(
+                    run_id=run.id,
+                    request_id=req.request_id,
+                    agent_id=run.agent_id,
+                    call_id=req.call_id,
+                    title=req.title,
+                    options=tuple(options),
+                    seq=events[0].seq,
+                    state="answered" if chosen else "pending",
+                    option_id=chosen,
+                    remember=False,
                 ),
+                requested_at=now,
+                answered_at=now if chosen else None,
             )
             if chosen:
                 answer = {
@@ -801,8 +792,7 @@ class RunEngine:
             return ev
 
         await self._append(write)
-        if self._metrics is not None:
-            self._metrics.runs_finished.labels("finished").inc()
+        self._count_end(RunState.FINISHED)
 
     async def _end(
         self,
@@ -817,7 +807,7 @@ class RunEngine:
             run = _with_usage(run, usage)
         now = self._clock()
         await self._append(lambda c: self._end_run_sync(c, run, code, message, now, started))
-        self._count_end(code)
+        self._count_end(_OUTCOME[code])
 
     def _end_run_sync(
         self,
@@ -872,9 +862,10 @@ class RunEngine:
                 started,
             )
 
-    def _count_end(self, code: RunErrorCode) -> None:
+    def _count_end(self, state: RunState) -> None:
+        """Count a run that ended in ``state`` (the runs_finished metric)."""
         if self._metrics is not None:
-            self._metrics.runs_finished.labels(_OUTCOME[code].value).inc()
+            self._metrics.runs_finished.labels(state.value).inc()
 
     # ------------------------------------------------------------ storing
 

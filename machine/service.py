@@ -15,6 +15,7 @@ import grpc.aio
 
 from machine import codec
 from machine.app import Machine
+from machine.version import machine_version
 from shared.errors import InvalidArgument, Unimplemented
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
@@ -197,16 +198,10 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
     # ---------------------------------------------------------------- status
 
     async def Status(self, request: pb.StatusRequest, context: Ctx) -> pb.StatusResponse:
-        from importlib.metadata import PackageNotFoundError, version
-
         st = await self._m.status()
-        try:
-            ver = version("agents-platform")
-        except PackageNotFoundError:
-            ver = "unknown"
         return pb.StatusResponse(
             joined=st.joined,
-            version=ver,
+            version=machine_version(),
             data_dir=st.data_dir,
             machine_id=st.machine_id,
             active_agents=st.active_agents,

@@ -29,16 +29,20 @@ from shared.errors import NotFound
 __all__ = [
     "OwnIds",
     "append_event",
+    "count_agents",
     "count_rows",
     "get_agent",
     "get_run",
     "get_setting",
+    "insert_permission",
     "insert_agent",
     "list_agents",
     "list_runs",
     "read_events",
     "row_to_agent",
+    "rule_for",
     "search",
+    "set_session_id",
     "set_setting",
 ]
 
@@ -108,6 +112,11 @@ def insert_agent(conn: sqlite3.Connection, agent: AgentRecord) -> None:
             agent.last_seq,
         ),
     )
+
+
+def set_session_id(conn: sqlite3.Connection, agent_id: str, session_id: str) -> None:
+    """Record the runtime session an agent continues in its next run."""
+    conn.execute("UPDATE agents SET session_id = ? WHERE id = ?", (session_id, agent_id))
 
 
 def get_agent(conn: sqlite3.Connection, agent_id: str, own: OwnIds) -> AgentRecord:
@@ -324,6 +333,44 @@ def get_permission(conn: sqlite3.Connection, run_id: str, request_id: str) -> Pe
     return _row_to_permission(row)
 
 
+def insert_permission(
+    conn: sqlite3.Connection,
+    perm: PendingPermission,
+    *,
+    requested_at: float,
+    answered_at: float | None = None,
+) -> None:
+    """Store a new permission request (already answered when a rule decided it)."""
+    conn.execute(
+        "INSERT INTO permissions (run_id, request_id, agent_id, call_id, title,"
+        " options_json, seq, state, option_id, remember, requested_at, answered_at)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+        (
+            perm.run_id,
+            perm.request_id,
+            perm.agent_id,
+            perm.call_id,
+            perm.title,
+            json.dumps([list(o) for o in perm.options]),
+            perm.seq,
+            perm.state,
+            perm.option_id,
+            int(perm.remember),
+            requested_at,
+            answered_at,
+        ),
+    )
+
+
+def rule_for(conn: sqlite3.Connection, agent_id: str, tool: str) -> str | None:
+    """The remembered decision (``allow``/``reject``) for a tool of an agent, or None."""
+    row = conn.execute(
+        "SELECT decision FROM permission_rules WHERE agent_id = ? AND tool = ?",
+        (agent_id, tool),
+    ).fetchone()
+    return None if row is None else str(row[0])
+
+
 def _row_to_permission(row: sqlite3.Row) -> PendingPermission:
     return PendingPermission(
         run_id=row["run_id"],
@@ -374,6 +421,11 @@ def search(
         )
         for r in conn.execute(sql, args)
     ]
+
+
+def count_agents(conn: sqlite3.Connection) -> int:
+    """How many agents there are, active or archived."""
+    return int(conn.execute("SELECT COUNT(*) FROM agents").fetchone()[0])
 
 
 def count_rows(conn: sqlite3.Connection, table: str) -> int:

@@ -4,6 +4,8 @@ Each daemon has one frozen config dataclass built once by its CLI. Values
 come from, in order of precedence: command-line flags, then the environment,
 then a TOML config file, then the default. The environment is passed in as a
 mapping (the CLI passes ``os.environ``) so nothing below the CLI reads it.
+A config module gathers the three sources in one :class:`Sources` and asks it
+for each field.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 import logging
 import tomllib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from shared.errors import ConfigError
 
-__all__ = ["load_toml", "pick", "parse_bool", "parse_size"]
+__all__ = ["Sources", "load_toml", "parse_bool", "parse_size", "pick", "split_hostport"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,70 @@ def pick(
         except (ValueError, TypeError) as e:
             raise ConfigError(name, f"bad value from {origin}: {e}") from None
     return default
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The places one daemon's settings come from, in order of precedence.
+
+    ``flags`` holds the CLI's parsed options by field name (None when not
+    given), ``env`` the environment, ``file`` the parsed TOML config file.
+    """
+
+    flags: Mapping[str, Any]
+    env: Mapping[str, str]
+    file: Mapping[str, Any]
+
+    def get(
+        self,
+        name: str,
+        env_key: str | None,
+        default: T,
+        parse: Callable[[Any], T] | None = None,
+    ) -> T:
+        """Field ``name`` from the flags, ``env[env_key]``, the file, else ``default``.
+
+        See :func:`pick`: ``parse`` converts the value found, and a value it
+        rejects raises ConfigError naming the field and where the value came from.
+        """
+        return pick(
+            name,
+            flag=self.flags.get(name),
+            env=self.env,
+            env_key=env_key,
+            file=self.file,
+            default=default,
+            parse=parse,
+        )
+
+
+def split_hostport(value: str, field: str, *, allow_port_zero: bool = True) -> tuple[str, int]:
+    """Split ``host:port`` into its host and port, or raise ConfigError naming ``field``.
+
+    An IPv6 host may be written in brackets (``[::1]:7443``); the brackets are
+    not part of the returned host. Without brackets the last colon separates
+    the port. The port is decimal, 0 to 65535 (1 to 65535 unless
+    ``allow_port_zero``, port 0 meaning "pick a free one"). The host is not
+    resolved or checked beyond being non-empty; callers add their own rules.
+    """
+    text = str(value)
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        sep, port_text = rest[:1], rest[1:]
+        if not bracket or sep != ":":
+            raise ConfigError(field, f"must be [host]:port, got {text!r}")
+    else:
+        host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(field, f"must be host:port, got {text!r}")
+    # isdigit alone accepts non-ASCII digits that int() may refuse.
+    if not (port_text.isascii() and port_text.isdigit()):
+        raise ConfigError(field, f"port must be a number, got {text!r}")
+    port = int(port_text)
+    lowest = 0 if allow_port_zero else 1
+    if not lowest <= port <= 65535:
+        raise ConfigError(field, f"port must be between {lowest} and 65535, got {text!r}")
+    return host, port
 
 
 def parse_bool(value: Any) -> bool:

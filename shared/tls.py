@@ -50,8 +50,9 @@ __all__ = [
     "ca_hash",
     "cert_not_after",
     "cert_serial",
-    "check_csr",
     "check_ca_hash",
+    "check_client_cert",
+    "check_csr",
     "identity_from_cert",
     "identity_uri",
     "issue_server_cert",
@@ -368,6 +369,40 @@ def identity_from_cert(cert_pem: bytes | str) -> PeerIdentity:
                 account_id=m.group(1), machine_id=m.group(2), serial=_serial_hex(cert)
             )
     raise InvalidArgument("certificate", "no agents identity URI")
+
+
+def _spki(key: ec.EllipticCurvePublicKey) -> bytes:
+    return key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def check_client_cert(
+    cert_pem: bytes | str,
+    ca_cert_pem: bytes | str,
+    *,
+    public_key: ec.EllipticCurvePublicKey,
+    account_id: str,
+    machine_id: str | None = None,
+) -> PeerIdentity:
+    """Check a client certificate the control plane issued to us; return its identity.
+
+    It must be signed by the CA, certify ``public_key`` (the key we sent in
+    the CSR) and name ``account_id`` (and ``machine_id`` when given). Raises
+    InvalidArgument naming ``certificate`` otherwise.
+    """
+    verify_issued_by(cert_pem, ca_cert_pem)
+    ident = identity_from_cert(cert_pem)
+    issued_key = load_cert(cert_pem).public_key()
+    if not isinstance(issued_key, ec.EllipticCurvePublicKey) or _spki(issued_key) != _spki(
+        public_key
+    ):
+        raise InvalidArgument("certificate", "not for the key in our request")
+    if ident.account_id != account_id or (
+        machine_id is not None and ident.machine_id != machine_id
+    ):
+        raise InvalidArgument("certificate", "names another machine")
+    return ident
 
 
 def ca_hash(ca_cert_pem: bytes | str) -> str:

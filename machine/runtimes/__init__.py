@@ -19,7 +19,7 @@ from machine.runtimes import acp, echo
 from machine.runtimes.base import Runtime
 from shared.errors import InvalidArgument
 
-__all__ = ["RUNTIMES", "RuntimeKind", "RuntimeRegistry", "default_registry"]
+__all__ = ["RuntimeKind", "RuntimeRegistry", "default_registry"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,3 @@ def default_registry(
 ) -> RuntimeRegistry:
     """A registry of the built-in runtimes, ``echo`` and ``acp``."""
     return RuntimeRegistry(_builtin(claude_home, codex_home))
-
-
-#: name -> kind, with the acp runtime's default folders.
-RUNTIMES: dict[str, RuntimeKind] = _builtin(None, None)

@@ -204,7 +204,7 @@ class ObjectStore(Protocol):
     ) -> None: ...
 
 
-def check_conditions(key: str, if_none_match: bool, if_match: str | None) -> None:
+def check_conditions(if_none_match: bool, if_match: str | None) -> None:
     """Refuse contradictory or malformed put conditions (shared by backends)."""
     if if_none_match and if_match is not None:
         raise InvalidArgument("if_match", "cannot be combined with if_none_match")

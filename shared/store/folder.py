@@ -273,7 +273,7 @@ class FolderStore(StoreBase):
     ) -> str:
         """See :meth:`ObjectStore.put`."""
         validate_key(key)
-        check_conditions(key, if_none_match, if_match)
+        check_conditions(if_none_match, if_match)
         manager, f = await self._open_temp(key)
         try:
             hasher = hashlib.sha256()

@@ -75,7 +75,7 @@ class MemoryStore(StoreBase):
     ) -> str:
         """See :meth:`ObjectStore.put`."""
         validate_key(key)
-        check_conditions(key, if_none_match, if_match)
+        check_conditions(if_none_match, if_match)
         if isinstance(data, bytes | bytearray | memoryview):
             content = bytes(data)
         else:

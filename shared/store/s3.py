@@ -449,7 +449,7 @@ class S3Store(StoreBase):
     ) -> str:
         """See :meth:`ObjectStore.put`."""
         validate_key(key)
-        check_conditions(key, if_none_match, if_match)
+        check_conditions(if_none_match, if_match)
         part_size = self.config.part_size
         if isinstance(data, bytes | bytearray | memoryview) and len(data) <= part_size:
             return await self._put_single(key, bytes(data), if_none_match, if_match)

@@ -12,7 +12,6 @@ import time
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Final, Self
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
@@ -33,7 +32,7 @@ from shared.store.base import (
     ObjectInfo,
     ObjectStore,
     PutData,
-    flatten_pages,
+    StoreBase,
 )
 
 __all__ = ["METRIC_NAMESPACES", "MeteredStore", "RetryingStore"]
@@ -41,7 +40,7 @@ __all__ = ["METRIC_NAMESPACES", "MeteredStore", "RetryingStore"]
 logger = logging.getLogger(__name__)
 
 
-class RetryingStore:
+class RetryingStore(StoreBase):
     """Retries idempotent operations of ``inner`` on TransientError.
 
     Retried: get, head, delete, put of ``bytes`` (the data can be sent again),
@@ -167,31 +166,14 @@ class RetryingStore:
             after = page[-1].key
             yield page
 
-    def list(
-        self,
-        prefix: str = "",
-        *,
-        start_after: str | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
-    ) -> AsyncIterator[ObjectInfo]:
-        """See :meth:`ObjectStore.list`."""
-        return flatten_pages(self.list_pages(prefix, start_after=start_after, page_size=page_size))
-
     async def close(self) -> None:
         """Close the inner store."""
         await self.inner.close()
 
     async def __aenter__(self) -> Self:
+        # Entering the wrapper enters the store it wraps; leaving closes it (StoreBase).
         await self.inner.__aenter__()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
 
 #: The daemons' metric namespaces.
@@ -282,7 +264,7 @@ class _Timer:
             self._metrics.errors.labels(self._operation, outcome).inc()
 
 
-class MeteredStore:
+class MeteredStore(StoreBase):
     """Counts and times every operation of ``inner``.
 
     Metrics (labels ``operation`` and ``outcome`` only; never a key):
@@ -391,28 +373,11 @@ class MeteredStore:
             timer.done(None)
             yield page
 
-    def list(
-        self,
-        prefix: str = "",
-        *,
-        start_after: str | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
-    ) -> AsyncIterator[ObjectInfo]:
-        """See :meth:`ObjectStore.list`."""
-        return flatten_pages(self.list_pages(prefix, start_after=start_after, page_size=page_size))
-
     async def close(self) -> None:
         """Close the inner store."""
         await self.inner.close()
 
     async def __aenter__(self) -> Self:
+        # Entering the wrapper enters the store it wraps; leaving closes it (StoreBase).
         await self.inner.__aenter__()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()

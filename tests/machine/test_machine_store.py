@@ -92,6 +92,12 @@ async def test_concurrent_appends_share_commits(tmp_path: Path) -> None:
                 " created_at, updated_at) VALUES ('ag_x', 'x', '/', 'echo', 'active', 'm', 0, 0)"
             )
         )
+        # The observer runs after writers are answered: wait for the setup commit's
+        # report so it is not counted with the appends.
+        deadline = asyncio.get_running_loop().time() + 5
+        while not batches:
+            assert asyncio.get_running_loop().time() < deadline, "setup commit never observed"
+            await asyncio.sleep(0.005)
         batches.clear()
 
         async def appender(i: int) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import load_toml, parse_bool, parse_size, pick
+from shared.config import Sources, load_toml, parse_bool, parse_size, pick, split_hostport
 from shared.errors import ConfigError
 
 
@@ -48,3 +48,68 @@ def test_load_toml(tmp_path: Path) -> None:
     bad.write_text("store = \n")
     with pytest.raises(ConfigError):
         load_toml(bad)
+
+
+def test_sources_layer_flags_env_file_default() -> None:
+    src = Sources(
+        flags={"limit": None, "name": "flag"},
+        env={"LIMIT": "2k", "NAME": "env"},
+        file={"limit": 3, "name": "file", "ratio": "0.5"},
+    )
+    assert src.get("name", "NAME", "default") == "flag"
+    assert src.get("limit", "LIMIT", 7, parse_size) == 2048
+    assert src.get("limit", None, 7, parse_size) == 3  # no env key: the file is next
+    assert src.get("ratio", None, 1.0, float) == 0.5
+    assert src.get("missing", "MISSING", 42) == 42
+
+
+def test_sources_bad_value_names_field_and_origin() -> None:
+    src = Sources(flags={}, env={}, file={"limit": "lots"})
+    with pytest.raises(ConfigError) as info:
+        src.get("limit", "LIMIT", 7, parse_size)
+    assert info.value.field == "limit" and "config file" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("127.0.0.1:7443", ("127.0.0.1", 7443)),
+        ("example.org:0", ("example.org", 0)),
+        ("[::1]:80", ("::1", 80)),
+        ("[fe80::1%eth0]:65535", ("fe80::1%eth0", 65535)),
+        ("::1:80", ("::1", 80)),  # unbracketed: the last colon separates the port
+    ],
+)
+def test_split_hostport_accepts(value: str, expected: tuple[str, int]) -> None:
+    assert split_hostport(value, "listen") == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "nonsense",
+        "host:",
+        ":80",
+        "host:http",
+        "host:-1",
+        "host:+80",
+        "host:65536",
+        "host:\u0662",  # a non-ASCII digit
+        "[::1]",
+        "[::1]80",
+        "[::1:80",
+        "[]:80",
+    ],
+)
+def test_split_hostport_refuses_naming_the_field(value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        split_hostport(value, "link_listen")
+    assert info.value.field == "link_listen"
+
+
+def test_split_hostport_port_zero_optional() -> None:
+    assert split_hostport("h:0", "listen") == ("h", 0)
+    with pytest.raises(ConfigError, match="between 1 and 65535"):
+        split_hostport("h:0", "listen", allow_port_zero=False)
+    assert split_hostport("h:1", "listen", allow_port_zero=False) == ("h", 1)

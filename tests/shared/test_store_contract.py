@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from shared.errors import InvalidArgument, NotFound, PreconditionFailed, StoreIncompatible
 from shared.store import (
     FolderStore,
+    MemoryStore,
     MeteredStore,
     ObjectStore,
     RetryingStore,
@@ -472,3 +473,41 @@ async def test_folder_store_makes_new_folders_durable(
         await store.put("a/b/c/obj", b"x")
     for created in (root / "a", root / "a" / "b", root / "a" / "b" / "c"):
         assert created.parent in synced, f"{created} not made durable in {created.parent}"
+
+
+class _TrackedMemoryStore(MemoryStore):
+    """A MemoryStore that records whether it was entered and how often it was closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = False
+        self.closes = 0
+
+    async def __aenter__(self) -> _TrackedMemoryStore:
+        self.entered = True
+        return self
+
+    async def close(self) -> None:
+        self.closes += 1
+
+
+@pytest.mark.parametrize("wrapper", ["retrying", "metered"])
+async def test_wrappers_enter_list_and_close_the_inner_store(wrapper: str) -> None:
+    inner = _TrackedMemoryStore()
+    outer: ObjectStore = (
+        RetryingStore(inner)
+        if wrapper == "retrying"
+        else MeteredStore(inner, "agents_cp", registry=CollectorRegistry())
+    )
+    async with outer as entered:
+        assert entered is outer
+        assert inner.entered and inner.closes == 0
+        for key in ("b", "a", "c/d"):
+            await outer.put(key, b"x")
+        keys = [i.key async for i in outer.list(page_size=2)]
+        assert keys == ["a", "b", "c/d"]
+        assert [i.key async for i in outer.list("c/")] == ["c/d"]
+        assert [i.key async for i in outer.list(start_after="a")] == ["b", "c/d"]
+    assert inner.closes == 1
+    await outer.close()
+    assert inner.closes == 2
