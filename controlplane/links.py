@@ -228,3 +228,7 @@ class LinkSessions:
             reason = CloseReason.BROKEN
             logger.info("machine %s: link read ended: %s", session.machine_id, e)
         session.outbox.put_nowait(CloseLink(reason))
+        # Offline now, whatever happens to the sending side: if the call was torn
+        # down while its response generator sat at a yield, nothing else would
+        # consume the CloseLink until that generator is finalised.
+        await self._presence.close(session)

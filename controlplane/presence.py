@@ -171,11 +171,13 @@ class PresenceRegistry:
         await self._write(session, force=False)
 
     async def close(self, session: Session) -> None:
-        """The link ended: forget it (unless replaced) and write last seen."""
-        if self._sessions.get(session.machine_id) is session:
-            del self._sessions[session.machine_id]
-            self._changed()
-            logger.info("machine %s offline", session.machine_id)
+        """The link ended: forget it and write last seen (idempotent; a replaced
+        session is already forgotten and its successor writes for it)."""
+        if self._sessions.get(session.machine_id) is not session:
+            return
+        del self._sessions[session.machine_id]
+        self._changed()
+        logger.info("machine %s offline", session.machine_id)
         await self._write(session, force=True)
 
     def close_all(self, reason: CloseReason = CloseReason.SHUTDOWN) -> int:
