@@ -141,7 +141,7 @@ def start_serve(cp: ControlProc, extra: Sequence[str] = ()) -> None:
             if info.get("pid") == cp.process.pid:
                 cp.serve_info = info
                 return
-        time.sleep(0.05)
+        time.sleep(0.05)  # poll step; START_DEADLINE bounds the wait
     raise AssertionError(f"serve not ready in {START_DEADLINE}s:\n{cp.log_path.read_text()}")
 
 

@@ -57,8 +57,8 @@ class Setup:
 
 @pytest.fixture
 def setup(tmp_path: Path) -> Iterator[Setup]:
-    if not AGENTS_MACHINE.exists():
-        pytest.skip("agents-machine script missing: run .venv/bin/pip install -e . --no-deps")
+    # The test command installs the project: a missing script is a broken install.
+    assert AGENTS_MACHINE.exists(), "agents-machine missing: run .venv/bin/pip install -e ."
     s = Setup(tmp_path)
     try:
         yield s

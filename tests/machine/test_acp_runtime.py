@@ -49,7 +49,7 @@ async def wait_until(cond: Callable[[], bool], what: str, timeout: float = DEADL
     while not cond():
         if loop.time() > end:
             raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # poll step; the deadline above bounds the wait
 
 
 class Recorder:

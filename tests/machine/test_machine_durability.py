@@ -33,7 +33,7 @@ async def wait_for_state(m: Machine, run_id: str, state: RunState) -> RunRecord:
         if run.state is state:
             return run
         assert time.monotonic() < end, f"run {run_id} stayed {run.state}, wanted {state}"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # poll step under the deadline above
 
 
 async def until(events: AsyncIterator[StoredEvent], kind: EventKind) -> list[StoredEvent]:
@@ -235,7 +235,7 @@ async def test_failing_commit_observer_neither_hangs_nor_stops_the_writer(
         end = time.monotonic() + DEADLINE
         while len(calls) < 2:
             assert time.monotonic() < end, "the observer was not called for the second commit"
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # poll step under the deadline above
         value = await db.read(lambda c: c.execute("SELECT value FROM settings").fetchone()[0])
         assert value == "v"
     finally:

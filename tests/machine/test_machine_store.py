@@ -97,7 +97,7 @@ async def test_concurrent_appends_share_commits(tmp_path: Path) -> None:
         deadline = asyncio.get_running_loop().time() + 5
         while not batches:
             assert asyncio.get_running_loop().time() < deadline, "setup commit never observed"
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # poll step under the deadline above
         batches.clear()
 
         async def appender(i: int) -> None:
