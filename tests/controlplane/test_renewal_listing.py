@@ -202,7 +202,7 @@ async def test_list_machines_reads_presence_concurrently_but_bounded() -> None:
     try:
         async with asyncio.timeout(10):
             while presence.in_flight < 16:
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # poll step; a deadline bounds the loop
         presence.release.set()
         async with asyncio.timeout(10):
             reply = await call

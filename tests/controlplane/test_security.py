@@ -150,7 +150,7 @@ async def wait_for_value(probe: Any, want: float, deadline: float = _PROMPT) -> 
     end = time.monotonic() + deadline
     value = probe()
     while value != want and time.monotonic() < end:
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # poll step; a deadline bounds the loop
         value = probe()
     return float(value)
 

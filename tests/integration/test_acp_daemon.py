@@ -88,7 +88,7 @@ async def wait_state(stub: Any, run_id: str, state: int) -> Any:
             return run
         if time.monotonic() > end:
             raise AssertionError(f"run state {run.state}, wanted {state}")
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # poll step; a deadline bounds the loop
 
 
 @pytest.mark.parametrize("answer_with", ["rpc", "cli"])

@@ -255,7 +255,7 @@ async def test_no_secret_in_clear(
         while "joined as machine" not in machine_log.read_text(errors="replace"):
             assert machine.poll() is None, machine_log.read_text(errors="replace")
             assert time.monotonic() < deadline, machine_log.read_text(errors="replace")
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # poll step; a deadline bounds the loop
         listed = json.loads(
             _ok(cp.cli("machine", "list", "--account", acct["account_id"], "--json"))
         )

@@ -276,7 +276,7 @@ async def _until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
     while not pred():
         if time.monotonic() > deadline:
             raise AssertionError("condition not met before the deadline")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # poll step; a deadline bounds the loop
 
 
 async def _joined(control: Running, data_dir: Path) -> None:
