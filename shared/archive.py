@@ -1,0 +1,289 @@
+"""Tar archives that cannot hurt the reader: bounded, regular files only, staged.
+
+Imports and restores read archives that came from somewhere else, so every
+entry is checked before a byte of it is written: only regular files whose
+path the caller expects; no absolute path, ``..``, link, device, FIFO or
+sparse file; entry count, each entry's size, the total unpacked size and the
+compression ratio are bounded (a gzip bomb stops at the bound, not at the
+end of the disk). Sizes are counted as bytes are really read, never taken
+from a header's word.
+
+Extraction goes into a fresh staging folder that the caller commits (renames
+or loads) only once the whole archive has been read: a bad archive leaves
+nothing behind.
+
+Writing is deterministic (fixed mtime, owner and mode), so the same content
+makes the same archive.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import logging
+import os
+import re
+import shutil
+import tarfile
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO, Final
+
+from shared.atomic import FILE_MODE, ensure_private_dir, open_atomic
+from shared.errors import InvalidArgument
+
+__all__ = [
+    "ArchiveLimits",
+    "extract_staged",
+    "write_tar_gz",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Read and write in pieces of this size: memory stays flat for any entry size.
+CHUNK: Final = 1024 * 1024
+_GZIP_MAGIC: Final = b"\x1f\x8b"
+#: One path component: printable, no separators; the caller's ``accept`` narrows it.
+_COMPONENT: Final = re.compile(r"^[A-Za-z0-9._@+=-]{1,255}$")
+
+
+@dataclass(frozen=True)
+class ArchiveLimits:
+    """Bounds on one archive; anything beyond is refused before it is written."""
+
+    max_entries: int = 100_000
+    """Entries of any kind, counted as they are read."""
+    max_entry_bytes: int = 1024**3
+    """One file's size (its header's claim and its real length)."""
+    max_total_bytes: int = 8 * 1024**3
+    """Every file's bytes added up, as unpacked."""
+    max_ratio: int = 200
+    """Unpacked bytes per compressed byte, checked once past ``ratio_grace`` bytes."""
+    ratio_grace: int = 16 * 1024 * 1024
+    """Unpacked bytes read before the ratio counts (small archives compress well)."""
+
+
+def _refuse(reason: str) -> InvalidArgument:
+    return InvalidArgument("archive", reason)
+
+
+class _Counted(io.RawIOBase):
+    """A reader that counts the bytes it hands out and stops past a bound."""
+
+    def __init__(self, inner: BinaryIO, limit: int, what: str) -> None:
+        self._inner = inner
+        self._limit = limit
+        self._what = what
+        self.count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        data = self._inner.read(len(buffer))
+        self.count += len(data)
+        if self.count > self._limit:
+            raise _refuse(f"{self._what} larger than the limit of {self._limit} bytes")
+        buffer[: len(data)] = data
+        return len(data)
+
+
+class _Unpacked(io.RawIOBase):
+    """Decompressed bytes, bounded in total and in ratio to the compressed bytes read."""
+
+    def __init__(self, inner: BinaryIO, raw: _Counted, limits: ArchiveLimits) -> None:
+        self._inner = inner
+        self._raw = raw
+        self._limits = limits
+        self.count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        data = self._inner.read(len(buffer))
+        self.count += len(data)
+        # Tar headers and padding ride on top of the files' bytes; a little slack
+        # keeps an archive exactly at the file limit readable.
+        if self.count > self._limits.max_total_bytes + 64 * 1024 * 1024:
+            raise _refuse(f"unpacks to more than {self._limits.max_total_bytes} bytes")
+        if self.count > self._limits.ratio_grace and self.count > self._limits.max_ratio * max(
+            self._raw.count, 1
+        ):
+            raise _refuse(
+                f"compression ratio above {self._limits.max_ratio}:1 (a decompression bomb?)"
+            )
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def _check_path(name: str) -> str:
+    """The entry's path if it is a plain relative path; refuse anything else."""
+    if not name or "\\" in name or "\x00" in name:
+        raise _refuse(f"entry {name[:80]!r}: not a plain relative path")
+    if name.startswith("/"):
+        raise _refuse(f"entry {name[:80]!r}: absolute path")
+    parts = PurePosixPath(name).parts
+    if ".." in parts:
+        raise _refuse(f"entry {name[:80]!r}: path escapes the archive")
+    for part in parts:
+        if not _COMPONENT.match(part) or part == ".":
+            raise _refuse(f"entry {name[:80]!r}: not a plain relative path")
+    return "/".join(parts)
+
+
+def _kind(member: tarfile.TarInfo) -> str:
+    if member.issym():
+        return "symbolic link"
+    if member.islnk():
+        return "hard link"
+    if member.ischr() or member.isblk():
+        return "device"
+    if member.isfifo():
+        return "FIFO"
+    if member.issparse():
+        return "sparse file"
+    if member.isdir():
+        return "directory"
+    if member.isreg():
+        return "file"
+    return "special entry"
+
+
+def extract_staged(
+    source: Path,
+    dest: Path,
+    *,
+    accept: Callable[[str], bool],
+    limits: ArchiveLimits | None = None,
+) -> list[str]:
+    """Unpack the tar (or ``.tar.gz``) at ``source`` into the new folder ``dest``.
+
+    ``accept(path)`` says whether a file path is one the caller expects;
+    directory entries are passed over (folders are made as files need them).
+    Returns the file paths in archive order. On any refusal, raises
+    InvalidArgument (field ``archive``) naming the entry and the cause, and
+    ``dest`` is removed: nothing half-unpacked is left. ``dest`` must not exist.
+    """
+    limits = limits or ArchiveLimits()
+    if dest.exists():
+        raise FileExistsError(dest)
+    ensure_private_dir(dest)
+    try:
+        return _extract(source, dest, accept, limits)
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+
+
+def _extract(
+    source: Path, dest: Path, accept: Callable[[str], bool], limits: ArchiveLimits
+) -> list[str]:
+    seen: list[str] = []
+    names: set[str] = set()
+    total = 0
+    with open(source, "rb") as f:
+        compressed_limit = os.fstat(f.fileno()).st_size + 1
+        raw = _Counted(f, compressed_limit, "archive")
+        magic = f.read(2)
+        f.seek(0)
+        stream: BinaryIO
+        if magic == _GZIP_MAGIC:
+            unzipped = gzip.GzipFile(fileobj=io.BufferedReader(raw, CHUNK), mode="rb")
+            stream = io.BufferedReader(_Unpacked(unzipped, raw, limits), CHUNK)  # type: ignore[arg-type]
+        else:
+            stream = io.BufferedReader(raw, CHUNK)
+        try:
+            tar = tarfile.open(fileobj=stream, mode="r|")
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+            raise _refuse(f"not a tar archive ({e})") from None
+        with tar:
+            count = 0
+            try:
+                for member in tar:
+                    count += 1
+                    if count > limits.max_entries:
+                        raise _refuse(f"more than {limits.max_entries} entries")
+                    path = _check_path(member.name)
+                    kind = _kind(member)
+                    if kind == "directory":
+                        continue
+                    if kind != "file":
+                        raise _refuse(f"entry {path!r}: a {kind}; only regular files are allowed")
+                    if not accept(path):
+                        raise _refuse(f"entry {path!r}: not a path this format has")
+                    if path in names:
+                        raise _refuse(f"entry {path!r}: appears twice")
+                    if member.size > limits.max_entry_bytes:
+                        raise _refuse(
+                            f"entry {path!r}: claims {member.size} bytes, "
+                            f"over the limit of {limits.max_entry_bytes}"
+                        )
+                    total += member.size
+                    if total > limits.max_total_bytes:
+                        raise _refuse(f"files add up to more than {limits.max_total_bytes} bytes")
+                    names.add(path)
+                    _write_entry(tar, member, dest / path, path)
+                    seen.append(path)
+            except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
+                raise _refuse(f"damaged or truncated ({e})") from None
+            except OSError as e:
+                if isinstance(e, FileExistsError | PermissionError):
+                    raise
+                raise _refuse(f"damaged or truncated ({e})") from None
+    return seen
+
+
+def _write_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path, path: str) -> None:
+    ensure_private_dir(target.parent)
+    reader = tar.extractfile(member)
+    if reader is None:  # pragma: no cover - isreg() members always have data
+        raise _refuse(f"entry {path!r}: has no data")
+    written = 0
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+    with os.fdopen(fd, "wb") as out, reader:
+        while chunk := reader.read(CHUNK):
+            written += len(chunk)
+            out.write(chunk)
+    if written != member.size:
+        raise _refuse(f"entry {path!r}: truncated ({written} of {member.size} bytes)")
+
+
+#: Every entry's mtime: archives of the same content are byte-equal.
+FIXED_MTIME: Final = 0
+
+
+def write_tar_gz(
+    dest: Path,
+    entries: Iterable[tuple[str, bytes | Path]],
+    *,
+    level: int = 6,
+) -> int:
+    """Write ``entries`` (path, bytes or a file to copy) as a ``.tar.gz`` at ``dest``.
+
+    The archive is written to a temp file, fsynced and renamed: ``dest`` is
+    either absent or whole. Paths are checked as on reading. Returns the
+    archive's size in bytes.
+    """
+    with open_atomic(dest) as out:
+        with (
+            gzip.GzipFile(filename="", mode="wb", fileobj=out, compresslevel=level, mtime=0) as gz,
+            tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar,
+        ):
+            for name, data in entries:
+                path = _check_path(name)
+                info = tarfile.TarInfo(path)
+                info.mtime = FIXED_MTIME
+                info.mode = FILE_MODE
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                if isinstance(data, Path):
+                    info.size = data.stat().st_size
+                    with open(data, "rb") as src:
+                        tar.addfile(info, src)
+                else:
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return dest.stat().st_size
