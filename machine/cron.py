@@ -1,0 +1,170 @@
+"""When a schedule fires: five-field cron in an IANA time zone, DST included.
+
+Fire times are wall-clock times in the schedule's zone, computed by croniter
+on naive local times and then placed on the UTC time line by ``zoneinfo``, so
+the two DST transitions have one stated meaning:
+
+* a wall time that does not exist (the hour skipped in spring) fires at the
+  instant the clocks jump to, once;
+* a wall time that occurs twice (the hour repeated in autumn) fires once, at
+  its first occurrence.
+
+Fire times are strictly increasing and never repeat, whatever the rule. No
+function here reads the clock: every one takes the instant it plans from.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Final, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import croniter
+
+from shared.errors import InvalidArgument
+
+__all__ = [
+    "MissedPolicy",
+    "StartPlan",
+    "fires_between",
+    "next_fire",
+    "plan_start",
+    "validate_cron",
+    "validate_zone",
+]
+
+logger = logging.getLogger(__name__)
+
+MissedPolicy = Literal["skip", "once"]
+#: Longest cron expression accepted (five fields never need more).
+MAX_CRON: Final = 200
+#: Fire times examined per call at most: a rule that fires every minute over a
+#: long outage is not walked minute by minute forever.
+MAX_STEPS: Final = 100_000
+_UTC: Final = dt.UTC
+
+
+def validate_cron(expr: str, field: str = "cron") -> str:
+    """``expr`` if it is a valid five-field cron expression, else InvalidArgument."""
+    if not isinstance(expr, str) or not expr.strip() or len(expr) > MAX_CRON:
+        raise InvalidArgument(field, f"must be a cron expression of 1 to {MAX_CRON} characters")
+    parts = expr.split()
+    if len(parts) != 5:
+        raise InvalidArgument(
+            field,
+            f"{expr!r} has {len(parts)} fields; a cron expression has five: "
+            "minute hour day-of-month month day-of-week",
+        )
+    if not croniter.is_valid(" ".join(parts)):
+        raise InvalidArgument(field, f"{expr!r} is not a valid cron expression")
+    return " ".join(parts)
+
+
+def validate_zone(name: str, field: str = "time_zone") -> ZoneInfo:
+    """The IANA zone ``name`` (such as ``Europe/Berlin``), else InvalidArgument."""
+    if not isinstance(name, str) or not name or len(name) > 64 or ".." in name:
+        raise InvalidArgument(field, f"{str(name)[:64]!r} is not an IANA time zone")
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise InvalidArgument(field, f"{name!r} is not an IANA time zone") from None
+
+
+def _local(instant: dt.datetime, zone: ZoneInfo) -> dt.datetime:
+    return instant.astimezone(zone).replace(tzinfo=None)
+
+
+def _to_utc(wall: dt.datetime, zone: ZoneInfo) -> dt.datetime:
+    """A naive wall time in ``zone`` as an instant: gaps jump forward, repeats take the first."""
+    first = wall.replace(tzinfo=zone, fold=0).astimezone(_UTC)
+    if _local(first, zone) == wall:
+        return first  # fold=0 is the first occurrence of a repeated time
+    # In a gap: the two readings straddle the jump; find the jump itself, the
+    # first instant whose wall time is at or past ``wall``.
+    lo = wall.replace(tzinfo=zone, fold=1).astimezone(_UTC)
+    hi = first
+    lo, hi = min(lo, hi), max(lo, hi)
+    while hi - lo > dt.timedelta(seconds=1):
+        mid = lo + (hi - lo) / 2
+        if _local(mid, zone) >= wall:
+            hi = mid
+        else:
+            lo = mid
+    return hi.replace(microsecond=0)
+
+
+def _walk(
+    expr: str, zone: ZoneInfo, start: dt.datetime, *, backwards: bool = False
+) -> Iterator[dt.datetime]:
+    """Fire instants strictly after ``start`` (or at or before it, newest first)."""
+    if start.tzinfo is None:
+        raise ValueError("start must be timezone-aware")
+    # Begin an hour of wall time beyond ``start``: a fire in a DST gap lands
+    # after its wall time, and a repeated hour reads wall times twice.
+    slack = dt.timedelta(hours=-1 if not backwards else 1)
+    it = croniter(expr, _local(start, zone) + slack)
+    last: dt.datetime | None = None
+    for _ in range(MAX_STEPS):
+        wall = it.get_prev(dt.datetime) if backwards else it.get_next(dt.datetime)
+        instant = _to_utc(wall, zone)
+        if backwards:
+            if instant > start or (last is not None and instant >= last):
+                continue
+        elif instant <= start or (last is not None and instant <= last):
+            continue
+        last = instant
+        yield instant
+
+
+def next_fire(expr: str, zone: ZoneInfo, after: dt.datetime) -> dt.datetime | None:
+    """The first fire instant (UTC) strictly after ``after``; None if none comes."""
+    return next(_walk(expr, zone, after), None)
+
+
+def fires_between(
+    expr: str, zone: ZoneInfo, after: dt.datetime, until: dt.datetime, *, limit: int = 1000
+) -> list[dt.datetime]:
+    """Fire instants in ``(after, until]``, at most ``limit`` of them."""
+    out: list[dt.datetime] = []
+    for instant in _walk(expr, zone, after):
+        if instant > until or len(out) >= limit:
+            break
+        out.append(instant)
+    return out
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """What a schedule does when the daemon starts (or is resumed)."""
+
+    catch_up: dt.datetime | None
+    """The missed fire time to run once now, or None."""
+    missed: int
+    """How many fire times passed while the daemon was down (at most 1,000 counted)."""
+    next_fire: dt.datetime | None
+    """The next fire time after now."""
+
+
+def plan_start(
+    expr: str,
+    zone: ZoneInfo,
+    policy: MissedPolicy,
+    last_fire: dt.datetime | None,
+    created_at: dt.datetime,
+    now: dt.datetime,
+) -> StartPlan:
+    """Plan a schedule at start: which missed fire (if any) runs, and the next one.
+
+    Fire times after ``last_fire`` (or after ``created_at`` for a schedule that
+    never fired) and up to ``now`` were missed. With ``once`` the latest of
+    them runs now, as one catch-up; with ``skip`` none does. Either way the
+    schedule then goes on from its next fire time after ``now``.
+    """
+    since = max(last_fire or created_at, created_at)
+    missed = len(fires_between(expr, zone, since, now))
+    latest = next(_walk(expr, zone, now, backwards=True), None) if missed else None
+    catch_up = latest if policy == "once" and latest is not None and latest > since else None
+    return StartPlan(catch_up, missed, next_fire(expr, zone, now))
