@@ -15,6 +15,7 @@ imports ``grpc``.
     ├── NotFound                   kind, ident              -> NOT_FOUND
     ├── AlreadyExists              kind, ident              -> ALREADY_EXISTS
     ├── InvalidState               what, reason             -> FAILED_PRECONDITION
+    │   └── ProviderError          a machine provider refused (bad credentials, no instance)
     ├── PreconditionFailed         key                      -> ABORTED
     ├── QuotaExceeded              what, limit              -> RESOURCE_EXHAUSTED
     ├── Unauthenticated                                     -> UNAUTHENTICATED
@@ -24,7 +25,8 @@ imports ``grpc``.
     ├── Unimplemented              what                     -> UNIMPLEMENTED
     ├── DeadlineExceeded                                    -> DEADLINE_EXCEEDED
     ├── TransientError             (retryable)              -> UNAVAILABLE
-    │   └── StoreUnavailable
+    │   ├── StoreUnavailable
+    │   └── ProviderUnavailable    a machine provider did not answer
     ├── StoreError                 (permanent store fault)  -> INTERNAL
     │   └── StoreIncompatible      the bucket lacks a feature we need
     ├── ConfigError                field, reason            (CLI only)
@@ -48,6 +50,8 @@ __all__ = [
     "NotFound",
     "PermissionDenied",
     "PreconditionFailed",
+    "ProviderError",
+    "ProviderUnavailable",
     "QuotaExceeded",
     "RpcError",
     "StoreError",
@@ -186,6 +190,14 @@ class TransientError(AgentsError):
 
 class StoreUnavailable(TransientError):
     """The object store did not answer or answered with a server error."""
+
+
+class ProviderError(InvalidState):
+    """A machine provider refused to start or describe a machine (permanent)."""
+
+
+class ProviderUnavailable(TransientError):
+    """A machine provider could not be reached or was throttled (retry later)."""
 
 
 class StoreError(AgentsError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import os
 import socket
 import subprocess
 import sys
@@ -55,14 +56,21 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def moto_server(deadline: float = START_DEADLINE) -> Iterator[str]:
-    """Yield the endpoint URL of a fresh moto S3 server subprocess."""
+def moto_server(
+    deadline: float = START_DEADLINE, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """Yield the endpoint URL of a fresh moto server subprocess (S3, EC2, ...).
+
+    ``env`` adds to the server's environment, e.g. ``INITIAL_NO_AUTH_ACTION_COUNT=0``
+    for a server that checks credentials.
+    """
     for _ in range(3):  # the free port may be taken before moto binds it
         port = free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
         )
         url = f"http://127.0.0.1:{port}"
         try:
