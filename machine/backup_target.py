@@ -60,8 +60,8 @@ class ManifestInfo:
 class BackupTarget(Protocol):
     """Write-once storage for one machine's sealed manifests and segments."""
 
-    async def have_segments(self, names: Iterable[str]) -> set[str]:
-        """Which of ``names`` are stored already (so they are not sent again)."""
+    async def have_segments(self, names: Iterable[str]) -> dict[str, int]:
+        """Which of ``names`` are stored already, with their stored sizes."""
         ...
 
     async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
@@ -103,11 +103,16 @@ class StoreTarget:
     def __init__(self, store: ObjectStore) -> None:
         self._store = store
 
-    async def have_segments(self, names: Iterable[str]) -> set[str]:
+    async def have_segments(self, names: Iterable[str]) -> dict[str, int]:
         wanted = {_check_name(n) for n in names}
         if not wanted:
-            return set()
-        return wanted & await self.list_segments()
+            return {}
+        out: dict[str, int] = {}
+        async for info in self._store.list(_SEGMENTS):
+            name = info.key[len(_SEGMENTS) :]
+            if name in wanted:
+                out[name] = info.size
+        return out
 
     async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
         try:

@@ -37,6 +37,7 @@ from shared.errors import InvalidArgument
 __all__ = [
     "ArchiveLimits",
     "extract_staged",
+    "write_tar",
     "write_tar_gz",
 ]
 
@@ -255,6 +256,30 @@ def _write_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path, pa
 FIXED_MTIME: Final = 0
 
 
+def write_tar(out: BinaryIO, entries: Iterable[tuple[str, bytes | Path]]) -> None:
+    """Write ``entries`` (path, bytes or a file to copy) as a plain tar stream to ``out``.
+
+    Deterministic: fixed mtime, owner and mode, so the same entries make the
+    same bytes (backup segments are named by a hash of them). Paths are
+    checked as on reading.
+    """
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in entries:
+            path = _check_path(name)
+            info = tarfile.TarInfo(path)
+            info.mtime = FIXED_MTIME
+            info.mode = FILE_MODE
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            if isinstance(data, Path):
+                info.size = data.stat().st_size
+                with open(data, "rb") as src:
+                    tar.addfile(info, src)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
 def write_tar_gz(
     dest: Path,
     entries: Iterable[tuple[str, bytes | Path]],
@@ -264,26 +289,11 @@ def write_tar_gz(
     """Write ``entries`` (path, bytes or a file to copy) as a ``.tar.gz`` at ``dest``.
 
     The archive is written to a temp file, fsynced and renamed: ``dest`` is
-    either absent or whole. Paths are checked as on reading. Returns the
-    archive's size in bytes.
+    either absent or whole. Returns the archive's size in bytes.
     """
-    with open_atomic(dest) as out:
-        with (
-            gzip.GzipFile(filename="", mode="wb", fileobj=out, compresslevel=level, mtime=0) as gz,
-            tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar,
-        ):
-            for name, data in entries:
-                path = _check_path(name)
-                info = tarfile.TarInfo(path)
-                info.mtime = FIXED_MTIME
-                info.mode = FILE_MODE
-                info.uid = info.gid = 0
-                info.uname = info.gname = ""
-                if isinstance(data, Path):
-                    info.size = data.stat().st_size
-                    with open(data, "rb") as src:
-                        tar.addfile(info, src)
-                else:
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
+    with (
+        open_atomic(dest) as out,
+        gzip.GzipFile(filename="", mode="wb", fileobj=out, compresslevel=level, mtime=0) as gz,
+    ):
+        write_tar(gz, entries)  # type: ignore[arg-type]
     return dest.stat().st_size

@@ -1,0 +1,479 @@
+"""The backup engine: make, list, verify, fetch and prune sealed backups.
+
+It reads the machine's data through a :class:`BackupSource` and writes to a
+:class:`~machine.backup_target.BackupTarget`; it knows nothing of SQL or of
+where the target is. The format is :mod:`machine.backup_format`.
+
+Making a backup (one commit point: the manifest)::
+
+    1. each agent's history -> plaintext (a deterministic tar) -> name (keyed hash)
+    2. ask the target which names it has; encode and upload only the others
+    3. seal the manifest and put it                      <- commit point
+    4. prune: delete manifests beyond the newest ``keep``, then every segment
+       that no kept manifest names
+
+A crash before 3 leaves segments no manifest names (the next prune removes
+them); a crash during 4 has deleted only manifests that were not kept, or
+segments no kept manifest names, so every kept backup stays restorable.
+
+An agent whose change marker and segment are the same as in the last backup
+is not read again: its segment is reused as it is (the *cache*).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Final, Protocol
+
+from machine.backup_format import (
+    SEGMENT_CHUNK,
+    BackupManifest,
+    SegmentRef,
+    decode_segment,
+    encode_segment,
+    open_manifest,
+    seal_manifest,
+    segment_key,
+)
+from machine.backup_target import BackupTarget, ManifestInfo
+from shared.atomic import ensure_private_dir, write_atomic
+from shared.crypto import BoxKeyPair, KeyedHasher
+from shared.errors import IntegrityError, InvalidArgument, NotFound
+from shared.ids import new_id
+
+__all__ = [
+    "KEEP_MAX",
+    "KEEP_MIN",
+    "AgentItem",
+    "BackupEngine",
+    "BackupResult",
+    "BackupSource",
+    "FetchedBackup",
+    "PruneResult",
+    "VerifyResult",
+    "validate_keep",
+]
+
+logger = logging.getLogger(__name__)
+
+KEEP_MIN: Final = 1
+KEEP_MAX: Final = 10
+_CACHE_FILE: Final = "segment-cache.json"
+_READ: Final = SEGMENT_CHUNK
+
+
+def validate_keep(keep: object, field: str = "backup_keep") -> int:
+    """How many backups to keep: a whole number from 1 to 10."""
+    if not isinstance(keep, int) or isinstance(keep, bool) or not KEEP_MIN <= keep <= KEEP_MAX:
+        raise InvalidArgument(field, f"must be a whole number from {KEEP_MIN} to {KEEP_MAX}")
+    return keep
+
+
+@dataclass(frozen=True)
+class AgentItem:
+    """One agent to back up, and a marker that changes whenever its history does."""
+
+    agent_id: str
+    marker: str
+
+
+class BackupSource(Protocol):
+    """What a backup reads from the machine (the database-backed one is in the store layer)."""
+
+    async def agents(self) -> list[AgentItem]:
+        """Every agent to back up."""
+        ...
+
+    async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
+        """Write the agent's plaintext segment (export-format tar) to ``out``."""
+        ...
+
+    async def attachments(self) -> list[tuple[str, Path]]:
+        """(sha256, file) of every attachment some agent names."""
+        ...
+
+    async def usage(self) -> list[dict[str, Any]]:
+        """The usage and time history, one row per run."""
+        ...
+
+    async def erased(self) -> list[dict[str, Any]]:
+        """The erased list."""
+        ...
+
+    async def settings(self) -> dict[str, str]:
+        """Settings that are not secrets."""
+        ...
+
+
+@dataclass(frozen=True)
+class BackupResult:
+    """What one backup did."""
+
+    backup_id: str
+    segments: int
+    uploaded: int
+    """Segments encoded and sent (the others were reused)."""
+    uploaded_bytes: int
+    stored_bytes: int
+    """Stored size of every segment the backup names, plus its manifest."""
+    plain_bytes: int
+    seconds: float
+    pruned: PruneResult | None = None
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What a prune removed."""
+
+    manifests: tuple[str, ...]
+    segments: int
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """A backup opened and every segment authenticated."""
+
+    backup_id: str
+    segments: int
+    plain_bytes: int
+    seconds: float
+
+
+@dataclass
+class FetchedBackup:
+    """A backup downloaded and decrypted into a staging folder."""
+
+    manifest: BackupManifest
+    folder: Path
+    agent_files: dict[str, Path] = field(default_factory=dict)
+    """agent id -> its plaintext segment (an export-format tar)."""
+    attachment_files: dict[str, Path] = field(default_factory=dict)
+    """sha256 -> the attachment's bytes."""
+
+
+Progress = Callable[[str, int, int], None]
+"""progress(stage, done, total): called as segments are handled."""
+
+
+def _hash_file(naming_key: bytes, path: Path) -> str:
+    h = KeyedHasher(naming_key)
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ):
+            yield chunk
+
+
+async def _athread(it: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """Drive a CPU-bound iterator (compress + encrypt) in a thread, chunk by chunk."""
+    done = object()
+    while True:
+        chunk = await asyncio.to_thread(next, it, done)
+        if chunk is done:
+            return
+        assert isinstance(chunk, bytes)
+        yield chunk
+
+
+class BackupEngine:
+    """Makes and reads one machine's backups on one target."""
+
+    def __init__(
+        self,
+        source: BackupSource,
+        target: BackupTarget,
+        *,
+        machine_id: str,
+        naming_key: bytes,
+        recipients: list[bytes],
+        keypair: BoxKeyPair,
+        work_dir: Path,
+        keep: int = 3,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._source = source
+        self._target = target
+        self._machine_id = machine_id
+        self._naming_key = naming_key
+        self._recipients = recipients
+        self._keypair = keypair
+        self._work = work_dir
+        self.keep = validate_keep(keep)
+        self._clock = clock
+        self._lock = asyncio.Lock()
+
+    # -- cache ---------------------------------------------------------------
+
+    def _load_cache(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads((self._work / _CACHE_FILE).read_bytes())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _save_cache(self, cache: dict[str, dict[str, Any]]) -> None:
+        write_atomic(self._work / _CACHE_FILE, json.dumps(cache, sort_keys=True).encode())
+
+    # -- making --------------------------------------------------------------
+
+    async def backup_now(self, progress: Progress | None = None) -> BackupResult:
+        """Make one backup, then prune; one at a time."""
+        async with self._lock:
+            started = time.monotonic()
+            ensure_private_dir(self._work)
+            backup_id = new_id("backup", now_ms=int(self._clock() * 1000))
+            with tempfile.TemporaryDirectory(dir=self._work, prefix=".stage-") as stage:
+                result = await self._make(backup_id, Path(stage), progress)
+            pruned = await self._prune_locked()
+            return BackupResult(
+                **{**result.__dict__, "seconds": time.monotonic() - started, "pruned": pruned}
+            )
+
+    async def _make(self, backup_id: str, stage: Path, progress: Progress | None) -> BackupResult:
+        cache = self._load_cache()
+        agents = await self._source.agents()
+        attachments = await self._source.attachments()
+        total = len(agents) + len(attachments)
+        planned: list[tuple[SegmentRef, Path | None]] = []
+        done = 0
+        for agent in agents:
+            hit = cache.get(agent.agent_id)
+            if hit and hit.get("marker") == agent.marker and isinstance(hit.get("name"), str):
+                ref = SegmentRef(
+                    hit["name"],
+                    segment_key(self._naming_key, hit["name"]),
+                    "agent",
+                    agent.agent_id,
+                    int(hit["size"]),
+                    int(hit["plain_size"]),
+                )
+                planned.append((ref, None))
+            else:
+                path = stage / agent.agent_id
+                with open(path, "wb") as out:
+                    await self._source.write_agent(agent.agent_id, out)
+                planned.append((await self._plan_file(path, "agent", agent.agent_id), path))
+            done += 1
+            if progress:
+                progress("read", done, total)
+        for sha, path in attachments:
+            hit = cache.get(f"attachment:{sha}")
+            if hit and isinstance(hit.get("name"), str):
+                # Content-addressed: the same sha256 is the same bytes, the same segment.
+                name = hit["name"]
+                key = segment_key(self._naming_key, name)
+                planned.append(
+                    (SegmentRef(name, key, "attachment", sha, 0, int(hit["plain_size"])), path)
+                )
+            else:
+                planned.append((await self._plan_file(path, "attachment", sha), path))
+            done += 1
+            if progress:
+                progress("read", done, total)
+        have = await self._target.have_segments({ref.name for ref, _ in planned})
+        refs: list[SegmentRef] = []
+        uploaded = uploaded_bytes = 0
+        for i, (ref, src) in enumerate(planned):
+            if ref.name not in have:
+                if src is None:
+                    # The cache named a segment the target lost: read the agent again.
+                    src = stage / ref.ref
+                    with open(src, "wb") as out:
+                        await self._source.write_agent(ref.ref, out)
+                    ref = await self._plan_file(src, "agent", ref.ref)
+                size = await self._upload(ref, src)
+                ref = SegmentRef(ref.name, ref.key, ref.kind, ref.ref, size, ref.plain_size)
+                uploaded += 1
+                uploaded_bytes += size
+                have[ref.name] = size
+            elif ref.size == 0:
+                ref = SegmentRef(
+                    ref.name, ref.key, ref.kind, ref.ref, have[ref.name], ref.plain_size
+                )
+            refs.append(ref)
+            if progress:
+                progress("upload", i + 1, len(planned))
+        manifest = BackupManifest(
+            backup_id,
+            self._machine_id,
+            self._clock(),
+            self._naming_key,
+            tuple(refs),
+            tuple(await self._source.usage()),
+            tuple(await self._source.erased()),
+            await self._source.settings(),
+        )
+        blob = seal_manifest(manifest, self._recipients)
+        await self._target.put_manifest(backup_id, blob)  # the commit point
+        markers = {a.agent_id: a.marker for a in agents}
+        self._save_cache(
+            {
+                (r.ref if r.kind == "agent" else f"attachment:{r.ref}"): {
+                    "marker": markers.get(r.ref, ""),
+                    "name": r.name,
+                    "size": r.size,
+                    "plain_size": r.plain_size,
+                }
+                for r in refs
+            }
+        )
+        logger.info("backup %s: %d segments, %d uploaded", backup_id, len(refs), uploaded)
+        return BackupResult(
+            backup_id,
+            len(refs),
+            uploaded,
+            uploaded_bytes,
+            sum(r.size for r in refs) + len(blob),
+            sum(r.plain_size for r in refs),
+            0.0,
+        )
+
+    async def _plan_file(self, path: Path, kind: str, ref: str) -> SegmentRef:
+        name = await asyncio.to_thread(_hash_file, self._naming_key, path)
+        plain = path.stat().st_size
+        return SegmentRef(name, segment_key(self._naming_key, name), kind, ref, 0, plain)
+
+    async def _upload(self, ref: SegmentRef, path: Path) -> int:
+        sent = 0
+
+        async def counted() -> AsyncIterator[bytes]:
+            nonlocal sent
+            stream = encode_segment(_file_chunks(path), name=ref.name, key=ref.key)
+            async for chunk in _athread(stream):
+                sent += len(chunk)
+                yield chunk
+
+        await self._target.put_segment(ref.name, counted())
+        return sent
+
+    # -- reading -------------------------------------------------------------
+
+    async def list(self) -> list[tuple[ManifestInfo, BackupManifest | None]]:
+        """Every stored backup, oldest first, with its manifest when it opens."""
+        out: list[tuple[ManifestInfo, BackupManifest | None]] = []
+        for info in await self._target.list_manifests():
+            try:
+                manifest = await self.open(info.backup_id)
+            except IntegrityError as e:
+                logger.warning("backup %s does not open: %s", info.backup_id, e)
+                manifest = None
+            out.append((info, manifest))
+        return out
+
+    async def open(self, backup_id: str, keypair: BoxKeyPair | None = None) -> BackupManifest:
+        """Open one manifest (with the machine's key, or a recovery key)."""
+        blob = await self._target.get_manifest(backup_id)
+        return open_manifest(
+            blob, keypair or self._keypair, machine_id=self._machine_id, backup_id=backup_id
+        )
+
+    async def _segment_to(
+        self, ref: SegmentRef, naming_key: bytes, work: Path, out: BinaryIO | None
+    ) -> int:
+        """Download, authenticate and decode one segment; check its name; return its size.
+
+        The stored bytes go to a temp file first, so memory stays at one chunk.
+        """
+        raw = work / f".{ref.name}.download"
+        try:
+            with open(raw, "wb") as f:
+                async for chunk in self._target.get_segment(ref.name):
+                    f.write(chunk)
+
+            def decode() -> tuple[int, str]:
+                h = KeyedHasher(naming_key)
+                total = 0
+                for piece in decode_segment(
+                    _file_chunks(raw), name=ref.name, key=ref.key, max_plain=ref.plain_size
+                ):
+                    h.update(piece)
+                    total += len(piece)
+                    if out is not None:
+                        out.write(piece)
+                return total, h.hexdigest()
+
+            total, name = await asyncio.to_thread(decode)
+        finally:
+            raw.unlink(missing_ok=True)
+        if total != ref.plain_size or name != ref.name:
+            raise IntegrityError(f"segment {ref.name[:16]}", "content does not match its name")
+        return total
+
+    async def verify(self, backup_id: str, keypair: BoxKeyPair | None = None) -> VerifyResult:
+        """Open a backup and authenticate every segment (nothing is written)."""
+        started = time.monotonic()
+        manifest = await self.open(backup_id, keypair)
+        ensure_private_dir(self._work)
+        plain = 0
+        for ref in manifest.segments:
+            plain += await self._segment_to(ref, manifest.naming_key, self._work, None)
+        return VerifyResult(backup_id, len(manifest.segments), plain, time.monotonic() - started)
+
+    async def fetch(
+        self, backup_id: str, dest: Path, keypair: BoxKeyPair | None = None
+    ) -> FetchedBackup:
+        """Download and decode a whole backup into the new folder ``dest`` (staging)."""
+        manifest = await self.open(backup_id, keypair)
+        ensure_private_dir(dest)
+        fetched = FetchedBackup(manifest, dest)
+        try:
+            for ref in manifest.segments:
+                path = dest / f"{ref.kind}-{ref.ref}"
+                with open(path, "wb") as out:
+                    await self._segment_to(ref, manifest.naming_key, dest, out)
+                if ref.kind == "agent":
+                    fetched.agent_files[ref.ref] = path
+                else:
+                    fetched.attachment_files[ref.ref] = path
+        except BaseException:
+            for p in dest.iterdir():
+                with contextlib.suppress(OSError):
+                    p.unlink()
+            with contextlib.suppress(OSError):
+                os.rmdir(dest)
+            raise
+        return fetched
+
+    # -- pruning -------------------------------------------------------------
+
+    async def prune(self) -> PruneResult:
+        """Keep the newest ``keep`` backups; delete the rest and unreferenced segments."""
+        async with self._lock:
+            return await self._prune_locked()
+
+    async def _prune_locked(self) -> PruneResult:
+        infos = await self._target.list_manifests()
+        kept = infos[-self.keep :]
+        named: set[str] = set()
+        for info in kept:
+            try:
+                manifest = await self.open(info.backup_id)
+            except (IntegrityError, NotFound):
+                # A kept backup we cannot read: delete nothing its segments might be.
+                logger.warning("prune: backup %s does not open; pruning nothing", info.backup_id)
+                return PruneResult((), 0)
+            named |= {s.name for s in manifest.segments}
+        dropped = tuple(i.backup_id for i in infos[: -self.keep]) if len(infos) > self.keep else ()
+        # Manifests first: a crash after this leaves only orphan segments, never
+        # a kept manifest naming a deleted segment.
+        for backup_id in dropped:
+            await self._target.delete_manifest(backup_id)
+        orphans = await self._target.list_segments() - named
+        await self._target.delete_segments(sorted(orphans))
+        if dropped or orphans:
+            logger.info("prune: %d backups, %d segments removed", len(dropped), len(orphans))
+        return PruneResult(dropped, len(orphans))

@@ -1,0 +1,240 @@
+"""machine.backup: the engine over a fake source (unit) and a real folder target."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pytest
+
+from machine.backup import AgentItem, BackupEngine, validate_keep
+from machine.backup_target import StoreTarget
+from shared.crypto import BoxKeyPair
+from shared.errors import IntegrityError, InvalidArgument, NotFound
+from shared.ids import new_id
+from shared.store.folder import FolderStore
+
+MACHINE = new_id("machine")
+
+
+class FakeSource:
+    """Agents as byte strings in memory; bumping one changes its marker."""
+
+    def __init__(self, tmp: Path, agents: int) -> None:
+        self.data: dict[str, bytes] = {}
+        self.version: dict[str, int] = {}
+        self.reads = 0
+        for i in range(agents):
+            agent = new_id("agent")
+            self.data[agent] = f"SECRET-CONVERSATION-{i} ".encode() * 2000 + os.urandom(64)
+            self.version[agent] = 1
+        self.att_dir = tmp / "att"
+        self.att_dir.mkdir()
+        blob = b"ATTACHMENT-BYTES" * 100
+        self.attachment = ("ab" * 32, self.att_dir / ("ab" * 32))
+        self.attachment[1].write_bytes(blob)
+
+    def change(self, agent: str) -> None:
+        self.data[agent] += b" one more turn"
+        self.version[agent] += 1
+
+    async def agents(self) -> list[AgentItem]:
+        return [AgentItem(a, str(v)) for a, v in self.version.items()]
+
+    async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
+        self.reads += 1
+        out.write(self.data[agent_id])
+
+    async def attachments(self) -> list[tuple[str, Path]]:
+        return [self.attachment]
+
+    async def usage(self) -> list[dict[str, Any]]:
+        return [{"run_id": new_id("run"), "input_tokens": 5}]
+
+    async def erased(self) -> list[dict[str, Any]]:
+        return [{"agent_id": new_id("agent"), "erased_at": 1.0}]
+
+    async def settings(self) -> dict[str, str]:
+        return {"backup_keep": "2"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        self.now += 60
+        return self.now
+
+
+@pytest.fixture
+def parts(tmp_path: Path) -> dict[str, Any]:
+    machine_key, recovery = BoxKeyPair.generate(), BoxKeyPair.generate()
+    store = FolderStore(tmp_path / "target")
+    source = FakeSource(tmp_path, 5)
+    engine = BackupEngine(
+        source,
+        StoreTarget(store),
+        machine_id=MACHINE,
+        naming_key=os.urandom(32),
+        recipients=[machine_key.public_key, recovery.public_key],
+        keypair=machine_key,
+        work_dir=tmp_path / "work",
+        keep=2,
+        clock=Clock(),
+    )
+    return {
+        "engine": engine,
+        "source": source,
+        "store": store,
+        "root": tmp_path / "target",
+        "recovery": recovery,
+        "tmp": tmp_path,
+    }
+
+
+async def test_full_backup_fetches_byte_equal_with_either_key(parts: dict[str, Any]) -> None:
+    engine, source = parts["engine"], parts["source"]
+    result = await engine.backup_now()
+    assert (result.segments, result.uploaded) == (6, 6)
+    for i, key in enumerate([None, parts["recovery"]]):
+        fetched = await engine.fetch(result.backup_id, parts["tmp"] / f"f{i}", key)
+        assert {a: p.read_bytes() for a, p in fetched.agent_files.items()} == source.data
+        sha, path = source.attachment
+        assert fetched.attachment_files[sha].read_bytes() == path.read_bytes()
+        assert fetched.manifest.settings == {"backup_keep": "2"}
+        assert len(fetched.manifest.erased) == 1 and len(fetched.manifest.usage) == 1
+    verified = await engine.verify(result.backup_id, parts["recovery"])
+    assert verified.segments == 6 and verified.plain_bytes == result.plain_bytes
+
+
+async def test_nothing_in_the_target_reads_as_plaintext(parts: dict[str, Any]) -> None:
+    await parts["engine"].backup_now()
+    root = parts["root"]
+    blobs = [p.read_bytes() for p in root.rglob("*") if p.is_file()]
+    assert len(list((root / "segments").iterdir())) + len(list((root / "manifests").iterdir())) == 7
+    for blob in blobs:
+        assert b"SECRET-CONVERSATION" not in blob
+        assert b"ATTACHMENT-BYTES" not in blob
+        for agent in parts["source"].data:
+            assert agent.encode() not in blob
+
+
+async def test_unchanged_agents_are_neither_read_nor_uploaded(parts: dict[str, Any]) -> None:
+    engine, source = parts["engine"], parts["source"]
+    await engine.backup_now()
+    reads = source.reads
+    again = await engine.backup_now()
+    assert (again.uploaded, source.reads - reads) == (0, 0)
+    source.change(next(iter(source.data)))
+    third = await engine.backup_now()
+    assert third.uploaded == 1 and source.reads - reads == 1
+    assert third.uploaded_bytes < third.stored_bytes / 3
+
+
+async def test_lost_cache_still_reuses_segments_by_name(parts: dict[str, Any]) -> None:
+    engine = parts["engine"]
+    await engine.backup_now()
+    (parts["tmp"] / "work" / "segment-cache.json").unlink()
+    assert (await engine.backup_now()).uploaded == 0
+
+
+async def test_segment_lost_from_target_is_sent_again(parts: dict[str, Any]) -> None:
+    engine, root = parts["engine"], parts["root"]
+    first = await engine.backup_now()
+    victim = next((root / "segments").iterdir())
+    victim.unlink()
+    second = await engine.backup_now()
+    assert second.uploaded == 1
+    await engine.verify(second.backup_id)
+    # Same content, same name: the first backup is whole again too.
+    await engine.verify(first.backup_id)
+
+
+async def test_missing_segment_is_named(parts: dict[str, Any]) -> None:
+    engine, root = parts["engine"], parts["root"]
+    result = await engine.backup_now()
+    next((root / "segments").iterdir()).unlink()
+    with pytest.raises(NotFound, match="segment"):
+        await engine.verify(result.backup_id)
+
+
+async def test_keep_two_prunes_the_first_and_keeps_named_segments(parts: dict[str, Any]) -> None:
+    engine, source, root = parts["engine"], parts["source"], parts["root"]
+    first = await engine.backup_now()
+    source.change(next(iter(source.data)))
+    second = await engine.backup_now()
+    source.change(next(iter(source.data)))
+    third = await engine.backup_now()
+    assert third.pruned is not None and third.pruned.manifests == (first.backup_id,)
+    assert third.pruned.segments == 1, "only the first backup's old version of the agent"
+    assert [i.backup_id for i, _ in await engine.list()] == [second.backup_id, third.backup_id]
+    for b in (second, third):
+        await engine.verify(b.backup_id)
+    assert len(list((root / "segments").iterdir())) == 7
+
+
+async def test_crash_mid_prune_leaves_kept_backups_restorable(
+    parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, source = parts["engine"], parts["source"]
+    await engine.backup_now()
+    source.change(next(iter(source.data)))
+    second = await engine.backup_now()
+    source.change(next(iter(source.data)))
+
+    async def crash(names: object) -> None:
+        raise RuntimeError("killed mid-prune")
+
+    monkeypatch.setattr(engine._target, "delete_segments", crash)
+    with pytest.raises(RuntimeError):
+        await engine.backup_now()
+    monkeypatch.undo()
+    backups = [i.backup_id for i, _ in await engine.list()]
+    assert len(backups) == 2 and backups[0] == second.backup_id
+    for b in backups:
+        await engine.verify(b)
+    pruned = await engine.prune()
+    assert pruned.segments == 1, "the orphan left by the crash goes at the next prune"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap"])
+async def test_tampered_segments_refused(parts: dict[str, Any], damage: str) -> None:
+    engine, root = parts["engine"], parts["root"]
+    result = await engine.backup_now()
+    seg_a, seg_b = sorted((root / "segments").iterdir())[:2]
+    if damage == "flip":
+        data = bytearray(seg_a.read_bytes())
+        data[len(data) // 2] ^= 1
+        seg_a.write_bytes(bytes(data))
+    elif damage == "truncate":
+        seg_a.write_bytes(seg_a.read_bytes()[:-50])
+    else:
+        seg_a.write_bytes(seg_b.read_bytes())
+    with pytest.raises(IntegrityError):
+        await engine.verify(result.backup_id)
+    dest = parts["tmp"] / "fetch"
+    with pytest.raises(IntegrityError):
+        await engine.fetch(result.backup_id, dest)
+    assert not dest.exists(), "a refused fetch leaves no staging folder"
+
+
+async def test_wrong_key_and_foreign_manifest_refused(parts: dict[str, Any]) -> None:
+    engine, root = parts["engine"], parts["root"]
+    first = await engine.backup_now()
+    second = await engine.backup_now()
+    with pytest.raises(IntegrityError):
+        await engine.verify(first.backup_id, BoxKeyPair.generate())
+    manifests = root / "manifests"
+    (manifests / f"{second.backup_id}.sealed").write_bytes(
+        (manifests / f"{first.backup_id}.sealed").read_bytes()
+    )
+    with pytest.raises(IntegrityError):
+        await engine.verify(second.backup_id)
+
+
+@pytest.mark.parametrize("bad", [0, 11, -1, True, "3", 2.5])
+def test_keep_bounds(bad: object) -> None:
+    with pytest.raises(InvalidArgument, match="backup_keep: must be a whole number from 1 to 10"):
+        validate_keep(bad)
