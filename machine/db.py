@@ -53,8 +53,46 @@ class _Job:
     loop: asyncio.AbstractEventLoop
 
 
-def _connect(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+class _ReaderConnection(sqlite3.Connection):
+    """The reader connection: remembers every cursor a read opens.
+
+    A cursor left mid-iteration (a reader that raised, or returned early)
+    keeps its statement active, and an active statement keeps the connection's
+    WAL snapshot after COMMIT: every later read would see the database as it
+    was then. :meth:`Database.read` closes them all when the read ends.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.opened: list[sqlite3.Cursor] = []
+
+    def cursor(self, factory: Any = sqlite3.Cursor) -> Any:
+        cur = super().cursor(factory)
+        self.opened.append(cur)
+        return cur
+
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        # The C implementation does not go through cursor(): route it there.
+        cur: sqlite3.Cursor = self.cursor().execute(sql, parameters)
+        return cur
+
+    def executemany(self, sql: str, parameters: Any, /) -> sqlite3.Cursor:
+        cur: sqlite3.Cursor = self.cursor().executemany(sql, parameters)
+        return cur
+
+    def close_cursors(self) -> None:
+        """Close (and so reset) every cursor opened since the last call."""
+        opened, self.opened = self.opened, []
+        for cur in opened:
+            cur.close()
+
+
+def _connect(
+    path: Path, factory: type[sqlite3.Connection] = sqlite3.Connection
+) -> sqlite3.Connection:
+    conn = sqlite3.connect(
+        path, isolation_level=None, check_same_thread=False, timeout=30, factory=factory
+    )
     conn.row_factory = sqlite3.Row
     # Durability and hygiene settings are per connection (journal_mode is persistent).
     row = conn.execute("PRAGMA journal_mode = WAL").fetchone()
@@ -138,7 +176,7 @@ class Database:
         try:
             self._wconn = _connect(self.path)
             self.schema_version = migrate(self._wconn, where=str(self.path))
-            self._rconn = _connect(self.path)
+            self._rconn = _connect(self.path, _ReaderConnection)
         except sqlite3.DatabaseError as e:
             self._close_conns()
             raise StoreError(f"open {self.path}: {e}") from None
@@ -172,18 +210,39 @@ class Database:
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn(conn)`` on the reader connection (sees committed data only)."""
-        if self._closed or self._rconn is None:
+        if self._closed:
             raise StoreError(f"read {self.path}: database is closed")
-        conn = self._rconn
 
         def run() -> T:
-            conn.execute("BEGIN")
+            if self._closed:
+                raise StoreError(f"read {self.path}: database is closed")
+            if self._rconn is None:  # replaced after a read that could not be ended
+                self._rconn = _connect(self.path, _ReaderConnection)
+            conn = self._rconn
             try:
+                conn.execute("BEGIN")
                 return fn(conn)
             finally:
-                conn.execute("COMMIT")
+                self._end_read(conn)
 
         return await asyncio.get_running_loop().run_in_executor(self._reader, run)
+
+    def _end_read(self, conn: sqlite3.Connection) -> None:
+        """Finish every statement and the transaction of a read, however it ended.
+
+        If even that fails, the reader connection is replaced: a connection
+        left in a read transaction would serve a stale snapshot for ever.
+        """
+        try:
+            if isinstance(conn, _ReaderConnection):
+                conn.close_cursors()
+            if conn.in_transaction:
+                sqlite3.Connection.execute(conn, "COMMIT").close()
+        except BaseException as e:
+            logger.error("ending a read of %s failed (%s): reopening the reader", self.path, e)
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+            self._rconn = None  # the next read opens a fresh one
 
     def _write_loop(self) -> None:
         assert self._wconn is not None

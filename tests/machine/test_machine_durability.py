@@ -294,7 +294,8 @@ def no_wal(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     connect = sqlite3.connect
 
     def fake(*args: Any, **kwargs: Any) -> sqlite3.Connection:
-        return connect(*args, factory=_NoWal, **kwargs)
+        kwargs["factory"] = _NoWal
+        return connect(*args, **kwargs)
 
     monkeypatch.setattr(sqlite3, "connect", fake)
     yield
