@@ -113,6 +113,10 @@ class MachineConfig:
     shutdown_grace_seconds: float = 10.0
     """On the first SIGTERM, runs get this long to end before they are interrupted."""
 
+    integrity_check_seconds: float = 86400.0
+    """A full ``integrity_check`` of machine.db runs this often (default daily; a
+    ``quick_check`` runs at every start). Needs ``background_loops``."""
+
     claude_home: Path | None = None
     """Claude Code's folder (``$CLAUDE_CONFIG_DIR`` or ``~/.claude``): deleting a
     Claude session removes its files here. ``None``: the acp runtime's default."""
@@ -155,6 +159,8 @@ class MachineConfig:
             raise ConfigError("event_retention_days", "must be between 1 and 3650")
         if self.shutdown_grace_seconds < 0:
             raise ConfigError("shutdown_grace_seconds", "must not be negative")
+        if not self.integrity_check_seconds > 0:
+            raise ConfigError("integrity_check_seconds", "must be more than 0")
         return self
 
     @classmethod
@@ -206,6 +212,12 @@ class MachineConfig:
             ),
             shutdown_grace_seconds=src.get(
                 "shutdown_grace_seconds", "AGENTS_MACHINE_SHUTDOWN_GRACE", 10.0, float
+            ),
+            integrity_check_seconds=src.get(
+                "integrity_check_seconds",
+                "AGENTS_MACHINE_INTEGRITY_CHECK_SECONDS",
+                86400.0,
+                float,
             ),
             claude_home=default_claude_home(env, home),
             codex_home=default_codex_home(env, home),

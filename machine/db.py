@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from machine import dbfaults
+from machine.dbfaults import CheckResult
 from machine.schema import migrate
-from shared.errors import StoreError
+from shared.errors import AgentsError, DatabaseDamaged, StoreError
 
 __all__ = ["CommitObserver", "Database"]
 
@@ -42,6 +44,8 @@ T = TypeVar("T")
 
 #: Called by the writer thread after each commit with (batch size, seconds).
 CommitObserver = Callable[[int, float], None]
+#: Called (from any thread) with "disk_full" or "damaged" when a storage fault is seen.
+FaultObserver = Callable[[str], None]
 
 _MAX_BATCH = 512
 
@@ -51,6 +55,7 @@ class _Job:
     fn: Callable[[sqlite3.Connection], Any]
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
+    what: str
 
 
 class _ReaderConnection(sqlite3.Connection):
@@ -145,10 +150,22 @@ def _settle(job: _Job, result: Any, error: BaseException | None) -> None:
 class Database:
     """The machine database. Use :meth:`open`, then :meth:`write`/:meth:`read`."""
 
-    def __init__(self, path: Path, *, on_commit: CommitObserver | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        on_commit: CommitObserver | None = None,
+        on_fault: FaultObserver | None = None,
+    ) -> None:
         self.path = path
         self.schema_version = 0
         self._on_commit = on_commit
+        self._on_fault = on_fault
+        # Why the file is known to be damaged (None: not known to be). Once set,
+        # writes are refused: writing into a damaged b-tree can spread the damage.
+        self.damaged: str | None = None
+        #: The quick_check run when the file was opened (None for a new, empty file).
+        self.open_check: CheckResult | None = None
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._wconn: sqlite3.Connection | None = None
@@ -161,9 +178,17 @@ class Database:
         self._accepting = True
 
     @classmethod
-    async def open(cls, path: Path, *, on_commit: CommitObserver | None = None) -> Database:
-        """Open (creating 0600 if needed) and migrate the database; start its threads."""
-        db = cls(path, on_commit=on_commit)
+    async def open(
+        cls,
+        path: Path,
+        *,
+        on_commit: CommitObserver | None = None,
+        on_fault: FaultObserver | None = None,
+    ) -> Database:
+        """Open (creating 0600 if needed), check and migrate the database; start its
+        threads. A file that fails SQLite's ``quick_check`` is refused
+        (DatabaseDamaged) before anything is written to it."""
+        db = cls(path, on_commit=on_commit, on_fault=on_fault)
         await asyncio.to_thread(db._open_sync)
         db._writer = threading.Thread(target=db._write_loop, name="machine-db-write", daemon=True)
         db._writer.start()
@@ -173,13 +198,20 @@ class Database:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         os.close(fd)
         os.chmod(self.path, 0o600)
+        if self.path.stat().st_size > 0:
+            check = self.open_check = dbfaults.run_check(self.path, full=False)
+            if not check.ok:
+                self._fault("damaged")
+                raise DatabaseDamaged(f"open {self.path.name}", str(self.path), check.problems[0])
         try:
             self._wconn = _connect(self.path)
             self.schema_version = migrate(self._wconn, where=str(self.path))
             self._rconn = _connect(self.path, _ReaderConnection)
         except sqlite3.DatabaseError as e:
             self._close_conns()
-            raise StoreError(f"open {self.path}: {e}") from None
+            raise self._translated(e, f"open {self.path.name}") or StoreError(
+                f"open {self.path}: {e}"
+            ) from None
         except BaseException:
             self._close_conns()
             raise
@@ -194,22 +226,33 @@ class Database:
                 conn.close()
         self._wconn = self._rconn = None
 
-    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def write(self, fn: Callable[[sqlite3.Connection], T], *, what: str = "") -> T:
         """Run ``fn(conn)`` in the writer thread inside a transaction; return its result
         once the transaction is committed (fsync'd). If ``fn`` raises, its changes are
-        rolled back and the exception is re-raised here; other writes of the batch stand."""
+        rolled back and the exception is re-raised here; other writes of the batch stand.
+
+        A full disk raises DiskFull, a damaged file DatabaseDamaged (and every later
+        write too); ``what`` names the operation and its target in those errors.
+        """
+        what = what or f"write {self.path.name}"
         if self._closed:
             raise StoreError(f"write {self.path}: database is closed")
+        if self.damaged is not None:
+            raise DatabaseDamaged(what, str(self.path), self.damaged)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._accepting_lock:
             if not self._accepting or self._writer is None or not self._writer.is_alive():
                 raise StoreError(f"write {self.path}: the database writer has stopped")
-            self._queue.put(_Job(fn, future, loop))
+            self._queue.put(_Job(fn, future, loop, what))
         return await future
 
-    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn(conn)`` on the reader connection (sees committed data only)."""
+    async def read(self, fn: Callable[[sqlite3.Connection], T], *, what: str = "") -> T:
+        """Run ``fn(conn)`` on the reader connection (sees committed data only).
+
+        ``what`` names the operation and its target ("replay agent ag_...") in
+        the DiskFull / DatabaseDamaged / IntegrityError a storage fault becomes.
+        """
         if self._closed:
             raise StoreError(f"read {self.path}: database is closed")
 
@@ -222,10 +265,51 @@ class Database:
             try:
                 conn.execute("BEGIN")
                 return fn(conn)
+            except (sqlite3.Error, OSError) as e:
+                ours = self._translated(e, what or f"read {self.path.name}")
+                if ours is None:
+                    raise
+                raise ours from e
             finally:
                 self._end_read(conn)
 
         return await asyncio.get_running_loop().run_in_executor(self._reader, run)
+
+    def _fault(self, kind: str) -> None:
+        if self._on_fault is not None:
+            try:
+                self._on_fault(kind)
+            except Exception:
+                logger.exception("machine.db fault observer failed")
+
+    def _translated(self, error: BaseException, what: str) -> AgentsError | None:
+        """Our error for a storage fault (see :mod:`machine.dbfaults`), recording
+        damage so that writes stop; None for any other error."""
+        ours = dbfaults.translate(error, what, self.path)
+        if isinstance(ours, DatabaseDamaged):
+            self.mark_damaged(dbfaults.damage_reason(error) or ours.reason)
+        elif ours is not None and dbfaults.is_disk_full(error):
+            self._fault("disk_full")
+        return ours
+
+    def mark_damaged(self, reason: str) -> None:
+        """Record that the file is damaged: from now on every write is refused."""
+        if self.damaged is None:
+            logger.error(
+                "%s is damaged (%s): refusing writes until it is restored", self.path, reason
+            )
+            self.damaged = reason
+        self._fault("damaged")
+
+    async def check(self, *, full: bool = True) -> CheckResult:
+        """Run an integrity check now (``integrity_check``, or ``quick_check``) on a
+        connection of its own; problems mark the database damaged."""
+        if self._closed:
+            raise StoreError(f"check {self.path}: database is closed")
+        result = await asyncio.to_thread(dbfaults.run_check, self.path, full=full)
+        if not result.ok:
+            self.mark_damaged(result.problems[0])
+        return result
 
     def _end_read(self, conn: sqlite3.Connection) -> None:
         """Finish every statement and the transaction of a read, however it ended.
@@ -302,6 +386,10 @@ class Database:
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
         start = time.perf_counter()
+        if self.damaged is not None:  # queued before the damage was found
+            for job in batch:
+                _settle(job, None, DatabaseDamaged(job.what, str(self.path), self.damaged))
+            return
         outcomes: list[tuple[_Job, Any, BaseException | None]] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -310,6 +398,11 @@ class Database:
                 try:
                     result = job.fn(conn)
                 except BaseException as e:  # handed to the caller
+                    if dbfaults.translate(e, "", self.path) is not None or not conn.in_transaction:
+                        # A full disk or a damaged file fails the whole batch (its
+                        # commit could not succeed either); SQLite may already have
+                        # rolled the transaction back.
+                        raise
                     conn.execute("ROLLBACK TO job")
                     conn.execute("RELEASE job")
                     outcomes.append((job, None, _deliverable(e, self.path)))
@@ -317,12 +410,13 @@ class Database:
                     conn.execute("RELEASE job")
                     outcomes.append((job, result, None))
             conn.execute("COMMIT")
-        except sqlite3.Error as e:
+        except (sqlite3.Error, OSError) as e:
             logger.error("machine.db commit failed: %s", e)
-            if conn.in_transaction:
-                conn.rollback()
-            failure = StoreError(f"write {self.path}: {e}")
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.rollback()
             for job in batch:
+                failure = self._translated(e, job.what) or StoreError(f"write {self.path}: {e}")
                 _settle(job, None, failure)
             return
         elapsed = time.perf_counter() - start

@@ -296,7 +296,7 @@ class RunEngine:
             return store.get_run(conn, run_id), agent.last_seq
 
         async def commit() -> tuple[RunRecord, int]:
-            run, last_seq = await self._db.write(write)
+            run, last_seq = await self._db.write(write, what=f"prompt agent {agent_id}")
             self._spawn(run, parked=False)
             return run, last_seq
 
@@ -356,7 +356,8 @@ class RunEngine:
                 batch = await self._db.read(
                     functools.partial(
                         store.read_events, agent_id=agent_id, after_seq=last, limit=_READ_BATCH
-                    )
+                    ),
+                    what=f"replay agent {agent_id}",
                 )
             for ev in batch:
                 if ev.seq <= last:
@@ -576,7 +577,7 @@ class RunEngine:
                 started,
             )
 
-        await self._append(write)
+        await self._append(run, write)
         active.run = await self._db.read(lambda c: store.get_run(c, run.id))
         self._update_gauges()
         if self._metrics is not None:
@@ -641,7 +642,7 @@ class RunEngine:
             kind, payload = mapped
             now = self._clock()
             await self._append(
-                lambda c: store.append_event(c, run.agent_id, run.id, kind, payload, now)
+                run, lambda c: store.append_event(c, run.agent_id, run.id, kind, payload, now)
             )
 
         async def ask(req: PermissionRequest) -> PermissionDecision:
@@ -755,7 +756,7 @@ class RunEngine:
         # Register before the write so an answer racing the commit finds the waiter.
         active.waiters[req.request_id] = future
         try:
-            _, chosen = await self._append_many(write)
+            _, chosen = await self._append_many(run, write)
             if chosen:
                 return PermissionDecision(chosen)
             active.run = await self._db.read(lambda c: store.get_run(c, run.id))
@@ -791,7 +792,7 @@ class RunEngine:
             )
             return ev
 
-        await self._append(write)
+        await self._append(run, write)
         self._count_end(RunState.FINISHED)
 
     async def _end(
@@ -806,7 +807,7 @@ class RunEngine:
         if usage is not None:
             run = _with_usage(run, usage)
         now = self._clock()
-        await self._append(lambda c: self._end_run_sync(c, run, code, message, now, started))
+        await self._append(run, lambda c: self._end_run_sync(c, run, code, message, now, started))
         self._count_end(_OUTCOME[code])
 
     def _end_run_sync(
@@ -869,17 +870,20 @@ class RunEngine:
 
     # ------------------------------------------------------------ storing
 
-    async def _append(self, fn: Callable[[sqlite3.Connection], StoredEvent]) -> StoredEvent:
-        events, _ = await self._append_many(lambda c: ([fn(c)], None))
+    async def _append(
+        self, run: RunRecord, fn: Callable[[sqlite3.Connection], StoredEvent]
+    ) -> StoredEvent:
+        events, _ = await self._append_many(run, lambda c: ([fn(c)], None))
         return events[0]
 
     async def _append_many(
-        self, fn: Callable[[sqlite3.Connection], tuple[list[StoredEvent], Any]]
+        self, run: RunRecord, fn: Callable[[sqlite3.Connection], tuple[list[StoredEvent], Any]]
     ) -> tuple[list[StoredEvent], Any]:
-        """Commit a write that stores events, then publish them. If the caller is
-        cancelled meanwhile the write still commits; its events are still published."""
+        """Commit a write that stores events of ``run``, then publish them. If the caller
+        is cancelled meanwhile the write still commits; its events are still published."""
         start = time.perf_counter()
-        task = asyncio.ensure_future(self._db.write(fn))
+        what = f"store run {run.id} of agent {run.agent_id}"
+        task = asyncio.ensure_future(self._db.write(fn, what=what))
         try:
             result = await asyncio.shield(task)
         except asyncio.CancelledError:

@@ -197,6 +197,18 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
 
     # ---------------------------------------------------------------- status
 
+    async def CheckDatabase(
+        self, request: pb.CheckDatabaseRequest, context: Ctx
+    ) -> pb.CheckDatabaseResponse:
+        result = await self._m.check_database()
+        return pb.CheckDatabaseResponse(
+            ok=result.ok,
+            problems=list(result.problems),
+            checked_at=codec.ts(result.finished_at),
+            duration_ms=int(result.seconds * 1000),
+            path=str(self._m.db.path),
+        )
+
     async def Status(self, request: pb.StatusRequest, context: Ctx) -> pb.StatusResponse:
         st = await self._m.status()
         return pb.StatusResponse(

@@ -24,7 +24,7 @@ from machine.models import (
     SearchHit,
     StoredEvent,
 )
-from shared.errors import NotFound
+from shared.errors import IntegrityError, NotFound
 
 __all__ = [
     "OwnIds",
@@ -206,12 +206,21 @@ def set_run_state(conn: sqlite3.Connection, run_id: str, state: RunState, **fiel
 
 
 def _row_to_event(row: sqlite3.Row) -> StoredEvent:
+    try:
+        kind = EventKind(row["kind"])
+        payload = json.loads(row["payload_json"])
+    except ValueError:
+        # Only damage writes such a row: name it rather than fail with INTERNAL.
+        raise IntegrityError(
+            f"read event {row['seq']} of agent {row['agent_id']}",
+            "its stored kind or payload is unreadable (the database is damaged)",
+        ) from None
     return StoredEvent(
         agent_id=row["agent_id"],
         seq=row["seq"],
         run_id=row["run_id"],
-        kind=EventKind(row["kind"]),
-        payload=json.loads(row["payload_json"]),
+        kind=kind,
+        payload=payload,
         time=row["time"],
     )
 

@@ -60,11 +60,11 @@ class GatedWrite:
         self.release = asyncio.Event()
         self._armed = True
 
-    async def __call__(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+    async def __call__(self, fn: Callable[[sqlite3.Connection], Any], **kwargs: Any) -> Any:
         if not self._armed:
-            return await self._orig(fn)
+            return await self._orig(fn, **kwargs)
         self._armed = False
-        result = await self._orig(fn)
+        result = await self._orig(fn, **kwargs)
         self.committed.set()
         await self.release.wait()
         return result

@@ -11,6 +11,7 @@ from machine.app import open_machine
 from machine.config import MachineConfig
 from machine.db import Database
 from machine.models import EventKind
+from shared.errors import IntegrityError
 
 # ------------------------------------------------------------------ failed reads
 
@@ -31,7 +32,7 @@ async def test_read_that_raises_mid_iteration_leaves_no_stale_snapshot(tmp_path:
 
         # Keeping the exception keeps its traceback, and so the reader's half-read
         # cursor, alive: exactly what a logged or re-raised failure does.
-        with pytest.raises(sqlite3.OperationalError) as failed:
+        with pytest.raises(IntegrityError, match="not valid UTF-8") as failed:
             await db.read(read_all)
         await db.write(lambda c: c.execute("INSERT INTO t VALUES ('new')"))
         count = await db.read(lambda c: c.execute("SELECT COUNT(*) FROM t").fetchone()[0])
@@ -58,7 +59,7 @@ async def test_undecodable_event_does_not_break_later_prompts_and_replays(
     conn.close()
     # Reopened: the feeds are empty, so replay reads the database.
     async with open_machine(machine_config) as m:
-        with pytest.raises(Exception) as failed:
+        with pytest.raises(IntegrityError, match=f"replay agent {damaged.id}") as failed:
             [ev async for ev in await m.runs.replay(damaged.id)]
         other = await m.agents.create(name="b", folder=str(tmp_path), runtime="echo")
         events = [ev async for ev in await m.runs.prompt(other.id, "hello")]
