@@ -7,7 +7,8 @@ read; a follower that falls behind the ring reads from the database instead
 never loses an event.
 
 When a run's final event cannot be stored, :meth:`FeedHub.fail` records it:
-that run's followers then raise StoreError instead of waiting for ever.
+that run's followers then raise the storage error (StoreError, DiskFull...)
+instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -18,13 +19,22 @@ from collections import deque
 from collections.abc import Iterable
 
 from machine.models import StoredEvent
-from shared.errors import StoreError
+from shared.errors import AgentsError
 
 __all__ = ["ConversationFeed", "FeedHub"]
 
 logger = logging.getLogger(__name__)
 
 _RING = 1024
+
+
+def _fresh(error: AgentsError) -> AgentsError:
+    """A new exception of the same class, message and attributes, with no traceback."""
+    cls = type(error)
+    copy = cls.__new__(cls)
+    AgentsError.__init__(copy, error.message)
+    copy.__dict__.update({k: v for k, v in error.__dict__.items() if k != "message"})
+    return copy
 
 
 class ConversationFeed:
@@ -34,7 +44,7 @@ class ConversationFeed:
         self._ring: deque[StoredEvent] = deque(maxlen=_RING)
         self._last_seq = -1
         self._changed = asyncio.Event()
-        self._failed: dict[str, StoreError] = {}
+        self._failed: dict[str, AgentsError] = {}
 
     @property
     def last_seq(self) -> int:
@@ -57,7 +67,7 @@ class ConversationFeed:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def fail(self, run_id: str, error: StoreError) -> None:
+    def fail(self, run_id: str, error: AgentsError) -> None:
         """Record that ``run_id`` will get no final event; wake its followers."""
         self._failed[run_id] = error
         self._wake()
@@ -84,14 +94,14 @@ class ConversationFeed:
     async def wait_after(self, seq: int, run_id: str | None = None) -> None:
         """Return once an event with seq > ``seq`` has been published.
 
-        With ``run_id``: raise StoreError if that run was failed (see :meth:`fail`).
+        With ``run_id``: raise the error that run was failed with (see :meth:`fail`).
         """
         while self._last_seq <= seq:
             failure = self._failed.get(run_id) if run_id is not None else None
             if failure is not None:
                 # A fresh exception per follower: one shared instance would pile
                 # up every follower's traceback.
-                raise StoreError(failure.message)
+                raise _fresh(failure)
             await self._changed.wait()
 
 
@@ -108,7 +118,7 @@ class FeedHub:
             feed = self._feeds[agent_id] = ConversationFeed()
         return feed
 
-    def fail(self, agent_id: str, run_id: str, error: StoreError) -> None:
+    def fail(self, agent_id: str, run_id: str, error: AgentsError) -> None:
         """Make the followers of ``run_id`` raise ``error`` (see ConversationFeed.fail)."""
         self.feed(agent_id).fail(run_id, error)
 

@@ -17,9 +17,12 @@ Rules it keeps:
 - A write whose caller may be cancelled (a client going away) commits together
   with its in-memory follow-up or not at all: the follow-up runs even if the
   caller is cancelled while the write commits.
-- When a run's final event cannot be stored, its followers fail with
-  StoreError instead of waiting for ever; the run stays registered (open in
-  the database) so CancelRun can still end it and a restart interrupts it.
+- When a run's events cannot be stored (a full disk, a damaged database),
+  the run ends with RUN_ERROR code STORAGE_FAILED. If even that event cannot
+  be stored, its followers fail with the storage error instead of waiting for
+  ever, and the run stays registered (open in the database): it is ended with
+  STORAGE_FAILED as soon as the database accepts writes again (retried with
+  backoff), CancelRun can still end it, and a restart interrupts it.
 """
 
 from __future__ import annotations
@@ -69,7 +72,15 @@ from machine.runtimes.base import (
     ToolResult,
     UsageReport,
 )
-from shared.errors import AgentsError, InvalidArgument, InvalidState, StoreError, TooLarge
+from shared.errors import (
+    AgentsError,
+    DatabaseDamaged,
+    DiskFull,
+    InvalidArgument,
+    InvalidState,
+    StoreError,
+    TooLarge,
+)
 from shared.ids import new_id, validate_id
 
 __all__ = ["RunEngine"]
@@ -80,13 +91,23 @@ T = TypeVar("T")
 
 _MAX_ATTACHMENTS = 32
 _READ_BATCH = 500
+# Retrying the final event of a run whose storage failed: first after this
+# long, doubling up to the cap (a freed disk is noticed within the cap).
+_END_RETRY_FIRST = 0.2
+_END_RETRY_MAX = 5.0
 
 _OUTCOME = {
     RunErrorCode.RUN_INTERRUPTED: RunState.INTERRUPTED,
     RunErrorCode.CANCELLED: RunState.CANCELLED,
     RunErrorCode.RUNTIME_FAILED: RunState.FAILED,
     RunErrorCode.RUNTIME_UNAVAILABLE: RunState.FAILED,
+    RunErrorCode.STORAGE_FAILED: RunState.FAILED,
 }
+
+
+def _storage_fault(error: BaseException) -> bool:
+    """Whether ``error`` is the database failing to store, not the run failing."""
+    return isinstance(error, DiskFull | DatabaseDamaged | StoreError)
 
 
 def _event_payload(ev: RuntimeEvent) -> tuple[EventKind, dict[str, Any]] | None:
@@ -156,6 +177,10 @@ class _Active:
     early: dict[str, PermissionDecision] = field(default_factory=dict)
     # The run ended in the engine but its final event could not be stored.
     unended: bool = False
+    # The first storage failure met while storing the run's events.
+    store_error: str | None = None
+    # Held while storing the final event of an unended run (retry loop or cancel).
+    ending: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class RunEngine:
@@ -403,12 +428,17 @@ class RunEngine:
             raise InvalidState(f"cancel run {run_id}", f"the run has already ended ({run.state})")
         active.cancel_reason = "user"
         if active.unended:
-            # One attempt at a time, shared by concurrent cancels: never two RUN_ERRORs.
-            if active.task.done():
-                active.task = asyncio.create_task(
-                    self._end_unended(active), name=f"end run {run_id}"
-                )
-            await asyncio.shield(active.task)
+            # Under the run's ending lock (shared with the retry loop): never two RUN_ERRORs.
+            async with active.ending:
+                if active.unended:
+                    try:
+                        await self._end_unended(active)
+                    except AgentsError:
+                        raise
+                    except Exception as e:
+                        raise StoreError(
+                            f"cancel run {run_id}: the final event could not be stored: {e}"
+                        ) from e
             return await self.get_run(run_id)
         active.task.cancel()
         await asyncio.gather(active.task, return_exceptions=True)
@@ -521,11 +551,15 @@ class RunEngine:
             except Exception as e:
                 self._unended(active, e)
         except Exception as e:
-            logger.exception("run %s failed in the engine", run.id)
             try:
-                await self._end(
-                    active, RunErrorCode.RUNTIME_FAILED, f"run failed: {type(e).__name__}", started
-                )
+                if _storage_fault(e):
+                    logger.error("run %s: its events could not be stored: %s", run.id, e)
+                    active.store_error = active.store_error or str(e)
+                    await self._end_storage_failed(active, started)
+                else:
+                    logger.exception("run %s failed in the engine", run.id)
+                    message = f"run failed: {type(e).__name__}"
+                    await self._end(active, RunErrorCode.RUNTIME_FAILED, message, started)
             except Exception as end_error:
                 self._unended(active, end_error)
         finally:
@@ -535,28 +569,54 @@ class RunEngine:
 
     def _unended(self, active: _Active, error: Exception) -> None:
         """The run's final event could not be stored: fail its followers, keep it
-        registered (still open in the database) for CancelRun and restart recovery."""
+        registered (still open in the database) and end it once writes work again."""
         run_id = active.run.id
         logger.error("run %s: its final event could not be stored: %s", run_id, error)
         active.unended = True
-        failure = StoreError(f"run {run_id}: its final event could not be stored: {error}")
+        active.store_error = active.store_error or str(error)
+        failure: AgentsError = (
+            error
+            if isinstance(error, DiskFull | DatabaseDamaged)
+            else StoreError(f"run {run_id}: its final event could not be stored: {error}")
+        )
         self.feeds.fail(active.run.agent_id, run_id, failure)
+        if not self._closing:
+            active.task = asyncio.create_task(
+                self._end_when_writable(active), name=f"end run {run_id}"
+            )
+
+    async def _end_when_writable(self, active: _Active) -> None:
+        """Retry the final event of an unended run until the database takes it."""
+        delay = _END_RETRY_FIRST
+        while active.unended:
+            await asyncio.sleep(delay)  # backoff between attempts, not synchronisation
+            delay = min(delay * 2, _END_RETRY_MAX)
+            async with active.ending:
+                if not active.unended:
+                    return
+                try:
+                    await self._end_unended(active)
+                except Exception as e:
+                    logger.debug("run %s: final event still not stored: %s", active.run.id, e)
+                else:
+                    logger.info("run %s: ended now that the database takes writes", active.run.id)
 
     async def _end_unended(self, active: _Active) -> None:
-        """CancelRun on a run whose final event was lost: store RUN_ERROR CANCELLED now."""
+        """Store the final event of a run whose earlier attempt failed: CANCELLED if
+        someone cancelled it, else STORAGE_FAILED. Call under ``active.ending``."""
         run_id = active.run.id
-        try:
+        if active.cancel_reason == "user":
             await self._end(active, RunErrorCode.CANCELLED, "cancelled by the user", None)
-        except AgentsError:
-            raise
-        except Exception as e:
-            raise StoreError(
-                f"cancel run {run_id}: the final event could not be stored: {e}"
-            ) from e
+        else:
+            await self._end_storage_failed(active, None)
         active.unended = False
         self._active.pop(run_id, None)
         self.feeds.clear_failure(active.run.agent_id, run_id)
         self._update_gauges()
+
+    async def _end_storage_failed(self, active: _Active, started: float | None) -> None:
+        message = f"the run's events could not be stored: {active.store_error or 'unknown'}"
+        await self._end(active, RunErrorCode.STORAGE_FAILED, message, started)
 
     async def _start_run(self, active: _Active, started: float) -> None:
         run = active.run
@@ -641,9 +701,14 @@ class RunEngine:
                 return
             kind, payload = mapped
             now = self._clock()
-            await self._append(
-                run, lambda c: store.append_event(c, run.agent_id, run.id, kind, payload, now)
-            )
+            try:
+                await self._append(
+                    run, lambda c: store.append_event(c, run.agent_id, run.id, kind, payload, now)
+                )
+            except Exception as e:
+                if _storage_fault(e):
+                    active.store_error = active.store_error or str(e)
+                raise
 
         async def ask(req: PermissionRequest) -> PermissionDecision:
             if suppressing[0]:
@@ -678,17 +743,25 @@ class RunEngine:
         )
         try:
             outcome = await runtime.run(ctx)
-        except RuntimeFailed as e:
-            await self._end(active, RunErrorCode.RUNTIME_FAILED, e.message, started, usage)
-            return
         except asyncio.CancelledError:
             active.run = _with_usage(active.run, usage)
             raise
         except Exception as e:
+            if active.store_error is not None:
+                # The runtime failed because its events could not be stored.
+                active.run = _with_usage(active.run, usage)
+                raise StoreError(active.store_error) from e
+            if isinstance(e, RuntimeFailed):
+                await self._end(active, RunErrorCode.RUNTIME_FAILED, e.message, started, usage)
+                return
             logger.exception("run %s: runtime %s crashed", run.id, runtime.name)
             message = f"runtime {runtime.name} failed: {type(e).__name__}"
             await self._end(active, RunErrorCode.RUNTIME_FAILED, message, started, usage)
             return
+        if active.store_error is not None:
+            # Some of its events are missing: the run did not finish as stored.
+            active.run = _with_usage(active.run, usage)
+            raise StoreError(active.store_error)
         await self._finish(active, outcome, started, usage)
 
     def _runtime_for(self, agent: AgentRecord) -> Runtime:

@@ -189,7 +189,7 @@ class DatabaseDamaged(IntegrityError):
     def __init__(self, what: str, path: str, reason: str) -> None:
         super().__init__(
             what,
-            f"the database {path} is damaged ({reason}); stop the daemon, keep a copy of"
+            f"the database {path} is damaged ({reason}); stop the daemon if it runs, keep a copy of"
             " its data folder, then restore the file from a backup or salvage it with"
             ' `sqlite3 <file> .recover` (docs/machine.md, "Damaged database")',
         )

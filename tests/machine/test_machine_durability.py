@@ -163,9 +163,15 @@ async def test_lost_final_event_fails_followers_and_cancel_still_ends_the_run(
     assert run.state is RunState.RUNNING
     assert run.id in machine_app.runs._active
 
+    # Cancelling while the store still fails answers the storage error; the run
+    # stays open and remembers that it was cancelled.
+    with pytest.raises(StoreError, match="final event could not be stored"):
+        await machine_app.runs.cancel(run.id)
+    assert (await machine_app.runs.get_run(run.id)).state is RunState.RUNNING
+
     broken[0] = False
-    cancelled = await machine_app.runs.cancel(run.id)
-    assert cancelled.state is RunState.CANCELLED and cancelled.error_code == "CANCELLED"
+    cancelled = await wait_for_state(machine_app, run.id, RunState.CANCELLED)
+    assert cancelled.error_code == "CANCELLED"
     assert run.id not in machine_app.runs._active
     kinds = await machine_app.db.read(
         lambda c: [r[0] for r in c.execute("SELECT kind FROM events WHERE run_id = ?", (run.id,))]

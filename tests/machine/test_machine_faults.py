@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+import time
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
-from machine.app import open_machine
+from machine import store
+from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.db import Database
-from machine.models import EventKind
-from shared.errors import IntegrityError
+from machine.models import EventKind, RunErrorCode, RunRecord, RunState, StoredEvent
+from shared.errors import DiskFull, IntegrityError
+from shared.rpc import status_for
+
+DEADLINE = 10.0
+
+
+async def wait_for_state(m: Machine, run_id: str, state: RunState) -> RunRecord:
+    """Poll the run until it reaches ``state`` (fails after the deadline)."""
+    end = time.monotonic() + DEADLINE
+    while True:
+        run = await m.runs.get_run(run_id)
+        if run.state is state:
+            return run
+        assert time.monotonic() < end, f"run {run_id} stayed {run.state}, wanted {state}"
+        await asyncio.sleep(0.01)  # poll step under the deadline above
+
 
 # ------------------------------------------------------------------ failed reads
 
@@ -69,3 +89,82 @@ async def test_undecodable_event_does_not_break_later_prompts_and_replays(
         after = [ev async for ev in await m.runs.replay(damaged.id, 3)]
         assert [ev.seq for ev in after] == list(range(4, more[-1].seq + 1))
         assert failed.value is not None
+
+
+# ------------------------------------------------------------------ full disk
+
+
+def disk_full() -> sqlite3.OperationalError:
+    """What SQLite raises when the disk is full (SQLITE_FULL)."""
+    error = sqlite3.OperationalError("database or disk is full")
+    error.sqlite_errorcode = 13  # type: ignore[attr-defined]
+    return error
+
+
+async def test_run_whose_events_cannot_be_stored_ends_storage_failed_once_writes_work(
+    machine_app: Machine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = (await machine_app.agents.create(name="a", folder=str(tmp_path))).id
+    original = store.append_event
+    full = [False]
+    filled = [False]
+
+    def append_event(
+        conn: sqlite3.Connection,
+        agent_id: str,
+        run_id: str,
+        kind: EventKind,
+        payload: dict[str, Any],
+        now: float,
+    ) -> StoredEvent:
+        if full[0]:
+            raise disk_full()
+        if kind is EventKind.TEXT_DELTA and not filled[0]:
+            full[0] = filled[0] = True  # the disk fills up after the first delta
+        return original(conn, agent_id, run_id, kind, payload, now)
+
+    monkeypatch.setattr(store, "append_event", append_event)
+    stream = await machine_app.runs.prompt(agent, "one two three four")
+    seen: list[EventKind] = []
+
+    async def consume() -> None:
+        async for ev in stream:
+            seen.append(ev.kind)
+
+    with pytest.raises(DiskFull, match=f"data folder {machine_app.config.data_dir}"):
+        await asyncio.wait_for(consume(), DEADLINE)
+    assert seen == [EventKind.RUN_STARTED, EventKind.TEXT_DELTA]
+    run = (await machine_app.runs.list_runs(agent))[0]
+    assert run.state is RunState.RUNNING
+
+    full[0] = False  # space freed: no restart, no cancel
+    ended = await wait_for_state(machine_app, run.id, RunState.FAILED)
+    assert ended.error_code is RunErrorCode.STORAGE_FAILED
+    events = [ev async for ev in await machine_app.runs.replay(agent)]
+    assert [ev.kind for ev in events] == [
+        EventKind.RUN_STARTED,
+        EventKind.TEXT_DELTA,
+        EventKind.RUN_ERROR,
+    ]
+    assert events[-1].payload["code"] == "STORAGE_FAILED"
+    assert "no space left" in events[-1].payload["message"]
+    # And the machine carries on.
+    again = [ev async for ev in await machine_app.runs.prompt(agent, "hello")]
+    assert again[-1].kind is EventKind.RUN_FINISHED
+
+
+async def test_full_disk_answers_disk_full_naming_the_data_folder(
+    machine_app: Machine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = (await machine_app.agents.create(name="a", folder=str(tmp_path))).id
+
+    def insert_fails(*args: Any, **kwargs: Any) -> None:
+        raise disk_full()
+
+    monkeypatch.setattr(store, "insert_agent", insert_fails)
+    with pytest.raises(DiskFull) as failed:
+        await machine_app.agents.create(name="b", folder=str(tmp_path))
+    assert str(machine_app.config.data_dir) in failed.value.message
+    assert status_for(failed.value) is grpc.StatusCode.RESOURCE_EXHAUSTED
+    monkeypatch.undo()
+    assert (await machine_app.agents.get(agent)).id == agent
