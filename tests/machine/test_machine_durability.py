@@ -19,21 +19,11 @@ from machine import store
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.db import Database
-from machine.models import EventKind, RunRecord, RunState, StoredEvent
+from machine.models import EventKind, RunState, StoredEvent
 from shared.errors import StoreError
+from tests.helpers.runs import wait_for_state
 
 DEADLINE = 10.0
-
-
-async def wait_for_state(m: Machine, run_id: str, state: RunState) -> RunRecord:
-    """Poll the run until it reaches ``state`` (fails after the deadline)."""
-    end = time.monotonic() + DEADLINE
-    while True:
-        run = await m.runs.get_run(run_id)
-        if run.state is state:
-            return run
-        assert time.monotonic() < end, f"run {run_id} stayed {run.state}, wanted {state}"
-        await asyncio.sleep(0.01)  # poll step under the deadline above
 
 
 async def until(events: AsyncIterator[StoredEvent], kind: EventKind) -> list[StoredEvent]:
