@@ -27,6 +27,7 @@ from machine.metrics import MachineMetrics
 from machine.models import MachineIds
 from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry, default_registry
+from machine.streams import StreamLimits
 from shared.atomic import ensure_private_dir
 from shared.errors import AgentsError
 from shared.ids import new_id
@@ -66,6 +67,7 @@ class Machine:
     runs: RunEngine
     runtimes: RuntimeRegistry
     started_at: float
+    streams: StreamLimits
     metrics: MachineMetrics | None = None
 
     @property
@@ -249,6 +251,11 @@ async def open_machine(
             runs=engine,
             runtimes=registry,
             started_at=time.time(),
+            streams=StreamLimits(
+                per_client=config.max_streams_per_client,
+                total=config.max_streams,
+                metrics=metrics,
+            ),
             metrics=metrics,
         )
         interrupted = await engine.start()

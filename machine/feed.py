@@ -26,6 +26,14 @@ __all__ = ["ConversationFeed", "FeedHub"]
 logger = logging.getLogger(__name__)
 
 _RING = 1024
+# The ring is also bounded by (roughly) the bytes of its events: with large
+# events it keeps fewer, and followers read the rest from the database.
+_RING_BYTES = 4 * 1024 * 1024
+
+
+def _size(ev: StoredEvent) -> int:
+    """A cheap estimate of an event's payload size (its top-level values as text)."""
+    return 64 + sum(len(v) if isinstance(v, str) else len(str(v)) for v in ev.payload.values())
 
 
 def _fresh(error: AgentsError) -> AgentsError:
@@ -41,7 +49,8 @@ class ConversationFeed:
     """One agent's recent events and a wake-up for readers."""
 
     def __init__(self) -> None:
-        self._ring: deque[StoredEvent] = deque(maxlen=_RING)
+        self._ring: deque[tuple[StoredEvent, int]] = deque()
+        self._ring_bytes = 0
         self._last_seq = -1
         self._changed = asyncio.Event()
         self._failed: dict[str, AgentsError] = {}
@@ -57,7 +66,11 @@ class ConversationFeed:
         for ev in events:
             if ev.seq <= self._last_seq:
                 continue
-            self._ring.append(ev)
+            size = _size(ev)
+            self._ring.append((ev, size))
+            self._ring_bytes += size
+            while len(self._ring) > _RING or self._ring_bytes > _RING_BYTES:
+                self._ring_bytes -= self._ring.popleft()[1]
             self._last_seq = ev.seq
             added = True
         if added:
@@ -83,7 +96,7 @@ class ConversationFeed:
             return None
         if after_seq >= self._last_seq:
             return []
-        out = [ev for ev in self._ring if ev.seq > after_seq]
+        out = [ev for ev, _ in self._ring if ev.seq > after_seq]
         if not out or out[0].seq != after_seq + 1:
             return None
         for a, b in zip(out, out[1:], strict=False):

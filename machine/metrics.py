@@ -96,12 +96,6 @@ class MachineMetrics:
             ["limit"],
             registry=registry,
         )
-        self.stream_waits = Counter(
-            "agents_machine_stream_flow_waits",
-            "Times a stream stopped reading from the database because its client had"
-            " not read what was already sent (flow control).",
-            registry=registry,
-        )
 
     def observe_fault(self, kind: str) -> None:
         """Record a storage fault (called from the database's threads)."""

@@ -91,6 +91,9 @@ T = TypeVar("T")
 
 _MAX_ATTACHMENTS = 32
 _READ_BATCH = 500
+# A follower holds at most one batch: bounded by bytes too, so large events
+# (a long prompt, a big tool output) do not make a batch hundreds of MiB.
+_READ_BYTES = 256 * 1024
 # Retrying the final event of a run whose storage failed: first after this
 # long, doubling up to the cap (a freed disk is noticed within the cap).
 _END_RETRY_FIRST = 0.2
@@ -380,7 +383,11 @@ class RunEngine:
             else:
                 batch = await self._db.read(
                     functools.partial(
-                        store.read_events, agent_id=agent_id, after_seq=last, limit=_READ_BATCH
+                        store.read_events,
+                        agent_id=agent_id,
+                        after_seq=last,
+                        limit=_READ_BATCH,
+                        max_bytes=_READ_BYTES,
                     ),
                     what=f"replay agent {agent_id}",
                 )

@@ -226,14 +226,26 @@ def _row_to_event(row: sqlite3.Row) -> StoredEvent:
 
 
 def read_events(
-    conn: sqlite3.Connection, agent_id: str, after_seq: int, limit: int = 1000
+    conn: sqlite3.Connection,
+    agent_id: str,
+    after_seq: int,
+    limit: int = 1000,
+    max_bytes: int | None = None,
 ) -> list[StoredEvent]:
-    """Events of an agent with seq > after_seq, in order."""
+    """Events of an agent with seq > after_seq, in order: at most ``limit``, and
+    stopping once their payloads reach ``max_bytes`` (at least one event)."""
     rows = conn.execute(
         "SELECT * FROM events WHERE agent_id = ? AND seq > ? ORDER BY seq LIMIT ?",
         (agent_id, after_seq, limit),
     )
-    return [_row_to_event(r) for r in rows]
+    out: list[StoredEvent] = []
+    size = 0
+    for row in rows:
+        out.append(_row_to_event(row))
+        size += len(row["payload_json"])
+        if max_bytes is not None and size >= max_bytes:
+            break
+    return out
 
 
 def run_events(conn: sqlite3.Connection, run_id: str) -> list[StoredEvent]:
