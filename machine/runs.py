@@ -227,9 +227,20 @@ class RunEngine:
                     if run.state is RunState.RUNNING
                     else "the machine daemon stopped before the run started"
                 )
+                # The daemon's downtime is not the run's: its duration ends at
+                # the last event it stored before the stop.
+                row = conn.execute(
+                    "SELECT MAX(time) FROM events WHERE run_id = ?", (run.id,)
+                ).fetchone()
                 events.append(
                     self._end_run_sync(
-                        conn, run, RunErrorCode.RUN_INTERRUPTED, message, now, started=None
+                        conn,
+                        run,
+                        RunErrorCode.RUN_INTERRUPTED,
+                        message,
+                        now,
+                        started=None,
+                        active_until=row[0],
                     )
                 )
             waiting = store.runs_in_states(conn, (RunState.WAITING_PERMISSION,))
@@ -898,9 +909,13 @@ class RunEngine:
         message: str,
         now: float,
         started: float | None,
+        active_until: float | None = None,
     ) -> StoredEvent:
+        """Store a run's RUN_ERROR and end state. Its duration runs from ``started``
+        (default: when it started) to ``active_until`` (default: ``now``)."""
         started = started or run.started_at
-        duration = max(0, int((now - started) * 1000)) if started else 0
+        end = now if active_until is None else min(now, active_until)
+        duration = max(0, int((end - started) * 1000)) if started else 0
         ev = store.append_event(
             conn,
             run.agent_id,
