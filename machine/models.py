@@ -159,8 +159,9 @@ class RunRecord:
     created_at: float
     started_at: float | None
     finished_at: float | None
-    input_tokens: int
-    output_tokens: int
+    input_tokens: int | None
+    """None: the runtime did not report usage (unknown, not 0)."""
+    output_tokens: int | None
     duration_ms: int
     stop_reason: str | None
     error_code: RunErrorCode | None

@@ -322,8 +322,8 @@ class RunEngine:
             for sha in attachments:
                 self._attachments.check_usable(conn, agent_id, sha)
             conn.execute(
-                "INSERT INTO runs (id, agent_id, state, prompt, attachments_json, created_at)"
-                " VALUES (?,?,?,?,?,?)",
+                "INSERT INTO runs (id, agent_id, state, prompt, attachments_json, created_at,"
+                " usage_reported) VALUES (?,?,?,?,?,?,0)",
                 (run_id, agent_id, RunState.QUEUED.value, text, json.dumps(list(attachments)), now),
             )
             for sha in attachments:
@@ -694,7 +694,8 @@ class RunEngine:
     ) -> None:
         run = active.run
         agent = await self._db.read(lambda c: store.get_agent(c, run.agent_id, self.ids.own))
-        usage = [run.input_tokens, run.output_tokens]
+        # None until the runtime reports usage: unknown is not 0 tokens.
+        usage: list[int | None] = [run.input_tokens, run.output_tokens]
         # While resuming, events the runtime re-emits up to the re-asked request
         # are already stored: drop them.
         suppressing = [resume is not None]
@@ -705,8 +706,8 @@ class RunEngine:
 
         async def emit(ev: RuntimeEvent) -> None:
             if isinstance(ev, UsageReport):
-                usage[0] += ev.input_tokens
-                usage[1] += ev.output_tokens
+                usage[0] = (usage[0] or 0) + ev.input_tokens
+                usage[1] = (usage[1] or 0) + ev.output_tokens
                 return
             if suppressing[0]:
                 return
@@ -856,14 +857,18 @@ class RunEngine:
             active.waiters.pop(req.request_id, None)
 
     async def _finish(
-        self, active: _Active, outcome: RunOutcome, started: float, usage: list[int]
+        self, active: _Active, outcome: RunOutcome, started: float, usage: list[int | None]
     ) -> None:
         run = active.run
         now = self._clock()
         duration = max(0, int((now - started) * 1000))
         payload = {
             "stop_reason": outcome.stop_reason,
-            "usage": {"input_tokens": usage[0], "output_tokens": usage[1]},
+            "usage": {
+                key: value
+                for key, value in (("input_tokens", usage[0]), ("output_tokens", usage[1]))
+                if value is not None
+            },
             "duration_ms": duration,
         }
 
@@ -892,7 +897,7 @@ class RunEngine:
         code: RunErrorCode,
         message: str,
         started: float | None,
-        usage: list[int] | None = None,
+        usage: list[int | None] | None = None,
     ) -> None:
         run = active.run
         if usage is not None:
@@ -1005,7 +1010,7 @@ class RuntimeFailedResume(RuntimeFailed):
     """A parked run's stored state does not allow resuming it."""
 
 
-def _with_usage(run: RunRecord, usage: list[int]) -> RunRecord:
+def _with_usage(run: RunRecord, usage: list[int | None]) -> RunRecord:
     from dataclasses import replace
 
     return replace(run, input_tokens=usage[0], output_tokens=usage[1])

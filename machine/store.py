@@ -148,8 +148,8 @@ def _row_to_run(row: sqlite3.Row) -> RunRecord:
         created_at=row["created_at"],
         started_at=row["started_at"],
         finished_at=row["finished_at"],
-        input_tokens=row["input_tokens"],
-        output_tokens=row["output_tokens"],
+        input_tokens=row["input_tokens"] if row["usage_reported"] else None,
+        output_tokens=row["output_tokens"] if row["usage_reported"] else None,
         duration_ms=row["duration_ms"],
         stop_reason=row["stop_reason"],
         error_code=RunErrorCode(row["error_code"]) if row["error_code"] else None,
@@ -184,7 +184,15 @@ def runs_in_states(conn: sqlite3.Connection, states: tuple[RunState, ...]) -> li
 
 
 def set_run_state(conn: sqlite3.Connection, run_id: str, state: RunState, **fields: Any) -> None:
-    """Change a run's state and any of its other columns."""
+    """Change a run's state and any of its other columns.
+
+    ``input_tokens``/``output_tokens`` of None mean "not reported": they are
+    stored as 0 with ``usage_reported`` 0."""
+    if "input_tokens" in fields or "output_tokens" in fields:
+        known = fields.get("input_tokens") is not None or fields.get("output_tokens") is not None
+        fields["usage_reported"] = int(known)
+        fields["input_tokens"] = fields.get("input_tokens") or 0
+        fields["output_tokens"] = fields.get("output_tokens") or 0
     allowed = {
         "started_at",
         "finished_at",
@@ -193,6 +201,7 @@ def set_run_state(conn: sqlite3.Connection, run_id: str, state: RunState, **fiel
         "duration_ms",
         "stop_reason",
         "error_code",
+        "usage_reported",
     }
     cols = ["state = ?"]
     values: list[Any] = [state.value]

@@ -10,11 +10,13 @@ from typing import Any
 import grpc
 import pytest
 
-from machine import store
+from machine import codec, store
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.db import Database
 from machine.models import EventKind, RunErrorCode, RunState, StoredEvent
+from machine.runtimes import RuntimeKind, RuntimeRegistry, echo
+from machine.runtimes.base import RunContext, RunOutcome, TextDelta
 from shared.errors import DiskFull, IntegrityError
 from shared.rpc import status_for
 from tests.helpers.runs import wait_for_state
@@ -157,3 +159,51 @@ async def test_full_disk_answers_disk_full_naming_the_data_folder(
     assert status_for(failed.value) is grpc.StatusCode.RESOURCE_EXHAUSTED
     monkeypatch.undo()
     assert (await machine_app.agents.get(agent)).id == agent
+
+
+# ------------------------------------------------------------------ unreported usage
+
+
+class _Silent:
+    """A runtime that replies and never reports usage."""
+
+    name = "silent"
+
+    async def run(self, ctx: RunContext) -> RunOutcome:
+        await ctx.emit(TextDelta("done"))
+        return RunOutcome("end_turn")
+
+    async def close(self) -> None:
+        """Nothing to stop."""
+
+    async def delete_session(self, session_id: str) -> None:
+        """No sessions."""
+
+
+async def test_usage_a_runtime_does_not_report_is_unknown_not_zero(
+    machine_config: MachineConfig, tmp_path: Path
+) -> None:
+    kinds = {
+        "silent": RuntimeKind("silent", lambda s: dict(s), lambda **kw: _Silent()),
+        "echo": RuntimeKind("echo", echo.validate_settings, echo.create_runtime),
+    }
+    async with open_machine(machine_config, runtimes=RuntimeRegistry(kinds)) as m:
+        silent = await m.agents.create(name="s", folder=str(tmp_path), runtime="silent")
+        events = [ev async for ev in await m.runs.prompt(silent.id, "hi")]
+        finished = events[-1]
+        assert finished.kind is EventKind.RUN_FINISHED and finished.payload["usage"] == {}
+        message = codec.event_to_pb(finished).run_finished.usage
+        assert not message.HasField("input_tokens") and not message.HasField("output_tokens")
+        run = await m.runs.get_run(finished.run_id)
+        assert run.input_tokens is None and run.output_tokens is None
+        assert not codec.run_to_pb(run).usage.HasField("input_tokens")
+
+        # A failed run that never reported usage: unknown too.
+        talker = await m.agents.create(name="e", folder=str(tmp_path), runtime="echo")
+        failed = [ev async for ev in await m.runs.prompt(talker.id, "/fail now")]
+        assert (await m.runs.get_run(failed[-1].run_id)).input_tokens is None
+        # Reported usage is kept, including a real 0.
+        done = [ev async for ev in await m.runs.prompt(talker.id, "two words")]
+        run = await m.runs.get_run(done[-1].run_id)
+        assert (run.input_tokens, run.output_tokens) == (2, 3)
+        assert codec.run_to_pb(run).usage.HasField("input_tokens")
