@@ -398,14 +398,16 @@ class Database:
                 try:
                     result = job.fn(conn)
                 except BaseException as e:  # handed to the caller
-                    if dbfaults.translate(e, "", self.path) is not None or not conn.in_transaction:
+                    fatal = dbfaults.is_disk_full(e) or dbfaults.damage_reason(e) is not None
+                    if fatal or not conn.in_transaction:
                         # A full disk or a damaged file fails the whole batch (its
                         # commit could not succeed either); SQLite may already have
                         # rolled the transaction back.
                         raise
                     conn.execute("ROLLBACK TO job")
                     conn.execute("RELEASE job")
-                    outcomes.append((job, None, _deliverable(e, self.path)))
+                    ours = dbfaults.translate(e, job.what, self.path)
+                    outcomes.append((job, None, ours or _deliverable(e, self.path)))
                 else:
                     conn.execute("RELEASE job")
                     outcomes.append((job, result, None))

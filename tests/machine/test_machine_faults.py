@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from machine import codec, store
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.db import Database
+from machine.metrics import MachineMetrics
 from machine.models import EventKind, RunErrorCode, RunState, StoredEvent
 from machine.runtimes import RuntimeKind, RuntimeRegistry, echo
 from machine.runtimes.base import RunContext, RunOutcome, TextDelta
-from shared.errors import DiskFull, IntegrityError
+from machine.streams import StreamLimits
+from shared.errors import DatabaseDamaged, DiskFull, IntegrityError, QuotaExceeded
 from shared.rpc import status_for
 from tests.helpers.runs import wait_for_state
 
@@ -207,3 +213,104 @@ async def test_usage_a_runtime_does_not_report_is_unknown_not_zero(
         run = await m.runs.get_run(done[-1].run_id)
         assert (run.input_tokens, run.output_tokens) == (2, 3)
         assert codec.run_to_pb(run).usage.HasField("input_tokens")
+
+
+# ------------------------------------------------------------------ damage found by the timer
+
+
+def damage_middle_page(db: Path) -> None:
+    """Overwrite the middle page of ``db`` with bytes no b-tree page starts with."""
+    size = db.stat().st_size
+    with db.open("r+b") as f:
+        f.seek((size // 2) // 4096 * 4096)
+        f.write(b"\xff" * 4096)
+
+
+async def test_timer_integrity_check_finds_damage_and_stops_writes(
+    machine_config: MachineConfig, tmp_path: Path
+) -> None:
+    async with open_machine(machine_config) as m:
+        agent = await m.agents.create(name="a", folder=str(tmp_path))
+        for n in range(4):
+            [ev async for ev in await m.runs.prompt(agent.id, f"{n} " + "word " * 150)]
+    # Closed: the WAL is checkpointed into machine.db, which now passes quick_check.
+    config = replace(machine_config, background_loops=True, integrity_check_seconds=0.05)
+    metrics = MachineMetrics(CollectorRegistry())
+    async with open_machine(config, metrics=metrics) as m:
+        assert sample(metrics, "agents_machine_db_checks_total", kind="quick", result="ok") == 1
+        damage_middle_page(config.db_path)
+        end = time.monotonic() + DEADLINE
+        while m.db.damaged is None:
+            assert time.monotonic() < end, "the timer never found the damage"
+            await asyncio.sleep(0.02)  # poll step under the deadline above
+        assert sample(metrics, "agents_machine_db_damaged") == 1
+        assert sample(metrics, "agents_machine_db_checks_total", kind="full", result="damaged")
+        with pytest.raises(DatabaseDamaged) as refused:
+            await m.runs.submit(agent.id, "hello")
+        assert status_for(refused.value) is grpc.StatusCode.DATA_LOSS
+        assert f"prompt agent {agent.id}" in refused.value.message
+        assert "restore" in refused.value.message
+
+
+async def test_damaged_file_is_refused_at_open(
+    machine_config: MachineConfig, tmp_path: Path
+) -> None:
+    async with open_machine(machine_config) as m:
+        agent = await m.agents.create(name="a", folder=str(tmp_path))
+        for n in range(4):
+            [ev async for ev in await m.runs.prompt(agent.id, f"{n} " + "word " * 150)]
+    damage_middle_page(machine_config.db_path)
+    before = machine_config.db_path.read_bytes()
+    with pytest.raises(DatabaseDamaged, match="is damaged"):
+        async with open_machine(machine_config):
+            pass
+    assert machine_config.db_path.read_bytes() == before
+
+
+def sample(metrics: MachineMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+# ------------------------------------------------------------------ stream limits
+
+
+def test_stream_limits_per_client_and_in_total() -> None:
+    metrics = MachineMetrics(CollectorRegistry())
+    limits = StreamLimits(per_client=2, total=3, metrics=metrics)
+    with contextlib.ExitStack() as held:
+        held.enter_context(limits.opened("a"))
+        held.enter_context(limits.opened("a"))
+        with pytest.raises(QuotaExceeded, match="streams of this client: limit of 2"):
+            held.enter_context(limits.opened("a"))
+        held.enter_context(limits.opened("b"))
+        with pytest.raises(QuotaExceeded, match="served by this machine: limit of 3"):
+            held.enter_context(limits.opened("c"))
+        assert limits.open_streams == 3
+        assert sample(metrics, "agents_machine_streams_open") == 3
+    assert limits.open_streams == 0
+    assert sample(metrics, "agents_machine_streams_open") == 0
+    assert sample(metrics, "agents_machine_streams_refused_total", limit="client") == 1
+    assert sample(metrics, "agents_machine_streams_refused_total", limit="total") == 1
+    with limits.opened("a"):  # slots come back
+        pass
+
+
+async def test_undecodable_value_in_a_write_fails_only_that_write(tmp_path: Path) -> None:
+    db = await Database.open(tmp_path / "m.db")
+    try:
+        await db.write(lambda c: c.execute("CREATE TABLE t (x TEXT)"))
+        await db.write(lambda c: c.execute("INSERT INTO t VALUES (CAST(X'FF' AS TEXT))"))
+
+        def read_back(conn: sqlite3.Connection) -> list[str]:
+            return [r[0] for r in conn.execute("SELECT x FROM t")]
+
+        bad = asyncio.ensure_future(db.write(read_back, what="read back"))
+        good = asyncio.ensure_future(db.write(lambda c: c.execute("INSERT INTO t VALUES ('ok')")))
+        with pytest.raises(IntegrityError, match="read back: a value stored"):
+            await bad
+        await good
+        assert db.damaged is None
+        assert await db.read(lambda c: c.execute("SELECT COUNT(*) FROM t").fetchone()[0]) == 2
+    finally:
+        await db.close()
