@@ -8,7 +8,13 @@ one fsync for the whole batch, so concurrent appenders share it (group
 commit) and a write's future resolves only after its data is on disk.
 
 Reads run on a second connection in a single reader thread; WAL mode lets
-them proceed while the writer commits.
+them proceed while the writer commits. A read always ends its statements and
+its transaction, whatever the reading code raised (see :class:`_Reader`).
+
+Storage faults become our errors at this edge (:mod:`machine.dbfaults`): a
+full disk is DiskFull, a damaged file DatabaseDamaged. The file gets a
+``quick_check`` before it is opened for writing, and once it is known to be
+damaged every write is refused.
 
 Every queued write is answered: a batch that fails for any reason fails all
 its jobs, the commit observer cannot break the writer, and once the writer
@@ -147,6 +153,56 @@ def _settle(job: _Job, result: Any, error: BaseException | None) -> None:
         pass
 
 
+class _Reader:
+    """The reader thread and its connection.
+
+    Every read ends its statements and its transaction, whatever the reading
+    code raised; if even that fails, the connection is replaced (a connection
+    left in a read transaction would serve a stale snapshot for ever).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.conn: sqlite3.Connection | None = None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="machine-db-read")
+
+    def open(self) -> None:
+        """Connect (in any thread; before the first read)."""
+        self.conn = _connect(self.path, _ReaderConnection)
+
+    def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn`` in one read transaction (in the reader thread)."""
+        if self.conn is None:  # replaced after a read that could not be ended
+            self.open()
+        conn = self.conn
+        assert conn is not None
+        try:
+            conn.execute("BEGIN")
+            return fn(conn)
+        finally:
+            self._end(conn)
+
+    def _end(self, conn: sqlite3.Connection) -> None:
+        try:
+            if isinstance(conn, _ReaderConnection):
+                conn.close_cursors()
+            if conn.in_transaction:
+                sqlite3.Connection.execute(conn, "COMMIT").close()
+        except BaseException as e:
+            logger.error("ending a read of %s failed (%s): reopening the reader", self.path, e)
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+            self.conn = None  # the next read opens a fresh one
+
+    async def close(self) -> None:
+        """Close the connection in the reader thread, then stop the thread."""
+        conn = self.conn
+        if conn is not None:
+            await asyncio.get_running_loop().run_in_executor(self.executor, conn.close)
+        self.executor.shutdown(wait=True)
+        self.conn = None
+
+
 class Database:
     """The machine database. Use :meth:`open`, then :meth:`write`/:meth:`read`."""
 
@@ -169,8 +225,7 @@ class Database:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._wconn: sqlite3.Connection | None = None
-        self._rconn: sqlite3.Connection | None = None
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="machine-db-read")
+        self._reader = _Reader(path)
         self._closed = False
         # Guards the hand-over between write() and a stopping writer thread, so
         # no job is queued after the writer's last look at the queue.
@@ -206,7 +261,7 @@ class Database:
         try:
             self._wconn = _connect(self.path)
             self.schema_version = migrate(self._wconn, where=str(self.path))
-            self._rconn = _connect(self.path, _ReaderConnection)
+            self._reader.open()
         except sqlite3.DatabaseError as e:
             self._close_conns()
             raise self._translated(e, f"open {self.path.name}") or StoreError(
@@ -221,10 +276,10 @@ class Database:
                 os.chmod(side, 0o600)
 
     def _close_conns(self) -> None:
-        for conn in (self._wconn, self._rconn):
+        for conn in (self._wconn, self._reader.conn):
             if conn is not None:
                 conn.close()
-        self._wconn = self._rconn = None
+        self._wconn = self._reader.conn = None
 
     async def write(self, fn: Callable[[sqlite3.Connection], T], *, what: str = "") -> T:
         """Run ``fn(conn)`` in the writer thread inside a transaction; return its result
@@ -259,21 +314,15 @@ class Database:
         def run() -> T:
             if self._closed:
                 raise StoreError(f"read {self.path}: database is closed")
-            if self._rconn is None:  # replaced after a read that could not be ended
-                self._rconn = _connect(self.path, _ReaderConnection)
-            conn = self._rconn
             try:
-                conn.execute("BEGIN")
-                return fn(conn)
+                return self._reader.run(fn)
             except (sqlite3.Error, OSError) as e:
                 ours = self._translated(e, what or f"read {self.path.name}")
                 if ours is None:
                     raise
                 raise ours from e
-            finally:
-                self._end_read(conn)
 
-        return await asyncio.get_running_loop().run_in_executor(self._reader, run)
+        return await asyncio.get_running_loop().run_in_executor(self._reader.executor, run)
 
     def _fault(self, kind: str) -> None:
         if self._on_fault is not None:
@@ -310,23 +359,6 @@ class Database:
         if not result.ok:
             self.mark_damaged(result.problems[0])
         return result
-
-    def _end_read(self, conn: sqlite3.Connection) -> None:
-        """Finish every statement and the transaction of a read, however it ended.
-
-        If even that fails, the reader connection is replaced: a connection
-        left in a read transaction would serve a stale snapshot for ever.
-        """
-        try:
-            if isinstance(conn, _ReaderConnection):
-                conn.close_cursors()
-            if conn.in_transaction:
-                sqlite3.Connection.execute(conn, "COMMIT").close()
-        except BaseException as e:
-            logger.error("ending a read of %s failed (%s): reopening the reader", self.path, e)
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
-            self._rconn = None  # the next read opens a fresh one
 
     def _write_loop(self) -> None:
         assert self._wconn is not None
@@ -439,8 +471,5 @@ class Database:
         self._queue.put(None)
         if self._writer is not None:
             await asyncio.to_thread(self._writer.join)
-        rconn = self._rconn
-        if rconn is not None:
-            await asyncio.get_running_loop().run_in_executor(self._reader, rconn.close)
-        self._reader.shutdown(wait=True)
-        self._wconn = self._rconn = None
+        await self._reader.close()
+        self._wconn = None
