@@ -18,7 +18,7 @@ from machine import codec
 from machine.app import Machine
 from machine.models import StoredEvent
 from machine.version import machine_version
-from shared.errors import InvalidArgument, Unimplemented
+from shared.errors import AgentsError, InvalidArgument, Unimplemented
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 
@@ -48,6 +48,23 @@ async def _send_events(context: Ctx, events: AsyncIterator[StoredEvent]) -> None
                 # cancellation reaches this task): the stream is over, not broken.
                 logger.debug("stream ended: the call takes no more messages (%r)", e)
                 return
+
+
+async def _drain(parts: AsyncIterator[pb.UploadAttachmentRequest], limit: int) -> None:
+    """Read (and drop) what is left of a refused upload, up to ``limit`` bytes.
+
+    A client still sending when the server ends the call sees gRPC's own
+    INTERNAL "Internal error from Core" instead of our status (a full disk,
+    a bad agent id...): letting it finish sending delivers the real answer.
+    """
+    seen = 0
+    try:
+        async for msg in parts:
+            seen += len(msg.chunk)
+            if seen > limit:
+                return
+    except Exception as e:  # the client gave up meanwhile: nothing to deliver to
+        logger.debug("draining a refused upload stopped: %r", e)
 
 
 class MachineServicer(pb_grpc.MachineServiceServicer):
@@ -150,12 +167,16 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
                     raise InvalidArgument("chunk", "only chunks may follow the header")
                 yield msg.chunk
 
-        record = await self._m.attachments.upload(
-            agent_id=header.agent_id,
-            file_name=header.file_name,
-            declared_size=header.size,
-            chunks=chunks(),
-        )
+        try:
+            record = await self._m.attachments.upload(
+                agent_id=header.agent_id,
+                file_name=header.file_name,
+                declared_size=header.size,
+                chunks=chunks(),
+            )
+        except AgentsError:
+            await _drain(parts, self._m.attachments.limit)
+            raise
         return pb.Attachment(sha256=record.sha256, size=record.size, agent_id=record.agent_id)
 
     # ---------------------------------------------------------------- later issues
