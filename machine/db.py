@@ -357,6 +357,9 @@ class Database:
             raise StoreError(f"check {self.path}: database is closed")
         result = await asyncio.to_thread(dbfaults.run_check, self.path, full=full)
         if not result.ok:
+            logger.error(
+                "integrity check of %s found %d problem(s)", self.path, len(result.problems)
+            )
             self.mark_damaged(result.problems[0])
         return result
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import AgentsError, DatabaseDamaged, DiskFull, IntegrityError
+from shared.errors import AgentsError, DatabaseDamaged, DiskFull, IntegrityError, StoreError
 
 __all__ = ["CheckResult", "damage_reason", "is_disk_full", "run_check", "translate"]
 
@@ -93,7 +93,8 @@ def run_check(path: Path, *, full: bool) -> CheckResult:
     """Run ``integrity_check`` (``full``) or ``quick_check`` on its own connection.
 
     A file SQLite cannot even read as a database is reported as a problem,
-    not raised. Blocking: call it in a thread.
+    not raised; a file it cannot open at all raises StoreError. Blocking:
+    call it in a thread.
     """
     pragma = "integrity_check" if full else "quick_check"
     start = time.perf_counter()
@@ -105,11 +106,9 @@ def run_check(path: Path, *, full: bool) -> CheckResult:
         finally:
             conn.close()
         problems = [str(r[0]) for r in rows if str(r[0]) != "ok"]
-    except sqlite3.DatabaseError as e:
+    except sqlite3.Error as e:
         if damage_reason(e) is None:
-            raise
+            raise StoreError(f"check {path}: {e}") from e
         problems = [str(e)]
     seconds = time.perf_counter() - start
-    if problems:
-        logger.error("%s of %s found %d problem(s): %s", pragma, path, len(problems), problems[0])
     return CheckResult(full, tuple(problems), time.time(), seconds)
