@@ -420,7 +420,9 @@ class RunEngine:
         validate_id("agent", agent_id, "agent_id")
         if after_seq < 0:
             raise InvalidArgument("after_seq", "must not be negative")
-        await self._db.read(lambda c: store.get_agent(c, agent_id, self.ids.own))
+        await self._db.read(
+            lambda c: store.get_agent(c, agent_id, self.ids.own), what=f"replay agent {agent_id}"
+        )
         return self.follow(agent_id, after_seq, follow=follow)
 
     # ------------------------------------------------------------ control
@@ -428,15 +430,16 @@ class RunEngine:
     async def get_run(self, run_id: str) -> RunRecord:
         """One run."""
         validate_id("run", run_id, "run_id")
-        return await self._db.read(lambda c: store.get_run(c, run_id))
+        return await self._db.read(lambda c: store.get_run(c, run_id), what=f"get run {run_id}")
 
     async def list_runs(self, agent_id: str, limit: int = 100) -> list[RunRecord]:
         """An agent's runs, newest first."""
         validate_id("agent", agent_id, "agent_id")
         if not 0 <= limit <= 1000:
             raise InvalidArgument("limit", "must be 0 to 1000")
-        await self._db.read(lambda c: store.get_agent(c, agent_id, self.ids.own))
-        return await self._db.read(lambda c: store.list_runs(c, agent_id, limit or 100))
+        what = f"list runs of agent {agent_id}"
+        await self._db.read(lambda c: store.get_agent(c, agent_id, self.ids.own), what=what)
+        return await self._db.read(lambda c: store.list_runs(c, agent_id, limit or 100), what=what)
 
     async def cancel(self, run_id: str) -> RunRecord:
         """Cancel an open run; it ends with RUN_ERROR code CANCELLED."""
@@ -638,7 +641,10 @@ class RunEngine:
 
     async def _start_run(self, active: _Active, started: float) -> None:
         run = active.run
-        agent = await self._db.read(lambda c: store.get_agent(c, run.agent_id, self.ids.own))
+        agent = await self._db.read(
+            lambda c: store.get_agent(c, run.agent_id, self.ids.own),
+            what=f"run {run.id} of agent {run.agent_id}",
+        )
 
         def write(conn: sqlite3.Connection) -> StoredEvent:
             store.set_run_state(conn, run.id, RunState.RUNNING, started_at=started)
@@ -693,7 +699,10 @@ class RunEngine:
         self, active: _Active, started: float, resume: ResumeInfo | None
     ) -> None:
         run = active.run
-        agent = await self._db.read(lambda c: store.get_agent(c, run.agent_id, self.ids.own))
+        agent = await self._db.read(
+            lambda c: store.get_agent(c, run.agent_id, self.ids.own),
+            what=f"run {run.id} of agent {run.agent_id}",
+        )
         # None until the runtime reports usage: unknown is not 0 tokens.
         usage: list[int | None] = [run.input_tokens, run.output_tokens]
         # While resuming, events the runtime re-emits up to the re-asked request
