@@ -22,10 +22,12 @@ from machine.agents import AgentsService
 from machine.attachments import AttachmentStore, remove_partial_uploads
 from machine.config import MachineConfig
 from machine.db import Database
+from machine.dbfaults import CheckResult
 from machine.metrics import MachineMetrics
 from machine.models import MachineIds
 from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry, default_registry
+from machine.streams import StreamLimits
 from shared.atomic import ensure_private_dir
 from shared.errors import AgentsError
 from shared.ids import new_id
@@ -65,6 +67,8 @@ class Machine:
     runs: RunEngine
     runtimes: RuntimeRegistry
     started_at: float
+    streams: StreamLimits
+    metrics: MachineMetrics | None = None
 
     @property
     def machine_id(self) -> str:
@@ -102,6 +106,13 @@ class Machine:
             started_at=self.started_at,
             schema_version=self.db.schema_version,
         )
+
+    async def check_database(self) -> CheckResult:
+        """Run a full integrity check of machine.db now (damage stops writes)."""
+        result = await self.db.check(full=True)
+        if self.metrics is not None:
+            self.metrics.observe_check("full", result.ok, result.seconds)
+        return result
 
     async def prune(self) -> int:
         """Delete machine log entries older than the retention; return how many."""
@@ -164,6 +175,18 @@ def _machine_ids(conn: sqlite3.Connection, joined: bool, link_id: str | None) ->
     return MachineIds(canonical=canonical, own=frozenset(own), joined=joined)
 
 
+async def _check_loop(machine: Machine) -> None:
+    while True:
+        await asyncio.sleep(machine.config.integrity_check_seconds)
+        try:
+            result = await machine.check_database()
+        except Exception:
+            logger.exception("the integrity check of machine.db failed to run")
+            continue
+        if result.ok:
+            logger.info("integrity check of machine.db: ok (%.1f s)", result.seconds)
+
+
 async def _prune_loop(machine: Machine) -> None:
     while True:
         try:
@@ -192,9 +215,15 @@ async def open_machine(
     # No upload runs yet: any upload temp file is left over from a killed process.
     await asyncio.to_thread(remove_partial_uploads, config.attachments_dir)
     db = await Database.open(
-        config.db_path, on_commit=metrics.observe_commit if metrics is not None else None
+        config.db_path,
+        on_commit=metrics.observe_commit if metrics is not None else None,
+        on_fault=metrics.observe_fault if metrics is not None else None,
     )
-    prune: asyncio.Task[None] | None = None
+    if metrics is not None:
+        metrics.db_damaged.set(0)
+        if db.open_check is not None:
+            metrics.observe_check("quick", db.open_check.ok, db.open_check.seconds)
+    loops: list[asyncio.Task[None]] = []
     engine: RunEngine | None = None
     try:
         joined, link_id = await asyncio.to_thread(_joined_id, config.data_dir)
@@ -222,6 +251,12 @@ async def open_machine(
             runs=engine,
             runtimes=registry,
             started_at=time.time(),
+            streams=StreamLimits(
+                per_client=config.max_streams_per_client,
+                total=config.max_streams,
+                metrics=metrics,
+            ),
+            metrics=metrics,
         )
         interrupted = await engine.start()
         if interrupted:
@@ -229,12 +264,13 @@ async def open_machine(
                 "%d run(s) were in flight at the last stop: marked interrupted", interrupted
             )
         if config.background_loops:
-            prune = asyncio.create_task(_prune_loop(machine), name="machine-log-prune")
+            loops.append(asyncio.create_task(_prune_loop(machine), name="machine-log-prune"))
+            loops.append(asyncio.create_task(_check_loop(machine), name="machine-db-check"))
         yield machine
     finally:
-        if prune is not None:
-            prune.cancel()
-            await asyncio.gather(prune, return_exceptions=True)
+        for loop in loops:
+            loop.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
         if engine is not None:
             await engine.close(config.shutdown_grace_seconds)
         await db.close()

@@ -23,9 +23,10 @@ from pathlib import Path
 
 from machine import store
 from machine.db import Database
+from machine.dbfaults import is_disk_full
 from machine.models import AttachmentRecord
 from shared.atomic import ensure_private_dir, fsync_dir
-from shared.errors import InvalidArgument, NotFound, TooLarge
+from shared.errors import DiskFull, InvalidArgument, NotFound, TooLarge
 from shared.ids import validate_id, validate_sha256
 
 __all__ = ["AttachmentStore", "remove_partial_uploads"]
@@ -89,9 +90,13 @@ class AttachmentStore:
             sha = digest.hexdigest()
             final = self.folder / sha
             await asyncio.to_thread(_commit_file, tmp, final)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+            if is_disk_full(e):
+                # The data folder is the attachments folder's parent.
+                what = f"upload attachment for agent {agent_id}"
+                raise DiskFull(what, str(self.folder.parent)) from e
             raise
         now = self._clock()
 
@@ -108,7 +113,7 @@ class AttachmentStore:
                 (sha, agent_id, file_name, now),
             )
 
-        await self._db.write(write)
+        await self._db.write(write, what=f"upload attachment for agent {agent_id}")
         logger.info("attachment %s (%d bytes) stored for %s", sha[:12], size, agent_id)
         return AttachmentRecord(sha, size, agent_id, file_name)
 

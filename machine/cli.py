@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from machine.config import MachineConfig, server_data_dir
+from machine.dbfaults import run_check
 from machine.models import validate_runtime_ref
 from shared.errors import (
     AgentsError,
@@ -320,6 +321,29 @@ async def _cmd_status(cfg: MachineConfig, args: argparse.Namespace, out: Out) ->
     return EXIT_OK
 
 
+async def _cmd_check(cfg: MachineConfig, args: argparse.Namespace, out: Out) -> int:
+    """Full integrity check of machine.db: by the daemon, or here when it is not running
+    (a damaged database keeps the daemon from starting)."""
+    try:
+        async with _client(cfg) as stub:
+            reply: pb.CheckDatabaseResponse = await stub.CheckDatabase(pb.CheckDatabaseRequest())
+        ok, problems, path = reply.ok, list(reply.problems), reply.path
+    except _DaemonDown:
+        if not cfg.db_path.exists():
+            raise
+        result = await asyncio.to_thread(run_check, cfg.db_path, full=True)
+        ok, problems, path = result.ok, list(result.problems), str(cfg.db_path)
+    if out.as_json:
+        print(json.dumps({"ok": ok, "path": path, "problems": problems}), flush=True)
+    elif ok:
+        out.line(f"{path}: ok")
+    else:
+        out.line(f"{path}: damaged ({len(problems)} problem(s) found); first: {problems[0]}")
+        out.line("Keep a copy of the data folder, then restore machine.db from a backup")
+        out.line("or salvage it with `sqlite3 machine.db .recover` (docs/machine.md).")
+    return EXIT_OK if ok else EXIT_FAILED
+
+
 async def _cmd_agent(cfg: MachineConfig, args: argparse.Namespace, out: Out) -> int:
     verb: str = args.verb
     async with _client(cfg) as stub:
@@ -541,6 +565,7 @@ def _parser() -> _Parser:
     j.add_argument("--install-service", action="store_true", help="install a systemd unit")
 
     sub.add_parser("status", parents=[common], help="the daemon's health and counts")
+    sub.add_parser("check", parents=[common], help="run a full integrity check of machine.db")
 
     a = sub.add_parser("agent", parents=[common], help="agents and their runs")
     verbs = a.add_subparsers(dest="verb", parser_class=_Parser)
@@ -619,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             return _run_serve(cfg)
         handlers: dict[str, Callable[[MachineConfig, argparse.Namespace, Out], Any]] = {
             "status": _cmd_status,
+            "check": _cmd_check,
             "agent": _cmd_agent,
         }
         if args.command == "agent" and args.verb is None:

@@ -144,9 +144,10 @@ def event_to_pb(ev: StoredEvent) -> pb.RunEvent:
         out.run_finished.CopyFrom(
             pb.RunFinished(
                 stop_reason=p.get("stop_reason", ""),
+                # Absent when the runtime did not report usage (unknown, not 0).
                 usage=pb.Usage(
-                    input_tokens=usage.get("input_tokens", 0),
-                    output_tokens=usage.get("output_tokens", 0),
+                    input_tokens=usage.get("input_tokens"),
+                    output_tokens=usage.get("output_tokens"),
                 ),
                 duration_ms=p.get("duration_ms", 0),
             )

@@ -113,6 +113,17 @@ class MachineConfig:
     shutdown_grace_seconds: float = 10.0
     """On the first SIGTERM, runs get this long to end before they are interrupted."""
 
+    max_streams_per_client: int = 64
+    """Prompt/Replay streams one client (peer address; every Unix-socket caller is
+    one) may have open at once; more are refused with RESOURCE_EXHAUSTED."""
+
+    max_streams: int = 256
+    """Prompt/Replay streams the daemon serves at once, all clients together."""
+
+    integrity_check_seconds: float = 86400.0
+    """A full ``integrity_check`` of machine.db runs this often (default daily; a
+    ``quick_check`` runs at every start). Needs ``background_loops``."""
+
     claude_home: Path | None = None
     """Claude Code's folder (``$CLAUDE_CONFIG_DIR`` or ``~/.claude``): deleting a
     Claude session removes its files here. ``None``: the acp runtime's default."""
@@ -155,6 +166,12 @@ class MachineConfig:
             raise ConfigError("event_retention_days", "must be between 1 and 3650")
         if self.shutdown_grace_seconds < 0:
             raise ConfigError("shutdown_grace_seconds", "must not be negative")
+        if not 1 <= self.max_streams_per_client <= 100_000:
+            raise ConfigError("max_streams_per_client", "must be 1 to 100000")
+        if not 1 <= self.max_streams <= 100_000:
+            raise ConfigError("max_streams", "must be 1 to 100000")
+        if not self.integrity_check_seconds > 0:
+            raise ConfigError("integrity_check_seconds", "must be more than 0")
         return self
 
     @classmethod
@@ -206,6 +223,16 @@ class MachineConfig:
             ),
             shutdown_grace_seconds=src.get(
                 "shutdown_grace_seconds", "AGENTS_MACHINE_SHUTDOWN_GRACE", 10.0, float
+            ),
+            max_streams_per_client=src.get(
+                "max_streams_per_client", "AGENTS_MACHINE_MAX_STREAMS_PER_CLIENT", 64, int
+            ),
+            max_streams=src.get("max_streams", "AGENTS_MACHINE_MAX_STREAMS", 256, int),
+            integrity_check_seconds=src.get(
+                "integrity_check_seconds",
+                "AGENTS_MACHINE_INTEGRITY_CHECK_SECONDS",
+                86400.0,
+                float,
             ),
             claude_home=default_claude_home(env, home),
             codex_home=default_codex_home(env, home),

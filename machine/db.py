@@ -8,7 +8,13 @@ one fsync for the whole batch, so concurrent appenders share it (group
 commit) and a write's future resolves only after its data is on disk.
 
 Reads run on a second connection in a single reader thread; WAL mode lets
-them proceed while the writer commits.
+them proceed while the writer commits. A read always ends its statements and
+its transaction, whatever the reading code raised (see :class:`_Reader`).
+
+Storage faults become our errors at this edge (:mod:`machine.dbfaults`): a
+full disk is DiskFull, a damaged file DatabaseDamaged. The file gets a
+``quick_check`` before it is opened for writing, and once it is known to be
+damaged every write is refused.
 
 Every queued write is answered: a batch that fails for any reason fails all
 its jobs, the commit observer cannot break the writer, and once the writer
@@ -31,8 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from machine import dbfaults
+from machine.dbfaults import CheckResult
 from machine.schema import migrate
-from shared.errors import StoreError
+from shared.errors import AgentsError, DatabaseDamaged, StoreError
 
 __all__ = ["CommitObserver", "Database"]
 
@@ -42,6 +50,8 @@ T = TypeVar("T")
 
 #: Called by the writer thread after each commit with (batch size, seconds).
 CommitObserver = Callable[[int, float], None]
+#: Called (from any thread) with "disk_full" or "damaged" when a storage fault is seen.
+FaultObserver = Callable[[str], None]
 
 _MAX_BATCH = 512
 
@@ -51,10 +61,49 @@ class _Job:
     fn: Callable[[sqlite3.Connection], Any]
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
+    what: str
 
 
-def _connect(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+class _ReaderConnection(sqlite3.Connection):
+    """The reader connection: remembers every cursor a read opens.
+
+    A cursor left mid-iteration (a reader that raised, or returned early)
+    keeps its statement active, and an active statement keeps the connection's
+    WAL snapshot after COMMIT: every later read would see the database as it
+    was then. :meth:`Database.read` closes them all when the read ends.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.opened: list[sqlite3.Cursor] = []
+
+    def cursor(self, factory: Any = sqlite3.Cursor) -> Any:
+        cur = super().cursor(factory)
+        self.opened.append(cur)
+        return cur
+
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        # The C implementation does not go through cursor(): route it there.
+        cur: sqlite3.Cursor = self.cursor().execute(sql, parameters)
+        return cur
+
+    def executemany(self, sql: str, parameters: Any, /) -> sqlite3.Cursor:
+        cur: sqlite3.Cursor = self.cursor().executemany(sql, parameters)
+        return cur
+
+    def close_cursors(self) -> None:
+        """Close (and so reset) every cursor opened since the last call."""
+        opened, self.opened = self.opened, []
+        for cur in opened:
+            cur.close()
+
+
+def _connect(
+    path: Path, factory: type[sqlite3.Connection] = sqlite3.Connection
+) -> sqlite3.Connection:
+    conn = sqlite3.connect(
+        path, isolation_level=None, check_same_thread=False, timeout=30, factory=factory
+    )
     conn.row_factory = sqlite3.Row
     # Durability and hygiene settings are per connection (journal_mode is persistent).
     row = conn.execute("PRAGMA journal_mode = WAL").fetchone()
@@ -104,18 +153,79 @@ def _settle(job: _Job, result: Any, error: BaseException | None) -> None:
         pass
 
 
+class _Reader:
+    """The reader thread and its connection.
+
+    Every read ends its statements and its transaction, whatever the reading
+    code raised; if even that fails, the connection is replaced (a connection
+    left in a read transaction would serve a stale snapshot for ever).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.conn: sqlite3.Connection | None = None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="machine-db-read")
+
+    def open(self) -> None:
+        """Connect (in any thread; before the first read)."""
+        self.conn = _connect(self.path, _ReaderConnection)
+
+    def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn`` in one read transaction (in the reader thread)."""
+        if self.conn is None:  # replaced after a read that could not be ended
+            self.open()
+        conn = self.conn
+        assert conn is not None
+        try:
+            conn.execute("BEGIN")
+            return fn(conn)
+        finally:
+            self._end(conn)
+
+    def _end(self, conn: sqlite3.Connection) -> None:
+        try:
+            if isinstance(conn, _ReaderConnection):
+                conn.close_cursors()
+            if conn.in_transaction:
+                sqlite3.Connection.execute(conn, "COMMIT").close()
+        except BaseException as e:
+            logger.error("ending a read of %s failed (%s): reopening the reader", self.path, e)
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+            self.conn = None  # the next read opens a fresh one
+
+    async def close(self) -> None:
+        """Close the connection in the reader thread, then stop the thread."""
+        conn = self.conn
+        if conn is not None:
+            await asyncio.get_running_loop().run_in_executor(self.executor, conn.close)
+        self.executor.shutdown(wait=True)
+        self.conn = None
+
+
 class Database:
     """The machine database. Use :meth:`open`, then :meth:`write`/:meth:`read`."""
 
-    def __init__(self, path: Path, *, on_commit: CommitObserver | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        on_commit: CommitObserver | None = None,
+        on_fault: FaultObserver | None = None,
+    ) -> None:
         self.path = path
         self.schema_version = 0
         self._on_commit = on_commit
+        self._on_fault = on_fault
+        # Why the file is known to be damaged (None: not known to be). Once set,
+        # writes are refused: writing into a damaged b-tree can spread the damage.
+        self.damaged: str | None = None
+        #: The quick_check run when the file was opened (None for a new, empty file).
+        self.open_check: CheckResult | None = None
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._wconn: sqlite3.Connection | None = None
-        self._rconn: sqlite3.Connection | None = None
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="machine-db-read")
+        self._reader = _Reader(path)
         self._closed = False
         # Guards the hand-over between write() and a stopping writer thread, so
         # no job is queued after the writer's last look at the queue.
@@ -123,9 +233,17 @@ class Database:
         self._accepting = True
 
     @classmethod
-    async def open(cls, path: Path, *, on_commit: CommitObserver | None = None) -> Database:
-        """Open (creating 0600 if needed) and migrate the database; start its threads."""
-        db = cls(path, on_commit=on_commit)
+    async def open(
+        cls,
+        path: Path,
+        *,
+        on_commit: CommitObserver | None = None,
+        on_fault: FaultObserver | None = None,
+    ) -> Database:
+        """Open (creating 0600 if needed), check and migrate the database; start its
+        threads. A file that fails SQLite's ``quick_check`` is refused
+        (DatabaseDamaged) before anything is written to it."""
+        db = cls(path, on_commit=on_commit, on_fault=on_fault)
         await asyncio.to_thread(db._open_sync)
         db._writer = threading.Thread(target=db._write_loop, name="machine-db-write", daemon=True)
         db._writer.start()
@@ -135,13 +253,20 @@ class Database:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         os.close(fd)
         os.chmod(self.path, 0o600)
+        if self.path.stat().st_size > 0:
+            check = self.open_check = dbfaults.run_check(self.path, full=False)
+            if not check.ok:
+                self._fault("damaged")
+                raise DatabaseDamaged(f"open {self.path.name}", str(self.path), check.problems[0])
         try:
             self._wconn = _connect(self.path)
             self.schema_version = migrate(self._wconn, where=str(self.path))
-            self._rconn = _connect(self.path)
+            self._reader.open()
         except sqlite3.DatabaseError as e:
             self._close_conns()
-            raise StoreError(f"open {self.path}: {e}") from None
+            raise self._translated(e, f"open {self.path.name}") or StoreError(
+                f"open {self.path}: {e}"
+            ) from None
         except BaseException:
             self._close_conns()
             raise
@@ -151,39 +276,92 @@ class Database:
                 os.chmod(side, 0o600)
 
     def _close_conns(self) -> None:
-        for conn in (self._wconn, self._rconn):
+        for conn in (self._wconn, self._reader.conn):
             if conn is not None:
                 conn.close()
-        self._wconn = self._rconn = None
+        self._wconn = self._reader.conn = None
 
-    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def write(self, fn: Callable[[sqlite3.Connection], T], *, what: str = "") -> T:
         """Run ``fn(conn)`` in the writer thread inside a transaction; return its result
         once the transaction is committed (fsync'd). If ``fn`` raises, its changes are
-        rolled back and the exception is re-raised here; other writes of the batch stand."""
+        rolled back and the exception is re-raised here; other writes of the batch stand.
+
+        A full disk raises DiskFull, a damaged file DatabaseDamaged (and every later
+        write too); ``what`` names the operation and its target in those errors.
+        """
+        what = what or f"write {self.path.name}"
         if self._closed:
             raise StoreError(f"write {self.path}: database is closed")
+        if self.damaged is not None:
+            raise DatabaseDamaged(what, str(self.path), self.damaged)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._accepting_lock:
             if not self._accepting or self._writer is None or not self._writer.is_alive():
                 raise StoreError(f"write {self.path}: the database writer has stopped")
-            self._queue.put(_Job(fn, future, loop))
+            self._queue.put(_Job(fn, future, loop, what))
         return await future
 
-    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn(conn)`` on the reader connection (sees committed data only)."""
-        if self._closed or self._rconn is None:
+    async def read(self, fn: Callable[[sqlite3.Connection], T], *, what: str = "") -> T:
+        """Run ``fn(conn)`` on the reader connection (sees committed data only).
+
+        ``what`` names the operation and its target ("replay agent ag_...") in
+        the DiskFull / DatabaseDamaged / IntegrityError a storage fault becomes.
+        """
+        if self._closed:
             raise StoreError(f"read {self.path}: database is closed")
-        conn = self._rconn
 
         def run() -> T:
-            conn.execute("BEGIN")
+            if self._closed:
+                raise StoreError(f"read {self.path}: database is closed")
             try:
-                return fn(conn)
-            finally:
-                conn.execute("COMMIT")
+                return self._reader.run(fn)
+            except (sqlite3.Error, OSError) as e:
+                ours = self._translated(e, what or f"read {self.path.name}")
+                if ours is None:
+                    raise
+                raise ours from e
 
-        return await asyncio.get_running_loop().run_in_executor(self._reader, run)
+        return await asyncio.get_running_loop().run_in_executor(self._reader.executor, run)
+
+    def _fault(self, kind: str) -> None:
+        if self._on_fault is not None:
+            try:
+                self._on_fault(kind)
+            except Exception:
+                logger.exception("machine.db fault observer failed")
+
+    def _translated(self, error: BaseException, what: str) -> AgentsError | None:
+        """Our error for a storage fault (see :mod:`machine.dbfaults`), recording
+        damage so that writes stop; None for any other error."""
+        ours = dbfaults.translate(error, what, self.path)
+        if isinstance(ours, DatabaseDamaged):
+            self.mark_damaged(dbfaults.damage_reason(error) or ours.reason)
+        elif ours is not None and dbfaults.is_disk_full(error):
+            self._fault("disk_full")
+        return ours
+
+    def mark_damaged(self, reason: str) -> None:
+        """Record that the file is damaged: from now on every write is refused."""
+        if self.damaged is None:
+            logger.error(
+                "%s is damaged (%s): refusing writes until it is restored", self.path, reason
+            )
+            self.damaged = reason
+        self._fault("damaged")
+
+    async def check(self, *, full: bool = True) -> CheckResult:
+        """Run an integrity check now (``integrity_check``, or ``quick_check``) on a
+        connection of its own; problems mark the database damaged."""
+        if self._closed:
+            raise StoreError(f"check {self.path}: database is closed")
+        result = await asyncio.to_thread(dbfaults.run_check, self.path, full=full)
+        if not result.ok:
+            logger.error(
+                "integrity check of %s found %d problem(s)", self.path, len(result.problems)
+            )
+            self.mark_damaged(result.problems[0])
+        return result
 
     def _write_loop(self) -> None:
         assert self._wconn is not None
@@ -243,6 +421,10 @@ class Database:
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
         start = time.perf_counter()
+        if self.damaged is not None:  # queued before the damage was found
+            for job in batch:
+                _settle(job, None, DatabaseDamaged(job.what, str(self.path), self.damaged))
+            return
         outcomes: list[tuple[_Job, Any, BaseException | None]] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -251,19 +433,27 @@ class Database:
                 try:
                     result = job.fn(conn)
                 except BaseException as e:  # handed to the caller
+                    fatal = dbfaults.is_disk_full(e) or dbfaults.damage_reason(e) is not None
+                    if fatal or not conn.in_transaction:
+                        # A full disk or a damaged file fails the whole batch (its
+                        # commit could not succeed either); SQLite may already have
+                        # rolled the transaction back.
+                        raise
                     conn.execute("ROLLBACK TO job")
                     conn.execute("RELEASE job")
-                    outcomes.append((job, None, _deliverable(e, self.path)))
+                    ours = dbfaults.translate(e, job.what, self.path)
+                    outcomes.append((job, None, ours or _deliverable(e, self.path)))
                 else:
                     conn.execute("RELEASE job")
                     outcomes.append((job, result, None))
             conn.execute("COMMIT")
-        except sqlite3.Error as e:
+        except (sqlite3.Error, OSError) as e:
             logger.error("machine.db commit failed: %s", e)
-            if conn.in_transaction:
-                conn.rollback()
-            failure = StoreError(f"write {self.path}: {e}")
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.rollback()
             for job in batch:
+                failure = self._translated(e, job.what) or StoreError(f"write {self.path}: {e}")
                 _settle(job, None, failure)
             return
         elapsed = time.perf_counter() - start
@@ -284,8 +474,5 @@ class Database:
         self._queue.put(None)
         if self._writer is not None:
             await asyncio.to_thread(self._writer.join)
-        rconn = self._rconn
-        if rconn is not None:
-            await asyncio.get_running_loop().run_in_executor(self._reader, rconn.close)
-        self._reader.shutdown(wait=True)
-        self._wconn = self._rconn = None
+        await self._reader.close()
+        self._wconn = None

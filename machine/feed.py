@@ -7,7 +7,8 @@ read; a follower that falls behind the ring reads from the database instead
 never loses an event.
 
 When a run's final event cannot be stored, :meth:`FeedHub.fail` records it:
-that run's followers then raise StoreError instead of waiting for ever.
+that run's followers then raise the storage error (StoreError, DiskFull...)
+instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -18,23 +19,41 @@ from collections import deque
 from collections.abc import Iterable
 
 from machine.models import StoredEvent
-from shared.errors import StoreError
+from shared.errors import AgentsError
 
 __all__ = ["ConversationFeed", "FeedHub"]
 
 logger = logging.getLogger(__name__)
 
 _RING = 1024
+# The ring is also bounded by (roughly) the bytes of its events: with large
+# events it keeps fewer, and followers read the rest from the database.
+_RING_BYTES = 4 * 1024 * 1024
+
+
+def _size(ev: StoredEvent) -> int:
+    """A cheap estimate of an event's payload size (its top-level values as text)."""
+    return 64 + sum(len(v) if isinstance(v, str) else len(str(v)) for v in ev.payload.values())
+
+
+def _fresh(error: AgentsError) -> AgentsError:
+    """A new exception of the same class, message and attributes, with no traceback."""
+    cls = type(error)
+    copy = cls.__new__(cls)
+    AgentsError.__init__(copy, error.message)
+    copy.__dict__.update({k: v for k, v in error.__dict__.items() if k != "message"})
+    return copy
 
 
 class ConversationFeed:
     """One agent's recent events and a wake-up for readers."""
 
     def __init__(self) -> None:
-        self._ring: deque[StoredEvent] = deque(maxlen=_RING)
+        self._ring: deque[tuple[StoredEvent, int]] = deque()
+        self._ring_bytes = 0
         self._last_seq = -1
         self._changed = asyncio.Event()
-        self._failed: dict[str, StoreError] = {}
+        self._failed: dict[str, AgentsError] = {}
 
     @property
     def last_seq(self) -> int:
@@ -47,7 +66,11 @@ class ConversationFeed:
         for ev in events:
             if ev.seq <= self._last_seq:
                 continue
-            self._ring.append(ev)
+            size = _size(ev)
+            self._ring.append((ev, size))
+            self._ring_bytes += size
+            while len(self._ring) > _RING or self._ring_bytes > _RING_BYTES:
+                self._ring_bytes -= self._ring.popleft()[1]
             self._last_seq = ev.seq
             added = True
         if added:
@@ -57,7 +80,7 @@ class ConversationFeed:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def fail(self, run_id: str, error: StoreError) -> None:
+    def fail(self, run_id: str, error: AgentsError) -> None:
         """Record that ``run_id`` will get no final event; wake its followers."""
         self._failed[run_id] = error
         self._wake()
@@ -73,7 +96,7 @@ class ConversationFeed:
             return None
         if after_seq >= self._last_seq:
             return []
-        out = [ev for ev in self._ring if ev.seq > after_seq]
+        out = [ev for ev, _ in self._ring if ev.seq > after_seq]
         if not out or out[0].seq != after_seq + 1:
             return None
         for a, b in zip(out, out[1:], strict=False):
@@ -84,14 +107,14 @@ class ConversationFeed:
     async def wait_after(self, seq: int, run_id: str | None = None) -> None:
         """Return once an event with seq > ``seq`` has been published.
 
-        With ``run_id``: raise StoreError if that run was failed (see :meth:`fail`).
+        With ``run_id``: raise the error that run was failed with (see :meth:`fail`).
         """
         while self._last_seq <= seq:
             failure = self._failed.get(run_id) if run_id is not None else None
             if failure is not None:
                 # A fresh exception per follower: one shared instance would pile
                 # up every follower's traceback.
-                raise StoreError(failure.message)
+                raise _fresh(failure)
             await self._changed.wait()
 
 
@@ -108,7 +131,7 @@ class FeedHub:
             feed = self._feeds[agent_id] = ConversationFeed()
         return feed
 
-    def fail(self, agent_id: str, run_id: str, error: StoreError) -> None:
+    def fail(self, agent_id: str, run_id: str, error: AgentsError) -> None:
         """Make the followers of ``run_id`` raise ``error`` (see ConversationFeed.fail)."""
         self.feed(agent_id).fail(run_id, error)
 

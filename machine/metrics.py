@@ -60,6 +60,54 @@ class MachineMetrics:
             registry=registry,
         )
 
+        self.db_checks = Counter(
+            "agents_machine_db_checks",
+            "Integrity checks of machine.db, by kind (quick at start, full on the timer"
+            " or on demand) and result (ok, damaged).",
+            ["kind", "result"],
+            registry=registry,
+        )
+        self.db_check_seconds = Histogram(
+            "agents_machine_db_check_seconds",
+            "Time one integrity check of machine.db took.",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0),
+            registry=registry,
+        )
+        self.db_damaged = Gauge(
+            "agents_machine_db_damaged",
+            "1 once machine.db is known to be damaged (writes are refused), else 0.",
+            registry=registry,
+        )
+        self.storage_faults = Counter(
+            "agents_machine_storage_faults",
+            "Storage faults met while using the data folder, by kind (disk_full, damaged).",
+            ["kind"],
+            registry=registry,
+        )
+        self.streams_open = Gauge(
+            "agents_machine_streams_open",
+            "Prompt and Replay streams being served.",
+            registry=registry,
+        )
+        self.streams_refused = Counter(
+            "agents_machine_streams_refused",
+            "Prompt and Replay streams refused with RESOURCE_EXHAUSTED, by the limit hit"
+            " (client, total).",
+            ["limit"],
+            registry=registry,
+        )
+
+    def observe_fault(self, kind: str) -> None:
+        """Record a storage fault (called from the database's threads)."""
+        self.storage_faults.labels(kind).inc()
+        if kind == "damaged":
+            self.db_damaged.set(1)
+
+    def observe_check(self, kind: str, ok: bool, seconds: float) -> None:
+        """Record one integrity check."""
+        self.db_checks.labels(kind, "ok" if ok else "damaged").inc()
+        self.db_check_seconds.observe(seconds)
+
     def observe_commit(self, batch: int, seconds: float) -> None:
         """Record one committed batch (called from the writer thread)."""
         self.commit_batch_size.observe(batch)

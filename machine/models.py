@@ -109,6 +109,7 @@ class RunErrorCode(enum.StrEnum):
     RUNTIME_FAILED = "RUNTIME_FAILED"
     CANCELLED = "CANCELLED"
     RUNTIME_UNAVAILABLE = "RUNTIME_UNAVAILABLE"
+    STORAGE_FAILED = "STORAGE_FAILED"
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,9 @@ class RunRecord:
     created_at: float
     started_at: float | None
     finished_at: float | None
-    input_tokens: int
-    output_tokens: int
+    input_tokens: int | None
+    """None: the runtime did not report usage (unknown, not 0)."""
+    output_tokens: int | None
     duration_ms: int
     stop_reason: str | None
     error_code: RunErrorCode | None

@@ -17,9 +17,12 @@ Rules it keeps:
 - A write whose caller may be cancelled (a client going away) commits together
   with its in-memory follow-up or not at all: the follow-up runs even if the
   caller is cancelled while the write commits.
-- When a run's final event cannot be stored, its followers fail with
-  StoreError instead of waiting for ever; the run stays registered (open in
-  the database) so CancelRun can still end it and a restart interrupts it.
+- When a run's events cannot be stored (a full disk, a damaged database),
+  the run ends with RUN_ERROR code STORAGE_FAILED. If even that event cannot
+  be stored, its followers fail with the storage error instead of waiting for
+  ever, and the run stays registered (open in the database): it is ended with
+  STORAGE_FAILED as soon as the database accepts writes again (retried with
+  backoff), CancelRun can still end it, and a restart interrupts it.
 """
 
 from __future__ import annotations
@@ -69,7 +72,15 @@ from machine.runtimes.base import (
     ToolResult,
     UsageReport,
 )
-from shared.errors import AgentsError, InvalidArgument, InvalidState, StoreError, TooLarge
+from shared.errors import (
+    AgentsError,
+    DatabaseDamaged,
+    DiskFull,
+    InvalidArgument,
+    InvalidState,
+    StoreError,
+    TooLarge,
+)
 from shared.ids import new_id, validate_id
 
 __all__ = ["RunEngine"]
@@ -80,13 +91,26 @@ T = TypeVar("T")
 
 _MAX_ATTACHMENTS = 32
 _READ_BATCH = 500
+# A follower holds at most one batch: bounded by bytes too, so large events
+# (a long prompt, a big tool output) do not make a batch hundreds of MiB.
+_READ_BYTES = 256 * 1024
+# Retrying the final event of a run whose storage failed: first after this
+# long, doubling up to the cap (a freed disk is noticed within the cap).
+_END_RETRY_FIRST = 0.2
+_END_RETRY_MAX = 5.0
 
 _OUTCOME = {
     RunErrorCode.RUN_INTERRUPTED: RunState.INTERRUPTED,
     RunErrorCode.CANCELLED: RunState.CANCELLED,
     RunErrorCode.RUNTIME_FAILED: RunState.FAILED,
     RunErrorCode.RUNTIME_UNAVAILABLE: RunState.FAILED,
+    RunErrorCode.STORAGE_FAILED: RunState.FAILED,
 }
+
+
+def _storage_fault(error: BaseException) -> bool:
+    """Whether ``error`` is the database failing to store, not the run failing."""
+    return isinstance(error, DiskFull | DatabaseDamaged | StoreError)
 
 
 def _event_payload(ev: RuntimeEvent) -> tuple[EventKind, dict[str, Any]] | None:
@@ -156,6 +180,10 @@ class _Active:
     early: dict[str, PermissionDecision] = field(default_factory=dict)
     # The run ended in the engine but its final event could not be stored.
     unended: bool = False
+    # The first storage failure met while storing the run's events.
+    store_error: str | None = None
+    # Held while storing the final event of an unended run (retry loop or cancel).
+    ending: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class RunEngine:
@@ -199,9 +227,20 @@ class RunEngine:
                     if run.state is RunState.RUNNING
                     else "the machine daemon stopped before the run started"
                 )
+                # The daemon's downtime is not the run's: its duration ends at
+                # the last event it stored before the stop.
+                row = conn.execute(
+                    "SELECT MAX(time) FROM events WHERE run_id = ?", (run.id,)
+                ).fetchone()
                 events.append(
                     self._end_run_sync(
-                        conn, run, RunErrorCode.RUN_INTERRUPTED, message, now, started=None
+                        conn,
+                        run,
+                        RunErrorCode.RUN_INTERRUPTED,
+                        message,
+                        now,
+                        started=None,
+                        active_until=row[0],
                     )
                 )
             waiting = store.runs_in_states(conn, (RunState.WAITING_PERMISSION,))
@@ -283,8 +322,8 @@ class RunEngine:
             for sha in attachments:
                 self._attachments.check_usable(conn, agent_id, sha)
             conn.execute(
-                "INSERT INTO runs (id, agent_id, state, prompt, attachments_json, created_at)"
-                " VALUES (?,?,?,?,?,?)",
+                "INSERT INTO runs (id, agent_id, state, prompt, attachments_json, created_at,"
+                " usage_reported) VALUES (?,?,?,?,?,?,0)",
                 (run_id, agent_id, RunState.QUEUED.value, text, json.dumps(list(attachments)), now),
             )
             for sha in attachments:
@@ -296,7 +335,7 @@ class RunEngine:
             return store.get_run(conn, run_id), agent.last_seq
 
         async def commit() -> tuple[RunRecord, int]:
-            run, last_seq = await self._db.write(write)
+            run, last_seq = await self._db.write(write, what=f"prompt agent {agent_id}")
             self._spawn(run, parked=False)
             return run, last_seq
 
@@ -355,8 +394,13 @@ class RunEngine:
             else:
                 batch = await self._db.read(
                     functools.partial(
-                        store.read_events, agent_id=agent_id, after_seq=last, limit=_READ_BATCH
-                    )
+                        store.read_events,
+                        agent_id=agent_id,
+                        after_seq=last,
+                        limit=_READ_BATCH,
+                        max_bytes=_READ_BYTES,
+                    ),
+                    what=f"replay agent {agent_id}",
                 )
             for ev in batch:
                 if ev.seq <= last:
@@ -376,7 +420,9 @@ class RunEngine:
         validate_id("agent", agent_id, "agent_id")
         if after_seq < 0:
             raise InvalidArgument("after_seq", "must not be negative")
-        await self._db.read(lambda c: store.get_agent(c, agent_id, self.ids.own))
+        await self._db.read(
+            lambda c: store.get_agent(c, agent_id, self.ids.own), what=f"replay agent {agent_id}"
+        )
         return self.follow(agent_id, after_seq, follow=follow)
 
     # ------------------------------------------------------------ control
@@ -384,15 +430,16 @@ class RunEngine:
     async def get_run(self, run_id: str) -> RunRecord:
         """One run."""
         validate_id("run", run_id, "run_id")
-        return await self._db.read(lambda c: store.get_run(c, run_id))
+        return await self._db.read(lambda c: store.get_run(c, run_id), what=f"get run {run_id}")
 
     async def list_runs(self, agent_id: str, limit: int = 100) -> list[RunRecord]:
         """An agent's runs, newest first."""
         validate_id("agent", agent_id, "agent_id")
         if not 0 <= limit <= 1000:
             raise InvalidArgument("limit", "must be 0 to 1000")
-        await self._db.read(lambda c: store.get_agent(c, agent_id, self.ids.own))
-        return await self._db.read(lambda c: store.list_runs(c, agent_id, limit or 100))
+        what = f"list runs of agent {agent_id}"
+        await self._db.read(lambda c: store.get_agent(c, agent_id, self.ids.own), what=what)
+        return await self._db.read(lambda c: store.list_runs(c, agent_id, limit or 100), what=what)
 
     async def cancel(self, run_id: str) -> RunRecord:
         """Cancel an open run; it ends with RUN_ERROR code CANCELLED."""
@@ -402,12 +449,17 @@ class RunEngine:
             raise InvalidState(f"cancel run {run_id}", f"the run has already ended ({run.state})")
         active.cancel_reason = "user"
         if active.unended:
-            # One attempt at a time, shared by concurrent cancels: never two RUN_ERRORs.
-            if active.task.done():
-                active.task = asyncio.create_task(
-                    self._end_unended(active), name=f"end run {run_id}"
-                )
-            await asyncio.shield(active.task)
+            # Under the run's ending lock (shared with the retry loop): never two RUN_ERRORs.
+            async with active.ending:
+                if active.unended:
+                    try:
+                        await self._end_unended(active)
+                    except AgentsError:
+                        raise
+                    except Exception as e:
+                        raise StoreError(
+                            f"cancel run {run_id}: the final event could not be stored: {e}"
+                        ) from e
             return await self.get_run(run_id)
         active.task.cancel()
         await asyncio.gather(active.task, return_exceptions=True)
@@ -520,11 +572,15 @@ class RunEngine:
             except Exception as e:
                 self._unended(active, e)
         except Exception as e:
-            logger.exception("run %s failed in the engine", run.id)
             try:
-                await self._end(
-                    active, RunErrorCode.RUNTIME_FAILED, f"run failed: {type(e).__name__}", started
-                )
+                if _storage_fault(e):
+                    logger.error("run %s: its events could not be stored: %s", run.id, e)
+                    active.store_error = active.store_error or str(e)
+                    await self._end_storage_failed(active, started)
+                else:
+                    logger.exception("run %s failed in the engine", run.id)
+                    message = f"run failed: {type(e).__name__}"
+                    await self._end(active, RunErrorCode.RUNTIME_FAILED, message, started)
             except Exception as end_error:
                 self._unended(active, end_error)
         finally:
@@ -534,32 +590,61 @@ class RunEngine:
 
     def _unended(self, active: _Active, error: Exception) -> None:
         """The run's final event could not be stored: fail its followers, keep it
-        registered (still open in the database) for CancelRun and restart recovery."""
+        registered (still open in the database) and end it once writes work again."""
         run_id = active.run.id
         logger.error("run %s: its final event could not be stored: %s", run_id, error)
         active.unended = True
-        failure = StoreError(f"run {run_id}: its final event could not be stored: {error}")
+        active.store_error = active.store_error or str(error)
+        failure: AgentsError = (
+            error
+            if isinstance(error, DiskFull | DatabaseDamaged)
+            else StoreError(f"run {run_id}: its final event could not be stored: {error}")
+        )
         self.feeds.fail(active.run.agent_id, run_id, failure)
+        if not self._closing:
+            active.task = asyncio.create_task(
+                self._end_when_writable(active), name=f"end run {run_id}"
+            )
+
+    async def _end_when_writable(self, active: _Active) -> None:
+        """Retry the final event of an unended run until the database takes it."""
+        delay = _END_RETRY_FIRST
+        while active.unended:
+            await asyncio.sleep(delay)  # backoff between attempts, not synchronisation
+            delay = min(delay * 2, _END_RETRY_MAX)
+            async with active.ending:
+                if not active.unended:
+                    return
+                try:
+                    await self._end_unended(active)
+                except Exception as e:
+                    logger.debug("run %s: final event still not stored: %s", active.run.id, e)
+                else:
+                    logger.info("run %s: ended now that the database takes writes", active.run.id)
 
     async def _end_unended(self, active: _Active) -> None:
-        """CancelRun on a run whose final event was lost: store RUN_ERROR CANCELLED now."""
+        """Store the final event of a run whose earlier attempt failed: CANCELLED if
+        someone cancelled it, else STORAGE_FAILED. Call under ``active.ending``."""
         run_id = active.run.id
-        try:
+        if active.cancel_reason == "user":
             await self._end(active, RunErrorCode.CANCELLED, "cancelled by the user", None)
-        except AgentsError:
-            raise
-        except Exception as e:
-            raise StoreError(
-                f"cancel run {run_id}: the final event could not be stored: {e}"
-            ) from e
+        else:
+            await self._end_storage_failed(active, None)
         active.unended = False
         self._active.pop(run_id, None)
         self.feeds.clear_failure(active.run.agent_id, run_id)
         self._update_gauges()
 
+    async def _end_storage_failed(self, active: _Active, started: float | None) -> None:
+        message = f"the run's events could not be stored: {active.store_error or 'unknown'}"
+        await self._end(active, RunErrorCode.STORAGE_FAILED, message, started)
+
     async def _start_run(self, active: _Active, started: float) -> None:
         run = active.run
-        agent = await self._db.read(lambda c: store.get_agent(c, run.agent_id, self.ids.own))
+        agent = await self._db.read(
+            lambda c: store.get_agent(c, run.agent_id, self.ids.own),
+            what=f"run {run.id} of agent {run.agent_id}",
+        )
 
         def write(conn: sqlite3.Connection) -> StoredEvent:
             store.set_run_state(conn, run.id, RunState.RUNNING, started_at=started)
@@ -576,7 +661,7 @@ class RunEngine:
                 started,
             )
 
-        await self._append(write)
+        await self._append(run, write)
         active.run = await self._db.read(lambda c: store.get_run(c, run.id))
         self._update_gauges()
         if self._metrics is not None:
@@ -614,8 +699,12 @@ class RunEngine:
         self, active: _Active, started: float, resume: ResumeInfo | None
     ) -> None:
         run = active.run
-        agent = await self._db.read(lambda c: store.get_agent(c, run.agent_id, self.ids.own))
-        usage = [run.input_tokens, run.output_tokens]
+        agent = await self._db.read(
+            lambda c: store.get_agent(c, run.agent_id, self.ids.own),
+            what=f"run {run.id} of agent {run.agent_id}",
+        )
+        # None until the runtime reports usage: unknown is not 0 tokens.
+        usage: list[int | None] = [run.input_tokens, run.output_tokens]
         # While resuming, events the runtime re-emits up to the re-asked request
         # are already stored: drop them.
         suppressing = [resume is not None]
@@ -626,8 +715,8 @@ class RunEngine:
 
         async def emit(ev: RuntimeEvent) -> None:
             if isinstance(ev, UsageReport):
-                usage[0] += ev.input_tokens
-                usage[1] += ev.output_tokens
+                usage[0] = (usage[0] or 0) + ev.input_tokens
+                usage[1] = (usage[1] or 0) + ev.output_tokens
                 return
             if suppressing[0]:
                 return
@@ -640,9 +729,14 @@ class RunEngine:
                 return
             kind, payload = mapped
             now = self._clock()
-            await self._append(
-                lambda c: store.append_event(c, run.agent_id, run.id, kind, payload, now)
-            )
+            try:
+                await self._append(
+                    run, lambda c: store.append_event(c, run.agent_id, run.id, kind, payload, now)
+                )
+            except Exception as e:
+                if _storage_fault(e):
+                    active.store_error = active.store_error or str(e)
+                raise
 
         async def ask(req: PermissionRequest) -> PermissionDecision:
             if suppressing[0]:
@@ -677,17 +771,25 @@ class RunEngine:
         )
         try:
             outcome = await runtime.run(ctx)
-        except RuntimeFailed as e:
-            await self._end(active, RunErrorCode.RUNTIME_FAILED, e.message, started, usage)
-            return
         except asyncio.CancelledError:
             active.run = _with_usage(active.run, usage)
             raise
         except Exception as e:
+            if active.store_error is not None:
+                # The runtime failed because its events could not be stored.
+                active.run = _with_usage(active.run, usage)
+                raise StoreError(active.store_error) from e
+            if isinstance(e, RuntimeFailed):
+                await self._end(active, RunErrorCode.RUNTIME_FAILED, e.message, started, usage)
+                return
             logger.exception("run %s: runtime %s crashed", run.id, runtime.name)
             message = f"runtime {runtime.name} failed: {type(e).__name__}"
             await self._end(active, RunErrorCode.RUNTIME_FAILED, message, started, usage)
             return
+        if active.store_error is not None:
+            # Some of its events are missing: the run did not finish as stored.
+            active.run = _with_usage(active.run, usage)
+            raise StoreError(active.store_error)
         await self._finish(active, outcome, started, usage)
 
     def _runtime_for(self, agent: AgentRecord) -> Runtime:
@@ -755,7 +857,7 @@ class RunEngine:
         # Register before the write so an answer racing the commit finds the waiter.
         active.waiters[req.request_id] = future
         try:
-            _, chosen = await self._append_many(write)
+            _, chosen = await self._append_many(run, write)
             if chosen:
                 return PermissionDecision(chosen)
             active.run = await self._db.read(lambda c: store.get_run(c, run.id))
@@ -764,14 +866,18 @@ class RunEngine:
             active.waiters.pop(req.request_id, None)
 
     async def _finish(
-        self, active: _Active, outcome: RunOutcome, started: float, usage: list[int]
+        self, active: _Active, outcome: RunOutcome, started: float, usage: list[int | None]
     ) -> None:
         run = active.run
         now = self._clock()
         duration = max(0, int((now - started) * 1000))
         payload = {
             "stop_reason": outcome.stop_reason,
-            "usage": {"input_tokens": usage[0], "output_tokens": usage[1]},
+            "usage": {
+                key: value
+                for key, value in (("input_tokens", usage[0]), ("output_tokens", usage[1]))
+                if value is not None
+            },
             "duration_ms": duration,
         }
 
@@ -791,7 +897,7 @@ class RunEngine:
             )
             return ev
 
-        await self._append(write)
+        await self._append(run, write)
         self._count_end(RunState.FINISHED)
 
     async def _end(
@@ -800,13 +906,13 @@ class RunEngine:
         code: RunErrorCode,
         message: str,
         started: float | None,
-        usage: list[int] | None = None,
+        usage: list[int | None] | None = None,
     ) -> None:
         run = active.run
         if usage is not None:
             run = _with_usage(run, usage)
         now = self._clock()
-        await self._append(lambda c: self._end_run_sync(c, run, code, message, now, started))
+        await self._append(run, lambda c: self._end_run_sync(c, run, code, message, now, started))
         self._count_end(_OUTCOME[code])
 
     def _end_run_sync(
@@ -817,9 +923,13 @@ class RunEngine:
         message: str,
         now: float,
         started: float | None,
+        active_until: float | None = None,
     ) -> StoredEvent:
+        """Store a run's RUN_ERROR and end state. Its duration runs from ``started``
+        (default: when it started) to ``active_until`` (default: ``now``)."""
         started = started or run.started_at
-        duration = max(0, int((now - started) * 1000)) if started else 0
+        end = now if active_until is None else min(now, active_until)
+        duration = max(0, int((end - started) * 1000)) if started else 0
         ev = store.append_event(
             conn,
             run.agent_id,
@@ -869,17 +979,20 @@ class RunEngine:
 
     # ------------------------------------------------------------ storing
 
-    async def _append(self, fn: Callable[[sqlite3.Connection], StoredEvent]) -> StoredEvent:
-        events, _ = await self._append_many(lambda c: ([fn(c)], None))
+    async def _append(
+        self, run: RunRecord, fn: Callable[[sqlite3.Connection], StoredEvent]
+    ) -> StoredEvent:
+        events, _ = await self._append_many(run, lambda c: ([fn(c)], None))
         return events[0]
 
     async def _append_many(
-        self, fn: Callable[[sqlite3.Connection], tuple[list[StoredEvent], Any]]
+        self, run: RunRecord, fn: Callable[[sqlite3.Connection], tuple[list[StoredEvent], Any]]
     ) -> tuple[list[StoredEvent], Any]:
-        """Commit a write that stores events, then publish them. If the caller is
-        cancelled meanwhile the write still commits; its events are still published."""
+        """Commit a write that stores events of ``run``, then publish them. If the caller
+        is cancelled meanwhile the write still commits; its events are still published."""
         start = time.perf_counter()
-        task = asyncio.ensure_future(self._db.write(fn))
+        what = f"store run {run.id} of agent {run.agent_id}"
+        task = asyncio.ensure_future(self._db.write(fn, what=what))
         try:
             result = await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -906,7 +1019,7 @@ class RuntimeFailedResume(RuntimeFailed):
     """A parked run's stored state does not allow resuming it."""
 
 
-def _with_usage(run: RunRecord, usage: list[int]) -> RunRecord:
+def _with_usage(run: RunRecord, usage: list[int | None]) -> RunRecord:
     from dataclasses import replace
 
     return replace(run, input_tokens=usage[0], output_tokens=usage[1])

@@ -149,8 +149,15 @@ CREATE VIRTUAL TABLE search USING fts5 (
 );
 """
 
+# Version 2: whether the runtime reported a run's usage. Runs stored before
+# keep 1 (their counts stand as they were shown); new runs start at 0, so
+# usage a runtime never reports reads as unknown, not as 0 tokens.
+_V2 = """
+ALTER TABLE runs ADD COLUMN usage_reported INTEGER NOT NULL DEFAULT 1;
+"""
+
 #: MIGRATIONS[i] upgrades version i to i + 1.
-MIGRATIONS: Final[tuple[str, ...]] = (_V1,)
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2)
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 

@@ -6,6 +6,7 @@ Domain errors raised here are turned into gRPC statuses by
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,8 +16,9 @@ import grpc.aio
 
 from machine import codec
 from machine.app import Machine
+from machine.models import StoredEvent
 from machine.version import machine_version
-from shared.errors import InvalidArgument, Unimplemented
+from shared.errors import AgentsError, InvalidArgument, Unimplemented
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 
@@ -28,6 +30,41 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MachineService"].full_name
 _LATER = "arrives with a later issue"
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+async def _send_events(context: Ctx, events: AsyncIterator[StoredEvent]) -> None:
+    """Write each event and wait for gRPC to take it before reading the next: a
+    client that does not read stops the stream's reads from the database.
+
+    A client that goes away ends the stream quietly: the handler is cancelled,
+    or a write fails on the closed call.
+    """
+    async with contextlib.aclosing(events):  # type: ignore[type-var]
+        async for ev in events:
+            try:
+                await context.write(codec.event_to_pb(ev))
+            except Exception as e:
+                # gRPC refuses writes on a call its client has closed (before the
+                # cancellation reaches this task): the stream is over, not broken.
+                logger.debug("stream ended: the call takes no more messages (%r)", e)
+                return
+
+
+async def _drain(parts: AsyncIterator[pb.UploadAttachmentRequest], limit: int) -> None:
+    """Read (and drop) what is left of a refused upload, up to ``limit`` bytes.
+
+    A client still sending when the server ends the call sees gRPC's own
+    INTERNAL "Internal error from Core" instead of our status (a full disk,
+    a bad agent id...): letting it finish sending delivers the real answer.
+    """
+    seen = 0
+    try:
+        async for msg in parts:
+            seen += len(msg.chunk)
+            if seen > limit:
+                return
+    except Exception as e:  # the client gave up meanwhile: nothing to deliver to
+        logger.debug("draining a refused upload stopped: %r", e)
 
 
 class MachineServicer(pb_grpc.MachineServiceServicer):
@@ -72,19 +109,21 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
 
     # ---------------------------------------------------------------- runs
 
-    async def Prompt(self, request: pb.PromptRequest, context: Ctx) -> AsyncIterator[pb.RunEvent]:
-        events = await self._m.runs.prompt(
-            request.agent_id, request.text, list(request.attachments)
-        )
-        async for ev in events:
-            yield codec.event_to_pb(ev)
+    # Prompt and Replay write their messages themselves (flow control, quiet
+    # cancellation), which the generated base class's iterator type does not describe.
+    async def Prompt(self, request: pb.PromptRequest, context: Ctx) -> None:  # type: ignore[override]
+        with self._m.streams.opened(context.peer()):
+            events = await self._m.runs.prompt(
+                request.agent_id, request.text, list(request.attachments)
+            )
+            await _send_events(context, events)
 
-    async def Replay(self, request: pb.ReplayRequest, context: Ctx) -> AsyncIterator[pb.RunEvent]:
-        events = await self._m.runs.replay(
-            request.agent_id, request.after_seq, follow=request.follow
-        )
-        async for ev in events:
-            yield codec.event_to_pb(ev)
+    async def Replay(self, request: pb.ReplayRequest, context: Ctx) -> None:  # type: ignore[override]
+        with self._m.streams.opened(context.peer()):
+            events = await self._m.runs.replay(
+                request.agent_id, request.after_seq, follow=request.follow
+            )
+            await _send_events(context, events)
 
     async def CancelRun(self, request: pb.CancelRunRequest, context: Ctx) -> pb.Run:
         return codec.run_to_pb(await self._m.runs.cancel(request.run_id))
@@ -128,12 +167,16 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
                     raise InvalidArgument("chunk", "only chunks may follow the header")
                 yield msg.chunk
 
-        record = await self._m.attachments.upload(
-            agent_id=header.agent_id,
-            file_name=header.file_name,
-            declared_size=header.size,
-            chunks=chunks(),
-        )
+        try:
+            record = await self._m.attachments.upload(
+                agent_id=header.agent_id,
+                file_name=header.file_name,
+                declared_size=header.size,
+                chunks=chunks(),
+            )
+        except AgentsError:
+            await _drain(parts, self._m.attachments.limit)
+            raise
         return pb.Attachment(sha256=record.sha256, size=record.size, agent_id=record.agent_id)
 
     # ---------------------------------------------------------------- later issues
@@ -196,6 +239,18 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         raise AssertionError("unreachable")
 
     # ---------------------------------------------------------------- status
+
+    async def CheckDatabase(
+        self, request: pb.CheckDatabaseRequest, context: Ctx
+    ) -> pb.CheckDatabaseResponse:
+        result = await self._m.check_database()
+        return pb.CheckDatabaseResponse(
+            ok=result.ok,
+            problems=list(result.problems),
+            checked_at=codec.ts(result.finished_at),
+            duration_ms=int(result.seconds * 1000),
+            path=str(self._m.db.path),
+        )
 
     async def Status(self, request: pb.StatusRequest, context: Ctx) -> pb.StatusResponse:
         st = await self._m.status()

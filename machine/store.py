@@ -24,7 +24,7 @@ from machine.models import (
     SearchHit,
     StoredEvent,
 )
-from shared.errors import NotFound
+from shared.errors import IntegrityError, NotFound
 
 __all__ = [
     "OwnIds",
@@ -148,8 +148,8 @@ def _row_to_run(row: sqlite3.Row) -> RunRecord:
         created_at=row["created_at"],
         started_at=row["started_at"],
         finished_at=row["finished_at"],
-        input_tokens=row["input_tokens"],
-        output_tokens=row["output_tokens"],
+        input_tokens=row["input_tokens"] if row["usage_reported"] else None,
+        output_tokens=row["output_tokens"] if row["usage_reported"] else None,
         duration_ms=row["duration_ms"],
         stop_reason=row["stop_reason"],
         error_code=RunErrorCode(row["error_code"]) if row["error_code"] else None,
@@ -184,7 +184,15 @@ def runs_in_states(conn: sqlite3.Connection, states: tuple[RunState, ...]) -> li
 
 
 def set_run_state(conn: sqlite3.Connection, run_id: str, state: RunState, **fields: Any) -> None:
-    """Change a run's state and any of its other columns."""
+    """Change a run's state and any of its other columns.
+
+    ``input_tokens``/``output_tokens`` of None mean "not reported": they are
+    stored as 0 with ``usage_reported`` 0."""
+    if "input_tokens" in fields or "output_tokens" in fields:
+        known = fields.get("input_tokens") is not None or fields.get("output_tokens") is not None
+        fields["usage_reported"] = int(known)
+        fields["input_tokens"] = fields.get("input_tokens") or 0
+        fields["output_tokens"] = fields.get("output_tokens") or 0
     allowed = {
         "started_at",
         "finished_at",
@@ -193,6 +201,7 @@ def set_run_state(conn: sqlite3.Connection, run_id: str, state: RunState, **fiel
         "duration_ms",
         "stop_reason",
         "error_code",
+        "usage_reported",
     }
     cols = ["state = ?"]
     values: list[Any] = [state.value]
@@ -206,25 +215,46 @@ def set_run_state(conn: sqlite3.Connection, run_id: str, state: RunState, **fiel
 
 
 def _row_to_event(row: sqlite3.Row) -> StoredEvent:
+    try:
+        kind = EventKind(row["kind"])
+        payload = json.loads(row["payload_json"])
+    except ValueError:
+        # Only damage writes such a row: name it rather than fail with INTERNAL.
+        raise IntegrityError(
+            f"read event {row['seq']} of agent {row['agent_id']}",
+            "its stored kind or payload is unreadable (the database is damaged)",
+        ) from None
     return StoredEvent(
         agent_id=row["agent_id"],
         seq=row["seq"],
         run_id=row["run_id"],
-        kind=EventKind(row["kind"]),
-        payload=json.loads(row["payload_json"]),
+        kind=kind,
+        payload=payload,
         time=row["time"],
     )
 
 
 def read_events(
-    conn: sqlite3.Connection, agent_id: str, after_seq: int, limit: int = 1000
+    conn: sqlite3.Connection,
+    agent_id: str,
+    after_seq: int,
+    limit: int = 1000,
+    max_bytes: int | None = None,
 ) -> list[StoredEvent]:
-    """Events of an agent with seq > after_seq, in order."""
+    """Events of an agent with seq > after_seq, in order: at most ``limit``, and
+    stopping once their payloads reach ``max_bytes`` (at least one event)."""
     rows = conn.execute(
         "SELECT * FROM events WHERE agent_id = ? AND seq > ? ORDER BY seq LIMIT ?",
         (agent_id, after_seq, limit),
     )
-    return [_row_to_event(r) for r in rows]
+    out: list[StoredEvent] = []
+    size = 0
+    for row in rows:
+        out.append(_row_to_event(row))
+        size += len(row["payload_json"])
+        if max_bytes is not None and size >= max_bytes:
+            break
+    return out
 
 
 def run_events(conn: sqlite3.Connection, run_id: str) -> list[StoredEvent]:

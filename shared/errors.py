@@ -18,9 +18,11 @@ imports ``grpc``.
     │   └── ProviderError          a machine provider refused (bad credentials, no instance)
     ├── PreconditionFailed         key                      -> ABORTED
     ├── QuotaExceeded              what, limit              -> RESOURCE_EXHAUSTED
+    ├── DiskFull                   what, folder             -> RESOURCE_EXHAUSTED
     ├── Unauthenticated                                     -> UNAUTHENTICATED
     ├── PermissionDenied                                    -> PERMISSION_DENIED
     ├── IntegrityError             what                     -> DATA_LOSS
+    │   └── DatabaseDamaged        what, path
     ├── Cancelled                                           -> CANCELLED
     ├── Unimplemented              what                     -> UNIMPLEMENTED
     ├── DeadlineExceeded                                    -> DEADLINE_EXCEEDED
@@ -42,7 +44,9 @@ __all__ = [
     "AlreadyExists",
     "Cancelled",
     "ConfigError",
+    "DatabaseDamaged",
     "DeadlineExceeded",
+    "DiskFull",
     "IntegrityError",
     "InvalidArgument",
     "InvalidId",
@@ -151,6 +155,21 @@ class QuotaExceeded(AgentsError):
         self.limit = limit
 
 
+class DiskFull(AgentsError):
+    """The disk holding a data folder has no space left (or the user's quota is used up).
+
+    Not permanent: writes succeed again once space is freed, without a restart.
+    """
+
+    def __init__(self, what: str, folder: str) -> None:
+        super().__init__(
+            f"{what}: no space left on the disk holding the data folder {folder};"
+            " free some space there (writes resume by themselves)"
+        )
+        self.what = what
+        self.folder = folder
+
+
 class Unauthenticated(AgentsError):
     """No valid credential was presented."""
 
@@ -166,6 +185,19 @@ class IntegrityError(AgentsError):
         super().__init__(f"{what}: {reason}")
         self.what = what
         self.reason = reason
+
+
+class DatabaseDamaged(IntegrityError):
+    """A local database file is damaged (SQLite reported corruption or a check failed)."""
+
+    def __init__(self, what: str, path: str, reason: str) -> None:
+        super().__init__(
+            what,
+            f"the database {path} is damaged ({reason}); stop the daemon if it runs, keep a copy of"
+            " its data folder, then restore the file from a backup or salvage it with"
+            ' `sqlite3 <file> .recover` (docs/machine.md, "Damaged database")',
+        )
+        self.path = path
 
 
 class Cancelled(AgentsError):

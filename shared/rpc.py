@@ -53,6 +53,7 @@ STATUS_TABLE: tuple[tuple[type[E.AgentsError], grpc.StatusCode], ...] = (
     (E.InvalidState, grpc.StatusCode.FAILED_PRECONDITION),
     (E.PreconditionFailed, grpc.StatusCode.ABORTED),
     (E.QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (E.DiskFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (E.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (E.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (E.IntegrityError, grpc.StatusCode.DATA_LOSS),
@@ -79,6 +80,8 @@ _BY_NAME: dict[str, type[E.AgentsError]] = {
         E.Unauthenticated,
         E.PermissionDenied,
         E.IntegrityError,
+        E.DatabaseDamaged,
+        E.DiskFull,
         E.Cancelled,
         E.Unimplemented,
         E.DeadlineExceeded,
@@ -89,7 +92,19 @@ _BY_NAME: dict[str, type[E.AgentsError]] = {
     )
 }
 # Attributes worth carrying across the wire (never secrets: they are ids and limits).
-_CARRIED = ("field", "reason", "kind", "ident", "value", "what", "key", "limit", "size")
+_CARRIED = (
+    "field",
+    "reason",
+    "kind",
+    "ident",
+    "value",
+    "what",
+    "key",
+    "limit",
+    "size",
+    "folder",
+    "path",
+)
 
 
 def status_for(exc: E.AgentsError) -> grpc.StatusCode:

@@ -19,21 +19,11 @@ from machine import store
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.db import Database
-from machine.models import EventKind, RunRecord, RunState, StoredEvent
+from machine.models import EventKind, RunState, StoredEvent
 from shared.errors import StoreError
+from tests.helpers.runs import wait_for_state
 
 DEADLINE = 10.0
-
-
-async def wait_for_state(m: Machine, run_id: str, state: RunState) -> RunRecord:
-    """Poll the run until it reaches ``state`` (fails after the deadline)."""
-    end = time.monotonic() + DEADLINE
-    while True:
-        run = await m.runs.get_run(run_id)
-        if run.state is state:
-            return run
-        assert time.monotonic() < end, f"run {run_id} stayed {run.state}, wanted {state}"
-        await asyncio.sleep(0.01)  # poll step under the deadline above
 
 
 async def until(events: AsyncIterator[StoredEvent], kind: EventKind) -> list[StoredEvent]:
@@ -60,11 +50,11 @@ class GatedWrite:
         self.release = asyncio.Event()
         self._armed = True
 
-    async def __call__(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+    async def __call__(self, fn: Callable[[sqlite3.Connection], Any], **kwargs: Any) -> Any:
         if not self._armed:
-            return await self._orig(fn)
+            return await self._orig(fn, **kwargs)
         self._armed = False
-        result = await self._orig(fn)
+        result = await self._orig(fn, **kwargs)
         self.committed.set()
         await self.release.wait()
         return result
@@ -163,9 +153,15 @@ async def test_lost_final_event_fails_followers_and_cancel_still_ends_the_run(
     assert run.state is RunState.RUNNING
     assert run.id in machine_app.runs._active
 
+    # Cancelling while the store still fails answers the storage error; the run
+    # stays open and remembers that it was cancelled.
+    with pytest.raises(StoreError, match="final event could not be stored"):
+        await machine_app.runs.cancel(run.id)
+    assert (await machine_app.runs.get_run(run.id)).state is RunState.RUNNING
+
     broken[0] = False
-    cancelled = await machine_app.runs.cancel(run.id)
-    assert cancelled.state is RunState.CANCELLED and cancelled.error_code == "CANCELLED"
+    cancelled = await wait_for_state(machine_app, run.id, RunState.CANCELLED)
+    assert cancelled.error_code == "CANCELLED"
     assert run.id not in machine_app.runs._active
     kinds = await machine_app.db.read(
         lambda c: [r[0] for r in c.execute("SELECT kind FROM events WHERE run_id = ?", (run.id,))]
@@ -294,7 +290,8 @@ def no_wal(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     connect = sqlite3.connect
 
     def fake(*args: Any, **kwargs: Any) -> sqlite3.Connection:
-        return connect(*args, factory=_NoWal, **kwargs)
+        kwargs["factory"] = _NoWal
+        return connect(*args, **kwargs)
 
     monkeypatch.setattr(sqlite3, "connect", fake)
     yield

@@ -125,6 +125,10 @@ class _RunErrorCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunError
     """Someone cancelled the run."""
     RUNTIME_UNAVAILABLE: _RunErrorCode.ValueType  # 4
     """The runtime named by the agent is not available on this machine."""
+    STORAGE_FAILED: _RunErrorCode.ValueType  # 5
+    """The run's events could not be stored (disk full, damaged database); the
+    run was ended as soon as the database accepted writes again.
+    """
 
 class RunErrorCode(_RunErrorCode, metaclass=_RunErrorCodeEnumTypeWrapper):
     """Why a run ended with RUN_ERROR."""
@@ -139,6 +143,10 @@ CANCELLED: RunErrorCode.ValueType  # 3
 """Someone cancelled the run."""
 RUNTIME_UNAVAILABLE: RunErrorCode.ValueType  # 4
 """The runtime named by the agent is not available on this machine."""
+STORAGE_FAILED: RunErrorCode.ValueType  # 5
+"""The run's events could not be stored (disk full, damaged database); the
+run was ended as soon as the database accepted writes again.
+"""
 Global___RunErrorCode: _TypeAlias = RunErrorCode  # noqa: Y015
 
 class _RunState:
@@ -158,7 +166,7 @@ class _RunStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunState.Val
     RUN_STATE_FINISHED: _RunState.ValueType  # 4
     """Ended with RUN_FINISHED."""
     RUN_STATE_FAILED: _RunState.ValueType  # 5
-    """Ended with RUN_ERROR code RUNTIME_FAILED or RUNTIME_UNAVAILABLE."""
+    """Ended with RUN_ERROR code RUNTIME_FAILED, RUNTIME_UNAVAILABLE or STORAGE_FAILED."""
     RUN_STATE_INTERRUPTED: _RunState.ValueType  # 6
     """Ended with RUN_ERROR code RUN_INTERRUPTED."""
     RUN_STATE_CANCELLED: _RunState.ValueType  # 7
@@ -178,7 +186,7 @@ RUN_STATE_WAITING_PERMISSION: RunState.ValueType  # 3
 RUN_STATE_FINISHED: RunState.ValueType  # 4
 """Ended with RUN_FINISHED."""
 RUN_STATE_FAILED: RunState.ValueType  # 5
-"""Ended with RUN_ERROR code RUNTIME_FAILED or RUNTIME_UNAVAILABLE."""
+"""Ended with RUN_ERROR code RUNTIME_FAILED, RUNTIME_UNAVAILABLE or STORAGE_FAILED."""
 RUN_STATE_INTERRUPTED: RunState.ValueType  # 6
 """Ended with RUN_ERROR code RUN_INTERRUPTED."""
 RUN_STATE_CANCELLED: RunState.ValueType  # 7
@@ -787,27 +795,36 @@ Global___PermissionAnswered: _TypeAlias = PermissionAnswered  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):
-    """Token usage of a run."""
+    """Token usage of a run. A count the runtime did not report is absent
+    (unknown), never 0.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     INPUT_TOKENS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     input_tokens: _builtins.int
-    """Input tokens reported by the runtime."""
+    """Input tokens reported by the runtime (absent: not reported)."""
     output_tokens: _builtins.int
-    """Output tokens reported by the runtime."""
+    """Output tokens reported by the runtime (absent: not reported)."""
     def __init__(
         self,
         *,
-        input_tokens: _builtins.int = ...,
-        output_tokens: _builtins.int = ...,
+        input_tokens: _builtins.int | None = ...,
+        output_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_input_tokens", b"_input_tokens", "_output_tokens", b"_output_tokens", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_tokens", b"input_tokens", "output_tokens", b"output_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_input_tokens", b"_input_tokens", "_output_tokens", b"_output_tokens", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__input_tokens: _TypeAlias = _typing.Literal["input_tokens"]  # noqa: Y015
+    _WhichOneofArgType__input_tokens: _TypeAlias = _typing.Literal["_input_tokens", b"_input_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__output_tokens: _TypeAlias = _typing.Literal["output_tokens"]  # noqa: Y015
+    _WhichOneofArgType__output_tokens: _TypeAlias = _typing.Literal["_output_tokens", b"_output_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__input_tokens) -> _WhichOneofReturnType__input_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__output_tokens) -> _WhichOneofReturnType__output_tokens | None: ...
 
 Global___Usage: _TypeAlias = Usage  # noqa: Y015
 
@@ -1877,11 +1894,70 @@ class DeleteScheduleResponse(_message.Message):
 Global___DeleteScheduleResponse: _TypeAlias = DeleteScheduleResponse  # noqa: Y015
 
 @_typing.final
-class StatusRequest(_message.Message):
+class CheckDatabaseRequest(_message.Message):
     """---------------------------------------------------------------- status
 
-    Status input.
+    CheckDatabase input.
     """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckDatabaseRequest: _TypeAlias = CheckDatabaseRequest  # noqa: Y015
+
+@_typing.final
+class CheckDatabaseResponse(_message.Message):
+    """CheckDatabase output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OK_FIELD_NUMBER: _builtins.int
+    PROBLEMS_FIELD_NUMBER: _builtins.int
+    CHECKED_AT_FIELD_NUMBER: _builtins.int
+    DURATION_MS_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    ok: _builtins.bool
+    """True when SQLite's integrity_check found nothing wrong."""
+    duration_ms: _builtins.int
+    """How long the check took, in milliseconds."""
+    path: _builtins.str
+    """The database file checked."""
+    @_builtins.property
+    def problems(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The problems it reported (at most 100), empty when ok."""
+
+    @_builtins.property
+    def checked_at(self) -> _timestamp_pb2.Timestamp:
+        """When the check finished."""
+
+    def __init__(
+        self,
+        *,
+        ok: _builtins.bool = ...,
+        problems: _abc.Iterable[_builtins.str] | None = ...,
+        checked_at: _timestamp_pb2.Timestamp | None = ...,
+        duration_ms: _builtins.int = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checked_at", b"checked_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked_at", b"checked_at", "duration_ms", b"duration_ms", "ok", b"ok", "path", b"path", "problems", b"problems"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckDatabaseResponse: _TypeAlias = CheckDatabaseResponse  # noqa: Y015
+
+@_typing.final
+class StatusRequest(_message.Message):
+    """Status input."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

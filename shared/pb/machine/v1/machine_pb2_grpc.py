@@ -165,6 +165,11 @@ class MachineServiceStub:
                 request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.StatusRequest.SerializeToString,
                 response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.CheckDatabase = channel.unary_unary(
+                '/shared.pb.machine.v1.MachineService/CheckDatabase',
+                request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CheckDatabaseRequest.SerializeToString,
+                response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CheckDatabaseResponse.FromString,
+                _registered_method=True)
 
 
 class MachineServiceServicer:
@@ -368,6 +373,13 @@ class MachineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckDatabase(self, request, context):
+        """Run a full integrity check of machine.db now (`agents-machine check`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MachineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -500,6 +512,11 @@ def add_MachineServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.StatusRequest.FromString,
                     response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.StatusResponse.SerializeToString,
+            ),
+            'CheckDatabase': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckDatabase,
+                    request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CheckDatabaseRequest.FromString,
+                    response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CheckDatabaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1205,6 +1222,33 @@ class MachineService:
             '/shared.pb.machine.v1.MachineService/Status',
             shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.StatusRequest.SerializeToString,
             shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckDatabase(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shared.pb.machine.v1.MachineService/CheckDatabase',
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CheckDatabaseRequest.SerializeToString,
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CheckDatabaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -121,6 +121,8 @@ class MachineServiceStub:
     """Remove a schedule. (Later issue.)"""
     Status: _grpc.UnaryUnaryMultiCallable[_machine_pb2.StatusRequest, _machine_pb2.StatusResponse]
     """The daemon's health and counts."""
+    CheckDatabase: _grpc.UnaryUnaryMultiCallable[_machine_pb2.CheckDatabaseRequest, _machine_pb2.CheckDatabaseResponse]
+    """Run a full integrity check of machine.db now (`agents-machine check`)."""
 
 @_typing.type_check_only
 class MachineServiceAsyncStub(MachineServiceStub):
@@ -204,6 +206,8 @@ class MachineServiceAsyncStub(MachineServiceStub):
     """Remove a schedule. (Later issue.)"""
     Status: _aio.UnaryUnaryMultiCallable[_machine_pb2.StatusRequest, _machine_pb2.StatusResponse]  # type: ignore[assignment]
     """The daemon's health and counts."""
+    CheckDatabase: _aio.UnaryUnaryMultiCallable[_machine_pb2.CheckDatabaseRequest, _machine_pb2.CheckDatabaseResponse]  # type: ignore[assignment]
+    """Run a full integrity check of machine.db now (`agents-machine check`)."""
 
 class MachineServiceServicer(metaclass=_abc_1.ABCMeta):
     """The machine daemon. Every RPC is available over the local socket."""
@@ -440,5 +444,13 @@ class MachineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_machine_pb2.StatusResponse, _abc.Awaitable[_machine_pb2.StatusResponse]]:
         """The daemon's health and counts."""
+
+    @_abc_1.abstractmethod
+    def CheckDatabase(
+        self,
+        request: _machine_pb2.CheckDatabaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_machine_pb2.CheckDatabaseResponse, _abc.Awaitable[_machine_pb2.CheckDatabaseResponse]]:
+        """Run a full integrity check of machine.db now (`agents-machine check`)."""
 
 def add_MachineServiceServicer_to_server(servicer: MachineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
