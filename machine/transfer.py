@@ -1,0 +1,278 @@
+"""Agents in and out of the machine: export, import, the backup source, restore.
+
+Everything that comes in (an import archive, a fetched backup) is staged on
+disk, checked whole, and then committed in one database transaction: the
+commit point. Attachment files are placed before it (content-addressed,
+checked against their hash, temp -> fsync -> rename); a crash between the two
+leaves only files no conversation names, which the retention sweep removes.
+
+Agents already on the machine and agents on the erased list are skipped;
+everything that comes in is archived, to read and search, never run until a
+person unarchives it (and only its own machine may).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Final
+
+from machine import store_export
+from machine.backup import AgentItem, FetchedBackup
+from machine.db import Database
+from machine.export_format import (
+    AGENT_FILES,
+    AgentEntry,
+    ExportManifest,
+    accept_path,
+    agent_path,
+    attachment_path,
+    file_sha256,
+    verify_staged,
+)
+from shared.archive import ArchiveLimits, extract_staged, write_tar, write_tar_gz
+from shared.atomic import ensure_private_dir, fsync_dir
+from shared.errors import IntegrityError, InvalidArgument
+from shared.ids import validate_id
+
+__all__ = [
+    "DatabaseBackupSource",
+    "InResult",
+    "export_agents",
+    "import_archive",
+    "restore_fetched",
+]
+
+logger = logging.getLogger(__name__)
+
+_COPY: Final = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class InResult:
+    """What an import or a restore did."""
+
+    restored: tuple[str, ...]
+    skipped_existing: tuple[str, ...] = ()
+    skipped_erased: tuple[str, ...] = ()
+    attachments: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -- out ---------------------------------------------------------------------
+
+
+async def _dump(db: Database, agent_id: str, folder: Path) -> dict[str, Any]:
+    ensure_private_dir(folder)
+    return await db.read(
+        lambda c: store_export.dump_agent(c, agent_id, folder), what=f"export agent {agent_id}"
+    )
+
+
+async def export_agents(
+    db: Database,
+    agent_ids: Iterable[str],
+    dest: Path,
+    *,
+    machine_id: str,
+    attachments_dir: Path,
+    now: float,
+) -> ExportManifest:
+    """Write the agents to the ``.tar.gz`` ``dest`` (whole or absent); return its manifest."""
+    ids = [validate_id("agent", a, "agent_id") for a in agent_ids]
+    if not ids:
+        raise InvalidArgument("agents", "name at least one agent to export")
+    ensure_private_dir(dest.parent)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".export-") as tmp:
+        work = Path(tmp)
+        entries: list[tuple[str, bytes | Path]] = []
+        agents: list[AgentEntry] = []
+        shas: set[str] = set()
+        for agent_id in ids:
+            folder = work / agent_id
+            record = await _dump(db, agent_id, folder)
+            files = {name: file_sha256(folder / name) for name in AGENT_FILES}
+            mine = sorted({a["sha256"] for a in record["attachments"]})
+            agents.append(AgentEntry(agent_id, record["name"], files, tuple(mine)))
+            entries += [(agent_path(agent_id, n), folder / n) for n in AGENT_FILES]
+            shas |= set(mine)
+        for sha in sorted(shas):
+            path = attachments_dir / sha
+            if not path.is_file():
+                raise IntegrityError(f"export attachment {sha[:16]}", "its file is missing")
+            entries.append((attachment_path(sha), path))
+        manifest = ExportManifest(machine_id, now, tuple(agents))
+        entries.append(("manifest.json", manifest.to_json()))
+        write_tar_gz(dest, entries)
+    return manifest
+
+
+class DatabaseBackupSource:
+    """The machine's data as a :class:`~machine.backup.BackupSource`."""
+
+    def __init__(self, db: Database, attachments_dir: Path, work_dir: Path) -> None:
+        self._db = db
+        self._attachments = attachments_dir
+        self._work = work_dir
+
+    async def agents(self) -> list[AgentItem]:
+        rows = await self._db.read(store_export.agent_markers, what="backup list agents")
+        return [AgentItem(a, m) for a, m in rows]
+
+    async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
+        ensure_private_dir(self._work)
+        with tempfile.TemporaryDirectory(dir=self._work, prefix=".dump-") as tmp:
+            folder = Path(tmp)
+            await _dump(self._db, agent_id, folder)
+            write_tar(out, [(agent_path(agent_id, n), folder / n) for n in AGENT_FILES])
+
+    async def attachments(self) -> list[tuple[str, Path]]:
+        shas = await self._db.read(store_export.attachments_named, what="backup attachments")
+        return [(s, self._attachments / s) for s in shas if (self._attachments / s).is_file()]
+
+    async def usage(self) -> list[dict[str, Any]]:
+        return await self._db.read(store_export.usage_rows, what="backup usage")
+
+    async def erased(self) -> list[dict[str, Any]]:
+        return []  # the erased list arrives with erasure (issue 11); the field is kept
+
+    async def settings(self) -> dict[str, str]:
+        return {}
+
+
+# -- in ----------------------------------------------------------------------
+
+
+def _place_attachment(src: Path, sha: str, attachments_dir: Path) -> int:
+    """Copy an attachment into place after checking its hash; return its size."""
+    final = attachments_dir / sha
+    if final.is_file():
+        return final.stat().st_size
+    h = hashlib.sha256()
+    fd, tmp_name = tempfile.mkstemp(dir=attachments_dir, prefix=".restore-", suffix=".tmp")
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
+            while chunk := f.read(_COPY):
+                h.update(chunk)
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if h.hexdigest() != sha:
+            raise IntegrityError(f"attachment {sha[:16]}", "content does not match its name")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(attachments_dir)
+    return final.stat().st_size
+
+
+async def _commit(
+    db: Database,
+    folders: dict[str, Path],
+    attachment_files: dict[str, Path],
+    attachments_dir: Path,
+    *,
+    usage: list[dict[str, Any]],
+    erased: set[str],
+    what: str,
+) -> InResult:
+    existing = await db.read(
+        lambda c: store_export.existing_agents(c, folders), what=f"{what}: existing agents"
+    )
+    skipped_existing = tuple(sorted(a for a in folders if a in existing))
+    skipped_erased = tuple(sorted(a for a in folders if a in erased and a not in existing))
+    todo = [a for a in folders if a not in existing and a not in erased]
+    ensure_private_dir(attachments_dir)
+    sizes = {
+        sha: _place_attachment(path, sha, attachments_dir)
+        for sha, path in sorted(attachment_files.items())
+    }
+
+    def commit(conn: Any) -> None:
+        for agent_id in todo:
+            loaded = store_export.load_agent(conn, folders[agent_id], runs=usage)
+            if loaded != agent_id:
+                raise InvalidArgument("archive", f"agent {agent_id}: its record names {loaded}")
+        for sha, size in sizes.items():
+            store_export.set_attachment_size(conn, sha, size)
+
+    if todo:
+        await db.write(commit, what=what)  # the commit point: every agent or none
+    logger.info("%s: %d agents in, %d skipped", what, len(todo), len(folders) - len(todo))
+    return InResult(tuple(todo), skipped_existing, skipped_erased, len(sizes))
+
+
+async def import_archive(
+    db: Database,
+    archive: Path,
+    *,
+    staging_dir: Path,
+    attachments_dir: Path,
+    erased: set[str],
+    limits: ArchiveLimits | None = None,
+) -> InResult:
+    """Import an export ``.tar.gz``: checked whole, then committed whole or not at all."""
+    ensure_private_dir(staging_dir)
+    stage = Path(tempfile.mkdtemp(dir=staging_dir, prefix=".import-"))
+    os.rmdir(stage)  # extract_staged makes it, and removes it on refusal
+    try:
+        paths = extract_staged(archive, stage, accept=accept_path, limits=limits)
+        manifest = verify_staged(stage, paths)
+        folders = {a.agent_id: stage / "agents" / a.agent_id for a in manifest.agents}
+        files = {
+            sha: stage / attachment_path(sha) for a in manifest.agents for sha in a.attachments
+        }
+        return await _commit(
+            db,
+            folders,
+            files,
+            attachments_dir,
+            usage=[],
+            erased=erased,
+            what=f"import {archive.name}",
+        )
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+async def restore_fetched(
+    db: Database,
+    fetched: FetchedBackup,
+    *,
+    attachments_dir: Path,
+    erased: set[str],
+) -> InResult:
+    """Restore a fetched backup's agents (archived), skipping existing and erased ones."""
+    folders: dict[str, Path] = {}
+    for agent_id, plain in sorted(fetched.agent_files.items()):
+        stage = fetched.folder / f"unpacked-{agent_id}"
+        prefix = f"agents/{agent_id}/"
+
+        def only_this(path: str, prefix: str = prefix) -> bool:
+            return path.startswith(prefix) and accept_path(path)
+
+        got = extract_staged(plain, stage, accept=only_this)
+        if sorted(got) != sorted(agent_path(agent_id, n) for n in AGENT_FILES):
+            raise IntegrityError(f"backup agent {agent_id}", "segment does not hold its files")
+        folders[agent_id] = stage / "agents" / agent_id
+    erased_all = erased | {str(e.get("agent_id")) for e in fetched.manifest.erased}
+    return await _commit(
+        db,
+        folders,
+        dict(fetched.attachment_files),
+        attachments_dir,
+        usage=list(fetched.manifest.usage),
+        erased=erased_all,
+        what=f"restore {fetched.manifest.backup_id}",
+    )

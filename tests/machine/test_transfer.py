@@ -1,0 +1,199 @@
+"""Export, import and backup-restore through a real machine (database, runs, attachments)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sqlite3
+import tarfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from machine.app import Machine, open_machine
+from machine.backup import BackupEngine
+from machine.backup_target import StoreTarget
+from machine.config import MachineConfig
+from machine.models import AgentState, EventKind
+from machine.transfer import DatabaseBackupSource, export_agents, import_archive, restore_fetched
+from shared.crypto import BoxKeyPair
+from shared.errors import InvalidArgument
+from shared.store.folder import FolderStore
+
+DEADLINE = 10.0
+
+
+def _config(root: Path) -> MachineConfig:
+    return MachineConfig(
+        data_dir=root,
+        background_loops=False,
+        shutdown_grace_seconds=0,
+        attachment_limit=256 * 1024,
+        prompt_limit=4096,
+    ).validate()
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def _drain(stream: AsyncIterator[object]) -> None:
+    async for _ in stream:
+        pass
+
+
+async def _populate(m: Machine, tmp: Path, agents: int) -> list[str]:
+    ids = []
+    for i in range(agents):
+        agent = (await m.agents.create(name=f"agent-{i}", folder=str(tmp))).id
+        ids.append(agent)
+        data = f"attachment {i} MARKER-ATT ".encode() * 500 + os.urandom(16)
+        rec = await m.attachments.upload(
+            agent_id=agent, file_name=f"f{i}.txt", declared_size=len(data), chunks=_chunks(data)
+        )
+        await asyncio.wait_for(
+            _drain(await m.runs.prompt(agent, f"MARKER-PROMPT {i} hello", [rec.sha256])), DEADLINE
+        )
+        stream = await m.runs.prompt(agent, f"/tool ls MARKER-TOOL-{i}")
+        async for ev in stream:
+            if ev.kind is EventKind.PERMISSION_REQUEST:
+                await m.runs.answer(ev.run_id, ev.payload["request_id"], "allow_once")
+        await m.agents.archive(agent)
+    return ids
+
+
+async def _export_files(m: Machine, agents: list[str], dest: Path) -> dict[str, bytes]:
+    await export_agents(
+        m.db,
+        agents,
+        dest,
+        machine_id=m.ids.canonical,
+        attachments_dir=m.config.attachments_dir,
+        now=1.0,
+    )
+    out: dict[str, bytes] = {}
+    with tarfile.open(dest) as tar:
+        for member in tar:
+            f = tar.extractfile(member)
+            assert f is not None
+            if not member.name.endswith(("record.json", "manifest.json")):
+                out[member.name] = f.read()
+    return out
+
+
+async def test_backup_restores_on_a_new_machine_byte_equal(tmp_path: Path) -> None:
+    machine_key, recovery = BoxKeyPair.generate(), BoxKeyPair.generate()
+    target_root = tmp_path / "target"
+    async with open_machine(_config(tmp_path / "old")) as old:
+        agents = await _populate(old, tmp_path, 4)
+        before = await _export_files(old, agents, tmp_path / "before.tar.gz")
+        engine = BackupEngine(
+            DatabaseBackupSource(old.db, old.config.attachments_dir, tmp_path / "work-old"),
+            StoreTarget(FolderStore(target_root)),
+            machine_id=old.ids.canonical,
+            naming_key=os.urandom(32),
+            recipients=[machine_key.public_key, recovery.public_key],
+            keypair=machine_key,
+            work_dir=tmp_path / "work-old",
+        )
+        made = await engine.backup_now()
+        again = await engine.backup_now()
+        assert again.uploaded == 0, "an unchanged machine uploads nothing"
+    for path in target_root.rglob("*"):
+        if path.is_file():
+            blob = path.read_bytes()
+            assert b"MARKER" not in blob and b"agent-0" not in blob
+    async with open_machine(_config(tmp_path / "new")) as new:
+        # Only the recovery key: the old machine's key is gone with its disk.
+        fetched = await engine.fetch(made.backup_id, tmp_path / "fetch", recovery)
+        result = await restore_fetched(
+            new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        assert sorted(result.restored) == sorted(agents)
+        after = await _export_files(new, agents, tmp_path / "after.tar.gz")
+        assert after == before
+        for agent in agents:
+            rec = await new.agents.get(agent)
+            assert rec.state is AgentState.ARCHIVED and rec.name.startswith("agent-")
+        hits = await new.agents.search("MARKER-TOOL-2")
+        assert hits, "restored conversations are searchable"
+        # A second restore skips every agent that exists.
+        again_fetched = await engine.fetch(made.backup_id, tmp_path / "fetch2", recovery)
+        second = await restore_fetched(
+            new.db, again_fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        assert second.restored == () and sorted(second.skipped_existing) == sorted(agents)
+
+
+async def test_export_import_round_trip_skips_existing_and_erased(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "a")) as a:
+        agents = await _populate(a, tmp_path, 3)
+        archive = tmp_path / "out.tar.gz"
+        before = await _export_files(a, agents, archive)
+    async with open_machine(_config(tmp_path / "b")) as b:
+        result = await import_archive(
+            b.db,
+            archive,
+            staging_dir=tmp_path / "incoming",
+            attachments_dir=b.config.attachments_dir,
+            erased={agents[0]},
+        )
+        assert sorted(result.restored) == sorted(agents[1:])
+        assert result.skipped_erased == (agents[0],)
+        got = await _export_files(b, agents[1:], tmp_path / "b.tar.gz")
+        assert {k: v for k, v in got.items() if k.startswith("agents/")} == {
+            k: v for k, v in before.items() if k.startswith("agents/") and agents[0] not in k
+        }
+        atts = {k: v for k, v in got.items() if k.startswith("attachments/")}
+        assert len(atts) == 2 and all(before[k] == v for k, v in atts.items())
+        again = await import_archive(
+            b.db,
+            archive,
+            staging_dir=tmp_path / "incoming",
+            attachments_dir=b.config.attachments_dir,
+            erased=set(),
+        )
+        assert again.restored == (agents[0],) and sorted(again.skipped_existing) == sorted(
+            agents[1:]
+        )
+        assert list((tmp_path / "incoming").iterdir()) == []
+
+
+async def test_bad_archive_changes_nothing(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "a")) as a:
+        agents = await _populate(a, tmp_path, 2)
+        archive = tmp_path / "out.tar.gz"
+        await _export_files(a, agents, archive)
+    # Break one conversation line but keep the manifest's hash right: the load refuses it
+    # inside the transaction, so the first (good) agent must not be kept either.
+    stage = tmp_path / "x"
+    with tarfile.open(archive) as tar:
+        tar.extractall(stage, filter="data")
+    conv = stage / "agents" / agents[1] / "conversation.jsonl"
+    conv.write_bytes(conv.read_bytes() + b'{"seq": 1, "kind": "NOPE"}\n')
+    manifest = json.loads((stage / "manifest.json").read_bytes())
+    for entry in manifest["agents"]:
+        if entry["agent_id"] == agents[1]:
+            entry["files"]["conversation.jsonl"] = hashlib.sha256(conv.read_bytes()).hexdigest()
+    (stage / "manifest.json").write_text(json.dumps(manifest))
+    bad = tmp_path / "bad.tar.gz"
+    with tarfile.open(bad, "w:gz") as tar:
+        for path in sorted(stage.rglob("*")):
+            if path.is_file():
+                tar.add(path, arcname=str(path.relative_to(stage)))
+    async with open_machine(_config(tmp_path / "b")) as b:
+        with pytest.raises(InvalidArgument, match="conversation.jsonl line"):
+            await import_archive(
+                b.db,
+                bad,
+                staging_dir=tmp_path / "incoming",
+                attachments_dir=b.config.attachments_dir,
+                erased=set(),
+            )
+        assert await b.agents.list(include_archived=True) == []
+    con = sqlite3.connect(tmp_path / "b" / "machine.db")
+    assert con.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 0
+    con.close()
