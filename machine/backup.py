@@ -1,7 +1,7 @@
 """The backup engine: make, list, verify, fetch and prune sealed backups.
 
 It reads the machine's data through a :class:`BackupSource` and writes to a
-:class:`~machine.backup_target.BackupTarget`; it knows nothing of SQL or of
+:class:`~shared.backup_target.BackupTarget`; it knows nothing of SQL or of
 where the target is. The format is :mod:`machine.backup_format`.
 
 Making a backup (one commit point: the manifest)::
@@ -44,8 +44,8 @@ from machine.backup_format import (
     seal_manifest,
     segment_key,
 )
-from machine.backup_target import BackupTarget, ManifestInfo
 from shared.atomic import ensure_private_dir, write_atomic
+from shared.backup_target import BackupTarget, ManifestInfo
 from shared.crypto import BoxKeyPair, KeyedHasher
 from shared.errors import IntegrityError, InvalidArgument, NotFound
 from shared.ids import new_id

@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 import pytest
 
 from machine.backup import AgentItem, BackupEngine, validate_keep
-from machine.backup_target import StoreTarget
+from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
 from shared.errors import IntegrityError, InvalidArgument, NotFound
 from shared.ids import new_id

@@ -15,10 +15,10 @@ import pytest
 
 from machine.app import Machine, open_machine
 from machine.backup import BackupEngine
-from machine.backup_target import StoreTarget
 from machine.config import MachineConfig
 from machine.models import AgentState, EventKind
 from machine.transfer import DatabaseBackupSource, export_agents, import_archive, restore_fetched
+from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
 from shared.errors import InvalidArgument
 from shared.store.folder import FolderStore

@@ -2,12 +2,14 @@
 
 A stand-alone machine backs up to a folder (a :class:`StoreTarget` over a
 ``FolderStore``); a joined server backs up to the control plane (a target
-over the ``MachineLink`` backup RPCs, built the same way). The backup engine
-sees only :class:`BackupTarget`, so every target runs one contract suite.
+over the ``MachineLink`` backup RPCs), which keeps them with a
+:class:`StoreTarget` under ``accounts/<acct>/backups/<machine>/`` of its own
+store, without being able to open them. The backup engine sees only
+:class:`BackupTarget`, so every target runs one contract suite.
 
 Objects are write-once: a segment's name is a hash of its content, and a
 manifest's id is new for each backup, so every write is create-once and
-retrying one is safe. Layout inside a target::
+retrying one is safe. Layout inside a target (after its prefix)::
 
     manifests/<backup id>.sealed
     segments/<segment name>
@@ -22,7 +24,7 @@ from typing import Protocol
 
 from shared.errors import NotFound, PreconditionFailed
 from shared.ids import is_valid_id, validate_id
-from shared.store.base import ObjectStore
+from shared.store.base import ObjectStore, validate_prefix
 
 __all__ = ["BackupTarget", "ManifestInfo", "StoreTarget", "manifest_key", "segment_key"]
 
@@ -100,62 +102,68 @@ class BackupTarget(Protocol):
 class StoreTarget:
     """A :class:`BackupTarget` kept in an object store (a folder for stand-alone machines)."""
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, prefix: str = "") -> None:
+        if prefix and not prefix.endswith("/"):
+            raise ValueError("a target prefix ends with '/'")
         self._store = store
+        self._prefix = validate_prefix(prefix)
 
     async def have_segments(self, names: Iterable[str]) -> dict[str, int]:
         wanted = {_check_name(n) for n in names}
         if not wanted:
             return {}
         out: dict[str, int] = {}
-        async for info in self._store.list(_SEGMENTS):
-            name = info.key[len(_SEGMENTS) :]
+        start = self._prefix + _SEGMENTS
+        async for info in self._store.list(start):
+            name = info.key[len(start) :]
             if name in wanted:
                 out[name] = info.size
         return out
 
     async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
         try:
-            await self._store.put(segment_key(name), data, if_none_match=True)
+            await self._store.put(self._prefix + segment_key(name), data, if_none_match=True)
         except PreconditionFailed:
             # Same name, same content: the stored copy is as good as ours.
             logger.debug("segment %s already stored", name[:16])
 
     async def put_manifest(self, backup_id: str, blob: bytes) -> None:
-        await self._store.put(manifest_key(backup_id), blob, if_none_match=True)
+        await self._store.put(self._prefix + manifest_key(backup_id), blob, if_none_match=True)
 
     async def list_manifests(self) -> list[ManifestInfo]:
         out: list[ManifestInfo] = []
-        async for info in self._store.list(_MANIFESTS):
-            backup_id = info.key[len(_MANIFESTS) :].removesuffix(_SUFFIX)
+        start = self._prefix + _MANIFESTS
+        async for info in self._store.list(start):
+            backup_id = info.key[len(start) :].removesuffix(_SUFFIX)
             if info.key.endswith(_SUFFIX) and is_valid_id("backup", backup_id):
                 out.append(ManifestInfo(backup_id, info.size))
         return sorted(out, key=lambda m: m.backup_id)
 
     async def get_manifest(self, backup_id: str) -> bytes:
         try:
-            return await self._store.get(manifest_key(backup_id))
+            return await self._store.get(self._prefix + manifest_key(backup_id))
         except NotFound:
             raise NotFound("backup", backup_id) from None
 
     async def get_segment(self, name: str) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self._store.get_stream(segment_key(name)):
+            async for chunk in self._store.get_stream(self._prefix + segment_key(name)):
                 yield chunk
         except NotFound:
             raise NotFound("segment", name[:16]) from None
 
     async def delete_manifest(self, backup_id: str) -> None:
-        await self._store.delete(manifest_key(backup_id))
+        await self._store.delete(self._prefix + manifest_key(backup_id))
 
     async def delete_segments(self, names: Iterable[str]) -> None:
         for name in names:
-            await self._store.delete(segment_key(name))
+            await self._store.delete(self._prefix + segment_key(name))
 
     async def list_segments(self) -> set[str]:
         out: set[str] = set()
-        async for info in self._store.list(_SEGMENTS):
-            name = info.key[len(_SEGMENTS) :]
+        start = self._prefix + _SEGMENTS
+        async for info in self._store.list(start):
+            name = info.key[len(start) :]
             if len(name) == 64 and all(c in "0123456789abcdef" for c in name):
                 out.add(name)
         return out

@@ -1,4 +1,4 @@
-"""machine.backup_target: the target contract, over every store a target is built on."""
+"""shared.backup_target: the target contract, over every store a target is built on."""
 
 from __future__ import annotations
 
@@ -8,17 +8,24 @@ from pathlib import Path
 
 import pytest
 
-from machine.backup_target import BackupTarget, StoreTarget, manifest_key
+from shared.backup_target import BackupTarget, StoreTarget, manifest_key
 from shared.errors import InvalidArgument, InvalidId, NotFound, PreconditionFailed
 from shared.ids import new_id
 from shared.store.folder import FolderStore
 from shared.store.memory import MemoryStore
 
 
-@pytest.fixture(params=["memory", "folder"])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> BackupTarget:
-    store = MemoryStore() if request.param == "memory" else FolderStore(tmp_path / "backups")
-    return StoreTarget(store)
+@pytest.fixture(params=["memory", "folder", "prefixed"])
+async def target(request: pytest.FixtureRequest, tmp_path: Path) -> BackupTarget:
+    if request.param != "prefixed":
+        store = MemoryStore() if request.param == "memory" else FolderStore(tmp_path / "b")
+        return StoreTarget(store)
+    # Under a prefix, beside another machine's backups that it must never see.
+    shared = MemoryStore()
+    neighbour = StoreTarget(shared, "accounts/a/backups/other/")
+    await neighbour.put_manifest(new_id("backup", now_ms=1500), b"theirs")
+    await neighbour.put_segment("f" * 64, _chunks(b"theirs"))
+    return StoreTarget(shared, "accounts/a/backups/mine/")
 
 
 async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
@@ -81,3 +88,10 @@ def test_keys() -> None:
     assert manifest_key(backup) == f"manifests/{backup}.sealed"
     with pytest.raises(InvalidArgument):
         manifest_key("bk_../../x")
+
+
+def test_prefix_must_be_a_folder() -> None:
+    with pytest.raises(ValueError):
+        StoreTarget(MemoryStore(), "accounts/a")
+    with pytest.raises(InvalidArgument):
+        StoreTarget(MemoryStore(), "../x/")
