@@ -8,9 +8,10 @@ Making a backup (one commit point: the manifest)::
 
     1. each agent's history -> plaintext (a deterministic tar) -> name (keyed hash)
     2. ask the target which names it has; encode and upload only the others
-    3. seal the manifest and put it                      <- commit point
-    4. prune: delete manifests beyond the newest ``keep``, then every segment
-       that no kept manifest names
+    3. seal the manifest and put it with its segment names   <- commit point
+    4. prune (by the target, from the names lists, so a control plane that
+       cannot open manifests can do it): delete manifests beyond the newest
+       ``keep``, then every segment that no kept backup names
 
 A crash before 3 leaves segments no manifest names (the next prune removes
 them); a crash during 4 has deleted only manifests that were not kept, or
@@ -45,9 +46,9 @@ from machine.backup_format import (
     segment_key,
 )
 from shared.atomic import ensure_private_dir, write_atomic
-from shared.backup_target import BackupTarget, ManifestInfo
+from shared.backup_target import BackupTarget, ManifestInfo, PruneResult
 from shared.crypto import BoxKeyPair, KeyedHasher
-from shared.errors import IntegrityError, InvalidArgument, NotFound
+from shared.errors import IntegrityError, InvalidArgument
 from shared.ids import new_id
 
 __all__ = [
@@ -128,14 +129,6 @@ class BackupResult:
     plain_bytes: int
     seconds: float
     pruned: PruneResult | None = None
-
-
-@dataclass(frozen=True)
-class PruneResult:
-    """What a prune removed."""
-
-    manifests: tuple[str, ...]
-    segments: int
 
 
 @dataclass(frozen=True)
@@ -238,7 +231,7 @@ class BackupEngine:
             backup_id = new_id("backup", now_ms=int(self._clock() * 1000))
             with tempfile.TemporaryDirectory(dir=self._work, prefix=".stage-") as stage:
                 result = await self._make(backup_id, Path(stage), progress)
-            pruned = await self._prune_locked()
+            pruned = await self._target.prune(self.keep)
             return BackupResult(
                 **{**result.__dict__, "seconds": time.monotonic() - started, "pruned": pruned}
             )
@@ -318,7 +311,7 @@ class BackupEngine:
             await self._source.settings(),
         )
         blob = seal_manifest(manifest, self._recipients)
-        await self._target.put_manifest(backup_id, blob)  # the commit point
+        await self._target.put_manifest(backup_id, blob, [r.name for r in refs])  # commit point
         markers = {a.agent_id: a.marker for a in agents}
         self._save_cache(
             {
@@ -453,27 +446,4 @@ class BackupEngine:
     async def prune(self) -> PruneResult:
         """Keep the newest ``keep`` backups; delete the rest and unreferenced segments."""
         async with self._lock:
-            return await self._prune_locked()
-
-    async def _prune_locked(self) -> PruneResult:
-        infos = await self._target.list_manifests()
-        kept = infos[-self.keep :]
-        named: set[str] = set()
-        for info in kept:
-            try:
-                manifest = await self.open(info.backup_id)
-            except (IntegrityError, NotFound):
-                # A kept backup we cannot read: delete nothing its segments might be.
-                logger.warning("prune: backup %s does not open; pruning nothing", info.backup_id)
-                return PruneResult((), 0)
-            named |= {s.name for s in manifest.segments}
-        dropped = tuple(i.backup_id for i in infos[: -self.keep]) if len(infos) > self.keep else ()
-        # Manifests first: a crash after this leaves only orphan segments, never
-        # a kept manifest naming a deleted segment.
-        for backup_id in dropped:
-            await self._target.delete_manifest(backup_id)
-        orphans = await self._target.list_segments() - named
-        await self._target.delete_segments(sorted(orphans))
-        if dropped or orphans:
-            logger.info("prune: %d backups, %d segments removed", len(dropped), len(orphans))
-        return PruneResult(dropped, len(orphans))
+            return await self._target.prune(self.keep)

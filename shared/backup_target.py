@@ -11,12 +11,14 @@ Objects are write-once: a segment's name is a hash of its content, and a
 manifest's id is new for each backup, so every write is create-once and
 retrying one is safe. Layout inside a target (after its prefix)::
 
-    manifests/<backup id>.sealed
-    segments/<segment name>
+    manifests/<backup id>.sealed     the sealed manifest (the commit point)
+    manifests/<backup id>.names      JSON list of the segment names it uses
+    segments/<segment name>          sealed segments, shared by backups
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -26,13 +28,22 @@ from shared.errors import NotFound, PreconditionFailed
 from shared.ids import is_valid_id, validate_id
 from shared.store.base import ObjectStore, validate_prefix
 
-__all__ = ["BackupTarget", "ManifestInfo", "StoreTarget", "manifest_key", "segment_key"]
+__all__ = [
+    "BackupTarget",
+    "ManifestInfo",
+    "PruneResult",
+    "StoreTarget",
+    "manifest_key",
+    "names_key",
+    "segment_key",
+]
 
 logger = logging.getLogger(__name__)
 
 _MANIFESTS = "manifests/"
 _SEGMENTS = "segments/"
 _SUFFIX = ".sealed"
+_NAMES_SUFFIX = ".names"
 
 
 def _check_name(name: str) -> str:
@@ -44,6 +55,11 @@ def _check_name(name: str) -> str:
 def manifest_key(backup_id: str) -> str:
     """Key of a sealed manifest inside a target."""
     return _MANIFESTS + validate_id("backup", backup_id, "backup_id") + _SUFFIX
+
+
+def names_key(backup_id: str) -> str:
+    """Key of the list of segment names a backup uses (beside its manifest)."""
+    return _MANIFESTS + validate_id("backup", backup_id, "backup_id") + _NAMES_SUFFIX
 
 
 def segment_key(name: str) -> str:
@@ -59,8 +75,21 @@ class ManifestInfo:
     size: int
 
 
+@dataclass(frozen=True)
+class PruneResult:
+    """What a prune removed."""
+
+    manifests: tuple[str, ...]
+    segments: int
+
+
 class BackupTarget(Protocol):
-    """Write-once storage for one machine's sealed manifests and segments."""
+    """Write-once storage for one machine's sealed manifests and segments.
+
+    Beside each sealed manifest the target keeps the list of the segment
+    names it uses (names are keyed hashes: they reveal nothing), so that a
+    target that cannot open manifests (the control plane) can still prune.
+    """
 
     async def have_segments(self, names: Iterable[str]) -> dict[str, int]:
         """Which of ``names`` are stored already, with their stored sizes."""
@@ -70,8 +99,8 @@ class BackupTarget(Protocol):
         """Store a segment; a segment already stored under ``name`` is kept as it is."""
         ...
 
-    async def put_manifest(self, backup_id: str, blob: bytes) -> None:
-        """Store a sealed manifest: the backup's commit point, written last."""
+    async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
+        """Store a sealed manifest and its segment names: the backup's commit point."""
         ...
 
     async def list_manifests(self) -> list[ManifestInfo]:
@@ -86,21 +115,19 @@ class BackupTarget(Protocol):
         """A stored segment's bytes; NotFound on first iteration if missing."""
         ...
 
-    async def delete_manifest(self, backup_id: str) -> None:
-        """Remove a manifest; removing a missing one is not an error."""
-        ...
-
-    async def delete_segments(self, names: Iterable[str]) -> None:
-        """Remove segments; removing missing ones is not an error."""
-        ...
-
-    async def list_segments(self) -> set[str]:
-        """Every stored segment's name (for pruning what no manifest names)."""
+    async def prune(self, keep: int) -> PruneResult:
+        """Keep the newest ``keep`` backups; delete older manifests, then every
+        segment no kept backup names. A crash part-way leaves every kept backup whole."""
         ...
 
 
 class StoreTarget:
-    """A :class:`BackupTarget` kept in an object store (a folder for stand-alone machines)."""
+    """A :class:`BackupTarget` kept in an object store (a folder for stand-alone machines).
+
+    Commit order: segments, then the names list, then the sealed manifest. A
+    names list without its manifest is debris of a crashed backup; prune
+    removes it with the segments only it named.
+    """
 
     def __init__(self, store: ObjectStore, prefix: str = "") -> None:
         if prefix and not prefix.endswith("/"):
@@ -108,12 +135,15 @@ class StoreTarget:
         self._store = store
         self._prefix = validate_prefix(prefix)
 
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
     async def have_segments(self, names: Iterable[str]) -> dict[str, int]:
         wanted = {_check_name(n) for n in names}
         if not wanted:
             return {}
         out: dict[str, int] = {}
-        start = self._prefix + _SEGMENTS
+        start = self._key(_SEGMENTS)
         async for info in self._store.list(start):
             name = info.key[len(start) :]
             if name in wanted:
@@ -122,17 +152,20 @@ class StoreTarget:
 
     async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
         try:
-            await self._store.put(self._prefix + segment_key(name), data, if_none_match=True)
+            await self._store.put(self._key(segment_key(name)), data, if_none_match=True)
         except PreconditionFailed:
             # Same name, same content: the stored copy is as good as ours.
             logger.debug("segment %s already stored", name[:16])
 
-    async def put_manifest(self, backup_id: str, blob: bytes) -> None:
-        await self._store.put(self._prefix + manifest_key(backup_id), blob, if_none_match=True)
+    async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
+        listing = json.dumps(sorted({_check_name(n) for n in names})).encode()
+        await self._store.put(self._key(names_key(backup_id)), listing)
+        # The commit point: until this exists the backup is not listed.
+        await self._store.put(self._key(manifest_key(backup_id)), blob, if_none_match=True)
 
     async def list_manifests(self) -> list[ManifestInfo]:
         out: list[ManifestInfo] = []
-        start = self._prefix + _MANIFESTS
+        start = self._key(_MANIFESTS)
         async for info in self._store.list(start):
             backup_id = info.key[len(start) :].removesuffix(_SUFFIX)
             if info.key.endswith(_SUFFIX) and is_valid_id("backup", backup_id):
@@ -141,29 +174,63 @@ class StoreTarget:
 
     async def get_manifest(self, backup_id: str) -> bytes:
         try:
-            return await self._store.get(self._prefix + manifest_key(backup_id))
+            return await self._store.get(self._key(manifest_key(backup_id)))
         except NotFound:
             raise NotFound("backup", backup_id) from None
 
     async def get_segment(self, name: str) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self._store.get_stream(self._prefix + segment_key(name)):
+            async for chunk in self._store.get_stream(self._key(segment_key(name))):
                 yield chunk
         except NotFound:
             raise NotFound("segment", name[:16]) from None
 
-    async def delete_manifest(self, backup_id: str) -> None:
-        await self._store.delete(self._prefix + manifest_key(backup_id))
+    async def _names(self, backup_id: str) -> set[str] | None:
+        try:
+            data = json.loads(await self._store.get(self._key(names_key(backup_id))))
+        except (NotFound, ValueError):
+            return None
+        if not isinstance(data, list) or not all(isinstance(n, str) for n in data):
+            return None
+        return set(data)
 
-    async def delete_segments(self, names: Iterable[str]) -> None:
-        for name in names:
-            await self._store.delete(self._prefix + segment_key(name))
+    async def prune(self, keep: int) -> PruneResult:
+        if keep < 1:
+            raise ValueError("keep at least one backup")
+        infos = await self.list_manifests()
+        kept, dropped = infos[-keep:], infos[:-keep]
+        named: set[str] = set()
+        for info in kept:
+            names = await self._names(info.backup_id)
+            if names is None:
+                # Cannot tell what a kept backup needs: delete nothing.
+                logger.warning("prune: names of backup %s unreadable; pruning nothing", info)
+                return PruneResult((), 0)
+            named |= names
+        # Manifests first (then their lists): a crash after this leaves orphan
+        # segments, never a kept manifest naming a deleted segment.
+        for info in dropped:
+            await self._store.delete(self._key(manifest_key(info.backup_id)))
+            await self._store.delete(self._key(names_key(info.backup_id)))
+        kept_ids = {i.backup_id for i in kept}
+        # Prune runs after the owner's own backup, never beside one (the engine
+        # holds one lock for both), so a names list without a kept manifest is debris.
+        async for obj in self._store.list(self._key(_MANIFESTS)):
+            stem = obj.key[len(self._key(_MANIFESTS)) :].removesuffix(_NAMES_SUFFIX)
+            if obj.key.endswith(_NAMES_SUFFIX) and stem not in kept_ids:
+                await self._store.delete(obj.key)
+        orphans = [n for n in await self._segment_names() if n not in named]
+        for name in orphans:
+            await self._store.delete(self._key(segment_key(name)))
+        if dropped or orphans:
+            logger.info("prune: %d backups, %d segments removed", len(dropped), len(orphans))
+        return PruneResult(tuple(i.backup_id for i in dropped), len(orphans))
 
-    async def list_segments(self) -> set[str]:
-        out: set[str] = set()
-        start = self._prefix + _SEGMENTS
+    async def _segment_names(self) -> list[str]:
+        out: list[str] = []
+        start = self._key(_SEGMENTS)
         async for info in self._store.list(start):
             name = info.key[len(start) :]
             if len(name) == 64 and all(c in "0123456789abcdef" for c in name):
-                out.add(name)
+                out.append(name)
         return out

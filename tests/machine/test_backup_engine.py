@@ -113,7 +113,8 @@ async def test_nothing_in_the_target_reads_as_plaintext(parts: dict[str, Any]) -
     await parts["engine"].backup_now()
     root = parts["root"]
     blobs = [p.read_bytes() for p in root.rglob("*") if p.is_file()]
-    assert len(list((root / "segments").iterdir())) + len(list((root / "manifests").iterdir())) == 7
+    segments, manifests = list((root / "segments").iterdir()), list((root / "manifests").iterdir())
+    assert (len(segments), len(manifests)) == (6, 2), "six segments, a manifest and its names"
     for blob in blobs:
         assert b"SECRET-CONVERSATION" not in blob
         assert b"ATTACHMENT-BYTES" not in blob
@@ -184,10 +185,16 @@ async def test_crash_mid_prune_leaves_kept_backups_restorable(
     second = await engine.backup_now()
     source.change(next(iter(source.data)))
 
-    async def crash(names: object) -> None:
-        raise RuntimeError("killed mid-prune")
+    store = parts["store"]
+    real_delete = store.delete
 
-    monkeypatch.setattr(engine._target, "delete_segments", crash)
+    async def crash(key: str) -> None:
+        if key.startswith("segments/"):
+            raise RuntimeError("killed mid-prune")
+        await real_delete(key)
+
+    # Killed after the dropped manifest went, before any segment did.
+    monkeypatch.setattr(store, "delete", crash)
     with pytest.raises(RuntimeError):
         await engine.backup_now()
     monkeypatch.undo()

@@ -23,7 +23,7 @@ async def target(request: pytest.FixtureRequest, tmp_path: Path) -> BackupTarget
     # Under a prefix, beside another machine's backups that it must never see.
     shared = MemoryStore()
     neighbour = StoreTarget(shared, "accounts/a/backups/other/")
-    await neighbour.put_manifest(new_id("backup", now_ms=1500), b"theirs")
+    await neighbour.put_manifest(new_id("backup", now_ms=1500), b"theirs", ["f" * 64])
     await neighbour.put_segment("f" * 64, _chunks(b"theirs"))
     return StoreTarget(shared, "accounts/a/backups/mine/")
 
@@ -41,37 +41,48 @@ def _name() -> str:
     return os.urandom(32).hex()
 
 
-async def test_segments_are_write_once_and_listed(target: BackupTarget) -> None:
+async def test_segments_are_write_once(target: BackupTarget) -> None:
     a, b = _name(), _name()
     await target.put_segment(a, _chunks(b"one", b"two"))
     await target.put_segment(a, _chunks(b"ignored: same name, same content by design"))
     assert await _read(target, a) == b"onetwo"
     assert await target.have_segments([a, b]) == {a: 6}
     assert await target.have_segments([]) == {}
-    await target.put_segment(b, _chunks(b""))
-    assert await target.list_segments() == {a, b}
-    await target.delete_segments([a, _name()])
-    assert await target.list_segments() == {b}
-    with pytest.raises(NotFound):
-        await _read(target, a)
+    with pytest.raises(NotFound, match="segment"):
+        await _read(target, b)
 
 
-async def test_manifests_create_once_sorted_and_deletable(target: BackupTarget) -> None:
+async def test_manifests_create_once_and_sorted(target: BackupTarget) -> None:
     first, second = new_id("backup", now_ms=1000), new_id("backup", now_ms=2000)
-    await target.put_manifest(second, b"sealed-2")
-    await target.put_manifest(first, b"sealed-1")
+    await target.put_manifest(second, b"sealed-2", [])
+    await target.put_manifest(first, b"sealed-1", [])
     with pytest.raises(PreconditionFailed):
-        await target.put_manifest(first, b"overwrite")
+        await target.put_manifest(first, b"overwrite", [])
     assert [(m.backup_id, m.size) for m in await target.list_manifests()] == [
         (first, 8),
         (second, 8),
     ]
     assert await target.get_manifest(first) == b"sealed-1"
-    await target.delete_manifest(first)
-    await target.delete_manifest(first)
     with pytest.raises(NotFound, match="backup"):
-        await target.get_manifest(first)
-    assert [m.backup_id for m in await target.list_manifests()] == [second]
+        await target.get_manifest(new_id("backup"))
+
+
+async def test_prune_keeps_what_kept_backups_name(target: BackupTarget) -> None:
+    shared_seg, old_only, debris = _name(), _name(), _name()
+    for n in (shared_seg, old_only, debris):
+        await target.put_segment(n, _chunks(n.encode()))
+    b1, b2, b3 = (new_id("backup", now_ms=t) for t in (1000, 2000, 3000))
+    await target.put_manifest(b1, b"1", [shared_seg, old_only])
+    await target.put_manifest(b2, b"2", [shared_seg])
+    await target.put_manifest(b3, b"3", [shared_seg])
+    result = await target.prune(2)
+    assert result.manifests == (b1,) and result.segments == 2
+    assert [m.backup_id for m in await target.list_manifests()] == [b2, b3]
+    assert await target.have_segments([shared_seg, old_only, debris]) == {shared_seg: 64}
+    again = await target.prune(2)
+    assert again.manifests == () and again.segments == 0
+    with pytest.raises(ValueError):
+        await target.prune(0)
 
 
 async def test_bad_names_refused_before_io(target: BackupTarget) -> None:

@@ -1,0 +1,59 @@
+"""The control plane's keeping of machines' sealed backups."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+
+from controlplane.backups import BackupLimits, MachineBackups, backups_prefix
+from shared.errors import InvalidArgument, InvalidId, NotFound, TooLarge
+from shared.ids import new_id
+from shared.store.memory import MemoryStore
+
+ACCT = new_id("account")
+
+
+async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
+    for p in parts:
+        yield p
+
+
+async def test_machines_never_see_each_others_backups() -> None:
+    store = MemoryStore()
+    backups = MachineBackups(store)
+    mine, other = new_id("machine"), new_id("machine")
+    name, backup = os.urandom(32).hex(), new_id("backup")
+    assert await backups.put_segment(ACCT, mine, name, _chunks(b"sealed", b"bytes")) == 11
+    await backups.put_manifest(ACCT, mine, backup, b"manifest", [name])
+    assert await backups.have_segments(ACCT, other, [name]) == {}
+    assert await backups.list_manifests(ACCT, other) == []
+    with pytest.raises(NotFound):
+        await backups.get_manifest(ACCT, other, backup)
+    assert [m.backup_id for m in await backups.list_manifests(ACCT, mine)] == [backup]
+    keys = [i.key async for i in store.list("")]
+    assert all(k.startswith(backups_prefix(ACCT, mine)) for k in keys)
+
+
+async def test_oversized_segment_and_manifest_refused_and_not_kept() -> None:
+    backups = MachineBackups(MemoryStore(), BackupLimits(max_manifest=10, max_segment=8))
+    machine, name = new_id("machine"), os.urandom(32).hex()
+    with pytest.raises(TooLarge):
+        await backups.put_segment(ACCT, machine, name, _chunks(b"12345", b"67890"))
+    assert await backups.have_segments(ACCT, machine, [name]) == {}
+    with pytest.raises(TooLarge):
+        await backups.put_manifest(ACCT, machine, new_id("backup"), b"x" * 11, [])
+    assert await backups.list_manifests(ACCT, machine) == []
+
+
+async def test_prune_and_bad_ids() -> None:
+    backups = MachineBackups(MemoryStore())
+    machine = new_id("machine")
+    with pytest.raises(InvalidArgument, match="keep"):
+        await backups.prune(ACCT, machine, 0)
+    with pytest.raises(InvalidId):
+        await backups.list_manifests("acct_../../x", machine)
+    for t in (1000, 2000):
+        await backups.put_manifest(ACCT, machine, new_id("backup", now_ms=t), b"m", [])
+    assert len((await backups.prune(ACCT, machine, 1)).manifests) == 1
