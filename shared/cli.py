@@ -274,10 +274,15 @@ def stdout_writable(stream: IO[str] | None = None) -> bool:
     a recovery key): better to refuse than to make one nobody can see.
     """
     out = stream or sys.stdout
+    if out is None:  # Python started with fd 1 closed
+        return False
     try:
         fd = out.fileno()
-        os.fstat(fd)
     except (OSError, ValueError):
+        return True  # a stream in memory (tests capture output this way)
+    try:
+        os.fstat(fd)
+    except OSError:
         return False
     poller = select.poll()
     poller.register(fd, select.POLLOUT)
@@ -317,6 +322,10 @@ def _numbers(desc: Descriptor, data: dict[str, Any]) -> dict[str, Any]:
         return data  # well-known types keep their JSON form (timestamps as text)
     for f in desc.fields:
         if f.name not in data:
+            # A message field that is not set (a timestamp never reached): null,
+            # so that every field of the reply is present.
+            if f.message_type is not None and not f.is_repeated and f.containing_oneof is None:
+                data[f.name] = None
             continue
         value = data[f.name]
         if f.message_type is not None and f.message_type.GetOptions().map_entry:
