@@ -23,12 +23,14 @@ from controlplane.config import ControlConfig, load_config
 from controlplane.keys import load_ca_cert
 from controlplane.server import run_daemon
 from shared.cli import (
+    INT64_MAX,
     CliParser,
     Column,
     ExitCode,
     Handler,
     Output,
     UsageError,
+    bounded_int,
     check_argv,
     dispatch,
     run_main,
@@ -54,29 +56,14 @@ def _duration(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text!r}")
     # The wire field is uint32; anything longer than a day is refused by the server
     # with a message naming the limit, so cap only what protobuf cannot carry.
-    if seconds > 2**32 - 1:
+    if seconds > UINT32_MAX:
         raise argparse.ArgumentTypeError(f"too long: {text!r}")
     return seconds
 
 
-def _uses(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= 2**32 - 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _github_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= 2**63 - 1:
-        raise argparse.ArgumentTypeError(f"must be a positive 64-bit number, got {text}")
-    return value
+UINT32_MAX = 2**32 - 1
+_uses = bounded_int(1, UINT32_MAX)
+_github_id = bounded_int(1, INT64_MAX)
 
 
 def _common(p: argparse.ArgumentParser, *, client: bool = True) -> None:
