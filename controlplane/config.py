@@ -176,7 +176,7 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "heartbeat_interval": (int, float),
     "presence_write_interval": (int, float),
     "cert_lifetime_days": (int, float),
-    "renew_threshold": (float,),
+    "renew_threshold": (int, float),
     "token_ttl": (int,),
     "log_level": (str,),
 }

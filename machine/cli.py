@@ -520,7 +520,9 @@ def _run_serve(cfg: MachineConfig) -> int:
     from machine.daemon import serve
 
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,  # replaces the silence main() set up for the verbs
     )
     os.umask(0o077)  # everything the daemon creates is private to its user
     asyncio.run(serve(cfg))
@@ -698,6 +700,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
+        # A verb's failure is the one line run_main prints: library warnings (a
+        # refused join logs one) would add a second. `serve` sets up real logging.
+        logging.getLogger().addHandler(logging.NullHandler())
         check_argv(argv)
         args = _parser().parse_args(argv)
         ctx = _Ctx(args, dict(os.environ), Output(as_json=args.json))

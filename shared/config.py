@@ -73,7 +73,9 @@ def check_file(file: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]], 
         # TOML's booleans are Python ints too: accept one only where bool is listed.
         wrong_bool = isinstance(value, bool) and bool not in types
         if wrong_bool or not isinstance(value, types):
-            wanted = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
+            # "a number" covers both of TOML's (1 and 1.0 are both fine for a float).
+            shown = [t for t in types if not (t is int and float in types)]
+            wanted = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in shown)
             got = _TYPE_NAMES.get(type(value), type(value).__name__)
             raise ConfigError(key, f"must be {wanted} in {path}, got {got}: {value!r}")
 

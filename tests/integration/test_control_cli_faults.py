@@ -1,0 +1,195 @@
+"""agents-control as a new user meets it: the real console script against a real daemon
+on a folder store. Regression tests for the CLI defects of issue 8."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.ids import new_id
+from tests.helpers.control_proc import ControlProc, agents_control_exe, control_plane, run_init
+from tests.helpers.machine_proc import AGENTS_MACHINE
+
+pytestmark = pytest.mark.integration
+
+CREDENTIAL = re.compile(r"adm_[0-9a-z]{26}\.[A-Za-z0-9_-]{43}")
+
+
+@pytest.fixture(scope="module")
+def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlProc]:
+    root = tmp_path_factory.mktemp("cp")
+    with control_plane(root / "home", str(root / "store")) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def account(cp: ControlProc) -> str:
+    res = cp.cli("account", "create", "--github-id", "77", "--github-login", "someone", "--json")
+    assert res.code == 0, res.err
+    return str(json.loads(res.out)["account_id"])
+
+
+def _shell(cp: ControlProc, pipeline: str) -> subprocess.CompletedProcess[str]:
+    env = {**cp.env, "AGENTS_CONTROL_CREDENTIAL": cp.operator}
+    return subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {pipeline}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def _one_error_line(err: str, says: str) -> None:
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) in (1, 2) and lines[0].startswith("agents-control: "), err
+    assert says in lines[0], err
+    assert all(line.startswith("Try: ") for line in lines[1:]), err
+
+
+def _store_credentials(cp: ControlProc) -> list[Path]:
+    store = cp.home.parent / "store"
+    return sorted(p for p in store.rglob("*") if "credentials" in p.parts and p.is_file())
+
+
+def test_credential_is_not_made_when_stdout_is_closed(cp: ControlProc, account: str) -> None:
+    before = _store_credentials(cp)
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run(
+            [str(agents_control_exe()), "credential", "create", "--account", account,
+             "--json", "--home", str(cp.home)],
+            env={**cp.env, "AGENTS_CONTROL_CREDENTIAL": cp.operator},
+            stdout=w, stderr=subprocess.PIPE, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(w)
+    assert proc.returncode == 2
+    _one_error_line(proc.stderr, "credential create: stdout is not writable")
+    assert _store_credentials(cp) == before  # nothing made, nothing lost
+
+
+def test_the_first_line_holds_the_secret(cp: ControlProc, account: str) -> None:
+    exe, home = agents_control_exe(), shlex.quote(str(cp.home))
+    as_json = _shell(
+        cp, f"{exe} credential create --account {account} --json --home {home} | head -1"
+    )
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["credential"].startswith("adm_")
+    text = _shell(cp, f"{exe} credential create --account {account} --home {home} | head -1")
+    assert text.returncode == 0 and CREDENTIAL.fullmatch(text.stdout.strip()), text
+    token = _shell(cp, f"{exe} token create --account {account} --home {home} | head -1")
+    assert token.stdout.startswith("agents-machine join "), token
+
+
+def test_init_prints_the_operator_credential_first(tmp_path: Path) -> None:
+    exe = agents_control_exe()
+    home, store = tmp_path / "home", tmp_path / "store"
+    res = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {exe} init --home {home} --store {store} | head -1"],
+        env={k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert CREDENTIAL.fullmatch(res.stdout.strip()), res.stdout
+
+
+def test_json_listings_have_one_shape(cp: ControlProc, account: str) -> None:
+    fresh = cp.cli("account", "create", "--github-id", "78", "--github-login", "x", "--json")
+    empty_account = json.loads(fresh.out)["account_id"]
+    tokens = cp.cli("token", "list", "--account", empty_account, "--json")
+    assert tokens.code == 0 and json.loads(tokens.out) == {"tokens": []}
+    machines = cp.cli("machine", "list", "--account", empty_account, "--json")
+    assert json.loads(machines.out) == {"machines": []}
+    accounts = json.loads(cp.cli("account", "list", "--json").out)["accounts"]
+    mine = next(a for a in accounts if a["account_id"] == account)
+    assert mine["github_user_id"] == 77  # a 64-bit integer is a number
+    made = json.loads(cp.cli("token", "create", "--account", empty_account, "--json").out)
+    assert made["token"]["uses"] == 0 and made["token"]["revoked"] is False
+    assert made["token"]["repair_machine_id"] == ""
+
+
+def test_tables_keep_ids_whole_in_a_pipe(cp: ControlProc) -> None:
+    login = "a-login-long-enough-to-squeeze-every-other-column-of-the-table-" * 2
+    made = cp.cli("account", "create", "--github-id", "79", "--github-login", login[:39], "--json")
+    assert made.code == 0, made.err
+    account_id = json.loads(made.out)["account_id"]
+    for _ in range(2):
+        assert cp.cli("token", "create", "--account", account_id).code == 0
+    listed = cp.cli("token", "list", "--account", account_id)
+    lines = listed.out.splitlines()
+    assert len(lines) == 3, lines  # a header and one line per token: nothing wrapped
+    assert all(re.match(rf"tok_[0-9a-z]{{26}}  {account_id} ", line) for line in lines[1:])
+    accounts = cp.cli("account", "list").out.splitlines()
+    assert any(line.startswith(f"{account_id}  {login[:39]} ") for line in accounts), accounts
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("account", "create", "--github-id", "99999999999999999999", "--github-login", "x"),
+         "argument --github-id"),
+        (("machine", "rename", "mc_x", os.fsdecode(b"\xffname")), "is not valid UTF-8"),
+        (("token", "create", "--account", "acct_x", "--uses", "99999999999"), "argument --uses"),
+        (("token", "create", "--account", "acct_x", "--ttl", "9999999999d"), "argument --ttl"),
+    ],
+)  # fmt: skip
+def test_bad_numbers_and_text_are_one_line(
+    cp: ControlProc, args: tuple[str, ...], says: str
+) -> None:
+    res = cp.cli(*args)
+    assert res.code == 2 and res.out == ""
+    _one_error_line(res.err, says)
+
+
+def test_a_refusal_is_one_line(cp: ControlProc) -> None:
+    res = cp.cli("machine", "show", new_id("machine"))
+    assert res.code == 2
+    _one_error_line(res.err, "not found")
+
+
+def test_a_refused_join_is_one_line(cp: ControlProc, tmp_path: Path) -> None:
+    bogus = f"{new_id('token')}.{'A' * 43}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    res = subprocess.run(
+        [str(AGENTS_MACHINE), "join", cp.public, "--token", bogus, "--ca-hash", cp.ca_hash,
+         "--data-dir", str(tmp_path / "m")],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert res.returncode != 0
+    lines = res.stderr.splitlines()
+    assert len(lines) in (1, 2) and lines[0].startswith("agents-machine: "), res.stderr
+    assert all(line.startswith("Try: ") for line in lines[1:]), res.stderr
+
+
+@pytest.mark.parametrize(
+    ("toml", "says"),
+    [
+        ("token_tll = 600\n", "config token_tll: unknown key in"),
+        ("renew_threshold = true\n", "config renew_threshold: must be a number in"),
+        ("credential = 'adm_x'\n", "config credential: unknown key in"),
+    ],
+)
+def test_config_mistakes_stop_the_daemon(tmp_path: Path, toml: str, says: str) -> None:
+    home = tmp_path / "home"
+    run_init(home, str(tmp_path / "store"), {})
+    with (home / "config.toml").open("a") as f:
+        f.write(toml)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    res = subprocess.run(
+        [str(agents_control_exe()), "serve", "--home", str(home)],
+        env=env, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert res.returncode == 2
+    _one_error_line(res.stderr, says)
+    assert str(home / "config.toml") in res.stderr
