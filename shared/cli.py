@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -250,6 +251,11 @@ def run_main(
     ``message_for`` may replace an error's message (None: ``str(exc)``).
     Exceptions that :data:`EXIT_FOR` does not know are not caught: they are bugs.
     """
+    for stream in (sys.stdout, sys.stderr):
+        # Names, prompts and replies are any Unicode: in a terminal whose locale
+        # cannot show a character, print an escape rather than raise.
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     try:
         return body()
     except BrokenPipeError:
