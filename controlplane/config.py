@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from shared.config import Sources, check_file, load_toml, split_hostport
+from shared.config import Sources, check_file, check_folder, load_toml, split_hostport
 from shared.errors import ConfigError
 
 __all__ = [
@@ -119,6 +119,7 @@ class ControlConfig:
 
     def validate(self) -> ControlConfig:
         """Raise ConfigError naming the first bad field; return self."""
+        check_folder(self.home.absolute(), "home")
         parse_hostport(self.listen, "listen")
         parse_hostport(self.link_listen, "link_listen")
         parse_hostport(self.metrics_listen, "metrics_listen", allow_empty=True)

@@ -20,6 +20,7 @@ from machine.runtimes.claude_files import default_claude_home, default_codex_hom
 from shared.config import (
     Sources,
     check_file,
+    check_folder,
     load_toml,
     parse_bool,
     parse_size,
@@ -170,12 +171,7 @@ class MachineConfig:
         """Raise ConfigError naming the first bad field; return self."""
         if not self.data_dir.is_absolute():
             raise ConfigError("data_dir", f"must be an absolute path, got {self.data_dir}")
-        for folder in (self.data_dir, *self.data_dir.parents):
-            # The nearest part of the path that exists must be a folder.
-            if folder.exists():
-                if not folder.is_dir():
-                    raise ConfigError("data_dir", f"{folder} is a file, not a folder")
-                break
+        check_folder(self.data_dir, "data_dir")
         if len(str(self.socket)) > _MAX_SOCKET_PATH:
             raise ConfigError(
                 "socket_path", f"too long for a Unix socket ({len(str(self.socket))} bytes)"

@@ -22,6 +22,7 @@ from shared.errors import ConfigError
 __all__ = [
     "Sources",
     "check_file",
+    "check_folder",
     "load_toml",
     "parse_bool",
     "parse_size",
@@ -78,6 +79,16 @@ def check_file(file: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]], 
             wanted = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in shown)
             got = _TYPE_NAMES.get(type(value), type(value).__name__)
             raise ConfigError(key, f"must be {wanted} in {path}, got {got}: {value!r}")
+
+
+def check_folder(path: Path, field: str) -> None:
+    """Raise ConfigError naming ``field`` when ``path``, or the nearest part of it
+    that exists, is not a folder (a file given where a folder is meant)."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(field, f"{folder} is a file, not a folder")
+            return
 
 
 def pick(

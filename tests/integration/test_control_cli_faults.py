@@ -193,3 +193,16 @@ def test_config_mistakes_stop_the_daemon(tmp_path: Path, toml: str, says: str) -
     assert res.returncode == 2
     _one_error_line(res.stderr, says)
     assert str(home / "config.toml") in res.stderr
+
+
+@pytest.mark.parametrize("command", [("serve",), ("account", "list", "--credential", "adm_x")])
+def test_home_that_is_a_file(tmp_path: Path, command: tuple[str, ...]) -> None:
+    file = tmp_path / "not-a-folder"
+    file.write_text("x")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    res = subprocess.run(
+        [str(agents_control_exe()), *command, "--home", str(file)],
+        env=env, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert res.returncode == 2
+    _one_error_line(res.stderr, f"config home: {file} is a file, not a folder")
