@@ -217,7 +217,7 @@ def one_line(text: str) -> str:
 
 
 def _report(prog: str, message: str, hint: str | None) -> None:
-    # Plain writes, never rich: rich wraps at the terminal width (80 columns in a
+    # Plain writes, never a wrapping renderer: rich wrapped at the terminal width (80
     # pipe) and would split the line.
     text = f"{prog}: {one_line(message)}\n"
     if hint:
