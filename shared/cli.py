@@ -217,8 +217,8 @@ def one_line(text: str) -> str:
 
 
 def _report(prog: str, message: str, hint: str | None) -> None:
-    # Plain writes, never a wrapping renderer: rich wrapped at the terminal width (80
-    # pipe) and would split the line.
+    # Plain writes, never a wrapping renderer: one would cut the line at the
+    # terminal width (80 columns in a pipe).
     text = f"{prog}: {one_line(message)}\n"
     if hint:
         text += f"Try: {one_line(hint)}\n"

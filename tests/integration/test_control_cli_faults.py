@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -206,3 +207,38 @@ def test_home_that_is_a_file(tmp_path: Path, command: tuple[str, ...]) -> None:
     )  # fmt: skip
     assert res.returncode == 2
     _one_error_line(res.stderr, f"config home: {file} is a file, not a folder")
+
+
+def test_readme_tour_after_join_reaches_the_joined_machine(
+    cp: ControlProc, account: str, tmp_path: Path
+) -> None:
+    made = cp.cli("token", "create", "--account", account)
+    line = next(x for x in made.out.splitlines() if x.startswith("agents-machine join "))
+    command = shlex.split(line)
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    env["HOME"] = str(home)
+    log = tmp_path / "join.log"
+    with log.open("wb") as out:
+        joined = subprocess.Popen(
+            [str(AGENTS_MACHINE), *command[1:], "--no-background"],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        socket = home / ".agents-server" / "root" / "machine.sock"
+        deadline = time.monotonic() + 20
+        while not socket.exists():  # bounded by the deadline
+            assert joined.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        # The tour's next command, with no --data-dir: it reaches the joined daemon.
+        work = tmp_path / "work"
+        work.mkdir()
+        res = subprocess.run(
+            [str(AGENTS_MACHINE), "agent", "create", "hello", "--folder", str(work)],
+            env=env, capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        assert re.fullmatch(r"ag_[0-9a-z]{26}", res.stdout.strip())
+    finally:
+        joined.terminate()
+        joined.wait(timeout=15)
