@@ -314,14 +314,14 @@ async def _token_create(ctx: _Ctx) -> int:
         reply = await c.create_token(args.account, ttl, args.uses)
     command = _join_command(reply)
     token = reply["token"]
-    return _emit(
-        ctx,
-        {**reply, "join_command": command},
-        command,
-        "^ run this on the machine (shown once)",
-        f"token {token['token_id']} for {token['account_id']}, "
-        f"expires {token['expires_at']}, uses {token['max_uses']}",
-    )
+    _emit(ctx, {**reply, "join_command": command}, command)
+    if not ctx.out.as_json:
+        ctx.out.note(
+            f"token {token['token_id']} for {token['account_id']}, expires "
+            f"{token['expires_at']}, uses {token['max_uses']}: run the command above on "
+            "the machine (shown once)"
+        )
+    return ExitCode.OK
 
 
 async def _token_list(ctx: _Ctx) -> int:
@@ -387,13 +387,13 @@ async def _machine_revoke(ctx: _Ctx) -> int:
 async def _credential_create(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         reply = await c.create_credential(ctx.args.account, ctx.args.label)
-    return _emit(
-        ctx,
-        reply,
-        reply["credential"],
-        f"^ credential {reply['credential_id']} for {reply['account_id']} "
-        "(shown ONCE, stored only as a hash)",
-    )
+    _emit(ctx, reply, reply["credential"])
+    if not ctx.out.as_json:
+        ctx.out.note(
+            f"credential {reply['credential_id']} for {reply['account_id']} "
+            "(shown ONCE, stored only as a hash)"
+        )
+    return ExitCode.OK
 
 
 #: (command, verb) -> handler; a command without verbs has verb None.

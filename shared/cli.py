@@ -436,6 +436,12 @@ class Output:
         """Write lines of text in one write."""
         self.write("".join(f"{line}\n" for line in lines))
 
+    def note(self, *lines: str) -> None:
+        """Lines for the person, not the script, on stderr: what a secret printed
+        alone on stdout is (so ``$(…)`` and ``| head -1`` get just the secret)."""
+        sys.stderr.write("".join(f"{one_line(line)}\n" for line in lines))
+        sys.stderr.flush()
+
     def json(self, data: Mapping[str, Any]) -> None:
         """One JSON object on one line."""
         self.write(json.dumps(data, sort_keys=True, ensure_ascii=False) + "\n")

@@ -89,7 +89,7 @@ def _printed_join(cp: ControlProc, account_id: str, *extra: str) -> list[str]:
     """``agents-control token create`` and the join command it printed, as argv."""
     res = cp.cli("token", "create", "--account", account_id, *extra)
     assert res.code == 0, res.err
-    line = res.out.splitlines()[0]  # the secret comes first, so `| head -1` keeps it
+    line = res.out.strip().splitlines()[-1]
     assert line.startswith("agents-machine join "), res.out
     return shlex.split(line)
 
