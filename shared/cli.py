@@ -363,6 +363,9 @@ class Column:
     whole: bool = False
 
 
+#: C0 and C1 control characters but newline and tab, for str.translate to drop.
+_CONTROLS = {c: None for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if chr(c) not in "\n\t"}
+
 _GAP = "  "
 _ELLIPSIS = "…"
 
@@ -428,8 +431,13 @@ class Output:
         return shutil.get_terminal_size().columns
 
     def write(self, text: str) -> None:
-        """Write ``text`` as it is (streamed run output) and flush."""
-        self.stream.write(text)
+        """Write ``text`` (streamed run output) and flush.
+
+        Control characters other than newline and tab are dropped: an agent's
+        reply or a tool's output must not drive the terminal (escape sequences
+        can retitle it, hide text or forge hyperlinks).
+        """
+        self.stream.write(text.translate(_CONTROLS))
         self.stream.flush()
 
     def lines(self, *lines: str) -> None:
@@ -444,7 +452,9 @@ class Output:
 
     def json(self, data: Mapping[str, Any]) -> None:
         """One JSON object on one line."""
-        self.write(json.dumps(data, sort_keys=True, ensure_ascii=False) + "\n")
+        # ASCII only: JSON escapes every other character, so no locale can fail
+        # to print it and no control character reaches a terminal.
+        self.write(json.dumps(data, sort_keys=True) + "\n")
 
     def table(self, columns: Sequence[Column], rows: Iterable[Sequence[str]]) -> None:
         """A table; id columns (``whole``) are never cut, other columns give way."""

@@ -235,3 +235,11 @@ def test_config_file_that_does_not_exist(tmp_path: Path) -> None:
     missing = tmp_path / "nope.toml"
     res = cli(tmp_path / "data", "serve", "--no-background", "--config", str(missing))
     one_line_error(res, f"{missing}: no such file")
+
+
+def test_agent_text_cannot_drive_the_terminal(daemon: MachineProc, agent: str) -> None:
+    # The echo runtime repeats the prompt: the reply carries the escape sequences.
+    res = cli(daemon.data_dir, "agent", "prompt", agent, "hi \x1b]0;retitled\x07 \x1b[31mred")
+    assert res.returncode == 0, res.stderr
+    assert b"\x1b" not in res.stdout and b"\x07" not in res.stdout
+    assert b"retitled" in res.stdout and b"red" in res.stdout

@@ -65,8 +65,14 @@ def test_json_has_every_field_and_numbers() -> None:
 
 def test_output_json_is_one_line() -> None:
     stream = io.StringIO()
-    Output(as_json=True, stream=stream).json({"b": [1, 2], "a": {"x": 1}})
-    assert stream.getvalue() == '{"a": {"x": 1}, "b": [1, 2]}\n'
+    Output(as_json=True, stream=stream).json({"b": [1, 2], "a": {"x": "é\x1b\x9b"}})
+    assert stream.getvalue() == '{"a": {"x": "\\u00e9\\u001b\\u009b"}, "b": [1, 2]}\n'
+
+
+def test_streamed_text_cannot_drive_the_terminal() -> None:
+    stream = io.StringIO()
+    Output(as_json=False, stream=stream).write("a\x1b]0;pwned\x07b\x9b31m\tc\n")
+    assert stream.getvalue() == "a]0;pwnedb31m\tc\n"
 
 
 def test_bounded_int_names_the_range() -> None:
