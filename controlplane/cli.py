@@ -221,11 +221,20 @@ class _Ctx:
 
 
 def _emit(ctx: _Ctx, data: dict[str, Any], *text: str) -> int:
-    """``data`` as JSON with --json, else the lines ``text`` (data as JSON if none)."""
+    """``data`` as JSON with --json, else the lines ``text``."""
     if ctx.out.as_json or not text:
         ctx.out.json(data)
     else:
         ctx.out.lines(*text)
+    return ExitCode.OK
+
+
+def _record(ctx: _Ctx, data: dict[str, Any]) -> int:
+    """One record: JSON with --json, else ``field  value`` lines."""
+    if ctx.out.as_json:
+        ctx.out.json(data)
+    else:
+        ctx.out.detail((key, "-" if value is None else str(value)) for key, value in data.items())
     return ExitCode.OK
 
 
@@ -284,7 +293,7 @@ async def _account_create(ctx: _Ctx) -> int:
 
 async def _account_show(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
-        return _emit(ctx, _account_view(await c.get_account(ctx.args.account_id)))
+        return _record(ctx, _account_view(await c.get_account(ctx.args.account_id)))
 
 
 async def _account_list(ctx: _Ctx) -> int:
@@ -369,7 +378,7 @@ async def _machine_list(ctx: _Ctx) -> int:
 
 async def _machine_show(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
-        return _emit(ctx, await c.get_machine(ctx.args.machine_id))
+        return _record(ctx, await c.get_machine(ctx.args.machine_id))
 
 
 async def _machine_rename(ctx: _Ctx) -> int:

@@ -337,7 +337,7 @@ async def test_link_foreign_ca_refused_and_revocation(cp: ControlProc) -> None:
         first = await asyncio.wait_for(call.read(), 5)
         assert first.WhichOneof("kind") == "welcome"
         assert first.welcome.machine_id == joined.machine_id
-        shown = json.loads(_ok(cp.cli("machine", "show", joined.machine_id)))
+        shown = json.loads(_ok(cp.cli("machine", "show", joined.machine_id, "--json")))
         assert shown["online"] is True and shown["agent_count"] == 3
 
         # Keep heartbeating while the operator revokes; the stream must end within 1 s.
@@ -398,7 +398,7 @@ async def test_link_foreign_ca_refused_and_revocation(cp: ControlProc) -> None:
             await asyncio.wait_for(answer, 5)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "revoked" in (info.value.details() or "")
-    listed = json.loads(_ok(cp.cli("machine", "show", joined.machine_id)))
+    listed = json.loads(_ok(cp.cli("machine", "show", joined.machine_id, "--json")))
     assert listed["revoked"] is True and listed["online"] is False
 
 

@@ -242,3 +242,12 @@ def test_readme_tour_after_join_reaches_the_joined_machine(
     finally:
         joined.terminate()
         joined.wait(timeout=15)
+
+
+def test_show_prints_a_record_or_json(cp: ControlProc, account: str) -> None:
+    text = cp.cli("account", "show", account)
+    assert text.code == 0, text.err
+    assert f"account_id           {account}" in text.out.splitlines()
+    assert any(line.startswith("github_user_id       77") for line in text.out.splitlines())
+    shown = json.loads(cp.cli("account", "show", account, "--json").out)
+    assert shown["account_id"] == account and shown["github_user_id"] == 77
