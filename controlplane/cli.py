@@ -30,6 +30,7 @@ from shared.cli import (
     Handler,
     Output,
     UsageError,
+    bind_error,
     bounded_int,
     check_argv,
     dispatch,
@@ -262,7 +263,10 @@ async def _init(ctx: _Ctx) -> int:
 
 
 async def _serve(ctx: _Ctx) -> int:
-    await run_daemon(ctx.cfg)
+    try:
+        await run_daemon(ctx.cfg)
+    except (OSError, RuntimeError) as e:
+        raise bind_error(e) or e from None
     return ExitCode.OK
 
 

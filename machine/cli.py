@@ -34,6 +34,7 @@ from shared.cli import (
     Handler,
     Output,
     UsageError,
+    bind_error,
     bounded_int,
     check_argv,
     dispatch,
@@ -525,7 +526,10 @@ def _run_serve(cfg: MachineConfig) -> int:
         force=True,  # replaces the silence main() set up for the verbs
     )
     os.umask(0o077)  # everything the daemon creates is private to its user
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except (OSError, RuntimeError) as e:
+        raise bind_error(e) or e from None
     return ExitCode.OK
 
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
+import re
 import select
 import shutil
 import sys
@@ -54,6 +56,7 @@ __all__ = [
     "Handler",
     "Output",
     "UsageError",
+    "bind_error",
     "bounded_int",
     "check_argv",
     "dispatch",
@@ -271,6 +274,23 @@ def run_main(
         hint = exc.hint if isinstance(exc, UsageError) else hint_for(exc)
         _report(prog, message, hint)
         return code
+
+
+_GRPC_BIND = re.compile(r"Failed to bind to address (\S+?);")
+
+
+def bind_error(exc: BaseException) -> ConfigError | None:
+    """The ConfigError a daemon's failure to listen means, or None for anything else.
+
+    gRPC reports a port it cannot bind as a RuntimeError with a fixed text
+    (naming the address), the standard library as OSError EADDRINUSE or
+    EADDRNOTAVAIL: both are a setting to change, not a crash.
+    """
+    if isinstance(exc, RuntimeError) and (m := _GRPC_BIND.search(str(exc))):
+        return ConfigError("listen", f"cannot listen on {m.group(1)}: in use, or not this host's")
+    if isinstance(exc, OSError) and exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+        return ConfigError("listen", f"cannot listen on a configured address: {exc.strerror}")
+    return None
 
 
 def stdout_writable(stream: IO[str] | None = None) -> bool:

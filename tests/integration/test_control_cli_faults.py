@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -251,3 +252,22 @@ def test_show_prints_a_record_or_json(cp: ControlProc, account: str) -> None:
     assert any(line.startswith("github_user_id       77") for line in text.out.splitlines())
     shown = json.loads(cp.cli("account", "show", account, "--json").out)
     assert shown["account_id"] == account and shown["github_user_id"] == 77
+
+
+def test_a_port_in_use_is_one_line(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    run_init(home, str(tmp_path / "store"), {})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = subprocess.run(
+            [str(agents_control_exe()), "serve", "--home", str(home),
+             "--listen", f"127.0.0.1:{port}"],
+            env=env, capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    last = res.stderr.splitlines()[-1]
+    says = f"cannot listen on 127.0.0.1:{port}: in use, or not this host's"
+    assert last == f"agents-control: config listen: {says}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -243,3 +244,19 @@ def test_agent_text_cannot_drive_the_terminal(daemon: MachineProc, agent: str) -
     assert res.returncode == 0, res.stderr
     assert b"\x1b" not in res.stdout and b"\x07" not in res.stdout
     assert b"retitled" in res.stdout and b"red" in res.stdout
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [("--tcp", "cannot listen on 127.0.0.1:"), ("--metrics", "cannot listen on a configured")],
+)
+def test_a_port_in_use_is_one_line(tmp_path: Path, flag: str, says: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = cli(tmp_path / "data", "serve", "--no-background", flag, f"127.0.0.1:{port}")
+    err = res.stderr.decode()
+    assert res.returncode == 2 and "Traceback" not in err, err
+    # The daemon logs as it starts; its last words are the one-line error and a hint.
+    assert err.splitlines()[-2].startswith(f"agents-machine: config listen: {says}"), err
