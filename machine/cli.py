@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shlex
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -84,6 +85,12 @@ class _Ctx:
     out: Output
     home: Path = field(default_factory=Path.home)
 
+    @property
+    def prog(self) -> str:
+        """The command as typed so far: with ``--data-dir``/``--socket`` when given,
+        so a suggested command reaches the same daemon."""
+        return _prog(self.args)
+
     @cached_property
     def cfg(self) -> MachineConfig:
         """The config, built on first use (``join`` picks its data folder first)."""
@@ -115,8 +122,12 @@ def _agent_detail(out: Output, a: pb.Agent) -> None:
     )
 
 
-def _render_event(out: Output, ev: pb.RunEvent, state: dict[str, bool]) -> int | None:
-    """Print one event for people; return an exit code when the run ended."""
+def _render_event(
+    out: Output, ev: pb.RunEvent, state: dict[str, bool], prog: str = PROG
+) -> int | None:
+    """Print one event for people; return an exit code when the run ended.
+
+    ``prog`` starts the commands it suggests (with the ``--data-dir`` in use)."""
     kind = ev.WhichOneof("payload")
     if kind == "text_delta":
         out.write(ev.text_delta.text)
@@ -136,7 +147,7 @@ def _render_event(out: Output, ev: pb.RunEvent, state: dict[str, bool]) -> int |
         options = ", ".join(o.option_id for o in req.options)
         out.lines(
             f"[permission] {req.title}: waiting for an answer ({options})",
-            f"Try: {PROG} agent answer {ev.run_id} {req.request_id} OPTION [--remember]",
+            f"Try: {prog} agent answer {ev.run_id} {req.request_id} OPTION [--remember]",
         )
     elif kind == "permission_answered":
         ans = ev.permission_answered
@@ -283,6 +294,7 @@ async def _stream(
     *,
     ask: Asker | None = None,
     stub: pb_grpc.MachineServiceAsyncStub | None = None,
+    prog: str = PROG,
 ) -> int:
     state: dict[str, bool] = {}
     code: int | None = None
@@ -294,7 +306,7 @@ async def _stream(
                 code = ExitCode.OK if kind == "run_finished" else ExitCode.FAILED
         return code if code is not None else ExitCode.OK
     async for ev in _events_with_rule_answers(events):
-        got = _render_event(out, ev, state)
+        got = _render_event(out, ev, state, prog)
         code = got if got is not None else code
         if (
             ask is not None
@@ -434,6 +446,7 @@ async def _agent_prompt(ctx: _Ctx) -> int:
             stub.Prompt(pb.PromptRequest(agent_id=args.id, text=text, attachments=shas)),
             ask=_ask_at_terminal if interactive else None,
             stub=stub,
+            prog=ctx.prog,
         )
 
 
@@ -441,7 +454,7 @@ async def _agent_replay(ctx: _Ctx) -> int:
     args = ctx.args
     async with _client(ctx.cfg) as stub:
         request = pb.ReplayRequest(agent_id=args.id, after_seq=args.after, follow=args.follow)
-        return await _stream(ctx.out, stub.Replay(request))
+        return await _stream(ctx.out, stub.Replay(request), prog=ctx.prog)
 
 
 async def _agent_cancel(ctx: _Ctx) -> int:
@@ -684,16 +697,25 @@ def _parser() -> CliParser:
 # ---------------------------------------------------------------- main
 
 
-def _hint(err: BaseException) -> str | None:
+def _prog(args: argparse.Namespace | None) -> str:
+    words = [PROG]
+    for flag, value in (("--data-dir", getattr(args, "data_dir", None)),
+                        ("--socket", getattr(args, "socket", None))):  # fmt: skip
+        if value:
+            words += [flag, shlex.quote(str(value))]
+    return " ".join(words)
+
+
+def _hint(err: BaseException, prog: str) -> str | None:
     if isinstance(err, _DaemonDown):
         # Name the folder: a bare `serve` could start a second, stand-alone machine.
-        return f"{PROG} --data-dir {err.data_dir} serve"
+        return f"{PROG} --data-dir {shlex.quote(str(err.data_dir))} serve"
     if isinstance(err, NotFound) or (
         isinstance(err, InvalidArgument) and getattr(err, "field", "") == "agent_id"
     ):
-        return f"{PROG} agent list --all"
+        return f"{prog} agent list --all"
     if isinstance(err, InvalidState) and "archived" in err.message:
-        return f"{PROG} agent unarchive ID"
+        return f"{prog} agent unarchive ID"
     if isinstance(err, ConfigError):
         return f"{PROG} serve --help"
     return None
@@ -702,6 +724,7 @@ def _hint(err: BaseException) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; return the exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    parsed: list[argparse.Namespace] = []  # for the hints, once parsed
 
     def body() -> int:
         # A verb's failure is the one line run_main prints: library warnings (a
@@ -709,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().addHandler(logging.NullHandler())
         check_argv(argv)
         args = _parser().parse_args(argv)
+        parsed.append(args)
         ctx = _Ctx(args, dict(os.environ), Output(as_json=args.json))
         if args.command not in (None, "serve", "join"):
             _check_args(args)
@@ -717,6 +741,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(
         PROG,
         body,
-        hint_for=_hint,
+        hint_for=lambda e: _hint(e, _prog(parsed[0] if parsed else None)),
         interrupted=f"interrupted (a run goes on; cancel it with `{PROG} agent cancel RUN`)",
     )

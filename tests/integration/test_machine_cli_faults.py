@@ -171,6 +171,8 @@ def test_remembered_rule_does_not_say_waiting(daemon: MachineProc, agent: str) -
                 assert time.monotonic() < deadline and first.poll() is None, asked
                 asked += first.stdout.readline().decode()
             assert "waiting for an answer" in asked
+            # The suggested command reaches this daemon: it names the folder in use.
+            assert f"Try: agents-machine --data-dir {daemon.data_dir} agent answer" in asked
             hint = re.search(r"agent answer (\S+) (\S+) OPTION", asked)
             assert hint, asked
             answer = cli(
@@ -260,3 +262,10 @@ def test_a_port_in_use_is_one_line(tmp_path: Path, flag: str, says: str) -> None
     assert res.returncode == 2 and "Traceback" not in err, err
     # The daemon logs as it starts; its last words are the one-line error and a hint.
     assert err.splitlines()[-2].startswith(f"agents-machine: config listen: {says}"), err
+
+
+def test_hints_name_the_folder_in_use(daemon: MachineProc) -> None:
+    res = cli(daemon.data_dir, "agent", "show", "ag_0000000000aaaaaaaaaaaaaaaa")
+    assert res.returncode == 2
+    hint = res.stderr.decode().splitlines()[1]
+    assert hint == f"Try: agents-machine --data-dir {daemon.data_dir} agent list --all"
