@@ -124,3 +124,12 @@ def test_unreachable_control_plane_is_one_plain_line(
         "agents-control: control plane not reachable at 127.0.0.1:1 "
         "(is `agents-control serve` running?)"
     ]
+
+
+def test_every_positional_argument_has_help() -> None:
+    from controlplane.cli import build_parser
+    from tests.helpers.cli_parsers import positionals
+
+    found = list(positionals(build_parser()))
+    assert len(found) >= 5
+    assert [f"{prog} {a.dest}" for prog, a in found if not a.help] == []
