@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 PROG = "agents-machine"
 _CHUNK = 256 * 1024
+#: The largest message the CLI sends (a prompt read from stdin included).
+_MAX_MESSAGE = 64 * 1024 * 1024
 #: A permission request answered by a remembered rule is followed at once by its
 #: answer (both are written in one transaction): wait this long for it before
 #: telling the person the run waits for them.
@@ -193,7 +195,7 @@ async def _client(cfg: MachineConfig) -> AsyncIterator[pb_grpc.MachineServiceAsy
         raise _DaemonDown(cfg)
     async with grpc.aio.insecure_channel(
         f"unix://{cfg.socket}",
-        options=[("grpc.max_send_message_length", 64 * 1024 * 1024)],
+        options=[("grpc.max_send_message_length", _MAX_MESSAGE)],
     ) as channel:
         try:
             async with rpc_errors():
@@ -424,10 +426,10 @@ async def _agent_unarchive(ctx: _Ctx) -> int:
     return _show_agent(ctx.out, agent)
 
 
-def _prompt_text(args: argparse.Namespace) -> str:
+def _prompt_text(args: argparse.Namespace, limit: int) -> str:
     """The prompt from the arguments or stdin. A NUL byte is refused: prompts are
     text, and neither a terminal nor the conversation views can show one."""
-    text = read_stdin_text("prompt") if args.stdin else " ".join(args.text)
+    text = read_stdin_text("prompt", limit) if args.stdin else " ".join(args.text)
     if "\0" in text:
         where = text.index("\0")
         raise UsageError(f"prompt: contains a NUL byte (at character {where}); prompts are text")
@@ -436,7 +438,8 @@ def _prompt_text(args: argparse.Namespace) -> str:
 
 async def _agent_prompt(ctx: _Ctx) -> int:
     args = ctx.args
-    text = _prompt_text(args)
+    # Read no more than one message can carry; the daemon applies its own limit.
+    text = _prompt_text(args, _MAX_MESSAGE)
     async with _client(ctx.cfg) as stub:
         shas = [await _upload(stub, args.id, Path(p)) for p in args.attach or []]
         # Ask inline only when a person is at the terminal (never for --stdin or scripts).

@@ -166,9 +166,12 @@ def check_argv(argv: Sequence[str]) -> None:
             ) from None
 
 
-def read_stdin_text(what: str, stream: IO[bytes] | None = None) -> str:
-    """All of stdin as text; bytes that are not UTF-8 are a usage error naming ``what``."""
-    data = (stream or sys.stdin.buffer).read()
+def read_stdin_text(what: str, limit: int, stream: IO[bytes] | None = None) -> str:
+    """All of stdin as text, at most ``limit`` bytes (more is never read into memory);
+    bytes that are not UTF-8, or too many, are a usage error naming ``what``."""
+    data = (stream or sys.stdin.buffer).read(limit + 1)
+    if len(data) > limit:
+        raise UsageError(f"{what}: stdin holds more than the limit of {limit} bytes")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

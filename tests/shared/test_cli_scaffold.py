@@ -90,9 +90,11 @@ def test_argv_that_is_not_utf8_is_a_usage_error() -> None:
 
 
 def test_stdin_that_is_not_utf8_is_a_usage_error() -> None:
-    assert read_stdin_text("prompt", io.BytesIO("é".encode())) == "é"
+    assert read_stdin_text("prompt", 10, io.BytesIO("é".encode())) == "é"
     with pytest.raises(UsageError, match="prompt: stdin is not valid UTF-8"):
-        read_stdin_text("prompt", io.BytesIO(b"ok \xff"))
+        read_stdin_text("prompt", 10, io.BytesIO(b"ok \xff"))
+    with pytest.raises(UsageError, match="more than the limit of 3 bytes"):
+        read_stdin_text("prompt", 3, io.BytesIO(b"abcd"))
 
 
 def test_dispatch_table_and_missing_verbs() -> None:
