@@ -235,12 +235,10 @@ def _report(prog: str, message: str, hint: str | None) -> None:
 def _silence_stdout() -> None:
     # The reader went away: point fd 1 at /dev/null so the interpreter's final
     # flush does not raise a second BrokenPipeError at exit.
-    try:
+    with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    except (OSError, ValueError):
-        pass
 
 
 def run_main(
@@ -266,7 +264,8 @@ def run_main(
         return body()
     except BrokenPipeError:
         _silence_stdout()
-        _report(prog, "stdout was closed before all output was written", None)
+        with contextlib.suppress(OSError):  # stderr may be the same closed pipe
+            _report(prog, "stdout was closed before all output was written", None)
         return ExitCode.USAGE
     except KeyboardInterrupt:
         _report(prog, interrupted, None)
