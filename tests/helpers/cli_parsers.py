@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 
-__all__ = ["positionals"]
+__all__ = ["long_options", "positionals"]
 
 
 def positionals(
@@ -18,3 +18,15 @@ def positionals(
                 yield from positionals(sub)
         elif not action.option_strings:
             yield parser.prog, action
+
+
+def long_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every ``--option`` of the tree but ``--help``."""
+    found: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= long_options(sub)
+        else:
+            found |= {o for o in action.option_strings if o.startswith("--") and o != "--help"}
+    return found

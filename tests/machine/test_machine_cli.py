@@ -109,3 +109,11 @@ def test_every_positional_argument_has_help() -> None:
     found = list(positionals(_parser()))
     assert len(found) >= 10
     assert [f"{prog} {a.dest}" for prog, a in found if not a.help] == []
+
+
+def test_every_option_is_documented() -> None:
+    from machine.cli import _parser
+    from tests.helpers.cli_parsers import long_options
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli-machine.md").read_text()
+    assert sorted(o for o in long_options(_parser()) if o not in page) == []
