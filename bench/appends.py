@@ -8,7 +8,7 @@ Both sides make the same events durable on the same disk in the same run:
 - raw: the same JSON bytes written to a file one event at a time, each
   followed by ``os.fsync`` (what "one fsync per event" costs).
 
-Usage: ``.venv/bin/python bench/appends.py [--events N] [--appenders K]``.
+Usage: ``.venv/bin/python -m bench.appends [--events N] [--appenders K]``.
 Prints the raw rate, then the store's with one appender and with K, each with
 its ratio (store / raw).
 """

@@ -1,58 +1,50 @@
 """``agents-control``: the control-plane daemon and its admin verbs.
 
-Only this module prints and picks exit codes: 0 success, 1 failure, 2 bad
-input (one line with a hint). The environment is read only through
-:func:`controlplane.config.load_config`.
+Only this module prints and picks exit codes (through :mod:`shared.cli`):
+0 success, 1 failure, 2 bad input or a refused request (one line, maybe a
+hint). The environment is read only through :func:`controlplane.config.load_config`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
 import json
 import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, NoReturn
-
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from dataclasses import dataclass
+from typing import Any
 
 from controlplane.bootstrap import init_control_plane
 from controlplane.client import AdminClient, ControlPlaneUnreachable
 from controlplane.config import ControlConfig, load_config
 from controlplane.keys import load_ca_cert
 from controlplane.server import run_daemon
-from shared.crypto import decode_public_key, encode_private_key, encode_public_key
-from shared.errors import (
-    AgentsError,
-    AlreadyExists,
-    ConfigError,
-    InvalidArgument,
-    InvalidState,
-    NotFound,
+from shared.cli import (
+    INT64_MAX,
+    CliParser,
+    Column,
+    ExitCode,
+    Handler,
+    Output,
+    UsageError,
+    bind_error,
+    bounded_int,
+    check_argv,
+    dispatch,
+    run_main,
+    stdout_writable,
 )
+from shared.crypto import decode_public_key, encode_private_key, encode_public_key
+from shared.errors import ConfigError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-_BAD_INPUT = (ConfigError, InvalidArgument, NotFound, AlreadyExists, InvalidState)
-
-
-class UsageError(Exception):
-    """Bad command-line input: one line, exit 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message}")
+PROG = "agents-control"
 
 
 def _duration(text: str) -> int:
@@ -63,21 +55,20 @@ def _duration(text: str) -> int:
     if seconds < 1:
         # On the wire 0 means "the default"; on the command line it would be a surprise.
         raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text!r}")
+    # The wire field is uint32; anything longer than a day is refused by the server
+    # with a message naming the limit, so cap only what protobuf cannot carry.
+    if seconds > UINT32_MAX:
+        raise argparse.ArgumentTypeError(f"too long: {text!r}")
     return seconds
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+UINT32_MAX = 2**32 - 1
+_uses = bounded_int(1, UINT32_MAX)
+_github_id = bounded_int(1, INT64_MAX)
 
 
 def _common(p: argparse.ArgumentParser, *, client: bool = True) -> None:
-    p.add_argument("--home", type=Path, help="control-plane home (AGENTS_CONTROL_HOME)")
+    p.add_argument("--home", help="control-plane home (AGENTS_CONTROL_HOME)")
     if client:
         p.add_argument("--address", help="host:port of the daemon (default: from serve.json)")
         p.add_argument("--credential", help="admin credential (AGENTS_CONTROL_CREDENTIAL)")
@@ -98,8 +89,9 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command tree."""
-    root = _Parser(prog="agents-control", description="The agents control plane.")
-    sub = root.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    root = CliParser(prog=PROG, description="The agents control plane.")
+    root.set_defaults(verb=None)
+    sub = root.add_subparsers(dest="cmd", parser_class=CliParser)
 
     p = sub.add_parser("init", help="make keys, config and the first operator credential")
     _common(p, client=False)
@@ -117,36 +109,36 @@ def build_parser() -> argparse.ArgumentParser:
     _daemon_flags(p)
 
     acc = sub.add_parser("account", help="accounts").add_subparsers(
-        dest="verb", required=True, parser_class=_Parser
+        dest="verb", parser_class=CliParser
     )
     p = acc.add_parser("create", help="create an account")
     _common(p)
-    p.add_argument("--github-id", type=int, required=True, help="GitHub numeric user id")
+    p.add_argument("--github-id", type=_github_id, required=True, help="GitHub numeric user id")
     p.add_argument("--github-login", required=True, help="GitHub login")
     p.add_argument("--recovery-public-key", help="agpk1_... (default: generate, print once)")
     p = acc.add_parser("show", help="show an account")
     _common(p)
-    p.add_argument("account_id")
+    p.add_argument("account_id", help="the account's id (acct_…)")
     p = acc.add_parser("list", help="list accounts")
     _common(p)
 
     tok = sub.add_parser("token", help="join tokens").add_subparsers(
-        dest="verb", required=True, parser_class=_Parser
+        dest="verb", parser_class=CliParser
     )
     p = tok.add_parser("create", help="create a join token and print the join command")
     _common(p)
     p.add_argument("--account", required=True, help="account id")
     p.add_argument("--ttl", type=_duration, default=None, help="lifetime (default 1h, max 24h)")
-    p.add_argument("--uses", type=_at_least_one, default=1, help="how many joins (default 1)")
+    p.add_argument("--uses", type=_uses, default=1, help="how many joins (default 1)")
     p = tok.add_parser("list", help="list join tokens")
     _common(p)
     p.add_argument("--account", default="", help="account id")
     p = tok.add_parser("revoke", help="revoke a join token")
     _common(p)
-    p.add_argument("token_id")
+    p.add_argument("token_id", help="the token's id (tok_…)")
 
     mac = sub.add_parser("machine", help="machines").add_subparsers(
-        dest="verb", required=True, parser_class=_Parser
+        dest="verb", parser_class=CliParser
     )
     p = mac.add_parser("list", help="list machines")
     _common(p)
@@ -154,14 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     for verb in ("show", "revoke"):
         p = mac.add_parser(verb, help=f"{verb} a machine")
         _common(p)
-        p.add_argument("machine_id")
+        p.add_argument("machine_id", help="the machine's id (mc_…)")
     p = mac.add_parser("rename", help="rename a machine")
     _common(p)
-    p.add_argument("machine_id")
-    p.add_argument("name")
+    p.add_argument("machine_id", help="the machine's id (mc_…)")
+    p.add_argument("name", help="the new name")
 
     cred = sub.add_parser("credential", help="admin credentials").add_subparsers(
-        dest="verb", required=True, parser_class=_Parser
+        dest="verb", parser_class=CliParser
     )
     p = cred.add_parser("create", help="create an account-scoped admin credential")
     _common(p)
@@ -190,7 +182,7 @@ def _address(cfg: ControlConfig) -> str:
     try:
         info = json.loads(cfg.serve_path.read_text())
         return str(info["public"])
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(
             "address", f"no --address and no running daemon found ({cfg.serve_path})"
         ) from None
@@ -200,17 +192,6 @@ def _client(cfg: ControlConfig) -> AdminClient:
     if not cfg.credential:
         raise ConfigError("credential", "give --credential or set AGENTS_CONTROL_CREDENTIAL")
     return AdminClient(_address(cfg), load_ca_cert(cfg.home), cfg.credential)
-
-
-def _print_table(console: Console, columns: Sequence[str], rows: list[list[str]]) -> None:
-    table = Table()
-    for column in columns:
-        # Ids must print whole: fold rather than truncate them.
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        # Cells carry what machines and users typed: text, never Rich markup.
-        table.add_row(*(Text(cell) for cell in row))
-    console.print(table)
 
 
 def _pubkey(b64: str) -> str:
@@ -231,188 +212,257 @@ def _join_command(reply: dict[str, Any]) -> str:
     )
 
 
-async def _run_admin(args: argparse.Namespace, cfg: ControlConfig, out: Console) -> int:
-    as_json = bool(getattr(args, "json", False))
+@dataclass
+class _Ctx:
+    """What every handler gets: the arguments, the config, the output."""
 
-    def emit(data: Any, columns: Sequence[str] = (), rows: list[list[str]] | None = None) -> None:
-        if as_json or rows is None:
-            print(json.dumps(data, indent=2, sort_keys=True))
-        else:
-            _print_table(out, columns, rows)
-
-    async with _client(cfg) as c:
-        cmd, verb = args.cmd, args.verb
-        if cmd == "account" and verb == "create":
-            public = (
-                decode_public_key(args.recovery_public_key) if args.recovery_public_key else b""
-            )
-            reply = await c.create_account(args.github_id, args.github_login, public)
-            acct = _account_view(reply["account"])
-            private = base64.b64decode(reply.get("recovery_private_key") or "")
-            if as_json:
-                if private:
-                    acct["recovery_private_key"] = encode_private_key(private)
-                emit(acct)
-            else:
-                print(f"account {acct['account_id']} created for {acct['github_login']}")
-                print(f"recovery public key: {acct['recovery_public_key']}")
-                if private:
-                    print("recovery private key (shown ONCE, never stored; keep it offline):")
-                    print(encode_private_key(private))
-            return EXIT_OK
-        if cmd == "account" and verb == "show":
-            emit(_account_view(await c.get_account(args.account_id)))
-            return EXIT_OK
-        if cmd == "account" and verb == "list":
-            accounts = [_account_view(a) for a in await c.list_accounts()]
-            rows = [
-                [
-                    a["account_id"],
-                    a["github_login"],
-                    str(a["github_user_id"]),
-                    a.get("signed_up_at", ""),
-                    a["state"],
-                ]
-                for a in accounts
-            ]
-            emit(accounts, ["account", "login", "github id", "signed up", "state"], rows)
-            return EXIT_OK
-        if cmd == "token" and verb == "create":
-            # No --ttl: send 0, which the control plane reads as its configured default.
-            ttl = 0 if args.ttl is None else args.ttl
-            reply = await c.create_token(args.account, ttl, args.uses)
-            command = _join_command(reply)
-            if as_json:
-                emit({**reply, "join_command": command})
-            else:
-                print(
-                    f"token {reply['token']['token_id']} for {reply['token']['account_id']}, "
-                    f"expires {reply['token']['expires_at']}, uses {reply['token']['max_uses']}"
-                )
-                print("run this on the machine (shown once):")
-                print(command)
-            return EXIT_OK
-        if cmd == "token" and verb == "list":
-            tokens = await c.list_tokens(args.account)
-            rows = [
-                [
-                    t["token_id"],
-                    t["account_id"],
-                    t["state"],
-                    f"{t['uses']}/{t['max_uses']}",
-                    t.get("expires_at", ""),
-                ]
-                for t in tokens
-            ]
-            emit(tokens, ["token", "account", "state", "uses", "expires"], rows)
-            return EXIT_OK
-        if cmd == "token" and verb == "revoke":
-            reply = await c.revoke_token(args.token_id)
-            print(f"token {reply['token_id']} revoked") if not as_json else emit(reply)
-            return EXIT_OK
-        if cmd == "machine" and verb == "list":
-            machines = await c.list_machines(args.account)
-            rows = [
-                [
-                    m["machine_id"],
-                    m["name"],
-                    m["account_id"],
-                    "revoked" if m["revoked"] else "online" if m["online"] else "offline",
-                    m.get("last_seen_at", "") or "-",
-                    m["version"],
-                    str(m["agent_count"]),
-                ]
-                for m in machines
-            ]
-            emit(
-                machines,
-                ["machine", "name", "account", "status", "last seen", "version", "agents"],
-                rows,
-            )
-            return EXIT_OK
-        if cmd == "machine" and verb == "show":
-            emit(await c.get_machine(args.machine_id))
-            return EXIT_OK
-        if cmd == "machine" and verb == "rename":
-            reply = await c.rename_machine(args.machine_id, args.name)
-            print(
-                f"machine {reply['machine_id']} renamed to {reply['name']}"
-            ) if not as_json else emit(reply)
-            return EXIT_OK
-        if cmd == "machine" and verb == "revoke":
-            reply = await c.revoke_machine(args.machine_id)
-            print(f"machine {reply['machine_id']} revoked") if not as_json else emit(reply)
-            return EXIT_OK
-        if cmd == "credential" and verb == "create":
-            reply = await c.create_credential(args.account, args.label)
-            if as_json:
-                emit(reply)
-            else:
-                print(
-                    f"credential {reply['credential_id']} for {reply['account_id']} "
-                    "(shown ONCE, stored only as a hash):"
-                )
-                print(reply["credential"])
-            return EXIT_OK
-    raise UsageError(f"agents-control: unknown command {args.cmd} {getattr(args, 'verb', '')}")
+    args: argparse.Namespace
+    cfg: ControlConfig
+    out: Output
 
 
-async def _run(args: argparse.Namespace, cfg: ControlConfig, out: Console) -> int:
-    if args.cmd == "init":
-        result = await init_control_plane(cfg)
-        print(f"control plane initialised in {cfg.home}")
-        print(f"CA hash: {result.ca_hash}")
-        print("operator credential (shown ONCE, stored only as a hash):")
-        print(result.operator_credential)
-        return EXIT_OK
-    if args.cmd == "serve":
-        await run_daemon(cfg)
-        return EXIT_OK
-    return await _run_admin(args, cfg, out)
+def _emit(ctx: _Ctx, data: dict[str, Any], *text: str) -> int:
+    """``data`` as JSON with --json, else the lines ``text``."""
+    if ctx.out.as_json or not text:
+        ctx.out.json(data)
+    else:
+        ctx.out.lines(*text)
+    return ExitCode.OK
 
 
-def _fail(line: str, hint: str | None = None) -> None:
-    """Print an error as ONE line on stderr (plus an optional "Try:" line).
+def _record(ctx: _Ctx, data: dict[str, Any]) -> int:
+    """One record: JSON with --json, else ``field  value`` lines."""
+    if ctx.out.as_json:
+        ctx.out.json(data)
+    else:
+        ctx.out.detail((key, "-" if value is None else str(value)) for key, value in data.items())
+    return ExitCode.OK
 
-    Plain print, not rich: rich wraps at the terminal width (80 columns when
-    stderr is a pipe), which would split the line. Newlines inside a message
-    (a path, a server's text) are folded for the same reason.
-    """
-    print(" ".join(line.split()), file=sys.stderr)
-    if hint:
-        print(f"Try: {hint}", file=sys.stderr)
+
+def _listing(
+    ctx: _Ctx, key: str, items: list[dict[str, Any]], columns: list[Column], rows: list[list[str]]
+) -> int:
+    if ctx.out.as_json:
+        ctx.out.json({key: items})
+    else:
+        ctx.out.table(columns, rows)
+    return ExitCode.OK
+
+
+async def _init(ctx: _Ctx) -> int:
+    result = await init_control_plane(ctx.cfg)
+    # The credential first, in one write: a reader that keeps only the first line
+    # (`| head -1`) still gets the one thing that is never shown again.
+    ctx.out.lines(
+        result.operator_credential,
+        "^ operator credential (shown ONCE, stored only as a hash)",
+        f"control plane initialised in {ctx.cfg.home}",
+        f"CA hash: {result.ca_hash}",
+    )
+    return ExitCode.OK
+
+
+async def _serve(ctx: _Ctx) -> int:
+    try:
+        await run_daemon(ctx.cfg)
+    except (OSError, RuntimeError) as e:
+        raise bind_error(e) or e from None
+    return ExitCode.OK
+
+
+async def _account_create(ctx: _Ctx) -> int:
+    args = ctx.args
+    public = decode_public_key(args.recovery_public_key) if args.recovery_public_key else b""
+    async with _client(ctx.cfg) as c:
+        reply = await c.create_account(args.github_id, args.github_login, public)
+    acct = _account_view(reply["account"])
+    private = base64.b64decode(reply.get("recovery_private_key") or "")
+    if ctx.out.as_json:
+        if private:
+            acct["recovery_private_key"] = encode_private_key(private)
+        return _emit(ctx, acct)
+    lines = [
+        f"account {acct['account_id']} created for {acct['github_login']}",
+        f"recovery public key: {acct['recovery_public_key']}",
+    ]
+    if private:
+        lines = [
+            encode_private_key(private),
+            "^ recovery private key (shown ONCE, never stored; keep it offline)",
+            *lines,
+        ]
+    ctx.out.lines(*lines)
+    return ExitCode.OK
+
+
+async def _account_show(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        return _record(ctx, _account_view(await c.get_account(ctx.args.account_id)))
+
+
+async def _account_list(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        accounts = [_account_view(a) for a in await c.list_accounts()]
+    rows = [
+        [
+            a["account_id"],
+            a["github_login"],
+            str(a["github_user_id"]),
+            a.get("signed_up_at") or "",
+            a["state"],
+        ]
+        for a in accounts
+    ]
+    columns = [Column("account", whole=True), Column("login"), Column("github id", whole=True)]
+    return _listing(
+        ctx, "accounts", accounts, [*columns, Column("signed up"), Column("state")], rows
+    )
+
+
+async def _token_create(ctx: _Ctx) -> int:
+    args = ctx.args
+    # No --ttl: send 0, which the control plane reads as its configured default.
+    ttl = 0 if args.ttl is None else args.ttl
+    async with _client(ctx.cfg) as c:
+        reply = await c.create_token(args.account, ttl, args.uses)
+    command = _join_command(reply)
+    token = reply["token"]
+    _emit(ctx, {**reply, "join_command": command}, command)
+    if not ctx.out.as_json:
+        ctx.out.note(
+            f"token {token['token_id']} for {token['account_id']}, expires "
+            f"{token['expires_at']}, uses {token['max_uses']}: run the command above on "
+            "the machine (shown once)"
+        )
+    return ExitCode.OK
+
+
+async def _token_list(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        tokens = await c.list_tokens(ctx.args.account)
+    rows = [
+        [
+            t["token_id"],
+            t["account_id"],
+            t["state"],
+            f"{t['uses']}/{t['max_uses']}",
+            t.get("expires_at") or "",
+        ]
+        for t in tokens
+    ]
+    columns = [Column("token", whole=True), Column("account", whole=True), Column("state")]
+    return _listing(ctx, "tokens", tokens, [*columns, Column("uses"), Column("expires")], rows)
+
+
+async def _token_revoke(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        reply = await c.revoke_token(ctx.args.token_id)
+    return _emit(ctx, reply, f"token {reply['token_id']} revoked")
+
+
+async def _machine_list(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        machines = await c.list_machines(ctx.args.account)
+    rows = [
+        [
+            m["machine_id"],
+            m["name"],
+            m["account_id"],
+            "revoked" if m["revoked"] else "online" if m["online"] else "offline",
+            m.get("last_seen_at") or "-",
+            m["version"],
+            str(m["agent_count"]),
+        ]
+        for m in machines
+    ]
+    columns = [Column("machine", whole=True), Column("name"), Column("account", whole=True)]
+    more = [Column("status"), Column("last seen"), Column("version"), Column("agents")]
+    return _listing(ctx, "machines", machines, [*columns, *more], rows)
+
+
+async def _machine_show(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        return _record(ctx, await c.get_machine(ctx.args.machine_id))
+
+
+async def _machine_rename(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        reply = await c.rename_machine(ctx.args.machine_id, ctx.args.name)
+    return _emit(ctx, reply, f"machine {reply['machine_id']} renamed to {reply['name']}")
+
+
+async def _machine_revoke(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        reply = await c.revoke_machine(ctx.args.machine_id)
+    return _emit(ctx, reply, f"machine {reply['machine_id']} revoked")
+
+
+async def _credential_create(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        reply = await c.create_credential(ctx.args.account, ctx.args.label)
+    _emit(ctx, reply, reply["credential"])
+    if not ctx.out.as_json:
+        ctx.out.note(
+            f"credential {reply['credential_id']} for {reply['account_id']} "
+            "(shown ONCE, stored only as a hash)"
+        )
+    return ExitCode.OK
+
+
+#: (command, verb) -> handler; a command without verbs has verb None.
+COMMANDS: dict[tuple[str, str | None], Handler] = {
+    ("init", None): _init,
+    ("serve", None): _serve,
+    ("account", "create"): _account_create,
+    ("account", "show"): _account_show,
+    ("account", "list"): _account_list,
+    ("token", "create"): _token_create,
+    ("token", "list"): _token_list,
+    ("token", "revoke"): _token_revoke,
+    ("machine", "list"): _machine_list,
+    ("machine", "show"): _machine_show,
+    ("machine", "rename"): _machine_rename,
+    ("machine", "revoke"): _machine_revoke,
+    ("credential", "create"): _credential_create,
+}
+
+#: Commands that print a secret once (it is stored only as a hash, or not at all):
+#: refused up front when nobody can read stdout, so no secret is made and lost.
+PRINTS_SECRET = {
+    ("init", None),
+    ("account", "create"),
+    ("token", "create"),
+    ("credential", "create"),
+}
+
+
+def _message(exc: BaseException) -> str | None:
+    if isinstance(exc, ControlPlaneUnreachable):
+        return f"{exc} (is `{PROG} serve` running?)"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``agents-control``."""
-    try:
+    argv = sys.argv[1:] if argv is None else argv
+
+    def body() -> int:
+        check_argv(argv)
         args = build_parser().parse_args(argv)
+        key = (args.cmd, args.verb)
+        if key in COMMANDS and key in PRINTS_SECRET and not stdout_writable():
+            raise UsageError(
+                f"{' '.join(filter(None, key))}: stdout is not writable, so the secret it "
+                "prints only once would be lost; nothing was made"
+            )
+        # Library warnings (a refused call, a retry) would add a second line to the
+        # one-line error of an admin verb; the daemon verbs log as configured.
         cfg = load_config(_flags(args), os.environ, read_file=args.cmd != "init")
-    except UsageError as e:
-        _fail(str(e), "agents-control --help")
-        return EXIT_USAGE
-    except (ConfigError, InvalidArgument) as e:
-        _fail(f"agents-control: {e}")
-        return EXIT_USAGE
-    _setup_logging(cfg.log_level if args.cmd in ("serve", "init") else "WARNING")
-    try:
-        return asyncio.run(_run(args, cfg, Console(highlight=False)))
-    except UsageError as e:
-        _fail(str(e), "agents-control --help")
-        return EXIT_USAGE
-    except _BAD_INPUT as e:
-        # What the caller named is wrong (malformed, missing, in the wrong state):
-        # exit 2, as the machine CLI does.
-        _fail(f"agents-control: {e}")
-        return EXIT_USAGE
-    except ControlPlaneUnreachable as e:
-        _fail(f"agents-control: {e} (is `agents-control serve` running?)")
-        return EXIT_FAIL
-    except AgentsError as e:
-        _fail(f"agents-control: {e}")
-        return EXIT_FAIL
-    except KeyboardInterrupt:
-        return 130
+        _setup_logging(cfg.log_level if args.cmd in ("serve", "init") else "CRITICAL")
+        ctx = _Ctx(args, cfg, Output(as_json=bool(getattr(args, "json", False))))
+        return dispatch(COMMANDS, PROG, args.cmd, args.verb, ctx)
+
+    return run_main(PROG, body, message_for=_message)
 
 
 if __name__ == "__main__":

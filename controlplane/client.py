@@ -11,9 +11,9 @@ from typing import Any, Self
 
 import grpc
 import grpc.aio
-from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from shared.cli import message_dict
 from shared.errors import TransientError
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
 from shared.rpc import domain_error
@@ -43,9 +43,8 @@ def _from_transport(exc: grpc.aio.AioRpcError) -> bool:
 
 
 def _dict(message: Message) -> dict[str, Any]:
-    return MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    # Every field present, 64-bit integers as numbers: the shape `--json` prints.
+    return message_dict(message)
 
 
 class AdminClient:

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from shared.config import Sources, load_toml, split_hostport
+from shared.config import Sources, check_file, check_folder, load_toml, split_hostport
 from shared.errors import ConfigError
 
 __all__ = [
     "CONFIG_FILE",
+    "FILE_KEYS",
     "MAX_TOKEN_TTL",
     "SERVE_FILE",
     "ControlConfig",
@@ -118,6 +119,7 @@ class ControlConfig:
 
     def validate(self) -> ControlConfig:
         """Raise ConfigError naming the first bad field; return self."""
+        check_folder(self.home.absolute(), "home")
         parse_hostport(self.listen, "listen")
         parse_hostport(self.link_listen, "link_listen")
         parse_hostport(self.metrics_listen, "metrics_listen", allow_empty=True)
@@ -160,6 +162,27 @@ class ControlConfig:
         return out
 
 
+#: The keys config.toml may hold and the TOML types each accepts. Secrets (the
+#: admin credential, the store's keys) are never read from the file.
+FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
+    "store_url": (str,),
+    "store_endpoint": (str,),
+    "store_region": (str,),
+    "listen": (str,),
+    "link_listen": (str,),
+    "advertise_host": (str,),
+    "server_names": (list, str),
+    "metrics_listen": (str,),
+    "address": (str,),
+    "heartbeat_interval": (int, float),
+    "presence_write_interval": (int, float),
+    "cert_lifetime_days": (int, float),
+    "renew_threshold": (int, float),
+    "token_ttl": (int,),
+    "log_level": (str,),
+}
+
+
 def _names(value: Any) -> tuple[str, ...]:
     if isinstance(value, list | tuple):
         return tuple(str(v).strip() for v in value if str(v).strip())
@@ -175,6 +198,7 @@ def load_config(
     """
     home = Path(flags.get("home") or default_home(env)).expanduser()
     file = load_toml(home / CONFIG_FILE) if read_file else {}
+    check_file(file, FILE_KEYS, home / CONFIG_FILE)
     d = ControlConfig(home=home)
     get = Sources(flags, env, file).get
 

@@ -1,8 +1,8 @@
 """``agents-machine``: the machine daemon and its local verbs.
 
-Only this module prints and chooses exit codes: 0 success, 1 a failed run or
-an unreachable daemon, 2 bad input or a refused request (one line, and a
-"Try: ..." hint where one helps), 130 interrupted by Ctrl-C.
+Only this module prints and chooses exit codes (through :mod:`shared.cli`):
+0 success, 1 a failed run or an unreachable daemon, 2 bad input or a refused
+request (one line, and a "Try: ..." hint where one helps), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -10,28 +10,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
+import shlex
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 import grpc.aio
-from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from machine.config import MachineConfig, server_data_dir
 from machine.dbfaults import run_check
 from machine.models import validate_runtime_ref
+from shared.cli import (
+    INT32_MAX,
+    INT64_MAX,
+    CliParser,
+    Column,
+    ExitCode,
+    Handler,
+    Output,
+    UsageError,
+    bind_error,
+    bounded_int,
+    check_argv,
+    dispatch,
+    message_dict,
+    read_stdin_text,
+    run_main,
+)
 from shared.errors import (
     AgentsError,
-    AlreadyExists,
     ConfigError,
     InvalidArgument,
     InvalidState,
@@ -49,48 +63,44 @@ logger = logging.getLogger(__name__)
 
 PROG = "agents-machine"
 _CHUNK = 256 * 1024
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: The largest message the CLI sends (a prompt read from stdin included).
+_MAX_MESSAGE = 64 * 1024 * 1024
+#: A permission request answered by a remembered rule is followed at once by its
+#: answer (both are written in one transaction): wait this long for it before
+#: telling the person the run waits for them.
+_RULE_ANSWER_WAIT = 0.5
 
 
-class _Usage(Exception):
-    """A usage error found by the CLI itself."""
-
-    def __init__(self, message: str, hint: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
-
-
-class _DaemonDown(Exception):
+class _DaemonDown(AgentsError):
     """The daemon's socket does not answer."""
 
+    def __init__(self, cfg: MachineConfig) -> None:
+        super().__init__(f"the machine daemon is not running (no answer on {cfg.socket})")
+        self.data_dir = cfg.data_dir
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # main() puts "agents-machine: " in front; name only the subcommand here.
-        where = self.prog.removeprefix(PROG).strip()
-        raise _Usage(f"{where}: {message}" if where else message, f"{self.prog} --help")
+
+@dataclass
+class _Ctx:
+    """What every handler gets: the parsed arguments, the environment, the output."""
+
+    args: argparse.Namespace
+    env: dict[str, str]
+    out: Output
+    home: Path = field(default_factory=Path.home)
+
+    @property
+    def prog(self) -> str:
+        """The command as typed so far: with ``--data-dir``/``--socket`` when given,
+        so a suggested command reaches the same daemon."""
+        return _prog(self.args)
+
+    @cached_property
+    def cfg(self) -> MachineConfig:
+        """The config, built on first use (``join`` picks its data folder first)."""
+        return _config(self.args, self.env, self.home)
 
 
 # ---------------------------------------------------------------- output
-
-
-class Out:
-    """People get rich tables and streaming text; scripts get JSON (--json)."""
-
-    def __init__(self, as_json: bool) -> None:
-        self.as_json = as_json
-        self.console = Console(highlight=False, soft_wrap=True)
-
-    def message(self, msg: Message) -> None:
-        print(json.dumps(_to_dict(msg), sort_keys=True), flush=True)
-
-    def line(self, text: str) -> None:
-        self.console.print(text, markup=False)
-
-
-def _to_dict(msg: Message) -> dict[str, Any]:
-    return MessageToDict(msg, preserving_proto_field_name=True)
 
 
 def _state(agent: pb.Agent) -> str:
@@ -98,70 +108,83 @@ def _state(agent: pb.Agent) -> str:
     return name if agent.local else f"{name} (from {agent.origin_machine})"
 
 
-def _agents_table(out: Out, agents: Sequence[pb.Agent]) -> None:
-    table = Table("id", "name", "runtime", "state", "folder", box=None)
-    for a in agents:
-        table.add_row(*_cells(a.id, a.name, a.runtime, _state(a), a.folder))
-    out.console.print(table)
+def _agent_detail(out: Output, a: pb.Agent) -> None:
+    out.detail(
+        [
+            ("id", a.id),
+            ("name", a.name),
+            ("state", _state(a)),
+            ("runtime", a.runtime),
+            ("settings", a.settings_json),
+            ("folder", a.folder),
+            ("origin", a.origin_machine),
+            ("session", a.session_id or "-"),
+            ("events", str(a.last_seq)),
+            ("created", a.created_at.ToDatetime().isoformat(timespec="seconds") + "Z"),
+        ]
+    )
 
 
-def _agent_detail(out: Out, a: pb.Agent) -> None:
-    table = Table(show_header=False, box=None)
-    for key, value in (
-        ("id", a.id),
-        ("name", a.name),
-        ("state", _state(a)),
-        ("runtime", a.runtime),
-        ("settings", a.settings_json),
-        ("folder", a.folder),
-        ("origin", a.origin_machine),
-        ("session", a.session_id or "-"),
-        ("events", str(a.last_seq)),
-        ("created", a.created_at.ToDatetime().isoformat(timespec="seconds") + "Z"),
-    ):
-        table.add_row(*_cells(key, value))
-    out.console.print(table)
+def _render_event(
+    out: Output, ev: pb.RunEvent, state: dict[str, bool], prog: str = PROG
+) -> int | None:
+    """Print one event for people; return an exit code when the run ended.
 
-
-def _render_event(out: Out, ev: pb.RunEvent, state: dict[str, bool]) -> int | None:
-    """Print one event for people; return an exit code when the run ended."""
+    ``prog`` starts the commands it suggests (with the ``--data-dir`` in use)."""
     kind = ev.WhichOneof("payload")
-    write = sys.stdout.write
     if kind == "text_delta":
-        write(ev.text_delta.text)
-        sys.stdout.flush()
+        out.write(ev.text_delta.text)
         state["mid_line"] = True
         return None
     if state.get("mid_line"):
-        write("\n")
+        out.write("\n")
         state["mid_line"] = False
     if kind == "run_started":
-        out.line(f"[run {ev.run_id}]")
+        out.lines(f"[run {ev.run_id}]")
     elif kind == "tool_call":
-        out.line(f"[tool {ev.tool_call.title}] {ev.tool_call.input_json}")
+        out.lines(f"[tool {ev.tool_call.title}] {ev.tool_call.input_json}")
     elif kind == "tool_result":
-        out.line(f"[tool {ev.tool_result.status}] {ev.tool_result.output}")
+        out.lines(f"[tool {ev.tool_result.status}] {ev.tool_result.output}")
     elif kind == "permission_request":
         req = ev.permission_request
         options = ", ".join(o.option_id for o in req.options)
-        out.line(f"[permission] {req.title}: waiting for an answer ({options})")
-        out.line(f"Try: {PROG} agent answer {ev.run_id} {req.request_id} OPTION [--remember]")
+        out.lines(
+            f"[permission] {req.title}: waiting for an answer ({options})",
+            f"Try: {prog} agent answer {ev.run_id} {req.request_id} OPTION [--remember]",
+        )
     elif kind == "permission_answered":
         ans = ev.permission_answered
         how = "by a remembered rule" if ans.by_rule else "by a person"
-        out.line(f"[permission] {ans.option_id} ({how})")
+        out.lines(f"[permission] {ans.option_id} ({how})")
     elif kind == "run_finished":
         fin = ev.run_finished
-        out.line(
+        out.lines(
             f"[done] {fin.stop_reason}, {fin.usage.input_tokens} in / "
             f"{fin.usage.output_tokens} out tokens, {fin.duration_ms} ms"
         )
-        return EXIT_OK
+        return ExitCode.OK
     elif kind == "run_error":
         code = pb.RunErrorCode.Name(ev.run_error.code)
-        out.line(f"[error {code}] {ev.run_error.message}")
-        return EXIT_FAILED
+        out.lines(f"[error {code}] {ev.run_error.message}")
+        return ExitCode.FAILED
     return None
+
+
+def _show(out: Output, msg: Message, text: Callable[[], None]) -> int:
+    if out.as_json:
+        out.json(message_dict(msg))
+    else:
+        text()
+    return ExitCode.OK
+
+
+def _show_agent(out: Output, agent: pb.Agent) -> int:
+    return _show(out, agent, lambda: _agent_detail(out, agent))
+
+
+def _show_run(out: Output, run: pb.Run) -> int:
+    state = pb.RunState.Name(run.state).removeprefix("RUN_STATE_").lower()
+    return _show(out, run, lambda: out.lines(f"{run.id} {state}"))
 
 
 # ---------------------------------------------------------------- client
@@ -170,16 +193,16 @@ def _render_event(out: Out, ev: pb.RunEvent, state: dict[str, bool]) -> int | No
 @contextlib.asynccontextmanager
 async def _client(cfg: MachineConfig) -> AsyncIterator[pb_grpc.MachineServiceAsyncStub]:
     if not cfg.socket.exists():
-        raise _DaemonDown(str(cfg.socket))
+        raise _DaemonDown(cfg)
     async with grpc.aio.insecure_channel(
         f"unix://{cfg.socket}",
-        options=[("grpc.max_send_message_length", 64 * 1024 * 1024)],
+        options=[("grpc.max_send_message_length", _MAX_MESSAGE)],
     ) as channel:
         try:
             async with rpc_errors():
                 yield pb_grpc.MachineServiceStub(channel)
-        except TransientError as e:
-            raise _DaemonDown(str(cfg.socket)) from e
+        except TransientError:
+            raise _DaemonDown(cfg) from None
 
 
 async def _upload(stub: pb_grpc.MachineServiceAsyncStub, agent_id: str, path: Path) -> str:
@@ -187,7 +210,7 @@ async def _upload(stub: pb_grpc.MachineServiceAsyncStub, agent_id: str, path: Pa
         size = path.stat().st_size
         handle = path.open("rb")
     except OSError as e:
-        raise _Usage(f"attach: cannot read {path}: {e.strerror}") from None
+        raise UsageError(f"attach: cannot read {path}: {e.strerror}") from None
 
     async def parts() -> AsyncIterator[pb.UploadAttachmentRequest]:
         yield pb.UploadAttachmentRequest(
@@ -235,28 +258,63 @@ async def _ask_at_terminal(req: pb.PermissionRequest) -> tuple[str, bool] | None
             return chosen
 
 
+async def _events_with_rule_answers(events: Any) -> AsyncIterator[pb.RunEvent]:
+    """The stream's events, with a permission request answered by a remembered rule
+    folded into its answer: the request is dropped when its answer follows at once.
+
+    Reading the next event runs in a task that is awaited again, never cancelled,
+    so no event is lost when the wait times out.
+    """
+    it = aiter(events)
+    pending: asyncio.Task[pb.RunEvent] | None = None
+    while True:
+        if pending is None:
+            pending = asyncio.ensure_future(anext(it))
+        try:
+            ev = await pending
+        except StopAsyncIteration:
+            return
+        pending = None
+        if ev.WhichOneof("payload") != "permission_request":
+            yield ev
+            continue
+        pending = asyncio.ensure_future(anext(it))
+        done, _ = await asyncio.wait({pending}, timeout=_RULE_ANSWER_WAIT)
+        if done and pending.exception() is None:
+            following = pending.result()
+            if (
+                following.WhichOneof("payload") == "permission_answered"
+                and following.permission_answered.by_rule
+                and following.permission_answered.request_id == ev.permission_request.request_id
+            ):
+                continue  # the answer is printed; the request never waited
+        yield ev
+
+
 async def _stream(
-    out: Out,
+    out: Output,
     events: Any,
     *,
     ask: Asker | None = None,
     stub: pb_grpc.MachineServiceAsyncStub | None = None,
+    prog: str = PROG,
 ) -> int:
     state: dict[str, bool] = {}
     code: int | None = None
-    async for ev in events:
-        if out.as_json:
-            out.message(ev)
+    if out.as_json:
+        async for ev in events:
+            out.json(message_dict(ev))
             kind = ev.WhichOneof("payload")
             if kind in ("run_finished", "run_error"):
-                code = EXIT_OK if kind == "run_finished" else EXIT_FAILED
-            continue
-        got = _render_event(out, ev, state)
+                code = ExitCode.OK if kind == "run_finished" else ExitCode.FAILED
+        return code if code is not None else ExitCode.OK
+    async for ev in _events_with_rule_answers(events):
+        got = _render_event(out, ev, state, prog)
         code = got if got is not None else code
         if (
             ask is not None
             and stub is not None
-            and ev.WhichOneof("payload") == ("permission_request")
+            and ev.WhichOneof("payload") == "permission_request"
         ):
             # A person is at the terminal: answer here (the stream carries the rest).
             chosen = await ask(ev.permission_request)
@@ -271,8 +329,8 @@ async def _stream(
                     )
                 )
     if state.get("mid_line"):
-        sys.stdout.write("\n")
-    return code if code is not None else EXIT_OK
+        out.write("\n")
+    return code if code is not None else ExitCode.OK
 
 
 # ---------------------------------------------------------------- commands
@@ -289,41 +347,41 @@ _ID_ARGS: dict[str, tuple[str, str]] = {
 
 def _check_args(args: argparse.Namespace) -> None:
     """Validate ids and runtime references given on the command line."""
-    for attr, (kind, field) in _ID_ARGS.items():
+    for attr, (kind, name) in _ID_ARGS.items():
         value = getattr(args, attr, None)
         if value is not None:
-            validate_id(kind, value, field)
+            validate_id(kind, value, name)
     for attr in ("request_id", "option_id"):
         value = getattr(args, attr, None)
         if value is not None:
             validate_runtime_ref(value, attr)
 
 
-async def _cmd_status(cfg: MachineConfig, args: argparse.Namespace, out: Out) -> int:
-    async with _client(cfg) as stub:
+async def _cmd_status(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
         st: pb.StatusResponse = await stub.Status(pb.StatusRequest())
     joined = st.joined
-    if out.as_json:
-        print(json.dumps({**_to_dict(st), "joined": joined}, sort_keys=True), flush=True)
-        return EXIT_OK
-    table = Table(show_header=False, box=None)
-    for key, value in (
-        ("version", st.version),
-        ("data folder", st.data_dir),
-        ("machine", f"{st.machine_id} ({'joined' if joined else 'stand-alone'})"),
-        ("agents", f"{st.active_agents} active, {st.archived_agents} archived"),
-        ("runs", f"{st.open_runs} open, {st.waiting_runs} waiting for a person"),
-        ("runtimes", ", ".join(st.runtimes)),
-        ("schema", str(st.schema_version)),
-    ):
-        table.add_row(*_cells(key, value))
-    out.console.print(table)
-    return EXIT_OK
+    return _show(
+        ctx.out,
+        st,
+        lambda: ctx.out.detail(
+            [
+                ("version", st.version),
+                ("data folder", st.data_dir),
+                ("machine", f"{st.machine_id} ({'joined' if joined else 'stand-alone'})"),
+                ("agents", f"{st.active_agents} active, {st.archived_agents} archived"),
+                ("runs", f"{st.open_runs} open, {st.waiting_runs} waiting for a person"),
+                ("runtimes", ", ".join(st.runtimes)),
+                ("schema", str(st.schema_version)),
+            ]
+        ),
+    )
 
 
-async def _cmd_check(cfg: MachineConfig, args: argparse.Namespace, out: Out) -> int:
+async def _cmd_check(ctx: _Ctx) -> int:
     """Full integrity check of machine.db: by the daemon, or here when it is not running
     (a damaged database keeps the daemon from starting)."""
+    cfg = ctx.cfg
     try:
         async with _client(cfg) as stub:
             reply: pb.CheckDatabaseResponse = await stub.CheckDatabase(pb.CheckDatabaseRequest())
@@ -333,135 +391,156 @@ async def _cmd_check(cfg: MachineConfig, args: argparse.Namespace, out: Out) -> 
             raise
         result = await asyncio.to_thread(run_check, cfg.db_path, full=True)
         ok, problems, path = result.ok, list(result.problems), str(cfg.db_path)
-    if out.as_json:
-        print(json.dumps({"ok": ok, "path": path, "problems": problems}), flush=True)
+    if ctx.out.as_json:
+        ctx.out.json({"ok": ok, "path": path, "problems": problems})
     elif ok:
-        out.line(f"{path}: ok")
+        ctx.out.lines(f"{path}: ok")
     else:
-        out.line(f"{path}: damaged ({len(problems)} problem(s) found); first: {problems[0]}")
-        out.line("Keep a copy of the data folder, then restore machine.db from a backup")
-        out.line("or salvage it with `sqlite3 machine.db .recover` (docs/machine.md).")
-    return EXIT_OK if ok else EXIT_FAILED
+        ctx.out.lines(
+            f"{path}: damaged ({len(problems)} problem(s) found); first: {problems[0]}",
+            "Keep a copy of the data folder, then restore machine.db from a backup",
+            "or salvage it with `sqlite3 machine.db .recover` (docs/machine.md).",
+        )
+    return ExitCode.OK if ok else ExitCode.FAILED
 
 
-async def _cmd_agent(cfg: MachineConfig, args: argparse.Namespace, out: Out) -> int:
-    verb: str = args.verb
-    async with _client(cfg) as stub:
-        if verb == "create":
-            folder = args.folder or os.getcwd()
-            agent = await stub.CreateAgent(
-                pb.CreateAgentRequest(
-                    name=args.name,
-                    folder=str(Path(folder).absolute()),
-                    runtime=args.runtime or "",
-                    settings_json=args.settings or "",
-                )
+async def _agent_create(ctx: _Ctx) -> int:
+    args = ctx.args
+    folder = args.folder or os.getcwd()
+    async with _client(ctx.cfg) as stub:
+        agent = await stub.CreateAgent(
+            pb.CreateAgentRequest(
+                name=args.name,
+                folder=str(Path(folder).absolute()),
+                runtime=args.runtime or "",
+                settings_json=args.settings or "",
             )
-            return _show_agent(out, agent, created=True)
-        if verb == "list":
-            listed = await stub.ListAgents(pb.ListAgentsRequest(include_archived=args.all))
-            if out.as_json:
-                out.message(listed)
-            else:
-                _agents_table(out, listed.agents)
-            return EXIT_OK
-        if verb == "show":
-            return _show_agent(out, await stub.GetAgent(pb.GetAgentRequest(agent_id=args.id)))
-        if verb == "rename":
-            agent = await stub.RenameAgent(pb.RenameAgentRequest(agent_id=args.id, name=args.name))
-            return _show_agent(out, agent)
-        if verb == "archive":
-            return _show_agent(
-                out, await stub.ArchiveAgent(pb.ArchiveAgentRequest(agent_id=args.id))
-            )
-        if verb == "unarchive":
-            return _show_agent(
-                out, await stub.UnarchiveAgent(pb.UnarchiveAgentRequest(agent_id=args.id))
-            )
-        if verb == "prompt":
-            text = " ".join(args.text)
-            if args.stdin:
-                text = sys.stdin.read()
-            shas = [await _upload(stub, args.id, Path(p)) for p in args.attach or []]
-            # Ask inline only when a person is at the terminal (never for --stdin or scripts).
-            interactive = not args.stdin and sys.stdin.isatty() and sys.stdout.isatty()
-            return await _stream(
-                out,
-                stub.Prompt(pb.PromptRequest(agent_id=args.id, text=text, attachments=shas)),
-                ask=_ask_at_terminal if interactive else None,
-                stub=stub,
-            )
-        if verb == "replay":
-            return await _stream(
-                out,
-                stub.Replay(
-                    pb.ReplayRequest(agent_id=args.id, after_seq=args.after, follow=args.follow)
-                ),
-            )
-        if verb == "cancel":
-            run = await stub.CancelRun(pb.CancelRunRequest(run_id=args.run_id))
-            return _show_run(out, run)
-        if verb == "answer":
-            answered = await stub.AnswerPermission(
-                pb.AnswerPermissionRequest(
-                    run_id=args.run_id,
-                    request_id=args.request_id,
-                    option_id=args.option_id,
-                    remember=args.remember,
-                )
-            )
-            return _show_run(out, answered.run)
-        if verb == "runs":
-            runs = await stub.ListRuns(pb.ListRunsRequest(agent_id=args.id, limit=args.limit))
-            if out.as_json:
-                out.message(runs)
-                return EXIT_OK
-            table = Table("run", "state", "tokens in/out", "ms", "prompt", box=None)
-            for r in runs.runs:
-                state = pb.RunState.Name(r.state).removeprefix("RUN_STATE_").lower()
-                tokens = f"{r.usage.input_tokens}/{r.usage.output_tokens}"
-                table.add_row(*_cells(r.id, state, tokens, str(r.duration_ms), r.prompt[:40]))
-            out.console.print(table)
-            return EXIT_OK
-        if verb == "search":
-            found = await stub.Search(
-                pb.SearchRequest(
-                    query=" ".join(args.query), agent_id=args.agent or "", limit=args.limit
-                )
-            )
-            if out.as_json:
-                out.message(found)
-                return EXIT_OK
-            table = Table("agent", "seq", "source", "match", box=None)
-            for h in found.hits:
-                name = h.agent_name + (" (archived)" if h.archived else "")
-                table.add_row(*_cells(name, str(h.seq), h.source, h.snippet))
-            out.console.print(table)
-            return EXIT_OK
-    raise _Usage(f"agent: unknown verb {verb!r}", f"{PROG} agent --help")
+        )
+    return _show(ctx.out, agent, lambda: ctx.out.lines(agent.id))
 
 
-def _show_agent(out: Out, agent: pb.Agent, *, created: bool = False) -> int:
-    if out.as_json:
-        out.message(agent)
-    elif created:
-        out.line(agent.id)
-    else:
-        _agent_detail(out, agent)
-    return EXIT_OK
+async def _agent_list(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        listed = await stub.ListAgents(pb.ListAgentsRequest(include_archived=ctx.args.all))
+    columns = [Column("id", whole=True), Column("name"), Column("runtime"), Column("state")]
+    rows = [[a.id, a.name, a.runtime, _state(a), a.folder] for a in listed.agents]
+    return _show(ctx.out, listed, lambda: ctx.out.table([*columns, Column("folder")], rows))
 
 
-def _show_run(out: Out, run: pb.Run) -> int:
-    if out.as_json:
-        out.message(run)
-    else:
-        out.line(f"{run.id} {pb.RunState.Name(run.state).removeprefix('RUN_STATE_').lower()}")
-    return EXIT_OK
+async def _agent_show(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        agent = await stub.GetAgent(pb.GetAgentRequest(agent_id=ctx.args.id))
+    return _show_agent(ctx.out, agent)
 
 
-def _serve_config(
-    args: argparse.Namespace, env: os._Environ[str] | dict[str, str]
-) -> MachineConfig:
+async def _agent_rename(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        agent = await stub.RenameAgent(
+            pb.RenameAgentRequest(agent_id=ctx.args.id, name=ctx.args.name)
+        )
+    return _show_agent(ctx.out, agent)
+
+
+async def _agent_archive(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        agent = await stub.ArchiveAgent(pb.ArchiveAgentRequest(agent_id=ctx.args.id))
+    return _show_agent(ctx.out, agent)
+
+
+async def _agent_unarchive(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        agent = await stub.UnarchiveAgent(pb.UnarchiveAgentRequest(agent_id=ctx.args.id))
+    return _show_agent(ctx.out, agent)
+
+
+def _prompt_text(args: argparse.Namespace, limit: int) -> str:
+    """The prompt from the arguments or stdin. A NUL byte is refused: prompts are
+    text, and neither a terminal nor the conversation views can show one."""
+    text = read_stdin_text("prompt", limit) if args.stdin else " ".join(args.text)
+    if "\0" in text:
+        where = text.index("\0")
+        raise UsageError(f"prompt: contains a NUL byte (at character {where}); prompts are text")
+    return text
+
+
+async def _agent_prompt(ctx: _Ctx) -> int:
+    args = ctx.args
+    # Read no more than one message can carry; the daemon applies its own limit.
+    text = _prompt_text(args, _MAX_MESSAGE)
+    async with _client(ctx.cfg) as stub:
+        shas = [await _upload(stub, args.id, Path(p)) for p in args.attach or []]
+        # Ask inline only when a person is at the terminal (never for --stdin or scripts).
+        interactive = not args.stdin and sys.stdin.isatty() and sys.stdout.isatty()
+        return await _stream(
+            ctx.out,
+            stub.Prompt(pb.PromptRequest(agent_id=args.id, text=text, attachments=shas)),
+            ask=_ask_at_terminal if interactive else None,
+            stub=stub,
+            prog=ctx.prog,
+        )
+
+
+async def _agent_replay(ctx: _Ctx) -> int:
+    args = ctx.args
+    async with _client(ctx.cfg) as stub:
+        request = pb.ReplayRequest(agent_id=args.id, after_seq=args.after, follow=args.follow)
+        return await _stream(ctx.out, stub.Replay(request), prog=ctx.prog)
+
+
+async def _agent_cancel(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        run = await stub.CancelRun(pb.CancelRunRequest(run_id=ctx.args.run_id))
+    return _show_run(ctx.out, run)
+
+
+async def _agent_answer(ctx: _Ctx) -> int:
+    args = ctx.args
+    async with _client(ctx.cfg) as stub:
+        answered = await stub.AnswerPermission(
+            pb.AnswerPermissionRequest(
+                run_id=args.run_id,
+                request_id=args.request_id,
+                option_id=args.option_id,
+                remember=args.remember,
+            )
+        )
+    return _show_run(ctx.out, answered.run)
+
+
+async def _agent_runs(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        runs = await stub.ListRuns(pb.ListRunsRequest(agent_id=ctx.args.id, limit=ctx.args.limit))
+    rows = []
+    for r in runs.runs:
+        state = pb.RunState.Name(r.state).removeprefix("RUN_STATE_").lower()
+        tokens = f"{r.usage.input_tokens}/{r.usage.output_tokens}"
+        rows.append([r.id, state, tokens, str(r.duration_ms), r.prompt])
+    columns = [Column("run", whole=True), Column("state"), Column("tokens in/out")]
+    return _show(
+        ctx.out, runs, lambda: ctx.out.table([*columns, Column("ms"), Column("prompt")], rows)
+    )
+
+
+async def _agent_search(ctx: _Ctx) -> int:
+    args = ctx.args
+    async with _client(ctx.cfg) as stub:
+        found = await stub.Search(
+            pb.SearchRequest(
+                query=" ".join(args.query), agent_id=args.agent or "", limit=args.limit
+            )
+        )
+    rows = [
+        [h.agent_id, h.agent_name + (" (archived)" if h.archived else ""), str(h.seq), h.source,
+         h.snippet]
+        for h in found.hits
+    ]  # fmt: skip
+    columns = [Column("agent", whole=True), Column("name"), Column("seq", whole=True)]
+    return _show(
+        ctx.out, found, lambda: ctx.out.table([*columns, Column("source"), Column("match")], rows)
+    )
+
+
+def _config(args: argparse.Namespace, env: dict[str, str], home: Path) -> MachineConfig:
     flags = {
         "data_dir": args.data_dir,
         "socket_path": getattr(args, "socket", None),
@@ -476,7 +555,7 @@ def _serve_config(
     return MachineConfig.build(
         flags=flags,
         env=env,
-        home=Path.home(),
+        home=home,
         config_file=Path(config_file) if config_file else None,
     )
 
@@ -485,44 +564,83 @@ def _run_serve(cfg: MachineConfig) -> int:
     from machine.daemon import serve
 
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,  # replaces the silence main() set up for the verbs
     )
     os.umask(0o077)  # everything the daemon creates is private to its user
-    asyncio.run(serve(cfg))
-    return EXIT_OK
+    try:
+        asyncio.run(serve(cfg))
+    except (OSError, RuntimeError) as e:
+        raise bind_error(e) or e from None
+    return ExitCode.OK
 
 
-def _cmd_join(args: argparse.Namespace, env: dict[str, str]) -> int:
+def _cmd_serve(ctx: _Ctx) -> int:
+    return _run_serve(ctx.cfg)
+
+
+def _cmd_join(ctx: _Ctx) -> int:
     # Imported here: only `join` needs the join flow and the service installer.
     from machine.join import join_control_plane
     from machine.service_unit import install_service
 
-    data_dir = Path(args.data_dir).absolute() if args.data_dir else server_data_dir(Path.home())
-    args.data_dir = str(data_dir)
-    cfg = _serve_config(args, env)
+    args = ctx.args
+    if not args.data_dir:
+        # `join` installs a server: its folder is the server's, whatever else exists.
+        args.data_dir = str(server_data_dir(ctx.home))
+    cfg = ctx.cfg
     result = asyncio.run(
         join_control_plane(
-            data_dir=data_dir,
+            data_dir=cfg.data_dir,
             address=args.address,
             token=args.token,
             ca_hash=args.ca_hash,
             name=args.name,
         )
     )
-    print(f"joined as machine {result.machine_id} (account {result.account_id})", flush=True)
+    ctx.out.lines(f"joined as machine {result.machine_id} (account {result.account_id})")
     if args.install_service:
-        installed = install_service(data_dir=data_dir)
-        print(f"installed {installed.unit_path}", flush=True)
+        installed = install_service(data_dir=cfg.data_dir)
+        ctx.out.lines(f"installed {installed.unit_path}")
         if installed.started:
-            return EXIT_OK
+            return ExitCode.OK
     return _run_serve(cfg)
+
+
+#: (command, verb) -> handler; a command without verbs has verb None.
+COMMANDS: dict[tuple[str, str | None], Handler] = {
+    ("serve", None): _cmd_serve,
+    ("join", None): _cmd_join,
+    ("status", None): _cmd_status,
+    ("check", None): _cmd_check,
+    ("agent", "create"): _agent_create,
+    ("agent", "list"): _agent_list,
+    ("agent", "show"): _agent_show,
+    ("agent", "rename"): _agent_rename,
+    ("agent", "archive"): _agent_archive,
+    ("agent", "unarchive"): _agent_unarchive,
+    ("agent", "prompt"): _agent_prompt,
+    ("agent", "replay"): _agent_replay,
+    ("agent", "cancel"): _agent_cancel,
+    ("agent", "answer"): _agent_answer,
+    ("agent", "runs"): _agent_runs,
+    ("agent", "search"): _agent_search,
+}
+
+
+# ---------------------------------------------------------------- parser
+
+_AGENT_ID = "the agent's id (ag_…; see `agent list --all`)"
+_LIMIT = bounded_int(1, INT32_MAX)
 
 
 def _add_global_options(p: argparse.ArgumentParser, default: Any) -> None:
     p.add_argument(
         "--data-dir",
         default=default,
-        help="data folder (default: $AGENTS_DATA_DIR or the platform's)",
+        help="data folder (default: $AGENTS_DATA_DIR, else a joined server's "
+        "~/.agents-server/root when it exists, else the platform's)",
     )
     p.add_argument(
         "--socket", default=default, help="daemon socket (default: <data dir>/machine.sock)"
@@ -530,23 +648,18 @@ def _add_global_options(p: argparse.ArgumentParser, default: Any) -> None:
     p.add_argument("--json", action="store_true", default=default, help="print JSON for scripts")
 
 
-def _cells(*values: str) -> list[Text]:
-    # Names, folders and snippets are user or agent text: never Rich markup.
-    return [Text(v) for v in values]
-
-
-def _parser() -> _Parser:
-    p = _Parser(prog=PROG, description="The machine agent: runs your AI coding agents.")
+def _parser() -> CliParser:
+    p = CliParser(prog=PROG, description="The machine agent: runs your AI coding agents.")
     _add_global_options(p, argparse.SUPPRESS)
-    p.set_defaults(data_dir=None, socket=None, json=False)
+    p.set_defaults(data_dir=None, socket=None, json=False, verb=None)
     # The same options are accepted after the subcommand too (`serve --data-dir D`),
     # as systemd units and pasted join commands put them there.
-    common = _Parser(add_help=False)
+    common = CliParser(add_help=False)
     _add_global_options(common, argparse.SUPPRESS)
-    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", parser_class=CliParser)
 
     # `join` serves once joined, so it takes the daemon's options too.
-    serving = _Parser(add_help=False)
+    serving = CliParser(add_help=False)
     serving.add_argument("--tcp", help="also listen on HOST:PORT (loopback only)")
     serving.add_argument("--metrics", help="serve /metrics on HOST:PORT (loopback only)")
     serving.add_argument("--prompt-limit", help="largest prompt (default 1MiB)")
@@ -568,54 +681,73 @@ def _parser() -> _Parser:
     sub.add_parser("check", parents=[common], help="run a full integrity check of machine.db")
 
     a = sub.add_parser("agent", parents=[common], help="agents and their runs")
-    verbs = a.add_subparsers(dest="verb", parser_class=_Parser)
+    verbs = a.add_subparsers(dest="verb", parser_class=CliParser)
     c = verbs.add_parser("create", parents=[common], help="create an agent")
-    c.add_argument("name")
+    c.add_argument("name", help="a name to recognise it by")
     c.add_argument("--folder", help="the folder it works in (default: here)")
     c.add_argument("--runtime", help="echo (default) or acp")
     c.add_argument("--settings", help="runtime settings as a JSON object")
     ls = verbs.add_parser("list", parents=[common], help="list agents")
     ls.add_argument("--all", action="store_true", help="include archived agents")
     for verb in ("show", "archive", "unarchive"):
-        verbs.add_parser(verb, parents=[common], help=f"{verb} an agent").add_argument("id")
+        verbs.add_parser(verb, parents=[common], help=f"{verb} an agent").add_argument(
+            "id", help=_AGENT_ID
+        )
     r = verbs.add_parser("rename", parents=[common], help="rename an agent")
-    r.add_argument("id")
-    r.add_argument("name")
+    r.add_argument("id", help=_AGENT_ID)
+    r.add_argument("name", help="the new name")
     pr = verbs.add_parser("prompt", parents=[common], help="prompt an agent and stream the run")
-    pr.add_argument("id")
-    pr.add_argument("text", nargs="*")
-    pr.add_argument("--stdin", action="store_true", help="read the prompt from stdin")
+    pr.add_argument("id", help=_AGENT_ID)
+    pr.add_argument("text", nargs="*", help="the prompt (words are joined by spaces)")
+    pr.add_argument("--stdin", action="store_true", help="read the prompt (UTF-8) from stdin")
     pr.add_argument("--attach", action="append", help="attach a file (repeatable)")
     rp = verbs.add_parser("replay", parents=[common], help="stream an agent's stored events")
-    rp.add_argument("id")
-    rp.add_argument("--after", type=int, default=0, help="only events after this seq")
+    rp.add_argument("id", help=_AGENT_ID)
+    rp.add_argument(
+        "--after", type=bounded_int(0, INT64_MAX), default=0, help="only events after this seq"
+    )
     rp.add_argument("--follow", action="store_true", help="keep streaming new events")
     cn = verbs.add_parser("cancel", parents=[common], help="cancel a run")
-    cn.add_argument("run_id")
+    cn.add_argument("run_id", help="the run's id (run_…)")
     an = verbs.add_parser("answer", parents=[common], help="answer a permission request")
-    an.add_argument("run_id")
-    an.add_argument("request_id")
-    an.add_argument("option_id")
+    an.add_argument("run_id", help="the run's id (run_…), as printed with the request")
+    an.add_argument("request_id", help="the request's id, as printed with the request")
+    an.add_argument("option_id", help="the option chosen, e.g. allow_once")
     an.add_argument("--remember", action="store_true", help="for this agent and tool, always")
     ru = verbs.add_parser("runs", parents=[common], help="an agent's runs: usage and time history")
-    ru.add_argument("id")
-    ru.add_argument("--limit", type=int, default=20)
+    ru.add_argument("id", help=_AGENT_ID)
+    ru.add_argument("--limit", type=_LIMIT, default=20, help="at most this many (default 20)")
     se = verbs.add_parser(
         "search", parents=[common], help="search conversations, tool logs and summaries"
     )
-    se.add_argument("query", nargs="+")
+    se.add_argument("query", nargs="+", help="words to find")
     se.add_argument("--agent", help="only this agent")
-    se.add_argument("--limit", type=int, default=20)
+    se.add_argument("--limit", type=_LIMIT, default=20, help="at most this many (default 20)")
     return p
 
 
-def _hint(err: AgentsError) -> str | None:
+# ---------------------------------------------------------------- main
+
+
+def _prog(args: argparse.Namespace | None) -> str:
+    words = [PROG]
+    for flag, value in (("--data-dir", getattr(args, "data_dir", None)),
+                        ("--socket", getattr(args, "socket", None))):  # fmt: skip
+        if value:
+            words += [flag, shlex.quote(str(value))]
+    return " ".join(words)
+
+
+def _hint(err: BaseException, prog: str) -> str | None:
+    if isinstance(err, _DaemonDown):
+        # Name the folder: a bare `serve` could start a second, stand-alone machine.
+        return f"{PROG} --data-dir {shlex.quote(str(err.data_dir))} serve"
     if isinstance(err, NotFound) or (
         isinstance(err, InvalidArgument) and getattr(err, "field", "") == "agent_id"
     ):
-        return f"{PROG} agent list --all"
+        return f"{prog} agent list --all"
     if isinstance(err, InvalidState) and "archived" in err.message:
-        return f"{PROG} agent unarchive ID"
+        return f"{prog} agent unarchive ID"
     if isinstance(err, ConfigError):
         return f"{PROG} serve --help"
     return None
@@ -623,47 +755,24 @@ def _hint(err: AgentsError) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; return the exit code."""
-    env = dict(os.environ)
-    out = Out(as_json=False)
+    argv = sys.argv[1:] if argv is None else argv
+    parsed: list[argparse.Namespace] = []  # for the hints, once parsed
 
-    def fail(message: str, hint: str | None, code: int) -> int:
-        print(f"{PROG}: {message}", file=sys.stderr)
-        if hint:
-            print(f"Try: {hint}", file=sys.stderr)
-        return code
-
-    try:
+    def body() -> int:
+        # A verb's failure is the one line run_main prints: library warnings (a
+        # refused join logs one) would add a second. `serve` sets up real logging.
+        logging.getLogger().addHandler(logging.NullHandler())
+        check_argv(argv)
         args = _parser().parse_args(argv)
-        out = Out(as_json=args.json)
-        if args.command is None:
-            raise _Usage("missing command", f"{PROG} --help")
-        if args.command == "join":
-            return _cmd_join(args, env)
-        cfg = _serve_config(args, env)
-        if args.command == "serve":
-            return _run_serve(cfg)
-        handlers: dict[str, Callable[[MachineConfig, argparse.Namespace, Out], Any]] = {
-            "status": _cmd_status,
-            "check": _cmd_check,
-            "agent": _cmd_agent,
-        }
-        if args.command == "agent" and args.verb is None:
-            raise _Usage("agent: missing verb", f"{PROG} agent --help")
-        _check_args(args)
-        return int(asyncio.run(handlers[args.command](cfg, args, out)))
-    except _Usage as e:
-        return fail(e.message, e.hint, EXIT_USAGE)
-    except _DaemonDown as e:
-        return fail(
-            f"the machine daemon is not running (no answer on {e})", f"{PROG} serve", EXIT_FAILED
-        )
-    except (InvalidArgument, NotFound, InvalidState, AlreadyExists, ConfigError) as e:
-        return fail(e.message, _hint(e), EXIT_USAGE)
-    except AgentsError as e:
-        return fail(e.message, None, EXIT_FAILED)
-    except KeyboardInterrupt:
-        print(
-            f"{PROG}: interrupted (a run goes on; cancel it with `{PROG} agent cancel RUN`)",
-            file=sys.stderr,
-        )
-        return EXIT_INTERRUPTED
+        parsed.append(args)
+        ctx = _Ctx(args, dict(os.environ), Output(as_json=args.json))
+        if args.command not in (None, "serve", "join"):
+            _check_args(args)
+        return dispatch(COMMANDS, PROG, args.command, args.verb, ctx)
+
+    return run_main(
+        PROG,
+        body,
+        hint_for=lambda e: _hint(e, _prog(parsed[0] if parsed else None)),
+        interrupted=f"interrupted (a run goes on; cancel it with `{PROG} agent cancel RUN`)",
+    )

@@ -17,12 +17,21 @@ from pathlib import Path
 from typing import Any
 
 from machine.runtimes.claude_files import default_claude_home, default_codex_home
-from shared.config import Sources, load_toml, parse_bool, parse_size, split_hostport
+from shared.config import (
+    Sources,
+    check_file,
+    check_folder,
+    load_toml,
+    parse_bool,
+    parse_size,
+    split_hostport,
+)
 from shared.errors import ConfigError
 
 __all__ = [
     "DEFAULT_ATTACHMENT_LIMIT",
     "DEFAULT_PROMPT_LIMIT",
+    "FILE_KEYS",
     "MachineConfig",
     "default_data_dir",
     "parse_hostport",
@@ -57,10 +66,33 @@ def server_data_dir(home: Path) -> Path:
 
 
 def resolve_data_dir(flag: str | Path | None, env: Mapping[str, str], home: Path) -> Path:
-    """``--data-dir`` > ``$AGENTS_DATA_DIR`` > the platform default, made absolute."""
+    """``--data-dir`` > ``$AGENTS_DATA_DIR`` > a joined server's folder when it
+    exists > the platform default, made absolute.
+
+    Every command resolves the folder this way (ARCHITECTURE §3), so that on a
+    server ``agents-machine agent list`` reaches the daemon ``join`` started.
+    """
     chosen: str | Path | None = flag or env.get("AGENTS_DATA_DIR") or None
-    path = Path(chosen).expanduser() if chosen else default_data_dir(env, home)
+    if chosen:
+        path = Path(chosen).expanduser()
+    elif server_data_dir(home).is_dir():
+        path = server_data_dir(home)
+    else:
+        path = default_data_dir(env, home)
     return path.absolute()
+
+
+#: The keys machine.toml may hold and the TOML types each accepts.
+FILE_KEYS: dict[str, tuple[type, ...]] = {
+    "socket_path": (str,),
+    "tcp_address": (str,),
+    "metrics_address": (str,),
+    "prompt_limit": (int, str),
+    "attachment_limit": (int, str),
+    "event_retention_days": (int,),
+    "background_loops": (bool,),
+    "shutdown_grace_seconds": (int, float),
+}
 
 
 def parse_hostport(value: str, field: str) -> tuple[str, int]:
@@ -150,6 +182,7 @@ class MachineConfig:
         """Raise ConfigError naming the first bad field; return self."""
         if not self.data_dir.is_absolute():
             raise ConfigError("data_dir", f"must be an absolute path, got {self.data_dir}")
+        check_folder(self.data_dir, "data_dir")
         if len(str(self.socket)) > _MAX_SOCKET_PATH:
             raise ConfigError(
                 "socket_path", f"too long for a Unix socket ({len(str(self.socket))} bytes)"
@@ -189,7 +222,9 @@ class MachineConfig:
         The file is ``config_file`` or ``<data_dir>/machine.toml`` when present.
         """
         data_dir = resolve_data_dir(flags.get("data_dir"), env, home)
-        file = load_toml(config_file or data_dir / "machine.toml")
+        file_path = config_file or data_dir / "machine.toml"
+        file = load_toml(file_path, required=config_file is not None)
+        check_file(file, FILE_KEYS, file_path)
 
         src = Sources(flags, env, file)
 

@@ -57,9 +57,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-a
 
     def __init__(self, token: str, token_path: Path) -> None:
         self._expected = f"Bearer {token}".encode()
-        self._deny = _deny(
-            f"machine api: missing or wrong bearer token (the token is in {token_path})"
-        )
+        # The caller is not yet known to be the machine's user: tell it nothing
+        # about the host (not even where the token lives). The operator's log says.
+        self._deny = _deny("machine api: missing or wrong bearer token")
+        logger.info("calls on TCP need the bearer token in %s", token_path)
 
     async def intercept_service(
         self,

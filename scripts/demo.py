@@ -109,7 +109,7 @@ def run(workdir: Path, once: bool) -> int:
             _run([*ctl, "account", "create", "--github-id", "1", "--github-login", "demo",
                   "--json", *home], env, "account create")
         )  # fmt: skip
-        account_id = acct["account"]["account_id"] if "account" in acct else acct["account_id"]
+        account_id = acct["account_id"]
         tok = json.loads(
             _run([*ctl, "token", "create", "--account", account_id, "--json", *home],
                  env, "token create")
@@ -128,9 +128,7 @@ def run(workdir: Path, once: bool) -> int:
             )
             if proc.returncode != 0:
                 return False
-            data = json.loads(proc.stdout)
-            rows = data["machines"] if isinstance(data, dict) else data
-            return any(m.get("online") for m in rows)
+            return any(m["online"] for m in json.loads(proc.stdout)["machines"])
 
         _wait(online, "machine online", m_proc)
         print(_run([*ctl, "machine", "list", *home], env, "machine list"))
@@ -140,7 +138,7 @@ def run(workdir: Path, once: bool) -> int:
             _run([*mach, "agent", "create", "demo-agent", "--folder", str(workdir / "work"),
                   "--json"], env, "agent create")
         )  # fmt: skip
-        agent_id = agent["agent"]["id"] if "agent" in agent else agent["id"]
+        agent_id = agent["id"]
         print(_run([*mach, "agent", "prompt", agent_id, "hello from the demo"], env, "prompt"))
         print(_run([*mach, "agent", "list"], env, "agent list"))
         if once:

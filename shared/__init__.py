@@ -1,4 +1,4 @@
-"""Code both daemons use: errors, ids, atomic files, config helpers, crypto,
+"""Code both daemons use: errors, ids, atomic files, config helpers, the CLI scaffold, crypto,
 the object store, retry policy, metrics helpers, TLS helpers, gRPC error
 mapping, and the generated protobuf stubs under ``shared.pb``.
 
@@ -9,6 +9,7 @@ modules do not pull in grpc or aiobotocore.
 
 __all__ = [
     "atomic",
+    "cli",
     "config",
     "crypto",
     "errors",

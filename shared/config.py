@@ -19,22 +19,76 @@ from typing import Any, TypeVar
 
 from shared.errors import ConfigError
 
-__all__ = ["Sources", "load_toml", "parse_bool", "parse_size", "pick", "split_hostport"]
+__all__ = [
+    "Sources",
+    "check_file",
+    "check_folder",
+    "load_toml",
+    "parse_bool",
+    "parse_size",
+    "pick",
+    "split_hostport",
+]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-def load_toml(path: Path | None) -> dict[str, Any]:
-    """Read a TOML config file; a missing path gives ``{}``; a bad file raises ConfigError."""
-    if path is None or not path.exists():
+def load_toml(path: Path | None, *, required: bool = False) -> dict[str, Any]:
+    """Read a TOML config file; a bad file raises ConfigError.
+
+    A missing file gives ``{}`` unless ``required`` (a file named on the
+    command line), when it raises ConfigError naming the path.
+    """
+    if path is None:
+        return {}
+    if not path.exists():
+        if required:
+            raise ConfigError("file", f"{path}: no such file")
         return {}
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(str(path), f"cannot read: {e}") from None
+
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+               list: "a list"}  # fmt: skip
+
+
+def check_file(file: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]], path: Path) -> None:
+    """Refuse a config file with a key ``schema`` does not know or a value of the wrong type.
+
+    ``schema`` maps each key the file may hold to the TOML types it accepts.
+    A misspelt key (``prompt_limt``) would otherwise be ignored in silence and
+    the daemon would run with the default. Raises ConfigError naming the key
+    and the file.
+    """
+    for key, value in file.items():
+        types = schema.get(key)
+        if types is None:
+            known = ", ".join(sorted(schema))
+            raise ConfigError(key, f"unknown key in {path} (known keys: {known})")
+        # TOML's booleans are Python ints too: accept one only where bool is listed.
+        wrong_bool = isinstance(value, bool) and bool not in types
+        if wrong_bool or not isinstance(value, types):
+            # "a number" covers both of TOML's (1 and 1.0 are both fine for a float).
+            shown = [t for t in types if not (t is int and float in types)]
+            wanted = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in shown)
+            got = _TYPE_NAMES.get(type(value), type(value).__name__)
+            raise ConfigError(key, f"must be {wanted} in {path}, got {got}: {value!r}")
+
+
+def check_folder(path: Path, field: str) -> None:
+    """Raise ConfigError naming ``field`` when ``path``, or the nearest part of it
+    that exists, is not a folder (a file given where a folder is meant)."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(field, f"{folder} is a file, not a folder")
+            return
 
 
 def pick(

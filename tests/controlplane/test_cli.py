@@ -124,3 +124,20 @@ def test_unreachable_control_plane_is_one_plain_line(
         "agents-control: control plane not reachable at 127.0.0.1:1 "
         "(is `agents-control serve` running?)"
     ]
+
+
+def test_every_positional_argument_has_help() -> None:
+    from controlplane.cli import build_parser
+    from tests.helpers.cli_parsers import positionals
+
+    found = list(positionals(build_parser()))
+    assert len(found) >= 5
+    assert [f"{prog} {a.dest}" for prog, a in found if not a.help] == []
+
+
+def test_every_option_is_documented() -> None:
+    from controlplane.cli import build_parser
+    from tests.helpers.cli_parsers import long_options
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli-control.md").read_text()
+    assert sorted(o for o in long_options(build_parser()) if o not in page) == []

@@ -19,15 +19,14 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
-from rich.console import Console
 
 from controlplane import accounts as accounts_mod
 from controlplane import link_servicer as link_servicer_mod
 from controlplane.bootstrap import init_control_plane
-from controlplane.cli import _print_table
 from controlplane.config import ControlConfig
 from controlplane.server import ControlPlane
 from shared import tls
+from shared.cli import Column, Output
 from shared.errors import InvalidId
 from shared.ids import new_id
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
@@ -319,13 +318,16 @@ async def test_hello_version_with_control_characters_refused(tmp_path: Path) -> 
 
 
 def test_machine_table_prints_rich_markup_literally() -> None:
-    """A machine name carrying Rich markup must not become an OSC-8 hyperlink."""
+    """A machine name carrying markup or terminal escapes prints as inert text."""
     name = "[link=https://evil]x[/link]"
+    escape = "\x1b]8;;https://evil\x1b\\x\x1b]8;;\x1b\\"
     buf = io.StringIO()
-    console = Console(file=buf, force_terminal=True, width=200, color_system="truecolor")
-    _print_table(console, ["machine_id", "name"], [[new_id("machine"), name]])
+    Output(as_json=False, stream=buf).table(
+        [Column("machine_id", whole=True), Column("name")],
+        [[new_id("machine"), name], [new_id("machine"), escape]],
+    )
     out = buf.getvalue()
-    assert "\x1b]8;" not in out
+    assert "\x1b" not in out
     assert name in out
 
 

@@ -172,7 +172,7 @@ async def test_join_tokens_and_isolation(cp: ControlProc) -> None:
     # An account-scoped credential sees only its own account.
     cred_a = json.loads(_ok(cp.cli("credential", "create", "--account", acct_a, "--json")))
     cred = cred_a["credential"]
-    listed = json.loads(_ok(cp.cli("machine", "list", "--json", credential=cred)))
+    listed = json.loads(_ok(cp.cli("machine", "list", "--json", credential=cred)))["machines"]
     assert [m["machine_id"] for m in listed] == [mc_a]
     missing = new_id("machine")
     for verb in (["show"], ["revoke"], ["rename"]):
@@ -214,7 +214,7 @@ async def test_join_tokens_and_isolation(cp: ControlProc) -> None:
     )
     # ...and can rename its own machine; the operator sees every machine.
     _ok(cp.cli("machine", "rename", mc_a, "renamed", credential=cred))
-    everything = json.loads(_ok(cp.cli("machine", "list", "--json")))
+    everything = json.loads(_ok(cp.cli("machine", "list", "--json")))["machines"]
     names = {m["machine_id"]: m["name"] for m in everything}
     assert names[mc_a] == "renamed" and names[mc_b] == "b-box"
     # Bad input: one line, exit 2.
@@ -258,9 +258,11 @@ async def test_no_secret_in_clear(
             await asyncio.sleep(0.05)  # poll step; a deadline bounds the loop
         listed = json.loads(
             _ok(cp.cli("machine", "list", "--account", acct["account_id"], "--json"))
-        )
+        )["machines"]
         assert len(listed) == 1
-        used = json.loads(_ok(cp.cli("token", "list", "--account", acct["account_id"], "--json")))
+        used = json.loads(_ok(cp.cli("token", "list", "--account", acct["account_id"], "--json")))[
+            "tokens"
+        ]
         assert [t["uses"] for t in used] == [1]
     finally:
         machine.kill()
@@ -335,7 +337,7 @@ async def test_link_foreign_ca_refused_and_revocation(cp: ControlProc) -> None:
         first = await asyncio.wait_for(call.read(), 5)
         assert first.WhichOneof("kind") == "welcome"
         assert first.welcome.machine_id == joined.machine_id
-        shown = json.loads(_ok(cp.cli("machine", "show", joined.machine_id)))
+        shown = json.loads(_ok(cp.cli("machine", "show", joined.machine_id, "--json")))
         assert shown["online"] is True and shown["agent_count"] == 3
 
         # Keep heartbeating while the operator revokes; the stream must end within 1 s.
@@ -396,7 +398,7 @@ async def test_link_foreign_ca_refused_and_revocation(cp: ControlProc) -> None:
             await asyncio.wait_for(answer, 5)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "revoked" in (info.value.details() or "")
-    listed = json.loads(_ok(cp.cli("machine", "show", joined.machine_id)))
+    listed = json.loads(_ok(cp.cli("machine", "show", joined.machine_id, "--json")))
     assert listed["revoked"] is True and listed["online"] is False
 
 

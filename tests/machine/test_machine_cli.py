@@ -100,3 +100,20 @@ def test_bad_ids_refused_before_dialling(
 def test_good_ids_still_dial(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = run(capsys, "--data-dir", str(tmp_path), "agent", "cancel", GOOD_RUN)
     assert code == 1 and "the machine daemon is not running" in err
+
+
+def test_every_positional_argument_has_help() -> None:
+    from machine.cli import _parser
+    from tests.helpers.cli_parsers import positionals
+
+    found = list(positionals(_parser()))
+    assert len(found) >= 10
+    assert [f"{prog} {a.dest}" for prog, a in found if not a.help] == []
+
+
+def test_every_option_is_documented() -> None:
+    from machine.cli import _parser
+    from tests.helpers.cli_parsers import long_options
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli-machine.md").read_text()
+    assert sorted(o for o in long_options(_parser()) if o not in page) == []

@@ -11,6 +11,7 @@ import pytest
 from machine import cli
 from machine.config import MachineConfig
 from machine.daemon import ServeInfo, serve
+from shared.cli import ExitCode, Output
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 
@@ -64,9 +65,9 @@ async def test_prompt_stream_answers_inline_and_finishes(tmp_path: Path) -> None
             agent = await stub.CreateAgent(pb.CreateAgentRequest(name="a", folder=str(tmp_path)))
             events = stub.Prompt(pb.PromptRequest(agent_id=agent.id, text="/tool write x"))
             code = await asyncio.wait_for(
-                cli._stream(cli.Out(as_json=False), events, ask=person, stub=stub), 20
+                cli._stream(Output(as_json=False), events, ask=person, stub=stub), 20
             )
-            assert code == cli.EXIT_OK
+            assert code == ExitCode.OK
             assert asked == ["write"]
             runs = await stub.ListRuns(pb.ListRunsRequest(agent_id=agent.id))
             assert [pb.RunState.Name(r.state) for r in runs.runs] == ["RUN_STATE_FINISHED"]

@@ -45,7 +45,10 @@ async def test_serve_until_stopped(tmp_path: Path) -> None:
                     raise AssertionError("TCP call without the token must be refused")
                 except grpc.aio.AioRpcError as e:
                     assert e.code() == grpc.StatusCode.UNAUTHENTICATED
-                    assert "local-api-token" in (e.details() or "")
+                    # ...and no hint about the host: not where the token lives.
+                    assert "missing or wrong bearer token" in (e.details() or "")
+                    assert "local-api-token" not in (e.details() or "")
+                    assert str(cfg.data_dir) not in (e.details() or "")
             try:
                 await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
                 raise AssertionError("health on TCP also needs the token")

@@ -1,0 +1,271 @@
+"""agents-machine as a new user meets it: the real console script against a real daemon.
+
+Each test is a regression test for a defect of issue 8 ("Both CLIs"): bad input
+gives one line and exit 2, never a traceback; ``--json`` has one shape; tables
+keep ids whole; one rule for the data folder; config mistakes stop the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc
+
+AGENT_ID = re.compile(r"ag_[0-9a-z]{26}")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    env.update(extra)
+    return env
+
+
+def cli(
+    data_dir: Path | None,
+    *args: str,
+    stdin: bytes = b"",
+    env: dict[str, str] | None = None,
+    stdout: int | None = subprocess.PIPE,
+) -> subprocess.CompletedProcess[bytes]:
+    """``agents-machine [--data-dir D] ARGS`` with bytes in and out."""
+    head = ["--data-dir", str(data_dir)] if data_dir is not None else []
+    return subprocess.run(
+        [str(AGENTS_MACHINE), *head, *args],
+        input=stdin,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        env=env or _env(),
+        timeout=30,
+        check=False,
+    )
+
+
+def one_line_error(res: subprocess.CompletedProcess[bytes], says: str) -> None:
+    err = res.stderr.decode(errors="replace")
+    assert res.returncode == 2, err
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert lines and lines[0].startswith("agents-machine: "), err
+    assert says in lines[0], err
+    assert len(lines) <= 2 and all(line.startswith("Try: ") for line in lines[1:]), err
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[MachineProc]:
+    with MachineProc(tmp_path / "data") as proc:
+        yield proc
+
+
+@pytest.fixture
+def agent(daemon: MachineProc, tmp_path: Path) -> str:
+    res = cli(daemon.data_dir, "agent", "create", "a", "--folder", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    return res.stdout.decode().strip()
+
+
+def test_prompt_argument_that_is_not_utf8(daemon: MachineProc, agent: str) -> None:
+    res = cli(daemon.data_dir, "agent", "prompt", agent, os.fsdecode(b"caf\xe9"))
+    one_line_error(res, "is not valid UTF-8")
+
+
+def test_prompt_on_stdin_that_is_not_utf8(daemon: MachineProc, agent: str) -> None:
+    res = cli(daemon.data_dir, "agent", "prompt", agent, "--stdin", stdin=b"caf\xe9 \xff")
+    one_line_error(res, "prompt: stdin is not valid UTF-8")
+
+
+def test_nul_in_a_prompt_is_refused_and_nothing_runs(daemon: MachineProc, agent: str) -> None:
+    res = cli(daemon.data_dir, "agent", "prompt", agent, "--stdin", stdin=b"before\0after")
+    one_line_error(res, "prompt: contains a NUL byte")
+    runs = cli(daemon.data_dir, "--json", "agent", "runs", agent)
+    assert json.loads(runs.stdout) == {"runs": []}
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("runs", "{agent}", "--limit", "99999999999"), "argument --limit: must be from 1"),
+        (("search", "x", "--limit", "99999999999"), "argument --limit: must be from 1"),
+        (("replay", "{agent}", "--after", "99999999999999999999"), "argument --after"),
+        (("replay", "{agent}", "--after", "-1"), "argument --after"),
+    ],
+)
+def test_numbers_the_wire_cannot_carry(
+    daemon: MachineProc, agent: str, args: tuple[str, ...], says: str
+) -> None:
+    argv = [a.format(agent=agent) for a in args]
+    one_line_error(cli(daemon.data_dir, "agent", *argv), says)
+
+
+@pytest.mark.parametrize("command", [("agent", "list"), ("serve", "--no-background")])
+def test_data_dir_that_is_a_file(tmp_path: Path, command: tuple[str, ...]) -> None:
+    file = tmp_path / "not-a-folder"
+    file.write_text("x")
+    one_line_error(cli(file, *command), f"data_dir: {file} is a file, not a folder")
+    one_line_error(cli(file / "below", *command), f"data_dir: {file} is a file")
+
+
+def test_closed_pipe_is_one_line_not_a_traceback(daemon: MachineProc, agent: str) -> None:
+    for _ in range(3):
+        assert cli(daemon.data_dir, "agent", "prompt", agent, "hello").returncode == 0
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first line
+    try:
+        res = cli(daemon.data_dir, "--json", "agent", "replay", agent, stdout=w)
+    finally:
+        os.close(w)
+    one_line_error(res, "stdout was closed")
+
+
+def test_json_has_one_shape(daemon: MachineProc, agent: str) -> None:
+    archived = cli(daemon.data_dir, "--json", "agent", "list")
+    assert len(json.loads(archived.stdout)["agents"]) == 1
+    assert cli(daemon.data_dir, "agent", "archive", agent).returncode == 0
+    empty = cli(daemon.data_dir, "--json", "agent", "list")
+    assert empty.returncode == 0 and json.loads(empty.stdout) == {"agents": []}
+    shown = json.loads(cli(daemon.data_dir, "--json", "agent", "show", agent).stdout)
+    assert shown["last_seq"] == 0 and shown["session_id"] == "" and shown["local"] is True
+    assert cli(daemon.data_dir, "agent", "unarchive", agent).returncode == 0
+    assert cli(daemon.data_dir, "agent", "prompt", agent, "hi").returncode == 0
+    replay = cli(daemon.data_dir, "--json", "agent", "replay", agent)
+    events = [json.loads(line) for line in replay.stdout.decode().splitlines()]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    finished = events[-1]["run_finished"]
+    assert isinstance(finished["duration_ms"], int)
+    assert isinstance(finished["usage"]["input_tokens"], int)
+    none = cli(daemon.data_dir, "--json", "agent", "search", "nothing-matches-this")
+    assert json.loads(none.stdout) == {"hits": []}
+
+
+def test_table_keeps_ids_whole_in_a_pipe(daemon: MachineProc, tmp_path: Path) -> None:
+    folder = tmp_path / ("a-long-folder-name-" * 5)
+    folder.mkdir()
+    name = "an agent with a name long enough to squeeze the table"
+    made = cli(daemon.data_dir, "agent", "create", name, "--folder", str(folder))
+    agent_id = made.stdout.decode().strip()
+    res = cli(daemon.data_dir, "agent", "list", env=_env(COLUMNS="40"))
+    lines = res.stdout.decode().splitlines()
+    assert len(lines) == 2, lines  # a header and one row: nothing wrapped
+    assert lines[1].startswith(agent_id + " ") and str(folder) in lines[1]
+
+
+def test_remembered_rule_does_not_say_waiting(daemon: MachineProc, agent: str) -> None:
+    with subprocess.Popen(
+        [str(AGENTS_MACHINE), "--data-dir", str(daemon.data_dir), "agent", "prompt", agent,
+         "/tool write x"],
+        stdout=subprocess.PIPE, env=_env(),
+    ) as first:  # fmt: skip
+        try:
+            assert first.stdout is not None
+            asked = ""
+            deadline = time.monotonic() + 20
+            while "OPTION" not in asked:  # bounded by the deadline
+                assert time.monotonic() < deadline and first.poll() is None, asked
+                asked += first.stdout.readline().decode()
+            assert "waiting for an answer" in asked
+            # The suggested command reaches this daemon: it names the folder in use.
+            assert f"Try: agents-machine --data-dir {daemon.data_dir} agent answer" in asked
+            hint = re.search(r"agent answer (\S+) (\S+) OPTION", asked)
+            assert hint, asked
+            answer = cli(
+                daemon.data_dir, "agent", "answer", *hint.groups(), "allow_once", "--remember"
+            )
+            assert answer.returncode == 0, answer.stderr
+            assert first.wait(timeout=20) == 0
+        finally:
+            first.kill()
+    second = cli(daemon.data_dir, "agent", "prompt", agent, "/tool write y")
+    out = second.stdout.decode()
+    assert second.returncode == 0, second.stderr
+    assert "by a remembered rule" in out and "waiting for an answer" not in out, out
+    assert "Try:" not in out
+
+
+def _home_with_server(tmp_path: Path) -> tuple[Path, Path]:
+    home = tmp_path / "home"
+    server = home / ".agents-server" / "root"
+    return home, server
+
+
+def test_a_joined_servers_folder_is_the_default(
+    tmp_path: Path, machine_proc: Callable[..., MachineProc]
+) -> None:
+    home, server = _home_with_server(tmp_path)
+    with MachineProc(server):
+        env = _env(HOME=str(home))
+        res = cli(None, "--json", "status", env=env)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["data_dir"] == str(server)
+
+
+def test_hint_names_the_folder_it_means(tmp_path: Path) -> None:
+    home, server = _home_with_server(tmp_path)
+    server.mkdir(parents=True)
+    res = cli(None, "agent", "list", env=_env(HOME=str(home)))
+    assert res.returncode == 1
+    lines = res.stderr.decode().splitlines()
+    assert str(server / "machine.sock") in lines[0]
+    assert lines[1] == f"Try: agents-machine --data-dir {server} serve"
+
+
+@pytest.mark.parametrize(
+    ("toml", "says"),
+    [
+        ("prompt_limt = 5\n", "config prompt_limt: unknown key in"),
+        ("prompt_limit = true\n", "config prompt_limit: must be an integer or a string"),
+        ("socket_path = 5\n", "config socket_path: must be a string"),
+        ("background_loops = 'sometimes'\n", "config background_loops: must be a boolean"),
+    ],
+)
+def test_config_mistakes_stop_the_daemon(tmp_path: Path, toml: str, says: str) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "machine.toml").write_text(toml)
+    res = cli(data, "serve", "--no-background")
+    one_line_error(res, says)
+    assert str(data / "machine.toml") in res.stderr.decode()
+
+
+def test_config_file_that_does_not_exist(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    res = cli(tmp_path / "data", "serve", "--no-background", "--config", str(missing))
+    one_line_error(res, f"{missing}: no such file")
+
+
+def test_agent_text_cannot_drive_the_terminal(daemon: MachineProc, agent: str) -> None:
+    # The echo runtime repeats the prompt: the reply carries the escape sequences.
+    res = cli(daemon.data_dir, "agent", "prompt", agent, "hi \x1b]0;retitled\x07 \x1b[31mred")
+    assert res.returncode == 0, res.stderr
+    assert b"\x1b" not in res.stdout and b"\x07" not in res.stdout
+    assert b"retitled" in res.stdout and b"red" in res.stdout
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [("--tcp", "cannot listen on 127.0.0.1:"), ("--metrics", "cannot listen on a configured")],
+)
+def test_a_port_in_use_is_one_line(tmp_path: Path, flag: str, says: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = cli(tmp_path / "data", "serve", "--no-background", flag, f"127.0.0.1:{port}")
+    err = res.stderr.decode()
+    assert res.returncode == 2 and "Traceback" not in err, err
+    # The daemon logs as it starts; its last words are the one-line error and a hint.
+    assert err.splitlines()[-2].startswith(f"agents-machine: config listen: {says}"), err
+
+
+def test_hints_name_the_folder_in_use(daemon: MachineProc) -> None:
+    res = cli(daemon.data_dir, "agent", "show", "ag_0000000000aaaaaaaaaaaaaaaa")
+    assert res.returncode == 2
+    hint = res.stderr.decode().splitlines()[1]
+    assert hint == f"Try: agents-machine --data-dir {daemon.data_dir} agent list --all"
