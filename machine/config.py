@@ -92,6 +92,9 @@ FILE_KEYS: dict[str, tuple[type, ...]] = {
     "event_retention_days": (int,),
     "background_loops": (bool,),
     "shutdown_grace_seconds": (int, float),
+    "max_streams_per_client": (int,),
+    "max_streams": (int,),
+    "integrity_check_seconds": (int, float),
 }
 
 

@@ -66,3 +66,18 @@ def test_bad_env_value_is_a_config_error(tmp_path: Path) -> None:
             env={"AGENTS_MACHINE_PROMPT_LIMIT": "lots"},
             home=HOME,
         )
+
+
+def test_every_setting_read_from_the_file_is_a_known_key() -> None:
+    # A setting the file may carry but FILE_KEYS does not list is refused as
+    # "unknown key": the two lists must not drift apart.
+    import inspect
+    import re
+
+    from machine.config import FILE_KEYS, MachineConfig
+
+    source = inspect.getsource(MachineConfig.build)
+    read = set(re.findall(r'src\.get\(\s*"([a-z_]+)"', source))
+    read |= set(re.findall(r'opt\("([a-z_]+)"', source))
+    assert read, "the pattern still finds the settings"
+    assert read - set(FILE_KEYS) == set()
