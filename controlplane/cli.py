@@ -26,6 +26,7 @@ from rich.text import Text
 from controlplane.bootstrap import init_control_plane
 from controlplane.client import AdminClient, ControlPlaneUnreachable
 from controlplane.config import ControlConfig, load_config
+from controlplane.fsck import fsck_deployment, serving_pid
 from controlplane.keys import load_ca_cert
 from controlplane.server import run_daemon
 from shared.crypto import decode_public_key, encode_private_key, encode_public_key
@@ -115,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the daemon")
     _common(p, client=False)
     _daemon_flags(p)
+
+    p = sub.add_parser("fsck", help="check the store for inconsistencies (read-only)")
+    _common(p, client=False)
+    _daemon_flags(p)
+    p.add_argument("--repair", action="store_true", help="fix what can be fixed (serve stopped)")
+    p.add_argument("--json", action="store_true", help="print JSON")
 
     acc = sub.add_parser("account", help="accounts").add_subparsers(
         dest="verb", required=True, parser_class=_Parser
@@ -368,7 +375,25 @@ async def _run(args: argparse.Namespace, cfg: ControlConfig, out: Console) -> in
     if args.cmd == "serve":
         await run_daemon(cfg)
         return EXIT_OK
+    if args.cmd == "fsck":
+        return await _fsck(args, cfg)
     return await _run_admin(args, cfg, out)
+
+
+async def _fsck(args: argparse.Namespace, cfg: ControlConfig) -> int:
+    """Exit 0 when clean (or all repaired), 1 when something is left, 2 for bad usage."""
+    pid = serving_pid(cfg) if args.repair else None
+    if pid is not None:
+        raise UsageError(f"agents-control fsck: --repair needs serve stopped (pid {pid} runs)")
+    report = await fsck_deployment(cfg, repair=args.repair)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+    else:
+        for f in report.findings:
+            print(f"{f.kind} {f.key}: {f.detail}" + (" [repaired]" if f.repaired else ""))
+        state = "clean" if report.clean else f"{len(report.findings)} finding(s)"
+        print(f"checked {report.objects} objects: {state}")
+    return EXIT_OK if report.clean else EXIT_FAIL
 
 
 def _fail(line: str, hint: str | None = None) -> None:

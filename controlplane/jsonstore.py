@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from controlplane.records import decode, encode
-from shared.errors import InvalidState, NotFound, PreconditionFailed
+from shared.errors import IntegrityError, InvalidState, NotFound, PreconditionFailed
 from shared.ids import is_valid_id
 from shared.store.base import ObjectStore
 
@@ -28,7 +28,8 @@ async def read_all(store: ObjectStore, prefix: str, kind: str) -> list[dict[str,
     """Every ``<prefix><id>.json`` object whose name is a valid ``kind`` id, in key order.
 
     Other keys under ``prefix`` are skipped, and so is an object deleted
-    between the listing and its read.
+    between the listing and its read, and one that fails its integrity check
+    (refused and counted by the store: it never reaches a listing).
     """
     out: list[dict[str, Any]] = []
     async for info in store.list(prefix):
@@ -37,7 +38,7 @@ async def read_all(store: ObjectStore, prefix: str, kind: str) -> list[dict[str,
             continue
         try:
             out.append(await read(store, info.key))
-        except NotFound:
+        except (NotFound, IntegrityError):
             continue
     return out
 

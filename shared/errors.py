@@ -25,8 +25,10 @@ imports ``grpc``.
     ├── DeadlineExceeded                                    -> DEADLINE_EXCEEDED
     ├── TransientError             (retryable)              -> UNAVAILABLE
     │   └── StoreUnavailable
+    │       └── StoreUntrusted     the store is not this deployment's (swapped, emptied)
     ├── StoreError                 (permanent store fault)  -> INTERNAL
-    │   └── StoreIncompatible      the bucket lacks a feature we need
+    │   ├── StoreIncompatible      the bucket lacks a feature we need
+    │   └── StoreMisconfigured     missing bucket, wrong credentials -> FAILED_PRECONDITION
     ├── ConfigError                field, reason            (CLI only)
     └── RpcError                   code, details            (client side, unmapped)
 """
@@ -52,7 +54,9 @@ __all__ = [
     "RpcError",
     "StoreError",
     "StoreIncompatible",
+    "StoreMisconfigured",
     "StoreUnavailable",
+    "StoreUntrusted",
     "TooLarge",
     "TransientError",
     "Unauthenticated",
@@ -188,12 +192,23 @@ class StoreUnavailable(TransientError):
     """The object store did not answer or answered with a server error."""
 
 
+class StoreUntrusted(StoreUnavailable):
+    """The store answers but is not this deployment's (emptied, swapped, forged marker).
+
+    Nothing is read from or written to it until it is the right one again.
+    """
+
+
 class StoreError(AgentsError):
     """A permanent object-store fault (bad credentials, bad bucket...)."""
 
 
 class StoreIncompatible(StoreError):
     """The store lacks a feature we rely on (e.g. conditional writes)."""
+
+
+class StoreMisconfigured(StoreError):
+    """The store cannot work as configured: a missing bucket, refused credentials."""
 
 
 class ConfigError(AgentsError):

@@ -61,6 +61,9 @@ STATUS_TABLE: tuple[tuple[type[E.AgentsError], grpc.StatusCode], ...] = (
     (E.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (E.TransientError, grpc.StatusCode.UNAVAILABLE),
     (E.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+    # Before StoreError: a missing bucket or refused credentials is the operator's
+    # to fix, and the message (naming the store) helps them; other faults stay INTERNAL.
+    (E.StoreMisconfigured, grpc.StatusCode.FAILED_PRECONDITION),
     (E.StoreError, grpc.StatusCode.INTERNAL),
 )
 
@@ -86,6 +89,8 @@ _BY_NAME: dict[str, type[E.AgentsError]] = {
         E.StoreUnavailable,
         E.StoreError,
         E.StoreIncompatible,
+        E.StoreMisconfigured,
+        E.StoreUntrusted,
     )
 }
 # Attributes worth carrying across the wire (never secrets: they are ids and limits).

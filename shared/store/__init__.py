@@ -17,7 +17,7 @@ from shared.store.base import (
 from shared.store.folder import FolderStore
 from shared.store.memory import MemoryStore
 from shared.store.s3 import S3Config, S3Store
-from shared.store.url import StoreOptions, open_store, parse_store_url
+from shared.store.url import StoreOptions, describe_store, open_store, parse_store_url
 from shared.store.wrappers import METRIC_NAMESPACES, MeteredStore, RetryingStore
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "S3Config",
     "S3Store",
     "StoreOptions",
+    "describe_store",
     "open_store",
     "parse_store_url",
     "validate_key",

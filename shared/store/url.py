@@ -29,7 +29,7 @@ from shared.store.folder import FolderStore
 from shared.store.s3 import S3Config, S3Store
 from shared.store.wrappers import MeteredStore, RetryingStore
 
-__all__ = ["StoreOptions", "open_store", "parse_store_url"]
+__all__ = ["StoreOptions", "describe_store", "open_store", "parse_store_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,14 @@ def parse_store_url(url: str, options: StoreOptions | None = None) -> Path | S3C
     except InvalidArgument as exc:
         raise _bad(exc.reason if exc.field != "store" else exc.message) from None
     return config
+
+
+def describe_store(url: str, options: StoreOptions | None = None) -> str:
+    """The store ``url`` names, for messages: never a credential or query parameter."""
+    target = parse_store_url(url, options)
+    if isinstance(target, Path):
+        return str(target)
+    return f"s3://{target.bucket}/{target.prefix}"
 
 
 async def open_store(
