@@ -141,8 +141,11 @@ class AccountService:
         validate_id("account", account_id, "account_id")
         try:
             data = await jsonstore.read(self._store, account_key(account_id))
-        except NotFound:
+        except (NotFound, IntegrityError):
+            # A refused (forged) record is no account (the store counted it).
             raise NotFound("account", account_id) from None
+        if data.get("account_id") != account_id:
+            raise NotFound("account", account_id)
         return account_from_dict(
             data, "deleting" if await self.is_deleting(account_id) else "active"
         )

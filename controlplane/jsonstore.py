@@ -54,12 +54,31 @@ async def read_versioned(store: ObjectStore, key: str) -> tuple[dict[str, Any], 
 
 
 async def create(store: ObjectStore, key: str, data: dict[str, Any]) -> bool:
-    """Write ``data`` only if ``key`` does not exist; False when it already did."""
+    """Write ``data`` only if ``key`` does not exist; False when it already did.
+
+    An object at ``key`` that fails its integrity check (forged: written
+    without the deployment's key) does not count: it is replaced, with
+    compare-and-swap, so a forgery cannot block a create (a GitHub id claim).
+    """
     try:
         await store.put(key, encode(data), if_none_match=True)
     except PreconditionFailed:
-        return False
-    return True
+        pass
+    else:
+        return True
+    try:
+        await store.get(key)
+    except IntegrityError:
+        info = await store.head(key)
+        try:
+            await store.put(key, encode(data), if_match=info.etag)
+        except PreconditionFailed:
+            return False
+        logger.warning("create %s: replaced an object that failed its integrity check", key)
+        return True
+    except NotFound:
+        return False  # deleted meanwhile: it existed when we tried
+    return False
 
 
 async def update(

@@ -22,10 +22,9 @@ import grpc
 import grpc.aio
 import pytest
 
-from shared import tls
-from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from tests.helpers.control_proc import CliResult, ControlProc, run_init, start_serve, stop_serve
 from tests.helpers.fault_proxy import CrashProxy, crash_proxy
+from tests.helpers.link_client import connect_once, join
 
 pytestmark = pytest.mark.integration
 
@@ -146,30 +145,11 @@ def test_token_create_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -
 
 
 async def _join(cp: ControlProc, token: str) -> tuple[str, bytes, bytes]:
-    key = tls.new_tls_key()
-    creds = grpc.ssl_channel_credentials(cp.ca_pem)
-    async with grpc.aio.secure_channel(cp.public, creds) as ch:
-        reply = await link_pb2_grpc.MachineLinkStub(ch).Join(
-            link_pb2.JoinRequest(
-                token=token,
-                csr_pem=tls.build_csr(key).decode(),
-                machine=link_pb2.MachineInfo(name="m", version="1", hostname="h"),
-            ),
-            timeout=20,
-        )
-    return reply.machine_id, reply.certificate_pem.encode(), tls.private_key_pem(key)
+    return await join(cp.public, cp.ca_pem, token)
 
 
 async def _connect_once(cp: ControlProc, cert: bytes, key: bytes) -> None:
-    """Connect with the new certificate until welcomed: this confirms the join."""
-    creds = grpc.ssl_channel_credentials(cp.ca_pem, private_key=key, certificate_chain=cert)
-    async with grpc.aio.secure_channel(cp.link, creds) as ch:
-        stub: Any = link_pb2_grpc.MachineLinkStub(ch)
-        call = stub.Connect()
-        await call.write(link_pb2.MachineMessage(hello=link_pb2.Hello(version="1")))
-        first = await asyncio.wait_for(call.read(), 10)
-        assert first.WhichOneof("kind") == "welcome"
-        call.cancel()
+    await connect_once(cp.link, cp.ca_pem, cert, key)
 
 
 def _live_machines(cp: ControlProc, account_id: str) -> list[Any]:
