@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-__all__ = ["free_port", "moto_server", "stripping_proxy"]
+__all__ = ["free_port", "moto_server", "start_moto", "stripping_proxy"]
 
 START_DEADLINE = 30.0
 
@@ -80,6 +80,26 @@ def moto_server(deadline: float = START_DEADLINE) -> Iterator[str]:
         finally:
             _stop(proc)
     raise RuntimeError("moto server failed to start three times")
+
+
+def start_moto(port: int, deadline: float = START_DEADLINE) -> subprocess.Popen[bytes]:
+    """Start moto's server on ``127.0.0.1:port`` and wait (deadline) until it answers.
+
+    For tests that freeze (SIGSTOP), kill and restart the store: the caller
+    owns the process and must kill it at teardown.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    stop_at = time.monotonic() + deadline
+    while not _answers(f"http://127.0.0.1:{port}/moto-api/"):
+        if proc.poll() is not None or time.monotonic() > stop_at:
+            _stop(proc)
+            raise RuntimeError(f"moto server did not start on port {port}")
+        time.sleep(0.05)  # polling with a deadline, not synchronisation by sleep
+    return proc
 
 
 _DROPPED = frozenset(
