@@ -23,6 +23,7 @@ from shared.errors import (
     AlreadyExists,
     IntegrityError,
     InvalidArgument,
+    MachineRevoked,
     NotFound,
     PermissionDenied,
     Unauthenticated,
@@ -273,14 +274,14 @@ class MachineService:
         is being deleted.
         """
         if peer.machine_id in self._revoked:
-            raise Unauthenticated("link: machine revoked")
+            raise MachineRevoked("link: machine revoked")
         try:
             machine = await self._load(peer.account_id, peer.machine_id)
         except NotFound:
             raise Unauthenticated("link: unknown machine") from None
         if machine.revoked:
             self._revoked.add(machine.machine_id)
-            raise Unauthenticated("link: machine revoked")
+            raise MachineRevoked("link: machine revoked")
         if not machine.accepts_serial(peer.serial):
             raise Unauthenticated("link: certificate superseded")
         # Its certificate proves the machine got the join reply: commit the join.
@@ -298,7 +299,7 @@ class MachineService:
 
         def change(d: dict[str, Any]) -> dict[str, Any]:
             if d.get("revoked"):
-                raise Unauthenticated("link: machine revoked")
+                raise MachineRevoked("link: machine revoked")
             return {
                 **d,
                 "previous_cert_serial": d.get("cert_serial", ""),

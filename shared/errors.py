@@ -18,6 +18,7 @@ imports ``grpc``.
     ├── PreconditionFailed         key                      -> ABORTED
     ├── QuotaExceeded              what, limit              -> RESOURCE_EXHAUSTED
     ├── Unauthenticated                                     -> UNAUTHENTICATED
+    │   └── MachineRevoked         the machine was revoked: it stops for good
     ├── PermissionDenied                                    -> PERMISSION_DENIED
     ├── IntegrityError             what                     -> DATA_LOSS
     ├── Cancelled                                           -> CANCELLED
@@ -47,6 +48,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidId",
     "InvalidState",
+    "MachineRevoked",
     "NotFound",
     "PermissionDenied",
     "PreconditionFailed",
@@ -153,6 +155,10 @@ class QuotaExceeded(AgentsError):
 
 class Unauthenticated(AgentsError):
     """No valid credential was presented."""
+
+
+class MachineRevoked(Unauthenticated):
+    """A revoked machine's certificate was presented: unlike other refusals, final."""
 
 
 class PermissionDenied(AgentsError):

@@ -80,6 +80,7 @@ _BY_NAME: dict[str, type[E.AgentsError]] = {
         E.PreconditionFailed,
         E.QuotaExceeded,
         E.Unauthenticated,
+        E.MachineRevoked,
         E.PermissionDenied,
         E.IntegrityError,
         E.Cancelled,
