@@ -332,9 +332,13 @@ class S3Store(StoreBase):
         wrong = '"' + "0" * 32 + '"'
         try:
             with _mapped("probe", key):
-                first = await self._s3.put_object(
-                    Bucket=bucket, Key=full, Body=b"probe-1", IfNoneMatch="*"
-                )
+                try:
+                    first = await self._s3.put_object(
+                        Bucket=bucket, Key=full, Body=b"probe-1", IfNoneMatch="*"
+                    )
+                except ClientError as exc:
+                    self._refuse_5xx(exc, "If-None-Match")
+                    raise
             if not await self._put_lost(full, b"probe-2", IfNoneMatch="*"):
                 raise StoreIncompatible(
                     f"store {self._where()}: the server ignores If-None-Match on "
@@ -379,21 +383,26 @@ class S3Store(StoreBase):
             mapped = _translate(exc, "probe", full, cas="IfMatch" in conditions)
             if isinstance(mapped, PreconditionFailed):
                 return True
-            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            if status >= 500:
-                # Some S3-compatible servers fail a header they do not implement with a
-                # 500 rather than ignoring it: name the feature, not just the status.
-                header = "If-Match" if "IfMatch" in conditions else "If-None-Match"
-                raise StoreIncompatible(
-                    f"store {self._where()}: the server answered {status} to a PutObject "
-                    f"with {header}; it probably does not support conditional writes "
-                    f"({header}), which this store needs (if the server is only having "
-                    "a bad moment, try again)"
-                ) from exc
+            self._refuse_5xx(exc, "If-Match" if "IfMatch" in conditions else "If-None-Match")
             raise mapped from exc
         except (TimeoutError, BotoCoreError, aiohttp.ClientError, OSError) as exc:
             raise _translate(exc, "probe", full) from exc
         return False
+
+    def _refuse_5xx(self, exc: ClientError, header: str) -> None:
+        """StoreIncompatible naming ``header`` when a conditional PutObject got a 5xx.
+
+        Some S3-compatible servers fail a header they do not implement with a 500
+        rather than ignoring it: name the feature, not just the status.
+        """
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if status >= 500:
+            raise StoreIncompatible(
+                f"store {self._where()}: the server answered {status} to a PutObject with "
+                f"{header}; it probably does not support conditional writes ({header}), "
+                "which this store needs (if the server is only having a bad moment, "
+                "try again)"
+            ) from exc
 
     async def _multipart_lost(self, full: str, **conditions: str) -> bool:
         """True if a conditional one-part multipart upload that must fail did fail."""

@@ -108,8 +108,18 @@ _DROPPED = frozenset(
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
 
 
+_INTERNAL_ERROR = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+    b"<Message>We encountered an internal error.</Message></Error>"
+)
+
+
 def _handler(
-    upstream: str, *, strip: bool = True, seen: list[str] | None = None
+    upstream: str,
+    *,
+    strip: bool = True,
+    seen: list[str] | None = None,
+    fail_conditional: bool = False,
 ) -> type[BaseHTTPRequestHandler]:
     target = urlsplit(upstream)
     dropped = _DROPPED if strip else _DROPPED - {"if-none-match", "if-match"}
@@ -122,6 +132,15 @@ def _handler(
                 seen.append(f"{self.command} {self.path}")
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
+            conditional = "If-None-Match" in self.headers or "If-Match" in self.headers
+            if fail_conditional and self.command == "PUT" and conditional:
+                # Like some S3-compatible servers: a 500 for a header they do not implement.
+                self.send_response(500)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(_INTERNAL_ERROR)))
+                self.end_headers()
+                self.wfile.write(_INTERNAL_ERROR)
+                return
             headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
             headers["Host"] = target.netloc
             conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
@@ -152,6 +171,13 @@ def _handler(
 def stripping_proxy(upstream: str) -> Iterator[str]:
     """Yield the URL of a proxy to ``upstream`` that drops conditional headers."""
     with _proxy(_handler(upstream)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def failing_conditions_proxy(upstream: str) -> Iterator[str]:
+    """Yield the URL of a proxy to ``upstream`` that answers 500 to every conditional PUT."""
+    with _proxy(_handler(upstream, strip=False, fail_conditional=True)) as url:
         yield url
 
 
