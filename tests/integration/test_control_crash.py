@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shlex
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +36,7 @@ HEARTBEAT = 0.3
 #: Seconds a joined machine has to connect before its join is rolled back.
 CONFIRM_GRACE = 3.0
 MAX_WRITES = 12
+MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
 
 
 @pytest.fixture
@@ -205,3 +210,26 @@ async def test_join_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -> 
         _assert_fsck_clean(cp)
     # intent, token use (+ its audit record), machine index, machine record.
     assert points >= 4, points
+
+
+def test_machine_join_says_it_lost_the_control_plane(
+    cp: ControlProc, proxy: CrashProxy, tmp_path: Path
+) -> None:
+    """The real ``agents-machine join`` whose control plane dies mid-join says so."""
+    acct = _json(cp, "account", "create", "--github-id", "99", "--github-login", "k")
+    made = _json(cp, "token", "create", "--account", acct["account_id"])
+    argv = shlex.split(made["join_command"])
+    assert cp.process is not None
+    proxy.arm(cp.process.pid, after=2)  # after the intent and the token use
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    res = subprocess.run(
+        [str(MACHINE_EXE), *argv[1:], "--data-dir", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proxy.crashed.is_set()
+    assert res.returncode != 0
+    assert "cannot reach the control plane" in res.stderr, res.stderr
+    assert "refused" not in res.stderr, res.stderr
