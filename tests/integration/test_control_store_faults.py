@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shlex
 import signal
 import subprocess
 import time
@@ -31,6 +33,7 @@ from tests.helpers.control_proc import (
     stop_serve,
 )
 from tests.helpers.link_client import connect_once, join
+from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc
 from tests.helpers.moto_server import free_port, start_moto
 
 pytestmark = pytest.mark.integration
@@ -251,3 +254,73 @@ def test_missing_bucket_is_failed_precondition_naming_the_store(
     assert res.code in (1, 2), res.err
     assert "bucket does not exist" in res.err and f"s3://{BUCKET}/cp/" in res.err, res.err
     assert "internal error" not in res.err
+
+
+async def test_real_machine_keeps_identity_through_a_swapped_store(
+    cp: ControlProc, store: Store, tmp_path: Path
+) -> None:
+    """A machine that reconnects while the store is swapped is told UNAVAILABLE, keeps
+    trying with its identity, and is back online once the right store is back."""
+    res = cp.cli("account", "create", "--github-id", "8", "--github-login", "r")
+    assert res.code == 0, res.err
+    acct = res.out.split()[1]
+    made = json.loads(cp.cli("token", "create", "--account", acct, "--json").out)
+    data_dir = tmp_path / "machine"
+    log = tmp_path / "join.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    with log.open("wb") as out:
+        joining = subprocess.Popen(
+            [
+                str(AGENTS_MACHINE),
+                *shlex.split(made["join_command"])[1:],
+                "--data-dir",
+                str(data_dir),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        await _until(lambda: _status(cp, acct) == "online", 30, "joined machine online")
+    finally:
+        joining.kill()
+        joining.wait(timeout=10)
+    machine_id = _machine_ids(cp, acct)[0]
+    snapshot = store.snapshot()
+
+    store.kill()
+    store.start()  # an empty store where this deployment's was
+    machine = MachineProc(data_dir)
+    machine.start()
+    try:
+        await _until(
+            lambda: "deployment.json is missing" in machine.log(), 30, "machine told UNAVAILABLE"
+        )
+        store.restore(snapshot)
+        await _until(lambda: _status(cp, acct) == "online", 40, "machine back online")
+        assert _machine_ids(cp, acct) == [machine_id]
+        assert "stopped for good" not in machine.log()
+        assert "unknown machine" not in machine.log()
+    finally:
+        machine.kill()
+
+
+def _machines(cp: ControlProc, acct: str) -> list[Any]:
+    res = cp.cli("machine", "list", "--account", acct, "--json")
+    return list(json.loads(res.out)) if res.code == 0 else []
+
+
+def _machine_ids(cp: ControlProc, acct: str) -> list[str]:
+    return [m["machine_id"] for m in _machines(cp, acct)]
+
+
+def _status(cp: ControlProc, acct: str) -> str:
+    machines = _machines(cp, acct)
+    return "online" if machines and machines[0]["online"] else "offline"
+
+
+async def _until(check: Any, deadline: float, what: str) -> None:
+    end = time.monotonic() + deadline
+    while not check():
+        assert time.monotonic() < end, what
+        await asyncio.sleep(0.3)  # poll step; the deadline bounds the loop
