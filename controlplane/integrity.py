@@ -128,6 +128,7 @@ class DeploymentGuard:
         self._where = where
         self.problem: StoreUntrusted | None = None
         self._checked_at = -1e18
+        self._verified = False
         self._lock = asyncio.Lock()
 
     def _untrusted(self, reason: str) -> StoreUntrusted:
@@ -159,9 +160,11 @@ class DeploymentGuard:
                     problem = self._untrusted(f"{DEPLOYMENT_KEY} names another deployment")
             if problem is None and self.problem is not None:
                 logger.warning("store %s: this deployment's store is back", self._where)
-            elif problem is not None and self.problem is None:
+            elif problem is not None and self.problem is None and self._verified:
+                # The first check's problem is the caller's to report (serve's one line).
                 logger.error("%s", problem)
             self.problem = problem
+            self._verified = True
 
     def check(self) -> None:
         """Raise the current problem, if any."""

@@ -229,6 +229,7 @@ def test_serve_refuses_an_empty_or_foreign_store(
     last = empty.stderr.strip().splitlines()[-1]
     assert "cp/deployment.json is missing" in last and "s3://other/cp/" in last, empty.stderr
     assert "Restore" in last
+    assert empty.stderr.count("deployment.json is missing") == 1, empty.stderr
 
     # Another deployment's store: its marker does not verify under our key.
     run_init(tmp_path / "other-home", "s3://other/cp", _env(store.url))
