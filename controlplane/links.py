@@ -176,7 +176,8 @@ class LinkSessions:
             session.outbox.put_nowait(RevokedNotice("machine revoked by an administrator"))
         self._metrics.connects.labels("ok").inc()
         expires = tls.load_cert(cert_pem).not_valid_after_utc
-        reader = asyncio.create_task(self._read(messages, session, timeout, expires))
+        ended = asyncio.Event()  # the machine's side ended (it half-closed, or died)
+        reader = asyncio.create_task(self._read(messages, session, timeout, expires, ended))
         # Torn down from outside without a goodbye (the machine was killed, its
         # connection reset, the call cancelled): broken, unless a reason is set below.
         reason = CloseReason.BROKEN.value
@@ -195,7 +196,13 @@ class LinkSessions:
                     # Give the machine a moment to half-close after reading the notice:
                     # ending the call while it is still sending makes its side see
                     # an INTERNAL error instead of the notice.
-                    await asyncio.wait([reader], timeout=self._linger)
+                    until_ended = asyncio.create_task(ended.wait())
+                    await asyncio.wait(
+                        [reader, until_ended],
+                        timeout=self._linger,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    until_ended.cancel()
                     break
         finally:
             reader.cancel()
@@ -209,6 +216,7 @@ class LinkSessions:
         session: Session,
         timeout: float,
         expires: dt.datetime,
+        ended: asyncio.Event,
     ) -> None:
         """Consume the machine's messages; end the link after 3 silent intervals,
         or once the certificate it connected with has expired."""
@@ -228,6 +236,7 @@ class LinkSessions:
             reason = CloseReason.TIMEOUT
             logger.info("machine %s: no heartbeat for %.1fs", session.machine_id, timeout)
         except StopAsyncIteration:
+            ended.set()
             # The end of a killed machine's stream also reads as a clean end, and
             # the call is torn down a moment later: wait for that before calling
             # it a goodbye (a closing machine waits longer than this for us).
