@@ -30,7 +30,7 @@ A change may also end in "held" state (``hold=True``): the block's success
 does not commit; the intent stays until :meth:`Intents.commit` is called by a
 later event (a joined machine's first connection), or its resolver rolls it
 back. Intents begun by this process and still in flight are never resolved
-by :meth:`Intents.recover`.
+by :meth:`Intents.recover`, nor one it committed while recover was looking.
 """
 
 from __future__ import annotations
@@ -101,7 +101,12 @@ class Intents:
         self._store = store
         self._clock = clock
         self._resolvers: dict[str, Resolver] = {}
-        # In flight in this process: never resolved behind the change's back.
+        # Intents begun by this process (started at or after this instant) are
+        # resolved only once handed over (held, or a failed roll-back): one in
+        # flight, or committed between recover's listing and its decision, must
+        # never be rolled back behind the change's back.
+        self._since = clock()
+        self._handed_over: set[str] = set()
         self._active: set[str] = set()
 
     def register(self, kind: str, resolver: Resolver) -> None:
@@ -129,10 +134,12 @@ class Intents:
         """:meth:`commit` by id (for a held change confirmed by a later event)."""
         await self._store.delete(intent_key(intent_id))
         self._active.discard(intent_id)
+        self._handed_over.discard(intent_id)
 
     def release(self, intent: Intent) -> None:
         """Stop protecting a held intent in this process (it waits for commit or rollback)."""
         self._active.discard(intent.intent_id)
+        self._handed_over.add(intent.intent_id)
 
     @contextlib.asynccontextmanager
     async def change(
@@ -153,8 +160,10 @@ class Intents:
     async def _abandon(self, intent: Intent) -> None:
         self._active.discard(intent.intent_id)
         try:
-            await self._resolve(intent, force=True)
+            if not await self._resolve(intent, force=True):
+                self._handed_over.add(intent.intent_id)
         except AgentsError as e:
+            self._handed_over.add(intent.intent_id)
             # The record stays; recovery finishes the roll-back later.
             logger.warning(
                 "%s %s: roll-back left for recovery: %s", intent.kind, intent.intent_id, e
@@ -173,6 +182,7 @@ class Intents:
         if not await resolver(intent, age):
             return False
         await self._store.delete(intent_key(intent.intent_id))
+        self._handed_over.discard(intent.intent_id)
         logger.info("%s %s: rolled back", intent.kind, intent.intent_id)
         return True
 
@@ -200,8 +210,17 @@ class Intents:
         """Roll back every abandoned intent whose resolver agrees; return how many."""
         done = 0
         for intent in await self.pending():
-            if intent.intent_id in self._active:
+            if self._mine(intent) and intent.intent_id not in self._handed_over:
                 continue
             if await self._resolve(intent):
                 done += 1
         return done
+
+    def _mine(self, intent: Intent) -> bool:
+        """Begun by this process (intents of earlier runs started before it)."""
+        if intent.intent_id in self._active:
+            return True
+        try:
+            return parse_time(intent.started_at) >= self._since
+        except ValueError:
+            return False
