@@ -239,8 +239,9 @@ class ControlPlane:
             checker.cancel()
             await asyncio.gather(checker, return_exceptions=True)
         if self._health is not None:
+            health, self._health = self._health, None
             # Load balancers and probes stop sending new work before the drain starts.
-            await self._health.enter_graceful_shutdown()
+            await health.enter_graceful_shutdown()
         if self._server is not None:
             server, self._server = self._server, None
             # Connect streams never end by themselves: close them first so the
