@@ -5,8 +5,8 @@
 
     GuardedStore          refuses everything while the store is not this deployment's
     AuthenticatedStore    MAC on every object (shared.store.authenticated)
-    DeadlineStore         each call bounded by STORE_CALL_DEADLINE, faults name the store
-    MeteredStore(RetryingStore(backend))   from shared.store.open_store
+    MeteredStore(DeadlineStore(RetryingStore(backend)))   from shared.store.open_store:
+                          each call bounded by STORE_CALL_DEADLINE, faults name the store
 
 The MAC key's only source is :func:`record_mac_key`: today it is derived from
 the home's ``secrets.key`` (never in the store); the DR issue moves it into the
@@ -57,7 +57,6 @@ from shared.store.base import (
     PutData,
     StoreBase,
 )
-from shared.store.wrappers import DeadlineStore
 
 __all__ = [
     "DEPLOYMENT_KEY",
@@ -302,6 +301,7 @@ async def open_trusted_store(
         secret_key=cfg.store_secret_key,
         region=cfg.store_region,
         endpoint_url=cfg.store_endpoint,
+        call_deadline=deadline,
     )
     where = describe_store(cfg.store_url, options)
     try:
@@ -316,11 +316,7 @@ async def open_trusted_store(
         if counter is not None:
             counter.labels(record_kind(key)).inc()
 
-    authed = AuthenticatedStore(
-        DeadlineStore(raw, seconds=deadline, where=where),
-        record_mac_key(keys),
-        on_refused=refused,
-    )
+    authed = AuthenticatedStore(raw, record_mac_key(keys), on_refused=refused)
     guard = DeploymentGuard(authed, keys.ca_hash, where)
     return TrustedStore(GuardedStore(authed, guard), authed, where)
 

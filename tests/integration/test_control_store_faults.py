@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -127,6 +129,14 @@ def cp(tmp_path: Path, store: Store) -> Iterator[ControlProc]:
         stop_serve(running)
 
 
+def _unavailable_faults(cp: ControlProc) -> float:
+    url = f"http://{cp.serve_info['metrics']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    pattern = r'^agents_cp_store_errors_total\{[^}]*outcome="unavailable"[^}]*\} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
 def _timed(cp: ControlProc, *args: str) -> tuple[CliResult, float]:
     start = time.monotonic()
     res = cp.cli(*args, timeout=40)
@@ -166,6 +176,8 @@ async def test_frozen_and_gone_store_answer_unavailable_then_recover(
     assert res.code == 1 and where in res.err and "no answer within" in res.err, res.err
     assert took < ANSWER_WITHIN, took
     assert len(res.err.strip().splitlines()) == 1, res.err
+    # Counted as a store fault, so the "store errors" alert sees a frozen store.
+    assert _unavailable_faults(cp) >= 1
     store.proc.send_signal(signal.SIGCONT)
     await _until_ok(cp, 15, "after SIGCONT")
 
