@@ -14,6 +14,7 @@ from controlplane.authz import CredentialService
 from controlplane.config import ControlConfig
 from controlplane.integrity import DEPLOYMENT_KEY, deployment_marker, open_trusted_store
 from controlplane.keys import check_home_empty, create_home_keys
+from controlplane.records import credential_key
 from controlplane.server import open_control_store
 from shared.atomic import write_atomic
 from shared.errors import InvalidArgument, InvalidState, NotFound, PreconditionFailed
@@ -71,17 +72,21 @@ async def init_control_plane(cfg: ControlConfig) -> InitResult:
     keys = create_home_keys(cfg.home, cfg.server_names)
     trusted = await open_trusted_store(cfg, keys, None)
     try:
-        marker = deployment_marker(keys, dt.datetime.now(dt.UTC))
-        try:
-            # MAC'd like every object: only this home's key can write a valid marker.
-            await trusted.authenticated.put(DEPLOYMENT_KEY, marker, if_none_match=True)
-        except PreconditionFailed:
-            raise InvalidState("init", "the store already holds a control plane") from None
         write_atomic(cfg.config_path, toml_dumps(cfg.file_values()).encode(), mode=0o600)
         store = trusted.store
         auditor = Auditor(store)
         creds = CredentialService(store, AccountService(store, auditor), auditor)
         made = await creds.create_operator()
+        marker = deployment_marker(keys, dt.datetime.now(dt.UTC))
+        try:
+            # COMMIT POINT of init: the marker is written last, so a store without it
+            # holds no deployment (serve refuses it) whatever a crash left before.
+            # MAC'd like every object: only this home's key can write a valid marker.
+            await trusted.authenticated.put(DEPLOYMENT_KEY, marker, if_none_match=True)
+        except PreconditionFailed:
+            # Another init won the race: our credential names nothing; take it back.
+            await store.delete(credential_key(made.credential.credential_id))
+            raise InvalidState("init", "the store already holds a control plane") from None
     finally:
         await trusted.close()
     logger.info("initialised control plane in %s", cfg.home)

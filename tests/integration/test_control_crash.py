@@ -26,7 +26,14 @@ import grpc
 import grpc.aio
 import pytest
 
-from tests.helpers.control_proc import CliResult, ControlProc, run_init, start_serve, stop_serve
+from tests.helpers.control_proc import (
+    CliResult,
+    ControlProc,
+    agents_control_exe,
+    run_init,
+    start_serve,
+    stop_serve,
+)
 from tests.helpers.fault_proxy import CrashProxy, crash_proxy
 from tests.helpers.link_client import connect_once, join
 
@@ -233,3 +240,48 @@ def test_machine_join_says_it_lost_the_control_plane(
     assert res.returncode != 0
     assert "cannot reach the control plane" in res.stderr, res.stderr
     assert "refused" not in res.stderr, res.stderr
+
+
+def test_init_killed_before_its_marker_leaves_no_deployment(
+    proxy: CrashProxy, s3_bucket: str, tmp_path: Path
+) -> None:
+    """init writes its marker last: killed after the credential, the store holds no
+    deployment (serve refuses it) and a fresh init on the same store succeeds."""
+    env = {
+        **os.environ,
+        "AGENTS_CONTROL_STORE_ENDPOINT": proxy.url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret",
+    }
+    env.pop("AGENTS_CONTROL_CREDENTIAL", None)
+    home = tmp_path / "first"
+    argv = [
+        str(agents_control_exe()),
+        "init",
+        "--home",
+        str(home),
+        "--store",
+        f"s3://{s3_bucket}/cp",
+        "--listen",
+        "127.0.0.1:0",
+        "--link-listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "",
+    ]
+    init = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proxy.arm(init.pid, after=1)  # right after the operator credential
+    out, _ = init.communicate(timeout=60)
+    assert proxy.crashed.is_set() and init.returncode == -9
+    assert b"adm_" not in out
+    assert proxy.writes == [w for w in proxy.writes if "/credentials/" in w]
+    serve = subprocess.run(
+        [str(agents_control_exe()), "serve", "--home", str(home)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert serve.returncode == 1 and "deployment.json is missing" in serve.stderr, serve.stderr
+    again = run_init(tmp_path / "second", f"s3://{s3_bucket}/cp", env)
+    assert again.operator.startswith("adm_")
