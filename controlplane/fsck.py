@@ -210,45 +210,44 @@ async def _check_key(c: _Checker, key: str) -> None:
         if account is None:
             await c.fix_delete("orphan_index", key, f"account {acct or '?'} does not exist")
     elif m := _MACHINE.match(key):
-        acct, mc = m.groups()
-        data = await c.read(key)
-        if data is None:
-            return
-        if data.get("machine_id") != mc or data.get("account_id") != acct:
-            c.add("mismatch", key, "names another machine or account id")
-            return
-        entry = await c.read(machine_index_key(mc))
-        if entry is None or entry.get("account_id") != acct:
-            await c.fix_write(
-                "missing_index", machine_index_key(mc), {"account_id": acct}, f"{mc} -> {acct}"
-            )
+        await _check_owned(c, key, "machine", *m.groups())
     elif m := _IDX_MACHINE.match(key):
-        entry = await c.read(key)
-        acct = str((entry or {}).get("account_id", ""))
-        if entry is not None and (
-            not acct.startswith("acct_") or await c.read(machine_key(acct, m.group(1))) is None
-        ):
-            await c.fix_delete("orphan_index", key, f"machine {m.group(1)} has no record")
+        await _check_index(c, key, "machine", m.group(1))
     elif m := _TOKEN.match(key):
-        acct, tok = m.groups()
-        data = await c.read(key)
-        if data is None:
-            return
-        if data.get("token_id") != tok or data.get("account_id") != acct:
-            c.add("mismatch", key, "names another token or account id")
-            return
-        entry = await c.read(token_index_key(tok))
-        if entry is None or entry.get("account_id") != acct:
-            await c.fix_write(
-                "missing_index", token_index_key(tok), {"account_id": acct}, f"{tok} -> {acct}"
-            )
+        await _check_owned(c, key, "token", *m.groups())
     elif m := _IDX_TOKEN.match(key):
-        entry = await c.read(key)
-        acct = str((entry or {}).get("account_id", ""))
-        if entry is not None and (
-            not acct.startswith("acct_") or await c.read(token_key(acct, m.group(1))) is None
-        ):
-            await c.fix_delete("orphan_index", key, f"token {m.group(1)} has no record")
+        await _check_index(c, key, "token", m.group(1))
     elif key.endswith(".json"):
         # Everything else (credentials, presence, audit, tombstones) must still verify.
         await c.read(key)
+
+
+#: kind -> (its record's key, its index entry's key), for records owned by an account.
+_OWNED: Final = {
+    "machine": (machine_key, machine_index_key),
+    "token": (token_key, token_index_key),
+}
+
+
+async def _check_owned(c: _Checker, key: str, kind: str, acct: str, ident: str) -> None:
+    """A machine or token record: its ids match its key, its index entry points back."""
+    data = await c.read(key)
+    if data is None:
+        return
+    if data.get(f"{kind}_id") != ident or data.get("account_id") != acct:
+        c.add("mismatch", key, f"names another {kind} or account id")
+        return
+    index_key = _OWNED[kind][1](ident)
+    entry = await c.read(index_key)
+    if entry is None or entry.get("account_id") != acct:
+        await c.fix_write("missing_index", index_key, {"account_id": acct}, f"{ident} -> {acct}")
+
+
+async def _check_index(c: _Checker, key: str, kind: str, ident: str) -> None:
+    """A machine or token index entry: the record it names exists."""
+    entry = await c.read(key)
+    if entry is None:
+        return
+    acct = str(entry.get("account_id", ""))
+    if not acct.startswith("acct_") or await c.read(_OWNED[kind][0](acct, ident)) is None:
+        await c.fix_delete("orphan_index", key, f"{kind} {ident} has no record")

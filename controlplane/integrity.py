@@ -32,7 +32,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Final, Self
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -55,8 +55,8 @@ from shared.store.base import (
     ObjectInfo,
     ObjectStore,
     PutData,
-    StoreBase,
 )
+from shared.store.wrappers import StoreWrapper
 
 __all__ = [
     "DEPLOYMENT_KEY",
@@ -180,11 +180,11 @@ class DeploymentGuard:
         self.check()
 
 
-class GuardedStore(StoreBase):
+class GuardedStore(StoreWrapper):
     """Refuses every call while ``guard`` has a problem; re-checks before a NotFound."""
 
     def __init__(self, inner: ObjectStore, guard: DeploymentGuard) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.guard = guard
 
     async def get(self, key: str) -> bytes:
@@ -243,14 +243,6 @@ class GuardedStore(StoreBase):
             prefix, start_after=start_after, page_size=page_size
         ):
             yield page
-
-    async def close(self) -> None:
-        """Close the inner store."""
-        await self.inner.close()
-
-    async def __aenter__(self) -> Self:
-        await self.inner.__aenter__()
-        return self
 
 
 class TrustedStore:

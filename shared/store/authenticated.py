@@ -27,7 +27,7 @@ import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Final, Self
+from typing import Final
 
 from shared.errors import IntegrityError, InvalidArgument, TooLarge
 from shared.store.base import (
@@ -36,10 +36,10 @@ from shared.store.base import (
     ObjectInfo,
     ObjectStore,
     PutData,
-    StoreBase,
     iter_chunks,
     validate_key,
 )
+from shared.store.wrappers import StoreWrapper
 
 __all__ = ["MAC_HEADER", "MAX_AUTHENTICATED_BYTES", "AuthenticatedStore", "seal", "unseal"]
 
@@ -77,7 +77,7 @@ def unseal(mac_key: bytes, key: str, stored: bytes) -> bytes:
     return payload
 
 
-class AuthenticatedStore(StoreBase):
+class AuthenticatedStore(StoreWrapper):
     """Seals every write and verifies every read of ``inner`` (see the module doc)."""
 
     def __init__(
@@ -89,7 +89,7 @@ class AuthenticatedStore(StoreBase):
     ) -> None:
         if len(mac_key) < 32:
             raise InvalidArgument("mac_key", "must be at least 32 bytes")
-        self.inner = inner
+        super().__init__(inner)
         self._key = bytes(mac_key)
         self._on_refused = on_refused
         self._logged: set[str] = set()
@@ -165,11 +165,3 @@ class AuthenticatedStore(StoreBase):
     ) -> AsyncIterator[list[ObjectInfo]]:
         """See :meth:`ObjectStore.list_pages` (sizes include the MAC header)."""
         return self.inner.list_pages(prefix, start_after=start_after, page_size=page_size)
-
-    async def close(self) -> None:
-        """Close the inner store."""
-        await self.inner.close()
-
-    async def __aenter__(self) -> Self:
-        await self.inner.__aenter__()
-        return self

@@ -38,12 +38,34 @@ from shared.store.base import (
     StoreBase,
 )
 
-__all__ = ["METRIC_NAMESPACES", "DeadlineStore", "MeteredStore", "RetryingStore"]
+__all__ = [
+    "METRIC_NAMESPACES",
+    "DeadlineStore",
+    "MeteredStore",
+    "RetryingStore",
+    "StoreWrapper",
+]
 
 logger = logging.getLogger(__name__)
 
 
-class RetryingStore(StoreBase):
+class StoreWrapper(StoreBase):
+    """Base of the wrappers: holds ``inner``; entering or closing the wrapper enters
+    or closes the store it wraps."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+
+    async def close(self) -> None:
+        """Close the inner store."""
+        await self.inner.close()
+
+    async def __aenter__(self) -> Self:
+        await self.inner.__aenter__()
+        return self
+
+
+class RetryingStore(StoreWrapper):
     """Retries idempotent operations of ``inner`` on TransientError.
 
     Retried: get, head, delete, put of ``bytes`` (the data can be sent again),
@@ -59,7 +81,7 @@ class RetryingStore(StoreBase):
     def __init__(
         self, inner: ObjectStore, *, attempts: int = DEFAULT_ATTEMPTS, total: float = DEFAULT_TOTAL
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._attempts = attempts
         self._total = total
 
@@ -169,15 +191,6 @@ class RetryingStore(StoreBase):
             after = page[-1].key
             yield page
 
-    async def close(self) -> None:
-        """Close the inner store."""
-        await self.inner.close()
-
-    async def __aenter__(self) -> Self:
-        # Entering the wrapper enters the store it wraps; leaving closes it (StoreBase).
-        await self.inner.__aenter__()
-        return self
-
 
 #: The daemons' metric namespaces.
 METRIC_NAMESPACES: Final = frozenset({"agents_cp", "agents_machine"})
@@ -267,7 +280,7 @@ class _Timer:
             self._metrics.errors.labels(self._operation, outcome).inc()
 
 
-class MeteredStore(StoreBase):
+class MeteredStore(StoreWrapper):
     """Counts and times every operation of ``inner``.
 
     Metrics (labels ``operation`` and ``outcome`` only; never a key):
@@ -285,7 +298,7 @@ class MeteredStore(StoreBase):
     ) -> None:
         if namespace not in METRIC_NAMESPACES:
             raise InvalidArgument("namespace", f"must be one of {sorted(METRIC_NAMESPACES)}")
-        self.inner = inner
+        super().__init__(inner)
         self._metrics = _metrics(registry if registry is not None else REGISTRY, namespace)
 
     def _timer(self, operation: str) -> _Timer:
@@ -376,17 +389,8 @@ class MeteredStore(StoreBase):
             timer.done(None)
             yield page
 
-    async def close(self) -> None:
-        """Close the inner store."""
-        await self.inner.close()
 
-    async def __aenter__(self) -> Self:
-        # Entering the wrapper enters the store it wraps; leaving closes it (StoreBase).
-        await self.inner.__aenter__()
-        return self
-
-
-class DeadlineStore(StoreBase):
+class DeadlineStore(StoreWrapper):
     """Bounds every operation of ``inner`` by ``seconds`` and names the store in its faults.
 
     Wrapped around :class:`RetryingStore`, the deadline covers the retries too, so a
@@ -401,7 +405,7 @@ class DeadlineStore(StoreBase):
     def __init__(self, inner: ObjectStore, *, seconds: float, where: str) -> None:
         if seconds <= 0:
             raise InvalidArgument("seconds", "must be positive")
-        self.inner = inner
+        super().__init__(inner)
         self._seconds = seconds
         self._where = where
 
@@ -477,11 +481,3 @@ class DeadlineStore(StoreBase):
             except StopAsyncIteration:
                 return
             yield page
-
-    async def close(self) -> None:
-        """Close the inner store."""
-        await self.inner.close()
-
-    async def __aenter__(self) -> Self:
-        await self.inner.__aenter__()
-        return self

@@ -30,7 +30,9 @@ from tests.helpers.control_proc import (
     CliResult,
     ControlProc,
     agents_control_exe,
+    init_argv,
     run_init,
+    s3_env,
     start_serve,
     stop_serve,
 )
@@ -54,12 +56,7 @@ def proxy(moto_endpoint: str) -> Iterator[CrashProxy]:
 
 @pytest.fixture
 def cp(tmp_path: Path, proxy: CrashProxy, s3_bucket: str) -> Iterator[ControlProc]:
-    env = {
-        "AGENTS_CONTROL_STORE_ENDPOINT": proxy.url,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing-secret",
-        "AGENTS_CONTROL_JOIN_CONFIRM_GRACE": str(CONFIRM_GRACE),
-    }
+    env = {**s3_env(proxy.url), "AGENTS_CONTROL_JOIN_CONFIRM_GRACE": str(CONFIRM_GRACE)}
     running = run_init(
         tmp_path / "home", f"s3://{s3_bucket}/cp", env, ["--heartbeat-interval", str(HEARTBEAT)]
     )
@@ -247,28 +244,10 @@ def test_init_killed_before_its_marker_leaves_no_deployment(
 ) -> None:
     """init writes its marker last: killed after the credential, the store holds no
     deployment (serve refuses it) and a fresh init on the same store succeeds."""
-    env = {
-        **os.environ,
-        "AGENTS_CONTROL_STORE_ENDPOINT": proxy.url,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing-secret",
-    }
+    env = {**os.environ, **s3_env(proxy.url)}
     env.pop("AGENTS_CONTROL_CREDENTIAL", None)
     home = tmp_path / "first"
-    argv = [
-        str(agents_control_exe()),
-        "init",
-        "--home",
-        str(home),
-        "--store",
-        f"s3://{s3_bucket}/cp",
-        "--listen",
-        "127.0.0.1:0",
-        "--link-listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "",
-    ]
+    argv = init_argv(home, f"s3://{s3_bucket}/cp")
     init = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proxy.arm(init.pid, after=1)  # right after the operator credential
     out, _ = init.communicate(timeout=60)

@@ -31,6 +31,7 @@ from tests.helpers.control_proc import (
     ControlProc,
     agents_control_exe,
     run_init,
+    s3_env,
     start_serve,
     stop_serve,
 )
@@ -55,14 +56,6 @@ def _s3(endpoint: str) -> Any:
         aws_secret_access_key="testing-secret",
         config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
     )
-
-
-def _env(endpoint: str) -> dict[str, str]:
-    return {
-        "AGENTS_CONTROL_STORE_ENDPOINT": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing-secret",
-    }
 
 
 class Store:
@@ -119,7 +112,7 @@ def cp(tmp_path: Path, store: Store) -> Iterator[ControlProc]:
     running = run_init(
         tmp_path / "home",
         f"s3://{BUCKET}/cp",
-        _env(store.url),
+        s3_env(store.url),
         ["--heartbeat-interval", str(HEARTBEAT)],
     )
     try:
@@ -244,7 +237,7 @@ def test_serve_refuses_an_empty_or_foreign_store(
     assert empty.stderr.count("deployment.json is missing") == 1, empty.stderr
 
     # Another deployment's store: its marker does not verify under our key.
-    run_init(tmp_path / "other-home", "s3://other/cp", _env(store.url))
+    run_init(tmp_path / "other-home", "s3://other/cp", s3_env(store.url))
     foreign = serve("s3://other/cp")
     assert foreign.returncode == 1
     assert "not authentic" in foreign.stderr.strip().splitlines()[-1], foreign.stderr

@@ -26,7 +26,7 @@ from botocore.config import Config
 from controlplane.hashing import hash_secret, new_secret
 from controlplane.records import Credential, JoinToken, Machine, encode
 from shared.ids import new_id
-from tests.helpers.control_proc import CliResult, ControlProc, control_plane
+from tests.helpers.control_proc import CliResult, ControlProc, control_plane, s3_env
 from tests.helpers.link_client import join
 from tests.helpers.store_records import payload, sealed
 
@@ -37,12 +37,9 @@ PREFIX = "cp/"
 
 @pytest.fixture
 def cp(tmp_path: Path, moto_endpoint: str, s3_bucket: str) -> Iterator[ControlProc]:
-    env = {
-        "AGENTS_CONTROL_STORE_ENDPOINT": moto_endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing-secret",
-    }
-    with control_plane(tmp_path / "home", f"s3://{s3_bucket}/cp", env=env) as running:
+    with control_plane(
+        tmp_path / "home", f"s3://{s3_bucket}/cp", env=s3_env(moto_endpoint)
+    ) as running:
         yield running
 
 
