@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Final
 
 from controlplane import jsonstore
 from controlplane.audit import Auditor, Clock, utcnow
+from controlplane.intents import Intent, Intents
 from controlplane.records import (
     ACCOUNT_INDEX_PREFIX,
     Account,
@@ -20,7 +21,13 @@ from controlplane.records import (
     github_index_key,
 )
 from shared.crypto import BoxKeyPair
-from shared.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
+from shared.errors import (
+    AlreadyExists,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from shared.ids import is_valid_id, new_id, validate_id
 from shared.store.base import ObjectStore
 
@@ -34,6 +41,7 @@ logger = logging.getLogger(__name__)
 # GitHub's own rule: 1..39 alphanumerics or single hyphens, not at either end.
 _LOGIN_RE: Final = re.compile(r"\A[A-Za-z0-9](?:[A-Za-z0-9]|-(?=[A-Za-z0-9])){0,38}\Z")
 _MAX_GITHUB_ID: Final = 2**53
+_CREATE: Final = "account.create"
 
 
 def validate_github_login(login: str) -> str:
@@ -55,10 +63,18 @@ class CreatedAccount:
 class AccountService:
     """Accounts in the store. Visibility checks are the caller's (see authz)."""
 
-    def __init__(self, store: ObjectStore, auditor: Auditor, clock: Clock = utcnow) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        auditor: Auditor,
+        clock: Clock = utcnow,
+        intents: Intents | None = None,
+    ) -> None:
         self._store = store
         self._audit = auditor
         self._clock = clock
+        self._intents = intents if intents is not None else Intents(store, clock)
+        self._intents.register(_CREATE, self._roll_back_create)
 
     async def create(
         self,
@@ -86,25 +102,50 @@ class AccountService:
             signed_up_at=self._clock(),
             recovery_public_key=public,
         )
-        # Claim the GitHub id first: two concurrent creates for one user make one account.
-        index = github_index_key(github_user_id)
-        if not await jsonstore.create(self._store, index, {"account_id": account.account_id}):
-            raise AlreadyExists("account for github user", str(github_user_id))
-        await jsonstore.create(
-            self._store, account_key(account.account_id), account_to_dict(account)
-        )
-        await jsonstore.create(self._store, account_index_key(account.account_id), {})
+        acct = account.account_id
+        # Three objects, one intent (controlplane.intents): a crash anywhere below
+        # is rolled back, so no GitHub id stays claimed by an account nobody sees.
+        async with self._intents.change(
+            _CREATE, account_id=acct, github_user_id=str(github_user_id)
+        ):
+            # Claim the GitHub id first: two concurrent creates for one user make one account.
+            index = github_index_key(github_user_id)
+            if not await jsonstore.create(self._store, index, {"account_id": acct}):
+                raise AlreadyExists("account for github user", str(github_user_id))
+            await jsonstore.create(self._store, account_key(acct), account_to_dict(account))
+            await jsonstore.create(self._store, account_index_key(acct), {})
+        # Commit point passed (the intent is deleted): the account exists.
         await self._audit.record(actor, "account.create", account.account_id, account.account_id)
         logger.info("account %s created", account.account_id)
         return CreatedAccount(account, private)
+
+    async def _roll_back_create(self, intent: Intent, age: float) -> bool:
+        """Undo an account create that never committed: hide it, then free its GitHub id."""
+        acct = validate_id("account", intent.fields.get("account_id", ""), "account_id")
+        await self._store.delete(account_index_key(acct))
+        await self._store.delete(account_key(acct))
+        gid = int(intent.fields.get("github_user_id", "0") or 0)
+        if gid > 0:
+            key = github_index_key(gid)
+            try:
+                claimed = (await jsonstore.read(self._store, key)).get("account_id")
+            except (NotFound, IntegrityError):
+                claimed = None
+            # Only our own claim: a lost race's claim belongs to the winner.
+            if claimed == acct:
+                await self._store.delete(key)
+        return True
 
     async def get(self, account_id: str) -> Account:
         """The account; NotFound if missing. ``state`` is "deleting" under a tombstone."""
         validate_id("account", account_id, "account_id")
         try:
             data = await jsonstore.read(self._store, account_key(account_id))
-        except NotFound:
+        except (NotFound, IntegrityError):
+            # A refused (forged) record is no account (the store counted it).
             raise NotFound("account", account_id) from None
+        if data.get("account_id") != account_id:
+            raise NotFound("account", account_id)
         return account_from_dict(
             data, "deleting" if await self.is_deleting(account_id) else "active"
         )
@@ -112,9 +153,10 @@ class AccountService:
     async def is_deleting(self, account_id: str) -> bool:
         """Whether the account carries a deletion tombstone."""
         try:
-            await self._store.head(deleting_key(account_id))
-        except NotFound:
-            return False
+            # Read, not head: only an authentic tombstone counts (see integrity).
+            await self._store.get(deleting_key(account_id))
+        except (NotFound, IntegrityError):
+            return False  # a forged tombstone is ignored (and counted by the store)
         return True
 
     async def require_active(self, account_id: str, what: str) -> Account:
@@ -147,6 +189,6 @@ class AccountService:
                 continue
             try:
                 out.append(await self.get(name))
-            except NotFound:
-                continue  # deleted (or half-created) account
+            except (NotFound, IntegrityError):
+                continue  # deleted, half-created, or refused (counted by the store)
         return out

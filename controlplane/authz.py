@@ -19,7 +19,13 @@ from controlplane.accounts import AccountService
 from controlplane.audit import Auditor, Clock, utcnow
 from controlplane.hashing import hash_secret, new_secret, split_bearer, verify_secret
 from controlplane.records import Credential, credential_key
-from shared.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from shared.errors import (
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
 from shared.ids import new_id, validate_id
 from shared.store.base import ObjectStore
 
@@ -137,8 +143,12 @@ class CredentialService:
             raise Unauthenticated("admin: malformed credential") from None
         try:
             cred = Credential.from_dict(await jsonstore.read(self._store, credential_key(cred_id)))
-        except NotFound:
+        except (NotFound, IntegrityError):
+            # A refused (forged or altered) record grants nothing and says no more
+            # than a missing one; the store counted and logged it.
             raise Unauthenticated(_BAD_CREDENTIAL) from None
+        if cred.credential_id != cred_id:
+            raise Unauthenticated(_BAD_CREDENTIAL)
         if not verify_secret(_PURPOSE, cred_id, secret, cred.secret_hash):
             # Same words as an unknown id: the answer must not tell which ids exist.
             raise Unauthenticated(_BAD_CREDENTIAL)

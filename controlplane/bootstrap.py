@@ -6,14 +6,15 @@ import datetime as dt
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from controlplane.accounts import AccountService
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService
 from controlplane.config import ControlConfig
+from controlplane.integrity import DEPLOYMENT_KEY, deployment_marker, open_trusted_store
 from controlplane.keys import check_home_empty, create_home_keys
-from controlplane.records import utc_iso
+from controlplane.records import credential_key
 from controlplane.server import open_control_store
 from shared.atomic import write_atomic
 from shared.errors import InvalidArgument, InvalidState, NotFound, PreconditionFailed
@@ -21,9 +22,6 @@ from shared.errors import InvalidArgument, InvalidState, NotFound, PreconditionF
 __all__ = ["DEPLOYMENT_KEY", "InitResult", "init_control_plane", "toml_dumps"]
 
 logger = logging.getLogger(__name__)
-
-#: Marks a store as holding a control plane; ``init`` refuses a store that has one.
-DEPLOYMENT_KEY: Final = "cp/deployment.json"
 
 
 @dataclass(frozen=True)
@@ -61,25 +59,35 @@ async def init_control_plane(cfg: ControlConfig) -> InitResult:
     if not cfg.store_url:
         raise InvalidArgument("store", "required: give --store s3://bucket/prefix or a folder")
     check_home_empty(cfg.home)
-    store = await open_control_store(cfg, None)
+    raw = await open_control_store(cfg, None)
     try:
-        try:
-            await store.head(DEPLOYMENT_KEY)
-        except NotFound:
-            pass
-        else:
-            raise InvalidState("init", "the store already holds a control plane")
-        keys = create_home_keys(cfg.home, cfg.server_names)
-        marker = {"ca_hash": keys.ca_hash, "created_at": utc_iso(dt.datetime.now(dt.UTC))}
-        try:
-            await store.put(DEPLOYMENT_KEY, json.dumps(marker).encode(), if_none_match=True)
-        except PreconditionFailed:
-            raise InvalidState("init", "the store already holds a control plane") from None
+        # Checked before any key is made, so a refused init leaves the home empty.
+        await raw.head(DEPLOYMENT_KEY)
+    except NotFound:
+        pass
+    else:
+        raise InvalidState("init", "the store already holds a control plane")
+    finally:
+        await raw.close()
+    keys = create_home_keys(cfg.home, cfg.server_names)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
         write_atomic(cfg.config_path, toml_dumps(cfg.file_values()).encode(), mode=0o600)
+        store = trusted.store
         auditor = Auditor(store)
         creds = CredentialService(store, AccountService(store, auditor), auditor)
         made = await creds.create_operator()
+        marker = deployment_marker(keys, dt.datetime.now(dt.UTC))
+        try:
+            # COMMIT POINT of init: the marker is written last, so a store without it
+            # holds no deployment (serve refuses it) whatever a crash left before.
+            # MAC'd like every object: only this home's key can write a valid marker.
+            await trusted.authenticated.put(DEPLOYMENT_KEY, marker, if_none_match=True)
+        except PreconditionFailed:
+            # Another init won the race: our credential names nothing; take it back.
+            await store.delete(credential_key(made.credential.credential_id))
+            raise InvalidState("init", "the store already holds a control plane") from None
     finally:
-        await store.close()
+        await trusted.close()
     logger.info("initialised control plane in %s", cfg.home)
     return InitResult(made.value, keys.ca_hash)

@@ -20,6 +20,7 @@ from typing import Any
 from controlplane.bootstrap import init_control_plane
 from controlplane.client import AdminClient, ControlPlaneUnreachable
 from controlplane.config import ControlConfig, load_config
+from controlplane.fsck import fsck_deployment, serving_pid
 from controlplane.keys import load_ca_cert
 from controlplane.server import run_daemon
 from shared.cli import (
@@ -107,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the daemon")
     _common(p, client=False)
     _daemon_flags(p)
+
+    p = sub.add_parser("fsck", help="check the store for inconsistencies (read-only)")
+    _common(p, client=False)
+    _daemon_flags(p)
+    p.add_argument("--repair", action="store_true", help="fix what can be fixed (serve stopped)")
+    p.add_argument("--json", action="store_true", help="print JSON")
 
     acc = sub.add_parser("account", help="accounts").add_subparsers(
         dest="verb", parser_class=CliParser
@@ -270,6 +277,27 @@ async def _serve(ctx: _Ctx) -> int:
     return ExitCode.OK
 
 
+async def _fsck(ctx: _Ctx) -> int:
+    """Exit 0 when clean (or all repaired), 1 when something is left, 2 for bad usage."""
+    args, cfg = ctx.args, ctx.cfg
+    pid = serving_pid(cfg) if args.repair else None
+    if pid is not None:
+        raise UsageError(f"fsck: --repair needs serve stopped (pid {pid} runs)")
+    report = await fsck_deployment(cfg, repair=args.repair)
+    if ctx.out.as_json:
+        ctx.out.json(report.to_dict())
+    else:
+        ctx.out.lines(
+            *(
+                f"{f.kind} {f.key}: {f.detail}" + (" [repaired]" if f.repaired else "")
+                for f in report.findings
+            )
+        )
+        state = "clean" if report.clean else f"{len(report.findings)} finding(s)"
+        ctx.out.lines(f"checked {report.objects} objects: {state}")
+    return ExitCode.OK if report.clean else ExitCode.FAILED
+
+
 async def _account_create(ctx: _Ctx) -> int:
     args = ctx.args
     public = decode_public_key(args.recovery_public_key) if args.recovery_public_key else b""
@@ -413,6 +441,7 @@ async def _credential_create(ctx: _Ctx) -> int:
 COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("init", None): _init,
     ("serve", None): _serve,
+    ("fsck", None): _fsck,
     ("account", "create"): _account_create,
     ("account", "show"): _account_show,
     ("account", "list"): _account_list,

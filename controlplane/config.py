@@ -10,7 +10,7 @@ Environment variables: ``AGENTS_CONTROL_HOME``, ``AGENTS_CONTROL_STORE``,
 ``AGENTS_CONTROL_LINK_LISTEN``, ``AGENTS_CONTROL_ADVERTISE_HOST``,
 ``AGENTS_CONTROL_METRICS``, ``AGENTS_CONTROL_ADDRESS``,
 ``AGENTS_CONTROL_CREDENTIAL``, ``AGENTS_CONTROL_HEARTBEAT``,
-``AGENTS_CONTROL_LOG_LEVEL``.
+``AGENTS_CONTROL_LOG_LEVEL``, ``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``.
 """
 
 from __future__ import annotations
@@ -106,6 +106,9 @@ class ControlConfig:
     """Default join-token lifetime in seconds (at most 24 hours)."""
     log_level: str = "INFO"
     """Python logging level name."""
+    join_confirm_grace: float = 300.0
+    """Seconds a joined machine has to connect before its join is rolled back (its
+    token use given back): the join reply may never have reached it."""
 
     @property
     def config_path(self) -> Path:
@@ -137,6 +140,8 @@ class ControlConfig:
             raise ConfigError("token_ttl", f"must be between 60 and {MAX_TOKEN_TTL} seconds")
         if (self.store_access_key is None) != (self.store_secret_key is None):
             raise ConfigError("store_secret_key", "access key and secret key go together")
+        if not 1 <= self.join_confirm_grace <= 86400:
+            raise ConfigError("join_confirm_grace", "must be between 1 and 86400 seconds")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ConfigError("log_level", "must be DEBUG, INFO, WARNING or ERROR")
         return self
@@ -180,6 +185,7 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "renew_threshold": (int, float),
     "token_ttl": (int,),
     "log_level": (str,),
+    "join_confirm_grace": (int, float),
 }
 
 
@@ -230,5 +236,11 @@ def load_config(
         renew_threshold=get("renew_threshold", None, d.renew_threshold, float),
         token_ttl=get("token_ttl", None, d.token_ttl, int),
         log_level=get("log_level", "AGENTS_CONTROL_LOG_LEVEL", d.log_level, str).upper(),
+        join_confirm_grace=get(
+            "join_confirm_grace",
+            "AGENTS_CONTROL_JOIN_CONFIRM_GRACE",
+            d.join_confirm_grace,
+            float,
+        ),
     )
     return cfg.validate()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from controlplane.records import decode, encode
-from shared.errors import InvalidState, NotFound, PreconditionFailed
+from shared.errors import IntegrityError, InvalidState, NotFound, PreconditionFailed
 from shared.ids import is_valid_id
 from shared.store.base import ObjectStore
 
@@ -28,7 +28,8 @@ async def read_all(store: ObjectStore, prefix: str, kind: str) -> list[dict[str,
     """Every ``<prefix><id>.json`` object whose name is a valid ``kind`` id, in key order.
 
     Other keys under ``prefix`` are skipped, and so is an object deleted
-    between the listing and its read.
+    between the listing and its read, and one that fails its integrity check
+    (refused and counted by the store: it never reaches a listing).
     """
     out: list[dict[str, Any]] = []
     async for info in store.list(prefix):
@@ -37,7 +38,7 @@ async def read_all(store: ObjectStore, prefix: str, kind: str) -> list[dict[str,
             continue
         try:
             out.append(await read(store, info.key))
-        except NotFound:
+        except (NotFound, IntegrityError):
             continue
     return out
 
@@ -53,12 +54,31 @@ async def read_versioned(store: ObjectStore, key: str) -> tuple[dict[str, Any], 
 
 
 async def create(store: ObjectStore, key: str, data: dict[str, Any]) -> bool:
-    """Write ``data`` only if ``key`` does not exist; False when it already did."""
+    """Write ``data`` only if ``key`` does not exist; False when it already did.
+
+    An object at ``key`` that fails its integrity check (forged: written
+    without the deployment's key) does not count: it is replaced, with
+    compare-and-swap, so a forgery cannot block a create (a GitHub id claim).
+    """
     try:
         await store.put(key, encode(data), if_none_match=True)
     except PreconditionFailed:
-        return False
-    return True
+        pass
+    else:
+        return True
+    try:
+        await store.get(key)
+    except IntegrityError:
+        info = await store.head(key)
+        try:
+            await store.put(key, encode(data), if_match=info.etag)
+        except PreconditionFailed:
+            return False
+        logger.warning("create %s: replaced an object that failed its integrity check", key)
+        return True
+    except NotFound:
+        return False  # deleted meanwhile: it existed when we tried
+    return False
 
 
 async def update(

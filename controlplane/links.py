@@ -19,7 +19,10 @@ async iterator of its decoded messages, and yields the notices to send it:
    heartbeat intervals, or once the certificate it connected with has expired.
 
 Outcomes are counted in ``agents_cp_connects_total{outcome}`` and
-``agents_cp_disconnects_total{reason}``.
+``agents_cp_disconnects_total{reason}``. A machine that half-closes its side
+is ``closed``; a stream torn down without that goodbye (a machine killed with
+SIGKILL, a reset connection) is ``broken``: its end reads like a half-close, so
+the session waits ``linger`` seconds for the call to be torn down first.
 """
 
 from __future__ import annotations
@@ -173,8 +176,11 @@ class LinkSessions:
             session.outbox.put_nowait(RevokedNotice("machine revoked by an administrator"))
         self._metrics.connects.labels("ok").inc()
         expires = tls.load_cert(cert_pem).not_valid_after_utc
-        reader = asyncio.create_task(self._read(messages, session, timeout, expires))
-        reason = CloseReason.CLOSED.value
+        ended = asyncio.Event()  # the machine's side ended (it half-closed, or died)
+        reader = asyncio.create_task(self._read(messages, session, timeout, expires, ended))
+        # Torn down from outside without a goodbye (the machine was killed, its
+        # connection reset, the call cancelled): broken, unless a reason is set below.
+        reason = CloseReason.BROKEN.value
         try:
             yield Welcome(self._heartbeat, self._clock(), machine.machine_id)
             if tls.needs_renewal(cert_pem, self._renew_threshold):
@@ -190,7 +196,13 @@ class LinkSessions:
                     # Give the machine a moment to half-close after reading the notice:
                     # ending the call while it is still sending makes its side see
                     # an INTERNAL error instead of the notice.
-                    await asyncio.wait([reader], timeout=self._linger)
+                    until_ended = asyncio.create_task(ended.wait())
+                    await asyncio.wait(
+                        [reader, until_ended],
+                        timeout=self._linger,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    until_ended.cancel()
                     break
         finally:
             reader.cancel()
@@ -204,6 +216,7 @@ class LinkSessions:
         session: Session,
         timeout: float,
         expires: dt.datetime,
+        ended: asyncio.Event,
     ) -> None:
         """Consume the machine's messages; end the link after 3 silent intervals,
         or once the certificate it connected with has expired."""
@@ -223,6 +236,11 @@ class LinkSessions:
             reason = CloseReason.TIMEOUT
             logger.info("machine %s: no heartbeat for %.1fs", session.machine_id, timeout)
         except StopAsyncIteration:
+            ended.set()
+            # The end of a killed machine's stream also reads as a clean end, and
+            # the call is torn down a moment later: wait for that before calling
+            # it a goodbye (a closing machine waits longer than this for us).
+            await asyncio.sleep(self._linger)
             reason = CloseReason.CLOSED
         except Exception as e:  # the stream broke: the link is over either way
             reason = CloseReason.BROKEN

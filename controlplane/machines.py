@@ -11,6 +11,7 @@ from controlplane import jsonstore
 from controlplane.accounts import AccountService
 from controlplane.audit import Auditor, Clock, utcnow
 from controlplane.authz import Principal
+from controlplane.intents import Intents
 from controlplane.records import (
     Machine,
     machine_index_key,
@@ -20,7 +21,9 @@ from controlplane.records import (
 )
 from shared.errors import (
     AlreadyExists,
+    IntegrityError,
     InvalidArgument,
+    MachineRevoked,
     NotFound,
     PermissionDenied,
     Unauthenticated,
@@ -100,11 +103,13 @@ class MachineService:
         accounts: AccountService,
         auditor: Auditor,
         clock: Clock = utcnow,
+        intents: Intents | None = None,
     ) -> None:
         self._store = store
         self._accounts = accounts
         self._audit = auditor
         self._clock = clock
+        self._intents = intents if intents is not None else Intents(store, clock)
         self._revoke_hooks: list[RevokeHook] = []
         # Revoked machine ids seen by this process: refused without a store read.
         self._revoked: set[str] = set()
@@ -125,8 +130,13 @@ class MachineService:
         info: MachineInfo,
         cert: IssuedCert,
         token_id: str,
+        join_intent: str = "",
     ) -> Machine:
-        """Write a new machine's record and its id -> account index entry."""
+        """Write a new machine's record and its id -> account index entry.
+
+        With ``join_intent`` the join is held until :meth:`confirm` (the
+        machine's first connection) commits that intent.
+        """
         machine = Machine(
             machine_id=validate_id("machine", machine_id, "machine_id"),
             account_id=validate_id("account", account_id, "account_id"),
@@ -139,6 +149,7 @@ class MachineService:
             box_public_key=info.box_public_key,
             signing_public_key=info.signing_public_key,
             token_id=token_id,
+            join_intent=join_intent,
         )
         await jsonstore.create(
             self._store, machine_index_key(machine_id), {"account_id": account_id}
@@ -154,16 +165,27 @@ class MachineService:
         return machine
 
     async def _load(self, account_id: str, machine_id: str) -> Machine:
+        """The record, pending joins included; a refused (forged) one is NotFound."""
         try:
             data = await jsonstore.read(self._store, machine_key(account_id, machine_id))
-        except NotFound:
+        except (NotFound, IntegrityError):
             raise NotFound("machine", machine_id) from None
-        return Machine.from_dict(data)
+        machine = Machine.from_dict(data)
+        if machine.machine_id != machine_id or machine.account_id != account_id:
+            raise NotFound("machine", machine_id)
+        return machine
+
+    async def load_any(self, account_id: str, machine_id: str) -> Machine | None:
+        """The record whatever its state (for roll-back and fsck), or None."""
+        try:
+            return await self._load(account_id, machine_id)
+        except NotFound:
+            return None
 
     async def _owner(self, machine_id: str) -> str:
         try:
             data = await jsonstore.read(self._store, machine_index_key(machine_id))
-        except NotFound:
+        except (NotFound, IntegrityError):
             raise NotFound("machine", machine_id) from None
         return validate_id("account", str(data.get("account_id", "")), "account_id")
 
@@ -175,12 +197,37 @@ class MachineService:
         return await self._load(account_id, machine_id)
 
     async def list(self, principal: Principal, account_id: str = "") -> list[Machine]:
-        """Machines of one account, or of every account for the operator; oldest first."""
+        """Machines of one account, or of every account for the operator; oldest first.
+
+        A machine whose join is not confirmed yet is listed (it is joining, not
+        an orphan): it connects, or its join is rolled back and it goes.
+        """
         out: list[Machine] = []
         for acct in await self._accounts.scope_ids(principal, account_id):
             records = await jsonstore.read_all(self._store, machines_prefix(acct), "machine")
-            out.extend(Machine.from_dict(d) for d in records)
+            machines = (Machine.from_dict(d) for d in records)
+            out.extend(m for m in machines if m.account_id == acct)
         return out
+
+    async def confirm(self, machine: Machine) -> Machine:
+        """The machine connected with its certificate: commit its join (idempotent)."""
+        intent_id = machine.join_intent
+        if not intent_id:
+            return machine
+
+        def change(d: dict[str, Any]) -> dict[str, Any] | None:
+            if d.get("join_intent") != intent_id:
+                return None
+            return {**d, "join_intent": ""}
+
+        data = await jsonstore.update(
+            self._store, machine_key(machine.account_id, machine.machine_id), change
+        )
+        # The record no longer names the intent, so a crash here leaves an intent
+        # whose roll-back finds the join confirmed and keeps it.
+        await self._intents.commit_id(intent_id)
+        logger.info("machine %s: join confirmed", machine.machine_id)
+        return Machine.from_dict(data)
 
     async def rename(self, principal: Principal, machine_id: str, name: str) -> Machine:
         """Rename a machine."""
@@ -227,16 +274,18 @@ class MachineService:
         is being deleted.
         """
         if peer.machine_id in self._revoked:
-            raise Unauthenticated("link: machine revoked")
+            raise MachineRevoked("link: machine revoked")
         try:
             machine = await self._load(peer.account_id, peer.machine_id)
         except NotFound:
             raise Unauthenticated("link: unknown machine") from None
         if machine.revoked:
             self._revoked.add(machine.machine_id)
-            raise Unauthenticated("link: machine revoked")
+            raise MachineRevoked("link: machine revoked")
         if not machine.accepts_serial(peer.serial):
             raise Unauthenticated("link: certificate superseded")
+        # Its certificate proves the machine got the join reply: commit the join.
+        machine = await self.confirm(machine)
         if await self._accounts.is_deleting(peer.account_id):
             raise PermissionDenied("link: account is being deleted")
         return machine
@@ -250,7 +299,7 @@ class MachineService:
 
         def change(d: dict[str, Any]) -> dict[str, Any]:
             if d.get("revoked"):
-                raise Unauthenticated("link: machine revoked")
+                raise MachineRevoked("link: machine revoked")
             return {
                 **d,
                 "previous_cert_serial": d.get("cert_serial", ""),

@@ -2,6 +2,15 @@
 
 Repair (re-pairing a known machine id with a fresh key) arrives in a later
 release: every join makes a new machine.
+
+A join writes three objects (the token's use, the machine's index entry, its
+record) under one ``join`` intent (:mod:`controlplane.intents`) that is HELD:
+the reply may never reach the machine, so the join commits only when the
+machine first connects with its new certificate (:meth:`MachineService.confirm`).
+Until then the machine is listed but holds the intent. An abandoned join is rolled
+back (record, index entry, and the token use given back) at once when no
+record was written (no reply can have gone out), else once the machine has had
+``confirm_grace`` seconds to connect.
 """
 
 from __future__ import annotations
@@ -11,11 +20,14 @@ import logging
 from dataclasses import dataclass
 
 from controlplane.accounts import AccountService
+from controlplane.intents import Intent, Intents
 from controlplane.machines import AuthorizedPeer, MachineInfo, MachineService
-from controlplane.records import Account, Machine
+from controlplane.records import Account, Machine, machine_index_key, machine_key
 from controlplane.tokens import TokenService
 from shared import tls
 from shared.errors import InvalidState, Unauthenticated
+from shared.ids import validate_id
+from shared.store.base import ObjectStore
 from shared.tls import CertKey, IssuedCert
 
 __all__ = ["JoinResult", "Pairing"]
@@ -26,6 +38,7 @@ logger = logging.getLogger(__name__)
 #: (or the configured threshold, if larger): it bounds how often a machine, or a
 #: thief of its current key, can mint certificates.
 RENEW_EARLIEST = 0.5
+_JOIN = "join"
 
 
 @dataclass(frozen=True)
@@ -48,12 +61,21 @@ class Pairing:
         accounts: AccountService,
         ca: CertKey,
         cert_lifetime: dt.timedelta,
+        *,
+        intents: Intents | None = None,
+        confirm_grace: float = 300.0,
+        store: ObjectStore | None = None,
     ) -> None:
         self._tokens = tokens
         self._machines = machines
         self._accounts = accounts
         self._ca = ca
         self._lifetime = cert_lifetime
+        self._intents = intents
+        self._confirm_grace = confirm_grace
+        self._store = store
+        if intents is not None:
+            intents.register(_JOIN, self._roll_back_join)
 
     async def join(self, token_value: str, csr_pem: str, info: MachineInfo) -> JoinResult:
         """Validate everything, use the token once, sign the CSR, write the machine.
@@ -63,9 +85,35 @@ class Pairing:
         """
         clean = info.validate()
         tls.check_csr(csr_pem)
-        token = await self._tokens.consume(token_value)
-        account = await self._accounts.require_active(token.account_id, "join")
+        if self._intents is None:
+            token = await self._tokens.consume(token_value)
+            return await self._register(token.account_id, token.token_id, csr_pem, clean, "")
+        token = await self._tokens.check(token_value)
         machine_id = self._machines.new_machine_id()
+        # Held: committed by the machine's first connection, see the module doc.
+        async with self._intents.change(
+            _JOIN,
+            hold=True,
+            account_id=token.account_id,
+            token_id=token.token_id,
+            machine_id=machine_id,
+        ) as intent:
+            await self._tokens.use(token, intent.intent_id)
+            return await self._register(
+                token.account_id, token.token_id, csr_pem, clean, intent.intent_id, machine_id
+            )
+
+    async def _register(
+        self,
+        account_id: str,
+        token_id: str,
+        csr_pem: str,
+        info: MachineInfo,
+        intent_id: str,
+        machine_id: str = "",
+    ) -> JoinResult:
+        account = await self._accounts.require_active(account_id, "join")
+        machine_id = machine_id or self._machines.new_machine_id()
         cert = tls.sign_client_csr(
             self._ca,
             csr_pem,
@@ -74,9 +122,28 @@ class Pairing:
             lifetime=self._lifetime,
         )
         machine = await self._machines.register(
-            account.account_id, machine_id, clean, cert, token.token_id
+            account.account_id, machine_id, info, cert, token_id, join_intent=intent_id
         )
         return JoinResult(machine, account, cert, self._ca.cert_pem)
+
+    async def _roll_back_join(self, intent: Intent, age: float) -> bool:
+        """Undo a join that was never confirmed (see the module doc); idempotent."""
+        assert self._store is not None, "Pairing needs the store to roll joins back"
+        acct = validate_id("account", intent.fields.get("account_id", ""), "account_id")
+        tok = validate_id("token", intent.fields.get("token_id", ""), "token_id")
+        mc = validate_id("machine", intent.fields.get("machine_id", ""), "machine_id")
+        machine = await self._machines.load_any(acct, mc)
+        if machine is not None:
+            if machine.join_intent != intent.intent_id or machine.revoked:
+                # Confirmed before the intent was deleted, or revoked by an operator
+                # (who saw it): keep the record and the token use.
+                return True
+            if age < self._confirm_grace:
+                return False  # the reply may be on its way: give the machine time
+            await self._store.delete(machine_key(acct, mc))
+        await self._store.delete(machine_index_key(mc))
+        await self._tokens.give_back(acct, tok, intent.intent_id)
+        return True
 
     async def renew_presented(
         self, peer: AuthorizedPeer, csr_pem: str, threshold: float

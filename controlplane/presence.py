@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from controlplane.audit import Clock, utcnow
 from controlplane.records import Machine, Presence, decode, encode, presence_key
-from shared.errors import AgentsError, NotFound
+from shared.errors import AgentsError, IntegrityError, NotFound
 from shared.store.base import ObjectStore
 
 __all__ = [
@@ -231,7 +231,8 @@ class PresenceRegistry:
             return MachineStatus(machine, True, live.last_seen_at, live.version, live.agent_count)
         try:
             data = await self._store.get(presence_key(machine.account_id, machine.machine_id))
-        except NotFound:
+        except (NotFound, IntegrityError):
+            # Missing, or refused (forged): either way nothing is known about it.
             return MachineStatus(machine, False, None, machine.version, 0)
         rec = Presence.from_dict(decode(data, "presence"))
         return MachineStatus(

@@ -222,6 +222,8 @@ class JoinToken(_Record):
     created_by: str = ""
     """The credential id that created it."""
     repair_machine_id: str = ""
+    used_by: tuple[str, ...] = ()
+    """Intent ids of the joins that took a use: a join rolled back gives its use back."""
 
     def state(self, now: dt.datetime) -> str:
         """ "revoked", "used", "expired" or "active", in that order of precedence."""
@@ -256,6 +258,9 @@ class Machine(_Record):
     provider: str = ""
     token_id: str = ""
     """The join token it joined with."""
+    join_intent: str = ""
+    """Set while the join is not confirmed (the machine has not connected yet): such a
+    machine is rolled back if it never connects (controlplane.pairing)."""
 
     def accepts_serial(self, serial: str) -> bool:
         """Whether a client certificate with ``serial`` may act as this machine."""

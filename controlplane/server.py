@@ -19,6 +19,7 @@ from typing import Self
 
 import grpc
 import grpc.aio
+from grpc_health.v1._async import HealthServicer
 from prometheus_client import CollectorRegistry
 
 from controlplane.accounts import AccountService
@@ -27,6 +28,8 @@ from controlplane.admin_servicer import AdminServicer
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService
 from controlplane.config import ControlConfig, parse_hostport
+from controlplane.integrity import DeploymentGuard, TrustedStore, open_trusted_store
+from controlplane.intents import Intents
 from controlplane.keys import HomeKeys, load_home_keys
 from controlplane.link_servicer import LinkServicer
 from controlplane.machines import MachineService
@@ -35,6 +38,7 @@ from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry
 from controlplane.tokens import TokenService
 from shared.atomic import write_atomic
+from shared.errors import AgentsError, StoreUnavailable
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
 from shared.rpc import ErrorInterceptor, serve_health_and_reflection
@@ -68,16 +72,27 @@ class Services:
 
     def __init__(self, cfg: ControlConfig, store: ObjectStore, keys: HomeKeys) -> None:
         self.auditor = Auditor(store)
-        self.accounts = AccountService(store, self.auditor)
+        # One intent log for every multi-object change (controlplane.intents).
+        self.intents = Intents(store)
+        self.accounts = AccountService(store, self.auditor, intents=self.intents)
         self.credentials = CredentialService(store, self.accounts, self.auditor)
-        self.tokens = TokenService(store, self.accounts, self.auditor, default_ttl=cfg.token_ttl)
-        self.machines = MachineService(store, self.accounts, self.auditor)
+        self.tokens = TokenService(
+            store,
+            self.accounts,
+            self.auditor,
+            default_ttl=cfg.token_ttl,
+            intents=self.intents,
+        )
+        self.machines = MachineService(store, self.accounts, self.auditor, intents=self.intents)
         self.pairing = Pairing(
             self.tokens,
             self.machines,
             self.accounts,
             keys.ca,
             dt.timedelta(days=cfg.cert_lifetime_days),
+            intents=self.intents,
+            confirm_grace=cfg.join_confirm_grace,
+            store=store,
         )
 
 
@@ -88,7 +103,9 @@ class ControlPlane:
         self.cfg = cfg
         self.registry = new_registry()
         self.metrics = ControlMetrics(self.registry)
-        self._store: ObjectStore | None = None
+        self._store: TrustedStore | None = None
+        self._checker: asyncio.Task[None] | None = None
+        self._health: HealthServicer | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
         self._presence: PresenceRegistry | None = None
@@ -116,10 +133,16 @@ class ControlPlane:
         """Open the store, bind both listeners and /metrics, write serve.json."""
         cfg = self.cfg
         keys = load_home_keys(cfg.home)
-        self._store = await open_control_store(cfg, self.registry)
-        services = Services(cfg, self._store, keys)
+        self._store = trusted = await open_trusted_store(cfg, keys, self.registry)
+        # Refuse a store that is not this deployment's before anything is served.
+        await trusted.guard.verify()
+        trusted.guard.check()
+        services = Services(cfg, trusted.store, keys)
+        recovered = await services.intents.recover()
+        if recovered:
+            logger.warning("rolled back %d change(s) a previous run left unfinished", recovered)
         presence = PresenceRegistry(
-            self._store,
+            trusted.store,
             write_interval=cfg.presence_write_interval,
             on_change=self.metrics.machines_online.set,
         )
@@ -178,6 +201,10 @@ class ControlPlane:
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         self._health = await serve_health_and_reflection(server, [LINK_SERVICE, ADMIN_SERVICE])
         await server.start()
+        self._checker = asyncio.create_task(
+            _self_check(trusted.guard, services.intents, cfg.heartbeat_interval),
+            name="store-self-check",
+        )
         metrics_addr = ""
         if cfg.metrics_listen:
             mhost, mport = parse_hostport(cfg.metrics_listen, "metrics_listen")
@@ -207,6 +234,14 @@ class ControlPlane:
     async def stop(self, grace: float) -> None:
         """Drain for ``grace`` seconds, then close the server, /metrics and the store."""
         self._stopped.set()
+        if self._checker is not None:
+            checker, self._checker = self._checker, None
+            checker.cancel()
+            await asyncio.gather(checker, return_exceptions=True)
+        if self._health is not None:
+            health, self._health = self._health, None
+            # Load balancers and probes stop sending new work before the drain starts.
+            await health.enter_graceful_shutdown()
         if self._server is not None:
             server, self._server = self._server, None
             # Connect streams never end by themselves: close them first so the
@@ -224,6 +259,24 @@ class ControlPlane:
             self.cfg.serve_path.unlink()
         except FileNotFoundError:
             pass
+
+
+async def _self_check(guard: DeploymentGuard, intents: Intents, interval: float) -> None:
+    """Every ``interval`` seconds: is the store still ours; then finish abandoned changes.
+
+    One GET a tick. The heartbeat interval is the period machines notice us by,
+    so a swapped store is noticed about as fast as a machine would be.
+    """
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await guard.verify()
+            if guard.problem is None:
+                await intents.recover()
+        except StoreUnavailable as e:
+            logger.debug("self-check: store unavailable: %s", e)
+        except AgentsError as e:
+            logger.warning("self-check: %s", e)
 
 
 def _bracket(host: str) -> str:

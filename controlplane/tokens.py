@@ -13,8 +13,9 @@ from controlplane.audit import Auditor, Clock, utcnow
 from controlplane.authz import Principal
 from controlplane.config import MAX_TOKEN_TTL
 from controlplane.hashing import hash_secret, new_secret, split_bearer, verify_secret
+from controlplane.intents import Intent, Intents
 from controlplane.records import JoinToken, token_index_key, token_key, tokens_prefix
-from shared.errors import InvalidArgument, NotFound, Unauthenticated
+from shared.errors import IntegrityError, InvalidArgument, NotFound, Unauthenticated
 from shared.ids import new_id, validate_id
 from shared.store.base import ObjectStore
 
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 #: The most joins one token may allow.
 MAX_USES: Final = 1000
 _PURPOSE: Final = "token"
+_CREATE: Final = "token.create"
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,15 @@ class TokenService:
         *,
         default_ttl: int = 3600,
         clock: Clock = utcnow,
+        intents: Intents | None = None,
     ) -> None:
         self._store = store
         self._accounts = accounts
         self._audit = auditor
         self._default_ttl = default_ttl
         self._clock = clock
+        self._intents = intents if intents is not None else Intents(store, clock)
+        self._intents.register(_CREATE, self._roll_back_create)
 
     async def create(
         self,
@@ -99,10 +104,23 @@ class TokenService:
             max_uses=uses,
             created_by=principal.credential_id,
         )
-        await jsonstore.create(self._store, token_index_key(token_id), {"account_id": account_id})
-        await jsonstore.create(self._store, token_key(account_id, token_id), token.to_dict())
+        # Index and record under one intent (controlplane.intents); deleting it is the
+        # commit point, and the value is shown only after it.
+        async with self._intents.change(_CREATE, account_id=account_id, token_id=token_id):
+            await jsonstore.create(
+                self._store, token_index_key(token_id), {"account_id": account_id}
+            )
+            await jsonstore.create(self._store, token_key(account_id, token_id), token.to_dict())
         await self._audit.record(principal.credential_id, "token.create", token_id, account_id)
         return NewToken(token, f"{token_id}.{secret}")
+
+    async def _roll_back_create(self, intent: Intent, age: float) -> bool:
+        """Undo a token create that never committed: the record, then its index entry."""
+        acct = validate_id("account", intent.fields.get("account_id", ""), "account_id")
+        tok = validate_id("token", intent.fields.get("token_id", ""), "token_id")
+        await self._store.delete(token_key(acct, tok))
+        await self._store.delete(token_index_key(tok))
+        return True
 
     async def _owner(self, token_id: str) -> str:
         data = await jsonstore.read(self._store, token_index_key(token_id))
@@ -142,8 +160,12 @@ class TokenService:
         )
         return JoinToken.from_dict(data)
 
-    async def consume(self, value: str) -> JoinToken:
-        """Check a presented token and use it once (compare-and-swap on its use count).
+    async def consume(self, value: str, intent_id: str = "") -> JoinToken:
+        """:meth:`check` a presented token, then :meth:`use` it once."""
+        return await self.use(await self.check(value), intent_id)
+
+    async def check(self, value: str) -> JoinToken:
+        """The token ``value`` names, if its secret matches and it may be used (reads only).
 
         Raises Unauthenticated ("join: token expired", ...) or PermissionDenied
         when the account is deleted or being deleted. Never echoes the secret.
@@ -156,23 +178,49 @@ class TokenService:
             account_id = await self._owner(token_id)
             key = token_key(account_id, token_id)
             token = JoinToken.from_dict(await jsonstore.read(self._store, key))
-        except NotFound:
+        except (NotFound, IntegrityError):
+            # A refused (forged) record answers like a missing one: it grants nothing.
             raise Unauthenticated(_BAD_TOKEN) from None
+        if token.account_id != account_id or token.token_id != token_id:
+            raise Unauthenticated(_BAD_TOKEN)
         if not verify_secret(_PURPOSE, token_id, secret, token.secret_hash):
             # Same words as an unknown id: the answer must not tell which ids exist.
             raise Unauthenticated(_BAD_TOKEN)
         self._check_usable(token)
         await self._accounts.require_active(account_id, "join")
+        return token
+
+    async def use(self, token: JoinToken, intent_id: str = "") -> JoinToken:
+        """Take one use (compare-and-swap); ``intent_id`` names the join taking it, so a
+        rolled-back join can give it back (:meth:`give_back`)."""
 
         def change(d: dict[str, Any]) -> dict[str, Any]:
             # Re-checked on every CAS attempt: a concurrent join may have used it up.
             self._check_usable(JoinToken.from_dict(d))
-            return {**d, "uses": int(d.get("uses", 0)) + 1}
+            used_by = [*d.get("used_by", [])]
+            if intent_id:
+                used_by.append(intent_id)
+            return {**d, "uses": int(d.get("uses", 0)) + 1, "used_by": used_by}
 
-        data = await jsonstore.update(self._store, key, change)
-        used = JoinToken.from_dict(data)
-        await self._audit.record(token_id, "token.use", token_id, account_id)
+        key = token_key(token.account_id, token.token_id)
+        used = JoinToken.from_dict(await jsonstore.update(self._store, key, change))
+        await self._audit.record(token.token_id, "token.use", token.token_id, token.account_id)
         return used
+
+    async def give_back(self, account_id: str, token_id: str, intent_id: str) -> None:
+        """Return the use ``intent_id`` took, if it took one (idempotent)."""
+
+        def change(d: dict[str, Any]) -> dict[str, Any] | None:
+            used_by = [*d.get("used_by", [])]
+            if intent_id not in used_by:
+                return None
+            used_by.remove(intent_id)
+            return {**d, "uses": max(0, int(d.get("uses", 0)) - 1), "used_by": used_by}
+
+        try:
+            await jsonstore.update(self._store, token_key(account_id, token_id), change)
+        except NotFound:
+            return  # the token itself is gone: nothing to give back
 
     def _check_usable(self, token: JoinToken) -> None:
         state = token.state(self._clock())

@@ -45,7 +45,7 @@ from shared.errors import (
 )
 from shared.ids import is_valid_id, validate_id
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
-from shared.rpc import rpc_errors
+from shared.rpc import domain_error
 
 __all__ = [
     "JoinResult",
@@ -253,6 +253,14 @@ def _link_address(reply: link_pb2.JoinResponse, host: str, port: int) -> str:
     )
 
 
+def _connection_lost(e: grpc.aio.AioRpcError) -> bool:
+    """UNAVAILABLE from the transport (no status detail of ours): the server went away."""
+    if e.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailers: tuple[tuple[str, object], ...] = tuple(e.trailing_metadata() or ())  # type: ignore[arg-type]
+    return not any(key == "grpc-status-details-bin" for key, _ in trailers)
+
+
 async def join_control_plane(
     *, data_dir: Path, address: str, token: str, ca_hash: str, name: str | None
 ) -> JoinResult:
@@ -293,8 +301,19 @@ async def join_control_plane(
     async with grpc.aio.secure_channel(target, creds) as channel:
         stub = link_pb2_grpc.MachineLinkStub(channel)
         try:
-            async with rpc_errors():
+            try:
                 reply = await stub.Join(request, timeout=JOIN_TIMEOUT)
+            except grpc.aio.AioRpcError as e:
+                if _connection_lost(e):
+                    raise TransientError(
+                        f"join {target}: cannot reach the control plane (the connection was "
+                        f"lost: {e.details()}); run the same command again (a join that did "
+                        "not complete gives its token back within minutes)"
+                    ) from None
+                raise domain_error(e) from None
+        except TransientError as e:
+            logger.warning("join %s failed: %s", target, e)
+            raise
         except AgentsError as e:
             logger.warning("join %s refused: %s: %s", target, type(e).__name__, e)
             raise

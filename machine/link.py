@@ -9,10 +9,16 @@ acknowledges each once that returns (the callback stores it durably).
 Reconnect policy: a failed attempt is retried forever with exponential backoff
 and full jitter (``backoff_initial`` doubling up to ``backoff_max`` seconds),
 so a thousand machines that lose the control plane at once come back spread
-out. A stream that was up for a while and then dropped starts over at the
-shortest wait. The link stops for good (and logs an ERROR) when the control
-plane says ``revoked`` or ``account_deleted``, or refuses the stream with
-UNAUTHENTICATED or PERMISSION_DENIED.
+out. A stream that was up for a while and then dropped is retried at once
+(a restarted control plane is usually back by then; if not, the jittered
+backoff spreads the fleet). The link stops for good (and logs an ERROR) only
+when the control plane says ``revoked`` or ``account_deleted``, or refuses the
+stream as revoked (:class:`~shared.errors.MachineRevoked`) or with
+PERMISSION_DENIED (account deleted). Any other refusal ("unknown machine",
+"certificate superseded": a control plane whose store is being restored may
+say so) keeps the machine's identity and retries every ``refused_retry``
+seconds (jittered), so it comes back by itself once the control plane knows
+it again.
 
 Renewal: once less than ``renew_fraction`` of the certificate's lifetime is
 left (timed from when we received it), or when the control plane says
@@ -48,6 +54,7 @@ from shared.errors import (
     IntegrityError,
     InvalidArgument,
     InvalidState,
+    MachineRevoked,
     PermissionDenied,
     TransientError,
     Unauthenticated,
@@ -102,6 +109,10 @@ class Delivery:
     """When it was sent (UTC)."""
 
 
+class _Refused(Exception):
+    """The control plane refused this machine, but not for good: retry slowly."""
+
+
 class _Stop(Exception):
     """The control plane told us to stop for good."""
 
@@ -151,7 +162,9 @@ async def _read(call: _Call) -> link_pb2.ControlMessage | None:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    return not isinstance(exc, _Stop | asyncio.CancelledError | InvalidState | IntegrityError)
+    return not isinstance(
+        exc, _Stop | _Refused | asyncio.CancelledError | InvalidState | IntegrityError
+    )
 
 
 class ControlLink:
@@ -167,9 +180,10 @@ class ControlLink:
         registry: CollectorRegistry | None = None,
         renew_fraction: float = 1 / 3,
         backoff_initial: float = 0.5,
-        backoff_max: float = 30.0,
+        backoff_max: float = 10.0,
         handshake_timeout: float = 10.0,
         stable_after: float = 10.0,
+        refused_retry: float = 300.0,
     ) -> None:
         if not 0 < renew_fraction < 1:
             raise InvalidArgument("renew_fraction", "must be between 0 and 1")
@@ -184,6 +198,7 @@ class ControlLink:
         self._backoff_max = backoff_max
         self._handshake_timeout = handshake_timeout
         self._stable_after = stable_after
+        self._refused_retry = refused_retry
         self._metrics = _Metrics(registry if registry is not None else CollectorRegistry())
         self._state = LinkState.STARTING
         self._state_changed = asyncio.Condition()
@@ -298,13 +313,17 @@ class ControlLink:
                     before_sleep=self._before_sleep,
                     sleep=self._interruptible_sleep,
                 )
-                async for attempt in retrying:
-                    with attempt:
-                        await self._session()
-                if not self._stop.is_set():
-                    # A long-lived stream ended: come back after a short random
-                    # pause so a restarted control plane is not hit all at once.
-                    await self._interruptible_sleep(self._backoff_initial * random.random())
+                try:
+                    async for attempt in retrying:
+                        with attempt:
+                            await self._session()
+                except _Refused as refused:
+                    # Keep the identity: only an explicit revoke or account deletion is final.
+                    wait = self._refused_retry * (0.5 + random.random() / 2)
+                    logger.warning("%s; trying again in %.0fs", refused, wait)
+                    await self._set_state(LinkState.BACKING_OFF)
+                    await self._interruptible_sleep(wait)
+                # A long-lived stream ended: try again at once (see the module doc).
         except _Stop as stop:
             self._final_reason = stop.reason
             logger.error(
@@ -345,7 +364,14 @@ class ControlLink:
         try:
             await self._converse(call, stub, keys)
         except grpc.aio.AioRpcError as e:
-            raise self._map_error(e) from None
+            err = self._map_error(e)
+            stable = time.monotonic() - started >= self._stable_after
+            if not (stable and self._state is LinkState.CONNECTED and _is_transient(err)):
+                raise err from None
+            # A stream that was up for a while broke (a control plane killed or
+            # restarted): retry at once, like after a clean close.
+            logger.warning("control link: the stream broke (%s); reconnecting", err)
+            return
         finally:
             call.cancel()
             await channel.close(grace=None)
@@ -363,8 +389,13 @@ class ControlLink:
         if isinstance(err, PermissionDenied):
             # The control plane's answer for an account deleted or being deleted.
             return _Stop(LinkState.ACCOUNT_DELETED, f"the control plane refused the account: {err}")
-        if isinstance(err, Unauthenticated):
+        if isinstance(err, MachineRevoked) or (
+            # A control plane without the error detail says it in words.
+            isinstance(err, Unauthenticated) and "machine revoked" in err.message
+        ):
             return _Stop(LinkState.REVOKED, f"the control plane refused this machine: {err}")
+        if isinstance(err, Unauthenticated):
+            return _Refused(f"control link: the control plane refused this machine: {err}")
         return err
 
     async def _converse(

@@ -20,6 +20,7 @@ imports ``grpc``.
     ├── QuotaExceeded              what, limit              -> RESOURCE_EXHAUSTED
     ├── DiskFull                   what, folder             -> RESOURCE_EXHAUSTED
     ├── Unauthenticated                                     -> UNAUTHENTICATED
+    │   └── MachineRevoked         the machine was revoked: it stops for good
     ├── PermissionDenied                                    -> PERMISSION_DENIED
     ├── IntegrityError             what                     -> DATA_LOSS
     │   └── DatabaseDamaged        what, path
@@ -28,9 +29,11 @@ imports ``grpc``.
     ├── DeadlineExceeded                                    -> DEADLINE_EXCEEDED
     ├── TransientError             (retryable)              -> UNAVAILABLE
     │   ├── StoreUnavailable
+    │   │   └── StoreUntrusted     the store is not this deployment's (swapped, emptied)
     │   └── ProviderUnavailable    a machine provider did not answer
     ├── StoreError                 (permanent store fault)  -> INTERNAL
-    │   └── StoreIncompatible      the bucket lacks a feature we need
+    │   ├── StoreIncompatible      the bucket lacks a feature we need
+    │   └── StoreMisconfigured     missing bucket, wrong credentials -> FAILED_PRECONDITION
     ├── ConfigError                field, reason            (CLI only)
     └── RpcError                   code, details            (client side, unmapped)
 """
@@ -51,6 +54,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidId",
     "InvalidState",
+    "MachineRevoked",
     "NotFound",
     "PermissionDenied",
     "PreconditionFailed",
@@ -60,7 +64,9 @@ __all__ = [
     "RpcError",
     "StoreError",
     "StoreIncompatible",
+    "StoreMisconfigured",
     "StoreUnavailable",
+    "StoreUntrusted",
     "TooLarge",
     "TransientError",
     "Unauthenticated",
@@ -174,6 +180,10 @@ class Unauthenticated(AgentsError):
     """No valid credential was presented."""
 
 
+class MachineRevoked(Unauthenticated):
+    """A revoked machine's certificate was presented: unlike other refusals, final."""
+
+
 class PermissionDenied(AgentsError):
     """The caller is known but may not do this."""
 
@@ -232,12 +242,23 @@ class ProviderUnavailable(TransientError):
     """A machine provider could not be reached or was throttled (retry later)."""
 
 
+class StoreUntrusted(StoreUnavailable):
+    """The store answers but is not this deployment's (emptied, swapped, forged marker).
+
+    Nothing is read from or written to it until it is the right one again.
+    """
+
+
 class StoreError(AgentsError):
     """A permanent object-store fault (bad credentials, bad bucket...)."""
 
 
 class StoreIncompatible(StoreError):
     """The store lacks a feature we rely on (e.g. conditional writes)."""
+
+
+class StoreMisconfigured(StoreError):
+    """The store cannot work as configured: a missing bucket, refused credentials."""
 
 
 class ConfigError(AgentsError):

@@ -37,6 +37,7 @@ KINDS: Final[dict[str, str]] = {
     "token": "tok",
     "credential": "adm",
     "audit": "au",
+    "intent": "int",
 }
 
 _BODY: Final = f"[{_ALPHABET}]{{26}}"

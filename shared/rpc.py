@@ -62,6 +62,9 @@ STATUS_TABLE: tuple[tuple[type[E.AgentsError], grpc.StatusCode], ...] = (
     (E.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (E.TransientError, grpc.StatusCode.UNAVAILABLE),
     (E.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+    # Before StoreError: a missing bucket or refused credentials is the operator's
+    # to fix, and the message (naming the store) helps them; other faults stay INTERNAL.
+    (E.StoreMisconfigured, grpc.StatusCode.FAILED_PRECONDITION),
     (E.StoreError, grpc.StatusCode.INTERNAL),
 )
 
@@ -78,6 +81,7 @@ _BY_NAME: dict[str, type[E.AgentsError]] = {
         E.PreconditionFailed,
         E.QuotaExceeded,
         E.Unauthenticated,
+        E.MachineRevoked,
         E.PermissionDenied,
         E.IntegrityError,
         E.DatabaseDamaged,
@@ -89,6 +93,8 @@ _BY_NAME: dict[str, type[E.AgentsError]] = {
         E.StoreUnavailable,
         E.StoreError,
         E.StoreIncompatible,
+        E.StoreMisconfigured,
+        E.StoreUntrusted,
     )
 }
 # Attributes worth carrying across the wire (never secrets: they are ids and limits).

@@ -4,6 +4,7 @@ Open a store with :func:`open_store`; depend on :class:`ObjectStore` only.
 See ``docs/store.md``.
 """
 
+from shared.store.authenticated import AuthenticatedStore
 from shared.store.base import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -17,14 +18,16 @@ from shared.store.base import (
 from shared.store.folder import FolderStore
 from shared.store.memory import MemoryStore
 from shared.store.s3 import S3Config, S3Store
-from shared.store.url import StoreOptions, open_store, parse_store_url
-from shared.store.wrappers import METRIC_NAMESPACES, MeteredStore, RetryingStore
+from shared.store.url import StoreOptions, describe_store, open_store, parse_store_url
+from shared.store.wrappers import METRIC_NAMESPACES, DeadlineStore, MeteredStore, RetryingStore
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_PAGE_SIZE",
     "MAX_KEY_BYTES",
     "METRIC_NAMESPACES",
+    "AuthenticatedStore",
+    "DeadlineStore",
     "FolderStore",
     "MemoryStore",
     "MeteredStore",
@@ -35,6 +38,7 @@ __all__ = [
     "S3Config",
     "S3Store",
     "StoreOptions",
+    "describe_store",
     "open_store",
     "parse_store_url",
     "validate_key",

@@ -54,6 +54,7 @@ from shared.errors import (
     PreconditionFailed,
     StoreError,
     StoreIncompatible,
+    StoreMisconfigured,
     StoreUnavailable,
     TooLarge,
 )
@@ -126,6 +127,7 @@ class _Kind(enum.Enum):
     NOT_FOUND = "not_found"
     PRECONDITION = "precondition"
     UNAVAILABLE = "unavailable"
+    MISCONFIGURED = "misconfigured"
     PERMANENT = "permanent"
 
 
@@ -150,11 +152,20 @@ _ERROR_KINDS: Final[dict[str, _Kind]] = {
     "502": _Kind.UNAVAILABLE,
     "504": _Kind.UNAVAILABLE,
     "429": _Kind.UNAVAILABLE,
-    "NoSuchBucket": _Kind.PERMANENT,
-    "AccessDenied": _Kind.PERMANENT,
-    "403": _Kind.PERMANENT,
-    "InvalidAccessKeyId": _Kind.PERMANENT,
-    "SignatureDoesNotMatch": _Kind.PERMANENT,
+    "NoSuchBucket": _Kind.MISCONFIGURED,
+    "AccessDenied": _Kind.MISCONFIGURED,
+    "403": _Kind.MISCONFIGURED,
+    "InvalidAccessKeyId": _Kind.MISCONFIGURED,
+    "SignatureDoesNotMatch": _Kind.MISCONFIGURED,
+}
+
+#: What an operator reads for each misconfiguration (the S3 code follows in brackets).
+_CAUSES: Final[dict[str, str]] = {
+    "NoSuchBucket": "the bucket does not exist",
+    "AccessDenied": "access denied (check the credentials' permissions)",
+    "403": "access denied (check the credentials' permissions)",
+    "InvalidAccessKeyId": "the access key is not known to the server",
+    "SignatureDoesNotMatch": "the secret key is wrong",
 }
 
 #: Faults below HTTP: the server may be back in a moment.
@@ -186,9 +197,12 @@ def _translate(exc: BaseException, op: str, key: str, *, cas: bool = False) -> A
             return PreconditionFailed(key, f"{code or status}")
         if kind is _Kind.UNAVAILABLE:
             return StoreUnavailable(f"{op} {key}: server answered {code or status}")
+        if kind is _Kind.MISCONFIGURED:
+            cause = _CAUSES.get(code) or _CAUSES.get(str(status)) or "refused"
+            return StoreMisconfigured(f"{op} {key}: {cause} ({code or status})")
         return StoreError(f"{op} {key}: server answered {code or status}")
     if isinstance(exc, NoCredentialsError):
-        return StoreError(f"{op} {key}: no credentials configured")
+        return StoreMisconfigured(f"{op} {key}: no credentials configured")
     if isinstance(exc, _TRANSIENT_EXCEPTIONS):
         return StoreUnavailable(f"{op} {key}: {type(exc).__name__}")
     if isinstance(exc, BotoCoreError):
@@ -318,12 +332,14 @@ class S3Store(StoreBase):
         wrong = '"' + "0" * 32 + '"'
         try:
             with _mapped("probe", key):
-                first = await self._s3.put_object(
-                    Bucket=bucket, Key=full, Body=b"probe-1", IfNoneMatch="*"
-                )
-            if await self._put_lost(full, b"probe-2", IfNoneMatch="*"):
-                pass
-            else:
+                try:
+                    first = await self._s3.put_object(
+                        Bucket=bucket, Key=full, Body=b"probe-1", IfNoneMatch="*"
+                    )
+                except ClientError as exc:
+                    self._refuse_5xx(exc, "If-None-Match")
+                    raise
+            if not await self._put_lost(full, b"probe-2", IfNoneMatch="*"):
                 raise StoreIncompatible(
                     f"store {self._where()}: the server ignores If-None-Match on "
                     "PutObject, so create-only writes are unsafe"
@@ -367,10 +383,26 @@ class S3Store(StoreBase):
             mapped = _translate(exc, "probe", full, cas="IfMatch" in conditions)
             if isinstance(mapped, PreconditionFailed):
                 return True
+            self._refuse_5xx(exc, "If-Match" if "IfMatch" in conditions else "If-None-Match")
             raise mapped from exc
         except (TimeoutError, BotoCoreError, aiohttp.ClientError, OSError) as exc:
             raise _translate(exc, "probe", full) from exc
         return False
+
+    def _refuse_5xx(self, exc: ClientError, header: str) -> None:
+        """StoreIncompatible naming ``header`` when a conditional PutObject got a 5xx.
+
+        Some S3-compatible servers fail a header they do not implement with a 500
+        rather than ignoring it: name the feature, not just the status.
+        """
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if status >= 500:
+            raise StoreIncompatible(
+                f"store {self._where()}: the server answered {status} to a PutObject with "
+                f"{header}; it probably does not support conditional writes ({header}), "
+                "which this store needs (if the server is only having a bad moment, "
+                "try again)"
+            ) from exc
 
     async def _multipart_lost(self, full: str, **conditions: str) -> bool:
         """True if a conditional one-part multipart upload that must fail did fail."""

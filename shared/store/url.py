@@ -27,9 +27,9 @@ from shared.errors import InvalidArgument
 from shared.store.base import ObjectStore, validate_prefix
 from shared.store.folder import FolderStore
 from shared.store.s3 import S3Config, S3Store
-from shared.store.wrappers import MeteredStore, RetryingStore
+from shared.store.wrappers import DeadlineStore, MeteredStore, RetryingStore
 
-__all__ = ["StoreOptions", "open_store", "parse_store_url"]
+__all__ = ["StoreOptions", "describe_store", "open_store", "parse_store_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ class StoreOptions:
     """S3 endpoint (wins over the URL's ``endpoint``)."""
     spool_dir: Path | None = None
     """Temp folder for large conditional S3 writes on servers that need it."""
+    call_deadline: float | None = None
+    """Seconds one operation may take, retries included (``DeadlineStore``); None: unbounded."""
 
 
 def _bad(reason: str) -> InvalidArgument:
@@ -123,6 +125,17 @@ def parse_store_url(url: str, options: StoreOptions | None = None) -> Path | S3C
     return config
 
 
+def describe_store(url: str, options: StoreOptions | None = None) -> str:
+    """The store ``url`` names, for messages: never a credential or query parameter."""
+    return _where(parse_store_url(url, options))
+
+
+def _where(target: Path | S3Config) -> str:
+    if isinstance(target, Path):
+        return str(target)
+    return f"s3://{target.bucket}/{target.prefix}"
+
+
 async def open_store(
     url: str,
     *,
@@ -131,6 +144,9 @@ async def open_store(
     registry: CollectorRegistry | None = None,
 ) -> ObjectStore:
     """Open the store ``url`` names, wrapped in ``MeteredStore(RetryingStore(...))``.
+
+    With ``options.call_deadline``, ``MeteredStore(DeadlineStore(RetryingStore(...)))``:
+    a call that runs out of time is then measured as an ``unavailable`` fault.
 
     The result is open: close it with ``await store.close()`` or ``async with``.
     Raises InvalidArgument("store", ...) for a bad URL and StoreIncompatible for
@@ -144,4 +160,8 @@ async def open_store(
         backend = await FolderStore.open(target)
     else:
         backend = await S3Store.open(target)
-    return MeteredStore(RetryingStore(backend), namespace, registry)
+    inner: ObjectStore = RetryingStore(backend)
+    deadline = options.call_deadline if options is not None else None
+    if deadline is not None:
+        inner = DeadlineStore(inner, seconds=deadline, where=_where(target))
+    return MeteredStore(inner, namespace, registry)

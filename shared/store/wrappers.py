@@ -7,12 +7,13 @@ policy (:mod:`shared.retry`) and each try-sequence is measured once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Final, Self
+from typing import Any, Final, Self
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from tenacity import AsyncRetrying
@@ -23,6 +24,8 @@ from shared.errors import (
     InvalidArgument,
     NotFound,
     PreconditionFailed,
+    StoreError,
+    StoreUnavailable,
     TransientError,
 )
 from shared.retry import DEFAULT_ATTEMPTS, DEFAULT_TOTAL, retrying
@@ -35,12 +38,34 @@ from shared.store.base import (
     StoreBase,
 )
 
-__all__ = ["METRIC_NAMESPACES", "MeteredStore", "RetryingStore"]
+__all__ = [
+    "METRIC_NAMESPACES",
+    "DeadlineStore",
+    "MeteredStore",
+    "RetryingStore",
+    "StoreWrapper",
+]
 
 logger = logging.getLogger(__name__)
 
 
-class RetryingStore(StoreBase):
+class StoreWrapper(StoreBase):
+    """Base of the wrappers: holds ``inner``; entering or closing the wrapper enters
+    or closes the store it wraps."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+
+    async def close(self) -> None:
+        """Close the inner store."""
+        await self.inner.close()
+
+    async def __aenter__(self) -> Self:
+        await self.inner.__aenter__()
+        return self
+
+
+class RetryingStore(StoreWrapper):
     """Retries idempotent operations of ``inner`` on TransientError.
 
     Retried: get, head, delete, put of ``bytes`` (the data can be sent again),
@@ -56,7 +81,7 @@ class RetryingStore(StoreBase):
     def __init__(
         self, inner: ObjectStore, *, attempts: int = DEFAULT_ATTEMPTS, total: float = DEFAULT_TOTAL
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._attempts = attempts
         self._total = total
 
@@ -166,15 +191,6 @@ class RetryingStore(StoreBase):
             after = page[-1].key
             yield page
 
-    async def close(self) -> None:
-        """Close the inner store."""
-        await self.inner.close()
-
-    async def __aenter__(self) -> Self:
-        # Entering the wrapper enters the store it wraps; leaving closes it (StoreBase).
-        await self.inner.__aenter__()
-        return self
-
 
 #: The daemons' metric namespaces.
 METRIC_NAMESPACES: Final = frozenset({"agents_cp", "agents_machine"})
@@ -264,7 +280,7 @@ class _Timer:
             self._metrics.errors.labels(self._operation, outcome).inc()
 
 
-class MeteredStore(StoreBase):
+class MeteredStore(StoreWrapper):
     """Counts and times every operation of ``inner``.
 
     Metrics (labels ``operation`` and ``outcome`` only; never a key):
@@ -282,7 +298,7 @@ class MeteredStore(StoreBase):
     ) -> None:
         if namespace not in METRIC_NAMESPACES:
             raise InvalidArgument("namespace", f"must be one of {sorted(METRIC_NAMESPACES)}")
-        self.inner = inner
+        super().__init__(inner)
         self._metrics = _metrics(registry if registry is not None else REGISTRY, namespace)
 
     def _timer(self, operation: str) -> _Timer:
@@ -373,11 +389,95 @@ class MeteredStore(StoreBase):
             timer.done(None)
             yield page
 
-    async def close(self) -> None:
-        """Close the inner store."""
-        await self.inner.close()
 
-    async def __aenter__(self) -> Self:
-        # Entering the wrapper enters the store it wraps; leaving closes it (StoreBase).
-        await self.inner.__aenter__()
-        return self
+class DeadlineStore(StoreWrapper):
+    """Bounds every operation of ``inner`` by ``seconds`` and names the store in its faults.
+
+    Wrapped around :class:`RetryingStore`, the deadline covers the retries too, so a
+    frozen server costs a caller at most ``seconds`` (keep it shorter than the
+    deadline of whoever waits on the caller). A call that runs out of time raises
+    StoreUnavailable; store faults (StoreUnavailable, StoreError and their
+    subclasses) are re-raised as the same class with ``store <where>: `` in front
+    of the message, so an operator reading one line knows which store failed.
+    NotFound, PreconditionFailed, InvalidArgument and IntegrityError pass as they are.
+    """
+
+    def __init__(self, inner: ObjectStore, *, seconds: float, where: str) -> None:
+        if seconds <= 0:
+            raise InvalidArgument("seconds", "must be positive")
+        super().__init__(inner)
+        self._seconds = seconds
+        self._where = where
+
+    def _named(self, exc: AgentsError) -> AgentsError:
+        # Subclasses of both carry only a message, so rebuilding keeps the class.
+        return type(exc)(f"store {self._where}: {exc.message}")
+
+    def _late(self, op: str, key: str) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"store {self._where}: no answer within {self._seconds:g}s ({op} {key})"
+        )
+
+    async def _bounded(self, op: str, key: str, call: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._seconds):
+                return await call
+        except TimeoutError:
+            raise self._late(op, key) from None
+        except (StoreUnavailable, StoreError) as exc:
+            raise self._named(exc) from exc
+
+    async def get(self, key: str) -> bytes:
+        """See :meth:`ObjectStore.get`."""
+        data: bytes = await self._bounded("get", key, self.inner.get(key))
+        return data
+
+    async def get_stream(
+        self, key: str, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> AsyncIterator[bytes]:
+        """See :meth:`ObjectStore.get_stream`; each chunk is bounded."""
+        stream = self.inner.get_stream(key, chunk_size)
+        while True:
+            try:
+                chunk: bytes = await self._bounded("get", key, anext(stream))
+            except StopAsyncIteration:
+                return
+            yield chunk
+
+    async def head(self, key: str) -> ObjectInfo:
+        """See :meth:`ObjectStore.head`."""
+        info: ObjectInfo = await self._bounded("head", key, self.inner.head(key))
+        return info
+
+    async def put(
+        self,
+        key: str,
+        data: PutData,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> str:
+        """See :meth:`ObjectStore.put`. A put that runs out of time may still have landed."""
+        call = self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
+        etag: str = await self._bounded("put", key, call)
+        return etag
+
+    async def delete(self, key: str) -> None:
+        """See :meth:`ObjectStore.delete`."""
+        await self._bounded("delete", key, self.inner.delete(key))
+
+    async def list_pages(
+        self,
+        prefix: str = "",
+        *,
+        start_after: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncIterator[list[ObjectInfo]]:
+        """See :meth:`ObjectStore.list_pages`; each page is bounded."""
+        pages = self.inner.list_pages(prefix, start_after=start_after, page_size=page_size)
+        while True:
+            try:
+                page: list[ObjectInfo] = await self._bounded("list", prefix, anext(pages))
+            except StopAsyncIteration:
+                return
+            yield page

@@ -37,3 +37,17 @@ def test_precedence(tmp_path: Path) -> None:
 def test_validation_names_the_field(tmp_path: Path, flags: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         load_config({"home": tmp_path, **flags}, {})
+
+
+def test_every_setting_read_from_the_file_is_a_known_key() -> None:
+    # A setting read from config.toml but missing from FILE_KEYS is refused as
+    # "unknown key": the two lists must not drift apart.
+    import inspect
+    import re
+
+    from controlplane import config
+
+    source = inspect.getsource(config.load_config)
+    read = set(re.findall(r'get\(\s*"([a-z_]+)",\s*(?:"[A-Z_]+"|None)', source))
+    assert "listen" in read, "the pattern still finds the settings"
+    assert read - set(config.FILE_KEYS) == set()

@@ -232,4 +232,6 @@ async def test_closing_the_generator_cleans_up() -> None:
     assert w.presence.online_count == 1
     await notices.aclose()
     assert w.presence.session(machine_id) is None
-    assert w.count("disconnects", "closed") == 1
+    # Torn down without the machine's goodbye: broken, not closed.
+    assert w.count("disconnects", "broken") == 1
+    assert w.count("disconnects", "closed") == 0

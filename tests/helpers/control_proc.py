@@ -86,13 +86,18 @@ class ControlProc:
         return CliResult(proc.returncode, proc.stdout.decode(), proc.stderr.decode())
 
 
-def run_init(
-    home: Path, store_url: str, env: Mapping[str, str], extra: Sequence[str] = ()
-) -> ControlProc:
-    """``agents-control init`` with ephemeral ports; returns the credential it printed."""
-    full_env = {**os.environ, **env}
-    full_env.pop("AGENTS_CONTROL_CREDENTIAL", None)
-    argv = [
+def s3_env(endpoint: str) -> dict[str, str]:
+    """The environment that points a control plane at an S3 endpoint with test credentials."""
+    return {
+        "AGENTS_CONTROL_STORE_ENDPOINT": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret",
+    }
+
+
+def init_argv(home: Path, store_url: str, extra: Sequence[str] = ()) -> list[str]:
+    """``agents-control init`` on ephemeral loopback ports."""
+    return [
         str(agents_control_exe()),
         "init",
         "--home",
@@ -107,7 +112,17 @@ def run_init(
         "127.0.0.1:0",
         *extra,
     ]
-    proc = subprocess.run(argv, env=full_env, capture_output=True, timeout=60)
+
+
+def run_init(
+    home: Path, store_url: str, env: Mapping[str, str], extra: Sequence[str] = ()
+) -> ControlProc:
+    """``agents-control init`` with ephemeral ports; returns the credential it printed."""
+    full_env = {**os.environ, **env}
+    full_env.pop("AGENTS_CONTROL_CREDENTIAL", None)
+    proc = subprocess.run(
+        init_argv(home, store_url, extra), env=full_env, capture_output=True, timeout=60
+    )
     out = proc.stdout.decode()
     if proc.returncode != 0:
         raise AssertionError(f"init failed ({proc.returncode}): {proc.stderr.decode()}")

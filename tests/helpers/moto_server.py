@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-__all__ = ["free_port", "moto_server", "stripping_proxy"]
+__all__ = ["free_port", "moto_server", "start_moto", "stripping_proxy"]
 
 START_DEADLINE = 30.0
 
@@ -90,14 +90,44 @@ def moto_server(
     raise RuntimeError("moto server failed to start three times")
 
 
+def start_moto(port: int, deadline: float = START_DEADLINE) -> subprocess.Popen[bytes]:
+    """Start moto's server on ``127.0.0.1:port`` and wait (deadline) until it answers.
+
+    For tests that freeze (SIGSTOP), kill and restart the store: the caller
+    owns the process and must kill it at teardown.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    stop_at = time.monotonic() + deadline
+    while not _answers(f"http://127.0.0.1:{port}/moto-api/"):
+        if proc.poll() is not None or time.monotonic() > stop_at:
+            _stop(proc)
+            raise RuntimeError(f"moto server did not start on port {port}")
+        time.sleep(0.05)  # polling with a deadline, not synchronisation by sleep
+    return proc
+
+
 _DROPPED = frozenset(
     {"if-none-match", "if-match", "connection", "keep-alive", "proxy-connection", "host"}
 )
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
 
 
+_INTERNAL_ERROR = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+    b"<Message>We encountered an internal error.</Message></Error>"
+)
+
+
 def _handler(
-    upstream: str, *, strip: bool = True, seen: list[str] | None = None
+    upstream: str,
+    *,
+    strip: bool = True,
+    seen: list[str] | None = None,
+    fail_conditional: bool = False,
 ) -> type[BaseHTTPRequestHandler]:
     target = urlsplit(upstream)
     dropped = _DROPPED if strip else _DROPPED - {"if-none-match", "if-match"}
@@ -110,6 +140,15 @@ def _handler(
                 seen.append(f"{self.command} {self.path}")
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
+            conditional = "If-None-Match" in self.headers or "If-Match" in self.headers
+            if fail_conditional and self.command == "PUT" and conditional:
+                # Like some S3-compatible servers: a 500 for a header they do not implement.
+                self.send_response(500)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(_INTERNAL_ERROR)))
+                self.end_headers()
+                self.wfile.write(_INTERNAL_ERROR)
+                return
             headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
             headers["Host"] = target.netloc
             conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
@@ -140,6 +179,13 @@ def _handler(
 def stripping_proxy(upstream: str) -> Iterator[str]:
     """Yield the URL of a proxy to ``upstream`` that drops conditional headers."""
     with _proxy(_handler(upstream)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def failing_conditions_proxy(upstream: str) -> Iterator[str]:
+    """Yield the URL of a proxy to ``upstream`` that answers 500 to every conditional PUT."""
+    with _proxy(_handler(upstream, strip=False, fail_conditional=True)) as url:
         yield url
 
 

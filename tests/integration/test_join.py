@@ -43,6 +43,7 @@ from tests.helpers.control_proc import (
     start_serve,
     stop_serve,
 )
+from tests.helpers.store_records import read_json, sealed
 
 pytestmark = pytest.mark.integration
 
@@ -311,11 +312,13 @@ async def test_join_refusals_write_nothing(
         # Expired token: made expired in the store (the shortest TTL is a minute).
         argv = await _join_argv(client, account_id)
         token_id = argv[argv.index("--token") + 1].split(".")[0]
-        key = f"cp/accounts/{account_id}/tokens/{token_id}.json"
-        doc = json.loads(s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+        key = f"accounts/{account_id}/tokens/{token_id}.json"
+        doc = read_json(s3.get_object(Bucket=s3_bucket, Key="cp/" + key)["Body"].read())
         past = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1)
         doc["expires_at"] = past.isoformat().replace("+00:00", "Z")
-        s3.put_object(Bucket=s3_bucket, Key=key, Body=json.dumps(doc).encode())
+        # Sealed with the home's key: a genuine change, not a forgery.
+        body = sealed(cp.home, key, json.dumps(doc).encode())
+        s3.put_object(Bucket=s3_bucket, Key="cp/" + key, Body=body)
         _assert_refused(_run_join(argv, tmp_path / "expired"), tmp_path / "expired", "expired")
 
         # Used token: the first join succeeds (and serves: stop it), the second is refused.
@@ -336,10 +339,11 @@ async def test_join_refusals_write_nothing(
         # so the account is marked deleted the way deletion starts: its tombstone.
         other = (await client.create_account(77, "bob"))["account"]["account_id"]
         argv = await _join_argv(client, other)
+        tombstone = f"accounts/{other}/deleting.json"
         s3.put_object(
             Bucket=s3_bucket,
-            Key=f"cp/accounts/{other}/deleting.json",
-            Body=json.dumps({"account_id": other}).encode(),
+            Key="cp/" + tombstone,
+            Body=sealed(cp.home, tombstone, json.dumps({"account_id": other}).encode()),
         )
         _assert_refused(_run_join(argv, tmp_path / "deleted"), tmp_path / "deleted", "delet")
 

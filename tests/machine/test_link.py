@@ -75,6 +75,7 @@ class FakeControl(link_pb2_grpc.MachineLinkServicer):
         self.connects = 0
         self.streams: list[Stream] = []
         self.revoked: set[str] = set()
+        self.unknown: set[str] = set()
         self.account_deleting = False
         self.link_port = 0
         self.account_id = new_id("account")
@@ -145,6 +146,8 @@ class FakeControl(link_pb2_grpc.MachineLinkServicer):
         peer = self._peer(context)
         if peer.machine_id in self.revoked:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "link: machine revoked")
+        if peer.machine_id in self.unknown:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "link: unknown machine")
         if self.account_deleting:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "link: account is being deleted")
         stream = Stream(machine_id=peer.machine_id, hello=first.hello)
@@ -636,6 +639,51 @@ async def test_refused_handshake_stops_the_link(control: Running, tmp_path: Path
         await link.wait_for_state(LinkState.REVOKED, timeout=5)
         assert "refused" in link.final_reason
     assert control.fake.connects == 1
+
+
+async def test_unknown_machine_keeps_identity_and_retries_slowly(
+    control: Running, tmp_path: Path
+) -> None:
+    """A control plane whose store is being restored may not know us yet: not final."""
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    machine_id = identity.load_link(data_dir).machine_id
+    control.fake.unknown.add(machine_id)
+    async with _link(data_dir, CollectorRegistry(), refused_retry=0.3) as link:
+        await _until(lambda: control.fake.connects >= 2)
+        assert link.state not in (LinkState.REVOKED, LinkState.STOPPED), link.final_reason
+        assert link.final_reason == ""
+        control.fake.unknown.discard(machine_id)
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+    assert ControlLink.is_joined(data_dir)
+
+
+async def test_dropped_stream_is_retried_at_once(
+    control: Running, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a control-plane restart the first retry is immediate, not a random pause."""
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    monkeypatch.setattr("machine.link.random.random", lambda: 1.0)
+    link = ControlLink(
+        data_dir=data_dir,
+        agent_count=_seven,
+        version="1",
+        registry=CollectorRegistry(),
+        backoff_initial=5.0,
+        backoff_max=5.0,
+        stable_after=0.0,
+    )
+    async with link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        control.fake.drop(control.fake.streams[0])
+        started = time.monotonic()
+        await _until(lambda: len(control.fake.streams) == 2)
+        assert time.monotonic() - started < 2.0
+
+
+async def _seven() -> int:
+    return 7
 
 
 async def test_account_deleted_stops_the_link(control: Running, tmp_path: Path) -> None:

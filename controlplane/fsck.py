@@ -1,0 +1,253 @@
+"""``agents-control fsck``: find (and with ``repair``, fix) inconsistencies in the store.
+
+Read-only by default. What it looks for (the finding's kind), and what
+``repair`` does:
+
+- ``deployment``: ``cp/deployment.json`` missing, forged or another
+  deployment's. No repair: nothing else is checked (see docs/security.md).
+- ``unfinished``: an intent record, a multi-object change that did not commit
+  (:mod:`controlplane.intents`). Repair rolls it back with its resolver.
+- ``refused``: an object whose MAC does not verify (forged or altered). No
+  repair: an operator looks at it.
+- ``orphan_index``: an index entry whose record is missing. Repair deletes it.
+- ``missing_index``: a record whose index entry is missing or points
+  elsewhere. Repair writes it.
+- ``mismatch``: a record whose content names other ids than its key. No repair.
+
+Repair runs the same roll-back code as ``serve`` does at start, so run it with
+the daemon stopped (the CLI refuses ``--repair`` while ``serve`` runs): a live
+daemon's in-flight change would look unfinished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+from controlplane import jsonstore
+from controlplane.config import ControlConfig
+from controlplane.integrity import DEPLOYMENT_KEY, TrustedStore, open_trusted_store
+from controlplane.intents import INTENTS_PREFIX, Intents, intent_key
+from controlplane.keys import load_home_keys
+from controlplane.records import (
+    account_index_key,
+    account_key,
+    encode,
+    github_index_key,
+    machine_index_key,
+    machine_key,
+    token_index_key,
+    token_key,
+)
+from controlplane.server import Services
+from shared.errors import IntegrityError, NotFound, StoreUntrusted
+from shared.store.base import ObjectStore
+
+__all__ = ["Finding", "FsckReport", "fsck_deployment", "run_fsck", "serving_pid"]
+
+logger = logging.getLogger(__name__)
+
+_ID = r"[0-9a-z]{26}"
+_ACCOUNT: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/account\.json\Z")
+_MACHINE: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/machines/(mc_{_ID})\.json\Z")
+_TOKEN: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/tokens/(tok_{_ID})\.json\Z")
+_IDX_ACCOUNT: Final = re.compile(rf"\Aindex/accounts/(acct_{_ID})\.json\Z")
+_IDX_GITHUB: Final = re.compile(r"\Aindex/github/([0-9]{1,16})\.json\Z")
+_IDX_MACHINE: Final = re.compile(rf"\Aindex/machines/(mc_{_ID})\.json\Z")
+_IDX_TOKEN: Final = re.compile(rf"\Aindex/tokens/(tok_{_ID})\.json\Z")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One inconsistency."""
+
+    kind: str
+    """deployment, unfinished, refused, orphan_index, missing_index or mismatch."""
+    key: str
+    """The object concerned."""
+    detail: str
+    repaired: bool = False
+
+
+@dataclass(frozen=True)
+class FsckReport:
+    """What one run found."""
+
+    objects: int
+    findings: tuple[Finding, ...]
+
+    @property
+    def clean(self) -> bool:
+        """Nothing found, or everything found was repaired."""
+        return all(f.repaired for f in self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` form."""
+        return {
+            "objects": self.objects,
+            "clean": self.clean,
+            "findings": [asdict(f) for f in self.findings],
+        }
+
+
+class _Checker:
+    def __init__(self, store: ObjectStore, intents: Intents, repair: bool) -> None:
+        self._store = store
+        self._intents = intents
+        self._repair = repair
+        self.findings: list[Finding] = []
+        self._records: dict[str, dict[str, Any] | None] = {}
+
+    def add(self, kind: str, key: str, detail: str, repaired: bool = False) -> None:
+        self.findings.append(Finding(kind, key, detail, repaired))
+
+    async def read(self, key: str) -> dict[str, Any] | None:
+        """The record at ``key``; None when missing; a refused one is reported once."""
+        if key not in self._records:
+            try:
+                self._records[key] = await jsonstore.read(self._store, key)
+            except NotFound:
+                self._records[key] = None
+            except IntegrityError as e:
+                self._records[key] = None
+                self.add("refused", key, e.reason)
+        return self._records[key]
+
+    async def fix_write(self, kind: str, key: str, data: dict[str, Any], detail: str) -> None:
+        if self._repair:
+            await self._store.put(key, encode(data))
+        self.add(kind, key, detail, self._repair)
+
+    async def fix_delete(self, kind: str, key: str, detail: str) -> None:
+        if self._repair:
+            await self._store.delete(key)
+        self.add(kind, key, detail, self._repair)
+
+
+def serving_pid(cfg: ControlConfig) -> int | None:
+    """The pid of a live ``serve`` of this home, if one runs (from serve.json)."""
+    try:
+        pid = int(json.loads(cfg.serve_path.read_text())["pid"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid
+
+
+async def fsck_deployment(cfg: ControlConfig, *, repair: bool) -> FsckReport:
+    """Open the configured store with the home's keys and run :func:`run_fsck`."""
+    keys = load_home_keys(cfg.home)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        services = Services(cfg, trusted.store, keys)
+        return await run_fsck(trusted, services.intents, repair=repair)
+    finally:
+        await trusted.close()
+
+
+async def run_fsck(trusted: TrustedStore, intents: Intents, *, repair: bool) -> FsckReport:
+    """Check every object of the store (see the module doc); repair when asked."""
+    store = trusted.store
+    try:
+        await trusted.guard.verify()
+        trusted.guard.check()
+    except StoreUntrusted as e:
+        return FsckReport(0, (Finding("deployment", DEPLOYMENT_KEY, e.message),))
+    c = _Checker(store, intents, repair)
+    # Unfinished changes first: rolling them back removes most other findings.
+    for intent in await intents.pending():
+        key = intent_key(intent.intent_id)
+        detail = f"{intent.kind} started {intent.started_at} did not commit"
+        done = repair and await intents.resolve(intent)
+        if repair and not done:
+            detail += " (waiting: the machine may still connect)"
+        c.add("unfinished", key, detail, done)
+    keys = [info.key async for info in store.list("")]
+    for key in keys:
+        if key.startswith(INTENTS_PREFIX):
+            if not repair:
+                await c.read(key)  # a forged intent is reported, never resolved
+            continue
+        if key != DEPLOYMENT_KEY and not key.startswith("_probe/"):
+            await _check_key(c, key)
+    return FsckReport(len(keys), tuple(c.findings))
+
+
+async def _check_key(c: _Checker, key: str) -> None:
+    if m := _ACCOUNT.match(key):
+        acct = m.group(1)
+        data = await c.read(key)
+        if data is None:
+            return
+        if data.get("account_id") != acct:
+            c.add("mismatch", key, "names another account id")
+            return
+        if await c.read(account_index_key(acct)) is None:
+            await c.fix_write("missing_index", account_index_key(acct), {}, f"{acct} unlisted")
+        gid = int(data.get("github_user_id", 0) or 0)
+        if gid > 0:
+            owner = await c.read(github_index_key(gid))
+            if owner is None:
+                await c.fix_write(
+                    "missing_index",
+                    github_index_key(gid),
+                    {"account_id": acct},
+                    f"GitHub user {gid} -> {acct} missing",
+                )
+    elif m := _IDX_ACCOUNT.match(key):
+        if await c.read(key) is not None and await c.read(account_key(m.group(1))) is None:
+            await c.fix_delete("orphan_index", key, f"account {m.group(1)} does not exist")
+    elif m := _IDX_GITHUB.match(key):
+        entry = await c.read(key)
+        acct = str((entry or {}).get("account_id", ""))
+        if entry is None:
+            return
+        account = await c.read(account_key(acct)) if acct.startswith("acct_") else None
+        if account is None:
+            await c.fix_delete("orphan_index", key, f"account {acct or '?'} does not exist")
+    elif m := _MACHINE.match(key):
+        await _check_owned(c, key, "machine", *m.groups())
+    elif m := _IDX_MACHINE.match(key):
+        await _check_index(c, key, "machine", m.group(1))
+    elif m := _TOKEN.match(key):
+        await _check_owned(c, key, "token", *m.groups())
+    elif m := _IDX_TOKEN.match(key):
+        await _check_index(c, key, "token", m.group(1))
+    elif key.endswith(".json"):
+        # Everything else (credentials, presence, audit, tombstones) must still verify.
+        await c.read(key)
+
+
+#: kind -> (its record's key, its index entry's key), for records owned by an account.
+_OWNED: Final = {
+    "machine": (machine_key, machine_index_key),
+    "token": (token_key, token_index_key),
+}
+
+
+async def _check_owned(c: _Checker, key: str, kind: str, acct: str, ident: str) -> None:
+    """A machine or token record: its ids match its key, its index entry points back."""
+    data = await c.read(key)
+    if data is None:
+        return
+    if data.get(f"{kind}_id") != ident or data.get("account_id") != acct:
+        c.add("mismatch", key, f"names another {kind} or account id")
+        return
+    index_key = _OWNED[kind][1](ident)
+    entry = await c.read(index_key)
+    if entry is None or entry.get("account_id") != acct:
+        await c.fix_write("missing_index", index_key, {"account_id": acct}, f"{ident} -> {acct}")
+
+
+async def _check_index(c: _Checker, key: str, kind: str, ident: str) -> None:
+    """A machine or token index entry: the record it names exists."""
+    entry = await c.read(key)
+    if entry is None:
+        return
+    acct = str(entry.get("account_id", ""))
+    if not acct.startswith("acct_") or await c.read(_OWNED[kind][0](acct, ident)) is None:
+        await c.fix_delete("orphan_index", key, f"{kind} {ident} has no record")

@@ -1,0 +1,100 @@
+"""``agents-control fsck``: findings, ``--repair``, ``--json`` and exit codes, on a folder store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controlplane.authz import Principal
+from controlplane.bootstrap import init_control_plane
+from controlplane.cli import main
+from controlplane.config import ControlConfig
+from controlplane.integrity import open_trusted_store
+from controlplane.keys import load_home_keys
+from controlplane.records import encode
+from controlplane.server import Services
+from shared.ids import new_id
+from shared.store import FolderStore
+
+
+def _cfg(tmp_path: Path) -> ControlConfig:
+    return ControlConfig(
+        home=tmp_path / "home",
+        store_url=str(tmp_path / "store"),
+        listen="127.0.0.1:0",
+        link_listen="127.0.0.1:0",
+        metrics_listen="",
+    ).validate()
+
+
+async def _main(*argv: str) -> int:
+    # The CLI runs its own event loop: give it a thread.
+    return await asyncio.to_thread(main, list(argv))
+
+
+async def _fsck(
+    cfg: ControlConfig, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[int, Any]:
+    code = await _main("fsck", "--home", str(cfg.home), "--json", *args)
+    return code, json.loads(capsys.readouterr().out)
+
+
+async def test_fsck_finds_repairs_and_exits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _cfg(tmp_path)
+    await init_control_plane(cfg)
+    keys = load_home_keys(cfg.home)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        services = Services(cfg, trusted.store, keys)
+        made = await services.accounts.create(9, "n", None, "test")
+        acct = made.account.account_id
+        op = Principal(new_id("credential"), "operator")
+        token = (await services.tokens.create(op, acct)).token
+        store = trusted.store
+        # An orphan index entry, a record without its index entry, an unfinished
+        # change (a token create that never committed), and a forged object.
+        orphan = new_id("machine")
+        await store.put(f"index/machines/{orphan}.json", encode({"account_id": acct}))
+        await store.delete(f"index/tokens/{token.token_id}.json")
+        half = new_id("token")
+        intent = await services.intents.begin("token.create", account_id=acct, token_id=half)
+        services.intents.release(intent)
+        await store.put(f"index/tokens/{half}.json", encode({"account_id": acct}))
+        async with FolderStore(tmp_path / "store") as raw:  # bucket access, no key
+            await raw.put("credentials/" + new_id("credential") + ".json", b'{"scope": "operator"}')
+    finally:
+        await trusted.close()
+
+    code, report = await _fsck(cfg, capsys)
+    kinds = sorted(f["kind"] for f in report["findings"])
+    assert code == 1 and not report["clean"]
+    assert kinds == ["missing_index", "orphan_index", "orphan_index", "refused", "unfinished"]
+
+    code, report = await _fsck(cfg, capsys, "--repair")
+    # Everything but the forged object is repaired; that one an operator must look at.
+    left = [f["kind"] for f in report["findings"] if not f["repaired"]]
+    assert left == ["refused"] and code == 1
+
+    code, report = await _fsck(cfg, capsys)
+    assert [f["kind"] for f in report["findings"]] == ["refused"] and code == 1
+
+
+async def test_fsck_clean_store_exits_0_and_refuses_repair_while_serving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _cfg(tmp_path)
+    await init_control_plane(cfg)
+    assert await _main("fsck", "--home", str(cfg.home)) == 0
+    assert "clean" in capsys.readouterr().out
+    # A live serve (this process stands in for it) makes --repair a usage error.
+    cfg.serve_path.write_text(json.dumps({"pid": os.getpid()}))
+    assert await _main("fsck", "--home", str(cfg.home), "--repair") == 2
+    err = capsys.readouterr().err
+    assert "--repair needs serve stopped" in err and len(err.splitlines()) == 2

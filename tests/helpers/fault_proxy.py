@@ -1,0 +1,139 @@
+"""A real HTTP proxy in front of moto's S3 server that kills a process between writes.
+
+``crash_proxy(upstream)`` yields a :class:`CrashProxy`. Point the control plane's
+store endpoint at ``proxy.url``; ``proxy.arm(pid, after=n)`` makes the proxy
+SIGKILL ``pid`` right after the server accepted the n-th object write (PUT or
+DELETE of a key outside ``_probe/``) counted from the arming, before the
+answer goes back: exactly "S3 took the write, then the process died".
+``proxy.writes`` lists the writes seen since arming (``"PUT key"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+__all__ = ["CrashProxy", "crash_proxy"]
+
+_DROPPED = frozenset({"connection", "keep-alive", "proxy-connection", "host"})
+_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
+
+
+class CrashProxy:
+    """State shared with the handler threads."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = urlsplit(upstream)
+        self.url = ""
+        self.writes: list[str] = []
+        self.crashed = threading.Event()
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._after = 0
+
+    def arm(self, pid: int, after: int) -> None:
+        """Kill ``pid`` once the ``after``-th write from now was accepted."""
+        with self._lock:
+            self.writes = []
+            self.crashed.clear()
+            self._pid, self._after = pid, after
+
+    def disarm(self) -> None:
+        """Stop counting; nothing will be killed."""
+        with self._lock:
+            self._pid = None
+
+    def _counts(self, method: str, path: str) -> str | None:
+        if method not in ("PUT", "DELETE") or "uploadId=" in path or "partNumber=" in path:
+            return None
+        # Path style: /<bucket>/<key>; keys of the store probe do not count.
+        parts = unquote(urlsplit(path).path).split("/", 2)
+        key = parts[2] if len(parts) == 3 else ""
+        if not key or "/_probe/" in f"/{key}":
+            return None
+        return f"{method} {key}"
+
+    def after_write(self, method: str, path: str, status: int) -> bool:
+        """Record an accepted write; True when the process was killed because of it."""
+        write = self._counts(method, path)
+        if write is None or status >= 300:
+            return False
+        with self._lock:
+            if self._pid is None:
+                return False
+            self.writes.append(write)
+            if len(self.writes) < self._after:
+                return False
+            pid, self._pid = self._pid, None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self.crashed.set()
+        return True
+
+
+def _handler(proxy: CrashProxy) -> type[BaseHTTPRequestHandler]:
+    target = proxy.upstream
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _forward(self) -> None:
+            try:
+                self._relay()
+            except OSError:
+                self.close_connection = True  # the client died (killed): nothing to answer
+
+        def _relay(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _DROPPED}
+            headers["Host"] = target.netloc
+            conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+            try:
+                conn.request(self.command, self.path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+            finally:
+                conn.close()
+            if proxy.after_write(self.command, self.path, response.status):
+                self.close_connection = True
+                return  # the writer is dead: no answer
+            self.send_response(response.status)
+            for name, value in response.getheaders():
+                if name.lower() not in _HOP:
+                    self.send_header(name, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass
+
+    return Handler
+
+
+@contextlib.contextmanager
+def crash_proxy(upstream: str) -> Iterator[CrashProxy]:
+    """Run a :class:`CrashProxy` to ``upstream`` on a free loopback port."""
+    proxy = CrashProxy(upstream)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(proxy))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="crash-proxy", daemon=True)
+    thread.start()
+    proxy.url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield proxy
+    finally:
+        proxy.disarm()
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

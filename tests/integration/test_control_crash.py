@@ -1,0 +1,266 @@
+"""Crash consistency of the control plane's multi-object changes, with real processes.
+
+A fault-injecting proxy (``tests/helpers/fault_proxy.py``) sits between a real
+``agents-control serve`` and moto's S3 server and SIGKILLs the daemon right
+after the server accepted its n-th write, for n = 1, 2, ... until the change
+completes without a crash: so every gap between two store writes of account
+create, token create and join (with its token use) is a crash point. After
+each crash the daemon is started again and must show no orphan, no GitHub id
+stuck, no token lost, and ``agents-control fsck`` must be clean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+
+from tests.helpers.control_proc import (
+    CliResult,
+    ControlProc,
+    agents_control_exe,
+    init_argv,
+    run_init,
+    s3_env,
+    start_serve,
+    stop_serve,
+)
+from tests.helpers.fault_proxy import CrashProxy, crash_proxy
+from tests.helpers.link_client import connect_once, join
+
+pytestmark = pytest.mark.integration
+
+HEARTBEAT = 0.3
+#: Seconds a joined machine has to connect before its join is rolled back.
+CONFIRM_GRACE = 3.0
+MAX_WRITES = 12
+MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
+
+
+@pytest.fixture
+def proxy(moto_endpoint: str) -> Iterator[CrashProxy]:
+    with crash_proxy(moto_endpoint) as p:
+        yield p
+
+
+@pytest.fixture
+def cp(tmp_path: Path, proxy: CrashProxy, s3_bucket: str) -> Iterator[ControlProc]:
+    env = {**s3_env(proxy.url), "AGENTS_CONTROL_JOIN_CONFIRM_GRACE": str(CONFIRM_GRACE)}
+    running = run_init(
+        tmp_path / "home", f"s3://{s3_bucket}/cp", env, ["--heartbeat-interval", str(HEARTBEAT)]
+    )
+    try:
+        start_serve(running)
+        yield running
+    finally:
+        proxy.disarm()
+        stop_serve(running)
+
+
+def _ok(res: CliResult) -> str:
+    assert res.code == 0, res.err
+    return res.out
+
+
+def _json(cp: ControlProc, *args: str) -> Any:
+    return json.loads(_ok(cp.cli(*args, "--json")))
+
+
+def _crashed(cp: ControlProc, proxy: CrashProxy) -> bool:
+    """Whether the armed write killed the daemon; if so, wait for it and start it again."""
+    if not proxy.crashed.is_set():
+        proxy.disarm()
+        return False
+    assert cp.process is not None
+    cp.process.wait(timeout=10)
+    start_serve(cp)
+    return True
+
+
+def _accounts_of(cp: ControlProc, gid: int) -> list[Any]:
+    # str(): the JSON form of a 64-bit id may be a string.
+    return [a for a in _json(cp, "account", "list") if str(a["github_user_id"]) == str(gid)]
+
+
+def _assert_fsck_clean(cp: ControlProc) -> None:
+    res = cp.cli("fsck", "--json")
+    report = json.loads(res.out)
+    assert res.code == 0 and report["clean"], report
+
+
+def _committed(proxy: CrashProxy) -> bool:
+    """Whether the change's commit point (deleting its intent) was among the writes."""
+    return any(w.startswith("DELETE cp/cp/intents/") for w in proxy.writes)
+
+
+def test_account_create_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -> None:
+    points = 0
+    for n in range(1, MAX_WRITES):
+        gid = 5000 + n
+        assert cp.process is not None
+        proxy.arm(cp.process.pid, after=n)
+        res = cp.cli("account", "create", "--github-id", str(gid), "--github-login", f"u{gid}")
+        if not _crashed(cp, proxy):
+            assert res.code == 0, res.err
+            break
+        points += 1
+        committed = _committed(proxy)
+        listed = _accounts_of(cp, gid)
+        assert len(listed) == (1 if committed else 0), (proxy.writes, listed)
+        # No GitHub id stuck: either its account is visible, or it can be created again.
+        again = cp.cli("account", "create", "--github-id", str(gid), "--github-login", f"u{gid}")
+        if committed:
+            assert again.code == 2 and "already exists" in again.err, again.err
+        else:
+            assert again.code == 0, (proxy.writes, again.err)
+        assert len(_accounts_of(cp, gid)) == 1
+        _assert_fsck_clean(cp)
+    # intent, GitHub claim, record, listing, commit (the audit record follows it).
+    assert points >= 5, points
+
+
+def test_token_create_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -> None:
+    acct = _json(cp, "account", "create", "--github-id", "77", "--github-login", "t")
+    account_id = acct["account_id"]
+    points, expected = 0, 0
+    for n in range(1, MAX_WRITES):
+        assert cp.process is not None
+        proxy.arm(cp.process.pid, after=n)
+        res = cp.cli("token", "create", "--account", account_id)
+        if not _crashed(cp, proxy):
+            assert res.code == 0, res.err
+            break
+        points += 1
+        # A token whose value nobody saw is rolled back unless it had committed.
+        expected += 1 if _committed(proxy) else 0
+        tokens = _json(cp, "token", "list", "--account", account_id)
+        assert len(tokens) == expected, (proxy.writes, tokens)
+        for token in tokens:  # each listed token is reachable through its index
+            assert _json(cp, "machine", "list", "--account", account_id) == []
+            _ok(cp.cli("token", "revoke", token["token_id"]))
+        _assert_fsck_clean(cp)
+    assert points >= 4, points
+
+
+async def _join(cp: ControlProc, token: str) -> tuple[str, bytes, bytes]:
+    return await join(cp.public, cp.ca_pem, token)
+
+
+async def _connect_once(cp: ControlProc, cert: bytes, key: bytes) -> None:
+    await connect_once(cp.link, cp.ca_pem, cert, key)
+
+
+def _live_machines(cp: ControlProc, account_id: str) -> list[Any]:
+    # Earlier trials' machines are revoked at the end of their trial.
+    return [m for m in _json(cp, "machine", "list", "--account", account_id) if not m["revoked"]]
+
+
+async def _until(check: Any, deadline: float, what: str) -> None:
+    end = time.monotonic() + deadline
+    while not check():
+        assert time.monotonic() < end, what
+        await asyncio.sleep(0.2)  # poll step; the deadline bounds the loop
+
+
+async def test_join_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -> None:
+    acct = _json(cp, "account", "create", "--github-id", "88", "--github-login", "j")
+    account_id = acct["account_id"]
+    points = 0
+    for n in range(1, MAX_WRITES):
+        made = _json(cp, "token", "create", "--account", account_id)
+        token_id, value = made["token"]["token_id"], made["token_value"]
+        assert cp.process is not None
+        proxy.arm(cp.process.pid, after=n)
+        try:
+            joined: tuple[str, bytes, bytes] | None = await _join(cp, value)
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+            joined = None
+        if not _crashed(cp, proxy):
+            assert joined is not None
+            await _connect_once(cp, joined[1], joined[2])
+            _assert_fsck_clean(cp)
+            break
+        points += 1
+        assert joined is None
+
+        def settled() -> bool:
+            # Rolled back: at once when no machine record was written, else after the
+            # machine had its chance to connect (CONFIRM_GRACE); the self-check
+            # tick (one heartbeat) runs the roll-back.
+            return bool(cp.cli("fsck", "--json").code == 0)
+
+        await _until(settled, CONFIRM_GRACE + 15, f"join rolled back after {proxy.writes}")
+        # No orphan visible, and the token's use was given back.
+        assert _live_machines(cp, account_id) == []
+        by_id = {t["token_id"]: t for t in _json(cp, "token", "list", "--account", account_id)}
+        assert by_id[token_id]["uses"] == 0 and by_id[token_id]["state"] == "active"
+        # The same token joins for real, and that machine stays once it connected.
+        machine_id, cert, key = await _join(cp, value)
+        await _connect_once(cp, cert, key)
+        assert [m["machine_id"] for m in _live_machines(cp, account_id)] == [machine_id]
+        _ok(cp.cli("machine", "revoke", machine_id))
+        _assert_fsck_clean(cp)
+    # intent, token use (+ its audit record), machine index, machine record.
+    assert points >= 4, points
+
+
+def test_machine_join_says_it_lost_the_control_plane(
+    cp: ControlProc, proxy: CrashProxy, tmp_path: Path
+) -> None:
+    """The real ``agents-machine join`` whose control plane dies mid-join says so."""
+    acct = _json(cp, "account", "create", "--github-id", "99", "--github-login", "k")
+    made = _json(cp, "token", "create", "--account", acct["account_id"])
+    argv = shlex.split(made["join_command"])
+    assert cp.process is not None
+    proxy.arm(cp.process.pid, after=2)  # after the intent and the token use
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    res = subprocess.run(
+        [str(MACHINE_EXE), *argv[1:], "--data-dir", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proxy.crashed.is_set()
+    assert res.returncode != 0
+    assert "cannot reach the control plane" in res.stderr, res.stderr
+    assert "refused" not in res.stderr, res.stderr
+
+
+def test_init_killed_before_its_marker_leaves_no_deployment(
+    proxy: CrashProxy, s3_bucket: str, tmp_path: Path
+) -> None:
+    """init writes its marker last: killed after the credential, the store holds no
+    deployment (serve refuses it) and a fresh init on the same store succeeds."""
+    env = {**os.environ, **s3_env(proxy.url)}
+    env.pop("AGENTS_CONTROL_CREDENTIAL", None)
+    home = tmp_path / "first"
+    argv = init_argv(home, f"s3://{s3_bucket}/cp")
+    init = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proxy.arm(init.pid, after=1)  # right after the operator credential
+    out, _ = init.communicate(timeout=60)
+    assert proxy.crashed.is_set() and init.returncode == -9
+    assert b"adm_" not in out
+    assert proxy.writes == [w for w in proxy.writes if "/credentials/" in w]
+    serve = subprocess.run(
+        [str(agents_control_exe()), "serve", "--home", str(home)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert serve.returncode == 1 and "deployment.json is missing" in serve.stderr, serve.stderr
+    again = run_init(tmp_path / "second", f"s3://{s3_bucket}/cp", env)
+    assert again.operator.startswith("adm_")
