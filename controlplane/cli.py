@@ -282,7 +282,10 @@ async def _fsck(ctx: _Ctx) -> int:
     args, cfg = ctx.args, ctx.cfg
     pid = serving_pid(cfg) if args.repair else None
     if pid is not None:
-        raise UsageError(f"fsck: --repair needs serve stopped (pid {pid} runs)")
+        raise UsageError(
+            f"fsck: --repair needs serve stopped (pid {pid} runs)",
+            "stop agents-control serve, then run fsck --repair again",
+        )
     report = await fsck_deployment(cfg, repair=args.repair)
     if ctx.out.as_json:
         ctx.out.json(report.to_dict())

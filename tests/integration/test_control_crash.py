@@ -90,7 +90,9 @@ def _crashed(cp: ControlProc, proxy: CrashProxy) -> bool:
 
 def _accounts_of(cp: ControlProc, gid: int) -> list[Any]:
     # str(): the JSON form of a 64-bit id may be a string.
-    return [a for a in _json(cp, "account", "list") if str(a["github_user_id"]) == str(gid)]
+    return [
+        a for a in _json(cp, "account", "list")["accounts"] if str(a["github_user_id"]) == str(gid)
+    ]
 
 
 def _assert_fsck_clean(cp: ControlProc) -> None:
@@ -144,10 +146,10 @@ def test_token_create_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -
         points += 1
         # A token whose value nobody saw is rolled back unless it had committed.
         expected += 1 if _committed(proxy) else 0
-        tokens = _json(cp, "token", "list", "--account", account_id)
+        tokens = _json(cp, "token", "list", "--account", account_id)["tokens"]
         assert len(tokens) == expected, (proxy.writes, tokens)
         for token in tokens:  # each listed token is reachable through its index
-            assert _json(cp, "machine", "list", "--account", account_id) == []
+            assert _json(cp, "machine", "list", "--account", account_id)["machines"] == []
             _ok(cp.cli("token", "revoke", token["token_id"]))
         _assert_fsck_clean(cp)
     assert points >= 4, points
@@ -163,7 +165,11 @@ async def _connect_once(cp: ControlProc, cert: bytes, key: bytes) -> None:
 
 def _live_machines(cp: ControlProc, account_id: str) -> list[Any]:
     # Earlier trials' machines are revoked at the end of their trial.
-    return [m for m in _json(cp, "machine", "list", "--account", account_id) if not m["revoked"]]
+    return [
+        m
+        for m in _json(cp, "machine", "list", "--account", account_id)["machines"]
+        if not m["revoked"]
+    ]
 
 
 async def _until(check: Any, deadline: float, what: str) -> None:
@@ -204,7 +210,9 @@ async def test_join_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -> 
         await _until(settled, CONFIRM_GRACE + 15, f"join rolled back after {proxy.writes}")
         # No orphan visible, and the token's use was given back.
         assert _live_machines(cp, account_id) == []
-        by_id = {t["token_id"]: t for t in _json(cp, "token", "list", "--account", account_id)}
+        by_id = {
+            t["token_id"]: t for t in _json(cp, "token", "list", "--account", account_id)["tokens"]
+        }
         assert by_id[token_id]["uses"] == 0 and by_id[token_id]["state"] == "active"
         # The same token joins for real, and that machine stays once it connected.
         machine_id, cert, key = await _join(cp, value)

@@ -147,9 +147,9 @@ async def _until_ok(cp: ControlProc, deadline: float, what: str) -> None:
 
 
 async def _joined_machine(cp: ControlProc) -> tuple[str, bytes, bytes]:
-    res = cp.cli("account", "create", "--github-id", "7", "--github-login", "s")
+    res = cp.cli("account", "create", "--github-id", "7", "--github-login", "s", "--json")
     assert res.code == 0, res.err
-    acct = res.out.split()[1]
+    acct = json.loads(res.out)["account_id"]
     made = cp.cli("token", "create", "--account", acct, "--json")
     assert made.code == 0, made.err
     machine = await join(cp.public, cp.ca_pem, json.loads(made.out)["token_value"])
@@ -267,9 +267,9 @@ async def test_real_machine_keeps_identity_through_a_swapped_store(
 ) -> None:
     """A machine that reconnects while the store is swapped is told UNAVAILABLE, keeps
     trying with its identity, and is back online once the right store is back."""
-    res = cp.cli("account", "create", "--github-id", "8", "--github-login", "r")
+    res = cp.cli("account", "create", "--github-id", "8", "--github-login", "r", "--json")
     assert res.code == 0, res.err
-    acct = res.out.split()[1]
+    acct = json.loads(res.out)["account_id"]
     made = json.loads(cp.cli("token", "create", "--account", acct, "--json").out)
     data_dir = tmp_path / "machine"
     log = tmp_path / "join.log"
@@ -313,7 +313,7 @@ async def test_real_machine_keeps_identity_through_a_swapped_store(
 
 def _machines(cp: ControlProc, acct: str) -> list[Any]:
     res = cp.cli("machine", "list", "--account", acct, "--json")
-    return list(json.loads(res.out)) if res.code == 0 else []
+    return list(json.loads(res.out)["machines"]) if res.code == 0 else []
 
 
 def _machine_ids(cp: ControlProc, acct: str) -> list[str]:

@@ -99,7 +99,10 @@ def _now() -> dt.datetime:
 
 def _listed_ids(res: CliResult, field: str) -> list[str]:
     assert res.code == 0, res.err
-    return [str(item[field]) for item in json.loads(res.out)]
+    data = json.loads(res.out)
+    # Listings print {"<things>": [...]}: one key, one list.
+    (items,) = data.values()
+    return [str(item[field]) for item in items]
 
 
 def test_forged_and_altered_credentials_grant_nothing(cp: ControlProc, bucket: Bucket) -> None:
