@@ -22,7 +22,7 @@ from typing import Any, Final
 
 from machine.export_format import encode_jsonl, read_jsonl
 from machine.models import AgentState, EventKind
-from machine.store import _index, _on_run_end
+from machine.store import _index
 from shared.errors import InvalidArgument
 from shared.ids import is_valid_id
 
@@ -222,6 +222,10 @@ def load_agent(
     )
     started: dict[str, dict[str, Any]] = {}
     ended: dict[str, tuple[str, dict[str, Any], float]] = {}
+    # Reply text per open run, indexed when the run ends (runs follow one another
+    # in a conversation, so this holds about one run's text at a time).
+    replies: dict[str, tuple[int, list[str]]] = {}
+    first_reply: dict[str, int] = {}
     last_seq = 0
     conv = f"{folder.name}/conversation.jsonl"
     for n, ev in enumerate(read_jsonl(folder / "conversation.jsonl", conv), 1):
@@ -241,6 +245,8 @@ def load_agent(
         if kind == "RUN_STARTED":
             started[run_id] = {**payload, "time": time}
             _index(conn, str(payload.get("prompt", "")), agent_id, run_id, seq, "prompt")
+        elif kind == "TEXT_DELTA":
+            replies.setdefault(run_id, (seq, []))[1].append(str(payload.get("text", "")))
         elif kind == "TOOL_CALL":
             text = f"{payload.get('title', '')} {payload.get('input_json', '')}"
             _index(conn, text, agent_id, run_id, seq, "tool")
@@ -248,12 +254,18 @@ def load_agent(
             _index(conn, str(payload.get("output", "")), agent_id, run_id, seq, "tool")
         elif kind in _TERMINAL_STATE:
             ended[run_id] = (kind, payload, time)
+            # The reply's search row, as the run's end made it on the first machine.
+            first, parts = replies.pop(run_id, (0, []))
+            if parts:
+                _index(conn, "".join(parts), agent_id, run_id, first, "reply")
+                first_reply[run_id] = first
     conn.execute("UPDATE agents SET last_seq = ? WHERE id = ?", (last_seq, agent_id))
     _load_runs(conn, agent_id, started, ended, list(runs))
-    # Reply and summary search rows, as a finished run would have made them.
-    for run_id, (_, _, time) in ended.items():
-        _on_run_end(conn, agent_id, run_id, time)
-    _load_rows(conn, agent_id, folder, "summaries.jsonl", _insert_summary)
+    for n, row in enumerate(read_jsonl(folder / "summaries.jsonl", f"{folder.name}/summaries"), 1):
+        where = f"{folder.name}/summaries.jsonl line {n}"
+        _insert_summary(conn, agent_id, row, where)
+        run_id = str(row["run_id"])
+        _index(conn, str(row["text"]), agent_id, run_id, first_reply.get(run_id, 0), "summary")
     _load_rows(conn, agent_id, folder, "tools.jsonl", _insert_tool)
     for ref in record.get("attachments", []):
         _insert_attachment_ref(conn, agent_id, ref, where)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Final
 
-from shared.atomic import FILE_MODE, ensure_private_dir, open_atomic
+from shared.atomic import FILE_MODE, open_atomic
 from shared.errors import InvalidArgument
 
 __all__ = [
@@ -171,7 +171,8 @@ def extract_staged(
     limits = limits or ArchiveLimits()
     if dest.exists():
         raise FileExistsError(dest)
-    ensure_private_dir(dest)
+    # Staging needs no fsync: what it holds is committed elsewhere, or thrown away.
+    os.makedirs(dest, mode=0o700)
     try:
         return _extract(source, dest, accept, limits)
     except BaseException:
@@ -238,7 +239,7 @@ def _extract(
 
 
 def _write_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path, path: str) -> None:
-    ensure_private_dir(target.parent)
+    os.makedirs(target.parent, mode=0o700, exist_ok=True)
     reader = tar.extractfile(member)
     if reader is None:  # pragma: no cover - isreg() members always have data
         raise _refuse(f"entry {path!r}: has no data")

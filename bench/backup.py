@@ -1,0 +1,326 @@
+"""Sealed backups against restic and against ``tar | zstd -3``, on the same data, same run.
+
+A machine's data folder is filled with synthetic conversations (default about
+200 MB of events in 1,000 agents). Then, each as its own process so that its
+peak resident memory can be read:
+
+- ours: a full backup to a folder target; a backup after 1 % of the agents
+  changed; a restore of the newest backup into a new, empty machine;
+- restic (Debian package): ``backup`` of the data folder, ``backup`` again
+  after the same change, ``restore``;
+- ``tar | zstd -3`` of the data folder (one-off compression, no encryption).
+
+Printed: seconds, ratios ours/restic (below 1.0 is faster than restic),
+stored sizes and peak RSS of each step.
+
+Usage: ``.venv/bin/python -m bench.backup [--agents N] [--mb M]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from machine.db import Database
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMING_KEY_FILE = "naming.key"
+PASSWORD = "bench-only-password"
+EVENT_BYTES = 1000
+EVENTS_PER_RUN = 20
+
+
+def _paragraphs(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    vocab = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+        for _ in range(3000)
+    ]
+    out = []
+    for _ in range(count):
+        words: list[str] = []
+        size = 0
+        while size < EVENT_BYTES:
+            w = rng.choice(vocab)
+            words.append(w)
+            size += len(w) + 1
+        out.append(" ".join(words))
+    return out
+
+
+def _fill(
+    conn: sqlite3.Connection, agents: list[str], runs_each: int, pool: list[str], tag: str
+) -> int:
+    """Append ``runs_each`` runs of text to each agent; return the bytes of text added."""
+    rng = random.Random(hash(tag) & 0xFFFF)
+    added = 0
+    now = time.time()
+    for agent in agents:
+        seq = conn.execute("SELECT last_seq FROM agents WHERE id = ?", (agent,)).fetchone()[0]
+        for r in range(runs_each):
+            run_id = f"run_{tag}{agent[-10:]}{r:06d}"
+            conn.execute(
+                "INSERT INTO runs (id, agent_id, state, prompt, created_at, started_at,"
+                " finished_at, input_tokens, output_tokens, duration_ms)"
+                " VALUES (?, ?, 'finished', ?, ?, ?, ?, 10, 200, 1500)",
+                (run_id, agent, f"prompt {tag} {r}", now, now, now),
+            )
+            rows = [(agent, seq + 1, run_id, "RUN_STARTED", json.dumps({"prompt": f"p {r}"}), now)]
+            for i in range(EVENTS_PER_RUN):
+                text = pool[rng.randrange(len(pool))]
+                added += len(text)
+                rows.append(
+                    (agent, seq + 2 + i, run_id, "TEXT_DELTA", json.dumps({"text": text}), now)
+                )
+            rows.append((agent, seq + 2 + EVENTS_PER_RUN, run_id, "RUN_FINISHED", "{}", now))
+            conn.executemany(
+                "INSERT INTO events (agent_id, seq, run_id, kind, payload_json, time)"
+                " VALUES (?,?,?,?,?,?)",
+                rows,
+            )
+            conn.execute(
+                "INSERT INTO summaries (run_id, agent_id, text, created_at) VALUES (?,?,?,?)",
+                (run_id, agent, f"summary {tag} {r}", now),
+            )
+            seq += len(rows)
+        conn.execute(
+            "UPDATE agents SET last_seq = ?, updated_at = ? WHERE id = ?", (seq, now, agent)
+        )
+    return added
+
+
+async def _make_data(data: Path, agents: int, mb: int) -> list[str]:
+    from shared.ids import new_id
+
+    data.mkdir(mode=0o700, parents=True)
+    db = await Database.open(data / "machine.db")
+    ids = [new_id("agent") for _ in range(agents)]
+    machine = new_id("machine")
+    runs_each = max(1, (mb * 1024 * 1024) // (agents * EVENTS_PER_RUN * EVENT_BYTES))
+    pool = _paragraphs(20_000, 1)
+    try:
+
+        def create(conn: sqlite3.Connection) -> None:
+            for i, agent in enumerate(ids):
+                conn.execute(
+                    "INSERT INTO agents (id, name, folder, runtime, state, origin_machine,"
+                    " created_at, updated_at) VALUES (?, ?, '/srv', 'echo', 'archived', ?, 0, 0)",
+                    (agent, f"agent-{i}", machine),
+                )
+
+        await db.write(create)
+        for start in range(0, len(ids), 50):
+            part = ids[start : start + 50]
+            await db.write(lambda c, part=part: _fill(c, part, runs_each, pool, "a"))
+    finally:
+        await db.close()
+    return ids
+
+
+async def _change(data: Path, agents: list[str]) -> None:
+    db = await Database.open(data / "machine.db")
+    pool = _paragraphs(2000, 2)
+    try:
+        await db.write(lambda c: _fill(c, agents, 1, pool, "b"))
+    finally:
+        await db.close()
+
+
+# -- the phases, each run in a child process ---------------------------------
+
+
+async def _engine(data: Path, work: Path, target: Path) -> Any:
+    from machine.backup import BackupEngine
+    from machine.transfer import DatabaseBackupSource
+    from shared.backup_target import StoreTarget
+    from shared.crypto import BoxKeyPair
+    from shared.store.folder import FolderStore
+
+    keys = json.loads((work / "keys.json").read_text())
+    machine_key = BoxKeyPair.from_private(bytes.fromhex(keys["machine"]))
+    recovery = BoxKeyPair.from_private(bytes.fromhex(keys["recovery"]))
+    db = await Database.open(data / "machine.db")
+    engine = BackupEngine(
+        DatabaseBackupSource(db, data / "attachments", work / "engine"),
+        StoreTarget(FolderStore(target)),
+        machine_id=keys["machine_id"],
+        naming_key=bytes.fromhex(keys["naming"]),
+        recipients=[machine_key.public_key, recovery.public_key],
+        keypair=machine_key,
+        work_dir=work / "engine",
+        keep=3,
+    )
+    return db, engine, recovery
+
+
+async def _phase_backup(data: Path, work: Path, target: Path) -> dict[str, Any]:
+    db, engine, _ = await _engine(data, work, target)
+    try:
+        started = time.monotonic()
+        result = await engine.backup_now()
+        seconds = time.monotonic() - started
+    finally:
+        await db.close()
+    return {"uploaded": result.uploaded, "segments": result.segments, "seconds": seconds}
+
+
+async def _phase_restore(data: Path, work: Path, target: Path, dest: Path) -> dict[str, Any]:
+    from machine.transfer import restore_fetched
+
+    db, engine, recovery = await _engine(data, work, target)
+    await db.close()
+    newest = (await engine.list())[-1][0].backup_id
+    dest.mkdir(mode=0o700)
+    new_db = await Database.open(dest / "machine.db")
+    started = time.monotonic()
+    try:
+        fetched = await engine.fetch(newest, work / "fetch", recovery)
+        result = await restore_fetched(
+            new_db, fetched, attachments_dir=dest / "attachments", erased=set()
+        )
+        shutil.rmtree(work / "fetch")
+    finally:
+        await new_db.close()
+    return {"restored": len(result.restored), "seconds": time.monotonic() - started}
+
+
+def _child(argv: list[str]) -> None:
+    phase, data, work, target = argv[0], Path(argv[1]), Path(argv[2]), Path(argv[3])
+    if phase == "backup":
+        out = asyncio.run(_phase_backup(data, work, target))
+    else:
+        out = asyncio.run(_phase_restore(data, work, target, Path(argv[4])))
+    print(json.dumps(out))
+
+
+def _timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
+    """Run ``cmd``; return its seconds, its own peak RSS in MiB (wait4), and its stdout."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        started = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.monotonic() - started
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise SystemExit(f"{cmd[0]} failed: {err.read().decode()[-2000:]}")
+        return seconds, usage.ru_maxrss // 1024, out.read().decode()
+
+
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(sys.argv[2:])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=1000)
+    parser.add_argument("--mb", type=int, default=200, help="MB of conversation text")
+    args = parser.parse_args()
+    restic = shutil.which("restic")
+    with tempfile.TemporaryDirectory(prefix="bench-backup-") as tmp:
+        base = Path(tmp)
+        data, work, target = base / "data", base / "work", base / "target"
+        work.mkdir()
+        t0 = time.monotonic()
+        ids = asyncio.run(_make_data(data, args.agents, args.mb))
+        from shared.crypto import BoxKeyPair
+        from shared.ids import new_id
+
+        (work / "keys.json").write_text(
+            json.dumps(
+                {
+                    "machine": BoxKeyPair.generate().private_key.hex(),
+                    "recovery": BoxKeyPair.generate().private_key.hex(),
+                    "naming": os.urandom(32).hex(),
+                    "machine_id": new_id("machine"),
+                }
+            )
+        )
+        size = _du(data)
+        print(
+            f"data: {args.agents} agents, machine.db {size / 1e6:.1f} MB "
+            f"(made in {time.monotonic() - t0:.1f} s)"
+        )
+        me = [sys.executable, "-m", "bench.backup", "--child"]
+        # step -> (seconds of the operation in the process, seconds of the whole
+        # process with interpreter start and imports, peak RSS MiB)
+        rows: dict[str, tuple[float, float, int]] = {}
+
+        s, rss, out = _timed([*me, "backup", str(data), str(work), str(target)])
+        rows["full backup"] = (json.loads(out)["seconds"], s, rss)
+        full_stored = _du(target)
+        results: dict[str, tuple[float, int]] = {}
+        env = {**os.environ, "RESTIC_PASSWORD": PASSWORD, "RESTIC_CACHE_DIR": str(base / "rc")}
+        repo = base / "restic"
+        if restic:
+            subprocess.run(
+                [restic, "-r", str(repo), "init", "-q"], env=env, check=True, capture_output=True
+            )
+            results["full backup"] = _timed(
+                [restic, "-r", str(repo), "backup", "-q", str(data)], env
+            )[:2]
+        restic_full = _du(repo) if restic else 0
+        s, _, _ = _timed(["sh", "-c", f"tar -C {data} -cf - . | zstd -q -3 -o {base}/data.tar.zst"])
+        tar_seconds, tar_size = s, (base / "data.tar.zst").stat().st_size
+
+        changed = ids[: max(1, len(ids) // 100)]
+        asyncio.run(_change(data, changed))
+        s, rss, out = _timed([*me, "backup", str(data), str(work), str(target)])
+        rows["backup after 1 % changed"] = (json.loads(out)["seconds"], s, rss)
+        uploaded = json.loads(out)["uploaded"]
+        if restic:
+            results["backup after 1 % changed"] = _timed(
+                [restic, "-r", str(repo), "backup", "-q", str(data)], env
+            )[:2]
+        s, rss, out = _timed([*me, "restore", str(data), str(work), str(target), str(base / "new")])
+        rows["restore"] = (json.loads(out)["seconds"], s, rss)
+        if restic:
+            results["restore"] = _timed(
+                [restic, "-r", str(repo), "restore", "latest", "-q", "--target", str(base / "rr")],
+                env,
+            )[:2]
+
+        print(
+            f"incremental: {uploaded} of {len(ids)} agent segments uploaded "
+            f"({len(changed)} agents changed)"
+        )
+        print(
+            f"stored: ours {full_stored / 1e6:.1f} MB, restic {restic_full / 1e6:.1f} MB, "
+            f"tar|zstd -3 {tar_size / 1e6:.1f} MB ({tar_seconds:.2f} s)"
+        )
+        print("ours s: the operation in a running process (as in the daemon); wall s adds")
+        print("the interpreter's start and imports; restic s is its whole process.")
+        head = ("step", "ours s", "wall s", "restic s", "ratio", "ours MiB", "restic MiB")
+        print(
+            f"{head[0]:26} {head[1]:>7} {head[2]:>7} {head[3]:>9} {head[4]:>7}"
+            f" {head[5]:>9} {head[6]:>11}"
+        )
+        for step, (ours, wall, rss) in rows.items():
+            theirs, trss = results.get(step, (float("nan"), -1))
+            ratio = ours / theirs if restic else float("nan")
+            print(
+                f"{step:26} {ours:7.2f} {wall:7.2f} {theirs:9.2f} {ratio:6.2f}x {rss:9} {trss:11}"
+            )
+        print(f"full backup vs tar|zstd -3: ratio {rows['full backup'][0] / tar_seconds:.2f}x")
+        if not restic:
+            print("restic not found: `apt-get install restic` for the restic columns")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
