@@ -1,0 +1,303 @@
+"""The machine's backups as a service: when they run, where they go, what is reported.
+
+:class:`BackupService` owns one :class:`~machine.backup.BackupEngine` on the
+machine's target (a folder for a stand-alone machine, the control plane for a
+joined one), runs it daily at a configured local time, runs a restore check
+(open the newest backup, authenticate every chunk, compare it with the live
+data) after each backup, restores, and keeps what ``status`` and the metrics
+show: last backup, next run, last restore check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from machine import store_export
+from machine.backup import BackupEngine, BackupResult, Progress, VerifyResult
+from machine.backup_keys import BackupKeys
+from machine.db import Database
+from machine.transfer import DatabaseBackupSource, InResult, restore_fetched
+from shared.backup_target import BackupTarget
+from shared.crypto import BoxKeyPair
+from shared.errors import AgentsError, IntegrityError, InvalidArgument
+
+__all__ = ["BackupMetrics", "BackupService", "BackupStatus", "RestoreCheck", "parse_daily_time"]
+
+logger = logging.getLogger(__name__)
+
+_DURATIONS: Final = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600)
+
+
+def parse_daily_time(text: str, field: str = "backup_time") -> dt.time:
+    """``HH:MM`` (24-hour, local time) for the daily backup."""
+    try:
+        hour, minute = (int(p) for p in text.split(":"))
+        return dt.time(hour, minute)
+    except ValueError:
+        raise InvalidArgument(field, f"{text[:16]!r} is not a time of day as HH:MM") from None
+
+
+class BackupMetrics:
+    """Backup and restore-check metrics (names the alert rules in deploy/ use)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.last_success = Gauge(
+            "agents_machine_backup_last_success_timestamp_seconds",
+            "When the last successful backup finished (Unix time).",
+            registry=registry,
+        )
+        self.backups = Counter(
+            "agents_machine_backups", "Backups attempted, by result.", ["result"], registry=registry
+        )
+        self.duration = Histogram(
+            "agents_machine_backup_duration_seconds",
+            "Time to make one backup.",
+            buckets=_DURATIONS,
+            registry=registry,
+        )
+        self.uploaded_bytes = Counter(
+            "agents_machine_backup_uploaded_bytes",
+            "Sealed segment bytes sent to the target (reused segments are not sent).",
+            registry=registry,
+        )
+        self.stored_bytes = Gauge(
+            "agents_machine_backup_stored_bytes",
+            "Stored size of the newest backup (its segments and manifest).",
+            registry=registry,
+        )
+        self.check_ok = Gauge(
+            "agents_machine_restore_check_ok",
+            "1 when the last restore check opened the newest backup whole, 0 when it failed.",
+            registry=registry,
+        )
+        self.check_last = Gauge(
+            "agents_machine_restore_check_last_timestamp_seconds",
+            "When the last restore check ran (Unix time).",
+            registry=registry,
+        )
+        self.check_duration = Histogram(
+            "agents_machine_restore_check_duration_seconds",
+            "Time to open and authenticate the newest backup.",
+            buckets=_DURATIONS,
+            registry=registry,
+        )
+
+
+@dataclass(frozen=True)
+class RestoreCheck:
+    """The outcome of opening the newest backup and comparing it with the live data."""
+
+    ok: bool
+    backup_id: str
+    at: float
+    seconds: float
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class BackupStatus:
+    """What ``status`` shows of backups."""
+
+    target: str
+    keep: int
+    last_backup_at: float | None
+    last_backup_id: str
+    last_backup_bytes: int
+    next_run_at: float
+    last_check: RestoreCheck | None
+    recovery_key: bool
+    warnings: tuple[str, ...]
+
+
+class BackupService:
+    """Daily sealed backups of one machine, their restore checks, and restores."""
+
+    def __init__(
+        self,
+        db: Database,
+        target: BackupTarget,
+        *,
+        target_name: str,
+        machine_id: str,
+        keys: BackupKeys,
+        data_dir: Path,
+        attachments_dir: Path,
+        keep: int,
+        daily_at: dt.time,
+        metrics: BackupMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+        warnings: tuple[str, ...] = (),
+    ) -> None:
+        self._db = db
+        self._target = target
+        self.target_name = target_name
+        self._keys = keys
+        self._data_dir = data_dir
+        self._attachments = attachments_dir
+        self._work = data_dir / "backup-work"
+        self._metrics = metrics
+        self._clock = clock
+        self.daily_at = daily_at
+        self._warnings = warnings
+        self.engine = BackupEngine(
+            DatabaseBackupSource(db, attachments_dir, self._work),
+            target,
+            machine_id=machine_id,
+            naming_key=keys.naming_key,
+            recipients=keys.recipients,
+            keypair=keys.keypair,
+            work_dir=self._work,
+            keep=keep,
+            clock=clock,
+        )
+        self._last: BackupResult | None = None
+        self._last_at: float | None = None
+        self._last_check: RestoreCheck | None = None
+
+    # -- making and checking -------------------------------------------------
+
+    async def backup_now(self, progress: Progress | None = None) -> BackupResult:
+        """Make a backup now, prune, then check that the new backup restores."""
+        started = time.monotonic()
+        try:
+            result = await self.engine.backup_now(progress)
+        except BaseException:
+            if self._metrics:
+                self._metrics.backups.labels("failed").inc()
+            raise
+        self._last, self._last_at = result, self._clock()
+        if self._metrics:
+            self._metrics.backups.labels("ok").inc()
+            self._metrics.last_success.set(self._last_at)
+            self._metrics.duration.observe(time.monotonic() - started)
+            self._metrics.uploaded_bytes.inc(result.uploaded_bytes)
+            self._metrics.stored_bytes.set(result.stored_bytes)
+        return result
+
+    async def restore_check(self) -> RestoreCheck:
+        """Open the newest backup, authenticate every chunk, compare with the live data.
+
+        Every agent the backup holds must still be on this machine (or have
+        been erased since); a backup that cannot be opened whole fails.
+        """
+        started = time.monotonic()
+        at = self._clock()
+        backups = await self.engine.list()
+        if not backups:
+            check = RestoreCheck(False, "", at, 0.0, "no backup to check")
+        else:
+            info, _ = backups[-1]
+            try:
+                verified: VerifyResult = await self.engine.verify(info.backup_id)
+                manifest = await self.engine.open(info.backup_id)
+                agents = {s.ref for s in manifest.segments if s.kind == "agent"}
+                live = await self._db.read(
+                    lambda c: store_export.existing_agents(c, agents), what="restore check"
+                )
+                missing = agents - live
+                problem = (
+                    f"{len(missing)} agents in the backup are not on this machine"
+                    if missing
+                    else ""
+                )
+                check = RestoreCheck(not missing, info.backup_id, at, verified.seconds, problem)
+            except (IntegrityError, AgentsError) as e:
+                check = RestoreCheck(False, info.backup_id, at, time.monotonic() - started, str(e))
+        self._last_check = check
+        if self._metrics:
+            self._metrics.check_ok.set(1 if check.ok else 0)
+            self._metrics.check_last.set(at)
+            self._metrics.check_duration.observe(time.monotonic() - started)
+        if not check.ok:
+            logger.error("restore check of backup %s failed: %s", check.backup_id, check.problem)
+        return check
+
+    # -- restoring -----------------------------------------------------------
+
+    async def restore(
+        self, backup_id: str, *, recovery: BoxKeyPair | None = None, erased: set[str] | None = None
+    ) -> InResult:
+        """Restore a backup's agents (archived), skipping existing and erased ones.
+
+        ``recovery`` opens a backup made by another machine's key (the disk is
+        gone); without it the machine's own key is used.
+        """
+        stage = self._work / f".restore-{os.getpid()}-{int(self._clock() * 1000)}"
+        try:
+            fetched = await self.engine.fetch(backup_id, stage, recovery)
+            return await restore_fetched(
+                self._db, fetched, attachments_dir=self._attachments, erased=erased or set()
+            )
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+    # -- scheduling ----------------------------------------------------------
+
+    def next_run(self, now: float | None = None) -> float:
+        """The next daily run time after ``now`` (local time of day ``daily_at``)."""
+        now = self._clock() if now is None else now
+        local = dt.datetime.fromtimestamp(now).astimezone()
+        candidate = local.replace(
+            hour=self.daily_at.hour, minute=self.daily_at.minute, second=0, microsecond=0
+        )
+        if candidate.timestamp() <= now:
+            candidate = (candidate + dt.timedelta(days=1)).replace(
+                hour=self.daily_at.hour, minute=self.daily_at.minute
+            )
+        return candidate.timestamp()
+
+    async def run_daily(self) -> None:
+        """Back up (then check) every day at ``daily_at``, until cancelled."""
+        while True:
+            wait = max(0.0, self.next_run() - self._clock())
+            await asyncio.sleep(wait)
+            try:
+                await self.backup_now()
+                await self.restore_check()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("the daily backup failed; the next one runs tomorrow")
+
+    def status(self) -> BackupStatus:
+        last = self._last
+        warnings = list(self._warnings)
+        if self._keys.recovery_public_key is None:
+            warnings.append(
+                "no recovery key: backups open only with this machine's key, so a lost disk "
+                "loses them too (agents-machine backup recovery-key)"
+            )
+        return BackupStatus(
+            target=self.target_name,
+            keep=self.engine.keep,
+            last_backup_at=self._last_at,
+            last_backup_id=last.backup_id if last else "",
+            last_backup_bytes=last.stored_bytes if last else 0,
+            next_run_at=self.next_run(),
+            last_check=self._last_check,
+            recovery_key=self._keys.recovery_public_key is not None,
+            warnings=tuple(warnings),
+        )
+
+
+def same_device(a: Path, b: Path) -> bool:
+    """Whether two folders (or their nearest existing parents) are on one device."""
+
+    def dev(p: Path) -> int:
+        for q in (p, *p.parents):
+            if q.exists():
+                return os.stat(q).st_dev
+        return -1
+
+    return dev(a) == dev(b)

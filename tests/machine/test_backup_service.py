@@ -1,0 +1,151 @@
+"""machine.backup_service: daily timing, restore checks with metrics, status, keys."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from machine.app import Machine, open_machine
+from machine.backup_keys import load_backup_keys, new_standalone_recovery_key
+from machine.backup_service import BackupMetrics, BackupService, parse_daily_time, same_device
+from machine.config import MachineConfig
+from shared.backup_target import StoreTarget
+from shared.errors import InvalidArgument, InvalidState
+from shared.store.folder import FolderStore
+
+
+def _config(root: Path) -> MachineConfig:
+    return MachineConfig(data_dir=root, background_loops=False, shutdown_grace_seconds=0).validate()
+
+
+async def _agent(m: Machine, tmp: Path, text: str) -> str:
+    agent = (await m.agents.create(name="a", folder=str(tmp))).id
+    async for _ in await m.runs.prompt(agent, text):
+        pass
+    return agent
+
+
+def _service(m: Machine, target: Path, registry: CollectorRegistry) -> BackupService:
+    return BackupService(
+        m.db,
+        StoreTarget(FolderStore(target)),
+        target_name=f"folder {target}",
+        machine_id=m.ids.canonical,
+        keys=load_backup_keys(m.config.data_dir),
+        data_dir=m.config.data_dir,
+        attachments_dir=m.config.attachments_dir,
+        keep=3,
+        daily_at=dt.time(3, 30),
+        metrics=BackupMetrics(registry),
+    )
+
+
+def _metric(registry: CollectorRegistry, name: str) -> float | None:
+    return registry.get_sample_value(name)
+
+
+async def test_backup_check_and_metrics(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    async with open_machine(_config(tmp_path / "m")) as m:
+        await _agent(m, tmp_path, "hello")
+        service = _service(m, tmp_path / "target", registry)
+        before = service.status()
+        assert before.last_backup_at is None and not before.recovery_key
+        assert any("no recovery key" in w for w in before.warnings)
+        result = await service.backup_now()
+        check = await service.restore_check()
+        assert check.ok and check.backup_id == result.backup_id
+        assert _metric(registry, "agents_machine_restore_check_ok") == 1
+        assert _metric(registry, "agents_machine_backup_last_success_timestamp_seconds")
+        assert registry.get_sample_value("agents_machine_backups_total", {"result": "ok"}) == 1
+        # Damage the only backup: the next check fails and says so in the metric.
+        seg = next((tmp_path / "target" / "segments").iterdir())
+        seg.write_bytes(seg.read_bytes()[:-40])
+        failed = await service.restore_check()
+        assert not failed.ok and failed.problem
+        assert _metric(registry, "agents_machine_restore_check_ok") == 0
+        assert service.status().last_check == failed
+
+
+async def test_check_fails_when_a_backed_up_agent_is_missing(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "m")) as m:
+        await _agent(m, tmp_path, "one")
+        service = _service(m, tmp_path / "target", CollectorRegistry())
+        await service.backup_now()
+    async with open_machine(_config(tmp_path / "other")) as other:
+        foreign = BackupService(
+            other.db,
+            StoreTarget(FolderStore(tmp_path / "target")),
+            target_name="t",
+            machine_id=service.engine._machine_id,
+            keys=load_backup_keys(tmp_path / "m"),
+            data_dir=other.config.data_dir,
+            attachments_dir=other.config.attachments_dir,
+            keep=3,
+            daily_at=dt.time(1, 0),
+        )
+        check = await foreign.restore_check()
+        assert not check.ok and "not on this machine" in check.problem
+
+
+async def test_restore_brings_agents_back_archived(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "m")) as m:
+        agent = await _agent(m, tmp_path, "keep me")
+        recovery = new_standalone_recovery_key(m.config.data_dir)
+        with pytest.raises(InvalidState, match="has one already"):
+            new_standalone_recovery_key(m.config.data_dir)
+        service = _service(m, tmp_path / "target", CollectorRegistry())
+        assert service.status().recovery_key
+        made = await service.backup_now()
+    async with open_machine(_config(tmp_path / "new")) as new:
+        fresh = BackupService(
+            new.db,
+            StoreTarget(FolderStore(tmp_path / "target")),
+            target_name="t",
+            machine_id=service.engine._machine_id,
+            keys=load_backup_keys(new.config.data_dir),
+            data_dir=new.config.data_dir,
+            attachments_dir=new.config.attachments_dir,
+            keep=3,
+            daily_at=dt.time(1, 0),
+        )
+        result = await fresh.restore(made.backup_id, recovery=recovery)
+        assert result.restored == (agent,)
+        assert (await new.agents.get(agent)).state.value == "archived"
+        assert not list((new.config.data_dir / "backup-work").glob(".restore-*"))
+
+
+def test_next_run_is_the_next_local_time_of_day(tmp_path: Path) -> None:
+    service = BackupService.__new__(BackupService)
+    service.daily_at = dt.time(3, 30)
+    service._clock = lambda: 0.0  # type: ignore[method-assign]
+    local = dt.datetime(2026, 6, 1, 2, 0).astimezone()
+    first = service.next_run(local.timestamp())
+    assert dt.datetime.fromtimestamp(first).astimezone().replace(tzinfo=None) == dt.datetime(
+        2026, 6, 1, 3, 30
+    )
+    later = service.next_run(first)
+    assert dt.datetime.fromtimestamp(later).astimezone().replace(tzinfo=None) == dt.datetime(
+        2026, 6, 2, 3, 30
+    )
+
+
+@pytest.mark.parametrize("bad", ["25:00", "3", "x:y", ""])
+def test_bad_daily_time(bad: str) -> None:
+    with pytest.raises(InvalidArgument, match="backup_time"):
+        parse_daily_time(bad)
+
+
+def test_same_device(tmp_path: Path) -> None:
+    assert same_device(tmp_path / "a", tmp_path / "b" / "c")
+    assert not same_device(tmp_path, Path("/proc"))
+
+
+def test_keys_are_made_once_and_kept(tmp_path: Path) -> None:
+    first = load_backup_keys(tmp_path)
+    again = load_backup_keys(tmp_path)
+    assert first == again
+    assert oct((tmp_path / "keys" / "backup.key").stat().st_mode & 0o777) == "0o600"
