@@ -490,7 +490,10 @@ def main(argv: list[str] | None = None) -> int:
         # Library warnings (a refused call, a retry) would add a second line to the
         # one-line error of an admin verb; the daemon verbs log as configured.
         cfg = load_config(_flags(args), os.environ, read_file=args.cmd != "init")
-        _setup_logging(cfg.log_level if args.cmd in ("serve", "init") else "CRITICAL")
+        # init prints a secret the operator must copy: keep its output to that
+        # (and to real warnings), not the store's progress lines.
+        level = {"serve": cfg.log_level, "init": "WARNING"}.get(args.cmd, "CRITICAL")
+        _setup_logging(level)
         ctx = _Ctx(args, cfg, Output(as_json=bool(getattr(args, "json", False))))
         return dispatch(COMMANDS, PROG, args.cmd, args.verb, ctx)
 
