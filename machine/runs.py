@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import sqlite3
 import time
@@ -229,9 +228,6 @@ class RunEngine:
                 )
                 # The daemon's downtime is not the run's: its duration ends at
                 # the last event it stored before the stop.
-                row = conn.execute(
-                    "SELECT MAX(time) FROM events WHERE run_id = ?", (run.id,)
-                ).fetchone()
                 events.append(
                     self._end_run_sync(
                         conn,
@@ -240,15 +236,12 @@ class RunEngine:
                         message,
                         now,
                         started=None,
-                        active_until=row[0],
+                        active_until=store.last_event_time(conn, run.id),
                     )
                 )
             waiting = store.runs_in_states(conn, (RunState.WAITING_PERMISSION,))
             if events:
-                conn.execute(
-                    "INSERT INTO machine_log (time, kind, detail) VALUES (?, ?, ?)",
-                    (now, "runs.interrupted", str(len(events))),
-                )
+                store.log(conn, now, "runs.interrupted", str(len(events)))
             return events, waiting
 
         events, waiting = await self._db.write(recover)
@@ -321,17 +314,9 @@ class RunEngine:
             self._check_runnable(agent)
             for sha in attachments:
                 self._attachments.check_usable(conn, agent_id, sha)
-            conn.execute(
-                "INSERT INTO runs (id, agent_id, state, prompt, attachments_json, created_at,"
-                " usage_reported) VALUES (?,?,?,?,?,?,0)",
-                (run_id, agent_id, RunState.QUEUED.value, text, json.dumps(list(attachments)), now),
-            )
+            store.insert_run(conn, run_id, agent_id, text, attachments, now)
             for sha in attachments:
-                conn.execute(
-                    "INSERT INTO attachment_refs (sha256, agent_id, run_id, file_name, created_at)"
-                    " VALUES (?,?,?,'',?) ON CONFLICT DO NOTHING",
-                    (sha, agent_id, run_id, now),
-                )
+                store.add_attachment_ref(conn, sha, agent_id, run_id=run_id, now=now)
             return store.get_run(conn, run_id), agent.last_seq
 
         async def commit() -> tuple[RunRecord, int]:
@@ -486,20 +471,11 @@ class RunEngine:
                 raise InvalidArgument(
                     "option_id", f"{option_id!r} is not one of {', '.join(sorted(kinds))}"
                 )
-            conn.execute(
-                "UPDATE permissions SET state = 'answered', option_id = ?, remember = ?,"
-                " answered_at = ? WHERE run_id = ? AND request_id = ?",
-                (option_id, int(remember), now, run_id, request_id),
-            )
+            store.answer_permission(conn, run_id, request_id, option_id, remember=remember, now=now)
             if remember:
                 decision = _rule_for(kinds[option_id])
                 if decision is not None:
-                    conn.execute(
-                        "INSERT INTO permission_rules (agent_id, tool, decision, created_at)"
-                        " VALUES (?,?,?,?) ON CONFLICT (agent_id, tool) DO UPDATE SET"
-                        " decision = excluded.decision, created_at = excluded.created_at",
-                        (run.agent_id, perm.title, decision, now),
-                    )
+                    store.remember_rule(conn, run.agent_id, perm.title, decision, now)
             ev = store.append_event(
                 conn,
                 run.agent_id,
@@ -948,10 +924,7 @@ class RunEngine:
             input_tokens=run.input_tokens,
             output_tokens=run.output_tokens,
         )
-        conn.execute(
-            "UPDATE permissions SET state = 'cancelled' WHERE run_id = ? AND state = 'pending'",
-            (run.id,),
-        )
+        store.cancel_pending_permissions(conn, run.id)
         return ev
 
     async def _on_cancelled(self, active: _Active, started: float | None) -> None:
