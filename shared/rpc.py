@@ -9,8 +9,9 @@ details and a google.rpc ``Status`` in the trailing metadata carrying an
 INTERNAL with no detail leaked. ``asyncio.CancelledError`` passes through.
 
 Clients mirror it with :func:`rpc_errors` / :func:`domain_error`: a failed
-call becomes the same domain error class, with the same message, or
-:class:`shared.errors.RpcError` carrying the status code.
+call becomes the same domain error class (any class of :mod:`shared.errors`),
+with the same message and data attributes, or :class:`shared.errors.RpcError`
+carrying the :class:`grpc.StatusCode`; the gRPC error is kept as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ logger = logging.getLogger(__name__)
 ERROR_DOMAIN = "agents.platform"
 _DETAILS_KEY = "grpc-status-details-bin"
 
-#: Domain error class -> gRPC status. Order matters: the first matching base wins,
-#: so subclasses are listed before their parents.
+#: Domain error class -> gRPC status. The most specific class wins (the error's
+#: nearest base in the table), whatever the order of the rows.
 STATUS_TABLE: tuple[tuple[type[E.AgentsError], grpc.StatusCode], ...] = (
     (E.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (E.NotFound, grpc.StatusCode.NOT_FOUND),
@@ -62,40 +63,21 @@ STATUS_TABLE: tuple[tuple[type[E.AgentsError], grpc.StatusCode], ...] = (
     (E.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (E.TransientError, grpc.StatusCode.UNAVAILABLE),
     (E.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
-    # Before StoreError: a missing bucket or refused credentials is the operator's
-    # to fix, and the message (naming the store) helps them; other faults stay INTERNAL.
-    (E.StoreMisconfigured, grpc.StatusCode.FAILED_PRECONDITION),
     (E.StoreError, grpc.StatusCode.INTERNAL),
+    # A missing bucket or refused credentials is the operator's to fix, and the
+    # message (naming the store) helps them; other store faults stay INTERNAL.
+    (E.StoreMisconfigured, grpc.StatusCode.FAILED_PRECONDITION),
 )
+_STATUS_BY_CLASS: dict[type[BaseException], grpc.StatusCode] = dict(STATUS_TABLE)
 
-# Classes a client may rebuild from ErrorInfo.reason; anything else becomes RpcError.
+# Classes a client may rebuild from ErrorInfo.reason: every class of the tree
+# but its root and RpcError (a client-side wrapper); anything else becomes RpcError.
 _BY_NAME: dict[str, type[E.AgentsError]] = {
     cls.__name__: cls
-    for cls in (
-        E.InvalidArgument,
-        E.InvalidId,
-        E.TooLarge,
-        E.NotFound,
-        E.AlreadyExists,
-        E.InvalidState,
-        E.PreconditionFailed,
-        E.QuotaExceeded,
-        E.Unauthenticated,
-        E.MachineRevoked,
-        E.PermissionDenied,
-        E.IntegrityError,
-        E.DatabaseDamaged,
-        E.DiskFull,
-        E.Cancelled,
-        E.Unimplemented,
-        E.DeadlineExceeded,
-        E.TransientError,
-        E.StoreUnavailable,
-        E.StoreError,
-        E.StoreIncompatible,
-        E.StoreMisconfigured,
-        E.StoreUntrusted,
-    )
+    for cls in vars(E).values()
+    if isinstance(cls, type)
+    and issubclass(cls, E.AgentsError)
+    and cls not in (E.AgentsError, E.RpcError)
 }
 # Attributes worth carrying across the wire (never secrets: they are ids and limits).
 _CARRIED = (
@@ -111,12 +93,15 @@ _CARRIED = (
     "folder",
     "path",
 )
+# Carried attributes that are numbers on the server side.
+_NUMERIC = frozenset({"limit", "size"})
 
 
 def status_for(exc: E.AgentsError) -> grpc.StatusCode:
     """Return the status code for a domain error (INTERNAL when unmapped)."""
-    for cls, code in STATUS_TABLE:
-        if isinstance(exc, cls):
+    for cls in type(exc).__mro__:
+        code = _STATUS_BY_CLASS.get(cls)
+        if code is not None:
             return code
     return grpc.StatusCode.INTERNAL
 
@@ -244,7 +229,9 @@ def domain_error(exc: grpc.aio.AioRpcError) -> E.AgentsError:
                     err = cls.__new__(cls)
                     E.AgentsError.__init__(err, details)
                     for attr, value in info.metadata.items():
-                        if attr in _CARRIED:
+                        if attr in _NUMERIC and value.isdigit():
+                            setattr(err, attr, int(value))
+                        elif attr in _CARRIED:
                             setattr(err, attr, value)
                     return err
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -255,16 +242,17 @@ def domain_error(exc: grpc.aio.AioRpcError) -> E.AgentsError:
         return E.Unauthenticated(details or "unauthenticated")
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return E.PermissionDenied(details or "permission denied")
-    return E.RpcError(code.name if code is not None else "UNKNOWN", details)
+    return E.RpcError(code if code is not None else grpc.StatusCode.UNKNOWN, details)
 
 
 @contextlib.asynccontextmanager
 async def rpc_errors() -> AsyncIterator[None]:
-    """Re-raise gRPC failures inside the block as domain errors."""
+    """Re-raise gRPC failures inside the block as domain errors (the gRPC error as
+    their ``__cause__``)."""
     try:
         yield
     except grpc.aio.AioRpcError as exc:
-        raise domain_error(exc) from None
+        raise domain_error(exc) from exc
 
 
 async def serve_health_and_reflection(
