@@ -14,7 +14,6 @@ from typing import Any
 
 import grpc
 import grpc.aio
-from google.protobuf.timestamp_pb2 import Timestamp
 from prometheus_client import Counter
 
 from controlplane.links import (
@@ -33,6 +32,7 @@ from controlplane.presence import AccountDeletedNotice, PresenceRegistry, Revoke
 from shared.errors import AgentsError, Unimplemented
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import status_for
+from shared.timestamps import from_datetime
 
 __all__ = ["LinkServicer"]
 
@@ -82,7 +82,7 @@ def _encode(notice: LinkNotice) -> link_pb2.ControlMessage:
         return link_pb2.ControlMessage(
             welcome=link_pb2.Welcome(
                 heartbeat_interval_ms=int(notice.heartbeat_interval * 1000),
-                server_time=_ts(notice.server_time),
+                server_time=from_datetime(notice.server_time),
                 machine_id=notice.machine_id,
             )
         )
@@ -93,12 +93,6 @@ def _encode(notice: LinkNotice) -> link_pb2.ControlMessage:
             account_deleted=link_pb2.AccountDeleted(account_id=notice.account_id)
         )
     return link_pb2.ControlMessage(renew_now=link_pb2.RenewNow(reason=notice.reason))
-
-
-def _ts(value: dt.datetime) -> Timestamp:
-    ts = Timestamp()
-    ts.FromDatetime(value.astimezone(dt.UTC))
-    return ts
 
 
 class LinkServicer(link_pb2_grpc.MachineLinkServicer):
@@ -151,7 +145,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             account_id=result.account.account_id,
             account_recovery_public_key=result.account.recovery_public_key,
             heartbeat_interval_ms=int(self._heartbeat * 1000),
-            certificate_not_after=_ts(result.cert.not_after),
+            certificate_not_after=from_datetime(result.cert.not_after),
             link_port=self.link_port,
             link_host=self.link_host,
         )
@@ -167,7 +161,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         return link_pb2.RenewCertificateResponse(
             certificate_pem=cert.cert_pem.decode(),
             ca_certificate_pem=self._pairing.ca_cert_pem.decode(),
-            certificate_not_after=_ts(cert.not_after),
+            certificate_not_after=from_datetime(cert.not_after),
         )
 
     async def Connect(

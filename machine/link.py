@@ -62,6 +62,7 @@ from shared.errors import (
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.retry import reconnecting
 from shared.rpc import domain_error
+from shared.timestamps import to_datetime
 
 __all__ = ["ControlLink", "Delivery", "LinkState"]
 
@@ -504,7 +505,7 @@ class ControlLink:
         if self._on_delivery is None:
             logger.warning("delivery %s dropped: this daemon takes no deliveries", pb.id)
             return
-        created = pb.created_at.ToDatetime(dt.UTC) if pb.HasField("created_at") else None
+        created = to_datetime(pb.created_at) if pb.HasField("created_at") else None
         delivery = Delivery(
             id=pb.id,
             agent_id=pb.agent_id,

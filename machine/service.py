@@ -21,6 +21,7 @@ from machine.version import machine_version
 from shared.errors import AgentsError, InvalidArgument, Unimplemented
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
+from shared.timestamps import from_seconds
 
 __all__ = ["SERVICE_NAME", "MachineServicer"]
 
@@ -247,7 +248,7 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         return pb.CheckDatabaseResponse(
             ok=result.ok,
             problems=list(result.problems),
-            checked_at=codec.ts(result.finished_at),
+            checked_at=from_seconds(result.finished_at),
             duration_ms=int(result.seconds * 1000),
             path=str(self._m.db.path),
         )
@@ -264,6 +265,6 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
             open_runs=st.open_runs,
             waiting_runs=st.waiting_runs,
             runtimes=st.runtimes,
-            started_at=codec.ts(st.started_at),
+            started_at=from_seconds(st.started_at),
             schema_version=st.schema_version,
         )
