@@ -16,9 +16,9 @@ from controlplane.machines import MachineService
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
 from controlplane.tokens import TokenService
-from shared.errors import Unimplemented
 from shared.ids import validate_id
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
+from shared.rpc import unimplemented
 from shared.timestamps import from_datetime
 
 __all__ = ["AdminServicer"]
@@ -232,38 +232,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             account_id=made.credential.account_id,
         )
 
-    async def _later(self, context: Context, method: str) -> Any:
-        await self._auth(context)
-        raise Unimplemented(method, _LATER)
-
-    async def DeleteAccount(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "DeleteAccount")
-
-    async def GetDeletion(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "GetDeletion")
-
-    async def CreateRepairToken(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "CreateRepairToken")
-
-    async def SetProvider(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "SetProvider")
-
-    async def SendPrompt(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "SendPrompt")
-
-    async def ListPrompts(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "ListPrompts")
-
-    async def RotateServerCertificate(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "RotateServerCertificate")
-
-    async def RolloverCA(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "RolloverCA")
+    # RPCs that arrive with later issues.
+    DeleteAccount = unimplemented("DeleteAccount", _LATER, check="_auth")
+    GetDeletion = unimplemented("GetDeletion", _LATER, check="_auth")
+    CreateRepairToken = unimplemented("CreateRepairToken", _LATER, check="_auth")
+    SetProvider = unimplemented("SetProvider", _LATER, check="_auth")
+    SendPrompt = unimplemented("SendPrompt", _LATER, check="_auth")
+    ListPrompts = unimplemented("ListPrompts", _LATER, check="_auth")
+    RotateServerCertificate = unimplemented("RotateServerCertificate", _LATER, check="_auth")
+    RolloverCA = unimplemented("RolloverCA", _LATER, check="_auth")

@@ -29,9 +29,9 @@ from controlplane.machines import MachineInfo, MachineService
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import AccountDeletedNotice, PresenceRegistry, RevokedNotice
-from shared.errors import AgentsError, Unimplemented
+from shared.errors import AgentsError
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
-from shared.rpc import status_for
+from shared.rpc import status_for, unimplemented
 from shared.timestamps import from_datetime
 
 __all__ = ["LinkServicer"]
@@ -177,35 +177,14 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             async for notice in notices:
                 yield _encode(notice)
 
-    async def _later(self, context: Context, what: str) -> Any:
+    async def _authorize(self, context: Context) -> None:
         await self._sessions.authorize(_peer_pem(context))
-        raise Unimplemented(what, _LATER)
 
-    async def HaveSegments(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "HaveSegments")
-
-    async def PutSegment(self, request_iterator: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "PutSegment")
-
-    async def PutManifest(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "PutManifest")
-
-    async def ListBackups(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "ListBackups")
-
-    async def GetManifest(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "GetManifest")
-
-    async def GetSegment(self, request: Any, context: Context) -> AsyncIterator[Any]:
-        """Later issue."""
-        await self._later(context, "GetSegment")
-        yield None  # pragma: no cover - abort raised above
-
-    async def Prune(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "Prune")
+    # RPCs that arrive with later issues.
+    HaveSegments = unimplemented("HaveSegments", _LATER, check="_authorize")
+    PutSegment = unimplemented("PutSegment", _LATER, check="_authorize")
+    PutManifest = unimplemented("PutManifest", _LATER, check="_authorize")
+    ListBackups = unimplemented("ListBackups", _LATER, check="_authorize")
+    GetManifest = unimplemented("GetManifest", _LATER, check="_authorize")
+    GetSegment = unimplemented("GetSegment", _LATER, check="_authorize")
+    Prune = unimplemented("Prune", _LATER, check="_authorize")

@@ -38,6 +38,7 @@ __all__ = [
     "rpc_errors",
     "serve_health_and_reflection",
     "status_for",
+    "unimplemented",
 ]
 
 logger = logging.getLogger(__name__)
@@ -253,6 +254,26 @@ async def rpc_errors() -> AsyncIterator[None]:
         yield
     except grpc.aio.AioRpcError as exc:
         raise domain_error(exc) from exc
+
+
+def unimplemented(
+    method: str, reason: str, *, check: str | None = None, what: str | None = None
+) -> Any:
+    """A servicer method for an RPC that arrives later, assigned in the class body
+    (``Prune = unimplemented("Prune", _LATER)``): it answers UNIMPLEMENTED
+    ("<what>: <reason>", ``what`` defaulting to the method name), after awaiting
+    the servicer's ``check`` method (its authorisation, so an unauthenticated
+    caller learns nothing more) when one is named. Typed ``Any`` so it stands in
+    for the generated base's abstract method whatever its signature."""
+
+    async def later(self: Any, request: Any, context: Any) -> Any:
+        if check is not None:
+            await getattr(self, check)(context)
+        raise E.Unimplemented(what or method, reason)
+
+    later.__name__ = method
+    later.__doc__ = f"Not implemented yet: {reason}."
+    return later
 
 
 async def serve_health_and_reflection(
