@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 from machine.app import Machine
 from machine.models import RunRecord, RunState
+from tests.helpers.poll import apoll_until
 
 __all__ = ["RUN_DEADLINE", "wait_for_state"]
 
@@ -15,10 +13,13 @@ RUN_DEADLINE = 10.0
 
 async def wait_for_state(m: Machine, run_id: str, state: RunState) -> RunRecord:
     """Poll the run until it reaches ``state`` (fails after the deadline)."""
-    end = time.monotonic() + RUN_DEADLINE
-    while True:
-        run = await m.runs.get_run(run_id)
-        if run.state is state:
-            return run
-        assert time.monotonic() < end, f"run {run_id} stayed {run.state}, wanted {state}"
-        await asyncio.sleep(0.01)  # poll step under the deadline above
+    last: list[RunRecord] = []
+
+    async def reached() -> RunRecord | None:
+        last[:] = [await m.runs.get_run(run_id)]
+        return last[0] if last[0].state is state else None
+
+    def stayed() -> AssertionError:
+        return AssertionError(f"run {run_id} stayed {last[0].state}, wanted {state}")
+
+    return await apoll_until(reached, deadline=RUN_DEADLINE, what=f"run {run_id}", fail=stayed)
