@@ -111,7 +111,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return _machine(await self._presence.status(m))
 
     # Each RPC: authenticate, one domain call, encode. The error interceptor maps
-    # errors and controlplane.admin_metrics counts every call (server.py wires both).
+    # errors and shared.call_metrics counts every call (server.py wires both).
 
     async def CreateAccount(
         self, request: admin_pb2.CreateAccountRequest, context: Context

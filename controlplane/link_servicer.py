@@ -9,12 +9,11 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
 import grpc.aio
-from prometheus_client import Counter
 
 from controlplane.links import (
     Ack,
@@ -29,9 +28,8 @@ from controlplane.machines import MachineInfo, MachineService
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import AccountDeletedNotice, PresenceRegistry, RevokedNotice
-from shared.errors import AgentsError
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
-from shared.rpc import status_for, unimplemented
+from shared.rpc import unimplemented
 from shared.timestamps import from_datetime
 
 __all__ = ["LinkServicer"]
@@ -51,17 +49,6 @@ def _peer_pem(context: Context) -> bytes | None:
     """The client certificate gRPC verified at the handshake, if any."""
     certs = list(context.auth_context().get("x509_pem_cert") or [])
     return certs[0] if certs else None
-
-
-@contextlib.contextmanager
-def _counted(counter: Counter) -> Iterator[None]:
-    """Count one call by outcome: ok, or the lower-case gRPC status of its error."""
-    try:
-        yield
-    except AgentsError as e:
-        counter.labels(status_for(e).name.lower()).inc()
-        raise
-    counter.labels("ok").inc()
 
 
 async def _decode(
@@ -136,8 +123,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             box_public_key=request.machine.box_public_key,
             signing_public_key=request.machine.signing_public_key,
         )
-        with _counted(self._metrics.joins):
-            result = await self._pairing.join(request.token, request.csr_pem, info)
+        result = await self._pairing.join(request.token, request.csr_pem, info)
         return link_pb2.JoinResponse(
             certificate_pem=result.cert.cert_pem.decode(),
             ca_certificate_pem=result.ca_cert_pem.decode(),
@@ -154,10 +140,9 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self, request: link_pb2.RenewCertificateRequest, context: Context
     ) -> link_pb2.RenewCertificateResponse:
         """See link.proto."""
-        with _counted(self._metrics.renewals):
-            # authorize refuses a missing certificate.
-            peer = await self._sessions.authorize(_peer_pem(context))
-            cert = await self._pairing.renew_presented(peer, request.csr_pem, self._renew_threshold)
+        # authorize refuses a missing certificate.
+        peer = await self._sessions.authorize(_peer_pem(context))
+        cert = await self._pairing.renew_presented(peer, request.csr_pem, self._renew_threshold)
         return link_pb2.RenewCertificateResponse(
             certificate_pem=cert.cert_pem.decode(),
             ca_certificate_pem=self._pairing.ca_cert_pem.decode(),
