@@ -19,7 +19,6 @@ The flow (``agents-machine join H:P --token T --ca-hash sha256:...``):
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import ipaddress
 import logging
 import re
@@ -46,6 +45,7 @@ from shared.errors import (
 from shared.ids import is_valid_id, validate_id
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import domain_error
+from shared.timestamps import Clock, utc_now
 
 __all__ = [
     "JoinResult",
@@ -168,7 +168,12 @@ def _fetch_chain_blocking(host: str, port: int, timeout: float) -> list[bytes]:
 
 
 async def fetch_pinned_ca(
-    host: str, port: int, ca_hash: str, *, timeout: float = CONNECT_TIMEOUT
+    host: str,
+    port: int,
+    ca_hash: str,
+    *,
+    timeout: float = CONNECT_TIMEOUT,
+    clock: Clock = utc_now,
 ) -> bytes:
     """Return the PEM of the server's CA once it matches ``ca_hash``.
 
@@ -200,7 +205,7 @@ async def fetch_pinned_ca(
         )
     ca = pinned[0]
     leaf = chain[0]
-    now = dt.datetime.now(dt.UTC)
+    now = clock()
     try:
         leaf.verify_directly_issued_by(ca)
     except Exception:  # cryptography raises several types for a bad signature
@@ -262,7 +267,13 @@ def _connection_lost(e: grpc.aio.AioRpcError) -> bool:
 
 
 async def join_control_plane(
-    *, data_dir: Path, address: str, token: str, ca_hash: str, name: str | None
+    *,
+    data_dir: Path,
+    address: str,
+    token: str,
+    ca_hash: str,
+    name: str | None,
+    clock: Clock = utc_now,
 ) -> JoinResult:
     """Join the control plane at ``address`` with a one-time ``token``.
 
@@ -281,7 +292,7 @@ async def join_control_plane(
     # Refuse early, before a token is spent; staged_join checks again at commit.
     identity.check_not_joined(data_dir)
 
-    ca_pem = await fetch_pinned_ca(host, port, expected)
+    ca_pem = await fetch_pinned_ca(host, port, expected, clock=clock)
     logger.info("control plane %s:%d presents the pinned CA %s", host, port, expected)
 
     keys = await asyncio.to_thread(identity.NewKeys.generate)
@@ -327,7 +338,7 @@ async def join_control_plane(
         account_recovery_public_key=bytes(reply.account_recovery_public_key),
         heartbeat_interval=interval_ms / 1000,
         cert_not_after=tls.cert_not_after(cert_pem),
-        cert_received_at=dt.datetime.now(dt.UTC),
+        cert_received_at=clock(),
     )
     # Only now, with the certificate in hand, does anything touch the disk.
     with identity.staged_join(data_dir) as stage:

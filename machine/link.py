@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import enum
+import functools
 import logging
 import random
 import time
@@ -62,7 +63,7 @@ from shared.errors import (
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.retry import reconnecting
 from shared.rpc import domain_error
-from shared.timestamps import to_datetime
+from shared.timestamps import Clock, to_datetime, utc_now
 
 __all__ = ["ControlLink", "Delivery", "LinkState"]
 
@@ -185,6 +186,7 @@ class ControlLink:
         handshake_timeout: float = 10.0,
         stable_after: float = 10.0,
         refused_retry: float = 300.0,
+        clock: Clock = utc_now,
     ) -> None:
         if not 0 < renew_fraction < 1:
             raise InvalidArgument("renew_fraction", "must be between 0 and 1")
@@ -200,6 +202,7 @@ class ControlLink:
         self._handshake_timeout = handshake_timeout
         self._stable_after = stable_after
         self._refused_retry = refused_retry
+        self._clock = clock
         self._metrics = _Metrics(registry if registry is not None else CollectorRegistry())
         self._state = LinkState.STARTING
         self._state_changed = asyncio.Condition()
@@ -302,7 +305,7 @@ class ControlLink:
         await self._set_state(LinkState.BACKING_OFF)
 
     def _cert_expired(self) -> bool:
-        return self._link is not None and self._link.cert_not_after <= dt.datetime.now(dt.UTC)
+        return self._link is not None and self._link.cert_not_after <= self._clock()
 
     async def _run(self) -> None:
         try:
@@ -555,7 +558,7 @@ class ControlLink:
             start = link.cert_received_at
         end = cert.not_valid_after_utc
         renew_at = end - (end - start) * self._renew_fraction
-        return (renew_at - dt.datetime.now(dt.UTC)).total_seconds()
+        return (renew_at - self._clock()).total_seconds()
 
     async def _renew_loop(
         self, stub: link_pb2_grpc.MachineLinkAsyncStub, keys: identity.MachineKeys
@@ -612,7 +615,14 @@ class ControlLink:
         except InvalidArgument as e:
             raise IntegrityError("renewal", f"bad certificate in the reply: {e}") from None
         self._link = await asyncio.to_thread(
-            identity.save_certificate, self._data_dir, cert_pem, ca_pem, link
+            functools.partial(
+                identity.save_certificate,
+                self._data_dir,
+                cert_pem,
+                ca_pem,
+                link,
+                received_at=self._clock(),
+            )
         )
         self._metrics.renewals.labels("ok").inc()
         logger.info("client certificate renewed; valid until %s", self._link.cert_not_after)

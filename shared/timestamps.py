@@ -7,11 +7,21 @@ seconds (machine); only servicers and clients call these.
 from __future__ import annotations
 
 import datetime as dt
-from typing import overload
+from collections.abc import Callable
+from typing import TypeAlias, overload
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-__all__ = ["from_datetime", "from_seconds", "to_datetime"]
+__all__ = ["Clock", "from_datetime", "from_seconds", "to_datetime", "utc_now"]
+
+
+Clock: TypeAlias = Callable[[], dt.datetime]
+"""What modules that read the wall clock take (injected, so tests can move time)."""
+
+
+def utc_now() -> dt.datetime:
+    """The default :data:`Clock`: now, as an aware UTC datetime."""
+    return dt.datetime.now(dt.UTC)
 
 
 @overload

@@ -435,6 +435,22 @@ async def test_wrong_pin_is_refused_before_join(control: Running, tmp_path: Path
     assert _listing(tmp_path) == []
 
 
+async def test_join_reads_the_injected_clock(control: Running, tmp_path: Path) -> None:
+    # Ten years on, the server certificate has expired: refused before the token is sent.
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(days=3650)
+    with pytest.raises(IntegrityError) as info:
+        await join_control_plane(
+            data_dir=tmp_path / "data",
+            address=control.public_address,
+            token=control.fake.new_token(),
+            ca_hash=control.ca_hash,
+            name=None,
+            clock=lambda: later,
+        )
+    assert "is not valid now" in str(info.value)
+    assert control.fake.join_calls == 0
+
+
 async def test_server_without_ca_in_chain_is_refused(ca: tls.CertKey, tmp_path: Path) -> None:
     fake = FakeControl(ca)
     server_cert = tls.issue_server_cert(ca)
