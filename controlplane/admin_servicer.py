@@ -12,7 +12,7 @@ import grpc.aio
 
 from controlplane.accounts import AccountService
 from controlplane.authz import CredentialService, Principal
-from controlplane.machines import MachineService
+from controlplane.machines import MachineRegistry
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
 from controlplane.tokens import TokenService
@@ -85,7 +85,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         accounts: AccountService,
         credentials: CredentialService,
         tokens: TokenService,
-        machines: MachineService,
+        machines: MachineRegistry,
         presence: PresenceRegistry,
         ca_hash: str,
         join_address: str,

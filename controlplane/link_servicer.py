@@ -24,7 +24,7 @@ from controlplane.links import (
     MachineMessage,
     Welcome,
 )
-from controlplane.machines import MachineInfo, MachineService
+from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import AccountDeletedNotice, PresenceRegistry, RevokedNotice
@@ -89,7 +89,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self,
         *,
         pairing: Pairing,
-        machines: MachineService,
+        machines: MachineRegistry,
         presence: PresenceRegistry,
         metrics: ControlMetrics,
         heartbeat_interval: float,

@@ -31,7 +31,7 @@ from controlplane.integrity import DeploymentGuard, TrustedStore, open_trusted_s
 from controlplane.intents import Intents
 from controlplane.keys import HomeKeys, load_home_keys
 from controlplane.link_servicer import LinkServicer
-from controlplane.machines import MachineService
+from controlplane.machines import MachineRegistry
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry
@@ -83,7 +83,7 @@ class Services:
             default_ttl=cfg.token_ttl,
             intents=self.intents,
         )
-        self.machines = MachineService(store, self.accounts, self.auditor, intents=self.intents)
+        self.machines = MachineRegistry(store, self.accounts, self.auditor, intents=self.intents)
         self.pairing = Pairing(
             self.tokens,
             self.machines,

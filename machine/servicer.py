@@ -1,4 +1,5 @@
-"""The MachineService servicer: decode, one domain call, encode.
+"""The servicer of the proto service `shared.pb.machine.v1.MachineService`: decode, one
+domain call, encode.
 
 Domain errors raised here are turned into gRPC statuses by
 :class:`shared.rpc.ErrorInterceptor`; nothing in this module maps errors.
