@@ -4,6 +4,7 @@ deadline, never sleep as synchronisation."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -36,26 +37,29 @@ def poll_until(
     while True:
         value = check()
         if value:
-            return value
+            return value  # type: ignore[return-value]
         if time.monotonic() > end:
             raise _timed_out(what, deadline, fail)
         time.sleep(step)  # poll step under the deadline above
 
 
 async def apoll_until(
-    check: Callable[[], Awaitable[T | None]],
+    check: Callable[[], T | None | Awaitable[T | None]],
     *,
     deadline: float,
     what: str,
     step: float = 0.01,
     fail: Callable[[], BaseException] | None = None,
 ) -> T:
-    """:func:`poll_until` for an async ``check``, sleeping without blocking the loop."""
+    """:func:`poll_until` inside a test's event loop: ``check`` may be sync or async,
+    and the poll step sleeps without blocking the loop."""
     end = time.monotonic() + deadline
     while True:
-        value = await check()
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
-            return value
+            return value  # type: ignore[return-value]
         if time.monotonic() > end:
             raise _timed_out(what, deadline, fail)
         await asyncio.sleep(step)  # poll step under the deadline above

@@ -42,6 +42,7 @@ from shared.errors import (
 from shared.ids import new_id
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import ErrorInterceptor
+from tests.helpers.poll import apoll_until
 
 GOOD_SECRET = "s" * 43
 
@@ -275,11 +276,8 @@ async def control(ca: tls.CertKey) -> AsyncIterator[Running]:
 
 
 async def _until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        await asyncio.sleep(0.01)  # poll step; a deadline bounds the loop
+    fail = AssertionError("condition not met before the deadline")
+    await apoll_until(pred, deadline=timeout, what="condition", fail=lambda: fail)
 
 
 async def _joined(control: Running, data_dir: Path) -> None:
