@@ -22,7 +22,7 @@ import grpc
 import grpc.aio
 
 from shared.errors import AgentsError
-from shared.rpc import status_for
+from shared.rpc import HandlerInterceptor, status_for
 
 __all__ = ["CallCounter", "CallsInterceptor"]
 
@@ -49,7 +49,7 @@ def _final_code(context: _Context, exc: BaseException | None) -> grpc.StatusCode
     return grpc.StatusCode.UNKNOWN
 
 
-class CallsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class CallsInterceptor(HandlerInterceptor):
     """Counts the unary calls of each service or method in ``counters``.
 
     Keys are a full service name (every method of it) or ``service/Method``;
@@ -63,16 +63,11 @@ class CallsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         path = full.removeprefix("/")
         return self._counters.get(path) or self._counters.get(path.rpartition("/")[0])
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> _Handler:
-        handler = await continuation(handler_call_details)
-        full: str = handler_call_details.method
+    def wrap(self, method: str, handler: _Handler) -> _Handler:
+        """``handler``, counted when ``method`` is one of the counted."""
+        full = method
         counter = self._counter(full)
-        # Unknown methods have no handler: the label set stays bounded by the proto.
-        if handler is None or counter is None or not handler.unary_unary:
+        if counter is None or not handler.unary_unary:
             return handler
         # The stubs type handlers as synchronous; on an aio server they are coroutines.
         behavior: Callable[[Any, _Context], Awaitable[Any]] = handler.unary_unary  # type: ignore[assignment]

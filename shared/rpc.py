@@ -34,6 +34,7 @@ from shared import errors as E
 __all__ = [
     "STATUS_TABLE",
     "ErrorInterceptor",
+    "HandlerInterceptor",
     "domain_error",
     "rpc_errors",
     "serve_health_and_reflection",
@@ -174,8 +175,8 @@ def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
 _Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Maps domain errors raised by any handler to gRPC statuses (see module doc)."""
+class HandlerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Base of our server interceptors: each wraps the handler of a known method."""
 
     async def intercept_service(
         self,
@@ -183,8 +184,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         handler_call_details: grpc.HandlerCallDetails,
     ) -> _Handler:
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
+        # Unknown methods have no handler: nothing to wrap.
+        return handler if handler is None else self.wrap(handler_call_details.method, handler)
+
+    def wrap(self, method: str, handler: _Handler) -> _Handler:
+        """The handler to serve ``method`` (``/service/Method``) with instead."""
+        raise NotImplementedError
+
+
+class ErrorInterceptor(HandlerInterceptor):
+    """Maps domain errors raised by any handler to gRPC statuses (see module doc)."""
+
+    def wrap(self, method: str, handler: _Handler) -> _Handler:
+        """``handler``, its domain errors mapped to statuses."""
         kwargs = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
