@@ -9,7 +9,6 @@ modules by name; this package imports nothing at import time.
 
 __all__ = [
     "accounts",
-    "admin_metrics",
     "admin_servicer",
     "audit",
     "authz",

@@ -9,17 +9,17 @@ from typing import Any, Final
 
 import grpc
 import grpc.aio
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from controlplane.accounts import AccountService
 from controlplane.authz import CredentialService, Principal
-from controlplane.machines import MachineService
+from controlplane.machines import MachineRegistry
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
 from controlplane.tokens import TokenService
-from shared.errors import Unimplemented
 from shared.ids import validate_id
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
+from shared.rpc import unimplemented
+from shared.timestamps import from_datetime
 
 __all__ = ["AdminServicer"]
 
@@ -32,20 +32,12 @@ _LATER: Final = "not implemented yet: arrives in a later release"
 _STATUS_READS: Final = 16
 
 
-def _ts(value: dt.datetime | None) -> Timestamp | None:
-    if value is None:
-        return None
-    ts = Timestamp()
-    ts.FromDatetime(value.astimezone(dt.UTC))
-    return ts
-
-
 def _account(a: Account) -> admin_pb2.Account:
     return admin_pb2.Account(
         account_id=a.account_id,
         github_user_id=a.github_user_id,
         github_login=a.github_login,
-        signed_up_at=_ts(a.signed_up_at),
+        signed_up_at=from_datetime(a.signed_up_at),
         recovery_public_key=a.recovery_public_key,
         state=a.state,
     )
@@ -55,8 +47,8 @@ def _token(t: JoinToken, now: dt.datetime) -> admin_pb2.JoinToken:
     return admin_pb2.JoinToken(
         token_id=t.token_id,
         account_id=t.account_id,
-        created_at=_ts(t.created_at),
-        expires_at=_ts(t.expires_at),
+        created_at=from_datetime(t.created_at),
+        expires_at=from_datetime(t.expires_at),
         max_uses=t.max_uses,
         uses=t.uses,
         revoked=t.revoked,
@@ -73,13 +65,13 @@ def _machine(s: MachineStatus) -> admin_pb2.Machine:
         name=m.name,
         hostname=m.hostname,
         version=s.version,
-        joined_at=_ts(m.joined_at),
-        last_seen_at=_ts(s.last_seen_at),
+        joined_at=from_datetime(m.joined_at),
+        last_seen_at=from_datetime(s.last_seen_at),
         online=s.online and not m.revoked,
         agent_count=s.agent_count,
         revoked=m.revoked,
         certificate_serial=m.cert_serial,
-        certificate_not_after=_ts(m.cert_not_after),
+        certificate_not_after=from_datetime(m.cert_not_after),
         provider=m.provider,
     )
 
@@ -93,7 +85,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         accounts: AccountService,
         credentials: CredentialService,
         tokens: TokenService,
-        machines: MachineService,
+        machines: MachineRegistry,
         presence: PresenceRegistry,
         ca_hash: str,
         join_address: str,
@@ -119,7 +111,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return _machine(await self._presence.status(m))
 
     # Each RPC: authenticate, one domain call, encode. The error interceptor maps
-    # errors and controlplane.admin_metrics counts every call (server.py wires both).
+    # errors and shared.call_metrics counts every call (server.py wires both).
 
     async def CreateAccount(
         self, request: admin_pb2.CreateAccountRequest, context: Context
@@ -240,38 +232,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             account_id=made.credential.account_id,
         )
 
-    async def _later(self, context: Context, method: str) -> Any:
-        await self._auth(context)
-        raise Unimplemented(method, _LATER)
-
-    async def DeleteAccount(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "DeleteAccount")
-
-    async def GetDeletion(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "GetDeletion")
-
-    async def CreateRepairToken(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "CreateRepairToken")
-
-    async def SetProvider(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "SetProvider")
-
-    async def SendPrompt(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "SendPrompt")
-
-    async def ListPrompts(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "ListPrompts")
-
-    async def RotateServerCertificate(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "RotateServerCertificate")
-
-    async def RolloverCA(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "RolloverCA")
+    # RPCs that arrive with later issues.
+    DeleteAccount = unimplemented("DeleteAccount", _LATER, check="_auth")
+    GetDeletion = unimplemented("GetDeletion", _LATER, check="_auth")
+    CreateRepairToken = unimplemented("CreateRepairToken", _LATER, check="_auth")
+    SetProvider = unimplemented("SetProvider", _LATER, check="_auth")
+    SendPrompt = unimplemented("SendPrompt", _LATER, check="_auth")
+    ListPrompts = unimplemented("ListPrompts", _LATER, check="_auth")
+    RotateServerCertificate = unimplemented("RotateServerCertificate", _LATER, check="_auth")
+    RolloverCA = unimplemented("RolloverCA", _LATER, check="_auth")

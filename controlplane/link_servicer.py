@@ -9,13 +9,11 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
 import grpc.aio
-from google.protobuf.timestamp_pb2 import Timestamp
-from prometheus_client import Counter
 
 from controlplane.links import (
     Ack,
@@ -26,13 +24,13 @@ from controlplane.links import (
     MachineMessage,
     Welcome,
 )
-from controlplane.machines import MachineInfo, MachineService
+from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import AccountDeletedNotice, PresenceRegistry, RevokedNotice
-from shared.errors import AgentsError, Unimplemented
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
-from shared.rpc import status_for
+from shared.rpc import unimplemented
+from shared.timestamps import from_datetime
 
 __all__ = ["LinkServicer"]
 
@@ -53,17 +51,6 @@ def _peer_pem(context: Context) -> bytes | None:
     return certs[0] if certs else None
 
 
-@contextlib.contextmanager
-def _counted(counter: Counter) -> Iterator[None]:
-    """Count one call by outcome: ok, or the lower-case gRPC status of its error."""
-    try:
-        yield
-    except AgentsError as e:
-        counter.labels(status_for(e).name.lower()).inc()
-        raise
-    counter.labels("ok").inc()
-
-
 async def _decode(
     requests: AsyncIterator[link_pb2.MachineMessage],
 ) -> AsyncGenerator[MachineMessage, None]:
@@ -82,7 +69,7 @@ def _encode(notice: LinkNotice) -> link_pb2.ControlMessage:
         return link_pb2.ControlMessage(
             welcome=link_pb2.Welcome(
                 heartbeat_interval_ms=int(notice.heartbeat_interval * 1000),
-                server_time=_ts(notice.server_time),
+                server_time=from_datetime(notice.server_time),
                 machine_id=notice.machine_id,
             )
         )
@@ -95,12 +82,6 @@ def _encode(notice: LinkNotice) -> link_pb2.ControlMessage:
     return link_pb2.ControlMessage(renew_now=link_pb2.RenewNow(reason=notice.reason))
 
 
-def _ts(value: dt.datetime) -> Timestamp:
-    ts = Timestamp()
-    ts.FromDatetime(value.astimezone(dt.UTC))
-    return ts
-
-
 class LinkServicer(link_pb2_grpc.MachineLinkServicer):
     """Join, certificate renewal and the Connect stream."""
 
@@ -108,7 +89,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self,
         *,
         pairing: Pairing,
-        machines: MachineService,
+        machines: MachineRegistry,
         presence: PresenceRegistry,
         metrics: ControlMetrics,
         heartbeat_interval: float,
@@ -142,8 +123,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             box_public_key=request.machine.box_public_key,
             signing_public_key=request.machine.signing_public_key,
         )
-        with _counted(self._metrics.joins):
-            result = await self._pairing.join(request.token, request.csr_pem, info)
+        result = await self._pairing.join(request.token, request.csr_pem, info)
         return link_pb2.JoinResponse(
             certificate_pem=result.cert.cert_pem.decode(),
             ca_certificate_pem=result.ca_cert_pem.decode(),
@@ -151,7 +131,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             account_id=result.account.account_id,
             account_recovery_public_key=result.account.recovery_public_key,
             heartbeat_interval_ms=int(self._heartbeat * 1000),
-            certificate_not_after=_ts(result.cert.not_after),
+            certificate_not_after=from_datetime(result.cert.not_after),
             link_port=self.link_port,
             link_host=self.link_host,
         )
@@ -160,14 +140,13 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self, request: link_pb2.RenewCertificateRequest, context: Context
     ) -> link_pb2.RenewCertificateResponse:
         """See link.proto."""
-        with _counted(self._metrics.renewals):
-            # authorize refuses a missing certificate.
-            peer = await self._sessions.authorize(_peer_pem(context))
-            cert = await self._pairing.renew_presented(peer, request.csr_pem, self._renew_threshold)
+        # authorize refuses a missing certificate.
+        peer = await self._sessions.authorize(_peer_pem(context))
+        cert = await self._pairing.renew_presented(peer, request.csr_pem, self._renew_threshold)
         return link_pb2.RenewCertificateResponse(
             certificate_pem=cert.cert_pem.decode(),
             ca_certificate_pem=self._pairing.ca_cert_pem.decode(),
-            certificate_not_after=_ts(cert.not_after),
+            certificate_not_after=from_datetime(cert.not_after),
         )
 
     async def Connect(
@@ -183,35 +162,14 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             async for notice in notices:
                 yield _encode(notice)
 
-    async def _later(self, context: Context, what: str) -> Any:
+    async def _authorize(self, context: Context) -> None:
         await self._sessions.authorize(_peer_pem(context))
-        raise Unimplemented(what, _LATER)
 
-    async def HaveSegments(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "HaveSegments")
-
-    async def PutSegment(self, request_iterator: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "PutSegment")
-
-    async def PutManifest(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "PutManifest")
-
-    async def ListBackups(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "ListBackups")
-
-    async def GetManifest(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "GetManifest")
-
-    async def GetSegment(self, request: Any, context: Context) -> AsyncIterator[Any]:
-        """Later issue."""
-        await self._later(context, "GetSegment")
-        yield None  # pragma: no cover - abort raised above
-
-    async def Prune(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "Prune")
+    # RPCs that arrive with later issues.
+    HaveSegments = unimplemented("HaveSegments", _LATER, check="_authorize")
+    PutSegment = unimplemented("PutSegment", _LATER, check="_authorize")
+    PutManifest = unimplemented("PutManifest", _LATER, check="_authorize")
+    ListBackups = unimplemented("ListBackups", _LATER, check="_authorize")
+    GetManifest = unimplemented("GetManifest", _LATER, check="_authorize")
+    GetSegment = unimplemented("GetSegment", _LATER, check="_authorize")
+    Prune = unimplemented("Prune", _LATER, check="_authorize")

@@ -34,7 +34,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from controlplane.audit import Clock, utcnow
-from controlplane.machines import AuthorizedPeer, MachineService
+from controlplane.machines import AuthorizedPeer, MachineRegistry
 from controlplane.metrics import ControlMetrics
 from controlplane.presence import (
     AccountDeletedNotice,
@@ -109,7 +109,7 @@ class LinkSessions:
         self,
         *,
         ca_cert_pem: bytes,
-        machines: MachineService,
+        machines: MachineRegistry,
         presence: PresenceRegistry,
         metrics: ControlMetrics,
         heartbeat_interval: float,
@@ -130,7 +130,7 @@ class LinkSessions:
         """The machine a client certificate names, if it may still act, and its identity.
 
         Unauthenticated without a certificate, for one not issued by our CA,
-        and for an unknown or revoked machine (see MachineService.authorize_peer).
+        and for an unknown or revoked machine (see MachineRegistry.authorize_peer).
         """
         if cert_pem is None:
             raise Unauthenticated("link: no client certificate (use the link address)")

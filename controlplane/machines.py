@@ -32,7 +32,7 @@ from shared.ids import new_id, validate_id
 from shared.store.base import ObjectStore
 from shared.tls import IssuedCert, PeerIdentity
 
-__all__ = ["AuthorizedPeer", "MachineInfo", "MachineService", "validate_name"]
+__all__ = ["AuthorizedPeer", "MachineInfo", "MachineRegistry", "validate_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class AuthorizedPeer:
     """The presented certificate itself."""
 
 
-class MachineService:
+class MachineRegistry:
     """Machines of every account, and the checks on a machine's certificate."""
 
     def __init__(

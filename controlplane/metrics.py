@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from shared.call_metrics import CallCounter
 
 __all__ = ["ControlMetrics"]
 
@@ -49,3 +52,22 @@ class ControlMetrics:
             ["method", "code"],
             registry=registry,
         )
+
+    def call_counters(self, admin_service: str, link_service: str) -> dict[str, CallCounter]:
+        """What :class:`~shared.call_metrics.CallsInterceptor` counts: every Admin call
+        by method and code, joins and renewals by outcome (ok, or the lower-case code)."""
+
+        def admin(method: str, code: grpc.StatusCode) -> None:
+            self.admin_calls.labels(method, code.name).inc()
+
+        def outcome(counter: Counter) -> CallCounter:
+            def count(method: str, code: grpc.StatusCode) -> None:
+                counter.labels("ok" if code is grpc.StatusCode.OK else code.name.lower()).inc()
+
+            return count
+
+        return {
+            admin_service: admin,
+            f"{link_service}/Join": outcome(self.joins),
+            f"{link_service}/RenewCertificate": outcome(self.renewals),
+        }

@@ -6,7 +6,7 @@ release: every join makes a new machine.
 A join writes three objects (the token's use, the machine's index entry, its
 record) under one ``join`` intent (:mod:`controlplane.intents`) that is HELD:
 the reply may never reach the machine, so the join commits only when the
-machine first connects with its new certificate (:meth:`MachineService.confirm`).
+machine first connects with its new certificate (:meth:`MachineRegistry.confirm`).
 Until then the machine is listed but holds the intent. An abandoned join is rolled
 back (record, index entry, and the token use given back) at once when no
 record was written (no reply can have gone out), else once the machine has had
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from controlplane.accounts import AccountService
 from controlplane.intents import Intent, Intents
-from controlplane.machines import AuthorizedPeer, MachineInfo, MachineService
+from controlplane.machines import AuthorizedPeer, MachineInfo, MachineRegistry
 from controlplane.records import Account, Machine, machine_index_key, machine_key
 from controlplane.tokens import TokenService
 from shared import tls
@@ -57,7 +57,7 @@ class Pairing:
     def __init__(
         self,
         tokens: TokenService,
-        machines: MachineService,
+        machines: MachineRegistry,
         accounts: AccountService,
         ca: CertKey,
         cert_lifetime: dt.timedelta,

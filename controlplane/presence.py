@@ -200,7 +200,7 @@ class PresenceRegistry:
         return True
 
     async def kick(self, account_id: str, machine_id: str) -> None:
-        """Close a revoked machine's link at once (a hook for MachineService.revoke)."""
+        """Close a revoked machine's link at once (a hook for MachineRegistry.revoke)."""
         if self.notify(machine_id, RevokedNotice("machine revoked by an administrator")):
             if self._sessions.pop(machine_id, None) is not None:
                 self._changed()

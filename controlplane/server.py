@@ -23,7 +23,6 @@ from grpc_health.v1._async import HealthServicer
 from prometheus_client import CollectorRegistry
 
 from controlplane.accounts import AccountService
-from controlplane.admin_metrics import AdminCallsInterceptor
 from controlplane.admin_servicer import AdminServicer
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService
@@ -32,12 +31,13 @@ from controlplane.integrity import DeploymentGuard, TrustedStore, open_trusted_s
 from controlplane.intents import Intents
 from controlplane.keys import HomeKeys, load_home_keys
 from controlplane.link_servicer import LinkServicer
-from controlplane.machines import MachineService
+from controlplane.machines import MachineRegistry
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry
 from controlplane.tokens import TokenService
 from shared.atomic import write_atomic
+from shared.call_metrics import CallsInterceptor
 from shared.errors import AgentsError, StoreUnavailable
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
@@ -83,7 +83,7 @@ class Services:
             default_ttl=cfg.token_ttl,
             intents=self.intents,
         )
-        self.machines = MachineService(store, self.accounts, self.auditor, intents=self.intents)
+        self.machines = MachineRegistry(store, self.accounts, self.auditor, intents=self.intents)
         self.pairing = Pairing(
             self.tokens,
             self.machines,
@@ -152,7 +152,7 @@ class ControlPlane:
         server = grpc.aio.server(
             # Counting first: it wraps the error mapping and so sees the final code.
             interceptors=[
-                AdminCallsInterceptor(ADMIN_SERVICE, self.metrics.admin_calls),
+                CallsInterceptor(self.metrics.call_counters(ADMIN_SERVICE, LINK_SERVICE)),
                 ErrorInterceptor(),
             ],
             options=[

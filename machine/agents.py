@@ -14,7 +14,7 @@ from typing import Any
 
 from machine import store
 from machine.db import Database
-from machine.models import AgentRecord, AgentState, MachineIds, RunState, SearchHit
+from machine.models import AgentRecord, AgentState, MachineIds, SearchHit
 from machine.runtimes import RuntimeRegistry
 from shared.errors import InvalidArgument, InvalidState, TooLarge
 from shared.ids import new_id, validate_id
@@ -111,7 +111,7 @@ class AgentsService:
 
         def write(conn: sqlite3.Connection) -> None:
             store.insert_agent(conn, agent)
-            _log(conn, now, "agent.created", agent.id)
+            store.log(conn, now, "agent.created", agent.id)
 
         await self._db.write(write)
         logger.info("agent %s created (runtime %s)", agent.id, runtime)
@@ -136,9 +136,7 @@ class AgentsService:
 
         def write(conn: sqlite3.Connection) -> AgentRecord:
             store.get_agent(conn, agent_id, self._own)
-            conn.execute(
-                "UPDATE agents SET name = ?, updated_at = ? WHERE id = ?", (name, now, agent_id)
-            )
+            store.rename_agent(conn, agent_id, name, now)
             return store.get_agent(conn, agent_id, self._own)
 
         return await self._db.write(write)
@@ -152,20 +150,12 @@ class AgentsService:
             agent = store.get_agent(conn, agent_id, self._own)
             if agent.state is AgentState.ARCHIVED:
                 return agent
-            open_states = tuple(s.value for s in RunState if s.open)
-            busy = conn.execute(
-                "SELECT COUNT(*) FROM runs WHERE agent_id = ? AND state IN (?, ?, ?)",
-                (agent_id, *open_states),
-            ).fetchone()[0]
-            if busy:
+            if store.count_open_runs(conn, agent_id):
                 raise InvalidState(
                     f"archive agent {agent_id}", "a run is in flight or waiting; cancel it first"
                 )
-            conn.execute(
-                "UPDATE agents SET state = 'archived', updated_at = ? WHERE id = ?",
-                (now, agent_id),
-            )
-            _log(conn, now, "agent.archived", agent_id)
+            store.set_agent_state(conn, agent_id, AgentState.ARCHIVED, now)
+            store.log(conn, now, "agent.archived", agent_id)
             return store.get_agent(conn, agent_id, self._own)
 
         return await self._db.write(write)
@@ -184,10 +174,8 @@ class AgentsService:
                 )
             if agent.state is AgentState.ACTIVE:
                 return agent
-            conn.execute(
-                "UPDATE agents SET state = 'active', updated_at = ? WHERE id = ?", (now, agent_id)
-            )
-            _log(conn, now, "agent.unarchived", agent_id)
+            store.set_agent_state(conn, agent_id, AgentState.ACTIVE, now)
+            store.log(conn, now, "agent.unarchived", agent_id)
             return store.get_agent(conn, agent_id, self._own)
 
         return await self._db.write(write)
@@ -205,9 +193,3 @@ class AgentsService:
         if limit < 0 or limit > 200:
             raise InvalidArgument("limit", "must be 0 to 200")
         return await self._db.read(lambda c: store.search(c, query, agent_id or None, limit or 20))
-
-
-def _log(conn: sqlite3.Connection, now: float, kind: str, detail: str) -> None:
-    conn.execute(
-        "INSERT INTO machine_log (time, kind, detail) VALUES (?, ?, ?)", (now, kind, detail)
-    )

@@ -83,8 +83,8 @@ class Machine:
         """Current counts."""
 
         def read(conn: sqlite3.Connection) -> tuple[int, int, int, int]:
-            counts = dict(conn.execute("SELECT state, COUNT(*) FROM agents GROUP BY state"))
-            runs = dict(conn.execute("SELECT state, COUNT(*) FROM runs GROUP BY state"))
+            counts = store.state_counts(conn, "agents")
+            runs = store.state_counts(conn, "runs")
             open_runs = sum(runs.get(s, 0) for s in ("queued", "running", "waiting_permission"))
             return (
                 counts.get("active", 0),
@@ -118,10 +118,7 @@ class Machine:
         """Delete machine log entries older than the retention; return how many."""
         cutoff = time.time() - self.config.event_retention_days * 86400
 
-        def write(conn: sqlite3.Connection) -> int:
-            return conn.execute("DELETE FROM machine_log WHERE time < ?", (cutoff,)).rowcount
-
-        return await self.db.write(write)
+        return await self.db.write(lambda c: store.prune_log(c, cutoff))
 
 
 # Settings keys: the id made with the database (never changes), every id this

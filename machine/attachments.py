@@ -102,16 +102,8 @@ class AttachmentStore:
 
         def write(conn: sqlite3.Connection) -> None:
             store.get_agent(conn, agent_id, self._machine_id)
-            conn.execute(
-                "INSERT INTO attachments (sha256, size, created_at) VALUES (?,?,?) "
-                "ON CONFLICT (sha256) DO NOTHING",
-                (sha, size, now),
-            )
-            conn.execute(
-                "INSERT INTO attachment_refs (sha256, agent_id, run_id, file_name, created_at)"
-                " VALUES (?,?,'',?,?) ON CONFLICT DO NOTHING",
-                (sha, agent_id, file_name, now),
-            )
+            store.record_attachment(conn, sha, size, now)
+            store.add_attachment_ref(conn, sha, agent_id, file_name=file_name, now=now)
 
         await self._db.write(write, what=f"upload attachment for agent {agent_id}")
         logger.info("attachment %s (%d bytes) stored for %s", sha[:12], size, agent_id)
@@ -120,12 +112,8 @@ class AttachmentStore:
     def check_usable(self, conn: sqlite3.Connection, agent_id: str, sha256: str) -> Path:
         """In a transaction: the attachment is recorded for the agent and on disk."""
         validate_sha256(sha256, "attachments")
-        row = conn.execute(
-            "SELECT 1 FROM attachment_refs WHERE sha256 = ? AND agent_id = ? LIMIT 1",
-            (sha256, agent_id),
-        ).fetchone()
         path = self.folder / sha256
-        if row is None or not path.exists():
+        if not store.attachment_referenced(conn, sha256, agent_id) or not path.exists():
             raise NotFound("attachment", sha256)
         return path
 

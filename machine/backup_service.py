@@ -23,10 +23,10 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from machine import store_export
 from machine.backup import BackupEngine, BackupResult, Progress, VerifyResult
 from machine.backup_keys import BackupKeys
 from machine.db import Database
+from machine.store import export as store_export
 from machine.transfer import DatabaseBackupSource, InResult, restore_fetched
 from shared.backup_target import BackupTarget
 from shared.crypto import BoxKeyPair

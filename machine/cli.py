@@ -56,6 +56,7 @@ from shared.ids import validate_id
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from shared.rpc import rpc_errors
+from shared.timestamps import to_datetime
 
 __all__ = ["main"]
 
@@ -120,7 +121,7 @@ def _agent_detail(out: Output, a: pb.Agent) -> None:
             ("origin", a.origin_machine),
             ("session", a.session_id or "-"),
             ("events", str(a.last_seq)),
-            ("created", a.created_at.ToDatetime().isoformat(timespec="seconds") + "Z"),
+            ("created", to_datetime(a.created_at).strftime("%Y-%m-%dT%H:%M:%SZ")),
         ]
     )
 

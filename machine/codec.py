@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import logging
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
 from machine.models import (
     AgentRecord,
     AgentState,
@@ -21,8 +19,9 @@ from machine.models import (
     StoredEvent,
 )
 from shared.pb.machine.v1 import machine_pb2 as pb
+from shared.timestamps import from_seconds
 
-__all__ = ["agent_to_pb", "event_to_pb", "hit_to_pb", "run_to_pb", "ts"]
+__all__ = ["agent_to_pb", "event_to_pb", "hit_to_pb", "run_to_pb"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +40,6 @@ _RUN_STATE = {
 }
 
 
-def ts(seconds: float | None) -> Timestamp | None:
-    """A Timestamp from Unix seconds (None stays None)."""
-    if seconds is None:
-        return None
-    out = Timestamp()
-    out.FromNanoseconds(int(seconds * 1e9))
-    return out
-
-
 def agent_to_pb(agent: AgentRecord) -> pb.Agent:
     """Domain agent -> message."""
     return pb.Agent(
@@ -62,8 +52,8 @@ def agent_to_pb(agent: AgentRecord) -> pb.Agent:
         origin_machine=agent.origin_machine,
         local=agent.local,
         session_id=agent.session_id or "",
-        created_at=ts(agent.created_at),
-        updated_at=ts(agent.updated_at),
+        created_at=from_seconds(agent.created_at),
+        updated_at=from_seconds(agent.updated_at),
         last_seq=agent.last_seq,
     )
 
@@ -75,9 +65,9 @@ def run_to_pb(run: RunRecord) -> pb.Run:
         agent_id=run.agent_id,
         state=_RUN_STATE[run.state],
         prompt=run.prompt,
-        created_at=ts(run.created_at),
-        started_at=ts(run.started_at),
-        finished_at=ts(run.finished_at),
+        created_at=from_seconds(run.created_at),
+        started_at=from_seconds(run.started_at),
+        finished_at=from_seconds(run.finished_at),
         usage=pb.Usage(input_tokens=run.input_tokens, output_tokens=run.output_tokens),
         duration_ms=run.duration_ms,
         error_code=pb.RunErrorCode.Value(
@@ -93,7 +83,7 @@ def event_to_pb(ev: StoredEvent) -> pb.RunEvent:
         seq=ev.seq,
         run_id=ev.run_id,
         kind=pb.RunEventKind.Value(ev.kind.value),
-        time=ts(ev.time),
+        time=from_seconds(ev.time),
     )
     p = ev.payload
     if ev.kind is EventKind.RUN_STARTED:

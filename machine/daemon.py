@@ -29,7 +29,7 @@ from machine.config import MachineConfig, parse_hostport
 from machine.link import ControlLink
 from machine.local_auth import TOKEN_FILE, BearerTokenInterceptor, load_or_create_token
 from machine.metrics import MachineMetrics
-from machine.service import SERVICE_NAME, MachineServicer
+from machine.servicer import SERVICE_NAME, MachineServicer
 from machine.version import machine_version
 from shared.errors import InvalidState
 from shared.metrics import MetricsServer, new_registry, start_metrics_server

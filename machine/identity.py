@@ -273,7 +273,12 @@ def load_keys(data_dir: Path) -> MachineKeys:
 
 
 def save_certificate(
-    data_dir: Path, cert_pem: bytes, ca_cert_pem: bytes, link: LinkRecord
+    data_dir: Path,
+    cert_pem: bytes,
+    ca_cert_pem: bytes,
+    link: LinkRecord,
+    *,
+    received_at: dt.datetime | None = None,
 ) -> LinkRecord:
     """Store a renewed client certificate (same TLS key) and update ``link.json``.
 
@@ -291,7 +296,7 @@ def save_certificate(
         account_recovery_public_key=link.account_recovery_public_key,
         heartbeat_interval=link.heartbeat_interval,
         cert_not_after=tls.cert_not_after(cert_pem),
-        cert_received_at=dt.datetime.now(dt.UTC),
+        cert_received_at=received_at or dt.datetime.now(dt.UTC),
     )
     save_link(data_dir, updated)
     return updated

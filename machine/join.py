@@ -19,7 +19,7 @@ The flow (``agents-machine join H:P --token T --ca-hash sha256:...``):
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
+import contextlib
 import ipaddress
 import logging
 import re
@@ -35,6 +35,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from machine import identity
+from machine.link_client import JoinReply, LinkClient, MachineInfo
 from machine.version import machine_version
 from shared import tls
 from shared.errors import (
@@ -44,8 +45,8 @@ from shared.errors import (
     TransientError,
 )
 from shared.ids import is_valid_id, validate_id
-from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import domain_error
+from shared.timestamps import Clock, utc_now
 
 __all__ = [
     "JoinResult",
@@ -168,7 +169,12 @@ def _fetch_chain_blocking(host: str, port: int, timeout: float) -> list[bytes]:
 
 
 async def fetch_pinned_ca(
-    host: str, port: int, ca_hash: str, *, timeout: float = CONNECT_TIMEOUT
+    host: str,
+    port: int,
+    ca_hash: str,
+    *,
+    timeout: float = CONNECT_TIMEOUT,
+    clock: Clock = utc_now,
 ) -> bytes:
     """Return the PEM of the server's CA once it matches ``ca_hash``.
 
@@ -200,7 +206,7 @@ async def fetch_pinned_ca(
         )
     ca = pinned[0]
     leaf = chain[0]
-    now = dt.datetime.now(dt.UTC)
+    now = clock()
     try:
         leaf.verify_directly_issued_by(ca)
     except Exception:  # cryptography raises several types for a bad signature
@@ -213,7 +219,7 @@ async def fetch_pinned_ca(
 
 
 def _check_reply(
-    reply: link_pb2.JoinResponse, keys: identity.NewKeys, ca_pem: bytes, expected_hash: str
+    reply: JoinReply, keys: identity.NewKeys, ca_pem: bytes, expected_hash: str
 ) -> tuple[bytes, bytes]:
     """Validate the Join answer; return (client cert PEM, CA PEM)."""
     validate_id("machine", reply.machine_id, "machine_id")
@@ -240,7 +246,7 @@ def _join_hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _link_address(reply: link_pb2.JoinResponse, host: str, port: int) -> str:
+def _link_address(reply: JoinReply, host: str, port: int) -> str:
     """The mutual-TLS listener the reply names (same host as the join by default)."""
     link_host = reply.link_host or host
     link_port = reply.link_port or port
@@ -262,7 +268,13 @@ def _connection_lost(e: grpc.aio.AioRpcError) -> bool:
 
 
 async def join_control_plane(
-    *, data_dir: Path, address: str, token: str, ca_hash: str, name: str | None
+    *,
+    data_dir: Path,
+    address: str,
+    token: str,
+    ca_hash: str,
+    name: str | None,
+    clock: Clock = utc_now,
 ) -> JoinResult:
     """Join the control plane at ``address`` with a one-time ``token``.
 
@@ -281,28 +293,24 @@ async def join_control_plane(
     # Refuse early, before a token is spent; staged_join checks again at commit.
     identity.check_not_joined(data_dir)
 
-    ca_pem = await fetch_pinned_ca(host, port, expected)
+    ca_pem = await fetch_pinned_ca(host, port, expected, clock=clock)
     logger.info("control plane %s:%d presents the pinned CA %s", host, port, expected)
 
     keys = await asyncio.to_thread(identity.NewKeys.generate)
-    request = link_pb2.JoinRequest(
-        token=token.strip(),
-        csr_pem=keys.csr_pem().decode("ascii"),
-        machine=link_pb2.MachineInfo(
-            name=machine_name,
-            version=machine_version(),
-            hostname=socket.gethostname()[:253],
-            box_public_key=keys.box.public_key,
-            signing_public_key=keys.signing_public_key,
-        ),
+    machine = MachineInfo(
+        name=machine_name,
+        version=machine_version(),
+        hostname=socket.gethostname()[:253],
+        box_public_key=keys.box.public_key,
+        signing_public_key=keys.signing_public_key,
     )
     target = _join_hostport(host, port)
-    creds = grpc.ssl_channel_credentials(root_certificates=ca_pem)
-    async with grpc.aio.secure_channel(target, creds) as channel:
-        stub = link_pb2_grpc.MachineLinkStub(channel)
+    async with contextlib.aclosing(LinkClient.for_join(target, ca_pem)) as client:
         try:
             try:
-                reply = await stub.Join(request, timeout=JOIN_TIMEOUT)
+                reply = await client.join(
+                    token.strip(), keys.csr_pem().decode("ascii"), machine, timeout=JOIN_TIMEOUT
+                )
             except grpc.aio.AioRpcError as e:
                 if _connection_lost(e):
                     raise TransientError(
@@ -324,10 +332,10 @@ async def join_control_plane(
         control_address=link_address,
         machine_id=reply.machine_id,
         account_id=reply.account_id,
-        account_recovery_public_key=bytes(reply.account_recovery_public_key),
+        account_recovery_public_key=reply.account_recovery_public_key,
         heartbeat_interval=interval_ms / 1000,
         cert_not_after=tls.cert_not_after(cert_pem),
-        cert_received_at=dt.datetime.now(dt.UTC),
+        cert_received_at=clock(),
     )
     # Only now, with the certificate in hand, does anything touch the disk.
     with identity.staged_join(data_dir) as stage:

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import enum
+import functools
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
@@ -48,6 +47,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from tenacity import RetryCallState
 
 from machine import identity
+from machine.link_client import (
+    AccountDeleted,
+    ControlNotice,
+    Delivery,
+    LinkClient,
+    LinkStream,
+    RenewNow,
+    Revoked,
+    Welcome,
+)
 from shared import tls
 from shared.errors import (
     AgentsError,
@@ -59,23 +68,15 @@ from shared.errors import (
     TransientError,
     Unauthenticated,
 )
-from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.retry import reconnecting
 from shared.rpc import domain_error
+from shared.timestamps import Clock, utc_now
 
 __all__ = ["ControlLink", "Delivery", "LinkState"]
 
 logger = logging.getLogger(__name__)
 
 _UINT32_MAX: Final = 2**32 - 1
-# HTTP/2 pings find a control plane that vanished without closing the socket
-# (power cut, partition) within about 40 s. The control plane accepts pings
-# every 20 s (controlplane/server.py); gRPC's default floor is 5 minutes.
-_CHANNEL_OPTIONS: Final = (
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-)
 
 
 class LinkState(enum.Enum):
@@ -93,20 +94,6 @@ class LinkState(enum.Enum):
 
 
 _FINAL: Final = frozenset({LinkState.REVOKED, LinkState.ACCOUNT_DELETED, LinkState.STOPPED})
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """A prompt the control plane delivered, still sealed to our box key."""
-
-    id: str
-    """The prompt id (``pr_...``); acknowledged once ``on_delivery`` returns."""
-    agent_id: str
-    """The agent it is for (``ag_...``)."""
-    sealed_prompt: bytes = field(repr=False)
-    """The prompt, sealed (shared.crypto) to the machine's box public key."""
-    created_at: dt.datetime | None
-    """When it was sent (UTC)."""
 
 
 class _Refused(Exception):
@@ -152,15 +139,6 @@ class _Metrics:
         )
 
 
-_Call = grpc.aio.StreamStreamCall[link_pb2.MachineMessage, link_pb2.ControlMessage]
-
-
-async def _read(call: _Call) -> link_pb2.ControlMessage | None:
-    """The next message, or None at a clean end (a failed stream raises AioRpcError)."""
-    msg = await call.read()
-    return msg if isinstance(msg, link_pb2.ControlMessage) else None
-
-
 def _is_transient(exc: BaseException) -> bool:
     return not isinstance(
         exc, _Stop | _Refused | asyncio.CancelledError | InvalidState | IntegrityError
@@ -184,6 +162,7 @@ class ControlLink:
         handshake_timeout: float = 10.0,
         stable_after: float = 10.0,
         refused_retry: float = 300.0,
+        clock: Clock = utc_now,
     ) -> None:
         if not 0 < renew_fraction < 1:
             raise InvalidArgument("renew_fraction", "must be between 0 and 1")
@@ -199,6 +178,7 @@ class ControlLink:
         self._handshake_timeout = handshake_timeout
         self._stable_after = stable_after
         self._refused_retry = refused_retry
+        self._clock = clock
         self._metrics = _Metrics(registry if registry is not None else CollectorRegistry())
         self._state = LinkState.STARTING
         self._state_changed = asyncio.Condition()
@@ -301,7 +281,7 @@ class ControlLink:
         await self._set_state(LinkState.BACKING_OFF)
 
     def _cert_expired(self) -> bool:
-        return self._link is not None and self._link.cert_not_after <= dt.datetime.now(dt.UTC)
+        return self._link is not None and self._link.cert_not_after <= self._clock()
 
     async def _run(self) -> None:
         try:
@@ -350,19 +330,16 @@ class ControlLink:
         link = await asyncio.to_thread(identity.load_link, self._data_dir)
         keys = await asyncio.to_thread(identity.load_keys, self._data_dir)
         self._link = link
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=keys.ca_cert_pem,
-            private_key=keys.tls_key_pem,
-            certificate_chain=keys.tls_cert_pem,
+        client = LinkClient.mutual(
+            link.control_address,
+            ca_pem=keys.ca_cert_pem,
+            key_pem=keys.tls_key_pem,
+            cert_pem=keys.tls_cert_pem,
         )
-        channel = grpc.aio.secure_channel(link.control_address, creds, options=_CHANNEL_OPTIONS)
-        stub = link_pb2_grpc.MachineLinkStub(channel)
-        # Called without an iterator, the call is driven by write()/read();
-        # grpc-stubs does not know that form.
-        call = stub.Connect()  # type: ignore[call-arg]
+        stream = client.connect()
         started = time.monotonic()
         try:
-            await self._converse(call, stub, keys)
+            await self._converse(stream, client, keys)
         except grpc.aio.AioRpcError as e:
             err = self._map_error(e)
             stable = time.monotonic() - started >= self._stable_after
@@ -373,8 +350,8 @@ class ControlLink:
             logger.warning("control link: the stream broke (%s); reconnecting", err)
             return
         finally:
-            call.cancel()
-            await channel.close(grace=None)
+            stream.cancel()
+            await client.aclose()
             if self._state is LinkState.CONNECTED:
                 await self._set_state(LinkState.CONNECTING)
         if self._stop.is_set():
@@ -399,42 +376,29 @@ class ControlLink:
         return err
 
     async def _converse(
-        self,
-        call: _Call,
-        stub: link_pb2_grpc.MachineLinkAsyncStub,
-        keys: identity.MachineKeys,
+        self, stream: LinkStream, client: LinkClient, keys: identity.MachineKeys
     ) -> None:
-        write_lock = asyncio.Lock()
-
-        async def send(msg: link_pb2.MachineMessage) -> None:
-            async with write_lock:
-                await call.write(msg)
-
-        count = await self._count_agents()
-        await send(
-            link_pb2.MachineMessage(hello=link_pb2.Hello(version=self._version, agent_count=count))
-        )
-        first = await asyncio.wait_for(_read(call), self._handshake_timeout)
+        await stream.hello(self._version, await self._count_agents())
+        first = await asyncio.wait_for(stream.read(), self._handshake_timeout)
         if first is None:
             # A refusal arrives as an AioRpcError from read(); EOF is a clean close.
             raise TransientError("control link: stream closed before welcome")
-        kind = first.WhichOneof("kind")
         self._check_notice(first)
-        if kind != "welcome":
-            raise TransientError(f"control link: expected welcome, got {kind}")
-        interval = first.welcome.heartbeat_interval_ms / 1000 or self._link_interval()
+        if not isinstance(first, Welcome):
+            raise TransientError(f"control link: expected welcome, got {_kind(first)}")
+        interval = first.heartbeat_interval or self._link_interval()
         logger.info(
             "control link up: %s as %s, heartbeat every %.3fs",
             self._link.control_address if self._link else "?",
-            first.welcome.machine_id,
+            first.machine_id,
             interval,
         )
         await self._set_state(LinkState.CONNECTED)
 
-        reader = asyncio.create_task(self._read_loop(call, send), name="link-read")
+        reader = asyncio.create_task(self._read_loop(stream), name="link-read")
         helpers = [
-            asyncio.create_task(self._heartbeat_loop(send, interval), name="link-heartbeat"),
-            asyncio.create_task(self._renew_loop(stub, keys), name="link-renew"),
+            asyncio.create_task(self._heartbeat_loop(stream, interval), name="link-heartbeat"),
+            asyncio.create_task(self._renew_loop(client, keys), name="link-renew"),
         ]
         stopper = asyncio.create_task(self._stop.wait(), name="link-stop")
         tasks: list[asyncio.Task[Any]] = [reader, *helpers, stopper]
@@ -444,9 +408,9 @@ class ControlLink:
                 for t in helpers:
                     t.cancel()
                 await asyncio.gather(*helpers, return_exceptions=True)
-                await self._half_close(call, reader, write_lock)
+                await self._half_close(stream, reader)
         finally:
-            # Cancelling a task blocked in call.read() cancels the whole RPC,
+            # Cancelling a task blocked in read() cancels the whole RPC,
             # so the reader goes last, after the goodbye above.
             for t in tasks:
                 t.cancel()
@@ -455,69 +419,49 @@ class ControlLink:
             if not t.cancelled() and (exc := t.exception()) is not None:
                 raise exc
 
-    async def _half_close(
-        self, call: _Call, reader: asyncio.Task[None], write_lock: asyncio.Lock
-    ) -> None:
+    async def _half_close(self, stream: LinkStream, reader: asyncio.Task[None]) -> None:
         # A clean goodbye: end our side so the control plane sees the machine
         # leave at once rather than after missed heartbeats, then give it a
         # moment to end the stream.
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            async with write_lock:
-                await call.done_writing()
+            await stream.done_writing()
         await asyncio.wait({reader}, timeout=1.0)
 
     def _link_interval(self) -> float:
         return self._link.heartbeat_interval if self._link else 10.0
 
-    def _check_notice(self, msg: link_pb2.ControlMessage) -> None:
-        kind = msg.WhichOneof("kind")
-        if kind == "revoked":
-            raise _Stop(LinkState.REVOKED, f"machine revoked: {msg.revoked.reason or 'no reason'}")
-        if kind == "account_deleted":
+    def _check_notice(self, notice: ControlNotice) -> None:
+        if isinstance(notice, Revoked):
+            raise _Stop(LinkState.REVOKED, f"machine revoked: {notice.reason or 'no reason'}")
+        if isinstance(notice, AccountDeleted):
             raise _Stop(LinkState.ACCOUNT_DELETED, "the account was deleted")
 
-    async def _read_loop(
-        self,
-        call: _Call,
-        send: Callable[[link_pb2.MachineMessage], Awaitable[None]],
-    ) -> None:
+    async def _read_loop(self, stream: LinkStream) -> None:
         while True:
-            msg = await _read(call)
-            if msg is None:
+            notice = await stream.read()
+            if notice is None:
                 # read() raises AioRpcError for a failed stream: EOF means a clean close.
                 return
-            self._check_notice(msg)
-            kind = msg.WhichOneof("kind")
-            if kind == "renew_now":
-                logger.info("control plane asks for renewal: %s", msg.renew_now.reason)
+            self._check_notice(notice)
+            if isinstance(notice, RenewNow):
+                logger.info("control plane asks for renewal: %s", notice.reason)
                 self._renew_now.set()
-            elif kind == "delivery":
-                await self._deliver(msg.delivery, send)
+            elif isinstance(notice, Delivery):
+                await self._deliver(notice, stream)
             else:
-                logger.debug("control link: ignoring %s", kind)
+                logger.debug("control link: ignoring %s", _kind(notice))
 
-    async def _deliver(
-        self,
-        pb: link_pb2.Delivery,
-        send: Callable[[link_pb2.MachineMessage], Awaitable[None]],
-    ) -> None:
+    async def _deliver(self, delivery: Delivery, stream: LinkStream) -> None:
         if self._on_delivery is None:
-            logger.warning("delivery %s dropped: this daemon takes no deliveries", pb.id)
+            logger.warning("delivery %s dropped: this daemon takes no deliveries", delivery.id)
             return
-        created = pb.created_at.ToDatetime(dt.UTC) if pb.HasField("created_at") else None
-        delivery = Delivery(
-            id=pb.id,
-            agent_id=pb.agent_id,
-            sealed_prompt=bytes(pb.sealed_prompt),
-            created_at=created,
-        )
         try:
             await self._on_delivery(delivery)
         except AgentsError as e:
             # Not acknowledged: the control plane delivers it again on the next stream.
-            logger.warning("delivery %s not stored: %s", pb.id, e)
+            logger.warning("delivery %s not stored: %s", delivery.id, e)
             return
-        await send(link_pb2.MachineMessage(ack=link_pb2.Ack(delivery_id=pb.id)))
+        await stream.ack(delivery.id)
         self._metrics.deliveries.inc()
 
     async def _count_agents(self) -> int:
@@ -529,16 +473,14 @@ class ControlLink:
         self._last_agent_count = max(0, min(count, _UINT32_MAX))
         return self._last_agent_count
 
-    async def _heartbeat_loop(
-        self, send: Callable[[link_pb2.MachineMessage], Awaitable[None]], interval: float
-    ) -> None:
+    async def _heartbeat_loop(self, stream: LinkStream, interval: float) -> None:
         # Ticks are scheduled on a fixed grid so a slow send does not drift the beat.
         next_at = time.monotonic() + interval
         while True:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             next_at = max(next_at + interval, time.monotonic())
             count = await self._count_agents()
-            await send(link_pb2.MachineMessage(heartbeat=link_pb2.Heartbeat(agent_count=count)))
+            await stream.heartbeat(count)
             self._metrics.heartbeats.inc()
 
     # ---------------------------------------------------------------- renewal
@@ -554,11 +496,9 @@ class ControlLink:
             start = link.cert_received_at
         end = cert.not_valid_after_utc
         renew_at = end - (end - start) * self._renew_fraction
-        return (renew_at - dt.datetime.now(dt.UTC)).total_seconds()
+        return (renew_at - self._clock()).total_seconds()
 
-    async def _renew_loop(
-        self, stub: link_pb2_grpc.MachineLinkAsyncStub, keys: identity.MachineKeys
-    ) -> None:
+    async def _renew_loop(self, client: LinkClient, keys: identity.MachineKeys) -> None:
         failures = 0
         while True:
             delay = self._renew_in(keys)
@@ -569,7 +509,7 @@ class ControlLink:
                     await asyncio.wait_for(self._renew_now.wait(), delay)
             self._renew_now.clear()
             try:
-                keys = await self._renew(stub, keys)
+                keys = await self._renew(client, keys)
                 failures = 0
             except grpc.aio.AioRpcError as e:
                 err = self._map_error(e)
@@ -583,14 +523,10 @@ class ControlLink:
                 self._metrics.renewals.labels("error").inc()
                 logger.warning("certificate renewal failed: %s", e)
 
-    async def _renew(
-        self, stub: link_pb2_grpc.MachineLinkAsyncStub, keys: identity.MachineKeys
-    ) -> identity.MachineKeys:
+    async def _renew(self, client: LinkClient, keys: identity.MachineKeys) -> identity.MachineKeys:
         key = tls.load_private_key(keys.tls_key_pem)
         csr = tls.build_csr(key).decode("ascii")
-        reply = await stub.RenewCertificate(
-            link_pb2.RenewCertificateRequest(csr_pem=csr), timeout=self._handshake_timeout
-        )
+        reply = await client.renew(csr, timeout=self._handshake_timeout)
         cert_pem = reply.certificate_pem.encode("ascii", "replace")
         ca_pem = (
             reply.ca_certificate_pem.encode("ascii", "replace")
@@ -611,7 +547,14 @@ class ControlLink:
         except InvalidArgument as e:
             raise IntegrityError("renewal", f"bad certificate in the reply: {e}") from None
         self._link = await asyncio.to_thread(
-            identity.save_certificate, self._data_dir, cert_pem, ca_pem, link
+            functools.partial(
+                identity.save_certificate,
+                self._data_dir,
+                cert_pem,
+                ca_pem,
+                link,
+                received_at=self._clock(),
+            )
         )
         self._metrics.renewals.labels("ok").inc()
         logger.info("client certificate renewed; valid until %s", self._link.cert_not_after)
@@ -622,3 +565,14 @@ class ControlLink:
             tls_cert_pem=cert_pem,
             ca_cert_pem=ca_pem,
         )
+
+
+def _kind(notice: ControlNotice) -> str:
+    """The message kind as link.proto names it (for logs and errors)."""
+    return getattr(notice, "kind", None) or {
+        Welcome: "welcome",
+        Revoked: "revoked",
+        AccountDeleted: "account_deleted",
+        RenewNow: "renew_now",
+        Delivery: "delivery",
+    }.get(type(notice), type(notice).__name__)

@@ -29,47 +29,40 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Literal
 
 from machine import store
 from machine.attachments import AttachmentStore
 from machine.db import Database
-from machine.feed import FeedHub
 from machine.metrics import MachineMetrics
 from machine.models import (
     AgentRecord,
     AgentState,
     EventKind,
     MachineIds,
-    PendingPermission,
     RunErrorCode,
     RunRecord,
     RunState,
     StoredEvent,
-    validate_runtime_ref,
 )
+from machine.permissions import PermissionBroker
+from machine.recorder import EventRecorder, Usage, complete, event_payload
 from machine.runtimes import RuntimeRegistry
 from machine.runtimes.base import (
     PermissionDecision,
-    PermissionOption,
     PermissionRequest,
     ResumeInfo,
     RunContext,
-    RunOutcome,
     Runtime,
     RuntimeEvent,
     RuntimeFailed,
     SessionStarted,
-    TextDelta,
-    ToolCall,
-    ToolResult,
     UsageReport,
 )
 from shared.errors import (
@@ -87,7 +80,8 @@ __all__ = ["RunEngine"]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+CancelReason = Literal["user", "shutdown"]
+"""Why a run's task was cancelled: a person cancelled the run, or the daemon stops."""
 
 _MAX_ATTACHMENTS = 32
 _READ_BATCH = 500
@@ -99,72 +93,10 @@ _READ_BYTES = 256 * 1024
 _END_RETRY_FIRST = 0.2
 _END_RETRY_MAX = 5.0
 
-_OUTCOME = {
-    RunErrorCode.RUN_INTERRUPTED: RunState.INTERRUPTED,
-    RunErrorCode.CANCELLED: RunState.CANCELLED,
-    RunErrorCode.RUNTIME_FAILED: RunState.FAILED,
-    RunErrorCode.RUNTIME_UNAVAILABLE: RunState.FAILED,
-    RunErrorCode.STORAGE_FAILED: RunState.FAILED,
-}
-
 
 def _storage_fault(error: BaseException) -> bool:
     """Whether ``error`` is the database failing to store, not the run failing."""
     return isinstance(error, DiskFull | DatabaseDamaged | StoreError)
-
-
-def _event_payload(ev: RuntimeEvent) -> tuple[EventKind, dict[str, Any]] | None:
-    if isinstance(ev, TextDelta):
-        return EventKind.TEXT_DELTA, {"text": ev.text}
-    if isinstance(ev, ToolCall):
-        return EventKind.TOOL_CALL, {
-            "call_id": ev.call_id,
-            "title": ev.title,
-            "tool_kind": ev.kind,
-            "input_json": ev.input_json,
-        }
-    if isinstance(ev, ToolResult):
-        return EventKind.TOOL_RESULT, {
-            "call_id": ev.call_id,
-            "status": ev.status,
-            "output": ev.output,
-        }
-    return None
-
-
-async def _complete(work: Awaitable[T]) -> T:
-    """Await ``work`` to its end even if the caller is cancelled meanwhile.
-
-    For a database write and its in-memory follow-up: once the write may have
-    committed, the follow-up (publishing, waking waiters, spawning) must run,
-    or the store and the engine disagree. A cancelled caller still sees
-    CancelledError, after the work is done.
-    """
-    task = asyncio.ensure_future(work)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                break
-            cancelled = True
-        except BaseException:
-            break
-    if cancelled:
-        if not task.cancelled() and task.exception() is not None:
-            logger.debug("work of a cancelled caller failed: %r", task.exception())
-        raise asyncio.CancelledError()
-    return task.result()
-
-
-def _request_from(perm: PendingPermission) -> PermissionRequest:
-    return PermissionRequest(
-        request_id=perm.request_id,
-        call_id=perm.call_id,
-        title=perm.title,
-        options=tuple(PermissionOption(o[0], o[1], o[2]) for o in perm.options),
-    )
 
 
 @dataclass
@@ -173,11 +105,7 @@ class _Active:
 
     run: RunRecord
     task: asyncio.Task[None] | None = None
-    cancel_reason: str | None = None  # "user" or "shutdown"
-    waiters: dict[str, asyncio.Future[PermissionDecision]] = field(default_factory=dict)
-    # Answers that arrived before the run started waiting (a parked run still
-    # getting its turn after a restart).
-    early: dict[str, PermissionDecision] = field(default_factory=dict)
+    cancel_reason: CancelReason | None = None
     # The run ended in the engine but its final event could not be stored.
     unended: bool = False
     # The first storage failure met while storing the run's events.
@@ -207,7 +135,9 @@ class RunEngine:
         self.prompt_limit = prompt_limit
         self._metrics = metrics
         self._clock = clock
-        self.feeds = FeedHub()
+        self._recorder = EventRecorder(db, metrics=metrics, clock=clock)
+        self.feeds = self._recorder.feeds
+        self._permissions = PermissionBroker(db, self._recorder, track=self._track, clock=clock)
         self._active: dict[str, _Active] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._runtimes: dict[str, Runtime] = {}
@@ -229,32 +159,26 @@ class RunEngine:
                 )
                 # The daemon's downtime is not the run's: its duration ends at
                 # the last event it stored before the stop.
-                row = conn.execute(
-                    "SELECT MAX(time) FROM events WHERE run_id = ?", (run.id,)
-                ).fetchone()
                 events.append(
-                    self._end_run_sync(
+                    self._recorder.end_sync(
                         conn,
                         run,
                         RunErrorCode.RUN_INTERRUPTED,
                         message,
                         now,
                         started=None,
-                        active_until=row[0],
+                        active_until=store.last_event_time(conn, run.id),
                     )
                 )
             waiting = store.runs_in_states(conn, (RunState.WAITING_PERMISSION,))
             if events:
-                conn.execute(
-                    "INSERT INTO machine_log (time, kind, detail) VALUES (?, ?, ?)",
-                    (now, "runs.interrupted", str(len(events))),
-                )
+                store.log(conn, now, "runs.interrupted", str(len(events)))
             return events, waiting
 
         events, waiting = await self._db.write(recover)
-        self._publish(events)
+        self._recorder.publish(events)
         for ev in events:
-            self._count_end(RunState.INTERRUPTED)
+            self._recorder.count_end(RunState.INTERRUPTED)
             logger.info("run %s interrupted by a restart", ev.run_id)
         for run in waiting:
             # Park the run: it holds its agent's turn until someone answers or cancels.
@@ -270,7 +194,9 @@ class RunEngine:
             busy = [
                 a.task
                 for a in running
-                if a.task is not None and not a.waiters and a.run.state is not RunState.QUEUED
+                if a.task is not None
+                and not self._permissions.waiting(a.run.id)
+                and a.run.state is not RunState.QUEUED
             ]
             if busy:
                 await asyncio.wait(busy, timeout=grace)
@@ -321,17 +247,9 @@ class RunEngine:
             self._check_runnable(agent)
             for sha in attachments:
                 self._attachments.check_usable(conn, agent_id, sha)
-            conn.execute(
-                "INSERT INTO runs (id, agent_id, state, prompt, attachments_json, created_at,"
-                " usage_reported) VALUES (?,?,?,?,?,?,0)",
-                (run_id, agent_id, RunState.QUEUED.value, text, json.dumps(list(attachments)), now),
-            )
+            store.insert_run(conn, run_id, agent_id, text, attachments, now)
             for sha in attachments:
-                conn.execute(
-                    "INSERT INTO attachment_refs (sha256, agent_id, run_id, file_name, created_at)"
-                    " VALUES (?,?,?,'',?) ON CONFLICT DO NOTHING",
-                    (sha, agent_id, run_id, now),
-                )
+                store.add_attachment_ref(conn, sha, agent_id, run_id=run_id, now=now)
             return store.get_run(conn, run_id), agent.last_seq
 
         async def commit() -> tuple[RunRecord, int]:
@@ -340,7 +258,7 @@ class RunEngine:
             return run, last_seq
 
         # A committed queued run must be spawned even if the caller has gone.
-        return await _complete(commit())
+        return await complete(commit())
 
     def _check_runnable(self, agent: AgentRecord) -> None:
         if not agent.local:
@@ -469,70 +387,14 @@ class RunEngine:
         self, run_id: str, request_id: str, option_id: str, *, remember: bool = False
     ) -> RunRecord:
         """Answer a pending permission request; the run carries on."""
-        validate_id("run", run_id, "run_id")
-        validate_runtime_ref(request_id, "request_id")
-        validate_runtime_ref(option_id, "option_id")
-        now = self._clock()
+        return await self._permissions.answer(run_id, request_id, option_id, remember=remember)
 
-        def write(conn: sqlite3.Connection) -> tuple[StoredEvent, RunRecord]:
-            run = store.get_run(conn, run_id)
-            perm = store.get_permission(conn, run_id, request_id)
-            if perm.state != "pending" or run.state is not RunState.WAITING_PERMISSION:
-                raise InvalidState(
-                    f"answer permission {request_id}", f"it is not pending ({perm.state})"
-                )
-            kinds = {o[0]: o[2] for o in perm.options}
-            if option_id not in kinds:
-                raise InvalidArgument(
-                    "option_id", f"{option_id!r} is not one of {', '.join(sorted(kinds))}"
-                )
-            conn.execute(
-                "UPDATE permissions SET state = 'answered', option_id = ?, remember = ?,"
-                " answered_at = ? WHERE run_id = ? AND request_id = ?",
-                (option_id, int(remember), now, run_id, request_id),
-            )
-            if remember:
-                decision = _rule_for(kinds[option_id])
-                if decision is not None:
-                    conn.execute(
-                        "INSERT INTO permission_rules (agent_id, tool, decision, created_at)"
-                        " VALUES (?,?,?,?) ON CONFLICT (agent_id, tool) DO UPDATE SET"
-                        " decision = excluded.decision, created_at = excluded.created_at",
-                        (run.agent_id, perm.title, decision, now),
-                    )
-            ev = store.append_event(
-                conn,
-                run.agent_id,
-                run_id,
-                EventKind.PERMISSION_ANSWERED,
-                {
-                    "request_id": request_id,
-                    "option_id": option_id,
-                    "remember": remember,
-                    "by_rule": False,
-                },
-                now,
-            )
-            store.set_run_state(conn, run_id, RunState.RUNNING)
-            return ev, store.get_run(conn, run_id)
-
-        async def commit() -> RunRecord:
-            ev, run = await self._db.write(write)
-            self._publish([ev])
-            active = self._active.get(run_id)
-            waiter = active.waiters.get(request_id) if active else None
-            if active is not None:
-                active.run = run
-            if waiter is not None and not waiter.done():
-                waiter.set_result(PermissionDecision(option_id))
-            elif active is not None:
-                active.early[request_id] = PermissionDecision(option_id)
-            else:
-                logger.warning("run %s: answer stored but the run is not active", run_id)
-            return run
-
-        # Once the answer commits, the run must carry on even if the caller has gone.
-        return await _complete(commit())
+    def _track(self, run: RunRecord) -> bool:
+        """Keep the engine's record of ``run`` current; whether the engine drives it."""
+        active = self._active.get(run.id)
+        if active is not None:
+            active.run = run
+        return active is not None
 
     # ------------------------------------------------------------ driving
 
@@ -561,7 +423,7 @@ class RunEngine:
             async with self._lock(run.agent_id):
                 resume: ResumeInfo | None = None
                 if parked:
-                    resume = await self._wait_parked(active)
+                    resume = await self._permissions.wait_parked(active.run)
                 else:
                     started = self._clock()
                     await self._start_run(active, started)
@@ -585,7 +447,7 @@ class RunEngine:
                 self._unended(active, end_error)
         finally:
             if not active.unended:
-                self._active.pop(run.id, None)
+                self._forget(run.id)
             self._update_gauges()
 
     def _unended(self, active: _Active, error: Exception) -> None:
@@ -622,6 +484,10 @@ class RunEngine:
                 else:
                     logger.info("run %s: ended now that the database takes writes", active.run.id)
 
+    def _forget(self, run_id: str) -> None:
+        self._active.pop(run_id, None)
+        self._permissions.forget(run_id)
+
     async def _end_unended(self, active: _Active) -> None:
         """Store the final event of a run whose earlier attempt failed: CANCELLED if
         someone cancelled it, else STORAGE_FAILED. Call under ``active.ending``."""
@@ -631,7 +497,7 @@ class RunEngine:
         else:
             await self._end_storage_failed(active, None)
         active.unended = False
-        self._active.pop(run_id, None)
+        self._forget(run_id)
         self.feeds.clear_failure(active.run.agent_id, run_id)
         self._update_gauges()
 
@@ -661,39 +527,11 @@ class RunEngine:
                 started,
             )
 
-        await self._append(run, write)
+        await self._recorder.append(run, write)
         active.run = await self._db.read(lambda c: store.get_run(c, run.id))
         self._update_gauges()
         if self._metrics is not None:
             self._metrics.runs_started.inc()
-
-    async def _wait_parked(self, active: _Active) -> ResumeInfo:
-        """A run paused before a restart: wait for its answer, then resume it."""
-        run = active.run
-        perms = await self._db.read(lambda c: store.run_permissions(c, run.id))
-        pending = [p for p in perms if p.state == "pending"]
-        if not pending:
-            raise RuntimeFailedResume(f"run {run.id}: waiting but no pending request")
-        perm = pending[-1] if pending else None
-        if perm is None:
-            # Answered between the restart and now: the answer is in the store.
-            answered = [p for p in perms if p.state == "answered" and p.option_id]
-            if not answered or run.id not in self._active:
-                raise RuntimeFailedResume(f"run {run.id}: waiting but no request to resume")
-            perm = answered[-1]
-            assert perm.option_id is not None
-            decision = active.early.pop(perm.request_id, PermissionDecision(perm.option_id))
-            return ResumeInfo(_request_from(perm), decision)
-        future: asyncio.Future[PermissionDecision] = asyncio.get_running_loop().create_future()
-        active.waiters[perm.request_id] = future
-        early = active.early.pop(perm.request_id, None)
-        if early is not None:
-            future.set_result(early)
-        try:
-            decision = await future
-        finally:
-            active.waiters.pop(perm.request_id, None)
-        return ResumeInfo(_request_from(perm), decision)
 
     async def _run_runtime(
         self, active: _Active, started: float, resume: ResumeInfo | None
@@ -703,53 +541,34 @@ class RunEngine:
             lambda c: store.get_agent(c, run.agent_id, self.ids.own),
             what=f"run {run.id} of agent {run.agent_id}",
         )
-        # None until the runtime reports usage: unknown is not 0 tokens.
-        usage: list[int | None] = [run.input_tokens, run.output_tokens]
-        # While resuming, events the runtime re-emits up to the re-asked request
-        # are already stored: drop them.
-        suppressing = [resume is not None]
-        answered: dict[str, PendingPermission] = {}
-        if resume is not None:
-            perms = await self._db.read(lambda c: store.run_permissions(c, run.id))
-            answered = {p.request_id: p for p in perms if p.state == "answered"}
+        usage = Usage.of(run)
+        gate = await self._permissions.gate(run, resume)
 
         async def emit(ev: RuntimeEvent) -> None:
             if isinstance(ev, UsageReport):
-                usage[0] = (usage[0] or 0) + ev.input_tokens
-                usage[1] = (usage[1] or 0) + ev.output_tokens
+                usage.add(ev.input_tokens, ev.output_tokens)
                 return
-            if suppressing[0]:
+            if gate.suppressing:
                 return
             if isinstance(ev, SessionStarted):
                 await self._db.write(lambda c: store.set_session_id(c, run.agent_id, ev.session_id))
                 return
-            mapped = _event_payload(ev)
+            mapped = event_payload(ev)
             if mapped is None:
                 logger.warning("run %s: ignoring unknown runtime event %r", run.id, type(ev))
                 return
-            kind, payload = mapped
-            now = self._clock()
             try:
-                await self._append(
-                    run, lambda c: store.append_event(c, run.agent_id, run.id, kind, payload, now)
-                )
+                await self._recorder.record(run, *mapped)
             except Exception as e:
                 if _storage_fault(e):
                     active.store_error = active.store_error or str(e)
                 raise
 
         async def ask(req: PermissionRequest) -> PermissionDecision:
-            if suppressing[0]:
-                assert resume is not None
-                if req.request_id == resume.pending.request_id:
-                    suppressing[0] = False
-                    return resume.decision
-                earlier = answered.get(req.request_id)
-                if earlier is not None and earlier.option_id:
-                    return PermissionDecision(earlier.option_id)
-                logger.warning("run %s: resumed runtime diverged at %s", run.id, req.request_id)
-                suppressing[0] = False
-            return await self._ask(active, req)
+            replayed = gate.replayed(run.id, req)
+            if replayed is not None:
+                return replayed
+            return await self._permissions.ask(active.run, req)
 
         try:
             runtime = self._runtime_for(agent)
@@ -772,12 +591,12 @@ class RunEngine:
         try:
             outcome = await runtime.run(ctx)
         except asyncio.CancelledError:
-            active.run = _with_usage(active.run, usage)
+            active.run = usage.applied(active.run)
             raise
         except Exception as e:
             if active.store_error is not None:
                 # The runtime failed because its events could not be stored.
-                active.run = _with_usage(active.run, usage)
+                active.run = usage.applied(active.run)
                 raise StoreError(active.store_error) from e
             if isinstance(e, RuntimeFailed):
                 await self._end(active, RunErrorCode.RUNTIME_FAILED, e.message, started, usage)
@@ -788,9 +607,9 @@ class RunEngine:
             return
         if active.store_error is not None:
             # Some of its events are missing: the run did not finish as stored.
-            active.run = _with_usage(active.run, usage)
+            active.run = usage.applied(active.run)
             raise StoreError(active.store_error)
-        await self._finish(active, outcome, started, usage)
+        await self._recorder.finish(active.run, outcome, started, usage)
 
     def _runtime_for(self, agent: AgentRecord) -> Runtime:
         runtime = self._runtimes.get(agent.id)
@@ -801,162 +620,20 @@ class RunEngine:
             self._runtimes[agent.id] = runtime
         return runtime
 
-    async def _ask(self, active: _Active, req: PermissionRequest) -> PermissionDecision:
-        run = active.run
-        now = self._clock()
-        options = [(o.option_id, o.name, o.kind) for o in req.options]
-        request_payload = {
-            "request_id": req.request_id,
-            "call_id": req.call_id,
-            "title": req.title,
-            "options": [{"option_id": i, "name": n, "kind": k} for i, n, k in options],
-        }
-
-        def write(conn: sqlite3.Connection) -> tuple[list[StoredEvent], str | None]:
-            decision = store.rule_for(conn, run.agent_id, req.title)
-            chosen = _option_for_rule(req.options, decision) if decision else None
-            events = [
-                store.append_event(
-                    conn, run.agent_id, run.id, EventKind.PERMISSION_REQUEST, request_payload, now
-                )
-            ]
-            store.insert_permission(
-                conn,
-                PendingPermission(
-                    run_id=run.id,
-                    request_id=req.request_id,
-                    agent_id=run.agent_id,
-                    call_id=req.call_id,
-                    title=req.title,
-                    options=tuple(options),
-                    seq=events[0].seq,
-                    state="answered" if chosen else "pending",
-                    option_id=chosen,
-                    remember=False,
-                ),
-                requested_at=now,
-                answered_at=now if chosen else None,
-            )
-            if chosen:
-                answer = {
-                    "request_id": req.request_id,
-                    "option_id": chosen,
-                    "remember": False,
-                    "by_rule": True,
-                }
-                events.append(
-                    store.append_event(
-                        conn, run.agent_id, run.id, EventKind.PERMISSION_ANSWERED, answer, now
-                    )
-                )
-            else:
-                store.set_run_state(conn, run.id, RunState.WAITING_PERMISSION)
-            return events, chosen
-
-        future: asyncio.Future[PermissionDecision] = asyncio.get_running_loop().create_future()
-        # Register before the write so an answer racing the commit finds the waiter.
-        active.waiters[req.request_id] = future
-        try:
-            _, chosen = await self._append_many(run, write)
-            if chosen:
-                return PermissionDecision(chosen)
-            active.run = await self._db.read(lambda c: store.get_run(c, run.id))
-            return await future
-        finally:
-            active.waiters.pop(req.request_id, None)
-
-    async def _finish(
-        self, active: _Active, outcome: RunOutcome, started: float, usage: list[int | None]
-    ) -> None:
-        run = active.run
-        now = self._clock()
-        duration = max(0, int((now - started) * 1000))
-        payload = {
-            "stop_reason": outcome.stop_reason,
-            "usage": {
-                key: value
-                for key, value in (("input_tokens", usage[0]), ("output_tokens", usage[1]))
-                if value is not None
-            },
-            "duration_ms": duration,
-        }
-
-        def write(conn: sqlite3.Connection) -> StoredEvent:
-            ev = store.append_event(
-                conn, run.agent_id, run.id, EventKind.RUN_FINISHED, payload, now
-            )
-            store.set_run_state(
-                conn,
-                run.id,
-                RunState.FINISHED,
-                finished_at=now,
-                duration_ms=duration,
-                input_tokens=usage[0],
-                output_tokens=usage[1],
-                stop_reason=outcome.stop_reason,
-            )
-            return ev
-
-        await self._append(run, write)
-        self._count_end(RunState.FINISHED)
-
     async def _end(
         self,
         active: _Active,
         code: RunErrorCode,
         message: str,
         started: float | None,
-        usage: list[int | None] | None = None,
+        usage: Usage | None = None,
     ) -> None:
-        run = active.run
-        if usage is not None:
-            run = _with_usage(run, usage)
-        now = self._clock()
-        await self._append(run, lambda c: self._end_run_sync(c, run, code, message, now, started))
-        self._count_end(_OUTCOME[code])
-
-    def _end_run_sync(
-        self,
-        conn: sqlite3.Connection,
-        run: RunRecord,
-        code: RunErrorCode,
-        message: str,
-        now: float,
-        started: float | None,
-        active_until: float | None = None,
-    ) -> StoredEvent:
-        """Store a run's RUN_ERROR and end state. Its duration runs from ``started``
-        (default: when it started) to ``active_until`` (default: ``now``)."""
-        started = started or run.started_at
-        end = now if active_until is None else min(now, active_until)
-        duration = max(0, int((end - started) * 1000)) if started else 0
-        ev = store.append_event(
-            conn,
-            run.agent_id,
-            run.id,
-            EventKind.RUN_ERROR,
-            {"code": code.value, "message": message},
-            now,
-        )
-        store.set_run_state(
-            conn,
-            run.id,
-            _OUTCOME[code],
-            finished_at=now,
-            duration_ms=duration,
-            error_code=code.value,
-            input_tokens=run.input_tokens,
-            output_tokens=run.output_tokens,
-        )
-        conn.execute(
-            "UPDATE permissions SET state = 'cancelled' WHERE run_id = ? AND state = 'pending'",
-            (run.id,),
-        )
-        return ev
+        run = active.run if usage is None else usage.applied(active.run)
+        await self._recorder.end(run, code, message, started)
 
     async def _on_cancelled(self, active: _Active, started: float | None) -> None:
         run = await self._db.read(lambda c: store.get_run(c, active.run.id))
-        run = _with_usage(run, [active.run.input_tokens, active.run.output_tokens])
+        run = Usage.of(active.run).applied(run)
         active.run = run
         if not run.state.open:
             return
@@ -971,72 +648,3 @@ class RunEngine:
                 "the machine daemon stopped while the run was in flight",
                 started,
             )
-
-    def _count_end(self, state: RunState) -> None:
-        """Count a run that ended in ``state`` (the runs_finished metric)."""
-        if self._metrics is not None:
-            self._metrics.runs_finished.labels(state.value).inc()
-
-    # ------------------------------------------------------------ storing
-
-    async def _append(
-        self, run: RunRecord, fn: Callable[[sqlite3.Connection], StoredEvent]
-    ) -> StoredEvent:
-        events, _ = await self._append_many(run, lambda c: ([fn(c)], None))
-        return events[0]
-
-    async def _append_many(
-        self, run: RunRecord, fn: Callable[[sqlite3.Connection], tuple[list[StoredEvent], Any]]
-    ) -> tuple[list[StoredEvent], Any]:
-        """Commit a write that stores events of ``run``, then publish them. If the caller
-        is cancelled meanwhile the write still commits; its events are still published."""
-        start = time.perf_counter()
-        what = f"store run {run.id} of agent {run.agent_id}"
-        task = asyncio.ensure_future(self._db.write(fn, what=what))
-        try:
-            result = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if not task.cancelled():
-                try:
-                    result = await task
-                except Exception:
-                    raise asyncio.CancelledError() from None
-                self._publish(result[0])
-            raise
-        self._publish(result[0])
-        if self._metrics is not None:
-            self._metrics.append_seconds.observe(time.perf_counter() - start)
-        return result
-
-    def _publish(self, events: list[StoredEvent]) -> None:
-        if self._metrics is not None:
-            for ev in events:
-                self._metrics.events_appended.labels(ev.kind.value).inc()
-        self.feeds.publish(events)
-
-
-class RuntimeFailedResume(RuntimeFailed):
-    """A parked run's stored state does not allow resuming it."""
-
-
-def _with_usage(run: RunRecord, usage: list[int | None]) -> RunRecord:
-    from dataclasses import replace
-
-    return replace(run, input_tokens=usage[0], output_tokens=usage[1])
-
-
-def _rule_for(kind: str) -> str | None:
-    if kind.startswith("allow"):
-        return "allow"
-    if kind.startswith("reject"):
-        return "reject"
-    return None
-
-
-def _option_for_rule(options: Sequence[PermissionOption], decision: str) -> str | None:
-    # Prefer the "once" option: the rule is ours, the runtime need not remember it too.
-    ranked = sorted(
-        (o for o in options if o.kind.startswith(decision)),
-        key=lambda o: 0 if o.kind.endswith("once") else 1,
-    )
-    return ranked[0].option_id if ranked else None

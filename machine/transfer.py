@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Final
 
-from machine import store_export
 from machine.backup import AgentItem, FetchedBackup
 from machine.db import Database
 from machine.export_format import (
@@ -37,6 +36,7 @@ from machine.export_format import (
     file_sha256,
     verify_staged,
 )
+from machine.store import export as store_export
 from shared.archive import ArchiveLimits, extract_staged, write_tar, write_tar_gz
 from shared.atomic import ensure_private_dir, fsync_dir
 from shared.errors import IntegrityError, InvalidArgument

@@ -35,12 +35,18 @@ imports ``grpc``.
     │   ├── StoreIncompatible      the bucket lacks a feature we need
     │   └── StoreMisconfigured     missing bucket, wrong credentials -> FAILED_PRECONDITION
     ├── ConfigError                field, reason            (CLI only)
+    ├── RuntimeFailed              message                  (machine: a run's runtime failed)
     └── RpcError                   code, details            (client side, unmapped)
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # Only the client side builds RpcError; domain code never imports grpc.
+    import grpc
 
 __all__ = [
     "AgentsError",
@@ -62,6 +68,7 @@ __all__ = [
     "ProviderUnavailable",
     "QuotaExceeded",
     "RpcError",
+    "RuntimeFailed",
     "StoreError",
     "StoreIncompatible",
     "StoreMisconfigured",
@@ -270,10 +277,22 @@ class ConfigError(AgentsError):
         self.reason = reason
 
 
+class RuntimeFailed(AgentsError):
+    """An agent runtime's backend failed (process died, protocol error...).
+
+    Raised by a runtime's ``run``; the run engine ends the run with RUN_ERROR
+    code RUNTIME_FAILED and ``message`` (which must not contain secrets). It
+    never crosses gRPC: a run's failure is an event, not a status.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
 class RpcError(AgentsError):
     """A gRPC call failed with a status that maps to no domain error."""
 
-    def __init__(self, code: str, details: str) -> None:
-        super().__init__(f"rpc {code}: {details}")
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"rpc {code.name}: {details}")
         self.code = code
         self.details = details

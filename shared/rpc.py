@@ -9,8 +9,9 @@ details and a google.rpc ``Status`` in the trailing metadata carrying an
 INTERNAL with no detail leaked. ``asyncio.CancelledError`` passes through.
 
 Clients mirror it with :func:`rpc_errors` / :func:`domain_error`: a failed
-call becomes the same domain error class, with the same message, or
-:class:`shared.errors.RpcError` carrying the status code.
+call becomes the same domain error class (any class of :mod:`shared.errors`),
+with the same message and data attributes, or :class:`shared.errors.RpcError`
+carrying the :class:`grpc.StatusCode`; the gRPC error is kept as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from shared import errors as E
 __all__ = [
     "STATUS_TABLE",
     "ErrorInterceptor",
+    "HandlerInterceptor",
     "domain_error",
     "rpc_errors",
     "serve_health_and_reflection",
     "status_for",
+    "unimplemented",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,8 +47,8 @@ logger = logging.getLogger(__name__)
 ERROR_DOMAIN = "agents.platform"
 _DETAILS_KEY = "grpc-status-details-bin"
 
-#: Domain error class -> gRPC status. Order matters: the first matching base wins,
-#: so subclasses are listed before their parents.
+#: Domain error class -> gRPC status. The most specific class wins (the error's
+#: nearest base in the table), whatever the order of the rows.
 STATUS_TABLE: tuple[tuple[type[E.AgentsError], grpc.StatusCode], ...] = (
     (E.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (E.NotFound, grpc.StatusCode.NOT_FOUND),
@@ -62,40 +65,21 @@ STATUS_TABLE: tuple[tuple[type[E.AgentsError], grpc.StatusCode], ...] = (
     (E.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (E.TransientError, grpc.StatusCode.UNAVAILABLE),
     (E.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
-    # Before StoreError: a missing bucket or refused credentials is the operator's
-    # to fix, and the message (naming the store) helps them; other faults stay INTERNAL.
-    (E.StoreMisconfigured, grpc.StatusCode.FAILED_PRECONDITION),
     (E.StoreError, grpc.StatusCode.INTERNAL),
+    # A missing bucket or refused credentials is the operator's to fix, and the
+    # message (naming the store) helps them; other store faults stay INTERNAL.
+    (E.StoreMisconfigured, grpc.StatusCode.FAILED_PRECONDITION),
 )
+_STATUS_BY_CLASS: dict[type[BaseException], grpc.StatusCode] = dict(STATUS_TABLE)
 
-# Classes a client may rebuild from ErrorInfo.reason; anything else becomes RpcError.
+# Classes a client may rebuild from ErrorInfo.reason: every class of the tree
+# but its root and RpcError (a client-side wrapper); anything else becomes RpcError.
 _BY_NAME: dict[str, type[E.AgentsError]] = {
     cls.__name__: cls
-    for cls in (
-        E.InvalidArgument,
-        E.InvalidId,
-        E.TooLarge,
-        E.NotFound,
-        E.AlreadyExists,
-        E.InvalidState,
-        E.PreconditionFailed,
-        E.QuotaExceeded,
-        E.Unauthenticated,
-        E.MachineRevoked,
-        E.PermissionDenied,
-        E.IntegrityError,
-        E.DatabaseDamaged,
-        E.DiskFull,
-        E.Cancelled,
-        E.Unimplemented,
-        E.DeadlineExceeded,
-        E.TransientError,
-        E.StoreUnavailable,
-        E.StoreError,
-        E.StoreIncompatible,
-        E.StoreMisconfigured,
-        E.StoreUntrusted,
-    )
+    for cls in vars(E).values()
+    if isinstance(cls, type)
+    and issubclass(cls, E.AgentsError)
+    and cls not in (E.AgentsError, E.RpcError)
 }
 # Attributes worth carrying across the wire (never secrets: they are ids and limits).
 _CARRIED = (
@@ -111,12 +95,15 @@ _CARRIED = (
     "folder",
     "path",
 )
+# Carried attributes that are numbers on the server side.
+_NUMERIC = frozenset({"limit", "size"})
 
 
 def status_for(exc: E.AgentsError) -> grpc.StatusCode:
     """Return the status code for a domain error (INTERNAL when unmapped)."""
-    for cls, code in STATUS_TABLE:
-        if isinstance(exc, cls):
+    for cls in type(exc).__mro__:
+        code = _STATUS_BY_CLASS.get(cls)
+        if code is not None:
             return code
     return grpc.StatusCode.INTERNAL
 
@@ -188,8 +175,8 @@ def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
 _Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Maps domain errors raised by any handler to gRPC statuses (see module doc)."""
+class HandlerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Base of our server interceptors: each wraps the handler of a known method."""
 
     async def intercept_service(
         self,
@@ -197,8 +184,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         handler_call_details: grpc.HandlerCallDetails,
     ) -> _Handler:
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
+        # Unknown methods have no handler: nothing to wrap.
+        return handler if handler is None else self.wrap(handler_call_details.method, handler)
+
+    def wrap(self, method: str, handler: _Handler) -> _Handler:
+        """The handler to serve ``method`` (``/service/Method``) with instead."""
+        raise NotImplementedError
+
+
+class ErrorInterceptor(HandlerInterceptor):
+    """Maps domain errors raised by any handler to gRPC statuses (see module doc)."""
+
+    def wrap(self, method: str, handler: _Handler) -> _Handler:
+        """``handler``, its domain errors mapped to statuses."""
         kwargs = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
@@ -244,7 +242,9 @@ def domain_error(exc: grpc.aio.AioRpcError) -> E.AgentsError:
                     err = cls.__new__(cls)
                     E.AgentsError.__init__(err, details)
                     for attr, value in info.metadata.items():
-                        if attr in _CARRIED:
+                        if attr in _NUMERIC and value.isdigit():
+                            setattr(err, attr, int(value))
+                        elif attr in _CARRIED:
                             setattr(err, attr, value)
                     return err
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -255,16 +255,37 @@ def domain_error(exc: grpc.aio.AioRpcError) -> E.AgentsError:
         return E.Unauthenticated(details or "unauthenticated")
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return E.PermissionDenied(details or "permission denied")
-    return E.RpcError(code.name if code is not None else "UNKNOWN", details)
+    return E.RpcError(code if code is not None else grpc.StatusCode.UNKNOWN, details)
 
 
 @contextlib.asynccontextmanager
 async def rpc_errors() -> AsyncIterator[None]:
-    """Re-raise gRPC failures inside the block as domain errors."""
+    """Re-raise gRPC failures inside the block as domain errors (the gRPC error as
+    their ``__cause__``)."""
     try:
         yield
     except grpc.aio.AioRpcError as exc:
-        raise domain_error(exc) from None
+        raise domain_error(exc) from exc
+
+
+def unimplemented(
+    method: str, reason: str, *, check: str | None = None, what: str | None = None
+) -> Any:
+    """A servicer method for an RPC that arrives later, assigned in the class body
+    (``Prune = unimplemented("Prune", _LATER)``): it answers UNIMPLEMENTED
+    ("<what>: <reason>", ``what`` defaulting to the method name), after awaiting
+    the servicer's ``check`` method (its authorisation, so an unauthenticated
+    caller learns nothing more) when one is named. Typed ``Any`` so it stands in
+    for the generated base's abstract method whatever its signature."""
+
+    async def later(self: Any, request: Any, context: Any) -> Any:
+        if check is not None:
+            await getattr(self, check)(context)
+        raise E.Unimplemented(what or method, reason)
+
+    later.__name__ = method
+    later.__doc__ = f"Not implemented yet: {reason}."
+    return later
 
 
 async def serve_health_and_reflection(

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from shared.errors import RuntimeFailed
+
 __all__ = [
     "PermissionDecision",
     "PermissionOption",
@@ -39,18 +41,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class RuntimeFailed(Exception):
-    """The runtime's backend failed (process died, protocol error...).
-
-    Raised by :meth:`Runtime.run`; the engine ends the run with RUN_ERROR code
-    RUNTIME_FAILED and ``message`` (which must not contain secrets).
-    """
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import pytest
 from controlplane.accounts import AccountService
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService, Principal
-from controlplane.machines import MachineInfo, MachineService
+from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry, RevokedNotice
 from controlplane.records import deleting_key
@@ -43,7 +43,7 @@ class World:
         self.accounts = AccountService(self.store, audit, self.clock)
         self.creds = CredentialService(self.store, self.accounts, audit, self.clock)
         self.tokens = TokenService(self.store, self.accounts, audit, clock=self.clock)
-        self.machines = MachineService(self.store, self.accounts, audit, self.clock)
+        self.machines = MachineRegistry(self.store, self.accounts, audit, self.clock)
         self.ca = tls.make_ca()
         self.pairing = Pairing(
             self.tokens, self.machines, self.accounts, self.ca, dt.timedelta(days=30)
@@ -213,7 +213,7 @@ async def test_revoked_machine_refused_and_kicked(w: World) -> None:
     with pytest.raises(Unauthenticated, match="revoked"):
         await w.machines.authorize_peer(peer)
     # A fresh service (another process) reads the revocation from the store.
-    fresh = MachineService(w.store, w.accounts, Auditor(w.store))
+    fresh = MachineRegistry(w.store, w.accounts, Auditor(w.store))
     with pytest.raises(Unauthenticated, match="revoked"):
         await fresh.authorize_peer(peer)
 

@@ -22,7 +22,7 @@ from controlplane.links import (
     MachineMessage,
     Welcome,
 )
-from controlplane.machines import MachineInfo, MachineService
+from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry, RenewNowNotice, RevokedNotice
@@ -61,7 +61,7 @@ class World:
         audit = Auditor(self.store)
         self.accounts = AccountService(self.store, audit)
         self.tokens = TokenService(self.store, self.accounts, audit)
-        self.machines = MachineService(self.store, self.accounts, audit)
+        self.machines = MachineRegistry(self.store, self.accounts, audit)
         self.ca = tls.make_ca()
         self.pairing = Pairing(self.tokens, self.machines, self.accounts, self.ca, lifetime)
         self.op = Principal("adm_" + "0" * 26, "operator")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -16,16 +14,14 @@ from controlplane.providers import ProviderState, open_provider, parse_settings
 from controlplane.providers.base import Ec2Settings, LocalSettings
 from shared.errors import InvalidArgument, ProviderError, ProviderUnavailable
 from tests.helpers.moto_server import free_port, moto_server
+from tests.helpers.poll import apoll_until
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 
 
 async def _until(check: Callable[[], Awaitable[bool]], deadline: float = 10.0) -> None:
-    stop = time.monotonic() + deadline
-    while not await check():
-        if time.monotonic() > stop:
-            raise AssertionError("condition not met within the deadline")
-        await asyncio.sleep(0.05)  # polling with a deadline
+    fail = AssertionError("condition not met within the deadline")
+    await apoll_until(check, deadline=deadline, what="condition", step=0.05, fail=lambda: fail)
 
 
 # -- settings ------------------------------------------------------------------

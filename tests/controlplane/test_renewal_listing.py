@@ -15,7 +15,7 @@ from controlplane.admin_servicer import AdminServicer
 from controlplane.audit import Auditor
 from controlplane.authz import Principal
 from controlplane.links import LinkSessions
-from controlplane.machines import MachineInfo, MachineService
+from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import MachineStatus, PresenceRegistry
@@ -35,7 +35,7 @@ class World:
         audit = Auditor(self.store)
         self.accounts = AccountService(self.store, audit)
         self.tokens = TokenService(self.store, self.accounts, audit)
-        self.machines = MachineService(self.store, self.accounts, audit)
+        self.machines = MachineRegistry(self.store, self.accounts, audit)
         self.ca = tls.make_ca()
         self.pairing = Pairing(self.tokens, self.machines, self.accounts, self.ca, lifetime)
         self.sessions = LinkSessions(

@@ -18,11 +18,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from tests.helpers.poll import poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -144,20 +146,25 @@ def start_serve(cp: ControlProc, extra: Sequence[str] = ()) -> None:
         stderr=subprocess.STDOUT,
     )
     log.close()
-    deadline = time.monotonic() + START_DEADLINE
-    while time.monotonic() < deadline:
-        if cp.process.poll() is not None:
+    process = cp.process
+
+    def ready() -> dict[str, Any] | None:
+        if process.poll() is not None:
             raise AssertionError(f"serve exited early:\n{cp.log_path.read_text()}")
-        if serve_json.exists():
-            try:
-                info = json.loads(serve_json.read_text())
-            except ValueError:
-                info = {}
-            if info.get("pid") == cp.process.pid:
-                cp.serve_info = info
-                return
-        time.sleep(0.05)  # poll step; START_DEADLINE bounds the wait
-    raise AssertionError(f"serve not ready in {START_DEADLINE}s:\n{cp.log_path.read_text()}")
+        try:
+            info = json.loads(serve_json.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return info if info.get("pid") == process.pid else None
+
+    cp.serve_info = poll_until(
+        ready,
+        deadline=START_DEADLINE,
+        what="serve",
+        fail=lambda: AssertionError(
+            f"serve not ready in {START_DEADLINE}s:\n{cp.log_path.read_text()}"
+        ),
+    )
 
 
 def stop_serve(cp: ControlProc) -> None:

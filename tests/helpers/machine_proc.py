@@ -12,12 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.helpers.poll import poll_until
 
 __all__ = ["AGENTS_MACHINE", "MachineProc", "run_cli"]
 
@@ -86,15 +87,19 @@ class MachineProc:
             env=_env(),
         )
         log.close()
-        deadline = time.monotonic() + START_DEADLINE
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+        proc = self.proc
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
                 raise RuntimeError(f"agents-machine exited early:\n{self.log()}")
-            if self.socket.exists() and self._healthy():
-                return self
-            time.sleep(0.05)  # polling with a deadline, not synchronisation
-        self.kill()
-        raise RuntimeError(f"agents-machine did not become healthy:\n{self.log()}")
+            return self.socket.exists() and self._healthy()
+
+        def unhealthy() -> RuntimeError:
+            self.kill()
+            return RuntimeError(f"agents-machine did not become healthy:\n{self.log()}")
+
+        poll_until(healthy, deadline=START_DEADLINE, what="agents-machine", fail=unhealthy)
+        return self
 
     def _healthy(self) -> bool:
         with grpc.insecure_channel(self.target) as channel:

@@ -16,12 +16,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
+
+from tests.helpers.poll import poll_until
 
 __all__ = ["free_port", "moto_server", "start_moto", "stripping_proxy"]
 
@@ -74,20 +75,28 @@ def moto_server(
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            stop_at = time.monotonic() + deadline
-            while proc.poll() is None and time.monotonic() < stop_at:
-                if _answers(url + "/moto-api/"):
-                    break
-                time.sleep(0.05)  # polling with a deadline, not synchronisation by sleep
-            else:
-                if proc.poll() is None:
-                    raise TimeoutError(f"moto server did not answer within {deadline}s")
-                continue  # it exited (port taken?): try another port
+            # False once the process has exited (port taken?): try another port.
+            up = _wait_moto(proc, url, deadline)
+            if not up:
+                continue
             yield url
             return
         finally:
             _stop(proc)
     raise RuntimeError("moto server failed to start three times")
+
+
+def _wait_moto(proc: subprocess.Popen[bytes], url: str, deadline: float) -> bool:
+    """Wait until moto answers (True) or exits (False); TimeoutError after ``deadline``."""
+    return (
+        poll_until(
+            lambda: "exited" if proc.poll() is not None else _answers(url + "/moto-api/") and "up",
+            deadline=deadline,
+            what="moto server",
+            fail=lambda: TimeoutError(f"moto server did not answer within {deadline}s"),
+        )
+        == "up"
+    )
 
 
 def start_moto(port: int, deadline: float = START_DEADLINE) -> subprocess.Popen[bytes]:
@@ -101,12 +110,17 @@ def start_moto(port: int, deadline: float = START_DEADLINE) -> subprocess.Popen[
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    stop_at = time.monotonic() + deadline
-    while not _answers(f"http://127.0.0.1:{port}/moto-api/"):
-        if proc.poll() is not None or time.monotonic() > stop_at:
-            _stop(proc)
-            raise RuntimeError(f"moto server did not start on port {port}")
-        time.sleep(0.05)  # polling with a deadline, not synchronisation by sleep
+
+    def failed() -> RuntimeError:
+        _stop(proc)
+        return RuntimeError(f"moto server did not start on port {port}")
+
+    def answers() -> bool:
+        if proc.poll() is not None:
+            raise failed()
+        return _answers(f"http://127.0.0.1:{port}/moto-api/")
+
+    poll_until(answers, deadline=deadline, what="moto server", fail=failed)
     return proc
 
 

@@ -22,7 +22,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -31,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from tests.helpers.poll import poll_until
 
 __all__ = [
     "PrometheusError",
@@ -133,15 +134,19 @@ class PrometheusProc:
             self.proc = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir
             )
-        deadline = time.monotonic() + START_DEADLINE
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise PrometheusError(f"prometheus exited {self.proc.returncode}:\n{self.log()}")
-            if self._ready():
-                return self
-            time.sleep(0.1)  # polling with a deadline, not synchronisation
-        self.kill()
-        raise PrometheusError(f"prometheus not ready within {START_DEADLINE}s:\n{self.log()}")
+        proc = self.proc
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise PrometheusError(f"prometheus exited {proc.returncode}:\n{self.log()}")
+            return self._ready()
+
+        def not_ready() -> PrometheusError:
+            self.kill()
+            return PrometheusError(f"prometheus not ready within {START_DEADLINE}s:\n{self.log()}")
+
+        poll_until(ready, deadline=START_DEADLINE, what="prometheus", step=0.1, fail=not_ready)
+        return self
 
     def _ready(self) -> bool:
         try:
@@ -191,15 +196,17 @@ class PrometheusProc:
         A comparison such as ``x == 1`` filters the vector, so "non-empty" means
         "true". Raises AssertionError naming the expression and its last result.
         """
-        end = time.monotonic() + deadline
-        last: list[Series] = []
-        while True:
-            last = self.query(expr)
-            if check(last):
-                return last
-            if time.monotonic() > end:
-                raise AssertionError(f"PromQL {expr!r} not true within {deadline}s; last: {last}")
-            time.sleep(0.2)  # polling with a deadline, not synchronisation
+        last: list[list[Series]] = [[]]
+
+        def holds() -> bool:
+            last[0] = self.query(expr)
+            return check(last[0])
+
+        def failed() -> AssertionError:
+            return AssertionError(f"PromQL {expr!r} not true within {deadline}s; last: {last[0]}")
+
+        poll_until(holds, deadline=deadline, what=expr, step=0.2, fail=failed)
+        return last[0]
 
     def stop(self) -> None:
         """SIGTERM, wait with a deadline, then kill."""

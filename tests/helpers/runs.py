@@ -1,24 +1,48 @@
-"""Waiting on the machine's run engine in unit tests (in-process machines)."""
+"""Waiting on the machine's run engine, and breaking its event writes, in unit tests
+(in-process machines)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
+from collections.abc import Callable
+from typing import Any
 
+import pytest
+
+from machine import store
 from machine.app import Machine
-from machine.models import RunRecord, RunState
+from machine.models import EventKind, RunRecord, RunState, StoredEvent
+from tests.helpers.poll import apoll_until
 
-__all__ = ["RUN_DEADLINE", "wait_for_state"]
+__all__ = ["RUN_DEADLINE", "break_appends", "wait_for_state"]
 
 RUN_DEADLINE = 10.0
 
 
 async def wait_for_state(m: Machine, run_id: str, state: RunState) -> RunRecord:
     """Poll the run until it reaches ``state`` (fails after the deadline)."""
-    end = time.monotonic() + RUN_DEADLINE
-    while True:
-        run = await m.runs.get_run(run_id)
-        if run.state is state:
-            return run
-        assert time.monotonic() < end, f"run {run_id} stayed {run.state}, wanted {state}"
-        await asyncio.sleep(0.01)  # poll step under the deadline above
+    last: list[RunRecord] = []
+
+    async def reached() -> RunRecord | None:
+        last[:] = [await m.runs.get_run(run_id)]
+        return last[0] if last[0].state is state else None
+
+    def stayed() -> AssertionError:
+        return AssertionError(f"run {run_id} stayed {last[0].state}, wanted {state}")
+
+    return await apoll_until(reached, deadline=RUN_DEADLINE, what=f"run {run_id}", fail=stayed)
+
+
+def break_appends(
+    monkeypatch: pytest.MonkeyPatch, fault: Callable[[EventKind], BaseException | None]
+) -> None:
+    """Make storing an event raise what ``fault(kind)`` returns (None: store it)."""
+    original = store.append_event
+
+    # Positional as the engine calls it: (conn, agent_id, run_id, kind, payload, now).
+    def append_event(*args: Any) -> StoredEvent:
+        error = fault(args[3])
+        if error is not None:
+            raise error
+        return original(*args)
+
+    monkeypatch.setattr(store, "append_event", append_event)

@@ -11,13 +11,11 @@ stuck, no token lost, and ``agents-control fsck`` must be clean.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from tests.helpers.control_proc import (
 )
 from tests.helpers.fault_proxy import CrashProxy, crash_proxy
 from tests.helpers.link_client import connect_once, join
+from tests.helpers.poll import apoll_until
 
 pytestmark = pytest.mark.integration
 
@@ -173,10 +172,9 @@ def _live_machines(cp: ControlProc, account_id: str) -> list[Any]:
 
 
 async def _until(check: Any, deadline: float, what: str) -> None:
-    end = time.monotonic() + deadline
-    while not check():
-        assert time.monotonic() < end, what
-        await asyncio.sleep(0.2)  # poll step; the deadline bounds the loop
+    await apoll_until(
+        check, deadline=deadline, what=what, step=0.2, fail=lambda: AssertionError(what)
+    )
 
 
 async def test_join_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -> None:

@@ -7,7 +7,6 @@ and the admin CLI. A machine joins and connects over real mutual TLS.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from tests.helpers.control_proc import (
 from tests.helpers.link_client import connect_once, join
 from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc
 from tests.helpers.moto_server import free_port, start_moto
+from tests.helpers.poll import apoll_until
 
 pytestmark = pytest.mark.integration
 
@@ -137,13 +137,14 @@ def _timed(cp: ControlProc, *args: str) -> tuple[CliResult, float]:
 
 
 async def _until_ok(cp: ControlProc, deadline: float, what: str) -> None:
-    end = time.monotonic() + deadline
-    while True:
-        res = cp.cli("account", "list")
-        if res.code == 0:
-            return
-        assert time.monotonic() < end, f"{what}: {res.err}"
-        await asyncio.sleep(0.3)  # poll step; the deadline bounds the loop
+    last = [cp.cli("account", "list")]
+
+    def ok() -> bool:
+        last[0] = cp.cli("account", "list")
+        return last[0].code == 0
+
+    fail = lambda: AssertionError(f"{what}: {last[0].err}")  # noqa: E731
+    await apoll_until(ok, deadline=deadline, what=what, step=0.3, fail=fail)
 
 
 async def _joined_machine(cp: ControlProc) -> tuple[str, bytes, bytes]:
@@ -326,7 +327,6 @@ def _status(cp: ControlProc, acct: str) -> str:
 
 
 async def _until(check: Any, deadline: float, what: str) -> None:
-    end = time.monotonic() + deadline
-    while not check():
-        assert time.monotonic() < end, what
-        await asyncio.sleep(0.3)  # poll step; the deadline bounds the loop
+    await apoll_until(
+        check, deadline=deadline, what=what, step=0.3, fail=lambda: AssertionError(what)
+    )

@@ -43,6 +43,7 @@ from tests.helpers.control_proc import (
     start_serve,
     stop_serve,
 )
+from tests.helpers.poll import apoll_until
 from tests.helpers.store_records import read_json, sealed
 
 pytestmark = pytest.mark.integration
@@ -192,15 +193,9 @@ def _start(machines: list[MachineProc], data_dir: Path, argv: list[str], log: Pa
 async def _until(pred: Callable[[], Any], timeout: float, what: str, step: float = 0.05) -> float:
     """Poll ``pred`` (sync or async) until truthy; return the seconds it took."""
     start = time.monotonic()
-    while True:
-        value = pred()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        await asyncio.sleep(step)
+    fail = AssertionError(f"{what}: not within {timeout}s")
+    await apoll_until(pred, deadline=timeout, what=what, step=step, fail=lambda: fail)
+    return time.monotonic() - start
 
 
 async def _machine(client: AdminClient, account_id: str) -> dict[str, Any] | None:

@@ -35,6 +35,7 @@ from machine.runtimes.base import (
     UsageReport,
 )
 from shared.errors import InvalidArgument
+from tests.helpers.poll import apoll_until
 
 FAKE_AGENT = Path(__file__).resolve().parents[1] / "helpers" / "fake_acp_agent.py"
 DEADLINE = 15.0
@@ -44,12 +45,8 @@ Answer = Callable[[PermissionRequest], Awaitable[PermissionDecision]]
 
 async def wait_until(cond: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
     """Poll ``cond`` until it holds or the deadline passes."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)  # poll step; the deadline above bounds the wait
+    fail = AssertionError(f"timed out waiting for {what}")
+    await apoll_until(cond, deadline=timeout, what=what, step=0.02, fail=lambda: fail)
 
 
 class Recorder:

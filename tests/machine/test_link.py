@@ -42,6 +42,7 @@ from shared.errors import (
 from shared.ids import new_id
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import ErrorInterceptor
+from tests.helpers.poll import apoll_until
 
 GOOD_SECRET = "s" * 43
 
@@ -275,11 +276,8 @@ async def control(ca: tls.CertKey) -> AsyncIterator[Running]:
 
 
 async def _until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        await asyncio.sleep(0.01)  # poll step; a deadline bounds the loop
+    fail = AssertionError("condition not met before the deadline")
+    await apoll_until(pred, deadline=timeout, what="condition", fail=lambda: fail)
 
 
 async def _joined(control: Running, data_dir: Path) -> None:
@@ -433,6 +431,22 @@ async def test_wrong_pin_is_refused_before_join(control: Running, tmp_path: Path
     assert "does not present the pinned CA" in str(info.value)
     assert control.fake.join_calls == 0  # the token never left the machine
     assert _listing(tmp_path) == []
+
+
+async def test_join_reads_the_injected_clock(control: Running, tmp_path: Path) -> None:
+    # Ten years on, the server certificate has expired: refused before the token is sent.
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(days=3650)
+    with pytest.raises(IntegrityError) as info:
+        await join_control_plane(
+            data_dir=tmp_path / "data",
+            address=control.public_address,
+            token=control.fake.new_token(),
+            ca_hash=control.ca_hash,
+            name=None,
+            clock=lambda: later,
+        )
+    assert "is not valid now" in str(info.value)
+    assert control.fake.join_calls == 0
 
 
 async def test_server_without_ca_in_chain_is_refused(ca: tls.CertKey, tmp_path: Path) -> None:

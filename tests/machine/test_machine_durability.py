@@ -15,13 +15,12 @@ from typing import Any
 import pytest
 
 from machine import db as db_module
-from machine import store
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.db import Database
 from machine.models import EventKind, RunState, StoredEvent
 from shared.errors import StoreError
-from tests.helpers.runs import wait_for_state
+from tests.helpers.runs import break_appends, wait_for_state
 
 DEADLINE = 10.0
 
@@ -122,22 +121,14 @@ async def test_lost_final_event_fails_followers_and_cancel_still_ends_the_run(
     machine_app: Machine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent = (await machine_app.agents.create(name="a", folder=str(tmp_path))).id
-    original = store.append_event
     broken = [True]
 
-    def append_event(
-        conn: sqlite3.Connection,
-        agent_id: str,
-        run_id: str,
-        kind: EventKind,
-        payload: dict[str, Any],
-        now: float,
-    ) -> StoredEvent:
+    def fault(kind: EventKind) -> BaseException | None:
         if broken[0] and kind in (EventKind.RUN_FINISHED, EventKind.RUN_ERROR):
-            raise sqlite3.OperationalError("disk I/O error")
-        return original(conn, agent_id, run_id, kind, payload, now)
+            return sqlite3.OperationalError("disk I/O error")
+        return None
 
-    monkeypatch.setattr(store, "append_event", append_event)
+    break_appends(monkeypatch, fault)
     stream = await machine_app.runs.prompt(agent, "hello")
     seen: list[EventKind] = []
 
@@ -172,23 +163,14 @@ async def test_lost_final_event_fails_followers_and_cancel_still_ends_the_run(
 async def test_lost_final_event_run_is_interrupted_at_restart(
     machine_config: MachineConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = store.append_event
-
-    def append_event(
-        conn: sqlite3.Connection,
-        agent_id: str,
-        run_id: str,
-        kind: EventKind,
-        payload: dict[str, Any],
-        now: float,
-    ) -> StoredEvent:
+    def fault(kind: EventKind) -> BaseException | None:
         if kind in (EventKind.RUN_FINISHED, EventKind.RUN_ERROR):
-            raise sqlite3.OperationalError("disk I/O error")
-        return original(conn, agent_id, run_id, kind, payload, now)
+            return sqlite3.OperationalError("disk I/O error")
+        return None
 
     async with open_machine(machine_config) as m:
         agent = (await m.agents.create(name="a", folder=str(tmp_path))).id
-        monkeypatch.setattr(store, "append_event", append_event)
+        break_appends(monkeypatch, fault)
         stream = await m.runs.prompt(agent, "hello")
         with pytest.raises(StoreError):
             await asyncio.wait_for(until(stream, EventKind.RUN_FINISHED), DEADLINE)

@@ -19,13 +19,13 @@ from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.db import Database
 from machine.metrics import MachineMetrics
-from machine.models import EventKind, RunErrorCode, RunState, StoredEvent
+from machine.models import EventKind, RunErrorCode, RunState
 from machine.runtimes import RuntimeKind, RuntimeRegistry, echo
 from machine.runtimes.base import RunContext, RunOutcome, TextDelta
 from machine.streams import StreamLimits
 from shared.errors import DatabaseDamaged, DiskFull, IntegrityError, QuotaExceeded
 from shared.rpc import status_for
-from tests.helpers.runs import wait_for_state
+from tests.helpers.runs import break_appends, wait_for_state
 
 DEADLINE = 10.0
 
@@ -102,25 +102,17 @@ async def test_run_whose_events_cannot_be_stored_ends_storage_failed_once_writes
     machine_app: Machine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent = (await machine_app.agents.create(name="a", folder=str(tmp_path))).id
-    original = store.append_event
     full = [False]
     filled = [False]
 
-    def append_event(
-        conn: sqlite3.Connection,
-        agent_id: str,
-        run_id: str,
-        kind: EventKind,
-        payload: dict[str, Any],
-        now: float,
-    ) -> StoredEvent:
+    def fault(kind: EventKind) -> BaseException | None:
         if full[0]:
-            raise disk_full()
+            return disk_full()
         if kind is EventKind.TEXT_DELTA and not filled[0]:
             full[0] = filled[0] = True  # the disk fills up after the first delta
-        return original(conn, agent_id, run_id, kind, payload, now)
+        return None
 
-    monkeypatch.setattr(store, "append_event", append_event)
+    break_appends(monkeypatch, fault)
     stream = await machine_app.runs.prompt(agent, "one two three four")
     seen: list[EventKind] = []
 

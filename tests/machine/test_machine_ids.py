@@ -17,7 +17,7 @@ from machine.app import Machine, open_machine
 from machine.cli import main
 from machine.config import MachineConfig
 from machine.models import EventKind
-from machine.service import MachineServicer
+from machine.servicer import MachineServicer
 from shared.crypto import BoxKeyPair
 from shared.errors import InvalidState
 from shared.ids import is_valid_id, new_id

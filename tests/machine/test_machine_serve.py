@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import grpc.aio
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from machine.config import MachineConfig
@@ -73,6 +74,11 @@ async def test_serve_until_stopped(tmp_path: Path) -> None:
             except grpc.aio.AioRpcError as e:
                 assert e.code() == grpc.StatusCode.UNIMPLEMENTED
                 assert "later issue" in (e.details() or "")
+            # Streaming stubs answer the same way.
+            with pytest.raises(grpc.aio.AioRpcError) as export:
+                _ = [c async for c in stub.Export(pb.ExportRequest())]
+            assert export.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert export.value.details() == "Export: arrives with a later issue"
         url = f"http://127.0.0.1:{info.metrics_port}/metrics"
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
         text = body.decode()

@@ -11,7 +11,14 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from shared import errors as E
-from shared.rpc import ErrorInterceptor, domain_error, rpc_errors, serve_health_and_reflection
+from shared.rpc import (
+    STATUS_TABLE,
+    ErrorInterceptor,
+    domain_error,
+    rpc_errors,
+    serve_health_and_reflection,
+    status_for,
+)
 
 _raw: dict[str, Any] = {"request_deserializer": None, "response_serializer": None}
 
@@ -25,6 +32,8 @@ def _server_error(name: str) -> Exception:
         "quota": E.QuotaExceeded("queue", 5),
         "later": E.Unimplemented("BackupNow", "arrives with a later issue"),
         "store": E.StoreError("s3 bucket: access denied (secret=abc)"),
+        "misconfigured": E.StoreMisconfigured("s3 bucket: no such bucket"),
+        "provider": E.ProviderError("start machine", "the provider refused the credentials"),
         "boom": RuntimeError("secret detail"),
     }[name]
 
@@ -130,3 +139,42 @@ async def test_health_reports_serving(channel: grpc.aio.Channel) -> None:
     stub = health_pb2_grpc.HealthStub(channel)
     reply = await stub.Check(health_pb2.HealthCheckRequest(service="test.Svc"))
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_client_error_is_the_real_class_with_the_grpc_error_as_cause(
+    channel: grpc.aio.Channel,
+) -> None:
+    call = channel.unary_unary("/test.Svc/Unary")
+    with pytest.raises(E.ProviderError) as info:
+        async with rpc_errors():
+            await call(b"provider")
+    assert info.value.what == "start machine"
+    assert isinstance(info.value.__cause__, grpc.aio.AioRpcError)
+    assert info.value.__cause__.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(E.QuotaExceeded) as quota:
+        async with rpc_errors():
+            await call(b"quota")
+    assert quota.value.limit == 5  # a number again, as the server raised it
+
+
+async def test_unmapped_status_carries_a_grpc_status_code(channel: grpc.aio.Channel) -> None:
+    call = channel.unary_unary("/test.Svc/Unary")
+    with pytest.raises(E.RpcError) as info:
+        async with rpc_errors():
+            await call(b"boom")
+    assert info.value.code is grpc.StatusCode.INTERNAL
+    assert str(info.value) == "rpc INTERNAL: internal error"
+
+
+async def test_most_specific_class_wins_whatever_the_table_order(
+    channel: grpc.aio.Channel,
+) -> None:
+    # StoreError comes before its subclass StoreMisconfigured in the table.
+    classes = [cls for cls, _ in STATUS_TABLE]
+    assert classes.index(E.StoreError) < classes.index(E.StoreMisconfigured)
+    misconfigured = E.StoreMisconfigured("s3 bucket: no such bucket")
+    assert status_for(misconfigured) == grpc.StatusCode.FAILED_PRECONDITION
+    call = channel.unary_unary("/test.Svc/Unary")
+    with pytest.raises(E.StoreMisconfigured):
+        async with rpc_errors():
+            await call(b"misconfigured")

@@ -22,7 +22,8 @@ from typing import Any, Final
 
 from machine.export_format import encode_jsonl, read_jsonl
 from machine.models import AgentState, EventKind
-from machine.store import _index
+from machine.store.events import _index
+from machine.store.runs import RUN_FIELDS
 from shared.errors import InvalidArgument
 from shared.ids import is_valid_id
 
@@ -39,21 +40,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_RUN_FIELDS: Final = (
-    "id",
-    "agent_id",
-    "state",
-    "prompt",
-    "attachments_json",
-    "created_at",
-    "started_at",
-    "finished_at",
-    "input_tokens",
-    "output_tokens",
-    "duration_ms",
-    "stop_reason",
-    "error_code",
-)
+_RUN_FIELDS: Final = RUN_FIELDS
 _TERMINAL_STATE: Final = {"RUN_FINISHED": "finished", "RUN_ERROR": "failed"}
 
 

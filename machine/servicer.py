@@ -1,4 +1,5 @@
-"""The MachineService servicer: decode, one domain call, encode.
+"""The servicer of the proto service `shared.pb.machine.v1.MachineService`: decode, one
+domain call, encode.
 
 Domain errors raised here are turned into gRPC statuses by
 :class:`shared.rpc.ErrorInterceptor`; nothing in this module maps errors.
@@ -18,9 +19,11 @@ from machine import codec
 from machine.app import Machine
 from machine.models import StoredEvent
 from machine.version import machine_version
-from shared.errors import AgentsError, InvalidArgument, Unimplemented
+from shared.errors import AgentsError, InvalidArgument
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
+from shared.rpc import unimplemented
+from shared.timestamps import from_seconds
 
 __all__ = ["SERVICE_NAME", "MachineServicer"]
 
@@ -102,11 +105,6 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
     async def UnarchiveAgent(self, request: pb.UnarchiveAgentRequest, context: Ctx) -> pb.Agent:
         return codec.agent_to_pb(await self._m.agents.unarchive(request.agent_id))
 
-    async def DeleteAgent(
-        self, request: pb.DeleteAgentRequest, context: Ctx
-    ) -> pb.DeleteAgentResponse:
-        raise Unimplemented("DeleteAgent (erasure)", _LATER)
-
     # ---------------------------------------------------------------- runs
 
     # Prompt and Replay write their messages themselves (flow control, quiet
@@ -179,65 +177,6 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
             raise
         return pb.Attachment(sha256=record.sha256, size=record.size, agent_id=record.agent_id)
 
-    # ---------------------------------------------------------------- later issues
-
-    async def _later(self, context: Ctx, what: str) -> None:
-        raise Unimplemented(what, _LATER)
-
-    async def ListErasures(
-        self, request: pb.ListErasuresRequest, context: Ctx
-    ) -> pb.ListErasuresResponse:
-        await self._later(context, "ListErasures")
-        raise AssertionError("unreachable")
-
-    async def Export(
-        self, request: pb.ExportRequest, context: Ctx
-    ) -> AsyncIterator[pb.ExportChunk]:
-        await self._later(context, "Export")
-        yield pb.ExportChunk()  # pragma: no cover - abort raised above
-
-    async def Import(
-        self, request_iterator: AsyncIterator[pb.ImportChunk], context: Ctx
-    ) -> pb.ImportResponse:
-        await self._later(context, "Import")
-        raise AssertionError("unreachable")
-
-    async def BackupNow(self, request: pb.BackupNowRequest, context: Ctx) -> pb.Backup:
-        await self._later(context, "BackupNow")
-        raise AssertionError("unreachable")
-
-    async def ListBackups(
-        self, request: pb.ListBackupsRequest, context: Ctx
-    ) -> pb.ListBackupsResponse:
-        await self._later(context, "ListBackups")
-        raise AssertionError("unreachable")
-
-    async def VerifyBackup(
-        self, request: pb.VerifyBackupRequest, context: Ctx
-    ) -> pb.VerifyBackupResponse:
-        await self._later(context, "VerifyBackup")
-        raise AssertionError("unreachable")
-
-    async def Restore(self, request: pb.RestoreRequest, context: Ctx) -> pb.RestoreResponse:
-        await self._later(context, "Restore")
-        raise AssertionError("unreachable")
-
-    async def CreateSchedule(self, request: pb.CreateScheduleRequest, context: Ctx) -> pb.Schedule:
-        await self._later(context, "CreateSchedule")
-        raise AssertionError("unreachable")
-
-    async def ListSchedules(
-        self, request: pb.ListSchedulesRequest, context: Ctx
-    ) -> pb.ListSchedulesResponse:
-        await self._later(context, "ListSchedules")
-        raise AssertionError("unreachable")
-
-    async def DeleteSchedule(
-        self, request: pb.DeleteScheduleRequest, context: Ctx
-    ) -> pb.DeleteScheduleResponse:
-        await self._later(context, "DeleteSchedule")
-        raise AssertionError("unreachable")
-
     # ---------------------------------------------------------------- status
 
     async def CheckDatabase(
@@ -247,7 +186,7 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         return pb.CheckDatabaseResponse(
             ok=result.ok,
             problems=list(result.problems),
-            checked_at=codec.ts(result.finished_at),
+            checked_at=from_seconds(result.finished_at),
             duration_ms=int(result.seconds * 1000),
             path=str(self._m.db.path),
         )
@@ -264,6 +203,19 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
             open_runs=st.open_runs,
             waiting_runs=st.waiting_runs,
             runtimes=st.runtimes,
-            started_at=codec.ts(st.started_at),
+            started_at=from_seconds(st.started_at),
             schema_version=st.schema_version,
         )
+
+    # RPCs that arrive with later issues.
+    DeleteAgent = unimplemented("DeleteAgent", _LATER, what="DeleteAgent (erasure)")
+    ListErasures = unimplemented("ListErasures", _LATER)
+    Export = unimplemented("Export", _LATER)
+    Import = unimplemented("Import", _LATER)
+    BackupNow = unimplemented("BackupNow", _LATER)
+    ListBackups = unimplemented("ListBackups", _LATER)
+    VerifyBackup = unimplemented("VerifyBackup", _LATER)
+    Restore = unimplemented("Restore", _LATER)
+    CreateSchedule = unimplemented("CreateSchedule", _LATER)
+    ListSchedules = unimplemented("ListSchedules", _LATER)
+    DeleteSchedule = unimplemented("DeleteSchedule", _LATER)

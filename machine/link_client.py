@@ -1,0 +1,269 @@
+"""The machine's one client of the control plane's MachineLink service.
+
+It is the only machine module that imports ``link_pb2`` or builds a link
+channel: join (server-authenticated TLS against the pinned CA), certificate
+renewal and the Connect stream (mutual TLS), and the backup RPCs to come.
+Callers get dataclasses. A failed call raises :class:`grpc.aio.AioRpcError`
+unchanged: the join and the link each decide what a failure means (a lost
+connection, a revoked machine) before mapping it to a domain error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from dataclasses import dataclass, field
+from typing import Final, TypeAlias
+
+import grpc
+import grpc.aio
+
+from shared.pb.control.v1 import link_pb2, link_pb2_grpc
+from shared.timestamps import to_datetime
+
+__all__ = [
+    "AccountDeleted",
+    "ControlNotice",
+    "Delivery",
+    "JoinReply",
+    "LinkClient",
+    "LinkStream",
+    "MachineInfo",
+    "Renewed",
+    "RenewNow",
+    "Revoked",
+    "Unknown",
+    "Welcome",
+]
+
+logger = logging.getLogger(__name__)
+
+# HTTP/2 pings find a control plane that vanished without closing the socket
+# (power cut, partition) within about 40 s. The control plane accepts pings
+# every 20 s (controlplane/server.py); gRPC's default floor is 5 minutes.
+_CHANNEL_OPTIONS: Final = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """What a joining machine tells about itself."""
+
+    name: str
+    version: str
+    hostname: str
+    box_public_key: bytes
+    signing_public_key: bytes
+
+
+@dataclass(frozen=True)
+class JoinReply:
+    """The control plane's answer to a join (checked by the caller)."""
+
+    certificate_pem: str
+    ca_certificate_pem: str
+    machine_id: str
+    account_id: str
+    account_recovery_public_key: bytes
+    heartbeat_interval_ms: int
+    link_host: str
+    link_port: int
+
+
+@dataclass(frozen=True)
+class Renewed:
+    """A renewed client certificate; the CA is empty when unchanged."""
+
+    certificate_pem: str
+    ca_certificate_pem: str
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The control plane accepted the stream."""
+
+    machine_id: str
+    heartbeat_interval: float
+    """Seconds; 0 when the control plane names none."""
+
+
+@dataclass(frozen=True)
+class Revoked:
+    """This machine was revoked: the link stops for good."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class AccountDeleted:
+    """The machine's account was deleted: the link stops for good."""
+
+
+@dataclass(frozen=True)
+class RenewNow:
+    """The control plane asks for a certificate renewal now."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A prompt the control plane delivered, still sealed to our box key."""
+
+    id: str
+    """The prompt id (``pr_...``); acknowledged once ``on_delivery`` returns."""
+    agent_id: str
+    """The agent it is for (``ag_...``)."""
+    sealed_prompt: bytes = field(repr=False)
+    """The prompt, sealed (shared.crypto) to the machine's box public key."""
+    created_at: dt.datetime | None
+    """When it was sent (UTC)."""
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """A message this machine does not know (a newer control plane)."""
+
+    kind: str
+
+
+ControlNotice: TypeAlias = Welcome | Revoked | AccountDeleted | RenewNow | Delivery | Unknown
+"""What the control plane sends on the Connect stream."""
+
+
+def _notice(msg: link_pb2.ControlMessage) -> ControlNotice:
+    kind = msg.WhichOneof("kind")
+    if kind == "welcome":
+        return Welcome(msg.welcome.machine_id, msg.welcome.heartbeat_interval_ms / 1000)
+    if kind == "revoked":
+        return Revoked(msg.revoked.reason)
+    if kind == "account_deleted":
+        return AccountDeleted()
+    if kind == "renew_now":
+        return RenewNow(msg.renew_now.reason)
+    if kind == "delivery":
+        pb = msg.delivery
+        return Delivery(
+            id=pb.id,
+            agent_id=pb.agent_id,
+            sealed_prompt=bytes(pb.sealed_prompt),
+            created_at=to_datetime(pb.created_at) if pb.HasField("created_at") else None,
+        )
+    return Unknown(str(kind))
+
+
+_Call: TypeAlias = "grpc.aio.StreamStreamCall[link_pb2.MachineMessage, link_pb2.ControlMessage]"
+
+
+class LinkStream:
+    """One Connect stream: typed writes (serialised) and reads."""
+
+    def __init__(self, call: _Call) -> None:
+        self._call = call
+        self._write_lock = asyncio.Lock()
+
+    async def _send(self, msg: link_pb2.MachineMessage) -> None:
+        async with self._write_lock:
+            await self._call.write(msg)
+
+    async def hello(self, version: str, agent_count: int) -> None:
+        """Open the conversation."""
+        await self._send(
+            link_pb2.MachineMessage(hello=link_pb2.Hello(version=version, agent_count=agent_count))
+        )
+
+    async def heartbeat(self, agent_count: int) -> None:
+        """Say the machine is alive."""
+        await self._send(
+            link_pb2.MachineMessage(heartbeat=link_pb2.Heartbeat(agent_count=agent_count))
+        )
+
+    async def ack(self, delivery_id: str) -> None:
+        """Acknowledge a stored delivery."""
+        await self._send(link_pb2.MachineMessage(ack=link_pb2.Ack(delivery_id=delivery_id)))
+
+    async def read(self) -> ControlNotice | None:
+        """The next message, or None at a clean end (a failed stream raises AioRpcError)."""
+        msg = await self._call.read()
+        return _notice(msg) if isinstance(msg, link_pb2.ControlMessage) else None
+
+    async def done_writing(self) -> None:
+        """End our side of the stream (a clean goodbye)."""
+        async with self._write_lock:
+            await self._call.done_writing()
+
+    def cancel(self) -> None:
+        """Abandon the stream."""
+        self._call.cancel()
+
+
+class LinkClient:
+    """One channel to the MachineLink service; close it with :meth:`aclose`."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._channel = channel
+        self._stub = link_pb2_grpc.MachineLinkStub(channel)
+
+    @classmethod
+    def for_join(cls, target: str, ca_pem: bytes) -> LinkClient:
+        """Server-authenticated TLS against the pinned CA (no client certificate yet)."""
+        creds = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+        return cls(grpc.aio.secure_channel(target, creds))
+
+    @classmethod
+    def mutual(cls, target: str, *, ca_pem: bytes, key_pem: bytes, cert_pem: bytes) -> LinkClient:
+        """Mutual TLS with the machine's certificate, with keepalive pings."""
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
+        )
+        return cls(grpc.aio.secure_channel(target, creds, options=_CHANNEL_OPTIONS))
+
+    async def aclose(self) -> None:
+        """Close the channel at once (so ``contextlib.aclosing`` fits)."""
+        await self._channel.close(grace=None)
+
+    async def join(
+        self, token: str, csr_pem: str, machine: MachineInfo, *, timeout: float
+    ) -> JoinReply:
+        """Join with a one-time token and a certificate request."""
+        reply = await self._stub.Join(
+            link_pb2.JoinRequest(
+                token=token,
+                csr_pem=csr_pem,
+                machine=link_pb2.MachineInfo(
+                    name=machine.name,
+                    version=machine.version,
+                    hostname=machine.hostname,
+                    box_public_key=machine.box_public_key,
+                    signing_public_key=machine.signing_public_key,
+                ),
+            ),
+            timeout=timeout,
+        )
+        return JoinReply(
+            certificate_pem=reply.certificate_pem,
+            ca_certificate_pem=reply.ca_certificate_pem,
+            machine_id=reply.machine_id,
+            account_id=reply.account_id,
+            account_recovery_public_key=bytes(reply.account_recovery_public_key),
+            heartbeat_interval_ms=reply.heartbeat_interval_ms,
+            link_host=reply.link_host,
+            link_port=reply.link_port,
+        )
+
+    async def renew(self, csr_pem: str, *, timeout: float) -> Renewed:
+        """Renew the client certificate this channel presents."""
+        reply = await self._stub.RenewCertificate(
+            link_pb2.RenewCertificateRequest(csr_pem=csr_pem), timeout=timeout
+        )
+        return Renewed(reply.certificate_pem, reply.ca_certificate_pem)
+
+    def connect(self) -> LinkStream:
+        """Open the Connect stream (driven by the stream's writes and reads)."""
+        # Called without an iterator, the call is driven by write()/read();
+        # grpc-stubs does not know that form.
+        return LinkStream(self._stub.Connect())  # type: ignore[call-arg]

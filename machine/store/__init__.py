@@ -1,0 +1,91 @@
+"""SQL for machine.db: small synchronous functions run inside :class:`Database` jobs.
+
+Each function takes the connection of the job it runs in, so a caller can put
+several of them in one transaction (an event, its run state change and its
+search index rows commit together or not at all). No other machine module
+writes SQL: erasure and backups read and delete through this package.
+
+Modules by table group: :mod:`.settings` (settings, machine log, counts),
+:mod:`.agents`, :mod:`.runs`, :mod:`.events` (events, tool log, search,
+summaries), :mod:`.permissions`, :mod:`.attachments`, and :mod:`.export`
+(dump and load of whole agents for export, import and backups).
+"""
+
+from machine.store.agents import (
+    OwnIds,
+    count_agents,
+    get_agent,
+    insert_agent,
+    list_agents,
+    rename_agent,
+    row_to_agent,
+    set_agent_state,
+    set_session_id,
+)
+from machine.store.attachments import add_attachment_ref, attachment_referenced, record_attachment
+from machine.store.events import append_event, read_events, run_events, search
+from machine.store.permissions import (
+    answer_permission,
+    cancel_pending_permissions,
+    get_permission,
+    insert_permission,
+    remember_rule,
+    rule_for,
+    run_permissions,
+)
+from machine.store.runs import (
+    count_open_runs,
+    get_run,
+    insert_run,
+    last_event_time,
+    list_runs,
+    runs_in_states,
+    set_run_state,
+)
+from machine.store.settings import (
+    count_rows,
+    get_setting,
+    log,
+    prune_log,
+    set_setting,
+    state_counts,
+)
+
+__all__ = [
+    "OwnIds",
+    "add_attachment_ref",
+    "answer_permission",
+    "append_event",
+    "attachment_referenced",
+    "cancel_pending_permissions",
+    "count_agents",
+    "count_open_runs",
+    "count_rows",
+    "get_agent",
+    "get_permission",
+    "get_run",
+    "get_setting",
+    "insert_agent",
+    "insert_permission",
+    "insert_run",
+    "last_event_time",
+    "list_agents",
+    "list_runs",
+    "log",
+    "prune_log",
+    "read_events",
+    "record_attachment",
+    "remember_rule",
+    "rename_agent",
+    "row_to_agent",
+    "rule_for",
+    "run_events",
+    "run_permissions",
+    "runs_in_states",
+    "search",
+    "set_agent_state",
+    "set_run_state",
+    "set_session_id",
+    "set_setting",
+    "state_counts",
+]
