@@ -69,6 +69,8 @@ logger = logging.getLogger(__name__)
 KEEP_MIN: Final = 1
 KEEP_MAX: Final = 10
 _CACHE_FILE: Final = "segment-cache.json"
+#: Agents read, hashed, compressed and encrypted at once (a machine has few cores).
+PARALLEL: Final = 3
 _READ: Final = SEGMENT_CHUNK
 
 
@@ -241,9 +243,16 @@ class BackupEngine:
         agents = await self._source.agents()
         attachments = await self._source.attachments()
         total = len(agents) + len(attachments)
-        planned: list[tuple[SegmentRef, Path | None]] = []
         done = 0
-        for agent in agents:
+        sem = asyncio.Semaphore(PARALLEL)
+
+        def tick(stage_name: str, of: int) -> None:
+            nonlocal done
+            done += 1
+            if progress:
+                progress(stage_name, done, of)
+
+        async def plan_agent(agent: AgentItem) -> tuple[SegmentRef, Path | None]:
             hit = cache.get(agent.agent_id)
             if hit and hit.get("marker") == agent.marker and isinstance(hit.get("name"), str):
                 ref = SegmentRef(
@@ -254,52 +263,66 @@ class BackupEngine:
                     int(hit["size"]),
                     int(hit["plain_size"]),
                 )
-                planned.append((ref, None))
-            else:
+                tick("read", total)
+                return ref, None
+            async with sem:
                 path = stage / agent.agent_id
                 with open(path, "wb") as out:
                     await self._source.write_agent(agent.agent_id, out)
-                planned.append((await self._plan_file(path, "agent", agent.agent_id), path))
-            done += 1
-            if progress:
-                progress("read", done, total)
-        for sha, path in attachments:
+                planned = await self._plan_file(path, "agent", agent.agent_id)
+            tick("read", total)
+            return planned, path
+
+        async def plan_attachment(sha: str, path: Path) -> tuple[SegmentRef, Path | None]:
             hit = cache.get(f"attachment:{sha}")
             if hit and isinstance(hit.get("name"), str):
                 # Content-addressed: the same sha256 is the same bytes, the same segment.
                 name = hit["name"]
                 key = segment_key(self._naming_key, name)
-                planned.append(
-                    (SegmentRef(name, key, "attachment", sha, 0, int(hit["plain_size"])), path)
-                )
-            else:
-                planned.append((await self._plan_file(path, "attachment", sha), path))
-            done += 1
-            if progress:
-                progress("read", done, total)
+                tick("read", total)
+                return SegmentRef(name, key, "attachment", sha, 0, int(hit["plain_size"])), path
+            async with sem:
+                planned = await self._plan_file(path, "attachment", sha)
+            tick("read", total)
+            return planned, path
+
+        # Reading (the database), hashing, compressing and encrypting overlap
+        # across a few agents at a time: each step releases the GIL.
+        planned = list(
+            await asyncio.gather(
+                *(plan_agent(a) for a in agents),
+                *(plan_attachment(sha, p) for sha, p in attachments),
+            )
+        )
         have = await self._target.have_segments({ref.name for ref, _ in planned})
-        refs: list[SegmentRef] = []
         uploaded = uploaded_bytes = 0
-        for i, (ref, src) in enumerate(planned):
-            if ref.name not in have:
-                if src is None:
-                    # The cache named a segment the target lost: read the agent again.
-                    src = stage / ref.ref
-                    with open(src, "wb") as out:
-                        await self._source.write_agent(ref.ref, out)
-                    ref = await self._plan_file(src, "agent", ref.ref)
-                size = await self._upload(ref, src)
+        done = 0
+
+        async def store(ref: SegmentRef, src: Path | None) -> SegmentRef:
+            nonlocal uploaded, uploaded_bytes
+            if ref.name in have:
+                if ref.size == 0:
+                    ref = SegmentRef(
+                        ref.name, ref.key, ref.kind, ref.ref, have[ref.name], ref.plain_size
+                    )
+            else:
+                async with sem:
+                    if src is None:
+                        # The cache named a segment the target lost: read the agent again.
+                        src = stage / ref.ref
+                        with open(src, "wb") as out:
+                            await self._source.write_agent(ref.ref, out)
+                        ref = await self._plan_file(src, "agent", ref.ref)
+                    size = await self._upload(ref, src)
                 ref = SegmentRef(ref.name, ref.key, ref.kind, ref.ref, size, ref.plain_size)
                 uploaded += 1
                 uploaded_bytes += size
-                have[ref.name] = size
-            elif ref.size == 0:
-                ref = SegmentRef(
-                    ref.name, ref.key, ref.kind, ref.ref, have[ref.name], ref.plain_size
-                )
-            refs.append(ref)
-            if progress:
-                progress("upload", i + 1, len(planned))
+            if src is not None and src.parent == stage:
+                src.unlink(missing_ok=True)  # plaintext leaves the disk as soon as it is sent
+            tick("upload", len(planned))
+            return ref
+
+        refs = list(await asyncio.gather(*(store(ref, src) for ref, src in planned)))
         manifest = BackupManifest(
             backup_id,
             self._machine_id,

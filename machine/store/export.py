@@ -90,6 +90,19 @@ def _lines(path: Path, rows: Iterator[dict[str, Any]]) -> None:
         f.write(encode_jsonl(batch))
 
 
+def _event_line(seq: int, run_id: str, kind: str, payload_json: str, time: float) -> bytes:
+    """One conversation line, keys sorted, with the payload as stored.
+
+    The stored payload is already JSON (json.dumps with sorted keys, as
+    load_agent stores it again), so it is embedded as it is rather than
+    decoded and encoded once more: the same bytes for half the work.
+    """
+    return (
+        f'{{"kind":{json.dumps(kind)},"payload":{payload_json},'
+        f'"run_id":{json.dumps(run_id)},"seq":{int(seq)},"time":{json.dumps(time)}}}\n'
+    ).encode()
+
+
 def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDump:
     """Write ``agent_id``'s export files into ``folder``; return its record.
 
@@ -122,19 +135,9 @@ def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDu
         "SELECT seq, run_id, kind, payload_json, time FROM events WHERE agent_id = ? ORDER BY seq",
         (agent_id,),
     )
-    _lines(
-        folder / "conversation.jsonl",
-        (
-            {
-                "seq": e["seq"],
-                "run_id": e["run_id"],
-                "kind": e["kind"],
-                "payload": json.loads(e["payload_json"]),
-                "time": e["time"],
-            }
-            for e in events
-        ),
-    )
+    with open(folder / "conversation.jsonl", "wb") as f:
+        for e in events:
+            f.write(_event_line(e["seq"], e["run_id"], e["kind"], e["payload_json"], e["time"]))
     summaries = conn.execute(
         "SELECT run_id, text, created_at FROM summaries WHERE agent_id = ? ORDER BY run_id",
         (agent_id,),
