@@ -13,6 +13,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from controlplane.accounts import AccountService
 from controlplane.authz import CredentialService, Principal
+from controlplane.deletion import AccountDeletion, Deletion
 from controlplane.machines import MachineService
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
@@ -65,6 +66,17 @@ def _token(t: JoinToken, now: dt.datetime) -> admin_pb2.JoinToken:
     )
 
 
+def _deletion(d: Deletion) -> admin_pb2.Deletion:
+    return admin_pb2.Deletion(
+        account_id=d.account_id,
+        state=d.state,
+        started_at=_ts(d.started_at),
+        finished_at=_ts(d.finished_at),
+        deleted_objects=d.deleted_objects,
+        deleted_by=d.deleted_by,
+    )
+
+
 def _machine(s: MachineStatus) -> admin_pb2.Machine:
     m: Machine = s.machine
     return admin_pb2.Machine(
@@ -95,6 +107,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         tokens: TokenService,
         machines: MachineService,
         presence: PresenceRegistry,
+        deletion: AccountDeletion,
         ca_hash: str,
         join_address: str,
     ) -> None:
@@ -103,6 +116,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._tokens = tokens
         self._machines = machines
         self._presence = presence
+        self._deletion = deletion
         self._ca_hash = ca_hash
         self._join_address = join_address
 
@@ -244,13 +258,20 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         await self._auth(context)
         raise Unimplemented(method, _LATER)
 
-    async def DeleteAccount(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "DeleteAccount")
+    async def DeleteAccount(
+        self, request: admin_pb2.DeleteAccountRequest, context: Context
+    ) -> admin_pb2.DeleteAccountResponse:
+        """See admin.proto."""
+        p = await self._auth(context)
+        deletion = await self._deletion.delete(p, request.account_id)
+        return admin_pb2.DeleteAccountResponse(deletion=_deletion(deletion))
 
-    async def GetDeletion(self, request: Any, context: Context) -> Any:
-        """Later issue."""
-        return await self._later(context, "GetDeletion")
+    async def GetDeletion(
+        self, request: admin_pb2.GetDeletionRequest, context: Context
+    ) -> admin_pb2.Deletion:
+        """See admin.proto."""
+        p = await self._auth(context)
+        return _deletion(await self._deletion.get(p, request.account_id))
 
     async def CreateRepairToken(self, request: Any, context: Context) -> Any:
         """Later issue."""

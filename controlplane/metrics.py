@@ -49,3 +49,14 @@ class ControlMetrics:
             ["method", "code"],
             registry=registry,
         )
+        self.account_deletions = Counter(
+            "agents_cp_account_deletions",
+            "Account deletion runs, by result (ok; failed: interrupted, resumed later).",
+            ["result"],
+            registry=registry,
+        )
+        self.account_deletion_objects = Counter(
+            "agents_cp_account_deletion_objects",
+            "Objects deleted from the store by account deletions.",
+            registry=registry,
+        )
