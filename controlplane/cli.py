@@ -301,6 +301,9 @@ async def _fsck(ctx: _Ctx) -> int:
                 for f in report.findings
             )
         )
+        ctx.out.lines(
+            *(f"deleting {acct}: account deletion in progress" for acct in report.deleting)
+        )
         state = "clean" if report.clean else f"{len(report.findings)} finding(s)"
         ctx.out.lines(f"checked {report.objects} objects: {state}")
     return ExitCode.OK if report.clean else ExitCode.FAILED
