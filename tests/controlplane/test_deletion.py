@@ -18,7 +18,7 @@ from controlplane.pairing import Pairing
 from controlplane.records import deleting_key
 from controlplane.tokens import TokenService
 from shared import tls
-from shared.errors import InvalidState, NotFound, PermissionDenied, Unauthenticated
+from shared.errors import InvalidState, NotFound, PermissionDenied, StoreError, Unauthenticated
 from shared.store import MemoryStore, ObjectStore
 from shared.store.base import delete_keys
 from shared.store.wrappers import StoreWrapper
@@ -69,6 +69,40 @@ class CrashingStore(StoreWrapper):
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         self._tick()
+        await delete_keys(self.inner, keys)
+
+    def list_pages(self, prefix="", *, start_after=None, page_size=1000):  # type: ignore[no-untyped-def]
+        return self.inner.list_pages(prefix, start_after=start_after, page_size=page_size)
+
+
+class FailingBatch(StoreWrapper):
+    """A permanent fault on the ``nth`` batch delete, once."""
+
+    def __init__(self, inner: ObjectStore, nth: int) -> None:
+        super().__init__(inner)
+        self.left = nth
+
+    async def get(self, key: str) -> bytes:
+        return await self.inner.get(key)
+
+    def get_stream(self, key, chunk_size=1024):  # type: ignore[no-untyped-def]
+        return self.inner.get_stream(key, chunk_size)
+
+    async def head(self, key: str):  # type: ignore[no-untyped-def]
+        return await self.inner.head(key)
+
+    async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
+        return await self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        self.left -= 1
+        if self.left == 0:
+            raise StoreError("delete: server answered AccessDenied")
+        # The others are slower: the failed one ends while they are in flight.
+        await asyncio.sleep(0.01)
         await delete_keys(self.inner, keys)
 
     def list_pages(self, prefix="", *, start_after=None, page_size=1000):  # type: ignore[no-untyped-def]
@@ -279,3 +313,24 @@ async def test_a_crash_at_any_step_is_finished_by_the_next_process(
         # Nobody heard of it: rolled back, the account is whole and active.
         assert (await after.accounts.get(acct)).state == "active"
         assert len(await _leftovers(store, acct)) > 30
+
+
+async def test_a_failed_batch_stops_the_run_and_the_next_one_finishes(clock: Clock) -> None:
+    store = MemoryStore()
+    setup = Process(store, clock)
+    acct = await _populate(setup, 1, 1, 40)
+    clock.now += dt.timedelta(minutes=1)
+    # Batch 1 is the index entries; batch 2 the first of the prefix.
+    p = Process(FailingBatch(store, 2), clock)
+    results: list[str] = []
+    p.deletion.run_in_background(DeletionHooks(finished=results.append))
+    await p.deletion.delete(OP, acct)
+    await p.deletion.wait()
+    assert results == ["failed"]
+    assert (await p.deletion.get(OP, acct)).state == "deleting"
+    assert f"accounts/{acct}/account.json" in await _keys(store)
+    await p.intents.recover()  # the next self-check tick resumes it
+    await p.deletion.wait()
+    assert results == ["failed", "ok"]
+    assert await _leftovers(store, acct) == []
+    assert (await p.deletion.get(OP, acct)).state == "deleted"
