@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -214,6 +215,14 @@ async def test_account_deletion_survives_a_crash_and_keeps_the_other_account(
 
         assert _keys(s3, s3_bucket, f"{PREFIX}accounts/{gone}/") == []
         assert _pointing_to(s3, s3_bucket, gone) == []
+        # The restarted daemon counted the run it finished and what it deleted.
+        url = f"http://{cp.serve_info['metrics']}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            metrics = r.read().decode()
+        assert 'agents_cp_account_deletions_total{result="ok"} 1.0' in metrics
+        found = re.search(r"^agents_cp_account_deletion_objects_total (\S+)$", metrics, re.M)
+        # (A batch the proxy relayed before the kill may land after the midway count.)
+        assert found and 0 < float(found.group(1)) <= len(midway) - 2, metrics
         assert _keys(s3, s3_bucket, f"{PREFIX}accounts/{kept}/") == kept_before
         assert _pointing_to(s3, s3_bucket, kept) == kept_index
         assert _keys(s3, s3_bucket, f"{PREFIX}deleted/") == [f"{PREFIX}deleted/{gone}.json"]
