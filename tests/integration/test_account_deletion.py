@@ -202,7 +202,7 @@ async def test_account_deletion_survives_a_crash_and_keeps_the_other_account(
         async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=10) as client:
 
             async def deleted() -> bool:
-                return (await client.get_deletion(gone))["state"] == "deleted"
+                return bool((await client.get_deletion(gone))["state"] == "deleted")
 
             await _until(deleted, "deletion finished after the restart")
             done = await client.get_deletion(gone)
