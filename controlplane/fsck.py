@@ -42,6 +42,7 @@ from controlplane.keys import load_home_keys
 from controlplane.records import (
     account_index_key,
     account_key,
+    deleting_key,
     encode,
     github_index_key,
     machine_index_key,
@@ -51,6 +52,7 @@ from controlplane.records import (
 )
 from controlplane.server import Services
 from shared.errors import IntegrityError, NotFound, StoreUntrusted
+from shared.ids import is_valid_id
 from shared.store.base import ObjectStore
 
 __all__ = ["Finding", "FsckReport", "fsck_deployment", "run_fsck", "serving_pid"]
@@ -173,9 +175,9 @@ async def run_fsck(trusted: TrustedStore, intents: Intents, *, repair: bool) -> 
     c = _Checker(store, intents, repair)
     # Unfinished changes first: rolling them back removes most other findings.
     for intent in await intents.pending():
-        if intent.kind == _DELETE_KIND:
+        if intent.kind == _DELETE_KIND and await _tombstoned(c, intent.fields):
             if repair:
-                await intents.resolve(intent)  # finishes the deletion (or drops the intent)
+                await intents.resolve(intent)  # finishes the deletion
             continue  # a deletion in progress: reported through its tombstone below
         key = intent_key(intent.intent_id)
         detail = f"{intent.kind} started {intent.started_at} did not commit"
@@ -199,6 +201,13 @@ async def run_fsck(trusted: TrustedStore, intents: Intents, *, repair: bool) -> 
         if key != DEPLOYMENT_KEY and not key.startswith("_probe/"):
             await _check_key(c, key)
     return FsckReport(len(keys), tuple(c.findings), tuple(sorted(c.deleting)))
+
+
+async def _tombstoned(c: _Checker, fields: dict[str, str]) -> bool:
+    """Whether the account an ``account.delete`` intent names carries its tombstone
+    (without one the intent is an ordinary unfinished change: repair drops it)."""
+    acct = fields.get("account_id", "")
+    return is_valid_id("account", acct) and await c.read(deleting_key(acct)) is not None
 
 
 async def _check_key(c: _Checker, key: str) -> None:

@@ -140,3 +140,31 @@ async def test_fsck_reports_a_deletion_in_progress_and_repair_finishes_it(
     assert [i.key async for i in store.list(f"accounts/{kept}/")]
     code, report = await _fsck(cfg, capsys)
     assert (code, report["findings"], report["deleting"]) == (0, [], [])
+
+
+async def test_fsck_an_account_delete_intent_without_tombstone_is_unfinished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _cfg(tmp_path)
+    await init_control_plane(cfg)
+    keys = load_home_keys(cfg.home)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        services = Services(cfg, trusted.store, keys)
+        acct = (await services.accounts.create(9, "n", None, "test")).account.account_id
+        # Died between the intent and the tombstone: nobody was told anything.
+        intent = await services.intents.begin("account.delete", account_id=acct)
+        services.intents.release(intent)
+    finally:
+        await trusted.close()
+    code, report = await _fsck(cfg, capsys)
+    assert code == 1 and [f["kind"] for f in report["findings"]] == ["unfinished"]
+    assert report["deleting"] == []
+    code, report = await _fsck(cfg, capsys, "--repair")
+    assert code == 0 and report["findings"][0]["repaired"]
+    code, report = await _fsck(cfg, capsys)
+    assert (code, report["findings"]) == (0, [])
+    store = FolderStore(tmp_path / "store")
+    assert [i.key async for i in store.list(f"accounts/{acct}/")] == [
+        f"accounts/{acct}/account.json"
+    ]
