@@ -22,6 +22,9 @@ a crash never leaves an entry nobody can find. A restarted control plane
 resumes every unfinished deletion by itself (the intent's resolver starts it
 in the background), as does ``fsck --repair`` (in the foreground).
 
+:class:`AccountDeletion` starts, resumes and reports deletions;
+:class:`AccountSweep` does steps 4 and 5 against the store and counts objects.
+
 While the tombstone exists the account's RPCs, joins and links are refused
 (:meth:`AccountService.require_active`, :meth:`MachineService.authorize_peer`);
 afterwards its ids are simply unknown, and ``deleted/<a>.json`` tells "deleted
@@ -63,6 +66,7 @@ from shared.store.base import DELETE_BATCH, ObjectStore, delete_keys
 __all__ = [
     "DELETED_PREFIX",
     "AccountDeletion",
+    "AccountSweep",
     "Deletion",
     "DeletionHooks",
     "deleted_key",
@@ -156,7 +160,8 @@ class AccountDeletion:
         self.hooks = DeletionHooks()
         self._background = False
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._progress: dict[str, int] = {}
+        self._sweeps: dict[str, AccountSweep] = {}
+        """Deletions in progress here (their live object counts)."""
         intents.register(_KIND, self._resolve)
 
     def run_in_background(self, hooks: DeletionHooks) -> None:
@@ -228,7 +233,8 @@ class AccountDeletion:
             pass
         else:
             d = Deletion.from_dict(data, "deleting")
-            done = self._progress.get(account_id)
+            sweep = self._sweeps.get(account_id)
+            done = sweep.deleted if sweep is not None else None
             if done is not None and done > d.deleted_objects:
                 d = Deletion(d.account_id, d.state, d.started_at, d.deleted_by, None, done)
             return d
@@ -292,14 +298,23 @@ class AccountDeletion:
             closed = close(account_id)
             if closed:
                 logger.info("account %s: closed %d live link(s)", account_id, closed)
-        self._progress.setdefault(account_id, started.deleted_objects)
-        await self._delete_index_entries(account_id, int(tomb.get("github_user_id", 0) or 0))
-        await self._delete_prefix(account_id)
-        if await self._left_over(account_id):
+        sweep = self._sweeps.get(account_id)
+        if sweep is None:
+            sweep = AccountSweep(
+                self._store,
+                account_id,
+                deleted=started.deleted_objects,
+                page_size=self._page_size,
+                on_objects=self.hooks.objects,
+            )
+            self._sweeps[account_id] = sweep
+        await sweep.index_entries(int(tomb.get("github_user_id", 0) or 0))
+        await sweep.prefix()
+        if await sweep.left_over():
             # Written behind the sweep (a last presence write of a closing link):
             # sweep again; a run that still finds some fails and is resumed later.
-            await self._delete_prefix(account_id)
-            if await self._left_over(account_id):
+            await sweep.prefix()
+            if await sweep.left_over():
                 raise InvalidState(f"delete account {account_id}", "objects keep appearing")
         done = Deletion(
             account_id,
@@ -307,22 +322,57 @@ class AccountDeletion:
             started.started_at,
             started.deleted_by,
             self._clock(),
-            self._progress.get(account_id, 0),
+            sweep.deleted,
         )
         await jsonstore.create(self._store, deleted_key(account_id), done.to_dict())
         await self._audit.record(started.deleted_by, "account.delete", account_id)
-        await self._with_retry("delete", delete_keys, [account_key(account_id)])
-        await self._with_retry("delete", delete_keys, [deleting_key(account_id)])
+        await sweep.delete([account_key(account_id)])
+        await sweep.delete([deleting_key(account_id)])
         intent_id = str(tomb.get("intent_id", ""))
         if is_valid_id("intent", intent_id):
             await self._intents.commit_id(intent_id)
-        self._progress.pop(account_id, None)
+        self._sweeps.pop(account_id, None)
         logger.info("account %s: deleted (%d objects)", account_id, done.deleted_objects)
 
-    async def _with_retry(self, op: str, call: Any, *args: Any) -> Any:
+    async def wait(self) -> None:
+        """Wait for every running deletion task (tests, and a draining daemon)."""
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Cancel running deletions (they resume at the next start)."""
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+
+class AccountSweep:
+    """The store side of one account's deletion (steps 4 and 5), and its object count."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        account_id: str,
+        *,
+        deleted: int = 0,
+        page_size: int = DELETE_BATCH,
+        on_objects: Callable[[int], None] | None = None,
+    ) -> None:
+        self._store = store
+        self._account_id = validate_id("account", account_id, "account_id")
+        self._page_size = page_size
+        self._on_objects = on_objects
+        self.deleted = deleted
+        """Objects deleted under the prefix so far (this run and the saved count)."""
+
+    async def delete(self, keys: list[str], op: str = "delete") -> None:
+        """Delete ``keys``, retried with the shared policy on top of the store's own."""
         async for attempt in retrying(f"account.delete.{op}"):
             with attempt:
-                return await call(self._store, *args)
+                await delete_keys(self._store, keys)
 
     async def _keys(self, prefix: str) -> list[str]:
         keys: list[str] = []
@@ -331,8 +381,9 @@ class AccountDeletion:
                 keys = [info.key async for info in self._store.list(prefix)]
         return keys
 
-    async def _delete_index_entries(self, account_id: str, github_user_id: int) -> None:
+    async def index_entries(self, github_user_id: int) -> None:
         """Step 4: every entry pointing to the account, found from its own records."""
+        account_id = self._account_id
         keys: list[str] = []
         for key in await self._keys(machines_prefix(account_id)):
             name = key.rsplit("/", 1)[-1].removesuffix(".json")
@@ -342,14 +393,14 @@ class AccountDeletion:
             name = key.rsplit("/", 1)[-1].removesuffix(".json")
             if is_valid_id("token", name):
                 keys.append(token_index_key(name))
-        keys.extend(await self._credentials_of(account_id))
+        keys.extend(await self._credentials_of())
         if github_user_id > 0 and await self._points_to(
             github_index_key(github_user_id), account_id
         ):
             keys.append(github_index_key(github_user_id))
         keys.append(account_index_key(account_id))
         for start in range(0, len(keys), self._page_size):
-            await self._with_retry("index", delete_keys, keys[start : start + self._page_size])
+            await self.delete(keys[start : start + self._page_size], "index")
 
     async def _points_to(self, key: str, account_id: str) -> bool:
         try:
@@ -357,16 +408,18 @@ class AccountDeletion:
         except (NotFound, IntegrityError):
             return False
 
-    async def _credentials_of(self, account_id: str) -> list[str]:
+    async def _credentials_of(self) -> list[str]:
         """Admin credentials scoped to the account (they live outside its prefix)."""
+        account_id = self._account_id
         out: list[str] = []
         for key in await self._keys(CREDENTIALS_PREFIX):
             if await self._points_to(key, account_id):
                 out.append(key)
         return out
 
-    async def _delete_prefix(self, account_id: str) -> None:
+    async def prefix(self) -> None:
         """Step 5: every object under the account's prefix but the tombstone and record."""
+        account_id = self._account_id
         prefix = f"accounts/{account_id}/"
         keep = {deleting_key(account_id), account_key(account_id)}
         limit = asyncio.Semaphore(CONCURRENT_BATCHES)
@@ -375,14 +428,14 @@ class AccountDeletion:
 
         async def batch(keys: list[str]) -> None:
             try:
-                await self._with_retry("objects", delete_keys, keys)
+                await self.delete(keys, "objects")
             finally:
                 limit.release()
-            self._progress[account_id] = self._progress.get(account_id, 0) + len(keys)
-            if self.hooks.objects is not None:
-                self.hooks.objects(len(keys))
+            self.deleted += len(keys)
+            if self._on_objects is not None:
+                self._on_objects(len(keys))
             # Progress survives a restart (give or take the batches in flight).
-            await self._save_progress(account_id)
+            await self._save_progress()
 
         try:
             # The store resumes a failed page after its last key (RetryingStore);
@@ -404,16 +457,17 @@ class AccountDeletion:
             await asyncio.gather(*started, return_exceptions=True)
             raise
 
-    async def _left_over(self, account_id: str) -> bool:
+    async def left_over(self) -> bool:
         """Whether anything but the tombstone and the record is still under the prefix."""
+        account_id = self._account_id
         keep = {deleting_key(account_id), account_key(account_id)}
         async for page in self._store.list_pages(f"accounts/{account_id}/", page_size=3):
             if any(i.key not in keep for i in page):
                 return True
         return False
 
-    async def _save_progress(self, account_id: str) -> None:
-        count = self._progress.get(account_id, 0)
+    async def _save_progress(self) -> None:
+        account_id, count = self._account_id, self.deleted
 
         def change(d: dict[str, Any]) -> dict[str, Any] | None:
             if int(d.get("deleted_objects", 0) or 0) >= count:
@@ -424,17 +478,3 @@ class AccountDeletion:
             await jsonstore.update(self._store, deleting_key(account_id), change)
         except AgentsError as e:
             logger.debug("account %s: progress not saved: %s", account_id, e)
-
-    async def wait(self) -> None:
-        """Wait for every running deletion task (tests, and a draining daemon)."""
-        tasks = [t for t in self._tasks.values() if not t.done()]
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def close(self) -> None:
-        """Cancel running deletions (they resume at the next start)."""
-        tasks = list(self._tasks.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks.clear()

@@ -14,6 +14,7 @@ from controlplane.authz import Principal
 from controlplane.bootstrap import init_control_plane
 from controlplane.cli import main
 from controlplane.config import ControlConfig
+from controlplane.deletion import AccountSweep
 from controlplane.integrity import open_trusted_store
 from controlplane.keys import load_home_keys
 from controlplane.records import encode
@@ -125,7 +126,7 @@ async def test_fsck_reports_a_deletion_in_progress_and_repair_finishes_it(
         with pytest.raises(RuntimeError):
             await services.deletion.delete(op, acct)
         services.deletion.finish = finish  # type: ignore[method-assign]
-        await services.deletion._delete_index_entries(acct, 9)
+        await AccountSweep(trusted.store, acct).index_entries(9)
     finally:
         await trusted.close()
 
