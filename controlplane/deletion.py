@@ -49,6 +49,7 @@ from controlplane.intents import Intent, Intents
 from controlplane.records import (
     account_index_key,
     account_key,
+    deleted_key,
     deleting_key,
     github_index_key,
     machine_index_key,
@@ -79,11 +80,6 @@ DELETED_PREFIX: Final = "deleted/"
 CREDENTIALS_PREFIX: Final = "credentials/"
 #: Delete batches (each up to DELETE_BATCH keys, one S3 request) in flight at once.
 CONCURRENT_BATCHES: Final = 4
-
-
-def deleted_key(account_id: str) -> str:
-    """Key of the record a finished deletion leaves behind."""
-    return DELETED_PREFIX + validate_id("account", account_id, "account_id") + ".json"
 
 
 @dataclass(frozen=True)

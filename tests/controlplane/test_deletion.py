@@ -11,11 +11,11 @@ import pytest
 from controlplane.accounts import AccountService
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService, Principal
-from controlplane.deletion import AccountDeletion, DeletionHooks, deleted_key
+from controlplane.deletion import AccountDeletion, DeletionHooks
 from controlplane.intents import INTENTS_PREFIX, Intents
 from controlplane.machines import MachineInfo, MachineService
 from controlplane.pairing import Pairing
-from controlplane.records import deleting_key
+from controlplane.records import deleted_key, deleting_key
 from controlplane.tokens import TokenService
 from shared import tls
 from shared.errors import InvalidState, NotFound, PermissionDenied, StoreError, Unauthenticated
@@ -334,3 +334,32 @@ async def test_a_failed_batch_stops_the_run_and_the_next_one_finishes(clock: Clo
     assert results == ["failed", "ok"]
     assert await _leftovers(store, acct) == []
     assert (await p.deletion.get(OP, acct)).state == "deleted"
+
+
+async def test_a_machine_offline_during_the_deletion_hears_it_when_it_connects(
+    clock: Clock,
+) -> None:
+    p = Process(MemoryStore(), clock)
+    acct = await _populate(p, 1, 0, 0)
+    made = await p.tokens.create(OP, acct)
+    res = await p.pairing.join(
+        made.value, tls.build_csr(tls.new_tls_key()).decode(), MachineInfo("m", "0.1", "h")
+    )
+    peer = tls.identity_from_cert(res.cert.cert_pem)
+    await p.machines.authorize_peer(peer)  # connects once (confirms the join)
+    await p.deletion.delete(OP, acct)
+    # The machine's own answer for a deleted account (machine/link.py stops on it),
+    # not "unknown machine", which it would keep retrying.
+    with pytest.raises(PermissionDenied, match="account deleted"):
+        await p.machines.authorize_peer(peer)
+    stranger = tls.identity_from_cert(
+        tls.sign_client_csr(
+            CA,
+            tls.build_csr(tls.new_tls_key()).decode(),
+            account_id="acct_" + "1" * 26,
+            machine_id="mc_" + "1" * 26,
+            lifetime=dt.timedelta(days=1),
+        ).cert_pem
+    )
+    with pytest.raises(Unauthenticated, match="unknown machine"):
+        await p.machines.authorize_peer(stranger)
