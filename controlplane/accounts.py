@@ -17,6 +17,7 @@ from controlplane.records import (
     account_index_key,
     account_key,
     account_to_dict,
+    deleted_key,
     deleting_key,
     github_index_key,
 )
@@ -157,6 +158,14 @@ class AccountService:
             await self._store.get(deleting_key(account_id))
         except (NotFound, IntegrityError):
             return False  # a forged tombstone is ignored (and counted by the store)
+        return True
+
+    async def was_deleted(self, account_id: str) -> bool:
+        """Whether the account existed and its deletion has finished."""
+        try:
+            await self._store.get(deleted_key(account_id))
+        except (NotFound, IntegrityError):
+            return False
         return True
 
     async def require_active(self, account_id: str, what: str) -> Account:

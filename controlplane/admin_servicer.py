@@ -12,6 +12,7 @@ import grpc.aio
 
 from controlplane.accounts import AccountService
 from controlplane.authz import CredentialService, Principal
+from controlplane.deletion import AccountDeletion, Deletion
 from controlplane.machines import MachineRegistry
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
@@ -57,6 +58,17 @@ def _token(t: JoinToken, now: dt.datetime) -> admin_pb2.JoinToken:
     )
 
 
+def _deletion(d: Deletion) -> admin_pb2.Deletion:
+    return admin_pb2.Deletion(
+        account_id=d.account_id,
+        state=d.state,
+        started_at=from_datetime(d.started_at),
+        finished_at=from_datetime(d.finished_at),
+        deleted_objects=d.deleted_objects,
+        deleted_by=d.deleted_by,
+    )
+
+
 def _machine(s: MachineStatus) -> admin_pb2.Machine:
     m: Machine = s.machine
     return admin_pb2.Machine(
@@ -87,6 +99,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         tokens: TokenService,
         machines: MachineRegistry,
         presence: PresenceRegistry,
+        deletion: AccountDeletion,
         ca_hash: str,
         join_address: str,
     ) -> None:
@@ -95,6 +108,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._tokens = tokens
         self._machines = machines
         self._presence = presence
+        self._deletion = deletion
         self._ca_hash = ca_hash
         self._join_address = join_address
 
@@ -232,9 +246,22 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             account_id=made.credential.account_id,
         )
 
+    async def DeleteAccount(
+        self, request: admin_pb2.DeleteAccountRequest, context: Context
+    ) -> admin_pb2.DeleteAccountResponse:
+        """See admin.proto."""
+        p = await self._auth(context)
+        deletion = await self._deletion.delete(p, request.account_id)
+        return admin_pb2.DeleteAccountResponse(deletion=_deletion(deletion))
+
+    async def GetDeletion(
+        self, request: admin_pb2.GetDeletionRequest, context: Context
+    ) -> admin_pb2.Deletion:
+        """See admin.proto."""
+        p = await self._auth(context)
+        return _deletion(await self._deletion.get(p, request.account_id))
+
     # RPCs that arrive with later issues.
-    DeleteAccount = unimplemented("DeleteAccount", _LATER, check="_auth")
-    GetDeletion = unimplemented("GetDeletion", _LATER, check="_auth")
     CreateRepairToken = unimplemented("CreateRepairToken", _LATER, check="_auth")
     SetProvider = unimplemented("SetProvider", _LATER, check="_auth")
     SendPrompt = unimplemented("SendPrompt", _LATER, check="_auth")

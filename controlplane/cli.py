@@ -8,6 +8,7 @@ hint). The environment is read only through :func:`controlplane.config.load_conf
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import logging
@@ -128,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("account_id", help="the account's id (acct_…)")
     p = acc.add_parser("list", help="list accounts")
     _common(p)
+    p = acc.add_parser("delete", help="delete an account and everything it stored")
+    _common(p)
+    p.add_argument("account_id", help="the account's id (acct_…)")
+    p.add_argument("--wait", action="store_true", help="wait until the deletion has finished")
+    p = acc.add_parser("deletion", help="show an account deletion's progress or result")
+    _common(p)
+    p.add_argument("account_id", help="the account's id (acct_…)")
 
     tok = sub.add_parser("token", help="join tokens").add_subparsers(
         dest="verb", parser_class=CliParser
@@ -296,6 +304,9 @@ async def _fsck(ctx: _Ctx) -> int:
                 for f in report.findings
             )
         )
+        ctx.out.lines(
+            *(f"deleting {acct}: account deletion in progress" for acct in report.deleting)
+        )
         state = "clean" if report.clean else f"{len(report.findings)} finding(s)"
         ctx.out.lines(f"checked {report.objects} objects: {state}")
     return ExitCode.OK if report.clean else ExitCode.FAILED
@@ -440,6 +451,24 @@ async def _credential_create(ctx: _Ctx) -> int:
     return ExitCode.OK
 
 
+#: Seconds between two progress reads of ``account delete --wait``.
+_DELETION_POLL = 0.5
+
+
+async def _account_delete(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        deletion = await c.delete_account(ctx.args.account_id)
+        while ctx.args.wait and deletion.get("state") != "deleted":
+            await asyncio.sleep(_DELETION_POLL)  # the daemon does the work; we only watch
+            deletion = await c.get_deletion(ctx.args.account_id)
+    return _record(ctx, deletion)
+
+
+async def _account_deletion(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        return _record(ctx, await c.get_deletion(ctx.args.account_id))
+
+
 #: (command, verb) -> handler; a command without verbs has verb None.
 COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("init", None): _init,
@@ -448,6 +477,8 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("account", "create"): _account_create,
     ("account", "show"): _account_show,
     ("account", "list"): _account_list,
+    ("account", "delete"): _account_delete,
+    ("account", "deletion"): _account_deletion,
     ("token", "create"): _token_create,
     ("token", "list"): _token_list,
     ("token", "revoke"): _token_revoke,

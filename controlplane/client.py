@@ -116,6 +116,19 @@ class AdminClient:
         reply = await self._call(self.stub.ListAccounts, admin_pb2.ListAccountsRequest())
         return list(reply.get("accounts", []))
 
+    async def delete_account(self, account_id: str) -> dict[str, Any]:
+        """DeleteAccount: the deletion's state after the call."""
+        reply = await self._call(
+            self.stub.DeleteAccount, admin_pb2.DeleteAccountRequest(account_id=account_id)
+        )
+        return dict(reply["deletion"])
+
+    async def get_deletion(self, account_id: str) -> dict[str, Any]:
+        """GetDeletion."""
+        return await self._call(
+            self.stub.GetDeletion, admin_pb2.GetDeletionRequest(account_id=account_id)
+        )
+
     async def create_token(
         self, account_id: str, ttl_seconds: int = 0, max_uses: int = 0
     ) -> dict[str, Any]:

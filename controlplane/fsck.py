@@ -14,6 +14,12 @@ Read-only by default. What it looks for (the finding's kind), and what
   elsewhere. Repair writes it.
 - ``mismatch``: a record whose content names other ids than its key. No repair.
 
+An account with a deletion tombstone (``accounts/<a>/deleting.json``) is a
+deletion in progress, not an inconsistency: its objects and the index entries
+naming it are not checked (the deletion removes entries before the records
+they point to), and the report lists it under ``deleting``. Repair finishes
+the deletion, as a restarted ``serve`` would (:mod:`controlplane.deletion`).
+
 Repair runs the same roll-back code as ``serve`` does at start, so run it with
 the daemon stopped (the CLI refuses ``--repair`` while ``serve`` runs): a live
 daemon's in-flight change would look unfinished.
@@ -36,6 +42,7 @@ from controlplane.keys import load_home_keys
 from controlplane.records import (
     account_index_key,
     account_key,
+    deleting_key,
     encode,
     github_index_key,
     machine_index_key,
@@ -45,6 +52,7 @@ from controlplane.records import (
 )
 from controlplane.server import Services
 from shared.errors import IntegrityError, NotFound, StoreUntrusted
+from shared.ids import is_valid_id
 from shared.store.base import ObjectStore
 
 __all__ = ["Finding", "FsckReport", "fsck_deployment", "run_fsck", "serving_pid"]
@@ -59,6 +67,9 @@ _IDX_ACCOUNT: Final = re.compile(rf"\Aindex/accounts/(acct_{_ID})\.json\Z")
 _IDX_GITHUB: Final = re.compile(r"\Aindex/github/([0-9]{1,16})\.json\Z")
 _IDX_MACHINE: Final = re.compile(rf"\Aindex/machines/(mc_{_ID})\.json\Z")
 _IDX_TOKEN: Final = re.compile(rf"\Aindex/tokens/(tok_{_ID})\.json\Z")
+_TOMBSTONE: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/deleting\.json\Z")
+_IN_ACCOUNT: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/")
+_DELETE_KIND: Final = "account.delete"
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,8 @@ class FsckReport:
 
     objects: int
     findings: tuple[Finding, ...]
+    deleting: tuple[str, ...] = ()
+    """Accounts whose deletion is in progress (tombstoned)."""
 
     @property
     def clean(self) -> bool:
@@ -91,6 +104,7 @@ class FsckReport:
             "objects": self.objects,
             "clean": self.clean,
             "findings": [asdict(f) for f in self.findings],
+            "deleting": list(self.deleting),
         }
 
 
@@ -101,6 +115,7 @@ class _Checker:
         self._repair = repair
         self.findings: list[Finding] = []
         self._records: dict[str, dict[str, Any] | None] = {}
+        self.deleting: frozenset[str] = frozenset()
 
     def add(self, kind: str, key: str, detail: str, repaired: bool = False) -> None:
         self.findings.append(Finding(kind, key, detail, repaired))
@@ -160,6 +175,10 @@ async def run_fsck(trusted: TrustedStore, intents: Intents, *, repair: bool) -> 
     c = _Checker(store, intents, repair)
     # Unfinished changes first: rolling them back removes most other findings.
     for intent in await intents.pending():
+        if intent.kind == _DELETE_KIND and await _tombstoned(c, intent.fields):
+            if repair:
+                await intents.resolve(intent)  # finishes the deletion
+            continue  # a deletion in progress: reported through its tombstone below
         key = intent_key(intent.intent_id)
         detail = f"{intent.kind} started {intent.started_at} did not commit"
         done = repair and await intents.resolve(intent)
@@ -167,14 +186,28 @@ async def run_fsck(trusted: TrustedStore, intents: Intents, *, repair: bool) -> 
             detail += " (waiting: the machine may still connect)"
         c.add("unfinished", key, detail, done)
     keys = [info.key async for info in store.list("")]
+    # Only an authentic tombstone counts (a forged one is reported as refused).
+    tombstoned = [m.group(1) for key in keys if (m := _TOMBSTONE.match(key))]
+    c.deleting = frozenset(
+        [a for a in tombstoned if await c.read(f"accounts/{a}/deleting.json") is not None]
+    )
     for key in keys:
+        if (m := _IN_ACCOUNT.match(key)) and m.group(1) in c.deleting:
+            continue
         if key.startswith(INTENTS_PREFIX):
             if not repair:
                 await c.read(key)  # a forged intent is reported, never resolved
             continue
         if key != DEPLOYMENT_KEY and not key.startswith("_probe/"):
             await _check_key(c, key)
-    return FsckReport(len(keys), tuple(c.findings))
+    return FsckReport(len(keys), tuple(c.findings), tuple(sorted(c.deleting)))
+
+
+async def _tombstoned(c: _Checker, fields: dict[str, str]) -> bool:
+    """Whether the account an ``account.delete`` intent names carries its tombstone
+    (without one the intent is an ordinary unfinished change: repair drops it)."""
+    acct = fields.get("account_id", "")
+    return is_valid_id("account", acct) and await c.read(deleting_key(acct)) is not None
 
 
 async def _check_key(c: _Checker, key: str) -> None:
@@ -199,12 +232,14 @@ async def _check_key(c: _Checker, key: str) -> None:
                     f"GitHub user {gid} -> {acct} missing",
                 )
     elif m := _IDX_ACCOUNT.match(key):
+        if m.group(1) in c.deleting:
+            return
         if await c.read(key) is not None and await c.read(account_key(m.group(1))) is None:
             await c.fix_delete("orphan_index", key, f"account {m.group(1)} does not exist")
     elif m := _IDX_GITHUB.match(key):
         entry = await c.read(key)
         acct = str((entry or {}).get("account_id", ""))
-        if entry is None:
+        if entry is None or acct in c.deleting:
             return
         account = await c.read(account_key(acct)) if acct.startswith("acct_") else None
         if account is None:
@@ -249,5 +284,7 @@ async def _check_index(c: _Checker, key: str, kind: str, ident: str) -> None:
     if entry is None:
         return
     acct = str(entry.get("account_id", ""))
+    if acct in c.deleting:
+        return
     if not acct.startswith("acct_") or await c.read(_OWNED[kind][0](acct, ident)) is None:
         await c.fix_delete("orphan_index", key, f"{kind} {ident} has no record")

@@ -31,7 +31,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter
@@ -55,6 +55,7 @@ from shared.store.base import (
     ObjectInfo,
     ObjectStore,
     PutData,
+    delete_keys,
 )
 from shared.store.wrappers import StoreWrapper
 
@@ -229,6 +230,11 @@ class GuardedStore(StoreWrapper):
         """See :meth:`ObjectStore.delete`."""
         self.guard.check()
         await self.inner.delete(key)
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """See :meth:`StoreBase.delete_many`."""
+        self.guard.check()
+        await delete_keys(self.inner, keys)
 
     async def list_pages(
         self,

@@ -271,13 +271,17 @@ class MachineRegistry:
 
         Unauthenticated when the machine is unknown, revoked, or the certificate
         is not its current (or previous) one; PermissionDenied when the account
-        is being deleted.
+        is being deleted or was deleted.
         """
         if peer.machine_id in self._revoked:
             raise MachineRevoked("link: machine revoked")
         try:
             machine = await self._load(peer.account_id, peer.machine_id)
         except NotFound:
+            if await self._accounts.was_deleted(peer.account_id):
+                # A machine offline during the deletion hears it now, the way a
+                # connected one did (it stops reconnecting and keeps its data).
+                raise PermissionDenied("link: account deleted") from None
             raise Unauthenticated("link: unknown machine") from None
         if machine.revoked:
             self._revoked.add(machine.machine_id)

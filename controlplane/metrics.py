@@ -52,6 +52,17 @@ class ControlMetrics:
             ["method", "code"],
             registry=registry,
         )
+        self.account_deletions = Counter(
+            "agents_cp_account_deletions",
+            "Account deletion runs, by result (ok; failed: interrupted, resumed later).",
+            ["result"],
+            registry=registry,
+        )
+        self.account_deletion_objects = Counter(
+            "agents_cp_account_deletion_objects",
+            "Objects deleted from the store by account deletions.",
+            registry=registry,
+        )
 
     def call_counters(self, admin_service: str, link_service: str) -> dict[str, CallCounter]:
         """What :class:`~shared.call_metrics.CallsInterceptor` counts: every Admin call

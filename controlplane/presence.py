@@ -205,6 +205,19 @@ class PresenceRegistry:
             if self._sessions.pop(machine_id, None) is not None:
                 self._changed()
 
+    def close_account(self, account_id: str) -> int:
+        """Tell every live link of ``account_id`` that the account is being deleted.
+
+        Each link sends ``account_deleted`` and ends; returns how many were told.
+        """
+        sessions = [s for s in self._sessions.values() if s.account_id == account_id]
+        for session in sessions:
+            session.outbox.put_nowait(AccountDeletedNotice(account_id))
+            self._sessions.pop(session.machine_id, None)
+        if sessions:
+            self._changed()
+        return len(sessions)
+
     async def _write(self, session: Session, *, force: bool) -> None:
         now = self._monotonic()
         if not force and now - session.last_write < self._write_interval:

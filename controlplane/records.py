@@ -13,6 +13,7 @@ Store layout (keys relative to the deployment prefix)::
     index/accounts/<acct>.json             {}  one per account, for listing
     credentials/<adm>.json                 Credential (hash of the secret only)
     audit/<yyyy>/<mm>/<dd>/<au>.json       AuditRecord
+    deleted/<acct>.json                    a finished account deletion (controlplane.deletion)
 
 Every id is validated (:func:`shared.ids.validate_id`) before it is put into a
 key. Timestamps are stored as ISO 8601 UTC strings.
@@ -44,6 +45,7 @@ __all__ = [
     "audit_key",
     "credential_key",
     "decode",
+    "deleted_key",
     "deleting_key",
     "encode",
     "github_index_key",
@@ -79,6 +81,11 @@ def account_key(account_id: str) -> str:
 def deleting_key(account_id: str) -> str:
     """Key of an account's deletion tombstone."""
     return f"accounts/{validate_id('account', account_id, 'account_id')}/deleting.json"
+
+
+def deleted_key(account_id: str) -> str:
+    """Key of the record a finished account deletion leaves behind."""
+    return f"deleted/{validate_id('account', account_id, 'account_id')}.json"
 
 
 def machines_prefix(account_id: str) -> str:

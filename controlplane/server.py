@@ -27,6 +27,7 @@ from controlplane.admin_servicer import AdminServicer
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService
 from controlplane.config import ControlConfig, parse_hostport
+from controlplane.deletion import AccountDeletion, DeletionHooks
 from controlplane.integrity import DeploymentGuard, TrustedStore, open_trusted_store
 from controlplane.intents import Intents
 from controlplane.keys import HomeKeys, load_home_keys
@@ -94,6 +95,7 @@ class Services:
             confirm_grace=cfg.join_confirm_grace,
             store=store,
         )
+        self.deletion = AccountDeletion(store, self.accounts, self.auditor, self.intents)
 
 
 class ControlPlane:
@@ -109,6 +111,7 @@ class ControlPlane:
         self._server: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
         self._presence: PresenceRegistry | None = None
+        self._deletion: AccountDeletion | None = None
         self.public_port = 0
         self.link_port = 0
         self._stopped = asyncio.Event()
@@ -138,14 +141,23 @@ class ControlPlane:
         await trusted.guard.verify()
         trusted.guard.check()
         services = Services(cfg, trusted.store, keys)
-        recovered = await services.intents.recover()
-        if recovered:
-            logger.warning("rolled back %d change(s) a previous run left unfinished", recovered)
         presence = PresenceRegistry(
             trusted.store,
             write_interval=cfg.presence_write_interval,
             on_change=self.metrics.machines_online.set,
         )
+        # Before recovery: it resumes tombstoned deletions, in the background.
+        self._deletion = services.deletion
+        services.deletion.run_in_background(
+            DeletionHooks(
+                close_links=presence.close_account,
+                finished=lambda result: self.metrics.account_deletions.labels(result).inc(),
+                objects=self.metrics.account_deletion_objects.inc,
+            )
+        )
+        recovered = await services.intents.recover()
+        if recovered:
+            logger.warning("rolled back %d change(s) a previous run left unfinished", recovered)
         services.machines.on_revoke(presence.kick)
         self._presence = presence
 
@@ -194,6 +206,7 @@ class ControlPlane:
             tokens=services.tokens,
             machines=services.machines,
             presence=presence,
+            deletion=services.deletion,
             ca_hash=keys.ca_hash,
             join_address=f"{_bracket(advertise)}:{self.public_port}",
         )
@@ -238,6 +251,9 @@ class ControlPlane:
             checker, self._checker = self._checker, None
             checker.cancel()
             await asyncio.gather(checker, return_exceptions=True)
+        if self._deletion is not None:
+            deletion, self._deletion = self._deletion, None
+            await deletion.close()  # resumed by the next start
         if self._health is not None:
             health, self._health = self._health, None
             # Load balancers and probes stop sending new work before the drain starts.

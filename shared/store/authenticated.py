@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Final
 
 from shared.errors import IntegrityError, InvalidArgument, TooLarge
@@ -36,6 +36,7 @@ from shared.store.base import (
     ObjectInfo,
     ObjectStore,
     PutData,
+    delete_keys,
     iter_chunks,
     validate_key,
 )
@@ -155,6 +156,10 @@ class AuthenticatedStore(StoreWrapper):
     async def delete(self, key: str) -> None:
         """See :meth:`ObjectStore.delete`."""
         await self.inner.delete(key)
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """See :meth:`StoreBase.delete_many` (deletes carry no MAC)."""
+        await delete_keys(self.inner, keys)
 
     def list_pages(
         self,

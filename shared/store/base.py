@@ -9,22 +9,25 @@ against them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Final, Protocol, Self, TypeAlias, runtime_checkable
+from typing import Final, Protocol, Self, TypeAlias, cast, runtime_checkable
 
 from shared.errors import InvalidArgument
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_PAGE_SIZE",
+    "DELETE_BATCH",
     "MAX_KEY_BYTES",
     "ObjectInfo",
     "ObjectStore",
     "PutData",
+    "delete_keys",
     "validate_key",
     "validate_prefix",
 ]
@@ -35,6 +38,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_SIZE: Final = 1024 * 1024
 #: Default number of keys fetched per listing page.
 DEFAULT_PAGE_SIZE: Final = 1000
+#: Most keys one batch delete request carries (S3's DeleteObjects limit).
+DELETE_BATCH: Final = 1000
+#: Single deletes in flight at once when a store has no batch delete.
+DELETE_CONCURRENCY: Final = 16
 #: The longest key accepted, in bytes (S3's own limit).
 MAX_KEY_BYTES: Final = 1024
 
@@ -248,6 +255,17 @@ class StoreBase:
         """Yield every object under ``prefix`` in lexical key order."""
         return flatten_pages(self.list_pages(prefix, start_after=start_after, page_size=page_size))
 
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete every key (each idempotent, as :meth:`ObjectStore.delete`).
+
+        Not part of the :class:`ObjectStore` contract: call :func:`delete_keys`.
+        This default deletes one key at a time, at most ``DELETE_CONCURRENCY``
+        at once, through the store's own ``delete`` (so a wrapper that does not
+        override this still applies its rules to every key); backends with a
+        batch call (S3's DeleteObjects) and the wrappers override it.
+        """
+        await _delete_each(cast(ObjectStore, self), keys)
+
     async def close(self) -> None:
         """Release resources; backends override when they hold any."""
 
@@ -261,6 +279,30 @@ class StoreBase:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+async def _delete_each(store: ObjectStore, keys: Sequence[str]) -> None:
+    limit = asyncio.Semaphore(DELETE_CONCURRENCY)
+
+    async def one(key: str) -> None:
+        async with limit:
+            await store.delete(key)
+
+    await asyncio.gather(*(one(k) for k in keys))
+
+
+async def delete_keys(store: ObjectStore, keys: Sequence[str]) -> None:
+    """Delete ``keys`` (idempotent), in batches where the store can.
+
+    A failure may leave any subset deleted; calling again with the same keys
+    finishes the job.
+    """
+    if not keys:
+        return
+    if isinstance(store, StoreBase):
+        await store.delete_many(keys)
+    else:
+        await _delete_each(store, keys)
 
 
 async def iter_chunks(data: PutData, max_chunk: int) -> AsyncIterator[bytes]:

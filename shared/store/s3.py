@@ -27,7 +27,7 @@ import enum
 import logging
 import secrets
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -61,6 +61,7 @@ from shared.errors import (
 from shared.store.base import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
+    DELETE_BATCH,
     ObjectInfo,
     PutData,
     StoreBase,
@@ -601,6 +602,23 @@ class S3Store(StoreBase):
                 await self._s3.delete_object(Bucket=self.config.bucket, Key=self._full(key))
         except NotFound:
             pass
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` with DeleteObjects, ``DELETE_BATCH`` keys a request."""
+        for key in keys:
+            validate_key(key)
+        for start in range(0, len(keys), DELETE_BATCH):
+            batch = keys[start : start + DELETE_BATCH]
+            request = {"Objects": [{"Key": self._full(k)} for k in batch], "Quiet": True}
+            with _mapped("delete", batch[0]):
+                response = await self._s3.delete_objects(Bucket=self.config.bucket, Delete=request)
+            errors = response.get("Errors") or []
+            if errors:
+                # A per-key failure is answered inside a 200: map the first one
+                # as if the single DeleteObject had answered it.
+                first = errors[0]
+                fake = ClientError({"Error": {"Code": str(first.get("Code", ""))}}, "DeleteObjects")
+                raise _translate(fake, "delete", str(first.get("Key", batch[0])))
 
     # -- listing ---------------------------------------------------------------------
 

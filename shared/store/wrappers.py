@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Self
 
@@ -36,6 +36,7 @@ from shared.store.base import (
     ObjectStore,
     PutData,
     StoreBase,
+    delete_keys,
 )
 
 __all__ = [
@@ -160,6 +161,14 @@ class RetryingStore(StoreWrapper):
         async for attempt in self._policy("delete"):
             with attempt:
                 await self.inner.delete(key)
+                return
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """See :meth:`StoreBase.delete_many`; the whole batch is retried (deletes are
+        idempotent)."""
+        async for attempt in self._policy("delete"):
+            with attempt:
+                await delete_keys(self.inner, keys)
                 return
 
     async def list_pages(
@@ -367,6 +376,16 @@ class MeteredStore(StoreWrapper):
             raise
         timer.done(None)
 
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """See :meth:`StoreBase.delete_many`; counted as one ``delete`` operation."""
+        timer = self._timer("delete")
+        try:
+            await delete_keys(self.inner, keys)
+        except BaseException as exc:
+            timer.done(exc)
+            raise
+        timer.done(None)
+
     async def list_pages(
         self,
         prefix: str = "",
@@ -465,6 +484,11 @@ class DeadlineStore(StoreWrapper):
     async def delete(self, key: str) -> None:
         """See :meth:`ObjectStore.delete`."""
         await self._bounded("delete", key, self.inner.delete(key))
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """See :meth:`StoreBase.delete_many`; the whole batch is bounded once."""
+        if keys:
+            await self._bounded("delete", keys[0], delete_keys(self.inner, keys))
 
     async def list_pages(
         self,

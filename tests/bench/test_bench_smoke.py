@@ -33,3 +33,10 @@ def test_connect_bench_prints_figures() -> None:
     assert "process start -> online" in out, out
     assert re.search(r"KiB per stream", out), out
     assert re.search(r"us per heartbeat", out), out
+
+
+def test_delete_bench_prints_ratios() -> None:
+    out = _run("-m", "bench.delete", "--objects", "300")
+    assert re.search(r"account deletion \(DeleteAccount -> deleted\): \d+ objects/s", out), out
+    assert re.search(r"ratio deletion/raw \d+\.\d+x", out), out
+    assert re.search(r"ratio deletion/list\+delete \d+\.\d+x", out), out

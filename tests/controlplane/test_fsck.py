@@ -14,6 +14,7 @@ from controlplane.authz import Principal
 from controlplane.bootstrap import init_control_plane
 from controlplane.cli import main
 from controlplane.config import ControlConfig
+from controlplane.deletion import AccountSweep
 from controlplane.integrity import open_trusted_store
 from controlplane.keys import load_home_keys
 from controlplane.records import encode
@@ -98,3 +99,73 @@ async def test_fsck_clean_store_exits_0_and_refuses_repair_while_serving(
     assert await _main("fsck", "--home", str(cfg.home), "--repair") == 2
     err = capsys.readouterr().err
     assert "--repair needs serve stopped" in err and len(err.splitlines()) == 2
+
+
+async def test_fsck_reports_a_deletion_in_progress_and_repair_finishes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _cfg(tmp_path)
+    await init_control_plane(cfg)
+    keys = load_home_keys(cfg.home)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        services = Services(cfg, trusted.store, keys)
+        op = Principal(new_id("credential"), "operator")
+        acct = (await services.accounts.create(9, "n", None, "test")).account.account_id
+        kept = (await services.accounts.create(10, "k", None, "test")).account.account_id
+        for a in (acct, kept):
+            await services.tokens.create(op, a)
+        # A deletion that died after removing the index entries, before the records:
+        # exactly what fsck would otherwise call missing index entries.
+        finish = services.deletion.finish
+
+        async def die_midway(account_id: str) -> None:
+            raise RuntimeError("killed")
+
+        services.deletion.finish = die_midway  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            await services.deletion.delete(op, acct)
+        services.deletion.finish = finish  # type: ignore[method-assign]
+        await AccountSweep(trusted.store, acct).index_entries(9)
+    finally:
+        await trusted.close()
+
+    code, report = await _fsck(cfg, capsys)
+    assert (code, report["findings"], report["deleting"]) == (0, [], [acct])
+
+    code, report = await _fsck(cfg, capsys, "--repair")
+    assert code == 0 and report["deleting"] == []
+    store = FolderStore(tmp_path / "store")
+    left = [i.key async for i in store.list("") if acct in i.key]
+    assert left == [f"deleted/{acct}.json"]
+    assert [i.key async for i in store.list(f"accounts/{kept}/")]
+    code, report = await _fsck(cfg, capsys)
+    assert (code, report["findings"], report["deleting"]) == (0, [], [])
+
+
+async def test_fsck_an_account_delete_intent_without_tombstone_is_unfinished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _cfg(tmp_path)
+    await init_control_plane(cfg)
+    keys = load_home_keys(cfg.home)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        services = Services(cfg, trusted.store, keys)
+        acct = (await services.accounts.create(9, "n", None, "test")).account.account_id
+        # Died between the intent and the tombstone: nobody was told anything.
+        intent = await services.intents.begin("account.delete", account_id=acct)
+        services.intents.release(intent)
+    finally:
+        await trusted.close()
+    code, report = await _fsck(cfg, capsys)
+    assert code == 1 and [f["kind"] for f in report["findings"]] == ["unfinished"]
+    assert report["deleting"] == []
+    code, report = await _fsck(cfg, capsys, "--repair")
+    assert code == 0 and report["findings"][0]["repaired"]
+    code, report = await _fsck(cfg, capsys)
+    assert (code, report["findings"]) == (0, [])
+    store = FolderStore(tmp_path / "store")
+    assert [i.key async for i in store.list(f"accounts/{acct}/")] == [
+        f"accounts/{acct}/account.json"
+    ]

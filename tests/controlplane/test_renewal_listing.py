@@ -193,6 +193,7 @@ async def test_list_machines_reads_presence_concurrently_but_bounded() -> None:
         tokens=w.tokens,
         machines=_Machines(machines),  # type: ignore[arg-type]
         presence=presence,  # type: ignore[arg-type]
+        deletion=None,  # type: ignore[arg-type]
         ca_hash="sha256:x",
         join_address="127.0.0.1:1",
     )

@@ -26,6 +26,7 @@ from shared.store import (
     parse_store_url,
     validate_key,
 )
+from shared.store.base import DELETE_BATCH, delete_keys
 from tests.helpers.moto_server import recording_proxy, stripping_proxy
 
 MIB = 1024 * 1024
@@ -62,6 +63,21 @@ async def test_empty_object(store: ObjectStore) -> None:
 async def test_delete_missing_is_fine(store: ObjectStore) -> None:
     await store.delete("never/was")
     await store.delete("never/was")
+
+
+async def test_delete_keys_removes_only_those_keys(store: ObjectStore) -> None:
+    # More than one S3 DeleteObjects batch, plus missing keys (idempotent).
+    keys = [f"d/{i:05d}" for i in range(DELETE_BATCH + 5)]
+    await asyncio.gather(*(store.put(k, b"x") for k in keys))
+    await store.put("d_keep", b"k")
+    wrapped = RetryingStore(MeteredStore(store, "agents_cp", CollectorRegistry()))
+    await delete_keys(wrapped, [*keys[:-1], "d/missing"])
+    left = [i.key async for i in store.list("d")]
+    assert left == [keys[-1], "d_keep"]
+    await delete_keys(store, keys)
+    assert [i.key async for i in store.list("d")] == ["d_keep"]
+    with pytest.raises(InvalidArgument):
+        await delete_keys(store, ["ok", "../bad"])
 
 
 async def test_missing_key_raises_not_found(store: ObjectStore) -> None:

@@ -257,12 +257,15 @@ class Deletion(_message.Message):
     STARTED_AT_FIELD_NUMBER: _builtins.int
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     DELETED_OBJECTS_FIELD_NUMBER: _builtins.int
+    DELETED_BY_FIELD_NUMBER: _builtins.int
     account_id: _builtins.str
     """The account id."""
     state: _builtins.str
     """"deleting" or "deleted"."""
     deleted_objects: _builtins.int
     """Objects deleted so far."""
+    deleted_by: _builtins.str
+    """The credential id that asked for the deletion."""
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp:
         """When deletion started."""
@@ -279,10 +282,11 @@ class Deletion(_message.Message):
         started_at: _timestamp_pb2.Timestamp | None = ...,
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         deleted_objects: _builtins.int = ...,
+        deleted_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["finished_at", b"finished_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "deleted_objects", b"deleted_objects", "finished_at", b"finished_at", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "deleted_by", b"deleted_by", "deleted_objects", b"deleted_objects", "finished_at", b"finished_at", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -159,14 +159,14 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteAccount(self, request, context):
-        """Start deleting an account (operator only; later issue).
+        """Start deleting an account (operator only); idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetDeletion(self, request, context):
-        """Progress of an account deletion (later issue).
+        """Progress or result of an account deletion (NOT_FOUND: the account never existed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -52,9 +52,9 @@ class AdminStub:
     ListAccounts: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListAccountsRequest, _admin_pb2.ListAccountsResponse]
     """List the accounts the caller can see (operator: all; account admin: its own)."""
     DeleteAccount: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteAccountRequest, _admin_pb2.DeleteAccountResponse]
-    """Start deleting an account (operator only; later issue)."""
+    """Start deleting an account (operator only); idempotent."""
     GetDeletion: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetDeletionRequest, _admin_pb2.Deletion]
-    """Progress of an account deletion (later issue)."""
+    """Progress or result of an account deletion (NOT_FOUND: the account never existed)."""
     CreateJoinToken: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CreateJoinTokenRequest, _admin_pb2.CreateJoinTokenResponse]
     """Create a join token for an account. The secret is in the reply only."""
     ListJoinTokens: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListJoinTokensRequest, _admin_pb2.ListJoinTokensResponse]
@@ -102,9 +102,9 @@ class AdminAsyncStub(AdminStub):
     ListAccounts: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListAccountsRequest, _admin_pb2.ListAccountsResponse]  # type: ignore[assignment]
     """List the accounts the caller can see (operator: all; account admin: its own)."""
     DeleteAccount: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteAccountRequest, _admin_pb2.DeleteAccountResponse]  # type: ignore[assignment]
-    """Start deleting an account (operator only; later issue)."""
+    """Start deleting an account (operator only); idempotent."""
     GetDeletion: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetDeletionRequest, _admin_pb2.Deletion]  # type: ignore[assignment]
-    """Progress of an account deletion (later issue)."""
+    """Progress or result of an account deletion (NOT_FOUND: the account never existed)."""
     CreateJoinToken: _aio.UnaryUnaryMultiCallable[_admin_pb2.CreateJoinTokenRequest, _admin_pb2.CreateJoinTokenResponse]  # type: ignore[assignment]
     """Create a join token for an account. The secret is in the reply only."""
     ListJoinTokens: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListJoinTokensRequest, _admin_pb2.ListJoinTokensResponse]  # type: ignore[assignment]
@@ -173,7 +173,7 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.DeleteAccountRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.DeleteAccountResponse, _abc.Awaitable[_admin_pb2.DeleteAccountResponse]]:
-        """Start deleting an account (operator only; later issue)."""
+        """Start deleting an account (operator only); idempotent."""
 
     @_abc_1.abstractmethod
     def GetDeletion(
@@ -181,7 +181,7 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.GetDeletionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.Deletion, _abc.Awaitable[_admin_pb2.Deletion]]:
-        """Progress of an account deletion (later issue)."""
+        """Progress or result of an account deletion (NOT_FOUND: the account never existed)."""
 
     @_abc_1.abstractmethod
     def CreateJoinToken(

@@ -1,0 +1,476 @@
+"""Account deletion: tombstone, close, delete everything under the account, then the account.
+
+One deletion is one ``account.delete`` intent (:mod:`controlplane.intents`)
+that only ever rolls FORWARD once its tombstone is written::
+
+    1. begin the intent (cp/intents/<int>.json names the account)
+    2. create accounts/<a>/deleting.json        <- THE COMMIT POINT
+    3. close the account's live Connect streams (``account_deleted``)
+    4. delete the index entries pointing to the account (machines, tokens,
+       GitHub id, listing) and its account-scoped credentials
+    5. delete every object under accounts/<a>/ but the tombstone and the
+       account record (paginated, batched, a bounded number of batches at once)
+    6. create deleted/<a>.json (who, when, how many objects) and an audit record
+    7. delete accounts/<a>/account.json, then the tombstone, then the intent
+
+Before step 2 nobody was told anything, so an abandoned intent without a
+tombstone is rolled back (the intent is dropped; the account lives on). From
+step 2 on, every step is idempotent and a resumed deletion repeats them all:
+index entries are found by listing the account's own records, which are
+deleted only after the entries that point to them (step 4 before step 5), so
+a crash never leaves an entry nobody can find. A restarted control plane
+resumes every unfinished deletion by itself (the intent's resolver starts it
+in the background), as does ``fsck --repair`` (in the foreground).
+
+:class:`AccountDeletion` starts, resumes and reports deletions;
+:class:`AccountSweep` does steps 4 and 5 against the store and counts objects.
+
+While the tombstone exists the account's RPCs, joins and links are refused
+(:meth:`AccountService.require_active`, :meth:`MachineRegistry.authorize_peer`);
+afterwards its ids are simply unknown, and ``deleted/<a>.json`` tells "deleted
+at T by X" apart from "never existed". Machines themselves are not touched:
+they are told ``account_deleted``, stop reconnecting and keep their data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from controlplane import jsonstore
+from controlplane.accounts import AccountService
+from controlplane.audit import Auditor, Clock, utcnow
+from controlplane.authz import Principal
+from controlplane.intents import Intent, Intents
+from controlplane.records import (
+    account_index_key,
+    account_key,
+    deleted_key,
+    deleting_key,
+    github_index_key,
+    machine_index_key,
+    machines_prefix,
+    parse_time,
+    token_index_key,
+    tokens_prefix,
+    utc_iso,
+)
+from shared.errors import AgentsError, IntegrityError, InvalidState, NotFound
+from shared.ids import is_valid_id, validate_id
+from shared.retry import retrying
+from shared.store.base import DELETE_BATCH, ObjectStore, delete_keys
+
+__all__ = [
+    "DELETED_PREFIX",
+    "AccountDeletion",
+    "AccountSweep",
+    "Deletion",
+    "DeletionHooks",
+    "deleted_key",
+]
+
+logger = logging.getLogger(__name__)
+
+_KIND: Final = "account.delete"
+DELETED_PREFIX: Final = "deleted/"
+CREDENTIALS_PREFIX: Final = "credentials/"
+#: Delete batches (each up to DELETE_BATCH keys, one S3 request) in flight at once.
+CONCURRENT_BATCHES: Final = 4
+
+
+@dataclass(frozen=True)
+class Deletion:
+    """One account deletion, running or finished."""
+
+    account_id: str
+    state: str
+    """"deleting" or "deleted"."""
+    started_at: dt.datetime
+    deleted_by: str
+    """The credential id that asked for it."""
+    finished_at: dt.datetime | None = None
+    deleted_objects: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stored form (tombstone and ``deleted/`` record)."""
+        out: dict[str, Any] = {
+            "account_id": self.account_id,
+            "state": self.state,
+            "started_at": utc_iso(self.started_at),
+            "deleted_by": self.deleted_by,
+            "deleted_objects": self.deleted_objects,
+        }
+        if self.finished_at is not None:
+            out["finished_at"] = utc_iso(self.finished_at)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], state: str) -> Deletion:
+        """Inverse of :meth:`to_dict`."""
+        finished = data.get("finished_at")
+        return cls(
+            account_id=validate_id("account", str(data.get("account_id", "")), "account_id"),
+            state=state,
+            started_at=parse_time(str(data["started_at"])),
+            deleted_by=str(data.get("deleted_by", "")),
+            finished_at=parse_time(str(finished)) if finished else None,
+            deleted_objects=int(data.get("deleted_objects", 0) or 0),
+        )
+
+
+@dataclass
+class DeletionHooks:
+    """What the daemon plugs in once it runs (all optional for unit tests and fsck)."""
+
+    close_links: Callable[[str], int] | None = None
+    """Tell the account's live links ``account_deleted``; returns how many."""
+    finished: Callable[[str], None] | None = None
+    """Count one deletion run by result ("ok" or "failed")."""
+    objects: Callable[[int], None] | None = None
+    """Count objects deleted."""
+
+
+class AccountDeletion:
+    """Starts, runs, resumes and reports account deletions; one instance per process."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        accounts: AccountService,
+        auditor: Auditor,
+        intents: Intents,
+        *,
+        clock: Clock = utcnow,
+        page_size: int = DELETE_BATCH,
+    ) -> None:
+        self._store = store
+        self._accounts = accounts
+        self._audit = auditor
+        self._intents = intents
+        self._clock = clock
+        self._page_size = page_size
+        self.hooks = DeletionHooks()
+        self._background = False
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._sweeps: dict[str, AccountSweep] = {}
+        """Deletions in progress here (their live object counts)."""
+        intents.register(_KIND, self._resolve)
+
+    def run_in_background(self, hooks: DeletionHooks) -> None:
+        """Serve mode: deletions run as tasks and resumed ones start from recovery."""
+        self.hooks = hooks
+        self._background = True
+
+    # -- the RPCs -------------------------------------------------------------------
+
+    async def delete(self, principal: Principal, account_id: str) -> Deletion:
+        """Start deleting ``account_id`` (operator only) and return its state. Idempotent.
+
+        NotFound for an account that never existed (or, for an account-scoped
+        credential, any other account).
+        """
+        validate_id("account", account_id, "account_id")
+        principal.visible_account(account_id, "account", account_id)
+        principal.require_operator("account delete")
+        current = await self._find(account_id)
+        if current is not None:
+            if current.state == "deleting":
+                await self._ensure_running(account_id)
+            return current
+        account = await self._accounts.get(account_id)
+        now = self._clock()
+        started = Deletion(account_id, "deleting", now, principal.credential_id)
+        intent = await self._intents.begin(
+            _KIND,
+            account_id=account_id,
+            deleted_by=principal.credential_id,
+            github_user_id=str(account.github_user_id),
+        )
+        tomb = {**started.to_dict(), "github_user_id": account.github_user_id}
+        tomb["intent_id"] = intent.intent_id
+        try:
+            created = await jsonstore.create(self._store, deleting_key(account_id), tomb)
+        except BaseException:
+            # Nothing was told to anyone yet: roll back (drop the intent) or leave
+            # it for recovery, which drops it too while no tombstone exists.
+            self._intents.release(intent)
+            raise
+        if not created:
+            # A concurrent delete won the tombstone: ours was never needed.
+            await self._intents.commit(intent)
+            return await self.get(principal, account_id)
+        # Tombstone written: the COMMIT POINT. From here the deletion only rolls
+        # forward, here or in whichever control plane runs next.
+        self._intents.release(intent)
+        await self._audit.record(principal.credential_id, "account.delete.start", account_id)
+        logger.info("account %s: deletion started by %s", account_id, principal.credential_id)
+        await self._ensure_running(account_id)
+        return (await self._find(account_id)) or started
+
+    async def get(self, principal: Principal, account_id: str) -> Deletion:
+        """The deletion's state; NotFound if the account never existed (or is not
+        visible), InvalidState if it exists and is not being deleted."""
+        validate_id("account", account_id, "account_id")
+        principal.visible_account(account_id, "account", account_id)
+        found = await self._find(account_id)
+        if found is not None:
+            return found
+        await self._accounts.get(account_id)  # NotFound when it never existed
+        raise InvalidState(f"deletion {account_id}", "the account is not being deleted")
+
+    async def _find(self, account_id: str) -> Deletion | None:
+        try:
+            data = await jsonstore.read(self._store, deleting_key(account_id))
+        except (NotFound, IntegrityError):
+            pass
+        else:
+            d = Deletion.from_dict(data, "deleting")
+            sweep = self._sweeps.get(account_id)
+            done = sweep.deleted if sweep is not None else None
+            if done is not None and done > d.deleted_objects:
+                d = Deletion(d.account_id, d.state, d.started_at, d.deleted_by, None, done)
+            return d
+        try:
+            data = await jsonstore.read(self._store, deleted_key(account_id))
+        except (NotFound, IntegrityError):
+            return None
+        return Deletion.from_dict(data, "deleted")
+
+    # -- running --------------------------------------------------------------------
+
+    async def _ensure_running(self, account_id: str) -> None:
+        """Start the deletion's task unless it runs; in the foreground, run it now."""
+        if not self._background:
+            await self.finish(account_id)
+            return
+        task = self._tasks.get(account_id)
+        if task is None or task.done():
+            self._tasks[account_id] = asyncio.create_task(
+                self._run_counted(account_id), name=f"delete-{account_id}"
+            )
+
+    async def _run_counted(self, account_id: str) -> None:
+        try:
+            await self.finish(account_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # retried by the next recovery tick
+            if self.hooks.finished is not None:
+                self.hooks.finished("failed")
+            logger.warning("account %s: deletion interrupted, will resume: %s", account_id, e)
+            return
+        if self.hooks.finished is not None:
+            self.hooks.finished("ok")
+
+    async def _resolve(self, intent: Intent, age: float) -> bool:
+        """Recovery of an ``account.delete`` intent: roll back before the tombstone,
+        roll forward after it (see the module doc)."""
+        account_id = validate_id("account", intent.fields.get("account_id", ""), "account_id")
+        try:
+            tomb = await jsonstore.read(self._store, deleting_key(account_id))
+        except NotFound:
+            return True  # never committed, or finished: the intent alone is left
+        if tomb.get("intent_id") != intent.intent_id:
+            return True  # another deletion's intent (a lost race): not ours to run
+        if self._background:
+            await self._ensure_running(account_id)
+            return False  # the task commits the intent when it is done
+        await self.finish(account_id)
+        return True
+
+    async def finish(self, account_id: str) -> None:
+        """Run (or resume) the deletion of a tombstoned account to its end. Idempotent."""
+        try:
+            tomb = await jsonstore.read(self._store, deleting_key(account_id))
+        except NotFound:
+            return  # finished already
+        started = Deletion.from_dict(tomb, "deleting")
+        close = self.hooks.close_links
+        if close is not None:
+            closed = close(account_id)
+            if closed:
+                logger.info("account %s: closed %d live link(s)", account_id, closed)
+        sweep = self._sweeps.get(account_id)
+        if sweep is None:
+            sweep = AccountSweep(
+                self._store,
+                account_id,
+                deleted=started.deleted_objects,
+                page_size=self._page_size,
+                on_objects=self.hooks.objects,
+            )
+            self._sweeps[account_id] = sweep
+        await sweep.index_entries(int(tomb.get("github_user_id", 0) or 0))
+        await sweep.prefix()
+        if await sweep.left_over():
+            # Written behind the sweep (a last presence write of a closing link):
+            # sweep again; a run that still finds some fails and is resumed later.
+            await sweep.prefix()
+            if await sweep.left_over():
+                raise InvalidState(f"delete account {account_id}", "objects keep appearing")
+        done = Deletion(
+            account_id,
+            "deleted",
+            started.started_at,
+            started.deleted_by,
+            self._clock(),
+            sweep.deleted,
+        )
+        await jsonstore.create(self._store, deleted_key(account_id), done.to_dict())
+        await self._audit.record(started.deleted_by, "account.delete", account_id)
+        await sweep.delete([account_key(account_id)])
+        await sweep.delete([deleting_key(account_id)])
+        intent_id = str(tomb.get("intent_id", ""))
+        if is_valid_id("intent", intent_id):
+            await self._intents.commit_id(intent_id)
+        self._sweeps.pop(account_id, None)
+        logger.info("account %s: deleted (%d objects)", account_id, done.deleted_objects)
+
+    async def wait(self) -> None:
+        """Wait for every running deletion task (tests, and a draining daemon)."""
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Cancel running deletions (they resume at the next start)."""
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+
+class AccountSweep:
+    """The store side of one account's deletion (steps 4 and 5), and its object count."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        account_id: str,
+        *,
+        deleted: int = 0,
+        page_size: int = DELETE_BATCH,
+        on_objects: Callable[[int], None] | None = None,
+    ) -> None:
+        self._store = store
+        self._account_id = validate_id("account", account_id, "account_id")
+        self._page_size = page_size
+        self._on_objects = on_objects
+        self.deleted = deleted
+        """Objects deleted under the prefix so far (this run and the saved count)."""
+
+    async def delete(self, keys: list[str], op: str = "delete") -> None:
+        """Delete ``keys``, retried with the shared policy on top of the store's own."""
+        async for attempt in retrying(f"account.delete.{op}"):
+            with attempt:
+                await delete_keys(self._store, keys)
+
+    async def _keys(self, prefix: str) -> list[str]:
+        keys: list[str] = []
+        async for attempt in retrying("account.delete.list"):
+            with attempt:
+                keys = [info.key async for info in self._store.list(prefix)]
+        return keys
+
+    async def index_entries(self, github_user_id: int) -> None:
+        """Step 4: every entry pointing to the account, found from its own records."""
+        account_id = self._account_id
+        keys: list[str] = []
+        for key in await self._keys(machines_prefix(account_id)):
+            name = key.rsplit("/", 1)[-1].removesuffix(".json")
+            if is_valid_id("machine", name):
+                keys.append(machine_index_key(name))
+        for key in await self._keys(tokens_prefix(account_id)):
+            name = key.rsplit("/", 1)[-1].removesuffix(".json")
+            if is_valid_id("token", name):
+                keys.append(token_index_key(name))
+        keys.extend(await self._credentials_of())
+        if github_user_id > 0 and await self._points_to(
+            github_index_key(github_user_id), account_id
+        ):
+            keys.append(github_index_key(github_user_id))
+        keys.append(account_index_key(account_id))
+        for start in range(0, len(keys), self._page_size):
+            await self.delete(keys[start : start + self._page_size], "index")
+
+    async def _points_to(self, key: str, account_id: str) -> bool:
+        try:
+            return (await jsonstore.read(self._store, key)).get("account_id") == account_id
+        except (NotFound, IntegrityError):
+            return False
+
+    async def _credentials_of(self) -> list[str]:
+        """Admin credentials scoped to the account (they live outside its prefix)."""
+        account_id = self._account_id
+        out: list[str] = []
+        for key in await self._keys(CREDENTIALS_PREFIX):
+            if await self._points_to(key, account_id):
+                out.append(key)
+        return out
+
+    async def prefix(self) -> None:
+        """Step 5: every object under the account's prefix but the tombstone and record."""
+        account_id = self._account_id
+        prefix = f"accounts/{account_id}/"
+        keep = {deleting_key(account_id), account_key(account_id)}
+        limit = asyncio.Semaphore(CONCURRENT_BATCHES)
+        # Every batch is awaited (its error included) before the account may go.
+        started: list[asyncio.Task[None]] = []
+
+        async def batch(keys: list[str]) -> None:
+            try:
+                await self.delete(keys, "objects")
+            finally:
+                limit.release()
+            self.deleted += len(keys)
+            if self._on_objects is not None:
+                self._on_objects(len(keys))
+            # Progress survives a restart (give or take the batches in flight).
+            await self._save_progress()
+
+        try:
+            # The store resumes a failed page after its last key (RetryingStore);
+            # deleting keys behind the cursor does not disturb the listing.
+            async for page in self._store.list_pages(prefix, page_size=self._page_size):
+                keys = [i.key for i in page if i.key not in keep]
+                if not keys:
+                    continue
+                await limit.acquire()
+                started.append(asyncio.create_task(batch(keys)))
+                # Surface a failed batch now rather than after listing everything.
+                for t in started:
+                    if t.done():
+                        t.result()
+            await asyncio.gather(*started)
+        except BaseException:
+            for t in started:
+                t.cancel()
+            await asyncio.gather(*started, return_exceptions=True)
+            raise
+
+    async def left_over(self) -> bool:
+        """Whether anything but the tombstone and the record is still under the prefix."""
+        account_id = self._account_id
+        keep = {deleting_key(account_id), account_key(account_id)}
+        async for page in self._store.list_pages(f"accounts/{account_id}/", page_size=3):
+            if any(i.key not in keep for i in page):
+                return True
+        return False
+
+    async def _save_progress(self) -> None:
+        account_id, count = self._account_id, self.deleted
+
+        def change(d: dict[str, Any]) -> dict[str, Any] | None:
+            if int(d.get("deleted_objects", 0) or 0) >= count:
+                return None
+            return {**d, "deleted_objects": count}
+
+        try:
+            await jsonstore.update(self._store, deleting_key(account_id), change)
+        except AgentsError as e:
+            logger.debug("account %s: progress not saved: %s", account_id, e)

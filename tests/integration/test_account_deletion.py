@@ -1,0 +1,265 @@
+"""Account deletion for real: moto's S3 server, agents-control and agents-machine processes.
+
+Two accounts; about 10,000 objects in the one deleted (written straight into
+the bucket, sealed as the control plane seals them). The control plane is
+SIGKILLed midway through the deletion (by the crash proxy, right after it
+recorded its third batch) and started again: the deletion finishes with no
+operator action. Counts by prefix before and after show every object and index
+entry of the deleted account gone and every object of the other one kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import boto3  # type: ignore[import-untyped]
+import pytest
+from botocore.config import Config
+
+from controlplane.client import AdminClient
+from controlplane.integrity import record_mac_key
+from controlplane.keys import load_home_keys
+from shared.errors import NotFound
+from shared.store.authenticated import seal
+from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
+from tests.helpers.fault_proxy import CrashProxy, crash_proxy
+from tests.helpers.store_records import read_json
+
+pytestmark = pytest.mark.integration
+
+HEARTBEAT = 0.3
+OBJECTS = 10_000
+KEPT_OBJECTS = 300
+PREFIX = "cp/"
+MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
+DEADLINE = 60.0
+
+
+@pytest.fixture
+def proxy(moto_endpoint: str) -> Iterator[CrashProxy]:
+    with crash_proxy(moto_endpoint) as p:
+        yield p
+
+
+@pytest.fixture
+def cp(tmp_path: Path, proxy: CrashProxy, s3_bucket: str) -> Iterator[ControlProc]:
+    running = run_init(
+        tmp_path / "home",
+        f"s3://{s3_bucket}/cp",
+        s3_env(proxy.url),
+        ["--heartbeat-interval", str(HEARTBEAT)],
+    )
+    try:
+        start_serve(running)
+        yield running
+    finally:
+        proxy.disarm()
+        stop_serve(running)
+
+
+@pytest.fixture
+def s3(moto_endpoint: str) -> Any:
+    return boto3.client(
+        "s3",
+        endpoint_url=moto_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing-secret",
+        config=Config(s3={"addressing_style": "path"}, max_pool_connections=16),
+    )
+
+
+def _keys(s3: Any, bucket: str, prefix: str) -> list[str]:
+    out: list[str] = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        out.extend(item["Key"] for item in page.get("Contents", []))
+    return out
+
+
+def _pointing_to(s3: Any, bucket: str, account_id: str) -> list[str]:
+    """Index entries and credentials whose record names ``account_id``."""
+    out = []
+    for key in _keys(s3, bucket, PREFIX + "index/") + _keys(s3, bucket, PREFIX + "credentials/"):
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        if account_id in key or read_json(body).get("account_id") == account_id:
+            out.append(key)
+    return out
+
+
+def _fill(s3: Any, bucket: str, home: Path, account_id: str, count: int) -> None:
+    """``count`` sealed objects under the account's prefix, 16 writers at once."""
+    mac = record_mac_key(load_home_keys(home))
+
+    def put(i: int) -> None:
+        key = f"accounts/{account_id}/backups/seg_{i:06d}.json"
+        body = seal(mac, key, json.dumps({"n": i}).encode())
+        s3.put_object(Bucket=bucket, Key=PREFIX + key, Body=body)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, range(count)))
+
+
+async def _until(pred: Callable[[], Any], what: str, timeout: float = DEADLINE) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        await asyncio.sleep(0.05)  # poll step; the deadline bounds the wait
+
+
+def _machine_argv(reply: dict[str, Any], data_dir: Path) -> list[str]:
+    return [
+        str(MACHINE_EXE),
+        "join",
+        reply["join_address"],
+        "--token",
+        reply["token_value"],
+        "--ca-hash",
+        reply["ca_hash"],
+        "--data-dir",
+        str(data_dir),
+    ]
+
+
+def _machine_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+
+
+async def test_account_deletion_survives_a_crash_and_keeps_the_other_account(
+    cp: ControlProc, proxy: CrashProxy, s3: Any, s3_bucket: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "machine.log"
+    machine: subprocess.Popen[bytes] | None = None
+    try:
+        async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=10) as client:
+            gone = (await client.create_account(101, "gone"))["account"]["account_id"]
+            kept = (await client.create_account(202, "kept"))["account"]["account_id"]
+            await client.create_credential(gone, "gone admin")
+            await client.create_credential(kept, "kept admin")
+            await client.create_token(kept)
+            spare = await client.create_token(gone)  # never used: refused after the deletion
+            joined = await client.create_token(gone)
+            data_dir = tmp_path / "machine"
+            with log.open("wb") as out:
+                machine = subprocess.Popen(
+                    _machine_argv(joined, data_dir),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=_machine_env(),
+                )
+
+            async def online() -> bool:
+                listed = await client.list_machines(gone)
+                return bool(listed and listed[0]["online"])
+
+            await _until(online, "machine online")
+
+        _fill(s3, s3_bucket, cp.home, gone, OBJECTS)
+        _fill(s3, s3_bucket, cp.home, kept, KEPT_OBJECTS)
+        gone_before = _keys(s3, s3_bucket, f"{PREFIX}accounts/{gone}/")
+        kept_before = _keys(s3, s3_bucket, f"{PREFIX}accounts/{kept}/")
+        kept_index = _pointing_to(s3, s3_bucket, kept)
+        gone_index = _pointing_to(s3, s3_bucket, gone)
+        assert len(gone_before) > OBJECTS and len(kept_before) > KEPT_OBJECTS
+        # listing, GitHub id, machine, two tokens, one credential
+        assert len(gone_index) == 6, gone_index
+
+        # Writes after arming: the intent, the tombstone, the audit record, then one
+        # progress write per batch of 1000: the kill lands after the third batch.
+        assert cp.process is not None
+        proxy.arm(cp.process.pid, after=6)
+        async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=10) as client:
+            started = await client.delete_account(gone)
+        assert started["state"] == "deleting" and started["deleted_by"]
+        assert await asyncio.to_thread(proxy.crashed.wait, DEADLINE), proxy.writes
+        cp.process.wait(timeout=10)
+        midway = _keys(s3, s3_bucket, f"{PREFIX}accounts/{gone}/")
+        assert 0 < len(midway) < len(gone_before) - 2000, len(midway)
+        assert f"{PREFIX}accounts/{gone}/deleting.json" in midway
+
+        # The machine was told before the crash: it stops for good and keeps its data.
+        await _until(lambda: "stopped for good" in log.read_text(errors="replace"), "told")
+        assert machine.poll() is None, log.read_text()
+        assert (data_dir / "machine.db").exists()
+
+        start_serve(cp)  # no operator action besides the restart itself
+        async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=10) as client:
+
+            async def deleted() -> bool:
+                return bool((await client.get_deletion(gone))["state"] == "deleted")
+
+            await _until(deleted, "deletion finished after the restart")
+            done = await client.get_deletion(gone)
+            assert done["deleted_by"] == started["deleted_by"] and done["finished_at"]
+            with pytest.raises(NotFound):
+                await client.get_account(gone)
+            with pytest.raises(NotFound):
+                await client.get_deletion("acct_" + "1" * 26)
+            assert [a["account_id"] for a in await client.list_accounts()] == [kept]
+
+        assert _keys(s3, s3_bucket, f"{PREFIX}accounts/{gone}/") == []
+        assert _pointing_to(s3, s3_bucket, gone) == []
+        # The restarted daemon counted the run it finished and what it deleted.
+        url = f"http://{cp.serve_info['metrics']}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            metrics = r.read().decode()
+        assert 'agents_cp_account_deletions_total{result="ok"} 1.0' in metrics
+        found = re.search(r"^agents_cp_account_deletion_objects_total (\S+)$", metrics, re.M)
+        # (A batch the proxy relayed before the kill may land after the midway count.)
+        assert found and 0 < float(found.group(1)) <= len(midway) - 2, metrics
+        assert _keys(s3, s3_bucket, f"{PREFIX}accounts/{kept}/") == kept_before
+        assert _pointing_to(s3, s3_bucket, kept) == kept_index
+        assert _keys(s3, s3_bucket, f"{PREFIX}deleted/") == [f"{PREFIX}deleted/{gone}.json"]
+        assert _keys(s3, s3_bucket, f"{PREFIX}cp/intents/") == []
+
+        # The deleted account's unused token is refused; the machine did not come back.
+        res = subprocess.run(
+            # The restarted daemon listens on a new port.
+            _machine_argv({**spare, "join_address": cp.public}, tmp_path / "late"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=_machine_env(),
+        )
+        assert res.returncode != 0 and re.search("unknown token", res.stderr), res.stderr
+        assert "Traceback" not in res.stderr
+        assert machine.poll() is None and (data_dir / "machine.db").exists()
+        assert "stopped for good" in log.read_text(errors="replace")
+    finally:
+        if machine is not None and machine.poll() is None:
+            machine.kill()
+            machine.wait(timeout=15)
+
+
+async def test_delete_refusals_on_the_cli(cp: ControlProc) -> None:
+    never = "acct_" + "1" * 26
+    res = cp.cli("account", "delete", never)
+    assert res.code != 0 and "not found" in res.err.lower() and len(res.err.splitlines()) == 1
+    res = cp.cli("account", "deletion", "nope")
+    assert res.code != 0 and "account_id" in res.err and len(res.err.splitlines()) == 1
+    created = cp.cli("account", "create", "--github-id", "9", "--github-login", "nine", "--json")
+    acct = json.loads(created.out)["account_id"]
+    res = cp.cli("account", "deletion", acct)
+    assert res.code != 0 and "not being deleted" in res.err
+    res = cp.cli("account", "delete", acct, "--wait", "--json")
+    assert res.code == 0, res.err
+    shown = json.loads(res.out)
+    assert shown["state"] == "deleted" and shown["account_id"] == acct
+    again = json.loads(cp.cli("account", "deletion", acct, "--json").out)
+    assert again == shown
