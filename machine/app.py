@@ -20,19 +20,24 @@ from pathlib import Path
 from machine import identity, store
 from machine.agents import AgentsService
 from machine.attachments import AttachmentStore, remove_partial_uploads
+from machine.backup_keys import BackupKeys, load_backup_keys
+from machine.backup_service import BackupMetrics, BackupService, parse_daily_time, same_device
 from machine.config import MachineConfig
 from machine.db import Database
 from machine.dbfaults import CheckResult
+from machine.handoff import Handoff
 from machine.metrics import MachineMetrics
 from machine.models import MachineIds
 from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry, default_registry
 from machine.streams import StreamLimits
 from shared.atomic import ensure_private_dir
+from shared.backup_target import BackupTarget, StoreTarget
 from shared.errors import AgentsError
 from shared.ids import new_id
+from shared.store.folder import FolderStore
 
-__all__ = ["Machine", "MachineStatus", "open_machine"]
+__all__ = ["Machine", "MachineStatus", "backup_target", "folder_backup_target", "open_machine"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +74,8 @@ class Machine:
     started_at: float
     streams: StreamLimits
     metrics: MachineMetrics | None = None
+    backups: BackupService | None = None
+    handoff: Handoff | None = None
 
     @property
     def machine_id(self) -> str:
@@ -118,7 +125,10 @@ class Machine:
         """Delete machine log entries older than the retention; return how many."""
         cutoff = time.time() - self.config.event_retention_days * 86400
 
-        return await self.db.write(lambda c: store.prune_log(c, cutoff))
+        removed = await self.db.write(lambda c: store.prune_log(c, cutoff))
+        if self.handoff is not None:
+            await self.handoff.sweep()
+        return removed
 
 
 # Settings keys: the id made with the database (never changes), every id this
@@ -195,6 +205,60 @@ async def _prune_loop(machine: Machine) -> None:
         await asyncio.sleep(_PRUNE_EVERY)
 
 
+async def folder_backup_target(folder: Path) -> tuple[BackupTarget, FolderStore]:
+    """A backup target in ``folder`` (a stand-alone machine's, or a copied backup dir)."""
+    store_ = await FolderStore.open(folder)
+    return StoreTarget(store_), store_
+
+
+async def backup_target(
+    config: MachineConfig, ids: MachineIds
+) -> tuple[BackupTarget, str, FolderStore | None]:
+    """The machine's backup target, a name for ``status``, and what to close at stop.
+
+    Stand-alone: the folder ``config.backups_dir``. Joined: the control plane
+    (``ControlPlaneTarget``) once its backup RPCs are wired; until then the
+    folder too. The one place that chooses the target.
+    """
+    target, folder = await folder_backup_target(config.backups_dir)
+    return target, f"folder {config.backups_dir}", folder
+
+
+def _backup_warnings(config: MachineConfig) -> tuple[str, ...]:
+    if same_device(config.backups_dir, config.data_dir):
+        return (
+            f"the backup folder {config.backups_dir} is on the same device as the data: "
+            "a failed disk loses both (set backup_dir to another disk)",
+        )
+    return ()
+
+
+async def _build_backups(
+    config: MachineConfig,
+    db: Database,
+    ids: MachineIds,
+    metrics: MachineMetrics | None,
+    closing: list[FolderStore],
+) -> BackupService:
+    keys: BackupKeys = await asyncio.to_thread(load_backup_keys, config.data_dir)
+    target, name, folder = await backup_target(config, ids)
+    if folder is not None:
+        closing.append(folder)
+    return BackupService(
+        db,
+        target,
+        target_name=name,
+        machine_id=ids.canonical,
+        keys=keys,
+        data_dir=config.data_dir,
+        attachments_dir=config.attachments_dir,
+        keep=config.backup_keep,
+        daily_at=parse_daily_time(config.backup_time),
+        metrics=BackupMetrics(metrics.registry) if metrics is not None else None,
+        warnings=await asyncio.to_thread(_backup_warnings, config),
+    )
+
+
 @contextlib.asynccontextmanager
 async def open_machine(
     config: MachineConfig,
@@ -221,6 +285,7 @@ async def open_machine(
         if db.open_check is not None:
             metrics.observe_check("quick", db.open_check.ok, db.open_check.seconds)
     loops: list[asyncio.Task[None]] = []
+    closing: list[FolderStore] = []
     engine: RunEngine | None = None
     try:
         joined, link_id = await asyncio.to_thread(_joined_id, config.data_dir)
@@ -239,6 +304,13 @@ async def open_machine(
             prompt_limit=config.prompt_limit,
             metrics=metrics,
         )
+        handoff = Handoff(
+            db,
+            machine_id=ids.canonical,
+            attachments_dir=config.attachments_dir,
+            outgoing=config.outgoing_dir,
+            incoming=config.incoming_dir,
+        )
         machine = Machine(
             config=config,
             db=db,
@@ -254,7 +326,11 @@ async def open_machine(
                 metrics=metrics,
             ),
             metrics=metrics,
+            backups=await _build_backups(config, db, ids, metrics, closing),
+            handoff=handoff,
         )
+        # Exports and imports a killed daemon left behind for over an hour go now.
+        await handoff.sweep()
         interrupted = await engine.start()
         if interrupted:
             logger.warning(
@@ -263,6 +339,10 @@ async def open_machine(
         if config.background_loops:
             loops.append(asyncio.create_task(_prune_loop(machine), name="machine-log-prune"))
             loops.append(asyncio.create_task(_check_loop(machine), name="machine-db-check"))
+            if machine.backups is not None:
+                loops.append(
+                    asyncio.create_task(machine.backups.run_daily(), name="machine-backup-daily")
+                )
         yield machine
     finally:
         for loop in loops:
@@ -270,4 +350,6 @@ async def open_machine(
         await asyncio.gather(*loops, return_exceptions=True)
         if engine is not None:
             await engine.close(config.shutdown_grace_seconds)
+        for folder in closing:
+            await folder.close()
         await db.close()
