@@ -20,6 +20,7 @@ from pathlib import Path
 from machine import identity, store
 from machine.agents import AgentsService
 from machine.attachments import AttachmentStore, remove_partial_uploads
+from machine.backup import BackupEngine
 from machine.backup_keys import BackupKeys, load_backup_keys
 from machine.backup_service import BackupMetrics, BackupService, parse_daily_time, same_device
 from machine.config import MachineConfig
@@ -33,8 +34,8 @@ from machine.runtimes import RuntimeRegistry, default_registry
 from machine.streams import StreamLimits
 from shared.atomic import ensure_private_dir
 from shared.backup_target import BackupTarget, StoreTarget
-from shared.errors import AgentsError
-from shared.ids import new_id
+from shared.errors import AgentsError, InvalidArgument, InvalidId, InvalidState, NotFound
+from shared.ids import new_id, validate_id
 from shared.store.folder import FolderStore
 
 __all__ = ["Machine", "MachineStatus", "backup_target", "folder_backup_target", "open_machine"]
@@ -121,6 +122,36 @@ class Machine:
             self.metrics.observe_check("full", result.ok, result.seconds)
         return result
 
+    def require_backups(self) -> BackupService:
+        """The backup service (always built by :func:`open_machine`)."""
+        if self.backups is None:
+            raise InvalidState("backups", "this machine was opened without backups")
+        return self.backups
+
+    def require_handoff(self) -> Handoff:
+        """Exports and imports (always built by :func:`open_machine`)."""
+        if self.handoff is None:
+            raise InvalidState("export", "this machine was opened without Outgoing/Incoming")
+        return self.handoff
+
+    @contextlib.asynccontextmanager
+    async def backups_at(self, from_dir: str = "") -> AsyncIterator[BackupEngine]:
+        """The engine on the configured target, or on the backup folder ``from_dir``
+        (a copied backup dir, perhaps of a lost machine: its ``machine.json`` says whose)."""
+        service = self.require_backups()
+        if not from_dir:
+            yield service.engine
+            return
+        folder = Path(from_dir)
+        if not folder.is_absolute() or not folder.is_dir():
+            raise InvalidArgument("from_dir", f"{from_dir[:200]!r} is not an existing folder")
+        target, folder_store = await folder_backup_target(folder)
+        try:
+            machine_id = await _read_backup_owner(folder_store, folder)
+            yield service.engine_for(target, machine_id)
+        finally:
+            await folder_store.close()
+
     async def prune(self) -> int:
         """Delete machine log entries older than the retention; return how many."""
         cutoff = time.time() - self.config.event_retention_days * 86400
@@ -205,6 +236,40 @@ async def _prune_loop(machine: Machine) -> None:
         await asyncio.sleep(_PRUNE_EVERY)
 
 
+#: In a backup folder: whose backups it holds (manifests are sealed with that id).
+_OWNER_KEY = "machine.json"
+
+
+async def _read_backup_owner(folder_store: FolderStore, folder: Path) -> str:
+    try:
+        record = json.loads(await folder_store.get(_OWNER_KEY))
+        return validate_id("machine", record["machine_id"], "machine_id")
+    except NotFound:
+        raise InvalidArgument(
+            "from_dir", f"{folder} is not a backup folder (no {_OWNER_KEY})"
+        ) from None
+    except (ValueError, KeyError, TypeError, InvalidId):
+        raise InvalidArgument("from_dir", f"{folder}/{_OWNER_KEY} is damaged") from None
+
+
+async def _record_backup_owner(folder_store: FolderStore, folder: Path, machine_id: str) -> None:
+    """Name the machine whose backups ``folder`` holds, so a copy restores elsewhere."""
+    try:
+        owner = await _read_backup_owner(folder_store, folder)
+    except InvalidArgument:
+        owner = ""
+    if owner and owner != machine_id:
+        logger.warning(
+            "backup folder %s holds machine %s's backups; this machine is %s",
+            folder,
+            owner,
+            machine_id,
+        )
+        return
+    if not owner:
+        await folder_store.put(_OWNER_KEY, json.dumps({"machine_id": machine_id}).encode())
+
+
 async def folder_backup_target(folder: Path) -> tuple[BackupTarget, FolderStore]:
     """A backup target in ``folder`` (a stand-alone machine's, or a copied backup dir)."""
     store_ = await FolderStore.open(folder)
@@ -221,6 +286,7 @@ async def backup_target(
     folder too. The one place that chooses the target.
     """
     target, folder = await folder_backup_target(config.backups_dir)
+    await _record_backup_owner(folder, config.backups_dir, ids.canonical)
     return target, f"folder {config.backups_dir}", folder
 
 

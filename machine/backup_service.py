@@ -11,6 +11,7 @@ show: last backup, next run, last restore check.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -24,7 +25,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from machine.backup import BackupEngine, BackupResult, Progress, VerifyResult
-from machine.backup_keys import BackupKeys
+from machine.backup_keys import BackupKeys, new_standalone_recovery_key
 from machine.db import Database
 from machine.store import export as store_export
 from machine.transfer import DatabaseBackupSource, InResult, restore_fetched
@@ -150,20 +151,36 @@ class BackupService:
         self._clock = clock
         self.daily_at = daily_at
         self._warnings = warnings
-        self.engine = BackupEngine(
-            DatabaseBackupSource(db, attachments_dir, self._work),
-            target,
-            machine_id=machine_id,
-            naming_key=keys.naming_key,
-            recipients=keys.recipients,
-            keypair=keys.keypair,
-            work_dir=self._work,
-            keep=keep,
-            clock=clock,
-        )
+        self._keep = keep
+        self.engine = self.engine_for(target, machine_id)
         self._last: BackupResult | None = None
         self._last_at: float | None = None
         self._last_check: RestoreCheck | None = None
+
+    def engine_for(self, target: BackupTarget, machine_id: str) -> BackupEngine:
+        """An engine on ``target`` reading ``machine_id``'s backups (a copied backup
+        folder of another machine, for restore and verify)."""
+        return BackupEngine(
+            DatabaseBackupSource(self._db, self._attachments, self._work),
+            target,
+            machine_id=machine_id,
+            naming_key=self._keys.naming_key,
+            recipients=self._keys.recipients,
+            keypair=self._keys.keypair,
+            work_dir=self._work,
+            keep=self._keep,
+            clock=self._clock,
+        )
+
+    def create_recovery_key(self) -> BoxKeyPair:
+        """Make a stand-alone machine's recovery key pair; later backups are sealed to it.
+
+        The caller shows the private half once; only the public half is kept.
+        """
+        pair = new_standalone_recovery_key(self._data_dir)
+        self._keys = dataclasses.replace(self._keys, recovery_public_key=pair.public_key)
+        self.engine.seal_to(self._keys.recipients)
+        return pair
 
     # -- making and checking -------------------------------------------------
 
@@ -226,16 +243,22 @@ class BackupService:
     # -- restoring -----------------------------------------------------------
 
     async def restore(
-        self, backup_id: str, *, recovery: BoxKeyPair | None = None, erased: set[str] | None = None
+        self,
+        backup_id: str,
+        *,
+        recovery: BoxKeyPair | None = None,
+        erased: set[str] | None = None,
+        engine: BackupEngine | None = None,
     ) -> InResult:
         """Restore a backup's agents (archived), skipping existing and erased ones.
 
         ``recovery`` opens a backup made by another machine's key (the disk is
-        gone); without it the machine's own key is used.
+        gone); without it the machine's own key is used. ``engine`` reads
+        another target (:meth:`engine_for`).
         """
         stage = self._work / f".restore-{os.getpid()}-{int(self._clock() * 1000)}"
         try:
-            fetched = await self.engine.fetch(backup_id, stage, recovery)
+            fetched = await (engine or self.engine).fetch(backup_id, stage, recovery)
             return await restore_fetched(
                 self._db, fetched, attachments_dir=self._attachments, erased=erased or set()
             )

@@ -16,7 +16,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Final
 
@@ -24,15 +24,25 @@ from machine.db import Database
 from machine.export_format import ExportManifest
 from machine.store import export as store_export
 from machine.transfer import InResult, export_agents, import_archive
+from shared.archive import ArchiveLimits
 from shared.atomic import ensure_private_dir
 from shared.errors import InvalidArgument
 
-__all__ = ["MAX_AGE_SECONDS", "Handoff"]
+__all__ = ["MAX_AGE_SECONDS", "MAX_IMPORT_BYTES", "Handoff", "read_chunks"]
 
 logger = logging.getLogger(__name__)
 
 #: A file in Outgoing/ or Incoming/ untouched this long is removed.
 MAX_AGE_SECONDS: Final = 3600.0
+#: The largest import archive received (compressed bytes).
+MAX_IMPORT_BYTES: Final = ArchiveLimits().max_total_bytes
+
+
+async def read_chunks(path: Path, size: int = 1024 * 1024) -> AsyncIterator[bytes]:
+    """The bytes of ``path`` in pieces, read off the event loop."""
+    with open(path, "rb") as f:
+        while chunk := await asyncio.to_thread(f.read, size):
+            yield chunk
 
 
 class Handoff:
@@ -99,6 +109,28 @@ class Handoff:
             )
         finally:
             self.done(path)
+
+    async def receive(self, chunks: AsyncIterator[bytes]) -> InResult:
+        """Receive an archive into Incoming/ (bounded), import it, remove it."""
+        path = self.incoming_file()
+        received = 0
+        try:
+            with open(path, "xb") as out:
+                os.chmod(path, 0o600)
+                async for chunk in chunks:
+                    received += len(chunk)
+                    if received > MAX_IMPORT_BYTES:
+                        raise InvalidArgument(
+                            "archive", f"larger than {MAX_IMPORT_BYTES // 1024**3} GiB"
+                        )
+                    out.write(chunk)
+        except BaseException:
+            self.done(path)
+            raise
+        if not received:
+            self.done(path)
+            raise InvalidArgument("archive", "empty: send the .tar.gz's bytes")
+        return await self.import_file(path)
 
     def done(self, path: Path) -> None:
         """The file was read or imported: it goes."""
