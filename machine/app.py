@@ -310,7 +310,7 @@ async def _build_backups(
     target, name, folder = await backup_target(config, ids)
     if folder is not None:
         closing.append(folder)
-    return BackupService(
+    service = BackupService(
         db,
         target,
         target_name=name,
@@ -323,6 +323,11 @@ async def _build_backups(
         metrics=BackupMetrics(metrics.registry) if metrics is not None else None,
         warnings=await asyncio.to_thread(_backup_warnings, config),
     )
+    try:
+        await service.load_last()
+    except AgentsError as e:
+        logger.warning("cannot list the stored backups at start: %s", e)
+    return service
 
 
 @contextlib.asynccontextmanager

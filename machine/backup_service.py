@@ -156,6 +156,8 @@ class BackupService:
         self._last: BackupResult | None = None
         self._last_at: float | None = None
         self._last_check: RestoreCheck | None = None
+        self._last_id = ""
+        self._last_bytes = 0
 
     def engine_for(self, target: BackupTarget, machine_id: str) -> BackupEngine:
         """An engine on ``target`` reading ``machine_id``'s backups (a copied backup
@@ -194,6 +196,7 @@ class BackupService:
                 self._metrics.backups.labels("failed").inc()
             raise
         self._last, self._last_at = result, self._clock()
+        self._last_id, self._last_bytes = result.backup_id, result.stored_bytes
         if self._metrics:
             self._metrics.backups.labels("ok").inc()
             self._metrics.last_success.set(self._last_at)
@@ -201,6 +204,17 @@ class BackupService:
             self._metrics.uploaded_bytes.inc(result.uploaded_bytes)
             self._metrics.stored_bytes.set(result.stored_bytes)
         return result
+
+    async def load_last(self) -> None:
+        """Take the newest stored backup as the last success (at start: a restarted
+        daemon must not look as if it never backed up, which fires BackupTooOld)."""
+        for info, manifest in reversed(await self.engine.list()):
+            if manifest is not None:
+                self._last_at = manifest.created_at
+                self._last_id, self._last_bytes = info.backup_id, info.size
+                if self._metrics:
+                    self._metrics.last_success.set(manifest.created_at)
+                return
 
     async def restore_check(self) -> RestoreCheck:
         """Open the newest backup, authenticate every chunk, compare with the live data.
@@ -294,7 +308,6 @@ class BackupService:
                 logger.exception("the daily backup failed; the next one runs tomorrow")
 
     def status(self) -> BackupStatus:
-        last = self._last
         warnings = list(self._warnings)
         if self._keys.recovery_public_key is None:
             warnings.append(
@@ -305,8 +318,8 @@ class BackupService:
             target=self.target_name,
             keep=self.engine.keep,
             last_backup_at=self._last_at,
-            last_backup_id=last.backup_id if last else "",
-            last_backup_bytes=last.stored_bytes if last else 0,
+            last_backup_id=self._last_id,
+            last_backup_bytes=self._last_bytes,
             next_run_at=self.next_run(),
             last_check=self._last_check,
             recovery_key=self._keys.recovery_public_key is not None,

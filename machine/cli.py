@@ -389,7 +389,7 @@ def _backup_detail(b: pb.BackupStatus) -> list[tuple[str, str]]:
     last = (
         f"{b.last_backup_id} at {_when(b.last_backup_at)}, {_human(b.last_backup_bytes)}"
         if b.last_backup_id
-        else "none since the daemon started (see `backup list`)"
+        else "none yet"
     )
     check = "not run since the daemon started"
     if b.HasField("last_check_at"):
