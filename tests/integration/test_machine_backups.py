@@ -237,6 +237,31 @@ def test_sigkill_during_a_backup_leaves_kept_backups_whole(
         (newest,) = _backup_ids(data)
         assert newest != first
         _ok(run_cli(data, "backup", "verify", newest, timeout=300))
+        # Now kill it as the next backup's manifest lands: the prune of `newest` runs then.
+        _big_agents(proc.target, work, agents=10, prompt_bytes=500_000)
+        child = subprocess.Popen(
+            [str(AGENTS_MACHINE), "--data-dir", str(data), "backup", "now"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            poll_until(
+                lambda: len(list((data / "backups" / "manifests").glob("*.sealed"))) >= 2,
+                deadline=120,
+                step=0.002,
+                what="the next backup's manifest",
+            )
+            proc.kill()
+        finally:
+            child.wait(timeout=30)
+    with proc:
+        kept = _backup_ids(data)
+        assert 1 <= len(kept) <= 2  # the old one, the new one, or both (before prune)
+        for backup_id in kept:
+            _ok(run_cli(data, "backup", "verify", backup_id, timeout=300))
+        _ok(run_cli(data, "backup", "now", timeout=300))
+        (last,) = _backup_ids(data)
+        _ok(run_cli(data, "backup", "verify", last, timeout=300))
 
 
 def _tar_gz(entries: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
