@@ -336,7 +336,7 @@ class MachineConfig:
                 "backup_keep", "AGENTS_MACHINE_BACKUP_KEEP", DEFAULT_BACKUP_KEEP, _parse_keep
             ),
             backup_time=src.get("backup_time", "AGENTS_MACHINE_BACKUP_TIME", DEFAULT_BACKUP_TIME),
-            backup_dir=Path(backup_dir).expanduser().absolute() if backup_dir else None,
+            backup_dir=Path(backup_dir).expanduser() if backup_dir else None,
             claude_home=default_claude_home(env, home),
             codex_home=default_codex_home(env, home),
         )
