@@ -110,9 +110,19 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
             assert b"remember the number" not in path.read_bytes()
     shutil.rmtree(data)
 
-    with machine_proc():
-        # Without the recovery key, a new machine's own key does not open it.
+    proc = machine_proc()
+    with proc:
+        # Without the recovery key, a new machine's own key does not open it; nor does
+        # another recovery key.
         _refused(run_cli(data, "backup", "restore", ids[0], "--from", str(copy)), 1)
+        wrong = tmp_path / "wrong.key"
+        wrong.write_text(_ok(run_cli(data, "backup", "recovery-key")))
+        line = _refused(
+            run_cli(data, "backup", "restore", ids[0], "--from", str(copy), "--recovery-key",
+                    str(wrong)),
+            1,
+        )  # fmt: skip
+        assert "not sealed to this key" in line
         assert _agents(data) == []
         restored = _ok(
             run_cli(
@@ -134,6 +144,9 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
             )
         )  # fmt: skip
         assert f"skipped {len(agents)} already on this machine" in again
+        proc.stop()
+    # The private key never reaches the daemon's log.
+    assert key not in proc.log()
 
 
 def test_a_tampered_backup_is_refused_and_changes_nothing(
@@ -319,6 +332,12 @@ def test_export_then_import_on_another_daemon_skips_existing(
         _ok(run_cli(a_data, "export", *agents, "-o", str(archive)))
         assert list((a_data / "Outgoing").iterdir()) == []
         _refused(run_cli(a_data, "export", agents[0], "-o", str(archive)), 2, "exists")
+        by_folder = tmp_path / "folder.tar.gz"
+        _ok(run_cli(a_data, "export", "--folder", str(tmp_path / "work"), "-o", str(by_folder)))
+        with tarfile.open(by_folder) as tar:
+            manifest = json.loads(tar.extractfile("manifest.json").read())  # type: ignore[union-attr]
+        assert sorted(a["agent_id"] for a in manifest["agents"]) == sorted(agents)
+        _refused(run_cli(a_data, "export", "-o", str(tmp_path / "none.tar.gz")), 2, "AGENT")
     b_data = tmp_path / "b" / "data"
     with MachineProc(b_data) as b:
         first = json.loads(_ok(run_cli(b_data, "--json", "import", str(archive))))
