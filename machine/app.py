@@ -20,19 +20,25 @@ from pathlib import Path
 from machine import identity, store
 from machine.agents import AgentsService
 from machine.attachments import AttachmentStore, remove_partial_uploads
+from machine.backup import BackupEngine
+from machine.backup_keys import BackupKeys, load_backup_keys
+from machine.backup_service import BackupMetrics, BackupService, parse_daily_time, same_device
 from machine.config import MachineConfig
 from machine.db import Database
 from machine.dbfaults import CheckResult
+from machine.handoff import Handoff
 from machine.metrics import MachineMetrics
 from machine.models import MachineIds
 from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry, default_registry
 from machine.streams import StreamLimits
 from shared.atomic import ensure_private_dir
-from shared.errors import AgentsError
-from shared.ids import new_id
+from shared.backup_target import BackupTarget, StoreTarget
+from shared.errors import AgentsError, InvalidArgument, InvalidId, InvalidState, NotFound
+from shared.ids import new_id, validate_id
+from shared.store.folder import FolderStore
 
-__all__ = ["Machine", "MachineStatus", "open_machine"]
+__all__ = ["Machine", "MachineStatus", "backup_target", "folder_backup_target", "open_machine"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +75,8 @@ class Machine:
     started_at: float
     streams: StreamLimits
     metrics: MachineMetrics | None = None
+    backups: BackupService | None = None
+    handoff: Handoff | None = None
 
     @property
     def machine_id(self) -> str:
@@ -114,11 +122,44 @@ class Machine:
             self.metrics.observe_check("full", result.ok, result.seconds)
         return result
 
+    def require_backups(self) -> BackupService:
+        """The backup service (always built by :func:`open_machine`)."""
+        if self.backups is None:
+            raise InvalidState("backups", "this machine was opened without backups")
+        return self.backups
+
+    def require_handoff(self) -> Handoff:
+        """Exports and imports (always built by :func:`open_machine`)."""
+        if self.handoff is None:
+            raise InvalidState("export", "this machine was opened without Outgoing/Incoming")
+        return self.handoff
+
+    @contextlib.asynccontextmanager
+    async def backups_at(self, from_dir: str = "") -> AsyncIterator[BackupEngine]:
+        """The engine on the configured target, or on the backup folder ``from_dir``
+        (a copied backup dir, perhaps of a lost machine: its ``machine.json`` says whose)."""
+        service = self.require_backups()
+        if not from_dir:
+            yield service.engine
+            return
+        folder = Path(from_dir)
+        if not folder.is_absolute() or not folder.is_dir():
+            raise InvalidArgument("from_dir", f"{from_dir[:200]!r} is not an existing folder")
+        target, folder_store = await folder_backup_target(folder)
+        try:
+            machine_id = await _read_backup_owner(folder_store, folder)
+            yield service.engine_for(target, machine_id)
+        finally:
+            await folder_store.close()
+
     async def prune(self) -> int:
         """Delete machine log entries older than the retention; return how many."""
         cutoff = time.time() - self.config.event_retention_days * 86400
 
-        return await self.db.write(lambda c: store.prune_log(c, cutoff))
+        removed = await self.db.write(lambda c: store.prune_log(c, cutoff))
+        if self.handoff is not None:
+            await self.handoff.sweep()
+        return removed
 
 
 # Settings keys: the id made with the database (never changes), every id this
@@ -195,6 +236,100 @@ async def _prune_loop(machine: Machine) -> None:
         await asyncio.sleep(_PRUNE_EVERY)
 
 
+#: In a backup folder: whose backups it holds (manifests are sealed with that id).
+_OWNER_KEY = "machine.json"
+
+
+async def _read_backup_owner(folder_store: FolderStore, folder: Path) -> str:
+    try:
+        record = json.loads(await folder_store.get(_OWNER_KEY))
+        return validate_id("machine", record["machine_id"], "machine_id")
+    except NotFound:
+        raise InvalidArgument(
+            "from_dir", f"{folder} is not a backup folder (no {_OWNER_KEY})"
+        ) from None
+    except (ValueError, KeyError, TypeError, InvalidId):
+        raise InvalidArgument("from_dir", f"{folder}/{_OWNER_KEY} is damaged") from None
+
+
+async def _record_backup_owner(folder_store: FolderStore, folder: Path, machine_id: str) -> None:
+    """Name the machine whose backups ``folder`` holds, so a copy restores elsewhere."""
+    try:
+        owner = await _read_backup_owner(folder_store, folder)
+    except InvalidArgument:
+        owner = ""
+    if owner and owner != machine_id:
+        logger.warning(
+            "backup folder %s holds machine %s's backups; this machine is %s",
+            folder,
+            owner,
+            machine_id,
+        )
+        return
+    if not owner:
+        await folder_store.put(_OWNER_KEY, json.dumps({"machine_id": machine_id}).encode())
+
+
+async def folder_backup_target(folder: Path) -> tuple[BackupTarget, FolderStore]:
+    """A backup target in ``folder`` (a stand-alone machine's, or a copied backup dir)."""
+    store_ = await FolderStore.open(folder)
+    return StoreTarget(store_), store_
+
+
+async def backup_target(
+    config: MachineConfig, ids: MachineIds
+) -> tuple[BackupTarget, str, FolderStore | None]:
+    """The machine's backup target, a name for ``status``, and what to close at stop.
+
+    Stand-alone: the folder ``config.backups_dir``. Joined: the control plane
+    (``ControlPlaneTarget``) once its backup RPCs are wired; until then the
+    folder too. The one place that chooses the target.
+    """
+    target, folder = await folder_backup_target(config.backups_dir)
+    await _record_backup_owner(folder, config.backups_dir, ids.canonical)
+    return target, f"folder {config.backups_dir}", folder
+
+
+def _backup_warnings(config: MachineConfig) -> tuple[str, ...]:
+    if same_device(config.backups_dir, config.data_dir):
+        return (
+            f"the backup folder {config.backups_dir} is on the same device as the data: "
+            "a failed disk loses both (set backup_dir to another disk)",
+        )
+    return ()
+
+
+async def _build_backups(
+    config: MachineConfig,
+    db: Database,
+    ids: MachineIds,
+    metrics: MachineMetrics | None,
+    closing: list[FolderStore],
+) -> BackupService:
+    keys: BackupKeys = await asyncio.to_thread(load_backup_keys, config.data_dir)
+    target, name, folder = await backup_target(config, ids)
+    if folder is not None:
+        closing.append(folder)
+    service = BackupService(
+        db,
+        target,
+        target_name=name,
+        machine_id=ids.canonical,
+        keys=keys,
+        data_dir=config.data_dir,
+        attachments_dir=config.attachments_dir,
+        keep=config.backup_keep,
+        daily_at=parse_daily_time(config.backup_time),
+        metrics=BackupMetrics(metrics.registry) if metrics is not None else None,
+        warnings=await asyncio.to_thread(_backup_warnings, config),
+    )
+    try:
+        await service.load_last()
+    except AgentsError as e:
+        logger.warning("cannot list the stored backups at start: %s", e)
+    return service
+
+
 @contextlib.asynccontextmanager
 async def open_machine(
     config: MachineConfig,
@@ -221,6 +356,7 @@ async def open_machine(
         if db.open_check is not None:
             metrics.observe_check("quick", db.open_check.ok, db.open_check.seconds)
     loops: list[asyncio.Task[None]] = []
+    closing: list[FolderStore] = []
     engine: RunEngine | None = None
     try:
         joined, link_id = await asyncio.to_thread(_joined_id, config.data_dir)
@@ -239,6 +375,13 @@ async def open_machine(
             prompt_limit=config.prompt_limit,
             metrics=metrics,
         )
+        handoff = Handoff(
+            db,
+            machine_id=ids.canonical,
+            attachments_dir=config.attachments_dir,
+            outgoing=config.outgoing_dir,
+            incoming=config.incoming_dir,
+        )
         machine = Machine(
             config=config,
             db=db,
@@ -254,7 +397,11 @@ async def open_machine(
                 metrics=metrics,
             ),
             metrics=metrics,
+            backups=await _build_backups(config, db, ids, metrics, closing),
+            handoff=handoff,
         )
+        # Exports and imports a killed daemon left behind for over an hour go now.
+        await handoff.sweep()
         interrupted = await engine.start()
         if interrupted:
             logger.warning(
@@ -263,6 +410,10 @@ async def open_machine(
         if config.background_loops:
             loops.append(asyncio.create_task(_prune_loop(machine), name="machine-log-prune"))
             loops.append(asyncio.create_task(_check_loop(machine), name="machine-db-check"))
+            if machine.backups is not None:
+                loops.append(
+                    asyncio.create_task(machine.backups.run_daily(), name="machine-backup-daily")
+                )
         yield machine
     finally:
         for loop in loops:
@@ -270,4 +421,6 @@ async def open_machine(
         await asyncio.gather(*loops, return_exceptions=True)
         if engine is not None:
             await engine.close(config.shutdown_grace_seconds)
+        for folder in closing:
+            await folder.close()
         await db.close()

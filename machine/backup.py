@@ -211,6 +211,10 @@ class BackupEngine:
         self._clock = clock
         self._lock = asyncio.Lock()
 
+    def seal_to(self, recipients: list[bytes]) -> None:
+        """Seal later manifests to ``recipients`` (a recovery key was just made)."""
+        self._recipients = list(recipients)
+
     # -- cache ---------------------------------------------------------------
 
     def _load_cache(self) -> dict[str, dict[str, Any]]:

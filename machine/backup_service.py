@@ -11,6 +11,7 @@ show: last backup, next run, last restore check.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -24,7 +25,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from machine.backup import BackupEngine, BackupResult, Progress, VerifyResult
-from machine.backup_keys import BackupKeys
+from machine.backup_keys import BackupKeys, new_standalone_recovery_key
 from machine.db import Database
 from machine.store import export as store_export
 from machine.transfer import DatabaseBackupSource, InResult, restore_fetched
@@ -150,20 +151,38 @@ class BackupService:
         self._clock = clock
         self.daily_at = daily_at
         self._warnings = warnings
-        self.engine = BackupEngine(
-            DatabaseBackupSource(db, attachments_dir, self._work),
-            target,
-            machine_id=machine_id,
-            naming_key=keys.naming_key,
-            recipients=keys.recipients,
-            keypair=keys.keypair,
-            work_dir=self._work,
-            keep=keep,
-            clock=clock,
-        )
+        self._keep = keep
+        self.engine = self.engine_for(target, machine_id)
         self._last: BackupResult | None = None
         self._last_at: float | None = None
         self._last_check: RestoreCheck | None = None
+        self._last_id = ""
+        self._last_bytes = 0
+
+    def engine_for(self, target: BackupTarget, machine_id: str) -> BackupEngine:
+        """An engine on ``target`` reading ``machine_id``'s backups (a copied backup
+        folder of another machine, for restore and verify)."""
+        return BackupEngine(
+            DatabaseBackupSource(self._db, self._attachments, self._work),
+            target,
+            machine_id=machine_id,
+            naming_key=self._keys.naming_key,
+            recipients=self._keys.recipients,
+            keypair=self._keys.keypair,
+            work_dir=self._work,
+            keep=self._keep,
+            clock=self._clock,
+        )
+
+    def create_recovery_key(self) -> BoxKeyPair:
+        """Make a stand-alone machine's recovery key pair; later backups are sealed to it.
+
+        The caller shows the private half once; only the public half is kept.
+        """
+        pair = new_standalone_recovery_key(self._data_dir)
+        self._keys = dataclasses.replace(self._keys, recovery_public_key=pair.public_key)
+        self.engine.seal_to(self._keys.recipients)
+        return pair
 
     # -- making and checking -------------------------------------------------
 
@@ -177,6 +196,7 @@ class BackupService:
                 self._metrics.backups.labels("failed").inc()
             raise
         self._last, self._last_at = result, self._clock()
+        self._last_id, self._last_bytes = result.backup_id, result.stored_bytes
         if self._metrics:
             self._metrics.backups.labels("ok").inc()
             self._metrics.last_success.set(self._last_at)
@@ -184,6 +204,17 @@ class BackupService:
             self._metrics.uploaded_bytes.inc(result.uploaded_bytes)
             self._metrics.stored_bytes.set(result.stored_bytes)
         return result
+
+    async def load_last(self) -> None:
+        """Take the newest stored backup as the last success (at start: a restarted
+        daemon must not look as if it never backed up, which fires BackupTooOld)."""
+        for info, manifest in reversed(await self.engine.list()):
+            if manifest is not None:
+                self._last_at = manifest.created_at
+                self._last_id, self._last_bytes = info.backup_id, info.size
+                if self._metrics:
+                    self._metrics.last_success.set(manifest.created_at)
+                return
 
     async def restore_check(self) -> RestoreCheck:
         """Open the newest backup, authenticate every chunk, compare with the live data.
@@ -226,16 +257,22 @@ class BackupService:
     # -- restoring -----------------------------------------------------------
 
     async def restore(
-        self, backup_id: str, *, recovery: BoxKeyPair | None = None, erased: set[str] | None = None
+        self,
+        backup_id: str,
+        *,
+        recovery: BoxKeyPair | None = None,
+        erased: set[str] | None = None,
+        engine: BackupEngine | None = None,
     ) -> InResult:
         """Restore a backup's agents (archived), skipping existing and erased ones.
 
         ``recovery`` opens a backup made by another machine's key (the disk is
-        gone); without it the machine's own key is used.
+        gone); without it the machine's own key is used. ``engine`` reads
+        another target (:meth:`engine_for`).
         """
         stage = self._work / f".restore-{os.getpid()}-{int(self._clock() * 1000)}"
         try:
-            fetched = await self.engine.fetch(backup_id, stage, recovery)
+            fetched = await (engine or self.engine).fetch(backup_id, stage, recovery)
             return await restore_fetched(
                 self._db, fetched, attachments_dir=self._attachments, erased=erased or set()
             )
@@ -271,7 +308,6 @@ class BackupService:
                 logger.exception("the daily backup failed; the next one runs tomorrow")
 
     def status(self) -> BackupStatus:
-        last = self._last
         warnings = list(self._warnings)
         if self._keys.recovery_public_key is None:
             warnings.append(
@@ -282,8 +318,8 @@ class BackupService:
             target=self.target_name,
             keep=self.engine.keep,
             last_backup_at=self._last_at,
-            last_backup_id=last.backup_id if last else "",
-            last_backup_bytes=last.stored_bytes if last else 0,
+            last_backup_id=self._last_id,
+            last_backup_bytes=self._last_bytes,
             next_run_at=self.next_run(),
             last_check=self._last_check,
             recovery_key=self._keys.recovery_public_key is not None,

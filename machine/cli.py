@@ -14,6 +14,7 @@ import logging
 import os
 import shlex
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -43,7 +44,9 @@ from shared.cli import (
     message_dict,
     read_stdin_text,
     run_main,
+    stdout_writable,
 )
+from shared.crypto import encode_private_key
 from shared.errors import (
     AgentsError,
     ConfigError,
@@ -55,6 +58,7 @@ from shared.errors import (
 from shared.ids import validate_id
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
+from shared.recovery_key import read_recovery_key
 from shared.rpc import rpc_errors
 from shared.timestamps import to_datetime
 
@@ -343,6 +347,7 @@ _ID_ARGS: dict[str, tuple[str, str]] = {
     "id": ("agent", "agent_id"),
     "agent": ("agent", "agent_id"),
     "run_id": ("run", "run_id"),
+    "backup_id": ("backup", "backup_id"),
 }
 
 
@@ -374,9 +379,31 @@ async def _cmd_status(ctx: _Ctx) -> int:
                 ("runs", f"{st.open_runs} open, {st.waiting_runs} waiting for a person"),
                 ("runtimes", ", ".join(st.runtimes)),
                 ("schema", str(st.schema_version)),
+                *_backup_detail(st.backup),
             ]
         ),
     )
+
+
+def _backup_detail(b: pb.BackupStatus) -> list[tuple[str, str]]:
+    last = (
+        f"{b.last_backup_id} at {_when(b.last_backup_at)}, {_human(b.last_backup_bytes)}"
+        if b.last_backup_id
+        else "none yet"
+    )
+    check = "not run since the daemon started"
+    if b.HasField("last_check_at"):
+        check = f"{'ok' if b.last_check_ok else 'FAILED'} at {_when(b.last_check_at)}"
+        if b.last_check_problem:
+            check += f": {b.last_check_problem}"
+    pairs = [
+        ("backup target", f"{b.target} (keep {b.keep})"),
+        ("last backup", last),
+        ("next backup", _when(b.next_run_at)),
+        ("restore check", check),
+        ("recovery key", "yes" if b.recovery_key else "none"),
+    ]
+    return pairs + [("warning", w) for w in b.warnings]
 
 
 async def _cmd_check(ctx: _Ctx) -> int:
@@ -541,6 +568,217 @@ async def _agent_search(ctx: _Ctx) -> int:
     )
 
 
+# ---------------------------------------------------------------- backups
+
+
+class _Bar:
+    """A rich progress bar on a terminal (stderr), nothing otherwise (scripts, --json)."""
+
+    def __init__(self, out: Output, what: str) -> None:
+        self._bar: Any = None
+        self._task: Any = None
+        self._what = what
+        if not out.as_json and sys.stderr.isatty():
+            from rich.progress import Progress  # imported late: only on a terminal
+
+            self._bar = Progress(transient=True)
+
+    def __enter__(self) -> _Bar:
+        if self._bar is not None:
+            self._bar.start()
+            self._task = self._bar.add_task(self._what, total=None)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        if self._bar is not None:
+            self._bar.update(
+                self._task, description=f"{self._what}: {stage}", completed=done, total=total
+            )
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
+
+
+def _when(ts: Any) -> str:
+    return to_datetime(ts).astimezone().strftime("%Y-%m-%d %H:%M:%S") if ts.seconds else "-"
+
+
+def _recovery_text(args: argparse.Namespace) -> str:
+    """The private key of ``--recovery-key FILE`` as text (sent over the local socket)."""
+    if not getattr(args, "recovery_key", None):
+        return ""
+    return encode_private_key(read_recovery_key(Path(args.recovery_key)).private_key)
+
+
+def _from_dir(args: argparse.Namespace) -> str:
+    folder = getattr(args, "from_dir", None)
+    if not folder:
+        return ""
+    path = Path(folder).expanduser().absolute()
+    if not path.is_dir():
+        raise UsageError(f"--from: {folder} is not a folder")
+    return str(path)
+
+
+async def _backup_now(ctx: _Ctx) -> int:
+    done: pb.Backup | None = None
+    async with _client(ctx.cfg) as stub:
+        with _Bar(ctx.out, "backing up") as bar:
+            async for update in stub.BackupNow(pb.BackupNowRequest()):
+                if update.HasField("progress"):
+                    p = update.progress
+                    bar.update(p.stage, p.done, p.total)
+                else:
+                    done = update.backup
+    if done is None:
+        raise TransientError("backup now: the daemon ended the call without a result")
+    b = done
+    text = (
+        f"{b.id}: {b.segments} segments ({b.uploaded_segments} new, "
+        f"{_human(b.uploaded_bytes)} sent), {_human(b.size_bytes)} stored"
+    )
+    pruned = f"pruned {', '.join(b.pruned)}" if b.pruned else ""
+    return _show(ctx.out, b, lambda: ctx.out.lines(text, *([pruned] if pruned else [])))
+
+
+async def _backup_list(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        listed = await stub.ListBackups(pb.ListBackupsRequest(from_dir=_from_dir(ctx.args)))
+    rows = [
+        [b.id, _when(b.created_at), str(b.agents) if b.opens else "?",
+         str(b.segments) if b.opens else "?", "yes" if b.opens else "no (another key)"]
+        for b in listed.backups
+    ]  # fmt: skip
+    columns = [Column("backup", whole=True), Column("created", whole=True), Column("agents")]
+    return _show(
+        ctx.out,
+        listed,
+        lambda: ctx.out.table([*columns, Column("segments"), Column("opens")], rows),
+    )
+
+
+async def _backup_verify(ctx: _Ctx) -> int:
+    args = ctx.args
+    req = pb.VerifyBackupRequest(
+        backup_id=args.backup_id,
+        from_dir=_from_dir(args),
+        recovery_private_key=_recovery_text(args),
+    )
+    async with _client(ctx.cfg) as stub:
+        with _Bar(ctx.out, "verifying"):
+            reply = await stub.VerifyBackup(req)
+    text = (
+        f"{args.backup_id}: ok, {reply.segments} segments, "
+        f"{_human(reply.plain_bytes)} authenticated in {reply.duration_ms / 1000:.1f} s"
+    )
+    return _show(ctx.out, reply, lambda: ctx.out.lines(text))
+
+
+async def _backup_restore(ctx: _Ctx) -> int:
+    args = ctx.args
+    req = pb.RestoreRequest(
+        backup_id=args.backup_id,
+        from_dir=_from_dir(args),
+        recovery_private_key=_recovery_text(args),
+    )
+    async with _client(ctx.cfg) as stub:
+        with _Bar(ctx.out, "restoring"):
+            reply = await stub.Restore(req)
+    lines = [f"restored {len(reply.restored)} agents (archived; `agent unarchive ID` to run one)"]
+    if reply.skipped:
+        lines.append(f"skipped {len(reply.skipped)} already on this machine")
+    if reply.skipped_erased:
+        lines.append(f"skipped {len(reply.skipped_erased)} erased")
+    return _show(ctx.out, reply, lambda: ctx.out.lines(*lines))
+
+
+async def _backup_recovery_key(ctx: _Ctx) -> int:
+    if not stdout_writable():
+        raise UsageError(
+            "backup recovery-key: stdout is not writable, so the key it prints only once "
+            "would be lost; nothing was made"
+        )
+    async with _client(ctx.cfg) as stub:
+        reply = await stub.CreateRecoveryKey(pb.CreateRecoveryKeyRequest())
+    if ctx.out.as_json:
+        ctx.out.json({"private_key": reply.private_key, "public_key": reply.public_key})
+    else:
+        ctx.out.lines(reply.private_key)
+    ctx.out.note(
+        "This recovery key is shown once and not stored anywhere on this machine.",
+        "Keep it offline (a password manager or paper), away from this disk: with it, "
+        "backups restore on a new machine after this one is lost.",
+        "Save it to a file and restore with "
+        f"`{ctx.prog} backup restore ID --from DIR --recovery-key FILE`.",
+        "Backups made from now on are sealed to it; `backup now` makes one.",
+    )
+    return ExitCode.OK
+
+
+async def _cmd_export(ctx: _Ctx) -> int:
+    args = ctx.args
+    ids = [validate_id("agent", a, "agent_id") for a in args.agents]
+    folder = str(Path(args.folder).expanduser().absolute()) if args.folder else ""
+    if not ids and not folder:
+        raise UsageError(
+            "export: name agents (AGENT…) or --folder F", f"{ctx.prog} agent list --all"
+        )
+    dest = Path(args.output or f"agents-export-{time.strftime('%Y%m%d-%H%M%S')}.tar.gz").absolute()
+    if dest.exists():
+        raise UsageError(f"export: {dest} exists; refusing to overwrite it")
+    tmp = dest.with_name(f".{dest.name}.part")
+    try:
+        async with _client(ctx.cfg) as stub:
+            with _Bar(ctx.out, "exporting"), open(tmp, "wb") as f:
+                async for chunk in stub.Export(pb.ExportRequest(agent_ids=ids, folder=folder)):
+                    f.write(chunk.data)
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, dest)  # the export is whole at dest, or absent
+    except OSError as e:
+        raise UsageError(f"export: cannot write {dest}: {e.strerror}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    if ctx.out.as_json:
+        ctx.out.json({"file": str(dest), "size": dest.stat().st_size})
+    else:
+        ctx.out.lines(str(dest))
+    return ExitCode.OK
+
+
+async def _cmd_import(ctx: _Ctx) -> int:
+    path = Path(ctx.args.file)
+    try:
+        handle = path.open("rb")
+    except OSError as e:
+        raise UsageError(f"import: cannot read {path}: {e.strerror}") from None
+
+    async def chunks() -> AsyncIterator[pb.ImportChunk]:
+        with handle:
+            while chunk := handle.read(_CHUNK):
+                yield pb.ImportChunk(data=chunk)
+
+    async with _client(ctx.cfg) as stub:
+        with _Bar(ctx.out, "importing"):
+            reply = await stub.Import(chunks())
+    lines = [f"imported {len(reply.imported)} agents (archived)"]
+    if reply.skipped:
+        lines.append(f"skipped {len(reply.skipped)} already on this machine")
+    if reply.skipped_erased:
+        lines.append(f"skipped {len(reply.skipped_erased)} erased")
+    return _show(ctx.out, reply, lambda: ctx.out.lines(*lines))
+
+
 def _config(args: argparse.Namespace, env: dict[str, str], home: Path) -> MachineConfig:
     flags = {
         "data_dir": args.data_dir,
@@ -627,11 +865,19 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("agent", "answer"): _agent_answer,
     ("agent", "runs"): _agent_runs,
     ("agent", "search"): _agent_search,
+    ("backup", "now"): _backup_now,
+    ("backup", "list"): _backup_list,
+    ("backup", "verify"): _backup_verify,
+    ("backup", "restore"): _backup_restore,
+    ("backup", "recovery-key"): _backup_recovery_key,
+    ("export", None): _cmd_export,
+    ("import", None): _cmd_import,
 }
 
 
 # ---------------------------------------------------------------- parser
 
+_FROM = "a backup folder other than the configured one (a copied backup dir)"
 _AGENT_ID = "the agent's id (ag_…; see `agent list --all`)"
 _LIMIT = bounded_int(1, INT32_MAX)
 
@@ -724,6 +970,42 @@ def _parser() -> CliParser:
     se.add_argument("query", nargs="+", help="words to find")
     se.add_argument("--agent", help="only this agent")
     se.add_argument("--limit", type=_LIMIT, default=20, help="at most this many (default 20)")
+
+    b = sub.add_parser(
+        "backup", parents=[common], help="sealed backups: make, list, verify, restore"
+    )
+    bverbs = b.add_subparsers(dest="verb", parser_class=CliParser)
+    bverbs.add_parser("now", parents=[common], help="back up now (then prune and check)")
+    bl = bverbs.add_parser("list", parents=[common], help="backups at the target, newest first")
+    bl.add_argument("--from", dest="from_dir", metavar="DIR", help=_FROM)
+    for verb, text in (
+        ("verify", "open a backup and authenticate every segment"),
+        ("restore", "restore a backup's agents (archived), skipping existing ones"),
+    ):
+        bv = bverbs.add_parser(verb, parents=[common], help=text)
+        bv.add_argument("backup_id", metavar="ID", help="the backup's id (bk_…; see `backup list`)")
+        bv.add_argument("--from", dest="from_dir", metavar="DIR", help=_FROM)
+        bv.add_argument(
+            "--recovery-key",
+            metavar="FILE",
+            help="a recovery key file, for a backup made with another machine's key",
+        )
+    bverbs.add_parser(
+        "recovery-key",
+        parents=[common],
+        help="make this stand-alone machine's recovery key; prints the private half once",
+    )
+    ex = sub.add_parser("export", parents=[common], help="export agents as a .tar.gz")
+    ex.add_argument("agents", nargs="*", metavar="AGENT", help="agents to export (ag_…)")
+    ex.add_argument("--folder", help="export every agent working in this folder")
+    ex.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="the file to write (default ./agents-export-TIME.tar.gz)",
+    )
+    im = sub.add_parser("import", parents=[common], help="import a .tar.gz export (archived)")
+    im.add_argument("file", metavar="FILE", help="the export to import")
     return p
 
 

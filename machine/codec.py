@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import logging
 
+from machine.backup import BackupResult
+from machine.backup_format import BackupManifest
+from machine.backup_service import BackupStatus
 from machine.models import (
     AgentRecord,
     AgentState,
@@ -18,6 +21,9 @@ from machine.models import (
     SearchHit,
     StoredEvent,
 )
+from shared.backup_target import ManifestInfo
+from shared.crypto import BoxKeyPair, decode_private_key
+from shared.errors import InvalidArgument
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.timestamps import from_seconds
 
@@ -160,4 +166,76 @@ def hit_to_pb(hit: SearchHit) -> pb.SearchHit:
         seq=hit.seq,
         source=hit.source,
         snippet=hit.snippet,
+    )
+
+
+_ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
+
+
+def _backup_time(backup_id: str) -> float:
+    """When a backup was made, from its id (its first ten characters are the time in ms)."""
+    ms = 0
+    for ch in backup_id.partition("_")[2][:10]:
+        ms = ms * 32 + _ID_ALPHABET.index(ch)
+    return ms / 1000
+
+
+def backup_result_to_pb(result: BackupResult) -> pb.Backup:
+    """A backup just made."""
+    return pb.Backup(
+        id=result.backup_id,
+        created_at=from_seconds(_backup_time(result.backup_id)),
+        uploaded_bytes=result.uploaded_bytes,
+        size_bytes=result.stored_bytes,
+        segments=result.segments,
+        uploaded_segments=result.uploaded,
+        opens=True,
+        pruned=list(result.pruned.manifests) if result.pruned else [],
+    )
+
+
+def backup_info_to_pb(info: ManifestInfo, manifest: BackupManifest | None) -> pb.Backup:
+    """A stored backup; ``manifest`` is None when it does not open with this machine's key."""
+    if manifest is None:
+        return pb.Backup(
+            id=info.backup_id,
+            size_bytes=info.size,
+            opens=False,
+            created_at=from_seconds(_backup_time(info.backup_id)),
+        )
+    return pb.Backup(
+        id=info.backup_id,
+        size_bytes=info.size,
+        opens=True,
+        created_at=from_seconds(manifest.created_at),
+        segments=len(manifest.segments),
+        agents=sum(1 for s in manifest.segments if s.kind == "agent"),
+    )
+
+
+def recovery_key_from_pb(text: str) -> BoxKeyPair | None:
+    """A recovery private key sent by the CLI (never logged), or None when empty."""
+    if not text:
+        return None
+    try:
+        return BoxKeyPair.from_private(decode_private_key(text))
+    except InvalidArgument as e:
+        raise InvalidArgument("recovery_private_key", e.reason) from None
+
+
+def backup_status_to_pb(st: BackupStatus) -> pb.BackupStatus:
+    """What ``status`` shows of backups."""
+    check = st.last_check
+    return pb.BackupStatus(
+        target=st.target,
+        keep=st.keep,
+        last_backup_at=from_seconds(st.last_backup_at) if st.last_backup_at else None,
+        last_backup_id=st.last_backup_id,
+        last_backup_bytes=st.last_backup_bytes,
+        next_run_at=from_seconds(st.next_run_at),
+        last_check_at=from_seconds(check.at) if check else None,
+        last_check_ok=check.ok if check else False,
+        last_check_problem=check.problem if check else "",
+        recovery_key=st.recovery_key,
+        warnings=list(st.warnings),
     )

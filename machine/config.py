@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from machine.backup_service import parse_daily_time
 from machine.runtimes.claude_files import default_claude_home, default_codex_home
 from shared.config import (
     Sources,
@@ -26,7 +27,7 @@ from shared.config import (
     parse_size,
     split_hostport,
 )
-from shared.errors import ConfigError
+from shared.errors import ConfigError, InvalidArgument
 
 __all__ = [
     "DEFAULT_ATTACHMENT_LIMIT",
@@ -44,6 +45,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PROMPT_LIMIT = 1024 * 1024
 DEFAULT_ATTACHMENT_LIMIT = 20 * 1024 * 1024
 DEFAULT_EVENT_RETENTION_DAYS = 7
+DEFAULT_BACKUP_KEEP = 3
+DEFAULT_BACKUP_TIME = "03:30"
 # Unix socket paths are limited to ~107 bytes on Linux (104 on macOS).
 _MAX_SOCKET_PATH = 100
 
@@ -95,7 +98,19 @@ FILE_KEYS: dict[str, tuple[type, ...]] = {
     "max_streams_per_client": (int,),
     "max_streams": (int,),
     "integrity_check_seconds": (int, float),
+    "backup_keep": (int,),
+    "backup_time": (str,),
+    "backup_dir": (str,),
 }
+
+
+def _parse_keep(value: object) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        raise ConfigError(
+            "backup_keep", f"must be a whole number from 1 to 10, got {value!r}"
+        ) from None
 
 
 def parse_hostport(value: str, field: str) -> tuple[str, int]:
@@ -159,6 +174,18 @@ class MachineConfig:
     """A full ``integrity_check`` of machine.db runs this often (default daily; a
     ``quick_check`` runs at every start). Needs ``background_loops``."""
 
+    backup_keep: int = DEFAULT_BACKUP_KEEP
+    """How many backups to keep (1 to 10, default 3); older ones are pruned only
+    after a newer backup succeeded."""
+
+    backup_time: str = DEFAULT_BACKUP_TIME
+    """Local time of day (``HH:MM``, 24-hour) of the daily backup (default 03:30).
+    Needs ``background_loops``."""
+
+    backup_dir: Path | None = None
+    """A stand-alone machine's backup folder; ``None`` means ``<data_dir>/backups``.
+    ``status`` warns when it is on the same device as the data."""
+
     claude_home: Path | None = None
     """Claude Code's folder (``$CLAUDE_CONFIG_DIR`` or ``~/.claude``): deleting a
     Claude session removes its files here. ``None``: the acp runtime's default."""
@@ -180,6 +207,21 @@ class MachineConfig:
     def attachments_dir(self) -> Path:
         """Content-addressed attachments."""
         return self.data_dir / "attachments"
+
+    @property
+    def backups_dir(self) -> Path:
+        """The stand-alone backup folder actually used."""
+        return self.backup_dir or self.data_dir / "backups"
+
+    @property
+    def outgoing_dir(self) -> Path:
+        """Exports waiting to be read (removed once read, or after an hour)."""
+        return self.data_dir / "Outgoing"
+
+    @property
+    def incoming_dir(self) -> Path:
+        """Imports being staged (removed once imported, or after an hour)."""
+        return self.data_dir / "Incoming"
 
     def validate(self) -> MachineConfig:
         """Raise ConfigError naming the first bad field; return self."""
@@ -208,6 +250,23 @@ class MachineConfig:
             raise ConfigError("max_streams", "must be 1 to 100000")
         if not self.integrity_check_seconds > 0:
             raise ConfigError("integrity_check_seconds", "must be more than 0")
+        if (
+            not isinstance(self.backup_keep, int)
+            or isinstance(self.backup_keep, bool)
+            or not 1 <= self.backup_keep <= 10
+        ):
+            raise ConfigError(
+                "backup_keep", f"must be a whole number from 1 to 10, got {self.backup_keep!r}"
+            )
+        try:
+            parse_daily_time(self.backup_time)
+        except InvalidArgument:
+            raise ConfigError(
+                "backup_time",
+                f"must be a local time of day as HH:MM, got {self.backup_time[:16]!r}",
+            ) from None
+        if self.backup_dir is not None and not self.backup_dir.is_absolute():
+            raise ConfigError("backup_dir", f"must be an absolute path, got {self.backup_dir}")
         return self
 
     @classmethod
@@ -236,6 +295,7 @@ class MachineConfig:
             return value
 
         socket = opt("socket_path", "AGENTS_MACHINE_SOCKET")
+        backup_dir = opt("backup_dir", "AGENTS_MACHINE_BACKUP_DIR")
         cfg = cls(
             data_dir=data_dir,
             socket_path=Path(socket).absolute() if socket else None,
@@ -272,6 +332,11 @@ class MachineConfig:
                 86400.0,
                 float,
             ),
+            backup_keep=src.get(
+                "backup_keep", "AGENTS_MACHINE_BACKUP_KEEP", DEFAULT_BACKUP_KEEP, _parse_keep
+            ),
+            backup_time=src.get("backup_time", "AGENTS_MACHINE_BACKUP_TIME", DEFAULT_BACKUP_TIME),
+            backup_dir=Path(backup_dir).expanduser() if backup_dir else None,
             claude_home=default_claude_home(env, home),
             codex_home=default_codex_home(env, home),
         )

@@ -7,6 +7,7 @@ Domain errors raised here are turned into gRPC statuses by
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -17,9 +18,12 @@ import grpc.aio
 
 from machine import codec
 from machine.app import Machine
+from machine.handoff import read_chunks
 from machine.models import StoredEvent
 from machine.version import machine_version
+from shared.crypto import encode_private_key, encode_public_key
 from shared.errors import AgentsError, InvalidArgument
+from shared.ids import validate_id
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from shared.rpc import unimplemented
@@ -68,6 +72,21 @@ async def _drain(parts: AsyncIterator[pb.UploadAttachmentRequest], limit: int) -
                 return
     except Exception as e:  # the client gave up meanwhile: nothing to deliver to
         logger.debug("draining a refused upload stopped: %r", e)
+
+
+#: Backups whose caller left: referenced until they finish.
+_background: set[asyncio.Task[Any]] = set()
+
+
+async def _write_quietly(context: Ctx, message: Any) -> None:
+    try:
+        await context.write(message)
+    except Exception as e:  # the client left; the work goes on
+        logger.debug("progress not delivered: %r", e)
+
+
+def _backup_id(value: str) -> str:
+    return validate_id("backup", value, "backup_id")
 
 
 class MachineServicer(pb_grpc.MachineServiceServicer):
@@ -205,17 +224,115 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
             runtimes=st.runtimes,
             started_at=from_seconds(st.started_at),
             schema_version=st.schema_version,
+            backup=codec.backup_status_to_pb(self._m.backups.status()) if self._m.backups else None,
+        )
+
+    # --------------------------------------------------------------- backups
+
+    async def BackupNow(self, request: pb.BackupNowRequest, context: Ctx) -> None:  # type: ignore[override]
+        service = self._m.require_backups()
+        updates: asyncio.Queue[pb.BackupNowUpdate] = asyncio.Queue()
+
+        def progress(stage: str, done: int, total: int) -> None:
+            updates.put_nowait(
+                pb.BackupNowUpdate(progress=pb.BackupProgress(stage=stage, done=done, total=total))
+            )
+
+        async def run() -> pb.Backup:
+            result = await service.backup_now(progress)
+            await service.restore_check()
+            return codec.backup_result_to_pb(result)
+
+        task = asyncio.create_task(run())
+        try:
+            while not task.done() or not updates.empty():
+                getter = asyncio.ensure_future(updates.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    await _write_quietly(context, getter.result())
+                else:
+                    getter.cancel()
+            await context.write(pb.BackupNowUpdate(backup=task.result()))
+        finally:
+            # A client that goes away does not stop a backup half-way: it finishes.
+            if not task.done():
+                _background.add(task)
+                task.add_done_callback(_background.discard)
+
+    async def ListBackups(
+        self, request: pb.ListBackupsRequest, context: Ctx
+    ) -> pb.ListBackupsResponse:
+        async with self._m.backups_at(request.from_dir) as engine:
+            listed = await engine.list()
+        return pb.ListBackupsResponse(
+            backups=[codec.backup_info_to_pb(info, manifest) for info, manifest in reversed(listed)]
+        )
+
+    async def VerifyBackup(
+        self, request: pb.VerifyBackupRequest, context: Ctx
+    ) -> pb.VerifyBackupResponse:
+        recovery = codec.recovery_key_from_pb(request.recovery_private_key)
+        async with self._m.backups_at(request.from_dir) as engine:
+            result = await engine.verify(_backup_id(request.backup_id), recovery)
+        return pb.VerifyBackupResponse(
+            ok=True,
+            segments=result.segments,
+            plain_bytes=result.plain_bytes,
+            duration_ms=int(result.seconds * 1000),
+        )
+
+    async def Restore(self, request: pb.RestoreRequest, context: Ctx) -> pb.RestoreResponse:
+        recovery = codec.recovery_key_from_pb(request.recovery_private_key)
+        service = self._m.require_backups()
+        async with self._m.backups_at(request.from_dir) as engine:
+            result = await service.restore(
+                _backup_id(request.backup_id), recovery=recovery, engine=engine
+            )
+        return pb.RestoreResponse(
+            restored=result.restored,
+            skipped=result.skipped_existing,
+            skipped_erased=result.skipped_erased,
+            attachments=result.attachments,
+        )
+
+    async def CreateRecoveryKey(
+        self, request: pb.CreateRecoveryKeyRequest, context: Ctx
+    ) -> pb.CreateRecoveryKeyResponse:
+        pair = self._m.require_backups().create_recovery_key()
+        return pb.CreateRecoveryKeyResponse(
+            private_key=encode_private_key(pair.private_key),
+            public_key=encode_public_key(pair.public_key),
+        )
+
+    # ------------------------------------------------------- export / import
+
+    async def Export(self, request: pb.ExportRequest, context: Ctx) -> None:  # type: ignore[override]
+        handoff = self._m.require_handoff()
+        path, _ = await handoff.export(list(request.agent_ids), request.folder)
+        try:
+            async for chunk in read_chunks(path):
+                await context.write(pb.ExportChunk(data=chunk))
+        finally:
+            handoff.done(path)
+
+    async def Import(
+        self, request_iterator: AsyncIterator[pb.ImportChunk], context: Ctx
+    ) -> pb.ImportResponse:
+        async def chunks() -> AsyncIterator[bytes]:
+            async for msg in request_iterator:
+                yield msg.data
+
+        result = await self._m.require_handoff().receive(chunks())
+        return pb.ImportResponse(
+            imported=result.restored,
+            skipped=result.skipped_existing,
+            skipped_erased=result.skipped_erased,
+            attachments=result.attachments,
         )
 
     # RPCs that arrive with later issues.
     DeleteAgent = unimplemented("DeleteAgent", _LATER, what="DeleteAgent (erasure)")
     ListErasures = unimplemented("ListErasures", _LATER)
-    Export = unimplemented("Export", _LATER)
-    Import = unimplemented("Import", _LATER)
-    BackupNow = unimplemented("BackupNow", _LATER)
-    ListBackups = unimplemented("ListBackups", _LATER)
-    VerifyBackup = unimplemented("VerifyBackup", _LATER)
-    Restore = unimplemented("Restore", _LATER)
     CreateSchedule = unimplemented("CreateSchedule", _LATER)
     ListSchedules = unimplemented("ListSchedules", _LATER)
     DeleteSchedule = unimplemented("DeleteSchedule", _LATER)

@@ -30,6 +30,7 @@ from shared.ids import is_valid_id
 __all__ = [
     "AgentDump",
     "agent_markers",
+    "agents_in_folder",
     "attachments_named",
     "dump_agent",
     "existing_agents",
@@ -61,6 +62,13 @@ def existing_agents(conn: sqlite3.Connection, ids: Iterable[str]) -> set[str]:
         marks = ",".join("?" * len(part))
         found |= {r[0] for r in conn.execute(f"SELECT id FROM agents WHERE id IN ({marks})", part)}
     return found
+
+
+def agents_in_folder(conn: sqlite3.Connection, folder: str) -> list[str]:
+    """Ids of every agent (active or archived) working in ``folder``."""
+    return [
+        r[0] for r in conn.execute("SELECT id FROM agents WHERE folder = ? ORDER BY id", (folder,))
+    ]
 
 
 def attachments_named(conn: sqlite3.Connection) -> list[str]:

@@ -81,3 +81,43 @@ def test_every_setting_read_from_the_file_is_a_known_key() -> None:
     read |= set(re.findall(r'opt\("([a-z_]+)"', source))
     assert read, "the pattern still finds the settings"
     assert read - set(FILE_KEYS) == set()
+
+
+def test_backup_settings_defaults_and_file(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    cfg = MachineConfig.build(flags={"data_dir": str(data)}, env={}, home=HOME)
+    assert (cfg.backup_keep, cfg.backup_time) == (3, "03:30")
+    assert cfg.backups_dir == data / "backups"
+    assert cfg.outgoing_dir == data / "Outgoing" and cfg.incoming_dir == data / "Incoming"
+    (data / "machine.toml").write_text(
+        f'backup_keep = 10\nbackup_time = "23:05"\nbackup_dir = "{tmp_path / "b"}"\n'
+    )
+    cfg = MachineConfig.build(flags={"data_dir": str(data)}, env={}, home=HOME)
+    assert (cfg.backup_keep, cfg.backup_time, cfg.backups_dir) == (10, "23:05", tmp_path / "b")
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ("backup_keep = 0", "backup_keep"),
+        ("backup_keep = 11", "backup_keep"),
+        ('backup_keep = "three"', "backup_keep"),
+        ('backup_time = "24:00"', "backup_time"),
+        ('backup_time = "3pm"', "backup_time"),
+        ('backup_dir = "relative/dir"', "backup_dir"),
+    ],
+)
+def test_backup_settings_out_of_range_are_refused(tmp_path: Path, line: str, field: str) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "machine.toml").write_text(line + "\n")
+    with pytest.raises(ConfigError, match=field):
+        MachineConfig.build(flags={"data_dir": str(data)}, env={}, home=HOME)
+
+
+def test_backup_keep_from_env_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="backup_keep.*1 to 10"):
+        MachineConfig.build(
+            flags={"data_dir": str(tmp_path)}, env={"AGENTS_MACHINE_BACKUP_KEEP": "12"}, home=HOME
+        )

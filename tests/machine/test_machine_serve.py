@@ -69,21 +69,23 @@ async def test_serve_until_stopped(tmp_path: Path) -> None:
             status = await stub.Status(pb.StatusRequest())
             assert status.active_agents == 1 and "echo" in status.runtimes
             try:
-                await stub.BackupNow(pb.BackupNowRequest())
-                raise AssertionError("BackupNow should be unimplemented")
+                await stub.ListSchedules(pb.ListSchedulesRequest())
+                raise AssertionError("ListSchedules should be unimplemented")
             except grpc.aio.AioRpcError as e:
                 assert e.code() == grpc.StatusCode.UNIMPLEMENTED
                 assert "later issue" in (e.details() or "")
-            # Streaming stubs answer the same way.
+            # A refused streaming call answers with our status too.
             with pytest.raises(grpc.aio.AioRpcError) as export:
                 _ = [c async for c in stub.Export(pb.ExportRequest())]
-            assert export.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            assert export.value.details() == "Export: arrives with a later issue"
+            assert export.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "at least one agent" in (export.value.details() or "")
         url = f"http://127.0.0.1:{info.metrics_port}/metrics"
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
         text = body.decode()
         assert 'agents_machine_runs_finished_total{outcome="finished"} 1.0' in text
         assert "agents_machine_db_commit_batch_size_bucket" in text
+        assert "agents_machine_backup_last_success_timestamp_seconds" in text
+        assert "agents_machine_restore_check_ok" in text
         assert "ag_" not in text  # no ids as label values
     finally:
         stop.set()

@@ -1444,7 +1444,7 @@ Global___ListErasuresResponse: _TypeAlias = ListErasuresResponse  # noqa: Y015
 
 @_typing.final
 class ExportRequest(_message.Message):
-    """Export input."""
+    """Export input (agent_ids, folder, or both)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1522,23 +1522,33 @@ class ImportResponse(_message.Message):
 
     IMPORTED_FIELD_NUMBER: _builtins.int
     SKIPPED_FIELD_NUMBER: _builtins.int
+    SKIPPED_ERASED_FIELD_NUMBER: _builtins.int
+    ATTACHMENTS_FIELD_NUMBER: _builtins.int
+    attachments: _builtins.int
+    """Attachment files placed."""
     @_builtins.property
     def imported(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Agents imported (archived)."""
 
     @_builtins.property
     def skipped(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Agents skipped because they exist or were erased."""
+        """Agents skipped because they are on this machine already."""
+
+    @_builtins.property
+    def skipped_erased(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Agents skipped because they are on the erased list."""
 
     def __init__(
         self,
         *,
         imported: _abc.Iterable[_builtins.str] | None = ...,
         skipped: _abc.Iterable[_builtins.str] | None = ...,
+        skipped_erased: _abc.Iterable[_builtins.str] | None = ...,
+        attachments: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["imported", b"imported", "skipped", b"skipped"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "imported", b"imported", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1562,6 +1572,68 @@ class BackupNowRequest(_message.Message):
 Global___BackupNowRequest: _TypeAlias = BackupNowRequest  # noqa: Y015
 
 @_typing.final
+class BackupProgress(_message.Message):
+    """Progress of a backup: `done` of `total` in a stage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    stage: _builtins.str
+    """The stage ("agents", "attachments", ...)."""
+    done: _builtins.int
+    """Items done so far."""
+    total: _builtins.int
+    """Items in the stage."""
+    def __init__(
+        self,
+        *,
+        stage: _builtins.str = ...,
+        done: _builtins.int = ...,
+        total: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "stage", b"stage", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupProgress: _TypeAlias = BackupProgress  # noqa: Y015
+
+@_typing.final
+class BackupNowUpdate(_message.Message):
+    """One message of the BackupNow stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    BACKUP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def progress(self) -> Global___BackupProgress:
+        """Work done so far."""
+
+    @_builtins.property
+    def backup(self) -> Global___Backup:
+        """The finished backup (the last message)."""
+
+    def __init__(
+        self,
+        *,
+        progress: Global___BackupProgress | None = ...,
+        backup: Global___Backup | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["backup", b"backup", "progress", b"progress", "update", b"update"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup", b"backup", "progress", b"progress", "update", b"update"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_update: _TypeAlias = _typing.Literal["progress", "backup"]  # noqa: Y015
+    _WhichOneofArgType_update: _TypeAlias = _typing.Literal["update", b"update"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_update) -> _WhichOneofReturnType_update | None: ...
+
+Global___BackupNowUpdate: _TypeAlias = BackupNowUpdate  # noqa: Y015
+
+@_typing.final
 class Backup(_message.Message):
     """A backup."""
 
@@ -1571,15 +1643,34 @@ class Backup(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     AGENTS_FIELD_NUMBER: _builtins.int
     UPLOADED_BYTES_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
+    UPLOADED_SEGMENTS_FIELD_NUMBER: _builtins.int
+    OPENS_FIELD_NUMBER: _builtins.int
+    PRUNED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The backup's id ("bk_...")."""
     agents: _builtins.int
     """Agents it holds."""
     uploaded_bytes: _builtins.int
-    """Bytes of new segments it uploaded."""
+    """Bytes of new segments it uploaded (BackupNow only)."""
+    size_bytes: _builtins.int
+    """Stored size: the manifest (in listings), or every segment it names and
+    its manifest (BackupNow).
+    """
+    segments: _builtins.int
+    """Segments it names."""
+    uploaded_segments: _builtins.int
+    """Segments encoded and sent (the others were reused; BackupNow only)."""
+    opens: _builtins.bool
+    """False when its manifest does not open with this machine's key (listings)."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When it was taken."""
+
+    @_builtins.property
+    def pruned(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Backups pruned after it (BackupNow only)."""
 
     def __init__(
         self,
@@ -1588,10 +1679,15 @@ class Backup(_message.Message):
         created_at: _timestamp_pb2.Timestamp | None = ...,
         agents: _builtins.int = ...,
         uploaded_bytes: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+        segments: _builtins.int = ...,
+        uploaded_segments: _builtins.int = ...,
+        opens: _builtins.bool = ...,
+        pruned: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "created_at", b"created_at", "id", b"id", "uploaded_bytes", b"uploaded_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "created_at", b"created_at", "id", b"id", "opens", b"opens", "pruned", b"pruned", "segments", b"segments", "size_bytes", b"size_bytes", "uploaded_bytes", b"uploaded_bytes", "uploaded_segments", b"uploaded_segments"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1603,12 +1699,17 @@ class ListBackupsRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    FROM_DIR_FIELD_NUMBER: _builtins.int
+    from_dir: _builtins.str
+    """A backup folder to read instead of the configured target (a copied backup dir)."""
     def __init__(
         self,
+        *,
+        from_dir: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_dir", b"from_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1645,16 +1746,26 @@ class VerifyBackupRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BACKUP_ID_FIELD_NUMBER: _builtins.int
+    FROM_DIR_FIELD_NUMBER: _builtins.int
+    RECOVERY_PRIVATE_KEY_FIELD_NUMBER: _builtins.int
     backup_id: _builtins.str
     """The backup's id."""
+    from_dir: _builtins.str
+    """A backup folder to read instead of the configured target."""
+    recovery_private_key: _builtins.str
+    """A recovery private key (agsk1_...) for a backup made with another machine's
+    key. Sent only over the local socket; never logged.
+    """
     def __init__(
         self,
         *,
         backup_id: _builtins.str = ...,
+        from_dir: _builtins.str = ...,
+        recovery_private_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_id", b"backup_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_id", b"backup_id", "from_dir", b"from_dir", "recovery_private_key", b"recovery_private_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1668,19 +1779,27 @@ class VerifyBackupResponse(_message.Message):
 
     SEGMENTS_FIELD_NUMBER: _builtins.int
     OK_FIELD_NUMBER: _builtins.int
+    PLAIN_BYTES_FIELD_NUMBER: _builtins.int
+    DURATION_MS_FIELD_NUMBER: _builtins.int
     segments: _builtins.int
     """Segments checked."""
     ok: _builtins.bool
     """True when every segment opened and matched its hash."""
+    plain_bytes: _builtins.int
+    """Plaintext bytes authenticated."""
+    duration_ms: _builtins.int
+    """Time taken."""
     def __init__(
         self,
         *,
         segments: _builtins.int = ...,
         ok: _builtins.bool = ...,
+        plain_bytes: _builtins.int = ...,
+        duration_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ok", b"ok", "segments", b"segments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_ms", b"duration_ms", "ok", b"ok", "plain_bytes", b"plain_bytes", "segments", b"segments"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1693,20 +1812,73 @@ class RestoreRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BACKUP_ID_FIELD_NUMBER: _builtins.int
+    FROM_DIR_FIELD_NUMBER: _builtins.int
+    RECOVERY_PRIVATE_KEY_FIELD_NUMBER: _builtins.int
     backup_id: _builtins.str
     """The backup's id."""
+    from_dir: _builtins.str
+    """A backup folder to read instead of the configured target (a copied backup dir)."""
+    recovery_private_key: _builtins.str
+    """A recovery private key (agsk1_...) for a backup made with another machine's
+    key (the disk is gone). Sent only over the local socket; never logged.
+    """
     def __init__(
         self,
         *,
         backup_id: _builtins.str = ...,
+        from_dir: _builtins.str = ...,
+        recovery_private_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_id", b"backup_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_id", b"backup_id", "from_dir", b"from_dir", "recovery_private_key", b"recovery_private_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RestoreRequest: _TypeAlias = RestoreRequest  # noqa: Y015
+
+@_typing.final
+class CreateRecoveryKeyRequest(_message.Message):
+    """CreateRecoveryKey input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateRecoveryKeyRequest: _TypeAlias = CreateRecoveryKeyRequest  # noqa: Y015
+
+@_typing.final
+class CreateRecoveryKeyResponse(_message.Message):
+    """CreateRecoveryKey output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PRIVATE_KEY_FIELD_NUMBER: _builtins.int
+    PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    private_key: _builtins.str
+    """The private half (agsk1_...), shown once: keep it offline."""
+    public_key: _builtins.str
+    """The public half (agpk1_...), kept in keys/recovery.pub."""
+    def __init__(
+        self,
+        *,
+        private_key: _builtins.str = ...,
+        public_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["private_key", b"private_key", "public_key", b"public_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateRecoveryKeyResponse: _TypeAlias = CreateRecoveryKeyResponse  # noqa: Y015
 
 @_typing.final
 class RestoreResponse(_message.Message):
@@ -1716,23 +1888,33 @@ class RestoreResponse(_message.Message):
 
     RESTORED_FIELD_NUMBER: _builtins.int
     SKIPPED_FIELD_NUMBER: _builtins.int
+    SKIPPED_ERASED_FIELD_NUMBER: _builtins.int
+    ATTACHMENTS_FIELD_NUMBER: _builtins.int
+    attachments: _builtins.int
+    """Attachment files placed."""
     @_builtins.property
     def restored(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Agents restored (archived)."""
 
     @_builtins.property
     def skipped(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Agents skipped because they exist or were erased."""
+        """Agents skipped because they are on this machine already."""
+
+    @_builtins.property
+    def skipped_erased(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Agents skipped because they are on the erased list."""
 
     def __init__(
         self,
         *,
         restored: _abc.Iterable[_builtins.str] | None = ...,
         skipped: _abc.Iterable[_builtins.str] | None = ...,
+        skipped_erased: _abc.Iterable[_builtins.str] | None = ...,
+        attachments: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["restored", b"restored", "skipped", b"skipped"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "restored", b"restored", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1989,6 +2171,7 @@ class StatusResponse(_message.Message):
     STARTED_AT_FIELD_NUMBER: _builtins.int
     SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
     JOINED_FIELD_NUMBER: _builtins.int
+    BACKUP_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """The daemon's version."""
     data_dir: _builtins.str
@@ -2017,6 +2200,10 @@ class StatusResponse(_message.Message):
     def started_at(self) -> _timestamp_pb2.Timestamp:
         """When the daemon started."""
 
+    @_builtins.property
+    def backup(self) -> Global___BackupStatus:
+        """Backups: last, next, restore check, recovery key, warnings."""
+
     def __init__(
         self,
         *,
@@ -2031,11 +2218,82 @@ class StatusResponse(_message.Message):
         started_at: _timestamp_pb2.Timestamp | None = ...,
         schema_version: _builtins.int = ...,
         joined: _builtins.bool = ...,
+        backup: Global___BackupStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["backup", b"backup", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_agents", b"active_agents", "archived_agents", b"archived_agents", "data_dir", b"data_dir", "joined", b"joined", "machine_id", b"machine_id", "open_runs", b"open_runs", "runtimes", b"runtimes", "schema_version", b"schema_version", "started_at", b"started_at", "version", b"version", "waiting_runs", b"waiting_runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_agents", b"active_agents", "archived_agents", b"archived_agents", "backup", b"backup", "data_dir", b"data_dir", "joined", b"joined", "machine_id", b"machine_id", "open_runs", b"open_runs", "runtimes", b"runtimes", "schema_version", b"schema_version", "started_at", b"started_at", "version", b"version", "waiting_runs", b"waiting_runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class BackupStatus(_message.Message):
+    """What `status` shows of backups."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_FIELD_NUMBER: _builtins.int
+    KEEP_FIELD_NUMBER: _builtins.int
+    LAST_BACKUP_AT_FIELD_NUMBER: _builtins.int
+    LAST_BACKUP_ID_FIELD_NUMBER: _builtins.int
+    LAST_BACKUP_BYTES_FIELD_NUMBER: _builtins.int
+    NEXT_RUN_AT_FIELD_NUMBER: _builtins.int
+    LAST_CHECK_AT_FIELD_NUMBER: _builtins.int
+    LAST_CHECK_OK_FIELD_NUMBER: _builtins.int
+    LAST_CHECK_PROBLEM_FIELD_NUMBER: _builtins.int
+    RECOVERY_KEY_FIELD_NUMBER: _builtins.int
+    WARNINGS_FIELD_NUMBER: _builtins.int
+    target: _builtins.str
+    """Where backups go ("folder /path", "control plane")."""
+    keep: _builtins.int
+    """How many are kept."""
+    last_backup_id: _builtins.str
+    """Its id."""
+    last_backup_bytes: _builtins.int
+    """Its stored size."""
+    last_check_ok: _builtins.bool
+    """Whether it opened the newest backup whole and matched the live data."""
+    last_check_problem: _builtins.str
+    """What it found wrong."""
+    recovery_key: _builtins.bool
+    """Whether backups are also sealed to a recovery key."""
+    @_builtins.property
+    def last_backup_at(self) -> _timestamp_pb2.Timestamp:
+        """The last backup this daemon made (unset: none since it started)."""
+
+    @_builtins.property
+    def next_run_at(self) -> _timestamp_pb2.Timestamp:
+        """The next daily run."""
+
+    @_builtins.property
+    def last_check_at(self) -> _timestamp_pb2.Timestamp:
+        """The last restore check (unset: none since the daemon started)."""
+
+    @_builtins.property
+    def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Things the operator should fix (backup folder on the data's device...)."""
+
+    def __init__(
+        self,
+        *,
+        target: _builtins.str = ...,
+        keep: _builtins.int = ...,
+        last_backup_at: _timestamp_pb2.Timestamp | None = ...,
+        last_backup_id: _builtins.str = ...,
+        last_backup_bytes: _builtins.int = ...,
+        next_run_at: _timestamp_pb2.Timestamp | None = ...,
+        last_check_at: _timestamp_pb2.Timestamp | None = ...,
+        last_check_ok: _builtins.bool = ...,
+        last_check_problem: _builtins.str = ...,
+        recovery_key: _builtins.bool = ...,
+        warnings: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_backup_at", b"last_backup_at", "last_check_at", b"last_check_at", "next_run_at", b"next_run_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep", b"keep", "last_backup_at", b"last_backup_at", "last_backup_bytes", b"last_backup_bytes", "last_backup_id", b"last_backup_id", "last_check_at", b"last_check_at", "last_check_ok", b"last_check_ok", "last_check_problem", b"last_check_problem", "next_run_at", b"next_run_at", "recovery_key", b"recovery_key", "target", b"target", "warnings", b"warnings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupStatus: _TypeAlias = BackupStatus  # noqa: Y015

@@ -125,10 +125,10 @@ class MachineServiceStub:
                 request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ImportChunk.SerializeToString,
                 response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ImportResponse.FromString,
                 _registered_method=True)
-        self.BackupNow = channel.unary_unary(
+        self.BackupNow = channel.unary_stream(
                 '/shared.pb.machine.v1.MachineService/BackupNow',
                 request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.BackupNowRequest.SerializeToString,
-                response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Backup.FromString,
+                response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.BackupNowUpdate.FromString,
                 _registered_method=True)
         self.ListBackups = channel.unary_unary(
                 '/shared.pb.machine.v1.MachineService/ListBackups',
@@ -144,6 +144,11 @@ class MachineServiceStub:
                 '/shared.pb.machine.v1.MachineService/Restore',
                 request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.RestoreResponse.FromString,
+                _registered_method=True)
+        self.CreateRecoveryKey = channel.unary_unary(
+                '/shared.pb.machine.v1.MachineService/CreateRecoveryKey',
+                request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CreateRecoveryKeyRequest.SerializeToString,
+                response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CreateRecoveryKeyResponse.FromString,
                 _registered_method=True)
         self.CreateSchedule = channel.unary_unary(
                 '/shared.pb.machine.v1.MachineService/CreateSchedule',
@@ -304,42 +309,56 @@ class MachineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Export(self, request, context):
-        """Export agents as a .tar.gz in the documented format, streamed in chunks. (Later issue.)
+        """Export agents as a .tar.gz in the documented format (docs/formats/export.md),
+        streamed in chunks; the file made in Outgoing/ goes once read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Import(self, request_iterator, context):
-        """Import a .tar.gz export, streamed in chunks; imported agents are archived. (Later issue.)
+        """Import a .tar.gz export, streamed in chunks; imported agents are archived,
+        existing and erased ones skipped; checked whole, committed whole or not at all.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def BackupNow(self, request, context):
-        """Take a sealed backup now. (Later issue.)
+        """Take a sealed backup now (then prune and run the restore check): progress
+        messages, then one message with the backup.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListBackups(self, request, context):
-        """Backups known at the configured target, newest first. (Later issue.)
+        """Backups known at the configured target (or a backup folder), newest first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def VerifyBackup(self, request, context):
-        """Open a backup and check every segment. (Later issue.)
+        """Open a backup and authenticate every segment; a damaged one answers DATA_LOSS.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Restore(self, request, context):
-        """Restore agents from a backup, archived, skipping erased and existing ones. (Later issue.)
+        """Restore agents from a backup, archived, skipping erased and existing ones;
+        staged and committed whole or not at all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateRecoveryKey(self, request, context):
+        """Make a stand-alone machine's recovery key pair: the public half is kept and
+        sealed into every later backup, the private half is returned once and never
+        stored. FAILED_PRECONDITION when joined (the account's key is used) or when
+        the machine has one already.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -473,10 +492,10 @@ def add_MachineServiceServicer_to_server(servicer, server):
                     request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ImportChunk.FromString,
                     response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ImportResponse.SerializeToString,
             ),
-            'BackupNow': grpc.unary_unary_rpc_method_handler(
+            'BackupNow': grpc.unary_stream_rpc_method_handler(
                     servicer.BackupNow,
                     request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.BackupNowRequest.FromString,
-                    response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Backup.SerializeToString,
+                    response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.BackupNowUpdate.SerializeToString,
             ),
             'ListBackups': grpc.unary_unary_rpc_method_handler(
                     servicer.ListBackups,
@@ -492,6 +511,11 @@ def add_MachineServiceServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.RestoreRequest.FromString,
                     response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.RestoreResponse.SerializeToString,
+            ),
+            'CreateRecoveryKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateRecoveryKey,
+                    request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CreateRecoveryKeyRequest.FromString,
+                    response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CreateRecoveryKeyResponse.SerializeToString,
             ),
             'CreateSchedule': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateSchedule,
@@ -1027,12 +1051,12 @@ class MachineService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/shared.pb.machine.v1.MachineService/BackupNow',
             shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.BackupNowRequest.SerializeToString,
-            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Backup.FromString,
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.BackupNowUpdate.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1114,6 +1138,33 @@ class MachineService:
             '/shared.pb.machine.v1.MachineService/Restore',
             shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.RestoreRequest.SerializeToString,
             shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateRecoveryKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shared.pb.machine.v1.MachineService/CreateRecoveryKey',
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CreateRecoveryKeyRequest.SerializeToString,
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.CreateRecoveryKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

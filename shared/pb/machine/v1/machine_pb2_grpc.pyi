@@ -102,17 +102,31 @@ class MachineServiceStub:
     ListErasures: _grpc.UnaryUnaryMultiCallable[_machine_pb2.ListErasuresRequest, _machine_pb2.ListErasuresResponse]
     """Agents whose runtime session erasure is queued or done. (Later issue.)"""
     Export: _grpc.UnaryStreamMultiCallable[_machine_pb2.ExportRequest, _machine_pb2.ExportChunk]
-    """Export agents as a .tar.gz in the documented format, streamed in chunks. (Later issue.)"""
+    """Export agents as a .tar.gz in the documented format (docs/formats/export.md),
+    streamed in chunks; the file made in Outgoing/ goes once read.
+    """
     Import: _grpc.StreamUnaryMultiCallable[_machine_pb2.ImportChunk, _machine_pb2.ImportResponse]
-    """Import a .tar.gz export, streamed in chunks; imported agents are archived. (Later issue.)"""
-    BackupNow: _grpc.UnaryUnaryMultiCallable[_machine_pb2.BackupNowRequest, _machine_pb2.Backup]
-    """Take a sealed backup now. (Later issue.)"""
+    """Import a .tar.gz export, streamed in chunks; imported agents are archived,
+    existing and erased ones skipped; checked whole, committed whole or not at all.
+    """
+    BackupNow: _grpc.UnaryStreamMultiCallable[_machine_pb2.BackupNowRequest, _machine_pb2.BackupNowUpdate]
+    """Take a sealed backup now (then prune and run the restore check): progress
+    messages, then one message with the backup.
+    """
     ListBackups: _grpc.UnaryUnaryMultiCallable[_machine_pb2.ListBackupsRequest, _machine_pb2.ListBackupsResponse]
-    """Backups known at the configured target, newest first. (Later issue.)"""
+    """Backups known at the configured target (or a backup folder), newest first."""
     VerifyBackup: _grpc.UnaryUnaryMultiCallable[_machine_pb2.VerifyBackupRequest, _machine_pb2.VerifyBackupResponse]
-    """Open a backup and check every segment. (Later issue.)"""
+    """Open a backup and authenticate every segment; a damaged one answers DATA_LOSS."""
     Restore: _grpc.UnaryUnaryMultiCallable[_machine_pb2.RestoreRequest, _machine_pb2.RestoreResponse]
-    """Restore agents from a backup, archived, skipping erased and existing ones. (Later issue.)"""
+    """Restore agents from a backup, archived, skipping erased and existing ones;
+    staged and committed whole or not at all.
+    """
+    CreateRecoveryKey: _grpc.UnaryUnaryMultiCallable[_machine_pb2.CreateRecoveryKeyRequest, _machine_pb2.CreateRecoveryKeyResponse]
+    """Make a stand-alone machine's recovery key pair: the public half is kept and
+    sealed into every later backup, the private half is returned once and never
+    stored. FAILED_PRECONDITION when joined (the account's key is used) or when
+    the machine has one already.
+    """
     CreateSchedule: _grpc.UnaryUnaryMultiCallable[_machine_pb2.CreateScheduleRequest, _machine_pb2.Schedule]
     """Add a schedule (cron expression + prompt) to an agent. (Later issue.)"""
     ListSchedules: _grpc.UnaryUnaryMultiCallable[_machine_pb2.ListSchedulesRequest, _machine_pb2.ListSchedulesResponse]
@@ -187,17 +201,31 @@ class MachineServiceAsyncStub(MachineServiceStub):
     ListErasures: _aio.UnaryUnaryMultiCallable[_machine_pb2.ListErasuresRequest, _machine_pb2.ListErasuresResponse]  # type: ignore[assignment]
     """Agents whose runtime session erasure is queued or done. (Later issue.)"""
     Export: _aio.UnaryStreamMultiCallable[_machine_pb2.ExportRequest, _machine_pb2.ExportChunk]  # type: ignore[assignment]
-    """Export agents as a .tar.gz in the documented format, streamed in chunks. (Later issue.)"""
+    """Export agents as a .tar.gz in the documented format (docs/formats/export.md),
+    streamed in chunks; the file made in Outgoing/ goes once read.
+    """
     Import: _aio.StreamUnaryMultiCallable[_machine_pb2.ImportChunk, _machine_pb2.ImportResponse]  # type: ignore[assignment]
-    """Import a .tar.gz export, streamed in chunks; imported agents are archived. (Later issue.)"""
-    BackupNow: _aio.UnaryUnaryMultiCallable[_machine_pb2.BackupNowRequest, _machine_pb2.Backup]  # type: ignore[assignment]
-    """Take a sealed backup now. (Later issue.)"""
+    """Import a .tar.gz export, streamed in chunks; imported agents are archived,
+    existing and erased ones skipped; checked whole, committed whole or not at all.
+    """
+    BackupNow: _aio.UnaryStreamMultiCallable[_machine_pb2.BackupNowRequest, _machine_pb2.BackupNowUpdate]  # type: ignore[assignment]
+    """Take a sealed backup now (then prune and run the restore check): progress
+    messages, then one message with the backup.
+    """
     ListBackups: _aio.UnaryUnaryMultiCallable[_machine_pb2.ListBackupsRequest, _machine_pb2.ListBackupsResponse]  # type: ignore[assignment]
-    """Backups known at the configured target, newest first. (Later issue.)"""
+    """Backups known at the configured target (or a backup folder), newest first."""
     VerifyBackup: _aio.UnaryUnaryMultiCallable[_machine_pb2.VerifyBackupRequest, _machine_pb2.VerifyBackupResponse]  # type: ignore[assignment]
-    """Open a backup and check every segment. (Later issue.)"""
+    """Open a backup and authenticate every segment; a damaged one answers DATA_LOSS."""
     Restore: _aio.UnaryUnaryMultiCallable[_machine_pb2.RestoreRequest, _machine_pb2.RestoreResponse]  # type: ignore[assignment]
-    """Restore agents from a backup, archived, skipping erased and existing ones. (Later issue.)"""
+    """Restore agents from a backup, archived, skipping erased and existing ones;
+    staged and committed whole or not at all.
+    """
+    CreateRecoveryKey: _aio.UnaryUnaryMultiCallable[_machine_pb2.CreateRecoveryKeyRequest, _machine_pb2.CreateRecoveryKeyResponse]  # type: ignore[assignment]
+    """Make a stand-alone machine's recovery key pair: the public half is kept and
+    sealed into every later backup, the private half is returned once and never
+    stored. FAILED_PRECONDITION when joined (the account's key is used) or when
+    the machine has one already.
+    """
     CreateSchedule: _aio.UnaryUnaryMultiCallable[_machine_pb2.CreateScheduleRequest, _machine_pb2.Schedule]  # type: ignore[assignment]
     """Add a schedule (cron expression + prompt) to an agent. (Later issue.)"""
     ListSchedules: _aio.UnaryUnaryMultiCallable[_machine_pb2.ListSchedulesRequest, _machine_pb2.ListSchedulesResponse]  # type: ignore[assignment]
@@ -371,7 +399,9 @@ class MachineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machine_pb2.ExportRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_machine_pb2.ExportChunk], _abc.AsyncIterator[_machine_pb2.ExportChunk]]:
-        """Export agents as a .tar.gz in the documented format, streamed in chunks. (Later issue.)"""
+        """Export agents as a .tar.gz in the documented format (docs/formats/export.md),
+        streamed in chunks; the file made in Outgoing/ goes once read.
+        """
 
     @_abc_1.abstractmethod
     def Import(
@@ -379,15 +409,19 @@ class MachineServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_machine_pb2.ImportChunk],
         context: _ServicerContext,
     ) -> _typing.Union[_machine_pb2.ImportResponse, _abc.Awaitable[_machine_pb2.ImportResponse]]:
-        """Import a .tar.gz export, streamed in chunks; imported agents are archived. (Later issue.)"""
+        """Import a .tar.gz export, streamed in chunks; imported agents are archived,
+        existing and erased ones skipped; checked whole, committed whole or not at all.
+        """
 
     @_abc_1.abstractmethod
     def BackupNow(
         self,
         request: _machine_pb2.BackupNowRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_machine_pb2.Backup, _abc.Awaitable[_machine_pb2.Backup]]:
-        """Take a sealed backup now. (Later issue.)"""
+    ) -> _typing.Union[_abc.Iterator[_machine_pb2.BackupNowUpdate], _abc.AsyncIterator[_machine_pb2.BackupNowUpdate]]:
+        """Take a sealed backup now (then prune and run the restore check): progress
+        messages, then one message with the backup.
+        """
 
     @_abc_1.abstractmethod
     def ListBackups(
@@ -395,7 +429,7 @@ class MachineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machine_pb2.ListBackupsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machine_pb2.ListBackupsResponse, _abc.Awaitable[_machine_pb2.ListBackupsResponse]]:
-        """Backups known at the configured target, newest first. (Later issue.)"""
+        """Backups known at the configured target (or a backup folder), newest first."""
 
     @_abc_1.abstractmethod
     def VerifyBackup(
@@ -403,7 +437,7 @@ class MachineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machine_pb2.VerifyBackupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machine_pb2.VerifyBackupResponse, _abc.Awaitable[_machine_pb2.VerifyBackupResponse]]:
-        """Open a backup and check every segment. (Later issue.)"""
+        """Open a backup and authenticate every segment; a damaged one answers DATA_LOSS."""
 
     @_abc_1.abstractmethod
     def Restore(
@@ -411,7 +445,21 @@ class MachineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machine_pb2.RestoreRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machine_pb2.RestoreResponse, _abc.Awaitable[_machine_pb2.RestoreResponse]]:
-        """Restore agents from a backup, archived, skipping erased and existing ones. (Later issue.)"""
+        """Restore agents from a backup, archived, skipping erased and existing ones;
+        staged and committed whole or not at all.
+        """
+
+    @_abc_1.abstractmethod
+    def CreateRecoveryKey(
+        self,
+        request: _machine_pb2.CreateRecoveryKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_machine_pb2.CreateRecoveryKeyResponse, _abc.Awaitable[_machine_pb2.CreateRecoveryKeyResponse]]:
+        """Make a stand-alone machine's recovery key pair: the public half is kept and
+        sealed into every later backup, the private half is returned once and never
+        stored. FAILED_PRECONDITION when joined (the account's key is used) or when
+        the machine has one already.
+        """
 
     @_abc_1.abstractmethod
     def CreateSchedule(

@@ -1,0 +1,349 @@
+"""Backups, restore, export and import through the CLI against real daemon processes."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from shared.pb.machine.v1 import machine_pb2 as pb
+from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
+from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc, run_cli
+from tests.helpers.poll import poll_until
+
+MakeProc = Callable[..., MachineProc]
+
+
+def _ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _refused(result: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
+    """A refusal: the exit code, one line (plus a hint) on stderr, no traceback."""
+    assert result.returncode == code, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    first = result.stderr.strip().splitlines()[0]
+    for word in words:
+        assert word in first, first
+    return first
+
+
+def _populate(data: Path, work: Path, agents: int = 3) -> list[str]:
+    """Agents with conversations (echo runtime) and one attachment, made through the CLI."""
+    work.mkdir(parents=True, exist_ok=True)
+    note = work / "note.txt"
+    note.write_text("the attached words of the backup test\n")
+    ids = []
+    for n in range(agents):
+        agent = _ok(run_cli(data, "agent", "create", f"agent-{n}", "--folder", str(work))).strip()
+        ids.append(agent)
+        attach = ["--attach", str(note)] if n == 0 else []
+        _ok(run_cli(data, "agent", "prompt", agent, f"remember the number {n}", *attach))
+        _ok(run_cli(data, "agent", "prompt", agent, f"second turn of agent {n}"))
+    return ids
+
+
+def _export_contents(data: Path, agents: list[str], dest: Path) -> dict[str, bytes]:
+    """The conversation, summaries and tools files and attachments of an export."""
+    _ok(run_cli(data, "export", *agents, "-o", str(dest)))
+    out: dict[str, bytes] = {}
+    with tarfile.open(dest) as tar:
+        for member in tar.getmembers():
+            name = member.name
+            if name.endswith(("conversation.jsonl", "summaries.jsonl", "tools.jsonl")) or (
+                name.startswith("attachments/")
+            ):
+                f = tar.extractfile(member)
+                assert f is not None
+                out[name] = f.read()
+    return out
+
+
+def _backup_ids(data: Path, *extra: str) -> list[str]:
+    listed = json.loads(_ok(run_cli(data, "--json", "backup", "list", *extra)))
+    return [b["id"] for b in listed.get("backups", [])]
+
+
+def _agents(data: Path) -> list[dict[str, object]]:
+    listed = json.loads(_ok(run_cli(data, "--json", "agent", "list", "--all")))
+    agents: list[dict[str, object]] = listed.get("agents", [])
+    return agents
+
+
+def _segment_files(backups: Path) -> list[Path]:
+    return sorted(p for p in (backups / "segments").rglob("*") if p.is_file())
+
+
+def test_restore_on_a_fresh_daemon_with_the_recovery_key(
+    tmp_path: Path, machine_proc: MakeProc
+) -> None:
+    data = tmp_path / "data"
+    key_file = tmp_path / "recovery.key"
+    with machine_proc():
+        agents = _populate(data, tmp_path / "work")
+        key = _ok(run_cli(data, "backup", "recovery-key")).strip()
+        assert key.startswith("agsk1_")
+        key_file.write_text(f"# test recovery key\n{key}\n")
+        _refused(run_cli(data, "backup", "recovery-key"), 2, "has one already")
+        out = _ok(run_cli(data, "backup", "now"))
+        ids = _backup_ids(data)
+        assert len(ids) == 1 and ids[0] in out
+        verify = _ok(run_cli(data, "backup", "verify", ids[0]))
+        assert "ok" in verify
+        status = _ok(run_cli(data, "status"))
+        assert ids[0] in status and "restore check  ok" in status
+        before = _export_contents(data, agents, tmp_path / "before.tar.gz")
+    assert any(k.startswith("attachments/") for k in before)
+    copy = tmp_path / "backup-copy"
+    shutil.copytree(data / "backups", copy)
+    # The key file is never needed to read the backup on the machine that made it,
+    # and the backup holds no plaintext of the conversations.
+    for path in copy.rglob("*"):
+        if path.is_file():
+            assert b"remember the number" not in path.read_bytes()
+    shutil.rmtree(data)
+
+    proc = machine_proc()
+    with proc:
+        # Without the recovery key, a new machine's own key does not open it; nor does
+        # another recovery key.
+        _refused(run_cli(data, "backup", "restore", ids[0], "--from", str(copy)), 1)
+        wrong = tmp_path / "wrong.key"
+        wrong.write_text(_ok(run_cli(data, "backup", "recovery-key")))
+        line = _refused(
+            run_cli(data, "backup", "restore", ids[0], "--from", str(copy), "--recovery-key",
+                    str(wrong)),
+            1,
+        )  # fmt: skip
+        assert "not sealed to this key" in line
+        assert _agents(data) == []
+        restored = _ok(
+            run_cli(
+                data, "backup", "restore", ids[0], "--from", str(copy), "--recovery-key",
+                str(key_file),
+            )
+        )  # fmt: skip
+        assert f"restored {len(agents)} agents" in restored
+        listed = _agents(data)
+        assert sorted(str(a["id"]) for a in listed) == sorted(agents)
+        assert all(a.get("archived") or a.get("state") == "AGENT_STATE_ARCHIVED" for a in listed)
+        after = _export_contents(data, agents, tmp_path / "after.tar.gz")
+        assert after == before
+        # Restoring again skips them all.
+        again = _ok(
+            run_cli(
+                data, "backup", "restore", ids[0], "--from", str(copy), "--recovery-key",
+                str(key_file),
+            )
+        )  # fmt: skip
+        assert f"skipped {len(agents)} already on this machine" in again
+        proc.stop()
+    # The private key never reaches the daemon's log.
+    assert key not in proc.log()
+
+
+def test_a_tampered_backup_is_refused_and_changes_nothing(
+    tmp_path: Path, machine_proc: MakeProc
+) -> None:
+    data = tmp_path / "data"
+    key_file = tmp_path / "recovery.key"
+    with machine_proc():
+        _populate(data, tmp_path / "work", agents=2)
+        key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
+        _ok(run_cli(data, "backup", "now"))
+        (backup_id,) = _backup_ids(data)
+        segment = max(_segment_files(data / "backups"), key=lambda p: p.stat().st_size)
+        raw = bytearray(segment.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        segment.write_bytes(bytes(raw))
+        line = _refused(run_cli(data, "backup", "verify", backup_id), 1)
+        assert "segment" in line or "chunk" in line, line
+    copy = tmp_path / "backup-copy"
+    shutil.copytree(data / "backups", copy)
+    shutil.rmtree(data)
+    with machine_proc():
+        from_copy = ["--from", str(copy), "--recovery-key", str(key_file)]
+        _refused(run_cli(data, "backup", "verify", backup_id, *from_copy), 1, "segment")
+        line = _refused(run_cli(data, "backup", "restore", backup_id, *from_copy), 1)
+        assert "segment" in line or "chunk" in line, line
+        assert _agents(data) == []
+        assert list((data / "attachments").iterdir()) == []
+
+
+def test_keep_two_prunes_the_oldest(tmp_path: Path, machine_proc: MakeProc) -> None:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    (data / "machine.toml").write_text("backup_keep = 2\n")
+    with machine_proc():
+        agents = _populate(data, tmp_path / "work", agents=2)
+        made = []
+        for n in range(3):
+            _ok(run_cli(data, "agent", "prompt", agents[0], f"change {n}"))
+            made.append(_ok(run_cli(data, "--json", "backup", "now")))
+        ids = [json.loads(m)["id"] for m in made]
+        assert json.loads(made[2])["pruned"] == [ids[0]]
+        assert _backup_ids(data) == [ids[2], ids[1]]
+        for backup_id in ids[1:]:
+            _ok(run_cli(data, "backup", "verify", backup_id))
+        _refused(run_cli(data, "backup", "verify", ids[0]), 2, "not found")
+
+
+def test_keep_out_of_range_is_refused_at_start(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    (data / "machine.toml").write_text("backup_keep = 11\n")
+    line = _refused(run_cli(data, "serve", "--no-background"), 2, "backup_keep", "1 to 10")
+    assert "11" in line
+
+
+def _big_agents(target: str, work: Path, agents: int, prompt_bytes: int) -> None:
+    """Agents with large conversations, through the RPC (the CLI would be slow here)."""
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.MachineServiceStub(channel)
+        for n in range(agents):
+            agent = stub.CreateAgent(pb.CreateAgentRequest(name=f"big-{n}", folder=str(work)))
+            text = f"agent {n} " + "lorem ipsum dolor sit amet " * (prompt_bytes // 27)
+            for _ in stub.Prompt(pb.PromptRequest(agent_id=agent.id, text=text)):
+                pass
+
+
+def test_sigkill_during_a_backup_leaves_kept_backups_whole(
+    tmp_path: Path, machine_proc: MakeProc
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    (data / "machine.toml").write_text("backup_keep = 1\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = machine_proc("--prompt-limit", "2MiB")
+    with proc:
+        _big_agents(proc.target, work, agents=4, prompt_bytes=200_000)
+        _ok(run_cli(data, "backup", "now", timeout=120))
+        (first,) = _backup_ids(data)
+        _big_agents(proc.target, work, agents=60, prompt_bytes=1_000_000)
+        seen = len(_segment_files(data / "backups"))
+        child = subprocess.Popen(
+            [str(AGENTS_MACHINE), "--data-dir", str(data), "backup", "now"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            poll_until(
+                lambda: len(_segment_files(data / "backups")) > seen + 2,
+                deadline=60,
+                what="the backup's first new segments",
+            )
+            proc.kill()
+        finally:
+            child.wait(timeout=30)
+    with proc:
+        assert _backup_ids(data) == [first]
+        _ok(run_cli(data, "backup", "verify", first, timeout=120))
+        _ok(run_cli(data, "backup", "now", timeout=300))
+        (newest,) = _backup_ids(data)
+        assert newest != first
+        _ok(run_cli(data, "backup", "verify", newest, timeout=300))
+        # Now kill it as the next backup's manifest lands: the prune of `newest` runs then.
+        _big_agents(proc.target, work, agents=10, prompt_bytes=500_000)
+        child = subprocess.Popen(
+            [str(AGENTS_MACHINE), "--data-dir", str(data), "backup", "now"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            poll_until(
+                lambda: len(list((data / "backups" / "manifests").glob("*.sealed"))) >= 2,
+                deadline=120,
+                step=0.002,
+                what="the next backup's manifest",
+            )
+            proc.kill()
+        finally:
+            child.wait(timeout=30)
+    with proc:
+        kept = _backup_ids(data)
+        assert 1 <= len(kept) <= 2  # the old one, the new one, or both (before prune)
+        for backup_id in kept:
+            _ok(run_cli(data, "backup", "verify", backup_id, timeout=300))
+        _ok(run_cli(data, "backup", "now", timeout=300))
+        (last,) = _backup_ids(data)
+        _ok(run_cli(data, "backup", "verify", last, timeout=300))
+
+
+def _tar_gz(entries: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for info, content in entries:
+            if content is None:
+                tar.addfile(info)
+            else:
+                info.size = len(content)
+                tar.addfile(info, io.BytesIO(content))
+    return buf.getvalue()
+
+
+def _file(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.mode = 0o600
+    return info
+
+
+def test_hostile_imports_are_refused_and_import_nothing(
+    tmp_path: Path, machine_proc: MakeProc
+) -> None:
+    data = tmp_path / "data"
+    link = tarfile.TarInfo("agents/x/record.json")
+    link.type = tarfile.SYMTYPE
+    link.linkname = "/etc/passwd"
+    manifest_v9 = json.dumps({"format_version": 9, "machine_id": "mc_x", "agents": []}).encode()
+    hostile = {
+        "dotdot": _tar_gz([(_file("../escape.txt"), b"out")]),
+        "absolute": _tar_gz([(_file("/tmp/escape.txt"), b"out")]),
+        "symlink": _tar_gz([(link, None)]),
+        "version": _tar_gz([(_file("manifest.json"), manifest_v9)]),
+        "no-manifest": _tar_gz([(_file("agents/x/record.json"), b"{}")]),
+        "not-a-tar": b"this is not an archive at all",
+    }
+    with machine_proc():
+        for name, blob in hostile.items():
+            path = tmp_path / f"{name}.tar.gz"
+            path.write_bytes(blob)
+            line = _refused(run_cli(data, "import", str(path)), 2)
+            assert "archive" in line or "manifest" in line, (name, line)
+        assert _agents(data) == []
+        assert not (tmp_path / "escape.txt").exists()
+        assert list((data / "Incoming").iterdir()) == []
+
+
+def test_export_then_import_on_another_daemon_skips_existing(
+    tmp_path: Path, machine_proc: MakeProc
+) -> None:
+    a_data = tmp_path / "data"
+    with machine_proc():
+        agents = _populate(a_data, tmp_path / "work", agents=2)
+        archive = tmp_path / "out.tar.gz"
+        _ok(run_cli(a_data, "export", *agents, "-o", str(archive)))
+        assert list((a_data / "Outgoing").iterdir()) == []
+        _refused(run_cli(a_data, "export", agents[0], "-o", str(archive)), 2, "exists")
+        by_folder = tmp_path / "folder.tar.gz"
+        _ok(run_cli(a_data, "export", "--folder", str(tmp_path / "work"), "-o", str(by_folder)))
+        with tarfile.open(by_folder) as tar:
+            manifest = json.loads(tar.extractfile("manifest.json").read())  # type: ignore[union-attr]
+        assert sorted(a["agent_id"] for a in manifest["agents"]) == sorted(agents)
+        _refused(run_cli(a_data, "export", "-o", str(tmp_path / "none.tar.gz")), 2, "AGENT")
+    b_data = tmp_path / "b" / "data"
+    with MachineProc(b_data) as b:
+        first = json.loads(_ok(run_cli(b_data, "--json", "import", str(archive))))
+        assert sorted(first["imported"]) == sorted(agents)
+        second = json.loads(_ok(run_cli(b_data, "--json", "import", str(archive))))
+        assert second.get("imported", []) == [] and sorted(second["skipped"]) == sorted(agents)
+        assert len(_agents(b_data)) == 2
+        assert list((b_data / "Incoming").iterdir()) == []
+        b.stop()

@@ -1,0 +1,56 @@
+"""open_machine builds the backup service: metrics on the daemon's registry, status, restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from machine.app import open_machine
+from machine.config import MachineConfig
+from machine.metrics import MachineMetrics
+from shared.metrics import new_registry
+
+
+def _config(root: Path, keep: int = 3) -> MachineConfig:
+    return MachineConfig(
+        data_dir=root, background_loops=False, shutdown_grace_seconds=0, backup_keep=keep
+    ).validate()
+
+
+def _value(metrics: MachineMetrics, name: str) -> float | None:
+    return metrics.registry.get_sample_value(name)
+
+
+async def test_backup_metrics_and_status_survive_a_restart(tmp_path: Path) -> None:
+    cfg = _config(tmp_path / "d", keep=2)
+    metrics = MachineMetrics(new_registry())
+    async with open_machine(cfg, metrics=metrics) as m:
+        backups = m.require_backups()
+        assert _value(metrics, "agents_machine_backup_last_success_timestamp_seconds") == 0
+        result = await backups.backup_now()
+        check = await backups.restore_check()
+        assert check.ok, check.problem
+        assert _value(metrics, "agents_machine_restore_check_ok") == 1
+        status = backups.status()
+        assert status.last_backup_id == result.backup_id and status.keep == 2
+        assert str(cfg.backups_dir) in status.target
+        # The default folder is in the data folder: the same device.
+        assert any("same device" in w for w in status.warnings)
+        assert any("no recovery key" in w for w in status.warnings)
+    assert (cfg.backups_dir / "machine.json").is_file()
+    metrics = MachineMetrics(new_registry())
+    async with open_machine(cfg, metrics=metrics) as m:
+        # A restarted daemon knows its last backup (else BackupTooOld would fire).
+        last = _value(metrics, "agents_machine_backup_last_success_timestamp_seconds")
+        assert last is not None and last > 0
+        assert m.require_backups().status().last_backup_id == result.backup_id
+
+
+async def test_a_recovery_key_made_while_running_seals_later_backups(tmp_path: Path) -> None:
+    cfg = _config(tmp_path / "d")
+    async with open_machine(cfg) as m:
+        backups = m.require_backups()
+        pair = backups.create_recovery_key()
+        assert backups.status().recovery_key
+        made = await backups.backup_now()
+        manifest = await backups.engine.open(made.backup_id, pair)
+        assert manifest.backup_id == made.backup_id
