@@ -52,6 +52,29 @@ class ControlMetrics:
             ["method", "code"],
             registry=registry,
         )
+        self.backup_calls = Counter(
+            "agents_cp_backup_calls",
+            "MachineLink backup RPCs, by method and status code.",
+            ["method", "code"],
+            registry=registry,
+        )
+        self.backup_stored_bytes = Counter(
+            "agents_cp_backup_stored_bytes",
+            "Sealed backup bytes machines stored (segments and manifests), by kind.",
+            ["kind"],
+            registry=registry,
+        )
+        self.backup_stored_objects = Counter(
+            "agents_cp_backup_stored_objects",
+            "Sealed backup objects machines stored (segment, manifest), by kind.",
+            ["kind"],
+            registry=registry,
+        )
+        self.backup_served_bytes = Counter(
+            "agents_cp_backup_served_bytes",
+            "Sealed backup bytes sent back to machines (restores, verifies).",
+            registry=registry,
+        )
 
     def call_counters(self, admin_service: str, link_service: str) -> dict[str, CallCounter]:
         """What :class:`~shared.call_metrics.CallsInterceptor` counts: every Admin call

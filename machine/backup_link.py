@@ -1,0 +1,106 @@
+"""Backups of a joined server, kept by the control plane: a BackupTarget over the link.
+
+:class:`ControlPlaneTarget` turns the :class:`~shared.backup_target.BackupTarget`
+calls of the backup engine into the MachineLink backup RPCs (through
+:class:`~machine.link_client.LinkClient`, the one module that speaks the link).
+The control plane takes this machine's identity from its client certificate;
+``source`` names another machine of the same account to READ from (a
+replacement box restoring a lost machine's backups before it took over the id).
+Writes always go to the caller's own backups.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import Final
+
+import grpc.aio
+
+from machine.link_client import LinkClient
+from shared.backup_target import ManifestInfo, PruneResult
+from shared.rpc import domain_error
+
+__all__ = ["ControlPlaneTarget"]
+
+logger = logging.getLogger(__name__)
+
+#: Names per HaveSegments call (the control plane's bound, link.proto).
+_HAVE_BATCH: Final = 10_000
+#: Deadline of a small call; segment transfers get ``transfer_timeout``.
+_CALL_TIMEOUT: Final = 60.0
+_TRANSFER_TIMEOUT: Final = 3600.0
+
+
+class ControlPlaneTarget:
+    """A :class:`~shared.backup_target.BackupTarget` kept by the control plane."""
+
+    def __init__(
+        self,
+        client: LinkClient,
+        *,
+        source: str = "",
+        timeout: float = _CALL_TIMEOUT,
+        transfer_timeout: float = _TRANSFER_TIMEOUT,
+    ) -> None:
+        self._client = client
+        self._source = source
+        self._timeout = timeout
+        self._transfer = transfer_timeout
+
+    async def have_segments(self, names: Iterable[str]) -> dict[str, int]:
+        wanted = sorted(set(names))
+        out: dict[str, int] = {}
+        try:
+            for i in range(0, len(wanted), _HAVE_BATCH):
+                batch = wanted[i : i + _HAVE_BATCH]
+                out.update(await self._client.have_segments(batch, timeout=self._timeout))
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+        return out
+
+    async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
+        try:
+            # Size 0: the engine seals as it streams and does not know it yet.
+            await self._client.put_segment(name, 0, data, timeout=self._transfer)
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+
+    async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
+        try:
+            await self._client.put_manifest(backup_id, blob, names, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+
+    async def list_manifests(self) -> list[ManifestInfo]:
+        try:
+            entries = await self._client.list_backups(self._source, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+        # The link lists newest first; the target contract is oldest first.
+        return sorted(
+            (ManifestInfo(e.backup_id, e.manifest_size) for e in entries),
+            key=lambda m: m.backup_id,
+        )
+
+    async def get_manifest(self, backup_id: str) -> bytes:
+        try:
+            return await self._client.get_manifest(backup_id, self._source, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+
+    async def get_segment(self, name: str) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._client.get_segment(name, self._source, timeout=self._transfer):
+                yield chunk
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+
+    async def prune(self, keep: int) -> PruneResult:
+        if self._source:
+            raise ValueError("a target reading another machine's backups cannot prune")
+        try:
+            manifests, segments = await self._client.prune(keep, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+        return PruneResult(tuple(manifests), segments)
