@@ -11,17 +11,31 @@ Writes always go to the caller's own backups.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
+import shutil
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
 import grpc.aio
 
+from machine import identity
+from machine.backup import BackupEngine
+from machine.backup_keys import adopt_naming_key
+from machine.db import Database
 from machine.link_client import LinkClient
+from machine.transfer import DatabaseBackupSource, restore_fetched
+from shared.atomic import ensure_private_dir
 from shared.backup_target import ManifestInfo, PruneResult
+from shared.crypto import BoxKeyPair
+from shared.errors import InvalidArgument
 from shared.rpc import domain_error
 
-__all__ = ["ControlPlaneTarget"]
+__all__ = ["ControlPlaneTarget", "RepairRestore", "restore_newest"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,3 +118,73 @@ class ControlPlaneTarget:
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc) from exc
         return PruneResult(tuple(manifests), segments)
+
+
+@dataclass(frozen=True)
+class RepairRestore:
+    """What restoring a repaired machine's newest backup did."""
+
+    backup_id: str
+    """Empty when the control plane kept no backup of the machine."""
+    restored: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    attachments: int = 0
+
+
+async def restore_newest(
+    data_dir: Path, db: Database, attachments_dir: Path, recovery: BoxKeyPair
+) -> RepairRestore:
+    """Restore this joined machine's newest backup kept by the control plane.
+
+    Run once after a repair join (the box took over a lost machine's id, so
+    the backups are "its own"). Opened with the account recovery key only;
+    the backup's naming key is adopted so the next backup reuses its segments.
+    The restore commits whole or not at all (machine.transfer); running it
+    again skips the agents already restored.
+    """
+    link = await asyncio.to_thread(identity.load_link, data_dir)
+    if recovery.public_key != link.account_recovery_public_key:
+        raise InvalidArgument(
+            "recovery_key", "this is not the recovery key of the account the machine joined"
+        )
+    keys = await asyncio.to_thread(identity.load_keys, data_dir)
+    client = LinkClient.mutual(
+        link.control_address,
+        ca_pem=keys.ca_cert_pem,
+        key_pem=keys.tls_key_pem,
+        cert_pem=keys.tls_cert_pem,
+    )
+    async with contextlib.aclosing(client):
+        target = ControlPlaneTarget(client)
+        backups = await target.list_manifests()
+        if not backups:
+            return RepairRestore("")
+        newest = backups[-1].backup_id
+        work = data_dir / "backup-work"
+        ensure_private_dir(work)
+        source = DatabaseBackupSource(db, attachments_dir, work)
+        # Only fetch is used: the engine's own keys do not matter, the recovery key opens.
+        engine = BackupEngine(
+            source,
+            target,
+            machine_id=link.machine_id,
+            naming_key=bytes(32),
+            recipients=[recovery.public_key],
+            keypair=recovery,
+            work_dir=work,
+            keep=1,
+        )
+        stage = work / f".repair-{os.getpid()}"
+        try:
+            fetched = await engine.fetch(newest, stage, recovery)
+            # Before the restore: a crash after it still leaves the key adopted.
+            await asyncio.to_thread(adopt_naming_key, data_dir, fetched.manifest.naming_key)
+            result = await restore_fetched(
+                db, fetched, attachments_dir=attachments_dir, erased=set()
+            )
+        finally:
+            await asyncio.to_thread(shutil.rmtree, stage, True)
+    logger.info("restored %d agents of backup %s", len(result.restored), newest)
+    return RepairRestore(
+        newest, result.restored, result.skipped_existing + result.skipped_erased, result.attachments
+    )
