@@ -234,3 +234,30 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
         for needle in needles:
             assert needle not in blob, (k, needle)
     assert time.monotonic() - started < 120
+
+
+def test_a_bad_recovery_key_file_is_refused_before_the_join(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-key"
+    bad.write_text("hello\nworld\n")
+    token = "tok_" + "0" * 26 + "." + "A" * 43
+    proc = subprocess.run(
+        [
+            str(MACHINE_EXE),
+            "join",
+            "127.0.0.1:9",  # nothing listens: the key is read before any connection
+            "--token",
+            token,
+            "--ca-hash",
+            "sha256:" + "0" * 64,
+            "--recovery-key",
+            str(bad),
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        capture_output=True,
+        timeout=30,
+    )
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert "recovery_key" in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and not (tmp_path / "data" / "link.json").exists()
