@@ -178,6 +178,20 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             join_address=self._join_address,
         )
 
+    async def CreateRepairToken(
+        self, request: admin_pb2.CreateRepairTokenRequest, context: Context
+    ) -> admin_pb2.CreateJoinTokenResponse:
+        """See admin.proto: a one-use token bound to an existing machine."""
+        p = await self._auth(context)
+        machine = await self._machines.get(p, request.machine_id)
+        made = await self._tokens.create_repair(p, machine, request.ttl_seconds)
+        return admin_pb2.CreateJoinTokenResponse(
+            token=_token(made.token, made.token.created_at),
+            token_value=made.value,
+            ca_hash=self._ca_hash,
+            join_address=self._join_address,
+        )
+
     async def ListJoinTokens(
         self, request: admin_pb2.ListJoinTokensRequest, context: Context
     ) -> admin_pb2.ListJoinTokensResponse:
@@ -262,7 +276,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return _deletion(await self._deletion.get(p, request.account_id))
 
     # RPCs that arrive with later issues.
-    CreateRepairToken = unimplemented("CreateRepairToken", _LATER, check="_auth")
     SetProvider = unimplemented("SetProvider", _LATER, check="_auth")
     SendPrompt = unimplemented("SendPrompt", _LATER, check="_auth")
     ListPrompts = unimplemented("ListPrompts", _LATER, check="_auth")

@@ -5,17 +5,25 @@ account and machine always come from the caller's verified client
 certificate (the link servicer passes them), never from a request field, so
 one machine cannot name another's backups. Sizes are bounded: a segment
 larger than the limit is refused and nothing of it is kept.
+
+Reading another machine's backups (a replacement box restoring a lost
+machine's) is allowed within one account only: :meth:`MachineBackups.source`
+answers NotFound for a machine of another account exactly as for a missing one.
+
+The store given here is NOT the MAC'd record store: sealed segments are
+authenticated by their own encryption and may be gigabytes, which the record
+wrapper (read whole, 16 MiB bound) cannot carry. They are streamed through.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from shared.backup_target import ManifestInfo, PruneResult, StoreTarget
-from shared.errors import InvalidArgument, TooLarge
+from shared.backup_target import ManifestInfo, PruneResult, StoreTarget, segment_key
+from shared.errors import InvalidArgument, NotFound, TooLarge
 from shared.ids import validate_id
 from shared.store.base import ObjectStore
 
@@ -26,6 +34,18 @@ logger = logging.getLogger(__name__)
 #: A sealed manifest names every segment with its key: a few hundred bytes each.
 DEFAULT_MAX_MANIFEST: Final = 64 * 1024 * 1024
 DEFAULT_MAX_SEGMENT: Final = 4 * 1024**3
+#: Names one HaveSegments call may ask about (link.proto).
+MAX_HAVE_NAMES: Final = 10_000
+
+MachineExists = Callable[[str, str], Awaitable[bool]]
+"""``exists(account_id, machine_id)``: whether the account has that machine (any state)."""
+
+
+def check_segment_name(name: str) -> str:
+    """A segment name as the link carries it: 64 lower-case hex characters."""
+    if len(name) != 64 or any(c not in "0123456789abcdef" for c in name):
+        raise InvalidArgument("hash", "a segment hash is 64 lower-case hex characters")
+    return name
 
 
 def validate_keep(keep: int) -> int:
@@ -47,14 +67,33 @@ class BackupLimits:
 
     max_manifest: int = DEFAULT_MAX_MANIFEST
     max_segment: int = DEFAULT_MAX_SEGMENT
+    max_have: int = MAX_HAVE_NAMES
 
 
 class MachineBackups:
     """The backup RPCs' domain: one verified machine's target in the store."""
 
-    def __init__(self, store: ObjectStore, limits: BackupLimits | None = None) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        limits: BackupLimits | None = None,
+        *,
+        exists: MachineExists | None = None,
+    ) -> None:
         self._store = store
         self.limits = limits or BackupLimits()
+        self._exists = exists
+
+    async def source(self, account_id: str, caller_id: str, named: str) -> str:
+        """Whose backups a read names: the caller's own when ``named`` is empty,
+        else another machine of the SAME account (a replacement restoring a lost
+        machine). Another account's machine is NotFound, exactly like a missing one."""
+        if not named or named == caller_id:
+            return caller_id
+        machine_id = validate_id("machine", named, "machine_id")
+        if self._exists is None or not await self._exists(account_id, machine_id):
+            raise NotFound("machine", machine_id)
+        return machine_id
 
     def target(self, account_id: str, machine_id: str) -> StoreTarget:
         """The calling machine's target (ids from its certificate)."""
@@ -63,24 +102,48 @@ class MachineBackups:
     async def have_segments(
         self, account_id: str, machine_id: str, names: Iterable[str]
     ) -> dict[str, int]:
-        return await self.target(account_id, machine_id).have_segments(names)
+        wanted = [check_segment_name(n) for n in names]
+        if len(wanted) > self.limits.max_have:
+            raise TooLarge("hashes", self.limits.max_have, len(wanted))
+        return await self.target(account_id, machine_id).have_segments(wanted)
 
     async def put_segment(
-        self, account_id: str, machine_id: str, name: str, data: AsyncIterable[bytes]
+        self,
+        account_id: str,
+        machine_id: str,
+        name: str,
+        data: AsyncIterable[bytes],
+        declared: int | None = None,
     ) -> int:
-        """Store a segment streamed by the machine; returns its size."""
-        size = 0
+        """Store a segment streamed by the machine; returns the bytes stored
+        (0 when a segment of that name is stored already: names are content hashes).
+
+        The stream must hold exactly ``declared`` bytes when given: a short or
+        long stream raises inside the upload, so the store keeps nothing of it.
+        """
+        check_segment_name(name)
         limit = self.limits.max_segment
+        if declared is not None and declared > limit:
+            raise TooLarge("segment", limit, declared)
+        target = self.target(account_id, machine_id)
+        try:
+            await self._store.head(backups_prefix(account_id, machine_id) + segment_key(name))
+            return 0
+        except NotFound:
+            pass
+        size = 0
 
         async def bounded() -> AsyncIterator[bytes]:
             nonlocal size
             async for chunk in data:
                 size += len(chunk)
-                if size > limit:
-                    raise TooLarge("segment", limit, size)
+                if size > limit or (declared is not None and size > declared):
+                    raise TooLarge("segment", declared if declared is not None else limit, size)
                 yield chunk
+            if declared is not None and size != declared:
+                raise InvalidArgument("chunk", f"segment ended at {size} of {declared} bytes")
 
-        await self.target(account_id, machine_id).put_segment(name, bounded())
+        await target.put_segment(name, bounded())
         return size
 
     async def list_manifests(self, account_id: str, machine_id: str) -> list[ManifestInfo]:
@@ -90,13 +153,14 @@ class MachineBackups:
         return await self.target(account_id, machine_id).get_manifest(backup_id)
 
     def get_segment(self, account_id: str, machine_id: str, name: str) -> AsyncIterator[bytes]:
-        return self.target(account_id, machine_id).get_segment(name)
+        return self.target(account_id, machine_id).get_segment(check_segment_name(name))
 
     async def put_manifest(
         self, account_id: str, machine_id: str, backup_id: str, blob: bytes, names: list[str]
     ) -> None:
         if len(blob) > self.limits.max_manifest:
             raise TooLarge("manifest", self.limits.max_manifest, len(blob))
+        names = [check_segment_name(n) for n in names]
         await self.target(account_id, machine_id).put_manifest(backup_id, blob, names)
 
     async def prune(self, account_id: str, machine_id: str, keep: int) -> PruneResult:

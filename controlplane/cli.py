@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = mac.add_parser(verb, help=f"{verb} a machine")
         _common(p)
         p.add_argument("machine_id", help="the machine's id (mc_…)")
+    p = mac.add_parser(
+        "repair", help="print a join command that replaces a lost machine (keeps its id)"
+    )
+    _common(p)
+    p.add_argument("machine_id", help="the machine's id (mc_…)")
+    p.add_argument("--ttl", type=_duration, default=None, help="lifetime (default 1h, max 24h)")
     p = mac.add_parser("rename", help="rename a machine")
     _common(p)
     p.add_argument("machine_id", help="the machine's id (mc_…)")
@@ -439,6 +445,23 @@ async def _machine_revoke(ctx: _Ctx) -> int:
     return _emit(ctx, reply, f"machine {reply['machine_id']} revoked")
 
 
+async def _machine_repair(ctx: _Ctx) -> int:
+    ttl = 0 if ctx.args.ttl is None else ctx.args.ttl
+    async with _client(ctx.cfg) as c:
+        reply = await c.create_repair_token(ctx.args.machine_id, ttl)
+    # The new box restores the machine's newest backup with the account's recovery key.
+    command = _join_command(reply) + " --recovery-key RECOVERY-KEY-FILE"
+    token = reply["token"]
+    _emit(ctx, {**reply, "join_command": command}, command)
+    if not ctx.out.as_json:
+        ctx.out.note(
+            f"repair token {token['token_id']} for machine {ctx.args.machine_id}, expires "
+            f"{token['expires_at']}: run the command above on the NEW machine (shown once); "
+            "the old machine's certificate is refused once it joins"
+        )
+    return ExitCode.OK
+
+
 async def _credential_create(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         reply = await c.create_credential(ctx.args.account, ctx.args.label)
@@ -486,6 +509,7 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("machine", "show"): _machine_show,
     ("machine", "rename"): _machine_rename,
     ("machine", "revoke"): _machine_revoke,
+    ("machine", "repair"): _machine_repair,
     ("credential", "create"): _credential_create,
 }
 
@@ -495,6 +519,7 @@ PRINTS_SECRET = {
     ("init", None),
     ("account", "create"),
     ("token", "create"),
+    ("machine", "repair"),
     ("credential", "create"),
 }
 

@@ -140,6 +140,13 @@ class AdminClient:
             ),
         )
 
+    async def create_repair_token(self, machine_id: str, ttl_seconds: int = 0) -> dict[str, Any]:
+        """CreateRepairToken."""
+        return await self._call(
+            self.stub.CreateRepairToken,
+            admin_pb2.CreateRepairTokenRequest(machine_id=machine_id, ttl_seconds=ttl_seconds),
+        )
+
     async def list_tokens(self, account_id: str = "") -> list[dict[str, Any]]:
         """ListJoinTokens."""
         reply = await self._call(

@@ -255,11 +255,20 @@ class TrustedStore:
     """The opened stack: ``store`` for domain services, ``guard`` for the self-check,
     ``authenticated`` (below the guard) for ``init`` and ``fsck``."""
 
-    def __init__(self, store: GuardedStore, authenticated: ObjectStore, where: str) -> None:
+    def __init__(
+        self,
+        store: GuardedStore,
+        authenticated: ObjectStore,
+        where: str,
+        backups: ObjectStore | None = None,
+    ) -> None:
         self.store = store
         self.guard = store.guard
         self.authenticated = authenticated
         self.where = where
+        self.backups = backups
+        """Machines' sealed backups: guarded but not MAC'd (see controlplane.backups);
+        shares the stack's bottom store, closed with ``store``."""
 
     async def close(self) -> None:
         """Close the whole stack."""
@@ -316,7 +325,9 @@ async def open_trusted_store(
 
     authed = AuthenticatedStore(raw, record_mac_key(keys), on_refused=refused)
     guard = DeploymentGuard(authed, keys.ca_hash, where)
-    return TrustedStore(GuardedStore(authed, guard), authed, where)
+    # Sealed backups carry their own authentication and may be gigabytes: they
+    # stream past the record MAC (which reads objects whole), under the same guard.
+    return TrustedStore(GuardedStore(authed, guard), authed, where, GuardedStore(raw, guard))
 
 
 def _named(exc: AgentsError, where: str) -> AgentsError:

@@ -164,6 +164,48 @@ class MachineRegistry:
         logger.info("machine %s joined account %s", machine_id, account_id)
         return machine
 
+    async def repair(
+        self,
+        machine: Machine,
+        info: MachineInfo,
+        cert: IssuedCert,
+        token_id: str,
+        join_intent: str,
+    ) -> Machine:
+        """A new box takes over ``machine``'s id (a repair join, controlplane.pairing).
+
+        One write, the commit point: the record names the new certificate only
+        (no previous serial), so the old box's certificates are refused from here
+        on; its live link, if any, is closed.
+        """
+
+        def change(d: dict[str, Any]) -> dict[str, Any]:
+            if d.get("revoked"):
+                raise MachineRevoked("join: the machine to repair was revoked")
+            return {
+                **d,
+                "name": info.name or d.get("name", ""),
+                "hostname": info.hostname,
+                "version": info.version,
+                "cert_serial": cert.serial,
+                "previous_cert_serial": "",
+                "cert_not_after": utc_iso(cert.not_after),
+                "box_public_key": info.box_public_key.hex(),
+                "signing_public_key": info.signing_public_key.hex(),
+                "token_id": token_id,
+                "join_intent": join_intent,
+            }
+
+        data = await jsonstore.update(
+            self._store, machine_key(machine.account_id, machine.machine_id), change
+        )
+        await self._audit.record(token_id, "machine.repair", machine.machine_id, machine.account_id)
+        # The old box may still be connected: close its stream (it hears "revoked").
+        for hook in self._revoke_hooks:
+            await hook(machine.account_id, machine.machine_id)
+        logger.info("machine %s repaired: a new box took over its id", machine.machine_id)
+        return Machine.from_dict(data)
+
     async def _load(self, account_id: str, machine_id: str) -> Machine:
         """The record, pending joins included; a refused (forged) one is NotFound."""
         try:

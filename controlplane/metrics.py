@@ -61,6 +61,27 @@ class ControlMetrics:
         self.account_deletion_objects = Counter(
             "agents_cp_account_deletion_objects",
             "Objects deleted from the store by account deletions.",
+        self.backup_calls = Counter(
+            "agents_cp_backup_calls",
+            "MachineLink backup RPCs, by method and status code.",
+            ["method", "code"],
+            registry=registry,
+        )
+        self.backup_stored_bytes = Counter(
+            "agents_cp_backup_stored_bytes",
+            "Sealed backup bytes machines stored (segments and manifests), by kind.",
+            ["kind"],
+            registry=registry,
+        )
+        self.backup_stored_objects = Counter(
+            "agents_cp_backup_stored_objects",
+            "Sealed backup objects machines stored (segment, manifest), by kind.",
+            ["kind"],
+            registry=registry,
+        )
+        self.backup_served_bytes = Counter(
+            "agents_cp_backup_served_bytes",
+            "Sealed backup bytes sent back to machines (restores, verifies).",
             registry=registry,
         )
 

@@ -1,7 +1,12 @@
 """Joining a machine (token + CSR -> certificate) and renewing its certificate.
 
-Repair (re-pairing a known machine id with a fresh key) arrives in a later
-release: every join makes a new machine.
+A repair token (``agents-control machine repair M``) binds the join to an
+existing machine M: the joining box gets a certificate for M's id, and M's
+record is rewritten to name only that certificate, so the old box is refused
+from then on (:meth:`MachineRegistry.repair`, one write: the repair's commit
+point). An unconfirmed repair is not undone: bringing the old certificate back
+would re-admit the box the operator replaced; its roll-back gives the token use
+back (after the grace) so the operator can make a new repair token.
 
 A join writes three objects (the token's use, the machine's index entry, its
 record) under one ``join`` intent (:mod:`controlplane.intents`) that is HELD:
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 from controlplane.accounts import AccountService
 from controlplane.intents import Intent, Intents
 from controlplane.machines import AuthorizedPeer, MachineInfo, MachineRegistry
-from controlplane.records import Account, Machine, machine_index_key, machine_key
+from controlplane.records import Account, JoinToken, Machine, machine_index_key, machine_key
 from controlplane.tokens import TokenService
 from shared import tls
 from shared.errors import InvalidState, Unauthenticated
@@ -89,6 +94,8 @@ class Pairing:
             token = await self._tokens.consume(token_value)
             return await self._register(token.account_id, token.token_id, csr_pem, clean, "")
         token = await self._tokens.check(token_value)
+        if token.repair_machine_id:
+            return await self._repair(token, csr_pem, clean)
         machine_id = self._machines.new_machine_id()
         # Held: committed by the machine's first connection, see the module doc.
         async with self._intents.change(
@@ -102,6 +109,34 @@ class Pairing:
             return await self._register(
                 token.account_id, token.token_id, csr_pem, clean, intent.intent_id, machine_id
             )
+
+    async def _repair(self, token: JoinToken, csr_pem: str, info: MachineInfo) -> JoinResult:
+        """A new box takes over the token's machine (see the module doc)."""
+        assert self._intents is not None
+        machine_id = validate_id("machine", token.repair_machine_id, "machine_id")
+        old = await self._machines.load_any(token.account_id, machine_id)
+        if old is None or old.revoked:
+            # The machine went (or was revoked) after the token was made.
+            raise Unauthenticated("join: the machine this repair token names is gone or revoked")
+        account = await self._accounts.require_active(token.account_id, "join")
+        async with self._intents.change(
+            _JOIN,
+            hold=True,
+            account_id=token.account_id,
+            token_id=token.token_id,
+            machine_id=machine_id,
+            repair="1",
+        ) as intent:
+            await self._tokens.use(token, intent.intent_id)
+            cert = tls.sign_client_csr(
+                self._ca,
+                csr_pem,
+                account_id=account.account_id,
+                machine_id=machine_id,
+                lifetime=self._lifetime,
+            )
+            machine = await self._machines.repair(old, info, cert, token.token_id, intent.intent_id)
+            return JoinResult(machine, account, cert, self._ca.cert_pem)
 
     async def _register(
         self,
@@ -133,6 +168,15 @@ class Pairing:
         tok = validate_id("token", intent.fields.get("token_id", ""), "token_id")
         mc = validate_id("machine", intent.fields.get("machine_id", ""), "machine_id")
         machine = await self._machines.load_any(acct, mc)
+        if intent.fields.get("repair"):
+            # Never undo a repair's record (see the module doc), only the token use.
+            written = machine is not None and machine.token_id == tok
+            if written and machine is not None and machine.join_intent != intent.intent_id:
+                return True  # confirmed: the new box connected
+            if written and age < self._confirm_grace:
+                return False  # the reply may be on its way: give the box time
+            await self._tokens.give_back(acct, tok, intent.intent_id)
+            return True
         if machine is not None:
             if machine.join_intent != intent.intent_id or machine.revoked:
                 # Confirmed before the intent was deleted, or revoked by an operator

@@ -26,6 +26,7 @@ from controlplane.accounts import AccountService
 from controlplane.admin_servicer import AdminServicer
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService
+from controlplane.backups import MachineBackups
 from controlplane.config import ControlConfig, parse_hostport
 from controlplane.deletion import AccountDeletion, DeletionHooks
 from controlplane.integrity import DeploymentGuard, TrustedStore, open_trusted_store
@@ -199,6 +200,7 @@ class ControlPlane:
             renew_threshold=cfg.renew_threshold,
             link_port=self.link_port,
             link_host=cfg.advertise_host,
+            backups=_machine_backups(trusted, services.machines),
         )
         admin = AdminServicer(
             accounts=services.accounts,
@@ -293,6 +295,17 @@ async def _self_check(guard: DeploymentGuard, intents: Intents, interval: float)
             logger.debug("self-check: store unavailable: %s", e)
         except AgentsError as e:
             logger.warning("self-check: %s", e)
+
+
+def _machine_backups(trusted: TrustedStore, machines: MachineRegistry) -> MachineBackups | None:
+    """The backup RPCs' domain over the un-MAC'd store (None: backups refused)."""
+    if trusted.backups is None:
+        return None
+
+    async def exists(account_id: str, machine_id: str) -> bool:
+        return await machines.load_any(account_id, machine_id) is not None
+
+    return MachineBackups(trusted.backups, exists=exists)
 
 
 def _bracket(host: str) -> str:

@@ -14,8 +14,8 @@ from controlplane.authz import Principal
 from controlplane.config import MAX_TOKEN_TTL
 from controlplane.hashing import hash_secret, new_secret, split_bearer, verify_secret
 from controlplane.intents import Intent, Intents
-from controlplane.records import JoinToken, token_index_key, token_key, tokens_prefix
-from shared.errors import IntegrityError, InvalidArgument, NotFound, Unauthenticated
+from controlplane.records import JoinToken, Machine, token_index_key, token_key, tokens_prefix
+from shared.errors import IntegrityError, InvalidArgument, InvalidState, NotFound, Unauthenticated
 from shared.ids import new_id, validate_id
 from shared.store.base import ObjectStore
 
@@ -68,6 +68,8 @@ class TokenService:
         account_id: str,
         ttl_seconds: int = 0,
         max_uses: int = 0,
+        *,
+        repair_machine_id: str = "",
     ) -> NewToken:
         """Make a token for ``account_id``: TTL default from config, at most 24 h.
 
@@ -103,6 +105,7 @@ class TokenService:
             expires_at=now + dt.timedelta(seconds=ttl),
             max_uses=uses,
             created_by=principal.credential_id,
+            repair_machine_id=repair_machine_id,
         )
         # Index and record under one intent (controlplane.intents); deleting it is the
         # commit point, and the value is shown only after it.
@@ -113,6 +116,20 @@ class TokenService:
             await jsonstore.create(self._store, token_key(account_id, token_id), token.to_dict())
         await self._audit.record(principal.credential_id, "token.create", token_id, account_id)
         return NewToken(token, f"{token_id}.{secret}")
+
+    async def create_repair(
+        self, principal: Principal, machine: Machine, ttl_seconds: int = 0
+    ) -> NewToken:
+        """A one-use token that re-pairs ``machine`` (already checked visible to
+        ``principal``): the box that joins with it takes over the machine's id and
+        the machine's old certificate is refused from then on (controlplane.pairing)."""
+        if machine.revoked:
+            raise InvalidState(
+                "machine repair", f"machine {machine.machine_id} is revoked; join a new machine"
+            )
+        return await self.create(
+            principal, machine.account_id, ttl_seconds, 1, repair_machine_id=machine.machine_id
+        )
 
     async def _roll_back_create(self, intent: Intent, age: float) -> bool:
         """Undo a token create that never committed: the record, then its index entry."""

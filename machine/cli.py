@@ -821,14 +821,17 @@ def _cmd_serve(ctx: _Ctx) -> int:
 
 def _cmd_join(ctx: _Ctx) -> int:
     # Imported here: only `join` needs the join flow and the service installer.
-    from machine.join import join_control_plane
+    from machine.join import join_control_plane, restore_after_join
     from machine.service_unit import install_service
+    from shared.recovery_key import read_recovery_key
 
     args = ctx.args
     if not args.data_dir:
         # `join` installs a server: its folder is the server's, whatever else exists.
         args.data_dir = str(server_data_dir(ctx.home))
     cfg = ctx.cfg
+    # Read before the join: a bad key file must not cost the one-time token.
+    recovery = read_recovery_key(Path(args.recovery_key)) if args.recovery_key else None
     result = asyncio.run(
         join_control_plane(
             data_dir=cfg.data_dir,
@@ -839,6 +842,20 @@ def _cmd_join(ctx: _Ctx) -> int:
         )
     )
     ctx.out.lines(f"joined as machine {result.machine_id} (account {result.account_id})")
+    if recovery is not None:
+        done = asyncio.run(
+            restore_after_join(
+                data_dir=cfg.data_dir,
+                db_path=cfg.db_path,
+                attachments_dir=cfg.attachments_dir,
+                recovery=recovery,
+            )
+        )
+        ctx.out.lines(
+            f"restored {len(done.restored)} agents (archived) from backup {done.backup_id}"
+            if done.backup_id
+            else "the control plane keeps no backup of this machine: nothing to restore"
+        )
     if args.install_service:
         installed = install_service(data_dir=cfg.data_dir)
         ctx.out.lines(f"installed {installed.unit_path}")
@@ -923,6 +940,10 @@ def _parser() -> CliParser:
     j.add_argument("--ca-hash", required=True, help="sha256:HEX of the control plane CA key")
     j.add_argument("--name", help="this machine's name")
     j.add_argument("--install-service", action="store_true", help="install a systemd unit")
+    j.add_argument(
+        "--recovery-key",
+        help="account recovery key FILE: after a repair join, restore the machine's newest backup",
+    )
 
     sub.add_parser("status", parents=[common], help="the daemon's health and counts")
     sub.add_parser("check", parents=[common], help="run a full integrity check of machine.db")

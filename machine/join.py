@@ -14,6 +14,11 @@ The flow (``agents-machine join H:P --token T --ca-hash sha256:...``):
 4. Write ``keys/`` and ``link.json`` into a staging folder beside the data
    folder and move them into place only once everything succeeded, so a
    refused join writes nothing on the machine.
+
+A repair join (a token from ``agents-control machine repair M``) is the same
+flow; the control plane answers with M's id, so the box becomes M. With
+``--recovery-key FILE`` the CLI then runs :func:`restore_after_join`: M's
+newest backup, opened with the account recovery key, restored whole.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import grpc
 import grpc.aio
@@ -37,7 +42,12 @@ from cryptography.hazmat.primitives import serialization
 from machine import identity
 from machine.link_client import JoinReply, LinkClient, MachineInfo
 from machine.version import machine_version
+
+if TYPE_CHECKING:
+    from machine.backup_link import RepairRestore
 from shared import tls
+from shared.atomic import ensure_private_dir
+from shared.crypto import BoxKeyPair
 from shared.errors import (
     AgentsError,
     IntegrityError,
@@ -53,6 +63,7 @@ __all__ = [
     "fetch_pinned_ca",
     "join_control_plane",
     "parse_address",
+    "restore_after_join",
     "validate_ca_hash",
     "validate_name",
     "validate_token",
@@ -348,3 +359,23 @@ async def join_control_plane(
     return JoinResult(
         machine_id=link.machine_id, account_id=link.account_id, control_address=link_address
     )
+
+
+async def restore_after_join(
+    *, data_dir: Path, db_path: Path, attachments_dir: Path, recovery: BoxKeyPair
+) -> RepairRestore:
+    """After a repair join: restore the machine's newest backup from the control plane.
+
+    The database is opened only for the restore (the daemon starts after it);
+    see :func:`machine.backup_link.restore_newest`.
+    """
+    # Imported here: a plain join needs neither the database nor the backup code.
+    from machine.backup_link import restore_newest
+    from machine.db import Database
+
+    ensure_private_dir(attachments_dir)
+    db = await Database.open(db_path)
+    try:
+        return await restore_newest(data_dir, db, attachments_dir, recovery)
+    finally:
+        await db.close()

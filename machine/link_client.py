@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
@@ -24,6 +25,7 @@ from shared.timestamps import to_datetime
 
 __all__ = [
     "AccountDeleted",
+    "BackupEntry",
     "ControlNotice",
     "Delivery",
     "JoinReply",
@@ -122,6 +124,15 @@ class Delivery:
     """The prompt, sealed (shared.crypto) to the machine's box public key."""
     created_at: dt.datetime | None
     """When it was sent (UTC)."""
+
+
+@dataclass(frozen=True)
+class BackupEntry:
+    """One backup the control plane keeps (its manifest is sealed)."""
+
+    backup_id: str
+    machine_id: str
+    manifest_size: int
 
 
 @dataclass(frozen=True)
@@ -267,3 +278,66 @@ class LinkClient:
         # Called without an iterator, the call is driven by write()/read();
         # grpc-stubs does not know that form.
         return LinkStream(self._stub.Connect())  # type: ignore[call-arg]
+
+    # Backups (mutual TLS): the control plane takes our identity from the certificate.
+
+    async def have_segments(self, names: Iterable[str], *, timeout: float) -> dict[str, int]:
+        """Which of ``names`` (at most 10,000) the control plane holds, with sizes."""
+        reply = await self._stub.HaveSegments(
+            link_pb2.HaveSegmentsRequest(hashes=list(names)), timeout=timeout
+        )
+        return dict(zip(reply.present, reply.present_sizes, strict=False))
+
+    async def put_segment(
+        self, name: str, size: int, data: AsyncIterable[bytes], *, timeout: float
+    ) -> int:
+        """Upload one sealed segment of ``size`` bytes; returns the bytes stored."""
+
+        async def messages() -> AsyncIterator[link_pb2.PutSegmentRequest]:
+            yield link_pb2.PutSegmentRequest(header=link_pb2.SegmentHeader(hash=name, size=size))
+            async for chunk in data:
+                yield link_pb2.PutSegmentRequest(chunk=chunk)
+
+        reply = await self._stub.PutSegment(messages(), timeout=timeout)
+        return reply.stored_bytes
+
+    async def put_manifest(
+        self, backup_id: str, blob: bytes, names: Iterable[str], *, timeout: float
+    ) -> None:
+        """Store a sealed manifest (the backup's commit point)."""
+        await self._stub.PutManifest(
+            link_pb2.PutManifestRequest(
+                backup_id=backup_id, sealed_manifest=blob, segment_hashes=list(names)
+            ),
+            timeout=timeout,
+        )
+
+    async def list_backups(self, machine_id: str = "", *, timeout: float) -> list[BackupEntry]:
+        """Backups of this machine (or of ``machine_id`` of our account), newest first."""
+        reply = await self._stub.ListBackups(
+            link_pb2.ListBackupsRequest(machine_id=machine_id), timeout=timeout
+        )
+        return [BackupEntry(b.backup_id, b.machine_id, b.manifest_size) for b in reply.backups]
+
+    async def get_manifest(self, backup_id: str, machine_id: str = "", *, timeout: float) -> bytes:
+        """One sealed manifest."""
+        reply = await self._stub.GetManifest(
+            link_pb2.GetManifestRequest(machine_id=machine_id, backup_id=backup_id),
+            timeout=timeout,
+        )
+        return bytes(reply.sealed_manifest)
+
+    async def get_segment(
+        self, name: str, machine_id: str = "", *, timeout: float
+    ) -> AsyncIterator[bytes]:
+        """One sealed segment's bytes, as they arrive."""
+        call = self._stub.GetSegment(
+            link_pb2.GetSegmentRequest(machine_id=machine_id, hash=name), timeout=timeout
+        )
+        async for msg in call:
+            yield bytes(msg.data)
+
+    async def prune(self, keep: int, *, timeout: float) -> tuple[list[str], int]:
+        """Keep our newest ``keep`` backups: (backup ids, segment count) deleted."""
+        reply = await self._stub.Prune(link_pb2.PruneRequest(keep=keep), timeout=timeout)
+        return list(reply.deleted_backup_ids), reply.deleted_segments

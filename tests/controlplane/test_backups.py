@@ -57,3 +57,41 @@ async def test_prune_and_bad_ids() -> None:
     for t in (1000, 2000):
         await backups.put_manifest(ACCT, machine, new_id("backup", now_ms=t), b"m", [])
     assert len((await backups.prune(ACCT, machine, 1)).manifests) == 1
+
+
+async def test_reads_of_another_machine_only_within_the_account() -> None:
+    mine, sibling, stranger = new_id("machine"), new_id("machine"), new_id("machine")
+    owners = {(ACCT, mine), (ACCT, sibling)}
+
+    async def exists(account_id: str, machine_id: str) -> bool:
+        return (account_id, machine_id) in owners
+
+    backups = MachineBackups(MemoryStore(), exists=exists)
+    assert await backups.source(ACCT, mine, "") == mine
+    assert await backups.source(ACCT, mine, sibling) == sibling
+    other_acct = new_id("account")
+    owners.add((other_acct, stranger))
+    with pytest.raises(NotFound) as foreign:
+        await backups.source(ACCT, mine, stranger)
+    missing = new_id("machine")
+    with pytest.raises(NotFound) as absent:
+        await backups.source(ACCT, mine, missing)
+    assert str(foreign.value).replace(stranger, "X") == str(absent.value).replace(missing, "X")
+    with pytest.raises(InvalidId):
+        await backups.source(ACCT, mine, "mc_../../x")
+
+
+async def test_segment_stream_must_match_its_declared_size_and_is_stored_once() -> None:
+    backups = MachineBackups(MemoryStore())
+    machine, name = new_id("machine"), os.urandom(32).hex()
+    for parts in ((b"12345",), (b"1234567", b"89")):
+        with pytest.raises((InvalidArgument, TooLarge)):
+            await backups.put_segment(ACCT, machine, name, _chunks(*parts), declared=8)
+        assert await backups.have_segments(ACCT, machine, [name]) == {}
+    assert await backups.put_segment(ACCT, machine, name, _chunks(b"12345678"), declared=8) == 8
+    assert await backups.put_segment(ACCT, machine, name, _chunks(b"12345678"), declared=8) == 0
+    assert await backups.have_segments(ACCT, machine, [name]) == {name: 8}
+    with pytest.raises(InvalidArgument, match="hash"):
+        await backups.have_segments(ACCT, machine, ["../etc"])
+    with pytest.raises(TooLarge):
+        await backups.have_segments(ACCT, machine, [name] * 10_001)

@@ -222,6 +222,56 @@ async def test_join_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -> 
     assert points >= 4, points
 
 
+async def test_repair_join_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -> None:
+    """A repair join killed at each store write: the old certificate is refused only
+    once the repair's record write happened; the token's use always comes back
+    unless the new box connected; the same token then repairs for real."""
+    acct = _json(cp, "account", "create", "--github-id", "66", "--github-login", "r")
+    account_id = acct["account_id"]
+    tok = _json(cp, "token", "create", "--account", account_id)
+    machine_id, old_cert, old_key = await _join(cp, tok["token_value"])
+    await _connect_once(cp, old_cert, old_key)
+    points = 0
+    for n in range(1, MAX_WRITES):
+        made = _json(cp, "machine", "repair", machine_id)
+        token_id, value = made["token"]["token_id"], made["token_value"]
+        assert cp.process is not None
+        proxy.arm(cp.process.pid, after=n)
+        try:
+            joined: tuple[str, bytes, bytes] | None = await _join(cp, value)
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+            joined = None
+        if not _crashed(cp, proxy):
+            assert joined is not None and joined[0] == machine_id
+            await _connect_once(cp, joined[1], joined[2])
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _connect_once(cp, old_cert, old_key)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            _assert_fsck_clean(cp)
+            break
+        points += 1
+        assert joined is None
+
+        def settled() -> bool:
+            return bool(cp.cli("fsck", "--json").code == 0)
+
+        await _until(settled, CONFIRM_GRACE + 15, f"repair settled after {proxy.writes}")
+        by_id = {
+            t["token_id"]: t for t in _json(cp, "token", "list", "--account", account_id)["tokens"]
+        }
+        assert by_id[token_id]["uses"] == 0 and by_id[token_id]["state"] == "active"
+        # The same token repairs for real; the box that joins with it is the machine.
+        again, cert, key = await _join(cp, value)
+        assert again == machine_id
+        await _connect_once(cp, cert, key)
+        old_cert, old_key = cert, key
+        assert [m["machine_id"] for m in _live_machines(cp, account_id)] == [machine_id]
+        _assert_fsck_clean(cp)
+    # intent, token use (+ its audit record), machine record.
+    assert points >= 3, points
+
+
 def test_machine_join_says_it_lost_the_control_plane(
     cp: ControlProc, proxy: CrashProxy, tmp_path: Path
 ) -> None:

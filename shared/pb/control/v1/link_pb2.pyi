@@ -524,18 +524,24 @@ class HaveSegmentsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PRESENT_FIELD_NUMBER: _builtins.int
+    PRESENT_SIZES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def present(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The subset of the requested hashes the store already holds."""
+
+    @_builtins.property
+    def present_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The stored size in bytes of each present segment, in the same order."""
 
     def __init__(
         self,
         *,
         present: _abc.Iterable[_builtins.str] | None = ...,
+        present_sizes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["present", b"present"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["present", b"present", "present_sizes", b"present_sizes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -578,7 +584,9 @@ class SegmentHeader(_message.Message):
     hash: _builtins.str
     """The segment's keyed hash (64 lower-case hex chars)."""
     size: _builtins.int
-    """Total size in bytes of the sealed segment."""
+    """Total size in bytes of the sealed segment; 0 when the sender streams it
+    as it seals it and does not know yet (the size limit still applies).
+    """
     def __init__(
         self,
         *,
@@ -859,19 +867,25 @@ class PruneResponse(_message.Message):
 
     DELETED_MANIFESTS_FIELD_NUMBER: _builtins.int
     DELETED_SEGMENTS_FIELD_NUMBER: _builtins.int
+    DELETED_BACKUP_IDS_FIELD_NUMBER: _builtins.int
     deleted_manifests: _builtins.int
     """Manifests deleted."""
     deleted_segments: _builtins.int
     """Segments deleted."""
+    @_builtins.property
+    def deleted_backup_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The backup ids of the deleted manifests."""
+
     def __init__(
         self,
         *,
         deleted_manifests: _builtins.int = ...,
         deleted_segments: _builtins.int = ...,
+        deleted_backup_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted_manifests", b"deleted_manifests", "deleted_segments", b"deleted_segments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted_backup_ids", b"deleted_backup_ids", "deleted_manifests", b"deleted_manifests", "deleted_segments", b"deleted_segments"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

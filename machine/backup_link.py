@@ -1,0 +1,190 @@
+"""Backups of a joined server, kept by the control plane: a BackupTarget over the link.
+
+:class:`ControlPlaneTarget` turns the :class:`~shared.backup_target.BackupTarget`
+calls of the backup engine into the MachineLink backup RPCs (through
+:class:`~machine.link_client.LinkClient`, the one module that speaks the link).
+The control plane takes this machine's identity from its client certificate;
+``source`` names another machine of the same account to READ from (a
+replacement box restoring a lost machine's backups before it took over the id).
+Writes always go to the caller's own backups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import grpc.aio
+
+from machine import identity
+from machine.backup import BackupEngine
+from machine.backup_keys import adopt_naming_key
+from machine.db import Database
+from machine.link_client import LinkClient
+from machine.transfer import DatabaseBackupSource, restore_fetched
+from shared.atomic import ensure_private_dir
+from shared.backup_target import ManifestInfo, PruneResult
+from shared.crypto import BoxKeyPair
+from shared.errors import InvalidArgument
+from shared.rpc import domain_error
+
+__all__ = ["ControlPlaneTarget", "RepairRestore", "restore_newest"]
+
+logger = logging.getLogger(__name__)
+
+#: Names per HaveSegments call (the control plane's bound, link.proto).
+_HAVE_BATCH: Final = 10_000
+#: Deadline of a small call; segment transfers get ``transfer_timeout``.
+_CALL_TIMEOUT: Final = 60.0
+_TRANSFER_TIMEOUT: Final = 3600.0
+
+
+class ControlPlaneTarget:
+    """A :class:`~shared.backup_target.BackupTarget` kept by the control plane."""
+
+    def __init__(
+        self,
+        client: LinkClient,
+        *,
+        source: str = "",
+        timeout: float = _CALL_TIMEOUT,
+        transfer_timeout: float = _TRANSFER_TIMEOUT,
+    ) -> None:
+        self._client = client
+        self._source = source
+        self._timeout = timeout
+        self._transfer = transfer_timeout
+
+    async def have_segments(self, names: Iterable[str]) -> dict[str, int]:
+        wanted = sorted(set(names))
+        out: dict[str, int] = {}
+        try:
+            for i in range(0, len(wanted), _HAVE_BATCH):
+                batch = wanted[i : i + _HAVE_BATCH]
+                out.update(await self._client.have_segments(batch, timeout=self._timeout))
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+        return out
+
+    async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
+        try:
+            # Size 0: the engine seals as it streams and does not know it yet.
+            await self._client.put_segment(name, 0, data, timeout=self._transfer)
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+
+    async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
+        try:
+            await self._client.put_manifest(backup_id, blob, names, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+
+    async def list_manifests(self) -> list[ManifestInfo]:
+        try:
+            entries = await self._client.list_backups(self._source, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+        # The link lists newest first; the target contract is oldest first.
+        return sorted(
+            (ManifestInfo(e.backup_id, e.manifest_size) for e in entries),
+            key=lambda m: m.backup_id,
+        )
+
+    async def get_manifest(self, backup_id: str) -> bytes:
+        try:
+            return await self._client.get_manifest(backup_id, self._source, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+
+    async def get_segment(self, name: str) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._client.get_segment(name, self._source, timeout=self._transfer):
+                yield chunk
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+
+    async def prune(self, keep: int) -> PruneResult:
+        if self._source:
+            raise ValueError("a target reading another machine's backups cannot prune")
+        try:
+            manifests, segments = await self._client.prune(keep, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+        return PruneResult(tuple(manifests), segments)
+
+
+@dataclass(frozen=True)
+class RepairRestore:
+    """What restoring a repaired machine's newest backup did."""
+
+    backup_id: str
+    """Empty when the control plane kept no backup of the machine."""
+    restored: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    attachments: int = 0
+
+
+async def restore_newest(
+    data_dir: Path, db: Database, attachments_dir: Path, recovery: BoxKeyPair
+) -> RepairRestore:
+    """Restore this joined machine's newest backup kept by the control plane.
+
+    Run once after a repair join (the box took over a lost machine's id, so
+    the backups are "its own"). Opened with the account recovery key only;
+    the backup's naming key is adopted so the next backup reuses its segments.
+    The restore commits whole or not at all (machine.transfer); running it
+    again skips the agents already restored.
+    """
+    link = await asyncio.to_thread(identity.load_link, data_dir)
+    if recovery.public_key != link.account_recovery_public_key:
+        raise InvalidArgument(
+            "recovery_key", "this is not the recovery key of the account the machine joined"
+        )
+    keys = await asyncio.to_thread(identity.load_keys, data_dir)
+    client = LinkClient.mutual(
+        link.control_address,
+        ca_pem=keys.ca_cert_pem,
+        key_pem=keys.tls_key_pem,
+        cert_pem=keys.tls_cert_pem,
+    )
+    async with contextlib.aclosing(client):
+        target = ControlPlaneTarget(client)
+        backups = await target.list_manifests()
+        if not backups:
+            return RepairRestore("")
+        newest = backups[-1].backup_id
+        work = data_dir / "backup-work"
+        ensure_private_dir(work)
+        source = DatabaseBackupSource(db, attachments_dir, work)
+        # Only fetch is used: the engine's own keys do not matter, the recovery key opens.
+        engine = BackupEngine(
+            source,
+            target,
+            machine_id=link.machine_id,
+            naming_key=bytes(32),
+            recipients=[recovery.public_key],
+            keypair=recovery,
+            work_dir=work,
+            keep=1,
+        )
+        stage = work / f".repair-{os.getpid()}"
+        try:
+            fetched = await engine.fetch(newest, stage, recovery)
+            # Before the restore: a crash after it still leaves the key adopted.
+            await asyncio.to_thread(adopt_naming_key, data_dir, fetched.manifest.naming_key)
+            result = await restore_fetched(
+                db, fetched, attachments_dir=attachments_dir, erased=set()
+            )
+        finally:
+            await asyncio.to_thread(shutil.rmtree, stage, True)
+    logger.info("restored %d agents of backup %s", len(result.restored), newest)
+    return RepairRestore(
+        newest, result.restored, result.skipped_existing + result.skipped_erased, result.attachments
+    )

@@ -1,0 +1,160 @@
+"""Repair joins: a new box takes over a lost machine's id (controlplane.pairing)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from controlplane.accounts import AccountService
+from controlplane.audit import Auditor
+from controlplane.authz import CredentialService, Principal
+from controlplane.intents import Intents
+from controlplane.machines import MachineInfo, MachineRegistry
+from controlplane.pairing import Pairing
+from controlplane.presence import PresenceRegistry, RevokedNotice
+from controlplane.tokens import TokenService
+from shared import tls
+from shared.errors import InvalidState, NotFound, Unauthenticated
+from shared.store import MemoryStore
+
+GRACE = 60.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+
+class World:
+    """One control-plane process's services over a shared store (a new World = a restart)."""
+
+    def __init__(self, store: MemoryStore, clock: Clock, ca: tls.CertKey) -> None:
+        self.store, self.clock, self.ca = store, clock, ca
+        audit = Auditor(store, clock)
+        self.intents = Intents(store, clock)
+        self.accounts = AccountService(store, audit, clock, intents=self.intents)
+        self.creds = CredentialService(store, self.accounts, audit, clock)
+        self.tokens = TokenService(store, self.accounts, audit, clock=clock, intents=self.intents)
+        self.machines = MachineRegistry(store, self.accounts, audit, clock, self.intents)
+        self.pairing = Pairing(
+            self.tokens,
+            self.machines,
+            self.accounts,
+            ca,
+            dt.timedelta(days=30),
+            intents=self.intents,
+            confirm_grace=GRACE,
+            store=store,
+        )
+        self.op = Principal("adm_" + "0" * 26, "operator")
+
+    async def join(self, value: str) -> tuple[str, bytes]:
+        res = await self.pairing.join(
+            value, tls.build_csr(tls.new_tls_key()).decode(), MachineInfo("m", "0.1", "h")
+        )
+        return res.machine.machine_id, res.cert.cert_pem
+
+
+@pytest.fixture
+def w() -> World:
+    return World(MemoryStore(), Clock(), tls.make_ca())
+
+
+async def _joined(w: World) -> tuple[str, str, bytes]:
+    acct = (await w.accounts.create(1, "u1", None, "t")).account.account_id
+    mc, cert = await w.join((await w.tokens.create(w.op, acct)).value)
+    await w.machines.authorize_peer(tls.identity_from_cert(cert))  # confirms the join
+    return acct, mc, cert
+
+
+async def test_repair_takes_over_the_id_and_refuses_the_old_certificate(w: World) -> None:
+    acct, mc, old_cert = await _joined(w)
+    machine = await w.machines.authorize_peer(tls.identity_from_cert(old_cert))
+    presence = PresenceRegistry(w.store, clock=w.clock)
+    w.machines.on_revoke(presence.kick)
+    session = await presence.open(machine, "0.1", 0)
+    made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))
+    assert made.token.repair_machine_id == mc and made.token.max_uses == 1
+    new_id_, new_cert = await w.join(made.value)
+    assert new_id_ == mc
+    # The old box's live link is closed and its certificate refused.
+    assert isinstance(session.outbox.get_nowait(), RevokedNotice)
+    with pytest.raises(Unauthenticated, match="superseded"):
+        await w.machines.authorize_peer(tls.identity_from_cert(old_cert))
+    got = await w.machines.authorize_peer(tls.identity_from_cert(new_cert))
+    assert got.machine_id == mc and got.account_id == acct and got.join_intent == ""
+    assert await w.intents.pending() == []
+    with pytest.raises(Unauthenticated, match="already used"):
+        await w.join(made.value)
+    assert [m.machine_id for m in await w.machines.list(w.op)] == [mc]
+
+
+async def test_repair_token_refusals(w: World) -> None:
+    acct, mc, _ = await _joined(w)
+    other = (await w.accounts.create(2, "u2", None, "t")).account.account_id
+    admin_b = await w.creds.authenticate((await w.creds.create_for_account(w.op, other, "b")).value)
+    with pytest.raises(NotFound):  # another account's machine: as if missing
+        await w.machines.get(admin_b, mc)
+    made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))
+    await w.machines.revoke(w.op, mc)
+    with pytest.raises(InvalidState, match="revoked"):
+        await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))
+    # A token made before the revocation no longer repairs it, and costs no use.
+    with pytest.raises(Unauthenticated, match="revoked"):
+        await w.join(made.value)
+    assert (await w.tokens.get(w.op, made.token.token_id)).uses == 0
+    assert acct
+
+
+async def test_a_repair_that_fails_midway_gives_the_token_back_and_changes_nothing(
+    w: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, mc, old_cert = await _joined(w)
+    made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))
+
+    async def crash(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("store write failed")
+
+    monkeypatch.setattr(w.machines, "repair", crash)
+    with pytest.raises(RuntimeError):
+        await w.join(made.value)
+    assert await w.intents.pending() == []
+    assert (await w.tokens.get(w.op, made.token.token_id)).uses == 0
+    await w.machines.authorize_peer(tls.identity_from_cert(old_cert))  # still the machine's
+
+
+async def test_an_unconfirmed_repair_gives_its_use_back_but_never_readmits_the_old_box(
+    w: World,
+) -> None:
+    _, mc, old_cert = await _joined(w)
+    made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))
+    await w.join(made.value)  # the reply is lost: the new box never connects
+    # A restart within the grace keeps the repair waiting for the box.
+    w.clock.now += dt.timedelta(seconds=GRACE / 2)
+    restarted = World(w.store, w.clock, w.ca)
+    assert await restarted.intents.recover() == 0
+    w.clock.now += dt.timedelta(seconds=GRACE)
+    assert await restarted.intents.recover() == 1
+    assert await restarted.intents.pending() == []
+    assert (await restarted.tokens.get(w.op, made.token.token_id)).uses == 0
+    with pytest.raises(Unauthenticated, match="superseded"):
+        await restarted.machines.authorize_peer(tls.identity_from_cert(old_cert))
+    # The operator repairs again with the same (given back) token.
+    again, cert = await restarted.join(made.value)
+    assert again == mc
+    await restarted.machines.authorize_peer(tls.identity_from_cert(cert))
+
+
+async def test_a_confirmed_repair_keeps_its_token_use_on_recovery(w: World) -> None:
+    _, mc, _ = await _joined(w)
+    made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))
+    _, cert = await w.join(made.value)
+    await w.machines.authorize_peer(tls.identity_from_cert(cert))
+    w.clock.now += dt.timedelta(seconds=GRACE * 2)
+    restarted = World(w.store, w.clock, w.ca)
+    await restarted.intents.recover()
+    assert (await restarted.tokens.get(w.op, made.token.token_id)).uses == 1
