@@ -32,7 +32,7 @@ from controlplane.audit import Auditor, Clock, utcnow
 from controlplane.authz import Principal
 from controlplane.machines import MachineRegistry
 from controlplane.records import Machine, _Record, decode, encode
-from shared.crypto import seal_bytes
+from shared.crypto import prompt_aad, seal_bytes
 from shared.errors import (
     AgentsError,
     IntegrityError,
@@ -54,7 +54,6 @@ __all__ = [
     "QueueLimits",
     "QueuedPrompt",
     "SendResult",
-    "prompt_aad",
     "queue_prefix",
 ]
 
@@ -87,12 +86,6 @@ def _seq_of(key: str) -> int | None:
     if ext != "sealed" or len(stem) != _SEQ_DIGITS or not stem.isdigit():
         return None
     return int(stem)
-
-
-def prompt_aad(prompt_id: str, agent_id: str) -> bytes:
-    """What the sealed text is bound to: a sealed prompt cannot be replayed under
-    another id or for another agent (the machine opens it with the same aad)."""
-    return f"agents-prompt:{prompt_id}:{agent_id}".encode()
 
 
 def _idem_hash(machine_id: str, key: str) -> str:

@@ -11,10 +11,10 @@ from controlplane.audit import Auditor
 from controlplane.authz import Principal
 from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.pairing import Pairing
-from controlplane.queue import PromptQueue, QueueLimits, prompt_aad, queue_prefix
+from controlplane.queue import PromptQueue, QueueLimits, queue_prefix
 from controlplane.tokens import TokenService
 from shared import tls
-from shared.crypto import BoxKeyPair, open_bytes
+from shared.crypto import BoxKeyPair, open_bytes, prompt_aad
 from shared.errors import InvalidArgument, NotFound, QuotaExceeded, TooLarge
 from shared.ids import new_id
 from shared.store import MemoryStore
