@@ -12,6 +12,7 @@ import grpc.aio
 
 from controlplane.accounts import AccountService
 from controlplane.authz import CredentialService, Principal
+from controlplane.delivery import PromptDelivery
 from controlplane.machines import MachineRegistry
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
@@ -89,6 +90,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         presence: PresenceRegistry,
         ca_hash: str,
         join_address: str,
+        prompts: PromptDelivery,
     ) -> None:
         self._accounts = accounts
         self._credentials = credentials
@@ -97,6 +99,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._presence = presence
         self._ca_hash = ca_hash
         self._join_address = join_address
+        self._prompts = prompts
 
     async def _auth(self, context: Context) -> Principal:
         bearer: str | None = None
@@ -232,12 +235,45 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             account_id=made.credential.account_id,
         )
 
+    async def SendPrompt(
+        self, request: admin_pb2.SendPromptRequest, context: Context
+    ) -> admin_pb2.SendPromptResponse:
+        """See admin.proto."""
+        p = await self._auth(context)
+        sent = await self._prompts.send(
+            p, request.machine_id, request.agent_id, request.text, request.idempotency_key
+        )
+        return admin_pb2.SendPromptResponse(
+            prompt_id=sent.prompt_id, state=sent.state, run_id=sent.run_id
+        )
+
+    async def ListPrompts(
+        self, request: admin_pb2.ListPromptsRequest, context: Context
+    ) -> admin_pb2.ListPromptsResponse:
+        """See admin.proto."""
+        p = await self._auth(context)
+        states = await self._prompts.states(p, request.machine_id)
+        now = dt.datetime.now(dt.UTC)
+        return admin_pb2.ListPromptsResponse(
+            prompts=[
+                admin_pb2.PromptInfo(
+                    prompt_id=s.prompt_id,
+                    agent_id=s.agent_id,
+                    created_at=from_datetime(s.created_at),
+                    size=s.size,
+                    state=s.state,
+                    age_seconds=max(0, int((now - s.created_at).total_seconds())),
+                    run_id=s.run_id,
+                    reason=s.reason,
+                )
+                for s in states
+            ]
+        )
+
     # RPCs that arrive with later issues.
     DeleteAccount = unimplemented("DeleteAccount", _LATER, check="_auth")
     GetDeletion = unimplemented("GetDeletion", _LATER, check="_auth")
     CreateRepairToken = unimplemented("CreateRepairToken", _LATER, check="_auth")
     SetProvider = unimplemented("SetProvider", _LATER, check="_auth")
-    SendPrompt = unimplemented("SendPrompt", _LATER, check="_auth")
-    ListPrompts = unimplemented("ListPrompts", _LATER, check="_auth")
     RotateServerCertificate = unimplemented("RotateServerCertificate", _LATER, check="_auth")
     RolloverCA = unimplemented("RolloverCA", _LATER, check="_auth")

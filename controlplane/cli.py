@@ -15,6 +15,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from controlplane.bootstrap import init_control_plane
@@ -158,6 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("machine_id", help="the machine's id (mc_…)")
     p.add_argument("name", help="the new name")
+
+    pr = sub.add_parser("prompt", help="prompts for machines (queued while they are off)")
+    prv = pr.add_subparsers(dest="verb", parser_class=CliParser)
+    p = prv.add_parser("send", help="send a prompt to an agent of a machine")
+    _common(p)
+    p.add_argument("--machine", required=True, help="the machine's id (mc_…)")
+    p.add_argument("--agent", required=True, help="the agent's id (ag_…)")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--text", help="the prompt text")
+    text.add_argument("--file", help="read the prompt text from this file (UTF-8)")
+    p.add_argument(
+        "--idempotency-key", default="", help="a retry with the same key queues nothing new"
+    )
+    p = prv.add_parser("list", help="list a machine's prompts (ids, states, ages, sizes)")
+    _common(p)
+    p.add_argument("--machine", required=True, help="the machine's id (mc_…)")
 
     cred = sub.add_parser("credential", help="admin credentials").add_subparsers(
         dest="verb", parser_class=CliParser
@@ -440,6 +457,53 @@ async def _credential_create(ctx: _Ctx) -> int:
     return ExitCode.OK
 
 
+def _prompt_text(args: argparse.Namespace) -> str:
+    if args.text is not None:
+        return str(args.text)
+    try:
+        return Path(args.file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise UsageError(f"prompt send: cannot read {args.file}: {reason}") from None
+
+
+async def _prompt_send(ctx: _Ctx) -> int:
+    args = ctx.args
+    text = _prompt_text(args)
+    async with _client(ctx.cfg) as c:
+        reply = await c.send_prompt(args.machine, args.agent, text, args.idempotency_key)
+    line = f"prompt {reply['prompt_id']} {reply['state']}"
+    if reply.get("run_id"):
+        line += f" (run {reply['run_id']})"
+    return _emit(ctx, reply, line)
+
+
+async def _prompt_list(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        reply = await c.list_prompts(ctx.args.machine)
+    prompts = list(reply.get("prompts", []))
+    if ctx.out.as_json:
+        ctx.out.json(reply)
+        return ExitCode.OK
+    rows = [
+        [
+            p["prompt_id"],
+            p["agent_id"],
+            p["state"] + (f": {p['reason']}" if p.get("reason") else ""),
+            p.get("run_id") or "-",
+            f"{p['age_seconds']}s",
+            str(p["size"]),
+        ]
+        for p in prompts
+    ]
+    columns = [Column("prompt", whole=True), Column("agent", whole=True), Column("state")]
+    more = [Column("run", whole=True), Column("age"), Column("size")]
+    ctx.out.table([*columns, *more], rows)
+    if reply.get("provider_error"):
+        ctx.out.note(f"provider: {reply['provider_error']}")
+    return ExitCode.OK
+
+
 #: (command, verb) -> handler; a command without verbs has verb None.
 COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("init", None): _init,
@@ -456,6 +520,8 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("machine", "rename"): _machine_rename,
     ("machine", "revoke"): _machine_revoke,
     ("credential", "create"): _credential_create,
+    ("prompt", "send"): _prompt_send,
+    ("prompt", "list"): _prompt_list,
 }
 
 #: Commands that print a secret once (it is stored only as a hash, or not at all):

@@ -26,6 +26,7 @@ from shared.store.base import ObjectStore
 __all__ = [
     "AccountDeletedNotice",
     "CloseLink",
+    "DeliveryNotice",
     "MachineStatus",
     "Outgoing",
     "PresenceRegistry",
@@ -58,6 +59,16 @@ class RenewNowNotice:
     reason: str
 
 
+@dataclass(frozen=True)
+class DeliveryNotice:
+    """A queued prompt for the machine (still sealed to its box key)."""
+
+    prompt_id: str
+    agent_id: str
+    sealed_prompt: bytes = field(repr=False)
+    created_at: dt.datetime
+
+
 class CloseReason(enum.Enum):
     """Why a link ended without a notice; the value is the metrics label."""
 
@@ -76,7 +87,7 @@ class CloseLink:
     reason: CloseReason
 
 
-Outgoing = RevokedNotice | AccountDeletedNotice | RenewNowNotice | CloseLink
+Outgoing = RevokedNotice | AccountDeletedNotice | RenewNowNotice | DeliveryNotice | CloseLink
 #: Notices after which the link closes.
 TERMINAL = (RevokedNotice, AccountDeletedNotice, CloseLink)
 

@@ -129,6 +129,8 @@ class SendResult:
 
     prompt_id: str
     state: str
+    entry: QueuedPrompt | None = None
+    """The entry written; None for a replayed idempotency key."""
 
 
 class PromptQueue:
@@ -150,6 +152,17 @@ class PromptQueue:
         self._limits = limits or QueueLimits()
         self._clock = clock
         self._on_outcome = on_outcome
+        # What this process last saw queued, per machine: seq -> send time (gauges).
+        self._seen: dict[str, dict[int, dt.datetime]] = {}
+
+    def depth(self) -> int:
+        """Prompts queued over every machine, as this process last saw them."""
+        return sum(len(s) for s in self._seen.values())
+
+    def oldest_age(self) -> float:
+        """Seconds the oldest queued prompt has waited (0 with none)."""
+        times = [t for s in self._seen.values() for t in s.values()]
+        return max(0.0, (self._clock() - min(times)).total_seconds()) if times else 0.0
 
     def _count(self, outcome: str) -> None:
         if self._on_outcome is not None:
@@ -190,7 +203,7 @@ class PromptQueue:
             for e in entries:
                 if e.idempotency == idem:
                     self._count("replayed")
-                    return SendResult(e.prompt_id, "queued")
+                    return SendResult(e.prompt_id, "queued", None)
         if len(entries) >= self._limits.max_depth:
             self._count("refused")
             raise QuotaExceeded(f"prompt queue of machine {machine_id}", self._limits.max_depth)
@@ -224,29 +237,31 @@ class PromptQueue:
                 seq += 1  # another send claimed it: take the next one
                 continue
             self._count("queued")
+            self._seen.setdefault(machine_id, {})[seq] = record.created_at
             logger.info("prompt %s queued for machine %s (seq %d)", prompt_id, machine_id, seq)
-            return SendResult(prompt_id, "queued")
+            return SendResult(prompt_id, "queued", dataclasses.replace(record, seq=seq))
         raise InvalidState(f"prompt queue of machine {machine_id}", "too much contention")
 
     async def queued(self, principal: Principal, machine_id: str) -> list[QueuedPrompt]:
         """The machine's queued prompts, oldest first (expired ones dropped)."""
         return await self._entries(await self._machine(principal, machine_id))
 
-    async def pending(self, account_id: str, machine_id: str) -> list[QueuedPrompt]:
-        """What to deliver to a machine that connected, in sequence order."""
+    async def pending(
+        self, account_id: str, machine_id: str, skip: set[int] | None = None
+    ) -> list[QueuedPrompt]:
+        """What to deliver to a connected machine, in sequence order; entries
+        whose sequence number is in ``skip`` (already in flight) are not read."""
         machine = await self._machines.load_any(account_id, machine_id)
         if machine is None:
             return []
-        return await self._entries(machine)
+        return await self._entries(machine, skip or set())
 
-    async def acknowledged(self, entry: QueuedPrompt) -> None:
-        """The machine stored ``entry`` durably: delete it (idempotent)."""
-        key = _entry_key(entry.account_id, entry.machine_id, entry.seq)
-        try:
-            await self._store.delete(key)
-        except NotFound:
-            pass
-        self._count("acknowledged")
+    async def acknowledged(self, entry: QueuedPrompt, *, refused: bool = False) -> None:
+        """The machine stored ``entry`` durably (or refused it for good): delete it."""
+        # Deleting a missing key succeeds: a second ack (redelivery) is harmless.
+        await self._store.delete(_entry_key(entry.account_id, entry.machine_id, entry.seq))
+        self._seen.get(entry.machine_id, {}).pop(entry.seq, None)
+        self._count("refused_by_machine" if refused else "acknowledged")
 
     async def _last_seq(self, machine: Machine) -> int:
         last = 0
@@ -254,13 +269,14 @@ class PromptQueue:
             last = max(last, _seq_of(info.key) or 0)
         return last
 
-    async def _entries(self, machine: Machine) -> list[QueuedPrompt]:
+    async def _entries(self, machine: Machine, skip: set[int] | None = None) -> list[QueuedPrompt]:
         prefix = queue_prefix(machine.account_id, machine.machine_id)
+        skip = skip or set()
         now = self._clock()
         out: list[QueuedPrompt] = []
         async for info in self._store.list(prefix):
             seq = _seq_of(info.key)
-            if seq is None:
+            if seq is None or seq in skip:
                 continue
             try:
                 data = decode(await self._store.get(info.key), info.key)
@@ -278,6 +294,9 @@ class PromptQueue:
                 await self._expire(info.key, entry)
                 continue
             out.append(entry)
+        kept = {s: t for s, t in self._seen.get(machine.machine_id, {}).items() if s in skip}
+        kept.update((e.seq, e.created_at) for e in out)
+        self._seen[machine.machine_id] = kept
         return out
 
     async def _expire(self, key: str, entry: QueuedPrompt) -> None:
@@ -286,6 +305,7 @@ class PromptQueue:
         except AgentsError as e:
             logger.warning("expire %s: %s", key, e)
             return
+        self._seen.get(entry.machine_id, {}).pop(entry.seq, None)
         await self._audit.record(
             "control-plane", "prompt.expire", entry.prompt_id, entry.account_id
         )

@@ -27,6 +27,7 @@ from controlplane.admin_servicer import AdminServicer
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService
 from controlplane.config import ControlConfig, parse_hostport
+from controlplane.delivery import PromptDelivery
 from controlplane.integrity import DeploymentGuard, TrustedStore, open_trusted_store
 from controlplane.intents import Intents
 from controlplane.keys import HomeKeys, load_home_keys
@@ -35,6 +36,7 @@ from controlplane.machines import MachineRegistry
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry
+from controlplane.queue import PromptQueue, QueueLimits
 from controlplane.tokens import TokenService
 from shared.atomic import write_atomic
 from shared.call_metrics import CallsInterceptor
@@ -109,6 +111,7 @@ class ControlPlane:
         self._server: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
         self._presence: PresenceRegistry | None = None
+        self._prompts: PromptDelivery | None = None
         self.public_port = 0
         self.link_port = 0
         self._stopped = asyncio.Event()
@@ -148,6 +151,19 @@ class ControlPlane:
         )
         services.machines.on_revoke(presence.kick)
         self._presence = presence
+        prompt_queue = PromptQueue(
+            trusted.store,
+            services.machines,
+            services.auditor,
+            limits=QueueLimits(
+                max_depth=cfg.prompt_queue_depth,
+                max_prompt_bytes=cfg.prompt_max_bytes,
+                ttl=dt.timedelta(seconds=cfg.prompt_ttl_seconds),
+            ),
+            on_outcome=self.metrics.prompt_outcome,
+        )
+        self.metrics.watch_queue(prompt_queue.depth, prompt_queue.oldest_age)
+        self._prompts = prompts = PromptDelivery(prompt_queue, presence)
 
         server = grpc.aio.server(
             # Counting first: it wraps the error mapping and so sees the final code.
@@ -187,6 +203,7 @@ class ControlPlane:
             renew_threshold=cfg.renew_threshold,
             link_port=self.link_port,
             link_host=cfg.advertise_host,
+            deliveries=prompts,
         )
         admin = AdminServicer(
             accounts=services.accounts,
@@ -196,6 +213,7 @@ class ControlPlane:
             presence=presence,
             ca_hash=keys.ca_hash,
             join_address=f"{_bracket(advertise)}:{self.public_port}",
+            prompts=prompts,
         )
         link_pb2_grpc.add_MachineLinkServicer_to_server(link, server)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
@@ -248,6 +266,8 @@ class ControlPlane:
             # drain waits only for ordinary calls.
             if self._presence is not None:
                 self._presence.close_all()
+            if self._prompts is not None:
+                await self._prompts.close()
             await server.stop(grace)
         if self._metrics_server is not None:
             self._metrics_server.close()

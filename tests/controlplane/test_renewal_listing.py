@@ -195,6 +195,7 @@ async def test_list_machines_reads_presence_concurrently_but_bounded() -> None:
         presence=presence,  # type: ignore[arg-type]
         ca_hash="sha256:x",
         join_address="127.0.0.1:1",
+        prompts=None,  # type: ignore[arg-type]
     )
     call = asyncio.create_task(
         servicer.ListMachines(admin_pb2.ListMachinesRequest(), _Context())  # type: ignore[arg-type]

@@ -792,6 +792,8 @@ class PromptInfo(_message.Message):
     SIZE_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     prompt_id: _builtins.str
     """The prompt id."""
     agent_id: _builtins.str
@@ -802,6 +804,10 @@ class PromptInfo(_message.Message):
     """"queued", "delivered", "acknowledged", "expired" or "refused"."""
     age_seconds: _builtins.int
     """Age in seconds at the time of the listing."""
+    run_id: _builtins.str
+    """The machine's run id, once acknowledged."""
+    reason: _builtins.str
+    """Why the machine refused it (state "refused")."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When it was sent."""
@@ -815,10 +821,12 @@ class PromptInfo(_message.Message):
         size: _builtins.int = ...,
         state: _builtins.str = ...,
         age_seconds: _builtins.int = ...,
+        run_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "agent_id", b"agent_id", "created_at", b"created_at", "prompt_id", b"prompt_id", "size", b"size", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "agent_id", b"agent_id", "created_at", b"created_at", "prompt_id", b"prompt_id", "reason", b"reason", "run_id", b"run_id", "size", b"size", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
