@@ -27,7 +27,8 @@ import boto3  # type: ignore[import-untyped]
 import pytest
 
 from controlplane.client import AdminClient
-from shared.errors import AgentsError
+from shared.errors import AgentsError, InvalidArgument, NotFound, QuotaExceeded, TooLarge
+from shared.ids import new_id
 from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
 from tests.helpers.fault_proxy import CrashProxy, crash_proxy
 from tests.helpers.machine_proc import MachineProc, run_cli
@@ -37,6 +38,7 @@ from tests.helpers.poll import apoll_until
 pytestmark = pytest.mark.integration
 
 HEARTBEAT = 0.3
+DEPTH = 20
 DEADLINE = 30.0
 MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
 
@@ -58,6 +60,9 @@ def cp(tmp_path: Path, proxy: CrashProxy, s3_bucket: str) -> Iterator[ControlPro
         s3_env(proxy.url),
         ["--heartbeat-interval", str(HEARTBEAT), *ports],
     )
+    # A small queue, so the test can fill it (the default is 1,000).
+    with (running.home / "config.toml").open("a") as f:
+        f.write(f"prompt_queue_depth = {DEPTH}\n")
     try:
         start_serve(running)
         yield running
@@ -82,24 +87,34 @@ def _prompts(cp: ControlProc, machine_id: str) -> list[dict[str, Any]]:
     return list(listed["prompts"])
 
 
-def _bucket(endpoint: str, bucket: str) -> dict[str, bytes]:
-    """Every object in the bucket, key -> bytes, read straight from S3."""
-    s3 = boto3.client(
+def _s3(endpoint: str) -> Any:
+    return boto3.client(
         "s3",
         endpoint_url=endpoint,
         aws_access_key_id="testing",
         aws_secret_access_key="testing-secret",
         region_name="us-east-1",
     )
-    out = {}
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        for obj in page.get("Contents", []):
-            out[obj["Key"]] = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+
+
+def _keys(endpoint: str, bucket: str) -> list[str]:
+    pages = _s3(endpoint).get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+def _bucket(endpoint: str, bucket: str) -> dict[str, bytes]:
+    """Every object in the bucket, key -> bytes, read straight from S3."""
+    s3, out = _s3(endpoint), {}
+    for key in _keys(endpoint, bucket):
+        try:
+            out[key] = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except s3.exceptions.NoSuchKey:
+            continue  # deleted since the listing (an intent, a presence write)
     return out
 
 
 def _queue_keys(endpoint: str, bucket: str) -> list[str]:
-    return [k for k in _bucket(endpoint, bucket) if "/queue/" in k]
+    return [k for k in _keys(endpoint, bucket) if "/queue/" in k]
 
 
 def _runs(data_dir: Path) -> list[tuple[str, str, str, str, float]]:
@@ -178,6 +193,7 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
                 assert sent["state"] == "queued"
             again = await client.send_prompt(machine_id, agents[0], texts[0], "k0")
             assert again["prompt_id"] == first.split()[1]
+            await _bad_input_queues_nothing(cp, client, machine_id, agents[0])
             listed = _prompts(cp, machine_id)
             assert len(listed) == 20 and {p["state"] for p in listed} == {"queued"}
             for blob in _bucket(moto_endpoint, s3_bucket).values():
@@ -228,6 +244,37 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
             joined.wait(timeout=DEADLINE)
         if machine is not None:
             machine.kill()
+
+
+async def _bad_input_queues_nothing(
+    cp: ControlProc, client: AdminClient, machine_id: str, agent_id: str
+) -> None:
+    """Each refusal names the problem; the queue (full at DEPTH) is unchanged."""
+    with pytest.raises(QuotaExceeded, match=f"limit of {DEPTH}"):
+        await client.send_prompt(machine_id, agent_id, "one too many")
+    with pytest.raises(TooLarge, match="text: larger than the limit of 1048576 bytes"):
+        await client.send_prompt(machine_id, agent_id, "x" * (1024 * 1024 + 1))
+    with pytest.raises(NotFound, match="machine"):
+        await client.send_prompt(new_id("machine"), agent_id, "hi")
+    with pytest.raises(InvalidArgument, match="agent_id"):
+        await client.send_prompt(machine_id, "not-an-agent", "hi")
+    # Another account's admin: the machine answers like a missing one.
+    other = re.search(
+        r"account (acct_[0-9a-z]{26})",
+        _ok(cp.cli("account", "create", "--github-id", "8", "--github-login", "other")),
+    )
+    assert other
+    made = await client.create_credential(other.group(1), "other admin")
+    async with AdminClient(cp.public, cp.ca_pem, made["credential"], timeout=15) as theirs:
+        with pytest.raises(NotFound, match=machine_id):
+            await theirs.send_prompt(machine_id, agent_id, "hi")
+        with pytest.raises(NotFound, match=machine_id):
+            await theirs.list_prompts(machine_id)
+    # The CLI: one line, exit 2 for an unreadable file; the status for the rest.
+    res = cp.cli("prompt", "send", "--machine", machine_id, "--agent", agent_id, "--file", "/nope")
+    assert res.code == 2 and "cannot read /nope" in res.err and "Traceback" not in res.err
+    res = cp.cli("prompt", "send", "--machine", machine_id, "--agent", agent_id, "--text", "x")
+    assert res.code != 0 and "limit of 20" in res.err and "Traceback" not in res.err
 
 
 def _machine_ids(cp: ControlProc) -> list[str]:
