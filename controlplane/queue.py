@@ -20,10 +20,12 @@ dropped on the next read of the queue, with an audit record and a metric).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -66,6 +68,13 @@ DEFAULT_TTL: Final = dt.timedelta(days=7)
 MAX_IDEMPOTENCY_KEY: Final = 200
 #: Digits of the sequence number in the key (lexical order = numeric order).
 _SEQ_DIGITS: Final = 20
+#: Queue entries read at once while listing a queue.
+_READS_AT_ONCE: Final = 8
+#: Seconds a machine record read for a send serves the next sends.
+_MACHINE_CACHE_SECONDS: Final = 5.0
+_MACHINE_CACHE_SIZE: Final = 10_000
+#: Hex digits of the idempotency hash kept in the key.
+_TAG_DIGITS: Final = 16
 #: Sequence claims tried before giving up under contention.
 _CLAIM_ATTEMPTS: Final = 20
 
@@ -76,16 +85,23 @@ def queue_prefix(account_id: str, machine_id: str) -> str:
     return f"accounts/{acct}/queue/{validate_id('machine', machine_id, 'machine_id')}/"
 
 
-def _entry_key(account_id: str, machine_id: str, seq: int) -> str:
-    return f"{queue_prefix(account_id, machine_id)}{seq:0{_SEQ_DIGITS}d}.sealed"
+def _entry_key(account_id: str, machine_id: str, seq: int, idempotency: str = "") -> str:
+    # The first 16 hex digits of the idempotency hash ride in the key, so a send
+    # finds a replay from the listing alone (the body holds the whole hash).
+    tag = f"-{idempotency[:_TAG_DIGITS]}" if idempotency else ""
+    return f"{queue_prefix(account_id, machine_id)}{seq:0{_SEQ_DIGITS}d}{tag}.sealed"
 
 
-def _seq_of(key: str) -> int | None:
+def _parse_key(key: str) -> tuple[int, str] | None:
+    """(sequence number, idempotency tag or "") of an entry key, or None."""
     name = key.rsplit("/", 1)[-1]
-    stem, dot, ext = name.partition(".")
-    if ext != "sealed" or len(stem) != _SEQ_DIGITS or not stem.isdigit():
+    stem, _, ext = name.partition(".")
+    seq, _, tag = stem.partition("-")
+    if ext != "sealed" or len(seq) != _SEQ_DIGITS or not seq.isdigit():
         return None
-    return int(stem)
+    if tag and (len(tag) != _TAG_DIGITS or any(c not in "0123456789abcdef" for c in tag)):
+        return None
+    return int(seq), tag
 
 
 def _idem_hash(machine_id: str, key: str) -> str:
@@ -153,23 +169,53 @@ class PromptQueue:
         self._clock = clock
         self._on_outcome = on_outcome
         # What this process last saw queued, per machine: seq -> send time (gauges).
-        self._seen: dict[str, dict[int, dt.datetime]] = {}
+        # Each machine's queue as this process knows it: seq -> idempotency tag.
+        # Loaded by one LIST at first use, kept up to date by our own sends, acks
+        # and listings, so a send costs one PUT; a lost sequence claim (another
+        # writer) reloads it. Also what the depth and age gauges read.
+        self._views: dict[str, dict[int, str]] = {}
+        # Machine records for sends: (monotonic time read, record), see _machine.
+        self._recent_machines: dict[str, tuple[float, Machine]] = {}
 
     def depth(self) -> int:
         """Prompts queued over every machine, as this process last saw them."""
-        return sum(len(s) for s in self._seen.values())
+        return sum(len(v) for v in self._views.values())
 
     def oldest_age(self) -> float:
-        """Seconds the oldest queued prompt has waited (0 with none)."""
-        times = [t for s in self._seen.values() for t in s.values()]
-        return max(0.0, (self._clock() - min(times)).total_seconds()) if times else 0.0
+        """Seconds the oldest queued prompt has waited (0 with none); a sequence
+        number is its send time in microseconds, or just above an older one."""
+        oldest = min((min(v) for v in self._views.values() if v), default=None)
+        if oldest is None:
+            return 0.0
+        return max(0.0, self._clock().timestamp() - oldest / 1_000_000)
+
+    async def _view(self, machine: Machine, *, reload: bool = False) -> dict[int, str]:
+        view = self._views.get(machine.machine_id)
+        if view is None or reload:
+            view = {seq: tag for _key, seq, tag in await self._keys(machine)}
+            self._views[machine.machine_id] = view
+        return view
 
     def _count(self, outcome: str) -> None:
         if self._on_outcome is not None:
             self._on_outcome(outcome)
 
     async def _machine(self, principal: Principal, machine_id: str) -> Machine:
-        machine = await self._machines.get(principal, machine_id)
+        # A record read in the last few seconds serves again (two GETs saved per
+        # send); visibility is checked each time, and a revoke by this daemon
+        # is seen at once (MachineRegistry.is_revoked).
+        now = time.monotonic()
+        cached = self._recent_machines.get(machine_id)
+        if cached is not None and now - cached[0] < _MACHINE_CACHE_SECONDS:
+            machine = cached[1]
+            principal.visible_account(machine.account_id, "machine", machine_id)
+            if self._machines.is_revoked(machine_id):
+                raise NotFound("machine", machine_id)
+        else:
+            machine = await self._machines.get(principal, machine_id)
+            if len(self._recent_machines) >= _MACHINE_CACHE_SIZE:
+                self._recent_machines.clear()
+            self._recent_machines[machine_id] = (now, machine)
         if machine.revoked:
             raise NotFound("machine", machine_id)
         if not machine.box_public_key:
@@ -198,15 +244,19 @@ class PromptQueue:
             )
         machine = await self._machine(principal, machine_id)
         idem = _idem_hash(machine_id, idempotency_key)
-        entries = await self._entries(machine)
+        # Depth, the last sequence number and replays come from the view of the
+        # keys (no reads): a send costs one PUT.
+        view = await self._view(machine)
         if idem:
-            for e in entries:
-                if e.idempotency == idem:
-                    self._count("replayed")
-                    return SendResult(e.prompt_id, "queued", None)
-        if len(entries) >= self._limits.max_depth:
-            self._count("refused")
-            raise QuotaExceeded(f"prompt queue of machine {machine_id}", self._limits.max_depth)
+            replay = await self._replay(machine, view, idem)
+            if replay is not None:
+                self._count("replayed")
+                return SendResult(replay.prompt_id, "queued", None)
+        if len(view) >= self._limits.max_depth:
+            # Expired entries still have keys: drop them (a full read), then recount.
+            if len(await self._entries(machine)) >= self._limits.max_depth:
+                self._count("refused")
+                raise QuotaExceeded(f"prompt queue of machine {machine_id}", self._limits.max_depth)
         prompt_id = new_id("prompt")
         sealed = seal_bytes(
             text.encode("utf-8"),
@@ -216,7 +266,7 @@ class PromptQueue:
         # Microseconds of the send time, or one past the last entry: increasing
         # even after the queue was drained empty (a key is never reused).
         micros = int(self._clock().timestamp() * 1_000_000)
-        seq = max(micros, await self._last_seq(machine) + 1)
+        seq = max(micros, max(view, default=0) + 1)
         record = QueuedPrompt(
             prompt_id=prompt_id,
             account_id=machine.account_id,
@@ -231,13 +281,17 @@ class PromptQueue:
             try:
                 # THE COMMIT POINT: the one create-once put of the entry.
                 await self._store.put(
-                    _entry_key(machine.account_id, machine_id, seq), body, if_none_match=True
+                    _entry_key(machine.account_id, machine_id, seq, idem),
+                    body,
+                    if_none_match=True,
                 )
             except PreconditionFailed:
-                seq += 1  # another send claimed it: take the next one
+                # Another writer claimed it: learn its queue again, take the next one.
+                view = await self._view(machine, reload=True)
+                seq = max(seq, max(view, default=0)) + 1
                 continue
             self._count("queued")
-            self._seen.setdefault(machine_id, {})[seq] = record.created_at
+            view[seq] = idem[:_TAG_DIGITS]
             logger.info("prompt %s queued for machine %s (seq %d)", prompt_id, machine_id, seq)
             return SendResult(prompt_id, "queued", dataclasses.replace(record, seq=seq))
         raise InvalidState(f"prompt queue of machine {machine_id}", "too much contention")
@@ -259,44 +313,73 @@ class PromptQueue:
     async def acknowledged(self, entry: QueuedPrompt, *, refused: bool = False) -> None:
         """The machine stored ``entry`` durably (or refused it for good): delete it."""
         # Deleting a missing key succeeds: a second ack (redelivery) is harmless.
-        await self._store.delete(_entry_key(entry.account_id, entry.machine_id, entry.seq))
-        self._seen.get(entry.machine_id, {}).pop(entry.seq, None)
+        await self._store.delete(
+            _entry_key(entry.account_id, entry.machine_id, entry.seq, entry.idempotency)
+        )
+        self._views.get(entry.machine_id, {}).pop(entry.seq, None)
         self._count("refused_by_machine" if refused else "acknowledged")
 
-    async def _last_seq(self, machine: Machine) -> int:
-        last = 0
+    async def _keys(self, machine: Machine) -> list[tuple[str, int, str]]:
+        """(key, seq, tag) of every entry, in sequence order."""
+        out = []
         async for info in self._store.list(queue_prefix(machine.account_id, machine.machine_id)):
-            last = max(last, _seq_of(info.key) or 0)
-        return last
+            parsed = _parse_key(info.key)
+            if parsed is not None:
+                out.append((info.key, *parsed))
+        return out
+
+    async def _replay(
+        self, machine: Machine, view: dict[int, str], idem: str
+    ) -> QueuedPrompt | None:
+        for seq, tag in sorted(view.items()):
+            if tag != idem[:_TAG_DIGITS]:
+                continue
+            key = _entry_key(machine.account_id, machine.machine_id, seq, idem)
+            entry = await self._read(machine, key, seq)
+            if entry is not None and entry.idempotency == idem:
+                return entry
+        return None
+
+    async def _read(self, machine: Machine, key: str, seq: int) -> QueuedPrompt | None:
+        """One entry, or None when gone, damaged, forged or another machine's."""
+        try:
+            data = decode(await self._store.get(key), key)
+            entry = dataclasses.replace(QueuedPrompt.from_dict(data), seq=seq)
+        except NotFound:
+            return None  # acknowledged meanwhile
+        except (IntegrityError, TypeError, ValueError) as e:
+            # A forged or damaged entry is never delivered; fsck reports it.
+            logger.warning("queue entry %s skipped: %s", key, e)
+            return None
+        if entry.machine_id != machine.machine_id or entry.account_id != machine.account_id:
+            logger.warning("queue entry %s names another machine: skipped", key)
+            return None
+        return entry
 
     async def _entries(self, machine: Machine, skip: set[int] | None = None) -> list[QueuedPrompt]:
-        prefix = queue_prefix(machine.account_id, machine.machine_id)
+        """Every readable entry not in ``skip``, in sequence order; expired ones dropped."""
         skip = skip or set()
         now = self._clock()
         out: list[QueuedPrompt] = []
-        async for info in self._store.list(prefix):
-            seq = _seq_of(info.key)
-            if seq is None or seq in skip:
-                continue
-            try:
-                data = decode(await self._store.get(info.key), info.key)
-                entry = dataclasses.replace(QueuedPrompt.from_dict(data), seq=seq)
-            except NotFound:
-                continue  # acknowledged meanwhile
-            except (IntegrityError, TypeError, ValueError) as e:
-                # A forged or damaged entry is never delivered; fsck reports it.
-                logger.warning("queue entry %s skipped: %s", info.key, e)
-                continue
-            if entry.machine_id != machine.machine_id or entry.account_id != machine.account_id:
-                logger.warning("queue entry %s names another machine: skipped", info.key)
+        keys = await self._keys(machine)
+        self._views[machine.machine_id] = {seq: tag for _key, seq, tag in keys}
+        wanted = [(key, seq) for key, seq, _tag in keys if seq not in skip]
+        # Reads overlap (bounded): a connect drains a long queue at the store's
+        # pace, not one round trip per prompt. The order stays sequence order.
+        limit = asyncio.Semaphore(_READS_AT_ONCE)
+
+        async def read(key: str, seq: int) -> QueuedPrompt | None:
+            async with limit:
+                return await self._read(machine, key, seq)
+
+        entries = await asyncio.gather(*(read(key, seq) for key, seq in wanted))
+        for (key, _seq), entry in zip(wanted, entries, strict=True):
+            if entry is None:
                 continue
             if now - entry.created_at > self._limits.ttl:
-                await self._expire(info.key, entry)
+                await self._expire(key, entry)
                 continue
             out.append(entry)
-        kept = {s: t for s, t in self._seen.get(machine.machine_id, {}).items() if s in skip}
-        kept.update((e.seq, e.created_at) for e in out)
-        self._seen[machine.machine_id] = kept
         return out
 
     async def _expire(self, key: str, entry: QueuedPrompt) -> None:
@@ -305,7 +388,7 @@ class PromptQueue:
         except AgentsError as e:
             logger.warning("expire %s: %s", key, e)
             return
-        self._seen.get(entry.machine_id, {}).pop(entry.seq, None)
+        self._views.get(entry.machine_id, {}).pop(entry.seq, None)
         await self._audit.record(
             "control-plane", "prompt.expire", entry.prompt_id, entry.account_id
         )

@@ -33,3 +33,10 @@ def test_connect_bench_prints_figures() -> None:
     assert "process start -> online" in out, out
     assert re.search(r"KiB per stream", out), out
     assert re.search(r"us per heartbeat", out), out
+
+
+def test_queue_bench_prints_ratios() -> None:
+    out = _run("-m", "bench.queue", "--prompts", "10")
+    assert re.search(r"raw S3 PUT\s*:\s*\d+\.\d objects/s", out), out
+    assert re.search(r"ratio enqueue/raw PUT \d+\.\d\dx", out), out
+    assert re.search(r"ratio drain/raw GET \d+\.\d\dx", out), out
