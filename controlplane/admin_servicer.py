@@ -16,6 +16,7 @@ from controlplane.delivery import PromptDelivery
 from controlplane.machines import MachineRegistry
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
+from controlplane.starter import MachineStarter
 from controlplane.tokens import TokenService
 from shared.ids import validate_id
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
@@ -91,6 +92,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         ca_hash: str,
         join_address: str,
         prompts: PromptDelivery,
+        starter: MachineStarter,
     ) -> None:
         self._accounts = accounts
         self._credentials = credentials
@@ -100,6 +102,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._ca_hash = ca_hash
         self._join_address = join_address
         self._prompts = prompts
+        self._starter = starter
 
     async def _auth(self, context: Context) -> Principal:
         bearer: str | None = None
@@ -111,7 +114,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return await self._credentials.authenticate(bearer)
 
     async def _status(self, m: Machine) -> admin_pb2.Machine:
-        return _machine(await self._presence.status(m))
+        pb = _machine(await self._presence.status(m))
+        pb.starting = not pb.online and self._starter.starting(m.machine_id)
+        return pb
 
     # Each RPC: authenticate, one domain call, encode. The error interceptor maps
     # errors and shared.call_metrics counts every call (server.py wires both).
@@ -235,6 +240,16 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             account_id=made.credential.account_id,
         )
 
+    async def SetProvider(
+        self, request: admin_pb2.SetProviderRequest, context: Context
+    ) -> admin_pb2.Machine:
+        """See admin.proto."""
+        p = await self._auth(context)
+        machine = await self._starter.set(
+            p, request.machine_id, request.provider, request.settings_json
+        )
+        return await self._status(machine)
+
     async def SendPrompt(
         self, request: admin_pb2.SendPromptRequest, context: Context
     ) -> admin_pb2.SendPromptResponse:
@@ -255,6 +270,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         states = await self._prompts.states(p, request.machine_id)
         now = dt.datetime.now(dt.UTC)
         return admin_pb2.ListPromptsResponse(
+            provider_error=self._starter.last_error(request.machine_id),
             prompts=[
                 admin_pb2.PromptInfo(
                     prompt_id=s.prompt_id,
@@ -267,13 +283,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                     reason=s.reason,
                 )
                 for s in states
-            ]
+            ],
         )
 
     # RPCs that arrive with later issues.
     DeleteAccount = unimplemented("DeleteAccount", _LATER, check="_auth")
     GetDeletion = unimplemented("GetDeletion", _LATER, check="_auth")
     CreateRepairToken = unimplemented("CreateRepairToken", _LATER, check="_auth")
-    SetProvider = unimplemented("SetProvider", _LATER, check="_auth")
     RotateServerCertificate = unimplemented("RotateServerCertificate", _LATER, check="_auth")
     RolloverCA = unimplemented("RolloverCA", _LATER, check="_auth")

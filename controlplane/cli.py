@@ -155,6 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
         p = mac.add_parser(verb, help=f"{verb} a machine")
         _common(p)
         p.add_argument("machine_id", help="the machine's id (mc_…)")
+    p = mac.add_parser("provider", help="set what starts a stopped machine (local, ec2)")
+    _common(p)
+    p.add_argument("action", choices=["set", "clear"], help="set or clear the provider")
+    p.add_argument("machine_id", help="the machine's id (mc_…)")
+    p.add_argument("provider", nargs="?", default="", help="local or ec2 (for set)")
+    p.add_argument(
+        "--settings",
+        default="{}",
+        help='provider settings as JSON, e.g. {"command": ["agents-machine", "serve"]}',
+    )
     p = mac.add_parser("rename", help="rename a machine")
     _common(p)
     p.add_argument("machine_id", help="the machine's id (mc_…)")
@@ -416,7 +426,13 @@ async def _machine_list(ctx: _Ctx) -> int:
             m["machine_id"],
             m["name"],
             m["account_id"],
-            "revoked" if m["revoked"] else "online" if m["online"] else "offline",
+            "revoked"
+            if m["revoked"]
+            else "online"
+            if m["online"]
+            else "starting"
+            if m.get("starting")
+            else "offline",
             m.get("last_seen_at") or "-",
             m["version"],
             str(m["agent_count"]),
@@ -443,6 +459,17 @@ async def _machine_revoke(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         reply = await c.revoke_machine(ctx.args.machine_id)
     return _emit(ctx, reply, f"machine {reply['machine_id']} revoked")
+
+
+async def _machine_provider(ctx: _Ctx) -> int:
+    args = ctx.args
+    if args.action == "set" and not args.provider:
+        raise UsageError("machine provider set: name a provider (local or ec2)")
+    name = args.provider if args.action == "set" else ""
+    async with _client(ctx.cfg) as c:
+        reply = await c.set_provider(args.machine_id, name, args.settings)
+    what = f"provider {name} set" if name else "provider cleared"
+    return _emit(ctx, reply, f"machine {reply['machine_id']}: {what}")
 
 
 async def _credential_create(ctx: _Ctx) -> int:
@@ -519,6 +546,7 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("machine", "show"): _machine_show,
     ("machine", "rename"): _machine_rename,
     ("machine", "revoke"): _machine_revoke,
+    ("machine", "provider"): _machine_provider,
     ("credential", "create"): _credential_create,
     ("prompt", "send"): _prompt_send,
     ("prompt", "list"): _prompt_list,

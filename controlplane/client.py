@@ -166,6 +166,17 @@ class AdminClient:
             self.stub.RevokeMachine, admin_pb2.RevokeMachineRequest(machine_id=machine_id)
         )
 
+    async def set_provider(
+        self, machine_id: str, provider: str, settings_json: str
+    ) -> dict[str, Any]:
+        """SetProvider."""
+        return await self._call(
+            self.stub.SetProvider,
+            admin_pb2.SetProviderRequest(
+                machine_id=machine_id, provider=provider, settings_json=settings_json
+            ),
+        )
+
     async def send_prompt(
         self, machine_id: str, agent_id: str, text: str, idempotency_key: str = ""
     ) -> dict[str, Any]:

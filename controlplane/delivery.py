@@ -90,12 +90,14 @@ class PromptDelivery:
         ack_wait: float = ACK_WAIT,
         clock: Clock = utcnow,
         on_queued: Callable[[str, str], None] | None = None,
+        on_connected: Callable[[str], None] | None = None,
     ) -> None:
         self._queue = queue
         self._presence = presence
         self._ack_wait = ack_wait
         self._clock = clock
         self._on_queued = on_queued
+        self._on_connected = on_connected
         self._links: dict[str, _Link] = {}
         self._waiters: dict[str, asyncio.Future[SendOutcome]] = {}
         self._recent: dict[str, collections.deque[PromptState]] = {}
@@ -114,12 +116,13 @@ class PromptDelivery:
         """Queue the prompt; with the machine connected, deliver it and wait (a
         bounded time) for its acknowledgement."""
         sent = await self._queue.send(principal, machine_id, agent_id, text, idempotency_key)
+        link = self._live(machine_id)
+        if link is None and self._on_queued is not None:
+            # A prompt waits (a retried send too): ask the provider (debounced).
+            self._on_queued(sent.account_id, machine_id)
         if sent.entry is None:  # a replayed idempotency key
             return self._replayed(machine_id, sent.prompt_id)
-        link = self._live(machine_id)
         if link is None:
-            if self._on_queued is not None:
-                self._on_queued(sent.entry.account_id, machine_id)
             return SendOutcome(sent.prompt_id, "queued")
         waiter = self._waiters.setdefault(
             sent.prompt_id, asyncio.get_running_loop().create_future()
@@ -167,6 +170,8 @@ class PromptDelivery:
         """The machine's link is up: deliver its queue (in the background)."""
         link = _Link(session, {}, asyncio.Lock())
         self._links[session.machine_id] = link
+        if self._on_connected is not None:
+            self._on_connected(session.machine_id)
         task = asyncio.create_task(self._drain(link), name=f"drain-{session.machine_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -63,6 +63,12 @@ class ControlMetrics:
             "Seconds the oldest queued prompt has waited (0 with none).",
             registry=registry,
         )
+        self.provider_starts = Counter(
+            "agents_cp_provider_starts",
+            "Start requests to machine providers, by result (ok, error).",
+            ["result"],
+            registry=registry,
+        )
         self.prompts = Counter(
             "agents_cp_prompts",
             "Prompts by outcome (queued, replayed, refused, acknowledged, refused_by_machine, "
@@ -79,6 +85,10 @@ class ControlMetrics:
     def prompt_outcome(self, outcome: str) -> None:
         """Count one prompt outcome (queued, replayed, refused, acknowledged, ...)."""
         self.prompts.labels(outcome).inc()
+
+    def provider_start(self, result: str) -> None:
+        """Count one provider start request by result."""
+        self.provider_starts.labels(result).inc()
 
     def call_counters(self, admin_service: str, link_service: str) -> dict[str, CallCounter]:
         """What :class:`~shared.call_metrics.CallsInterceptor` counts: every Admin call

@@ -147,6 +147,8 @@ class SendResult:
     state: str
     entry: QueuedPrompt | None = None
     """The entry written; None for a replayed idempotency key."""
+    account_id: str = ""
+    """The machine's account."""
 
 
 class PromptQueue:
@@ -251,7 +253,7 @@ class PromptQueue:
             replay = await self._replay(machine, view, idem)
             if replay is not None:
                 self._count("replayed")
-                return SendResult(replay.prompt_id, "queued", None)
+                return SendResult(replay.prompt_id, "queued", None, machine.account_id)
         if len(view) >= self._limits.max_depth:
             # Expired entries still have keys: drop them (a full read), then recount.
             if len(await self._entries(machine)) >= self._limits.max_depth:
@@ -293,7 +295,9 @@ class PromptQueue:
             self._count("queued")
             view[seq] = idem[:_TAG_DIGITS]
             logger.info("prompt %s queued for machine %s (seq %d)", prompt_id, machine_id, seq)
-            return SendResult(prompt_id, "queued", dataclasses.replace(record, seq=seq))
+            return SendResult(
+                prompt_id, "queued", dataclasses.replace(record, seq=seq), machine.account_id
+            )
         raise InvalidState(f"prompt queue of machine {machine_id}", "too much contention")
 
     async def queued(self, principal: Principal, machine_id: str) -> list[QueuedPrompt]:

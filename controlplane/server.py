@@ -37,6 +37,7 @@ from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry
 from controlplane.queue import PromptQueue, QueueLimits
+from controlplane.starter import MachineStarter
 from controlplane.tokens import TokenService
 from shared.atomic import write_atomic
 from shared.call_metrics import CallsInterceptor
@@ -112,6 +113,7 @@ class ControlPlane:
         self._metrics_server: MetricsServer | None = None
         self._presence: PresenceRegistry | None = None
         self._prompts: PromptDelivery | None = None
+        self._starter: MachineStarter | None = None
         self.public_port = 0
         self.link_port = 0
         self._stopped = asyncio.Event()
@@ -163,7 +165,17 @@ class ControlPlane:
             on_outcome=self.metrics.prompt_outcome,
         )
         self.metrics.watch_queue(prompt_queue.depth, prompt_queue.oldest_age)
-        self._prompts = prompts = PromptDelivery(prompt_queue, presence)
+        self._starter = starter = MachineStarter(
+            trusted.store,
+            services.machines,
+            services.auditor,
+            keys.secrets_key,
+            log_dir=cfg.home / "providers",
+            on_result=self.metrics.provider_start,
+        )
+        self._prompts = prompts = PromptDelivery(
+            prompt_queue, presence, on_queued=starter.request, on_connected=starter.connected
+        )
 
         server = grpc.aio.server(
             # Counting first: it wraps the error mapping and so sees the final code.
@@ -214,6 +226,7 @@ class ControlPlane:
             ca_hash=keys.ca_hash,
             join_address=f"{_bracket(advertise)}:{self.public_port}",
             prompts=prompts,
+            starter=starter,
         )
         link_pb2_grpc.add_MachineLinkServicer_to_server(link, server)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
@@ -268,6 +281,8 @@ class ControlPlane:
                 self._presence.close_all()
             if self._prompts is not None:
                 await self._prompts.close()
+            if self._starter is not None:
+                await self._starter.close()
             await server.stop(grace)
         if self._metrics_server is not None:
             self._metrics_server.close()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3  # type: ignore[import-untyped]
+import psutil
 import pytest
 
 from controlplane.client import AdminClient
@@ -31,7 +32,7 @@ from shared.errors import AgentsError, InvalidArgument, NotFound, QuotaExceeded,
 from shared.ids import new_id
 from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
 from tests.helpers.fault_proxy import CrashProxy, crash_proxy
-from tests.helpers.machine_proc import MachineProc, run_cli
+from tests.helpers.machine_proc import run_cli
 from tests.helpers.moto_server import free_port
 from tests.helpers.poll import apoll_until
 
@@ -155,7 +156,6 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
         stderr=subprocess.STDOUT,
     )
     log.close()
-    machine: MachineProc | None = None
     try:
         async with admin(cp) as client:
             machine_id = await apoll_until(
@@ -199,7 +199,19 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
             for blob in _bucket(moto_endpoint, s3_bucket).values():
                 assert b"queued secret" not in blob
 
-            machine = MachineProc(data, "--no-background").start()
+            # The local provider starts the machine: set it, then a retried send
+            # (a prompt still waits) asks it; the machine shows "starting".
+            serve = [str(MACHINE_EXE), "--data-dir", str(data), "serve", "--no-background"]
+            settings = json.dumps({"command": serve})
+            _ok(cp.cli("machine", "provider", "set", machine_id, "local", "--settings", settings))
+            await client.send_prompt(machine_id, agents[0], texts[0], "k0")
+
+            async def starting() -> bool:
+                return bool((await client.get_machine(machine_id))["starting"])
+
+            await apoll_until(starting, deadline=DEADLINE, what="machine starting")
+            listed = json.loads(_ok(cp.cli("machine", "list", "--json")))["machines"]
+            assert [m["starting"] for m in listed] == [True]
 
             async def drained() -> bool:
                 states = [p["state"] for p in _prompts(cp, machine_id)]
@@ -242,8 +254,7 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
         if joined.poll() is None:
             joined.kill()
             joined.wait(timeout=DEADLINE)
-        if machine is not None:
-            machine.kill()
+        _kill_serving(data)
 
 
 async def _bad_input_queues_nothing(
@@ -275,6 +286,17 @@ async def _bad_input_queues_nothing(
     assert res.code == 2 and "cannot read /nope" in res.err and "Traceback" not in res.err
     res = cp.cli("prompt", "send", "--machine", machine_id, "--agent", agent_id, "--text", "x")
     assert res.code != 0 and "limit of 20" in res.err and "Traceback" not in res.err
+
+
+def _kill_serving(data: Path) -> None:
+    """Kill the machine the local provider started (its own session: it outlives
+    the control plane, as a real one would)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info.get("cmdline") or []
+        if str(data) in cmd and "serve" in cmd:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+                proc.wait(timeout=DEADLINE)
 
 
 def _machine_ids(cp: ControlProc) -> list[str]:

@@ -485,6 +485,7 @@ class Machine(_message.Message):
     CERTIFICATE_SERIAL_FIELD_NUMBER: _builtins.int
     CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _builtins.int
     PROVIDER_FIELD_NUMBER: _builtins.int
+    STARTING_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     """The machine id ("mc_...")."""
     account_id: _builtins.str
@@ -505,6 +506,8 @@ class Machine(_message.Message):
     """Serial number of its current client certificate, hex."""
     provider: _builtins.str
     """Its provider name, if any (later issue)."""
+    starting: _builtins.bool
+    """Its provider was asked to start it and it has not connected yet."""
     @_builtins.property
     def joined_at(self) -> _timestamp_pb2.Timestamp:
         """When it joined."""
@@ -533,10 +536,11 @@ class Machine(_message.Message):
         certificate_serial: _builtins.str = ...,
         certificate_not_after: _timestamp_pb2.Timestamp | None = ...,
         provider: _builtins.str = ...,
+        starting: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["certificate_not_after", b"certificate_not_after", "joined_at", b"joined_at", "last_seen_at", b"last_seen_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "agent_count", b"agent_count", "certificate_not_after", b"certificate_not_after", "certificate_serial", b"certificate_serial", "hostname", b"hostname", "joined_at", b"joined_at", "last_seen_at", b"last_seen_at", "machine_id", b"machine_id", "name", b"name", "online", b"online", "provider", b"provider", "revoked", b"revoked", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "agent_count", b"agent_count", "certificate_not_after", b"certificate_not_after", "certificate_serial", b"certificate_serial", "hostname", b"hostname", "joined_at", b"joined_at", "last_seen_at", b"last_seen_at", "machine_id", b"machine_id", "name", b"name", "online", b"online", "provider", b"provider", "revoked", b"revoked", "starting", b"starting", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
