@@ -53,6 +53,12 @@ class ControlMetrics:
             ["method", "code"],
             registry=registry,
         )
+        self.machines_offline = Gauge(
+            "agents_cp_machines_offline",
+            "Paired, unrevoked machines without a live link (none is stopped on purpose "
+            "by a provider); refreshed every minute.",
+            registry=registry,
+        )
         self.queue_depth = Gauge(
             "agents_cp_prompt_queue_depth",
             "Prompts waiting in the store for their machines (all machines).",

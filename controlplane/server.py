@@ -51,6 +51,8 @@ __all__ = ["ControlPlane", "Services", "open_control_store", "run_daemon"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds between two counts of offline machines.
+OFFLINE_COUNT_INTERVAL = 60.0
 #: Largest gRPC message accepted (prompts and segments are chunked below this).
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 LINK_SERVICE = link_pb2.DESCRIPTOR.services_by_name["MachineLink"].full_name
@@ -108,6 +110,7 @@ class ControlPlane:
         self.metrics = ControlMetrics(self.registry)
         self._store: TrustedStore | None = None
         self._checker: asyncio.Task[None] | None = None
+        self._offline: asyncio.Task[None] | None = None
         self._health: HealthServicer | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
@@ -232,6 +235,9 @@ class ControlPlane:
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         self._health = await serve_health_and_reflection(server, [LINK_SERVICE, ADMIN_SERVICE])
         await server.start()
+        self._offline = asyncio.create_task(
+            _count_offline(presence, services.machines, self.metrics), name="machines-offline"
+        )
         self._checker = asyncio.create_task(
             _self_check(trusted.guard, services.intents, cfg.heartbeat_interval),
             name="store-self-check",
@@ -265,6 +271,10 @@ class ControlPlane:
     async def stop(self, grace: float) -> None:
         """Drain for ``grace`` seconds, then close the server, /metrics and the store."""
         self._stopped.set()
+        if self._offline is not None:
+            offline, self._offline = self._offline, None
+            offline.cancel()
+            await asyncio.gather(offline, return_exceptions=True)
         if self._checker is not None:
             checker, self._checker = self._checker, None
             checker.cancel()
@@ -294,6 +304,19 @@ class ControlPlane:
             self.cfg.serve_path.unlink()
         except FileNotFoundError:
             pass
+
+
+async def _count_offline(
+    presence: PresenceRegistry, machines: MachineRegistry, metrics: ControlMetrics
+) -> None:
+    """Set agents_cp_machines_offline now and every minute (one listing of every
+    account's machines per minute, whatever the scrape rate)."""
+    while True:
+        try:
+            metrics.machines_offline.set(await presence.count_offline(machines))
+        except AgentsError as e:
+            logger.debug("machines offline: cannot count: %s", e)
+        await asyncio.sleep(OFFLINE_COUNT_INTERVAL)
 
 
 async def _self_check(guard: DeploymentGuard, intents: Intents, interval: float) -> None:

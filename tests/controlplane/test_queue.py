@@ -11,6 +11,7 @@ from controlplane.audit import Auditor
 from controlplane.authz import Principal
 from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.pairing import Pairing
+from controlplane.presence import PresenceRegistry
 from controlplane.queue import PromptQueue, QueueLimits, queue_prefix
 from controlplane.tokens import TokenService
 from shared import tls
@@ -151,3 +152,15 @@ async def test_sequence_claim_skips_a_taken_number(w: World) -> None:
     keys = [i.key async for i in w.store.list(queue_prefix(acct, m))]
     assert keys[-1].endswith(f"{taken + 1:020d}.sealed")
     assert second.prompt_id in [e.prompt_id for e in await w.queue.queued(w.op, m)]
+
+
+async def test_offline_count_skips_connected_and_revoked_machines(w: World) -> None:
+    _, online, _ = await w.machine(1)
+    _, offline, _ = await w.machine(2)
+    _, revoked, _ = await w.machine(3)
+    presence = PresenceRegistry(w.store, clock=w.clock)
+    assert await presence.count_offline(w.machines) == 3
+    await presence.open(await w.machines.get(w.op, online), "1", 0)
+    await w.machines.revoke(w.op, revoked)
+    assert await presence.count_offline(w.machines) == 1
+    assert offline
