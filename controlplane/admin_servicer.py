@@ -13,9 +13,11 @@ import grpc.aio
 from controlplane.accounts import AccountService
 from controlplane.authz import CredentialService, Principal
 from controlplane.deletion import AccountDeletion, Deletion
+from controlplane.delivery import PromptDelivery
 from controlplane.machines import MachineRegistry
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
+from controlplane.starter import MachineStarter
 from controlplane.tokens import TokenService
 from shared.ids import validate_id
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
@@ -102,6 +104,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         deletion: AccountDeletion,
         ca_hash: str,
         join_address: str,
+        prompts: PromptDelivery,
+        starter: MachineStarter,
     ) -> None:
         self._accounts = accounts
         self._credentials = credentials
@@ -111,6 +115,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._deletion = deletion
         self._ca_hash = ca_hash
         self._join_address = join_address
+        self._prompts = prompts
+        self._starter = starter
 
     async def _auth(self, context: Context) -> Principal:
         bearer: str | None = None
@@ -122,7 +128,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return await self._credentials.authenticate(bearer)
 
     async def _status(self, m: Machine) -> admin_pb2.Machine:
-        return _machine(await self._presence.status(m))
+        pb = _machine(await self._presence.status(m))
+        pb.starting = not pb.online and self._starter.starting(m.machine_id)
+        return pb
 
     # Each RPC: authenticate, one domain call, encode. The error interceptor maps
     # errors and shared.call_metrics counts every call (server.py wires both).
@@ -275,9 +283,52 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         p = await self._auth(context)
         return _deletion(await self._deletion.get(p, request.account_id))
 
+    async def SetProvider(
+        self, request: admin_pb2.SetProviderRequest, context: Context
+    ) -> admin_pb2.Machine:
+        """See admin.proto."""
+        p = await self._auth(context)
+        machine = await self._starter.set(
+            p, request.machine_id, request.provider, request.settings_json
+        )
+        return await self._status(machine)
+
+    async def SendPrompt(
+        self, request: admin_pb2.SendPromptRequest, context: Context
+    ) -> admin_pb2.SendPromptResponse:
+        """See admin.proto."""
+        p = await self._auth(context)
+        sent = await self._prompts.send(
+            p, request.machine_id, request.agent_id, request.text, request.idempotency_key
+        )
+        return admin_pb2.SendPromptResponse(
+            prompt_id=sent.prompt_id, state=sent.state, run_id=sent.run_id
+        )
+
+    async def ListPrompts(
+        self, request: admin_pb2.ListPromptsRequest, context: Context
+    ) -> admin_pb2.ListPromptsResponse:
+        """See admin.proto."""
+        p = await self._auth(context)
+        states = await self._prompts.states(p, request.machine_id)
+        now = dt.datetime.now(dt.UTC)
+        return admin_pb2.ListPromptsResponse(
+            provider_error=self._starter.last_error(request.machine_id),
+            prompts=[
+                admin_pb2.PromptInfo(
+                    prompt_id=s.prompt_id,
+                    agent_id=s.agent_id,
+                    created_at=from_datetime(s.created_at),
+                    size=s.size,
+                    state=s.state,
+                    age_seconds=max(0, int((now - s.created_at).total_seconds())),
+                    run_id=s.run_id,
+                    reason=s.reason,
+                )
+                for s in states
+            ],
+        )
+
     # RPCs that arrive with later issues.
-    SetProvider = unimplemented("SetProvider", _LATER, check="_auth")
-    SendPrompt = unimplemented("SendPrompt", _LATER, check="_auth")
-    ListPrompts = unimplemented("ListPrompts", _LATER, check="_auth")
     RotateServerCertificate = unimplemented("RotateServerCertificate", _LATER, check="_auth")
     RolloverCA = unimplemented("RolloverCA", _LATER, check="_auth")

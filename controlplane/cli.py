@@ -16,6 +16,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from controlplane.bootstrap import init_control_plane
@@ -168,10 +169,37 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("machine_id", help="the machine's id (mc_…)")
     p.add_argument("--ttl", type=_duration, default=None, help="lifetime (default 1h, max 24h)")
+
+    p = mac.add_parser("provider", help="set what starts a stopped machine (local, ec2)")
+    _common(p)
+    p.add_argument("action", choices=["set", "clear"], help="set or clear the provider")
+    p.add_argument("machine_id", help="the machine's id (mc_…)")
+    p.add_argument("provider", nargs="?", default="", help="local or ec2 (for set)")
+    p.add_argument(
+        "--settings",
+        default="{}",
+        help='provider settings as JSON, e.g. {"command": ["agents-machine", "serve"]}',
+    )
     p = mac.add_parser("rename", help="rename a machine")
     _common(p)
     p.add_argument("machine_id", help="the machine's id (mc_…)")
     p.add_argument("name", help="the new name")
+
+    pr = sub.add_parser("prompt", help="prompts for machines (queued while they are off)")
+    prv = pr.add_subparsers(dest="verb", parser_class=CliParser)
+    p = prv.add_parser("send", help="send a prompt to an agent of a machine")
+    _common(p)
+    p.add_argument("--machine", required=True, help="the machine's id (mc_…)")
+    p.add_argument("--agent", required=True, help="the agent's id (ag_…)")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--text", help="the prompt text")
+    text.add_argument("--file", help="read the prompt text from this file (UTF-8)")
+    p.add_argument(
+        "--idempotency-key", default="", help="a retry with the same key queues nothing new"
+    )
+    p = prv.add_parser("list", help="list a machine's prompts (ids, states, ages, sizes)")
+    _common(p)
+    p.add_argument("--machine", required=True, help="the machine's id (mc_…)")
 
     cred = sub.add_parser("credential", help="admin credentials").add_subparsers(
         dest="verb", parser_class=CliParser
@@ -416,7 +444,13 @@ async def _machine_list(ctx: _Ctx) -> int:
             m["machine_id"],
             m["name"],
             m["account_id"],
-            "revoked" if m["revoked"] else "online" if m["online"] else "offline",
+            "revoked"
+            if m["revoked"]
+            else "online"
+            if m["online"]
+            else "starting"
+            if m.get("starting")
+            else "offline",
             m.get("last_seen_at") or "-",
             m["version"],
             str(m["agent_count"]),
@@ -462,6 +496,17 @@ async def _machine_repair(ctx: _Ctx) -> int:
     return ExitCode.OK
 
 
+async def _machine_provider(ctx: _Ctx) -> int:
+    args = ctx.args
+    if args.action == "set" and not args.provider:
+        raise UsageError("machine provider set: name a provider (local or ec2)")
+    name = args.provider if args.action == "set" else ""
+    async with _client(ctx.cfg) as c:
+        reply = await c.set_provider(args.machine_id, name, args.settings)
+    what = f"provider {name} set" if name else "provider cleared"
+    return _emit(ctx, reply, f"machine {reply['machine_id']}: {what}")
+
+
 async def _credential_create(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         reply = await c.create_credential(ctx.args.account, ctx.args.label)
@@ -492,6 +537,53 @@ async def _account_deletion(ctx: _Ctx) -> int:
         return _record(ctx, await c.get_deletion(ctx.args.account_id))
 
 
+def _prompt_text(args: argparse.Namespace) -> str:
+    if args.text is not None:
+        return str(args.text)
+    try:
+        return Path(args.file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise UsageError(f"prompt send: cannot read {args.file}: {reason}") from None
+
+
+async def _prompt_send(ctx: _Ctx) -> int:
+    args = ctx.args
+    text = _prompt_text(args)
+    async with _client(ctx.cfg) as c:
+        reply = await c.send_prompt(args.machine, args.agent, text, args.idempotency_key)
+    line = f"prompt {reply['prompt_id']} {reply['state']}"
+    if reply.get("run_id"):
+        line += f" (run {reply['run_id']})"
+    return _emit(ctx, reply, line)
+
+
+async def _prompt_list(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        reply = await c.list_prompts(ctx.args.machine)
+    prompts = list(reply.get("prompts", []))
+    if ctx.out.as_json:
+        ctx.out.json(reply)
+        return ExitCode.OK
+    rows = [
+        [
+            p["prompt_id"],
+            p["agent_id"],
+            p["state"] + (f": {p['reason']}" if p.get("reason") else ""),
+            p.get("run_id") or "-",
+            f"{p['age_seconds']}s",
+            str(p["size"]),
+        ]
+        for p in prompts
+    ]
+    columns = [Column("prompt", whole=True), Column("agent", whole=True), Column("state")]
+    more = [Column("run", whole=True), Column("age"), Column("size")]
+    ctx.out.table([*columns, *more], rows)
+    if reply.get("provider_error"):
+        ctx.out.note(f"provider: {reply['provider_error']}")
+    return ExitCode.OK
+
+
 #: (command, verb) -> handler; a command without verbs has verb None.
 COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("init", None): _init,
@@ -510,7 +602,12 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("machine", "rename"): _machine_rename,
     ("machine", "revoke"): _machine_revoke,
     ("machine", "repair"): _machine_repair,
+
+
+    ("machine", "provider"): _machine_provider,
     ("credential", "create"): _credential_create,
+    ("prompt", "send"): _prompt_send,
+    ("prompt", "list"): _prompt_list,
 }
 
 #: Commands that print a secret once (it is stored only as a hash, or not at all):

@@ -186,6 +186,37 @@ class AdminClient:
             self.stub.RevokeMachine, admin_pb2.RevokeMachineRequest(machine_id=machine_id)
         )
 
+    async def set_provider(
+        self, machine_id: str, provider: str, settings_json: str
+    ) -> dict[str, Any]:
+        """SetProvider."""
+        return await self._call(
+            self.stub.SetProvider,
+            admin_pb2.SetProviderRequest(
+                machine_id=machine_id, provider=provider, settings_json=settings_json
+            ),
+        )
+
+    async def send_prompt(
+        self, machine_id: str, agent_id: str, text: str, idempotency_key: str = ""
+    ) -> dict[str, Any]:
+        """SendPrompt."""
+        return await self._call(
+            self.stub.SendPrompt,
+            admin_pb2.SendPromptRequest(
+                machine_id=machine_id,
+                agent_id=agent_id,
+                text=text,
+                idempotency_key=idempotency_key,
+            ),
+        )
+
+    async def list_prompts(self, machine_id: str) -> dict[str, Any]:
+        """ListPrompts (the prompts and the provider's last error)."""
+        return await self._call(
+            self.stub.ListPrompts, admin_pb2.ListPromptsRequest(machine_id=machine_id)
+        )
+
     async def create_credential(self, account_id: str, label: str) -> dict[str, Any]:
         """CreateCredential."""
         return await self._call(

@@ -109,6 +109,12 @@ class ControlConfig:
     join_confirm_grace: float = 300.0
     """Seconds a joined machine has to connect before its join is rolled back (its
     token use given back): the join reply may never have reached it."""
+    prompt_queue_depth: int = 1000
+    """Most prompts queued for one machine; more are refused (RESOURCE_EXHAUSTED)."""
+    prompt_max_bytes: int = 1024 * 1024
+    """Largest prompt text accepted, in bytes of UTF-8 (INVALID_ARGUMENT above it)."""
+    prompt_ttl_seconds: int = 7 * 24 * 3600
+    """Seconds a queued prompt waits for its machine before it is dropped (audited)."""
 
     @property
     def config_path(self) -> Path:
@@ -142,6 +148,12 @@ class ControlConfig:
             raise ConfigError("store_secret_key", "access key and secret key go together")
         if not 1 <= self.join_confirm_grace <= 86400:
             raise ConfigError("join_confirm_grace", "must be between 1 and 86400 seconds")
+        if not 1 <= self.prompt_queue_depth <= 100_000:
+            raise ConfigError("prompt_queue_depth", "must be between 1 and 100000")
+        if not 1 <= self.prompt_max_bytes <= 4 * 1024 * 1024:
+            raise ConfigError("prompt_max_bytes", "must be between 1 and 4 MiB")
+        if not 60 <= self.prompt_ttl_seconds <= 90 * 86400:
+            raise ConfigError("prompt_ttl_seconds", "must be between 60 seconds and 90 days")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ConfigError("log_level", "must be DEBUG, INFO, WARNING or ERROR")
         return self
@@ -186,6 +198,9 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "token_ttl": (int,),
     "log_level": (str,),
     "join_confirm_grace": (int, float),
+    "prompt_queue_depth": (int,),
+    "prompt_max_bytes": (int,),
+    "prompt_ttl_seconds": (int,),
 }
 
 
@@ -242,5 +257,8 @@ def load_config(
             d.join_confirm_grace,
             float,
         ),
+        prompt_queue_depth=get("prompt_queue_depth", None, d.prompt_queue_depth, int),
+        prompt_max_bytes=get("prompt_max_bytes", None, d.prompt_max_bytes, int),
+        prompt_ttl_seconds=get("prompt_ttl_seconds", None, d.prompt_ttl_seconds, int),
     )
     return cfg.validate()

@@ -18,6 +18,7 @@ import grpc.aio
 from controlplane.backups import MachineBackups
 from controlplane.links import (
     Ack,
+    DeliveryHooks,
     Heartbeat,
     Hello,
     LinkNotice,
@@ -28,7 +29,12 @@ from controlplane.links import (
 from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
-from controlplane.presence import AccountDeletedNotice, PresenceRegistry, RevokedNotice
+from controlplane.presence import (
+    AccountDeletedNotice,
+    DeliveryNotice,
+    PresenceRegistry,
+    RevokedNotice,
+)
 from shared.errors import AgentsError, InvalidArgument, Unimplemented
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import status_for
@@ -64,6 +70,8 @@ async def _decode(
             yield Hello(msg.hello.version, msg.hello.agent_count)
         elif kind == "heartbeat":
             yield Heartbeat(msg.heartbeat.agent_count)
+        elif kind == "ack":
+            yield Ack(msg.ack.delivery_id, msg.ack.run_id, msg.ack.refused_reason)
         else:
             yield Ack()
 
@@ -83,6 +91,15 @@ def _encode(notice: LinkNotice) -> link_pb2.ControlMessage:
         return link_pb2.ControlMessage(
             account_deleted=link_pb2.AccountDeleted(account_id=notice.account_id)
         )
+    if isinstance(notice, DeliveryNotice):
+        return link_pb2.ControlMessage(
+            delivery=link_pb2.Delivery(
+                id=notice.prompt_id,
+                sealed_prompt=notice.sealed_prompt,
+                agent_id=notice.agent_id,
+                created_at=from_datetime(notice.created_at),
+            )
+        )
     return link_pb2.ControlMessage(renew_now=link_pb2.RenewNow(reason=notice.reason))
 
 
@@ -101,6 +118,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         link_port: int,
         link_host: str = "",
         backups: MachineBackups | None = None,
+        deliveries: DeliveryHooks | None = None,
     ) -> None:
         self._pairing = pairing
         self._backups = backups
@@ -116,6 +134,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             renew_threshold=renew_threshold,
             # Looked up here at each call, so tests can move only this module's clock.
             clock=_utcnow,
+            deliveries=deliveries,
         )
         self.link_port = link_port
         self.link_host = link_host

@@ -32,6 +32,7 @@ import datetime as dt
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from controlplane.audit import Clock, utcnow
 from controlplane.machines import AuthorizedPeer, MachineRegistry
@@ -40,6 +41,7 @@ from controlplane.presence import (
     AccountDeletedNotice,
     CloseLink,
     CloseReason,
+    DeliveryNotice,
     PresenceRegistry,
     RenewNowNotice,
     RevokedNotice,
@@ -50,6 +52,7 @@ from shared.errors import AgentsError, InvalidArgument, Unauthenticated
 
 __all__ = [
     "Ack",
+    "DeliveryHooks",
     "Heartbeat",
     "Hello",
     "LinkNotice",
@@ -83,7 +86,11 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class Ack:
-    """Any other message (acknowledgements, kinds this release does not know)."""
+    """An acknowledgement, or (with no delivery id) a kind this release does not know."""
+
+    delivery_id: str = ""
+    run_id: str = ""
+    refused: str = ""
 
 
 MachineMessage = Hello | Heartbeat | Ack
@@ -99,7 +106,20 @@ class Welcome:
     machine_id: str
 
 
-LinkNotice = Welcome | RenewNowNotice | RevokedNotice | AccountDeletedNotice
+LinkNotice = Welcome | RenewNowNotice | RevokedNotice | AccountDeletedNotice | DeliveryNotice
+
+
+class DeliveryHooks(Protocol):
+    """What the link tells the prompt delivery (controlplane.delivery) about a session."""
+
+    def connected(self, session: Session) -> None:
+        """The machine's link is up: deliver its queue."""
+
+    async def acked(self, session: Session, ack: Ack) -> None:
+        """The machine stored a delivery durably."""
+
+    def disconnected(self, session: Session) -> None:
+        """The link ended: whatever is unacknowledged is delivered again next time."""
 
 
 class LinkSessions:
@@ -116,6 +136,7 @@ class LinkSessions:
         renew_threshold: float,
         clock: Clock = utcnow,
         linger: float = LINGER,
+        deliveries: DeliveryHooks | None = None,
     ) -> None:
         self._ca_cert_pem = ca_cert_pem
         self._machines = machines
@@ -125,6 +146,7 @@ class LinkSessions:
         self._renew_threshold = renew_threshold
         self._clock = clock
         self._linger = linger
+        self._deliveries = deliveries
 
     async def authorize(self, cert_pem: bytes | None) -> AuthorizedPeer:
         """The machine a client certificate names, if it may still act, and its identity.
@@ -185,6 +207,8 @@ class LinkSessions:
             yield Welcome(self._heartbeat, self._clock(), machine.machine_id)
             if tls.needs_renewal(cert_pem, self._renew_threshold):
                 yield RenewNowNotice("certificate nearing expiry")
+            if self._deliveries is not None:
+                self._deliveries.connected(session)
             while True:
                 item = await session.next_outgoing()
                 if isinstance(item, CloseLink):
@@ -207,6 +231,8 @@ class LinkSessions:
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
+            if self._deliveries is not None:
+                self._deliveries.disconnected(session)
             await self._presence.close(session)
             self._metrics.disconnects.labels(reason).inc()
 
@@ -232,6 +258,8 @@ class LinkSessions:
                     await self._presence.seen(session, msg.agent_count)
                 else:
                     await self._presence.seen(session)
+                if isinstance(msg, Ack) and msg.delivery_id and self._deliveries is not None:
+                    await self._deliveries.acked(session, msg)
         except TimeoutError:
             reason = CloseReason.TIMEOUT
             logger.info("machine %s: no heartbeat for %.1fs", session.machine_id, timeout)

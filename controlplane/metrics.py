@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -61,6 +62,8 @@ class ControlMetrics:
         self.account_deletion_objects = Counter(
             "agents_cp_account_deletion_objects",
             "Objects deleted from the store by account deletions.",
+            registry=registry,
+        )
         self.backup_calls = Counter(
             "agents_cp_backup_calls",
             "MachineLink backup RPCs, by method and status code.",
@@ -84,6 +87,48 @@ class ControlMetrics:
             "Sealed backup bytes sent back to machines (restores, verifies).",
             registry=registry,
         )
+        self.machines_offline = Gauge(
+            "agents_cp_machines_offline",
+            "Paired, unrevoked machines without a live link (none is stopped on purpose "
+            "by a provider); refreshed every minute.",
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "agents_cp_prompt_queue_depth",
+            "Prompts waiting in the store for their machines (all machines).",
+            registry=registry,
+        )
+        self.queue_oldest_age = Gauge(
+            "agents_cp_prompt_queue_oldest_age_seconds",
+            "Seconds the oldest queued prompt has waited (0 with none).",
+            registry=registry,
+        )
+        self.provider_starts = Counter(
+            "agents_cp_provider_starts",
+            "Start requests to machine providers, by result (ok, error).",
+            ["result"],
+            registry=registry,
+        )
+        self.prompts = Counter(
+            "agents_cp_prompts",
+            "Prompts by outcome (queued, replayed, refused, acknowledged, refused_by_machine, "
+            "expired).",
+            ["outcome"],
+            registry=registry,
+        )
+
+    def watch_queue(self, depth: Callable[[], float], oldest_age: Callable[[], float]) -> None:
+        """Read the prompt queue's gauges from it at each scrape."""
+        self.queue_depth.set_function(depth)
+        self.queue_oldest_age.set_function(oldest_age)
+
+    def prompt_outcome(self, outcome: str) -> None:
+        """Count one prompt outcome (queued, replayed, refused, acknowledged, ...)."""
+        self.prompts.labels(outcome).inc()
+
+    def provider_start(self, result: str) -> None:
+        """Count one provider start request by result."""
+        self.provider_starts.labels(result).inc()
 
     def call_counters(self, admin_service: str, link_service: str) -> dict[str, CallCounter]:
         """What :class:`~shared.call_metrics.CallsInterceptor` counts: every Admin call

@@ -17,15 +17,21 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from controlplane.audit import Clock, utcnow
+from controlplane.authz import Principal
 from controlplane.records import Machine, Presence, decode, encode, presence_key
 from shared.errors import AgentsError, IntegrityError, NotFound
 from shared.store.base import ObjectStore
 
+if TYPE_CHECKING:
+    from controlplane.machines import MachineRegistry
+
 __all__ = [
     "AccountDeletedNotice",
     "CloseLink",
+    "DeliveryNotice",
     "MachineStatus",
     "Outgoing",
     "PresenceRegistry",
@@ -58,6 +64,16 @@ class RenewNowNotice:
     reason: str
 
 
+@dataclass(frozen=True)
+class DeliveryNotice:
+    """A queued prompt for the machine (still sealed to its box key)."""
+
+    prompt_id: str
+    agent_id: str
+    sealed_prompt: bytes = field(repr=False)
+    created_at: dt.datetime
+
+
 class CloseReason(enum.Enum):
     """Why a link ended without a notice; the value is the metrics label."""
 
@@ -76,7 +92,7 @@ class CloseLink:
     reason: CloseReason
 
 
-Outgoing = RevokedNotice | AccountDeletedNotice | RenewNowNotice | CloseLink
+Outgoing = RevokedNotice | AccountDeletedNotice | RenewNowNotice | DeliveryNotice | CloseLink
 #: Notices after which the link closes.
 TERMINAL = (RevokedNotice, AccountDeletedNotice, CloseLink)
 
@@ -236,6 +252,16 @@ class PresenceRegistry:
         except AgentsError as e:
             # Presence is advisory: a failed write must not end the link.
             logger.warning("presence %s: cannot write last seen: %s", session.machine_id, e)
+
+    async def count_offline(self, machines: MachineRegistry) -> int:
+        """Machines known to the store, not revoked, without a live link here.
+
+        Providers only start machines, never stop them on purpose, so every
+        such machine counts. One listing of every account's machines.
+        """
+        everyone = Principal("control-plane", "operator")
+        known = await machines.list(everyone)
+        return sum(1 for m in known if not m.revoked and m.machine_id not in self._sessions)
 
     async def status(self, machine: Machine) -> MachineStatus:
         """The machine's listing view: live session first, else its stored last seen."""

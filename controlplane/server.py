@@ -29,6 +29,7 @@ from controlplane.authz import CredentialService
 from controlplane.backups import MachineBackups
 from controlplane.config import ControlConfig, parse_hostport
 from controlplane.deletion import AccountDeletion, DeletionHooks
+from controlplane.delivery import PromptDelivery
 from controlplane.integrity import DeploymentGuard, TrustedStore, open_trusted_store
 from controlplane.intents import Intents
 from controlplane.keys import HomeKeys, load_home_keys
@@ -37,6 +38,8 @@ from controlplane.machines import MachineRegistry
 from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry
+from controlplane.queue import PromptQueue, QueueLimits
+from controlplane.starter import MachineStarter
 from controlplane.tokens import TokenService
 from shared.atomic import write_atomic
 from shared.call_metrics import CallsInterceptor
@@ -50,6 +53,8 @@ __all__ = ["ControlPlane", "Services", "open_control_store", "run_daemon"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds between two counts of offline machines.
+OFFLINE_COUNT_INTERVAL = 60.0
 #: Largest gRPC message accepted (prompts and segments are chunked below this).
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 LINK_SERVICE = link_pb2.DESCRIPTOR.services_by_name["MachineLink"].full_name
@@ -108,11 +113,14 @@ class ControlPlane:
         self.metrics = ControlMetrics(self.registry)
         self._store: TrustedStore | None = None
         self._checker: asyncio.Task[None] | None = None
+        self._offline: asyncio.Task[None] | None = None
         self._health: HealthServicer | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics_server: MetricsServer | None = None
         self._presence: PresenceRegistry | None = None
         self._deletion: AccountDeletion | None = None
+        self._prompts: PromptDelivery | None = None
+        self._starter: MachineStarter | None = None
         self.public_port = 0
         self.link_port = 0
         self._stopped = asyncio.Event()
@@ -161,6 +169,29 @@ class ControlPlane:
             logger.warning("rolled back %d change(s) a previous run left unfinished", recovered)
         services.machines.on_revoke(presence.kick)
         self._presence = presence
+        prompt_queue = PromptQueue(
+            trusted.store,
+            services.machines,
+            services.auditor,
+            limits=QueueLimits(
+                max_depth=cfg.prompt_queue_depth,
+                max_prompt_bytes=cfg.prompt_max_bytes,
+                ttl=dt.timedelta(seconds=cfg.prompt_ttl_seconds),
+            ),
+            on_outcome=self.metrics.prompt_outcome,
+        )
+        self.metrics.watch_queue(prompt_queue.depth, prompt_queue.oldest_age)
+        self._starter = starter = MachineStarter(
+            trusted.store,
+            services.machines,
+            services.auditor,
+            keys.secrets_key,
+            log_dir=cfg.home / "providers",
+            on_result=self.metrics.provider_start,
+        )
+        self._prompts = prompts = PromptDelivery(
+            prompt_queue, presence, on_queued=starter.request, on_connected=starter.connected
+        )
 
         server = grpc.aio.server(
             # Counting first: it wraps the error mapping and so sees the final code.
@@ -201,6 +232,7 @@ class ControlPlane:
             link_port=self.link_port,
             link_host=cfg.advertise_host,
             backups=_machine_backups(trusted, services.machines),
+            deliveries=prompts,
         )
         admin = AdminServicer(
             accounts=services.accounts,
@@ -211,11 +243,16 @@ class ControlPlane:
             deletion=services.deletion,
             ca_hash=keys.ca_hash,
             join_address=f"{_bracket(advertise)}:{self.public_port}",
+            prompts=prompts,
+            starter=starter,
         )
         link_pb2_grpc.add_MachineLinkServicer_to_server(link, server)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         self._health = await serve_health_and_reflection(server, [LINK_SERVICE, ADMIN_SERVICE])
         await server.start()
+        self._offline = asyncio.create_task(
+            _count_offline(presence, services.machines, self.metrics), name="machines-offline"
+        )
         self._checker = asyncio.create_task(
             _self_check(trusted.guard, services.intents, cfg.heartbeat_interval),
             name="store-self-check",
@@ -249,6 +286,10 @@ class ControlPlane:
     async def stop(self, grace: float) -> None:
         """Drain for ``grace`` seconds, then close the server, /metrics and the store."""
         self._stopped.set()
+        if self._offline is not None:
+            offline, self._offline = self._offline, None
+            offline.cancel()
+            await asyncio.gather(offline, return_exceptions=True)
         if self._checker is not None:
             checker, self._checker = self._checker, None
             checker.cancel()
@@ -266,6 +307,10 @@ class ControlPlane:
             # drain waits only for ordinary calls.
             if self._presence is not None:
                 self._presence.close_all()
+            if self._prompts is not None:
+                await self._prompts.close()
+            if self._starter is not None:
+                await self._starter.close()
             await server.stop(grace)
         if self._metrics_server is not None:
             self._metrics_server.close()
@@ -277,6 +322,19 @@ class ControlPlane:
             self.cfg.serve_path.unlink()
         except FileNotFoundError:
             pass
+
+
+async def _count_offline(
+    presence: PresenceRegistry, machines: MachineRegistry, metrics: ControlMetrics
+) -> None:
+    """Set agents_cp_machines_offline now and every minute (one listing of every
+    account's machines per minute, whatever the scrape rate)."""
+    while True:
+        try:
+            metrics.machines_offline.set(await presence.count_offline(machines))
+        except AgentsError as e:
+            logger.debug("machines offline: cannot count: %s", e)
+        await asyncio.sleep(OFFLINE_COUNT_INTERVAL)
 
 
 async def _self_check(guard: DeploymentGuard, intents: Intents, interval: float) -> None:

@@ -26,6 +26,7 @@ import grpc.aio
 from machine import identity
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig, parse_hostport
+from machine.deliveries import DeliveryHandler
 from machine.link import ControlLink
 from machine.local_auth import TOKEN_FILE, BearerTokenInterceptor, load_or_create_token
 from machine.metrics import MachineMetrics
@@ -75,10 +76,12 @@ def _control_link(
     """The control-plane link while the daemon serves; nothing for a stand-alone machine."""
     if not identity.is_joined(config.data_dir):
         return contextlib.nullcontext()
+    keys = identity.load_keys(config.data_dir)
     return ControlLink(
         data_dir=config.data_dir,
         agent_count=machine.agent_count,
         version=machine_version(),
+        on_delivery=DeliveryHandler(machine.runs, keys.box),
         registry=metrics.registry,
     )
 

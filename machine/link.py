@@ -51,6 +51,7 @@ from machine.link_client import (
     AccountDeleted,
     ControlNotice,
     Delivery,
+    DeliveryAck,
     LinkClient,
     LinkStream,
     RenewNow,
@@ -154,7 +155,7 @@ class ControlLink:
         data_dir: Path,
         agent_count: Callable[[], Awaitable[int]],
         version: str,
-        on_delivery: Callable[[Delivery], Awaitable[None]] | None = None,
+        on_delivery: Callable[[Delivery], Awaitable[DeliveryAck | None]] | None = None,
         registry: CollectorRegistry | None = None,
         renew_fraction: float = 1 / 3,
         backoff_initial: float = 0.5,
@@ -456,12 +457,12 @@ class ControlLink:
             logger.warning("delivery %s dropped: this daemon takes no deliveries", delivery.id)
             return
         try:
-            await self._on_delivery(delivery)
+            answer = await self._on_delivery(delivery)
         except AgentsError as e:
             # Not acknowledged: the control plane delivers it again on the next stream.
             logger.warning("delivery %s not stored: %s", delivery.id, e)
             return
-        await stream.ack(delivery.id)
+        await stream.ack(delivery.id, answer)
         self._metrics.deliveries.inc()
 
     async def _count_agents(self) -> int:

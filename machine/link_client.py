@@ -28,6 +28,7 @@ __all__ = [
     "BackupEntry",
     "ControlNotice",
     "Delivery",
+    "DeliveryAck",
     "JoinReply",
     "LinkClient",
     "LinkStream",
@@ -136,6 +137,16 @@ class BackupEntry:
 
 
 @dataclass(frozen=True)
+class DeliveryAck:
+    """What the machine answers for a stored delivery."""
+
+    run_id: str = ""
+    """The run the prompt became (the same one for a redelivery)."""
+    refused: str = ""
+    """Instead of a run: why the machine will never run it."""
+
+
+@dataclass(frozen=True)
 class Unknown:
     """A message this machine does not know (a newer control plane)."""
 
@@ -193,9 +204,16 @@ class LinkStream:
             link_pb2.MachineMessage(heartbeat=link_pb2.Heartbeat(agent_count=agent_count))
         )
 
-    async def ack(self, delivery_id: str) -> None:
-        """Acknowledge a stored delivery."""
-        await self._send(link_pb2.MachineMessage(ack=link_pb2.Ack(delivery_id=delivery_id)))
+    async def ack(self, delivery_id: str, answer: DeliveryAck | None = None) -> None:
+        """Acknowledge a stored delivery (with its run id or refusal)."""
+        answer = answer or DeliveryAck()
+        await self._send(
+            link_pb2.MachineMessage(
+                ack=link_pb2.Ack(
+                    delivery_id=delivery_id, run_id=answer.run_id, refused_reason=answer.refused
+                )
+            )
+        )
 
     async def read(self) -> ControlNotice | None:
         """The next message, or None at a clean end (a failed stream raises AioRpcError)."""

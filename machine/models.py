@@ -165,6 +165,8 @@ class RunRecord:
     duration_ms: int
     stop_reason: str | None
     error_code: RunErrorCode | None
+    prompt_id: str | None = None
+    """The control-plane prompt (``pr_...``) the run was made from, if delivered."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,12 @@ Rules it keeps:
   paused on a permission request keeps its agent busy (also across restarts).
 - The run belongs to the daemon, not to the caller's stream: a reader going
   away does not stop it; :meth:`RunEngine.cancel` does.
-- At start, runs that were queued or running are marked interrupted and get
+- A prompt delivered by the control plane (:meth:`RunEngine.accept_delivery`)
+  is stored as a queued run with its prompt id (unique) before it is
+  acknowledged; a redelivery finds that run and starts nothing. Such a run
+  still queued at a restart is started then instead of being interrupted: the
+  control plane forgot it once acknowledged, so nobody would send it again.
+- At start, other runs that were queued or running are marked interrupted and get
   exactly one RUN_ERROR code RUN_INTERRUPTED (in the same transaction as the
   state change, so a second restart adds nothing). Runs waiting for a
   permission stay waiting; once answered they are driven again with
@@ -71,12 +76,13 @@ from shared.errors import (
     DiskFull,
     InvalidArgument,
     InvalidState,
+    NotFound,
     StoreError,
     TooLarge,
 )
 from shared.ids import new_id, validate_id
 
-__all__ = ["RunEngine"]
+__all__ = ["Delivered", "RunEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +120,15 @@ class _Active:
     ending: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+@dataclass(frozen=True)
+class Delivered:
+    """What a delivered prompt became: a run, or a refusal with its reason."""
+
+    prompt_id: str
+    run_id: str
+    refused: str
+
+
 class RunEngine:
     """Drives runs through their runtimes and stores every event first."""
 
@@ -149,9 +164,15 @@ class RunEngine:
         """Recover after a restart; return the number of runs marked interrupted."""
         now = self._clock()
 
-        def recover(conn: sqlite3.Connection) -> tuple[list[StoredEvent], list[RunRecord]]:
+        def recover(
+            conn: sqlite3.Connection,
+        ) -> tuple[list[StoredEvent], list[RunRecord], list[RunRecord]]:
             events = []
+            delivered = []
             for run in store.runs_in_states(conn, (RunState.QUEUED, RunState.RUNNING)):
+                if run.prompt_id and run.state is RunState.QUEUED:
+                    delivered.append(run)  # acknowledged but never started: start it
+                    continue
                 message = (
                     "the machine daemon stopped while the run was in flight"
                     if run.state is RunState.RUNNING
@@ -173,9 +194,9 @@ class RunEngine:
             waiting = store.runs_in_states(conn, (RunState.WAITING_PERMISSION,))
             if events:
                 store.log(conn, now, "runs.interrupted", str(len(events)))
-            return events, waiting
+            return events, waiting, delivered
 
-        events, waiting = await self._db.write(recover)
+        events, waiting, delivered = await self._db.write(recover)
         self._recorder.publish(events)
         for ev in events:
             self._recorder.count_end(RunState.INTERRUPTED)
@@ -183,6 +204,8 @@ class RunEngine:
         for run in waiting:
             # Park the run: it holds its agent's turn until someone answers or cancels.
             self._spawn(run, parked=True)
+        for run in delivered:  # in creation order: each agent's prompts keep theirs
+            self._spawn(run, parked=False)
         return len(events)
 
     async def close(self, grace: float = 0.0) -> None:
@@ -258,6 +281,47 @@ class RunEngine:
             return run, last_seq
 
         # A committed queued run must be spawned even if the caller has gone.
+        return await complete(commit())
+
+    async def accept_delivery(self, prompt_id: str, agent_id: str, text: str) -> Delivered:
+        """Store a delivered prompt as a queued run, at most once per prompt id.
+
+        The commit of the run row (with its unique prompt id) is what the
+        machine acknowledges; a redelivered id answers the run it already made
+        and starts nothing. A prompt this machine will never run (unknown or
+        archived agent, runtime missing, too large) answers a refusal reason,
+        which is acknowledged too, so the control plane stops sending it.
+        """
+        validate_id("prompt", prompt_id, "prompt_id")
+        run_id = new_id("run")
+        now = self._clock()
+
+        def write(conn: sqlite3.Connection) -> tuple[RunRecord | None, bool, str]:
+            existing = store.run_for_prompt(conn, prompt_id)
+            if existing is not None:
+                return existing, False, ""
+            try:
+                validate_id("agent", agent_id, "agent_id")
+                size = len(text.encode("utf-8", "surrogatepass"))
+                if size > self.prompt_limit:
+                    raise TooLarge("prompt", self.prompt_limit, size)
+                if not text.strip():
+                    raise InvalidArgument("prompt", "must not be empty")
+                self._check_runnable(store.get_agent(conn, agent_id, self.ids.own))
+            except (InvalidArgument, InvalidState, NotFound) as e:
+                return None, False, str(e)
+            store.insert_run(conn, run_id, agent_id, text, (), now, prompt_id=prompt_id)
+            return store.get_run(conn, run_id), True, ""
+
+        async def commit() -> Delivered:
+            run, new, refused = await self._db.write(write, what=f"delivery {prompt_id}")
+            if run is None:
+                return Delivered(prompt_id, "", refused)
+            if new and not self._closing:
+                self._spawn(run, parked=False)
+            return Delivered(prompt_id, run.id, "")
+
+        # Like submit: a committed queued run is spawned even if the caller has gone.
         return await complete(commit())
 
     def _check_runnable(self, agent: AgentRecord) -> None:

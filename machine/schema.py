@@ -156,8 +156,15 @@ _V2 = """
 ALTER TABLE runs ADD COLUMN usage_reported INTEGER NOT NULL DEFAULT 1;
 """
 
+# v3: a run made from a control-plane delivery records its prompt id, unique,
+# so a redelivered prompt finds its run instead of running twice.
+_V3 = """
+ALTER TABLE runs ADD COLUMN prompt_id TEXT;
+CREATE UNIQUE INDEX runs_prompt_id ON runs (prompt_id) WHERE prompt_id IS NOT NULL;
+"""
+
 #: MIGRATIONS[i] upgrades version i to i + 1.
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2)
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3)
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 

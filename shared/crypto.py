@@ -88,6 +88,7 @@ __all__ = [
     "new_stream_key",
     "open_bytes",
     "open_sealed",
+    "prompt_aad",
     "seal",
     "seal_bytes",
 ]
@@ -665,6 +666,13 @@ def seal_bytes(
 ) -> bytes:
     """Seal a small in-memory value (a manifest, a prompt) in one call."""
     return b"".join(seal([data], recipients, chunk_size=chunk_size, aad=aad))
+
+
+def prompt_aad(prompt_id: str, agent_id: str) -> bytes:
+    """What a queued prompt's seal is bound to (the control plane seals, the
+    machine opens): a sealed prompt cannot be replayed under another prompt id
+    or for another agent."""
+    return f"agents-prompt:{prompt_id}:{agent_id}".encode()
 
 
 def open_bytes(

@@ -39,6 +39,7 @@ from machine.store.runs import (
     insert_run,
     last_event_time,
     list_runs,
+    run_for_prompt,
     runs_in_states,
     set_run_state,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "row_to_agent",
     "rule_for",
     "run_events",
+    "run_for_prompt",
     "run_permissions",
     "runs_in_states",
     "search",

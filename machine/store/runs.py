@@ -51,6 +51,7 @@ def _row_to_run(row: sqlite3.Row) -> RunRecord:
         duration_ms=row["duration_ms"],
         stop_reason=row["stop_reason"],
         error_code=RunErrorCode(row["error_code"]) if row["error_code"] else None,
+        prompt_id=row["prompt_id"],
     )
 
 
@@ -110,13 +111,29 @@ def insert_run(
     prompt: str,
     attachments: Sequence[str],
     now: float,
+    prompt_id: str | None = None,
 ) -> None:
-    """Store a new queued run (usage not reported yet)."""
+    """Store a new queued run (usage not reported yet); ``prompt_id`` names the
+    control-plane delivery it came from (unique)."""
     conn.execute(
         "INSERT INTO runs (id, agent_id, state, prompt, attachments_json, created_at,"
-        " usage_reported) VALUES (?,?,?,?,?,?,0)",
-        (run_id, agent_id, RunState.QUEUED.value, prompt, json.dumps(list(attachments)), now),
+        " usage_reported, prompt_id) VALUES (?,?,?,?,?,?,0,?)",
+        (
+            run_id,
+            agent_id,
+            RunState.QUEUED.value,
+            prompt,
+            json.dumps(list(attachments)),
+            now,
+            prompt_id,
+        ),
     )
+
+
+def run_for_prompt(conn: sqlite3.Connection, prompt_id: str) -> RunRecord | None:
+    """The run made from a delivered prompt, or None."""
+    row = conn.execute("SELECT * FROM runs WHERE prompt_id = ?", (prompt_id,)).fetchone()
+    return None if row is None else _row_to_run(row)
 
 
 def count_open_runs(conn: sqlite3.Connection, agent_id: str) -> int:

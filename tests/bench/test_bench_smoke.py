@@ -40,3 +40,10 @@ def test_delete_bench_prints_ratios() -> None:
     assert re.search(r"account deletion \(DeleteAccount -> deleted\): \d+ objects/s", out), out
     assert re.search(r"ratio deletion/raw \d+\.\d+x", out), out
     assert re.search(r"ratio deletion/list\+delete \d+\.\d+x", out), out
+
+
+def test_queue_bench_prints_ratios() -> None:
+    out = _run("-m", "bench.queue", "--prompts", "10")
+    assert re.search(r"raw S3 PUT\s*:\s*\d+\.\d objects/s", out), out
+    assert re.search(r"ratio enqueue/raw PUT \d+\.\d\dx", out), out
+    assert re.search(r"ratio drain/raw GET \d+\.\d\dx", out), out

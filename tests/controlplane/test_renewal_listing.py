@@ -176,6 +176,11 @@ class _Credentials:
         return OP
 
 
+class _NoStarter:
+    def starting(self, machine_id: str) -> bool:
+        return False
+
+
 class _Context:
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", "Bearer x"),)
@@ -196,6 +201,8 @@ async def test_list_machines_reads_presence_concurrently_but_bounded() -> None:
         deletion=None,  # type: ignore[arg-type]
         ca_hash="sha256:x",
         join_address="127.0.0.1:1",
+        prompts=None,  # type: ignore[arg-type]
+        starter=_NoStarter(),  # type: ignore[arg-type]
     )
     call = asyncio.create_task(
         servicer.ListMachines(admin_pb2.ListMachinesRequest(), _Context())  # type: ignore[arg-type]

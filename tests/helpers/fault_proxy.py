@@ -6,6 +6,9 @@ SIGKILL ``pid`` right after the server accepted the n-th object write (PUT or
 DELETE of a key outside ``_probe/``) counted from the arming, before the
 answer goes back: exactly "S3 took the write, then the process died".
 ``proxy.writes`` lists the writes seen since arming (``"PUT key"``).
+``proxy.arm_before(pid, "DELETE", "/queue/")`` instead kills ``pid`` when the
+first such write ARRIVES, and never forwards it: "the process died just
+before that write".
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class CrashProxy:
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._after = 0
+        self._before: tuple[int, str, str] | None = None
 
     def arm(self, pid: int, after: int) -> None:
         """Kill ``pid`` once the ``after``-th write from now was accepted."""
@@ -44,10 +48,32 @@ class CrashProxy:
             self.crashed.clear()
             self._pid, self._after = pid, after
 
+    def arm_before(self, pid: int, method: str, key_part: str) -> None:
+        """Kill ``pid`` when a ``method`` write of a key containing ``key_part`` arrives."""
+        with self._lock:
+            self.crashed.clear()
+            self._before = (pid, method, key_part)
+
     def disarm(self) -> None:
         """Stop counting; nothing will be killed."""
         with self._lock:
             self._pid = None
+            self._before = None
+
+    def before_write(self, method: str, path: str) -> bool:
+        """True when the writer was killed instead of this write being forwarded."""
+        write = self._counts(method, path)
+        with self._lock:
+            if write is None or self._before is None:
+                return False
+            pid, want, part = self._before
+            if method != want or part not in write:
+                return False
+            self._before = None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self.crashed.set()
+        return True
 
     def _counts(self, method: str, path: str) -> str | None:
         if method not in ("PUT", "DELETE") or "uploadId=" in path or "partNumber=" in path:
@@ -94,6 +120,9 @@ def _handler(proxy: CrashProxy) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(length) if length else None
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _DROPPED}
             headers["Host"] = target.netloc
+            if proxy.before_write(self.command, self.path):
+                self.close_connection = True
+                return  # the writer is dead before its write: none reaches S3
             conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
             try:
                 conn.request(self.command, self.path, body=body, headers=headers)

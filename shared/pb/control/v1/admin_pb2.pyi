@@ -489,6 +489,7 @@ class Machine(_message.Message):
     CERTIFICATE_SERIAL_FIELD_NUMBER: _builtins.int
     CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _builtins.int
     PROVIDER_FIELD_NUMBER: _builtins.int
+    STARTING_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     """The machine id ("mc_...")."""
     account_id: _builtins.str
@@ -509,6 +510,8 @@ class Machine(_message.Message):
     """Serial number of its current client certificate, hex."""
     provider: _builtins.str
     """Its provider name, if any (later issue)."""
+    starting: _builtins.bool
+    """Its provider was asked to start it and it has not connected yet."""
     @_builtins.property
     def joined_at(self) -> _timestamp_pb2.Timestamp:
         """When it joined."""
@@ -537,10 +540,11 @@ class Machine(_message.Message):
         certificate_serial: _builtins.str = ...,
         certificate_not_after: _timestamp_pb2.Timestamp | None = ...,
         provider: _builtins.str = ...,
+        starting: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["certificate_not_after", b"certificate_not_after", "joined_at", b"joined_at", "last_seen_at", b"last_seen_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "agent_count", b"agent_count", "certificate_not_after", b"certificate_not_after", "certificate_serial", b"certificate_serial", "hostname", b"hostname", "joined_at", b"joined_at", "last_seen_at", b"last_seen_at", "machine_id", b"machine_id", "name", b"name", "online", b"online", "provider", b"provider", "revoked", b"revoked", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "agent_count", b"agent_count", "certificate_not_after", b"certificate_not_after", "certificate_serial", b"certificate_serial", "hostname", b"hostname", "joined_at", b"joined_at", "last_seen_at", b"last_seen_at", "machine_id", b"machine_id", "name", b"name", "online", b"online", "provider", b"provider", "revoked", b"revoked", "starting", b"starting", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -711,22 +715,28 @@ class SendPromptRequest(_message.Message):
     MACHINE_ID_FIELD_NUMBER: _builtins.int
     AGENT_ID_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     """The machine id."""
     agent_id: _builtins.str
     """The agent id."""
     text: _builtins.str
-    """The prompt text."""
+    """The prompt text (at most 1 MiB of UTF-8); sealed to the machine at once."""
+    idempotency_key: _builtins.str
+    """Optional: a second send with the same key answers the first prompt's id
+    and state and queues nothing (at most 200 printable characters).
+    """
     def __init__(
         self,
         *,
         machine_id: _builtins.str = ...,
         agent_id: _builtins.str = ...,
         text: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "machine_id", b"machine_id", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "idempotency_key", b"idempotency_key", "machine_id", b"machine_id", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -738,19 +748,23 @@ class SendPromptResponse(_message.Message):
 
     PROMPT_ID_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
     prompt_id: _builtins.str
     """The prompt id ("pr_...")."""
     state: _builtins.str
-    """"delivered" or "queued"."""
+    """"queued", "delivered" or "acknowledged"."""
+    run_id: _builtins.str
+    """The machine's run id, once acknowledged."""
     def __init__(
         self,
         *,
         prompt_id: _builtins.str = ...,
         state: _builtins.str = ...,
+        run_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_id", b"prompt_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_id", b"prompt_id", "run_id", b"run_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -784,12 +798,24 @@ class PromptInfo(_message.Message):
     AGENT_ID_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     prompt_id: _builtins.str
     """The prompt id."""
     agent_id: _builtins.str
     """The agent id."""
     size: _builtins.int
     """Size of the sealed prompt."""
+    state: _builtins.str
+    """"queued", "delivered", "acknowledged", "expired" or "refused"."""
+    age_seconds: _builtins.int
+    """Age in seconds at the time of the listing."""
+    run_id: _builtins.str
+    """The machine's run id, once acknowledged."""
+    reason: _builtins.str
+    """Why the machine refused it (state "refused")."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When it was sent."""
@@ -801,10 +827,14 @@ class PromptInfo(_message.Message):
         agent_id: _builtins.str = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         size: _builtins.int = ...,
+        state: _builtins.str = ...,
+        age_seconds: _builtins.int = ...,
+        run_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "created_at", b"created_at", "prompt_id", b"prompt_id", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "agent_id", b"agent_id", "created_at", b"created_at", "prompt_id", b"prompt_id", "reason", b"reason", "run_id", b"run_id", "size", b"size", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -815,6 +845,9 @@ class ListPromptsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PROMPTS_FIELD_NUMBER: _builtins.int
+    PROVIDER_ERROR_FIELD_NUMBER: _builtins.int
+    provider_error: _builtins.str
+    """The last error of the machine's provider (e.g. bad credentials), if any."""
     @_builtins.property
     def prompts(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptInfo]:
         """Queued prompts, oldest first."""
@@ -823,10 +856,11 @@ class ListPromptsResponse(_message.Message):
         self,
         *,
         prompts: _abc.Iterable[Global___PromptInfo] | None = ...,
+        provider_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompts", b"prompts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompts", b"prompts", "provider_error", b"provider_error"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -306,16 +306,26 @@ class Ack(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DELIVERY_ID_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    REFUSED_REASON_FIELD_NUMBER: _builtins.int
     delivery_id: _builtins.str
     """The id of the delivery stored durably ("pr_...")."""
+    run_id: _builtins.str
+    """The run the prompt became ("run_..."); the same id for a redelivery."""
+    refused_reason: _builtins.str
+    """Set instead of run_id when the machine will never run it (agent missing
+    or archived): the reason, shown by `prompt list`.
+    """
     def __init__(
         self,
         *,
         delivery_id: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        refused_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery_id", b"delivery_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery_id", b"delivery_id", "refused_reason", b"refused_reason", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,51 @@
+"""Prompts the control plane delivers: open, store once, answer the acknowledgement.
+
+A delivery carries the prompt sealed to this machine's box key and bound to
+its prompt id and agent (:func:`shared.crypto.prompt_aad`). It is opened here,
+stored as a queued run deduplicated by prompt id
+(:meth:`machine.runs.RunEngine.accept_delivery`) and only then acknowledged:
+a crash before the commit means no ack, so the control plane delivers it
+again; a crash after it means the redelivery finds the run and starts nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from machine.link_client import Delivery, DeliveryAck
+from machine.runs import RunEngine
+from shared.crypto import BoxKeyPair, open_bytes, prompt_aad
+from shared.errors import IntegrityError
+
+__all__ = ["DeliveryHandler"]
+
+logger = logging.getLogger(__name__)
+
+
+class DeliveryHandler:
+    """The link's ``on_delivery``: one instance per daemon."""
+
+    def __init__(self, engine: RunEngine, box: BoxKeyPair) -> None:
+        self._engine = engine
+        self._box = box
+
+    async def __call__(self, delivery: Delivery) -> DeliveryAck:
+        """Store ``delivery`` durably (once) and say what it became."""
+        try:
+            raw = open_bytes(
+                delivery.sealed_prompt,
+                self._box,
+                aad=prompt_aad(delivery.id, delivery.agent_id),
+                what=f"prompt {delivery.id}",
+            )
+            text = raw.decode("utf-8")
+        except (IntegrityError, UnicodeDecodeError) as e:
+            # Never openable by us: refuse it so the control plane stops resending.
+            logger.warning("delivery %s refused: %s", delivery.id, e)
+            return DeliveryAck(refused=f"the machine cannot open the prompt: {e}")
+        got = await self._engine.accept_delivery(delivery.id, delivery.agent_id, text)
+        if got.refused:
+            logger.info("delivery %s refused: %s", delivery.id, got.refused)
+        else:
+            logger.info("delivery %s stored as run %s", delivery.id, got.run_id)
+        return DeliveryAck(run_id=got.run_id, refused=got.refused)

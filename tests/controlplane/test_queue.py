@@ -1,0 +1,166 @@
+"""PromptQueue over MemoryStore: sealing, order, limits, idempotency, expiry, visibility."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from controlplane.accounts import AccountService
+from controlplane.audit import Auditor
+from controlplane.authz import Principal
+from controlplane.machines import MachineInfo, MachineRegistry
+from controlplane.pairing import Pairing
+from controlplane.presence import PresenceRegistry
+from controlplane.queue import PromptQueue, QueueLimits, queue_prefix
+from controlplane.tokens import TokenService
+from shared import tls
+from shared.crypto import BoxKeyPair, open_bytes, prompt_aad
+from shared.errors import InvalidArgument, NotFound, QuotaExceeded, TooLarge
+from shared.ids import new_id
+from shared.store import MemoryStore
+from tests.helpers.clock import FixedClock
+
+
+class World:
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+        self.clock = FixedClock()
+        audit = Auditor(self.store, self.clock)
+        self.accounts = AccountService(self.store, audit, self.clock)
+        self.tokens = TokenService(self.store, self.accounts, audit, clock=self.clock)
+        self.machines = MachineRegistry(self.store, self.accounts, audit, self.clock)
+        self.pairing = Pairing(
+            self.tokens, self.machines, self.accounts, tls.make_ca(), dt.timedelta(days=30)
+        )
+        self.op = Principal("adm_" + "0" * 26, "operator")
+        self.outcomes: list[str] = []
+        self.queue = PromptQueue(
+            self.store,
+            self.machines,
+            audit,
+            limits=QueueLimits(max_depth=3, max_prompt_bytes=100, ttl=dt.timedelta(days=7)),
+            clock=self.clock,
+            on_outcome=self.outcomes.append,
+        )
+
+    async def machine(self, gh: int) -> tuple[str, str, BoxKeyPair]:
+        acct = (await self.accounts.create(gh, f"u{gh}", None, "t")).account.account_id
+        made = await self.tokens.create(self.op, acct)
+        box = BoxKeyPair.generate()
+        res = await self.pairing.join(
+            made.value,
+            tls.build_csr(tls.new_tls_key()).decode(),
+            MachineInfo("m", "0.1", "h", box_public_key=box.public_key),
+        )
+        return acct, res.machine.machine_id, box
+
+
+@pytest.fixture
+def w() -> World:
+    return World()
+
+
+async def test_send_seals_queues_in_order_and_ack_deletes(w: World) -> None:
+    acct, m, box = await w.machine(1)
+    agent = new_id("agent")
+    ids = [(await w.queue.send(w.op, m, agent, f"secret prompt {i}")).prompt_id for i in range(3)]
+    listed = await w.queue.queued(w.op, m)
+    assert [e.prompt_id for e in listed] == ids
+    seqs = [e.seq for e in listed]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 3
+    # Only the machine can read the text; it is bound to the prompt id and agent.
+    first = listed[0]
+    assert open_bytes(first.sealed_prompt, box, aad=prompt_aad(first.prompt_id, agent)) == (
+        b"secret prompt 0"
+    )
+    raw = b"".join([await w.store.get(i.key) async for i in w.store.list("")])
+    assert b"secret prompt" not in raw
+    await w.queue.acknowledged(first)
+    await w.queue.acknowledged(first)  # idempotent
+    assert [e.prompt_id for e in await w.queue.pending(acct, m)] == ids[1:]
+    assert w.outcomes.count("queued") == 3
+    # Drained empty, the next send still takes a larger number (keys never reused).
+    for e in await w.queue.pending(acct, m):
+        await w.queue.acknowledged(e)
+    w.clock.now += dt.timedelta(seconds=1)
+    await w.queue.send(w.op, m, agent, "later")
+    (later,) = await w.queue.queued(w.op, m)
+    assert later.seq > listed[-1].seq
+
+
+async def test_limits_and_bad_input_queue_nothing(w: World) -> None:
+    acct, m, _ = await w.machine(1)
+    other_acct, other_m, _ = await w.machine(2)
+    agent = new_id("agent")
+    tenant = Principal("adm_" + "1" * 26, "account", acct)
+    with pytest.raises(TooLarge, match="text"):
+        await w.queue.send(w.op, m, agent, "x" * 101)
+    with pytest.raises(NotFound, match="machine"):
+        await w.queue.send(w.op, new_id("machine"), agent, "hi")
+    with pytest.raises(NotFound, match=other_m):
+        await w.queue.send(tenant, other_m, agent, "hi")
+    with pytest.raises(InvalidArgument, match="agent_id"):
+        await w.queue.send(w.op, m, "nope", "hi")
+    with pytest.raises(InvalidArgument, match="text"):
+        await w.queue.send(w.op, m, agent, "")
+    assert await w.queue.queued(w.op, m) == []
+    assert await w.queue.queued(w.op, other_m) == []
+    for i in range(3):
+        await w.queue.send(tenant, m, agent, f"p{i}")
+    with pytest.raises(QuotaExceeded, match="limit of 3"):
+        await w.queue.send(tenant, m, agent, "one too many")
+    assert len(await w.queue.queued(w.op, m)) == 3
+    assert other_acct != acct
+
+
+async def test_idempotency_key_never_queues_twice(w: World) -> None:
+    _, m, _ = await w.machine(1)
+    agent = new_id("agent")
+    first = await w.queue.send(w.op, m, agent, "hello", idempotency_key="k-1")
+    again = await w.queue.send(w.op, m, agent, "hello", idempotency_key="k-1")
+    assert again.prompt_id == first.prompt_id and again.entry is None
+    other = await w.queue.send(w.op, m, agent, "hello", idempotency_key="k-2")
+    assert other.prompt_id != first.prompt_id
+    assert len(await w.queue.queued(w.op, m)) == 2
+    raw = b"".join([await w.store.get(i.key) async for i in w.store.list("")])
+    assert b"k-1" not in raw
+
+
+async def test_expired_prompts_are_dropped_with_audit(w: World) -> None:
+    acct, m, _ = await w.machine(1)
+    await w.queue.send(w.op, m, new_id("agent"), "old")
+    w.clock.now += dt.timedelta(days=7, seconds=1)
+    fresh = await w.queue.send(w.op, m, new_id("agent"), "new")
+    assert [e.prompt_id for e in await w.queue.queued(w.op, m)] == [fresh.prompt_id]
+    assert "expired" in w.outcomes
+    keys = [i.key async for i in w.store.list(queue_prefix(acct, m))]
+    assert len(keys) == 1
+    audits = [await w.store.get(i.key) async for i in w.store.list("audit/")]
+    assert any(b"prompt.expire" in a for a in audits)
+
+
+async def test_sequence_claim_skips_a_taken_number(w: World) -> None:
+    acct, m, _ = await w.machine(1)
+    agent = new_id("agent")
+    await w.queue.send(w.op, m, agent, "a")
+    (first,) = await w.queue.queued(w.op, m)
+    # A concurrent sender already claimed the next number (simulated by writing it).
+    taken = first.seq + 1
+    await w.store.put(queue_prefix(acct, m) + f"{taken:020d}.sealed", b"{}", if_none_match=True)
+    second = await w.queue.send(w.op, m, agent, "b")
+    keys = [i.key async for i in w.store.list(queue_prefix(acct, m))]
+    assert keys[-1].endswith(f"{taken + 1:020d}.sealed")
+    assert second.prompt_id in [e.prompt_id for e in await w.queue.queued(w.op, m)]
+
+
+async def test_offline_count_skips_connected_and_revoked_machines(w: World) -> None:
+    _, online, _ = await w.machine(1)
+    _, offline, _ = await w.machine(2)
+    _, revoked, _ = await w.machine(3)
+    presence = PresenceRegistry(w.store, clock=w.clock)
+    assert await presence.count_offline(w.machines) == 3
+    await presence.open(await w.machines.get(w.op, online), "1", 0)
+    await w.machines.revoke(w.op, revoked)
+    assert await presence.count_offline(w.machines) == 1
+    assert offline
