@@ -602,8 +602,6 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("machine", "rename"): _machine_rename,
     ("machine", "revoke"): _machine_revoke,
     ("machine", "repair"): _machine_repair,
-
-
     ("machine", "provider"): _machine_provider,
     ("credential", "create"): _credential_create,
     ("prompt", "send"): _prompt_send,

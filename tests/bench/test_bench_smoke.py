@@ -43,7 +43,14 @@ def test_delete_bench_prints_ratios() -> None:
 
 
 def test_queue_bench_prints_ratios() -> None:
-    out = _run("-m", "bench.queue", "--prompts", "10")
+    out = _run("-m", "bench.prompts", "--prompts", "10")
     assert re.search(r"raw S3 PUT\s*:\s*\d+\.\d objects/s", out), out
     assert re.search(r"ratio enqueue/raw PUT \d+\.\d\dx", out), out
     assert re.search(r"ratio drain/raw GET \d+\.\d\dx", out), out
+
+
+def test_backup_bench_prints_its_table() -> None:
+    out = _run("-m", "bench.backup", "--agents", "5", "--mb", "1")
+    assert re.search(r"full backup\s+\d+\.\d\d", out), out
+    assert re.search(r"restore\s+\d+\.\d\d", out), out
+    assert "tar|zstd -3" in out, out

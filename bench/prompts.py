@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python -m bench.queue [--prompts 200] [--size 1024]
+    .venv/bin/python -m bench.prompts [--prompts 200] [--size 1024]
 
 It starts one moto S3 server and, in this process, measures:
 
