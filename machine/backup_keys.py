@@ -31,7 +31,7 @@ from shared.crypto import (
     encode_private_key,
     encode_public_key,
 )
-from shared.errors import ConfigError, InvalidState
+from shared.errors import AgentsError, ConfigError, InvalidState
 
 __all__ = ["BackupKeys", "adopt_naming_key", "load_backup_keys", "new_standalone_recovery_key"]
 
@@ -87,7 +87,12 @@ def load_backup_keys(data_dir: Path) -> BackupKeys:
         raise ConfigError("keys", f"{naming_path} must hold 32 bytes")
     recovery: bytes | None = None
     if is_joined(data_dir):
-        recovery = load_link(data_dir).account_recovery_public_key
+        try:
+            recovery = load_link(data_dir).account_recovery_public_key
+        except AgentsError as e:
+            # The daemon still starts (its agents run); backups are then sealed to
+            # the machine's key alone, and status says there is no recovery key.
+            logger.error("backups: cannot read the account's recovery key: %s", e)
     elif (keys / _RECOVERY_PUB).exists():
         try:
             recovery = decode_public_key(_read(keys / _RECOVERY_PUB))
