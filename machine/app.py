@@ -13,7 +13,7 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +22,13 @@ from machine.agents import AgentsService
 from machine.attachments import AttachmentStore, remove_partial_uploads
 from machine.backup import BackupEngine
 from machine.backup_keys import BackupKeys, load_backup_keys
+from machine.backup_link import ControlPlaneTarget
 from machine.backup_service import BackupMetrics, BackupService, parse_daily_time, same_device
 from machine.config import MachineConfig
 from machine.db import Database
 from machine.dbfaults import CheckResult
 from machine.handoff import Handoff
+from machine.link_client import LinkClient
 from machine.metrics import MachineMetrics
 from machine.models import MachineIds
 from machine.runs import RunEngine
@@ -277,17 +279,38 @@ async def folder_backup_target(folder: Path) -> tuple[BackupTarget, FolderStore]
 
 
 async def backup_target(
-    config: MachineConfig, ids: MachineIds
-) -> tuple[BackupTarget, str, FolderStore | None]:
-    """The machine's backup target, a name for ``status``, and what to close at stop.
+    config: MachineConfig, ids: MachineIds, closing: list[Callable[[], Awaitable[None]]]
+) -> tuple[BackupTarget, str]:
+    """The machine's backup target and a name for ``status``; what to close goes to ``closing``.
 
     Stand-alone: the folder ``config.backups_dir``. Joined: the control plane
-    (``ControlPlaneTarget``) once its backup RPCs are wired; until then the
-    folder too. The one place that chooses the target.
+    (``ControlPlaneTarget`` over a mutual-TLS link client), which keeps the
+    sealed backups in its store without being able to open them. The one
+    place that chooses the target.
     """
+    if ids.joined:
+        try:
+            link = await asyncio.to_thread(identity.load_link, config.data_dir)
+            keys = await asyncio.to_thread(identity.load_keys, config.data_dir)
+        except AgentsError as e:
+            logger.warning(
+                "joined, but the link record cannot be read (%s): backing up to %s",
+                e,
+                config.backups_dir,
+            )
+        else:
+            client = LinkClient.mutual(
+                link.control_address,
+                ca_pem=keys.ca_cert_pem,
+                key_pem=keys.tls_key_pem,
+                cert_pem=keys.tls_cert_pem,
+            )
+            closing.append(client.aclose)
+            return ControlPlaneTarget(client), f"control plane {link.control_address}"
     target, folder = await folder_backup_target(config.backups_dir)
+    closing.append(folder.close)
     await _record_backup_owner(folder, config.backups_dir, ids.canonical)
-    return target, f"folder {config.backups_dir}", folder
+    return target, f"folder {config.backups_dir}"
 
 
 def _backup_warnings(config: MachineConfig) -> tuple[str, ...]:
@@ -304,12 +327,10 @@ async def _build_backups(
     db: Database,
     ids: MachineIds,
     metrics: MachineMetrics | None,
-    closing: list[FolderStore],
+    closing: list[Callable[[], Awaitable[None]]],
 ) -> BackupService:
     keys: BackupKeys = await asyncio.to_thread(load_backup_keys, config.data_dir)
-    target, name, folder = await backup_target(config, ids)
-    if folder is not None:
-        closing.append(folder)
+    target, name = await backup_target(config, ids, closing)
     service = BackupService(
         db,
         target,
@@ -356,7 +377,7 @@ async def open_machine(
         if db.open_check is not None:
             metrics.observe_check("quick", db.open_check.ok, db.open_check.seconds)
     loops: list[asyncio.Task[None]] = []
-    closing: list[FolderStore] = []
+    closing: list[Callable[[], Awaitable[None]]] = []
     engine: RunEngine | None = None
     try:
         joined, link_id = await asyncio.to_thread(_joined_id, config.data_dir)
@@ -421,6 +442,6 @@ async def open_machine(
         await asyncio.gather(*loops, return_exceptions=True)
         if engine is not None:
             await engine.close(config.shutdown_grace_seconds)
-        for folder in closing:
-            await folder.close()
+        for close in closing:
+            await close()
         await db.close()
