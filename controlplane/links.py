@@ -65,6 +65,11 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a closing link waits for the machine to half-close after a final notice.
 LINGER = 0.5
+#: Seconds a link ended by a revoked / account-deleted notice waits for the
+#: machine's half-close. Longer than LINGER because a well-behaved machine ends
+#: the wait at once, while a loaded one may still be finishing a heartbeat write:
+#: ending the call under that write turns the notice into INTERNAL on its side.
+NOTICE_GRACE = 3.0
 #: Longest hello version accepted.
 MAX_VERSION = 64
 
@@ -223,7 +228,7 @@ class LinkSessions:
                     until_ended = asyncio.create_task(ended.wait())
                     await asyncio.wait(
                         [reader, until_ended],
-                        timeout=self._linger,
+                        timeout=max(self._linger, NOTICE_GRACE),
                         return_when=asyncio.FIRST_COMPLETED,
                     )
                     until_ended.cancel()
