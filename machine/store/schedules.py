@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from typing import Final
+from collections.abc import Iterable
+from typing import Any, Final
 
+from machine.cron import validate_cron, validate_zone
 from machine.models import ScheduleRecord, ScheduleRunRecord
-from shared.errors import NotFound
+from shared.errors import InvalidArgument, NotFound
+from shared.ids import is_valid_id
 
 logger = logging.getLogger(__name__)
 
@@ -186,3 +189,116 @@ def agent_schedule_rows(
         (agent_id,),
     )
     return schedules, [_row_to_schedule_run(r) for r in rows]
+
+
+# -- exports and backups ------------------------------------------------------
+
+_RESULTS: Final = ("fired", "caught_up", "refused")
+
+
+def dump_schedules(conn: sqlite3.Connection, agent_id: str) -> list[dict[str, Any]]:
+    """An agent's schedules as schedules.jsonl rows, each with its fires (oldest first)."""
+    schedules, fires = agent_schedule_rows(conn, agent_id)
+    by_schedule: dict[str, list[dict[str, Any]]] = {}
+    for f in fires:
+        by_schedule.setdefault(f.schedule_id, []).append(
+            {
+                "fire_time": f.fire_time,
+                "run_id": f.run_id,
+                "result": f.result,
+                "detail": f.detail,
+                "recorded_at": f.recorded_at,
+            }
+        )
+    return [
+        {
+            "id": s.id,
+            "cron": s.cron,
+            "time_zone": s.time_zone,
+            "prompt": s.prompt,
+            "missed": s.missed,
+            "enabled": s.enabled,
+            "created_at": s.created_at,
+            "updated_at": s.updated_at,
+            "last_fire": s.last_fire,
+            "runs": by_schedule.get(s.id, []),
+        }
+        for s in schedules
+    ]
+
+
+def _field(row: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    value = row.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise InvalidArgument("archive", f"{where}: {key} missing or of the wrong type")
+    return value
+
+
+def load_schedules(
+    conn: sqlite3.Connection, agent_id: str, rows: Iterable[dict[str, Any]], what: str
+) -> int:
+    """Insert schedules.jsonl rows for ``agent_id``, paused, in the caller's transaction
+    (a restored or imported agent is archived, and never fires until a person resumes
+    it). A schedule id already on this machine is skipped. Returns how many were loaded."""
+    loaded = 0
+    for n, row in enumerate(rows, 1):
+        where = f"{what} line {n}"
+        schedule_id = _field(row, "id", str, where)
+        if not is_valid_id("schedule", schedule_id):
+            raise InvalidArgument("archive", f"{where}: id malformed")
+        try:
+            cron = validate_cron(_field(row, "cron", str, where))
+            zone = _field(row, "time_zone", str, where)
+            validate_zone(zone)
+        except InvalidArgument as e:
+            raise InvalidArgument("archive", f"{where}: {e.reason}") from None
+        prompt = _field(row, "prompt", str, where)
+        missed = _field(row, "missed", str, where)
+        if missed not in ("skip", "once"):
+            raise InvalidArgument("archive", f"{where}: missed must be skip or once")
+        last_fire = row.get("last_fire")
+        if last_fire is not None:
+            last_fire = float(_field(row, "last_fire", (int, float), where))
+        runs = _field(row, "runs", list, where)
+        if conn.execute("SELECT 1 FROM schedules WHERE id = ?", (schedule_id,)).fetchone():
+            logger.info("%s: schedule %s is on this machine already; skipped", where, schedule_id)
+            continue
+        insert_schedule(
+            conn,
+            ScheduleRecord(
+                id=schedule_id,
+                agent_id=agent_id,
+                cron=cron,
+                time_zone=zone,
+                prompt=prompt,
+                enabled=False,
+                missed=missed,
+                created_at=float(_field(row, "created_at", (int, float), where)),
+                updated_at=float(_field(row, "updated_at", (int, float), where)),
+                last_fire=last_fire,
+            ),
+        )
+        for i, fire in enumerate(runs):
+            at = f"{where} runs[{i}]"
+            if not isinstance(fire, dict):
+                raise InvalidArgument("archive", f"{at}: not an object")
+            run_id = _field(fire, "run_id", str, at)
+            result = _field(fire, "result", str, at)
+            if (run_id and not is_valid_id("run", run_id)) or result not in _RESULTS:
+                raise InvalidArgument("archive", f"{at}: run_id or result malformed")
+            try:
+                insert_schedule_run(
+                    conn,
+                    ScheduleRunRecord(
+                        schedule_id=schedule_id,
+                        fire_time=float(_field(fire, "fire_time", (int, float), at)),
+                        run_id=run_id,
+                        result=result,
+                        detail=_field(fire, "detail", str, at),
+                        recorded_at=float(_field(fire, "recorded_at", (int, float), at)),
+                    ),
+                )
+            except sqlite3.IntegrityError:
+                raise InvalidArgument("archive", f"{at}: that fire time is listed twice") from None
+        loaded += 1
+    return loaded
