@@ -15,7 +15,7 @@ from machine import store
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.metrics import MachineMetrics
-from machine.models import RunState
+from machine.models import RunState, ScheduleRunRecord
 from machine.schedules import Scheduler, SchedulesService
 from shared.errors import InvalidArgument, InvalidState, NotFound, TooLarge
 from tests.helpers.runs import wait_for_state
@@ -248,3 +248,28 @@ async def test_delete_agent_schedules_in_the_callers_transaction(rig: Rig, tmp_p
         ).fetchone()[0]
     )
     assert left == 0
+
+
+async def test_fire_recorded_just_before_a_crash_runs_at_the_restart(
+    machine_config: MachineConfig, tmp_path: Path
+) -> None:
+    config = replace(machine_config, scheduler=False)
+    async with open_machine(config) as m:
+        agent = await _agent(m, tmp_path)
+        svc = SchedulesService(m.db, ids=m.ids, prompt_limit=4096, default_zone="UTC")
+        s = await svc.create(agent, "0 * * * *", "hourly")
+
+        def committed_then_crashed(conn: sqlite3.Connection) -> None:
+            # What a fire commits; the daemon dies before it drives the run.
+            store.insert_run(conn, "run_" + "1" * 26, agent, "hourly", (), 1.0)
+            store.insert_schedule_run(
+                conn, ScheduleRunRecord(s.id, 3600.0, "run_" + "1" * 26, "fired", "", 1.0)
+            )
+            store.insert_run(conn, "run_" + "2" * 26, agent, "a prompt", (), 2.0)
+
+        await m.db.write(committed_then_crashed)
+    async with open_machine(config) as m:
+        # The recorded fire's run starts (nobody would fire it again); an ordinary
+        # queued prompt is interrupted, as before.
+        await wait_for_state(m, "run_" + "1" * 26, RunState.FINISHED)
+        assert (await m.runs.get_run("run_" + "2" * 26)).state is RunState.INTERRUPTED
