@@ -19,6 +19,7 @@ from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
 from controlplane.starter import MachineStarter
 from controlplane.tokens import TokenService
+from controlplane.wake import ScheduleWaker
 from shared.ids import validate_id
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
 from shared.rpc import unimplemented
@@ -106,6 +107,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         join_address: str,
         prompts: PromptDelivery,
         starter: MachineStarter,
+        waker: ScheduleWaker | None = None,
     ) -> None:
         self._accounts = accounts
         self._credentials = credentials
@@ -117,6 +119,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._join_address = join_address
         self._prompts = prompts
         self._starter = starter
+        self._waker = waker
 
     async def _auth(self, context: Context) -> Principal:
         bearer: str | None = None
@@ -128,8 +131,15 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return await self._credentials.authenticate(bearer)
 
     async def _status(self, m: Machine) -> admin_pb2.Machine:
-        pb = _machine(await self._presence.status(m))
+        status = await self._presence.status(m)
+        pb = _machine(status)
         pb.starting = not pb.online and self._starter.starting(m.machine_id)
+        pb.has_provider = await self._starter.has_provider(m.account_id, m.machine_id)
+        wake_at = self._waker.wake_at(status) if self._waker is not None else None
+        if status.next_fire_at is not None:
+            pb.next_fire_at.CopyFrom(from_datetime(status.next_fire_at))
+        if wake_at is not None and pb.has_provider:
+            pb.next_wake_at.CopyFrom(from_datetime(wake_at))
         return pb
 
     # Each RPC: authenticate, one domain call, encode. The error interceptor maps

@@ -436,6 +436,15 @@ async def _token_revoke(ctx: _Ctx) -> int:
     return _emit(ctx, reply, f"token {reply['token_id']} revoked")
 
 
+def _wake(m: dict[str, Any]) -> str:
+    """When a schedule of the machine wakes it (through its provider), or why not."""
+    if not m.get("next_fire_at"):
+        return "-"
+    if not m.get("has_provider"):
+        return "no provider set"
+    return str(m.get("next_wake_at") or "-")
+
+
 async def _machine_list(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         machines = await c.list_machines(ctx.args.account)
@@ -454,11 +463,13 @@ async def _machine_list(ctx: _Ctx) -> int:
             m.get("last_seen_at") or "-",
             m["version"],
             str(m["agent_count"]),
+            _wake(m),
         ]
         for m in machines
     ]
     columns = [Column("machine", whole=True), Column("name"), Column("account", whole=True)]
     more = [Column("status"), Column("last seen"), Column("version"), Column("agents")]
+    more.append(Column("next wake"))
     return _listing(ctx, "machines", machines, [*columns, *more], rows)
 
 

@@ -115,6 +115,11 @@ class ControlConfig:
     """Largest prompt text accepted, in bytes of UTF-8 (INVALID_ARGUMENT above it)."""
     prompt_ttl_seconds: int = 7 * 24 * 3600
     """Seconds a queued prompt waits for its machine before it is dropped (audited)."""
+    wake_lead_seconds: float = 120.0
+    """An offline machine with a provider is asked to start this long before its next
+    schedule fire time (the time it needs to boot and connect)."""
+    wake_check_seconds: float = 30.0
+    """How often offline machines are checked for a schedule due (see wake_lead_seconds)."""
 
     @property
     def config_path(self) -> Path:
@@ -154,6 +159,10 @@ class ControlConfig:
             raise ConfigError("prompt_max_bytes", "must be between 1 and 4 MiB")
         if not 60 <= self.prompt_ttl_seconds <= 90 * 86400:
             raise ConfigError("prompt_ttl_seconds", "must be between 60 seconds and 90 days")
+        if not 0 <= self.wake_lead_seconds <= 86400:
+            raise ConfigError("wake_lead_seconds", "must be between 0 and 86400 seconds")
+        if not 0.1 <= self.wake_check_seconds <= 3600:
+            raise ConfigError("wake_check_seconds", "must be between 0.1 and 3600 seconds")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ConfigError("log_level", "must be DEBUG, INFO, WARNING or ERROR")
         return self
@@ -201,6 +210,8 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "prompt_queue_depth": (int,),
     "prompt_max_bytes": (int,),
     "prompt_ttl_seconds": (int,),
+    "wake_lead_seconds": (int, float),
+    "wake_check_seconds": (int, float),
 }
 
 
@@ -260,5 +271,7 @@ def load_config(
         prompt_queue_depth=get("prompt_queue_depth", None, d.prompt_queue_depth, int),
         prompt_max_bytes=get("prompt_max_bytes", None, d.prompt_max_bytes, int),
         prompt_ttl_seconds=get("prompt_ttl_seconds", None, d.prompt_ttl_seconds, int),
+        wake_lead_seconds=get("wake_lead_seconds", None, d.wake_lead_seconds, float),
+        wake_check_seconds=get("wake_check_seconds", None, d.wake_check_seconds, float),
     )
     return cfg.validate()

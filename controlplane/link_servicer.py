@@ -38,7 +38,7 @@ from controlplane.presence import (
 from shared.errors import AgentsError, InvalidArgument, Unimplemented
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import status_for
-from shared.timestamps import from_datetime
+from shared.timestamps import from_datetime, to_datetime
 
 __all__ = ["LinkServicer"]
 
@@ -61,15 +61,19 @@ def _peer_pem(context: Context) -> bytes | None:
     return certs[0] if certs else None
 
 
+def _fire_time(msg: link_pb2.Hello | link_pb2.Heartbeat) -> dt.datetime | None:
+    return to_datetime(msg.next_fire_at) if msg.HasField("next_fire_at") else None
+
+
 async def _decode(
     requests: AsyncIterator[link_pb2.MachineMessage],
 ) -> AsyncGenerator[MachineMessage, None]:
     async for msg in requests:
         kind = msg.WhichOneof("kind")
         if kind == "hello":
-            yield Hello(msg.hello.version, msg.hello.agent_count)
+            yield Hello(msg.hello.version, msg.hello.agent_count, _fire_time(msg.hello))
         elif kind == "heartbeat":
-            yield Heartbeat(msg.heartbeat.agent_count)
+            yield Heartbeat(msg.heartbeat.agent_count, _fire_time(msg.heartbeat))
         elif kind == "ack":
             yield Ack(msg.ack.delivery_id, msg.ack.run_id, msg.ack.refused_reason)
         else:

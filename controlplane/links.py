@@ -80,6 +80,8 @@ class Hello:
 
     version: str
     agent_count: int
+    next_fire_at: dt.datetime | None = None
+    """The soonest fire time of its schedules, or None."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class Heartbeat:
     """Proof of life with the machine's current agent count."""
 
     agent_count: int
+    next_fire_at: dt.datetime | None = None
+    """The soonest fire time of its schedules, or None (none comes)."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,7 @@ class LinkSessions:
                 "hello.version", f"must be at most {MAX_VERSION} printable characters"
             )
         session = await self._presence.open(machine, first.version, max(0, first.agent_count))
+        self._presence.fire_reported(session, first.next_fire_at)
         if self._machines.is_revoked(machine.machine_id):
             session.outbox.put_nowait(RevokedNotice("machine revoked by an administrator"))
         self._metrics.connects.labels("ok").inc()
@@ -260,6 +265,7 @@ class LinkSessions:
                     reason = CloseReason.EXPIRED
                     break
                 if isinstance(msg, Heartbeat):
+                    self._presence.fire_reported(session, msg.next_fire_at)
                     await self._presence.seen(session, msg.agent_count)
                 else:
                     await self._presence.seen(session)

@@ -109,6 +109,11 @@ class ControlMetrics:
             ["result"],
             registry=registry,
         )
+        self.schedule_wakes = Counter(
+            "agents_cp_schedule_wakes",
+            "Offline machines whose provider was asked to start them for a schedule due.",
+            registry=registry,
+        )
         self.prompts = Counter(
             "agents_cp_prompts",
             "Prompts by outcome (queued, replayed, refused, acknowledged, refused_by_machine, "

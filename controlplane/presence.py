@@ -110,6 +110,10 @@ class Session:
     outbox: asyncio.Queue[Outgoing] = field(default_factory=asyncio.Queue)
     last_write: float = -1e18
     """Monotonic time of the last last-seen write."""
+    next_fire_at: dt.datetime | None = None
+    """The soonest schedule fire time the machine reported, or None."""
+    fire_changed: bool = False
+    """``next_fire_at`` changed since the last write: the next one is not held back."""
 
     async def next_outgoing(self) -> Outgoing:
         """Wait for the next message for this machine."""
@@ -125,6 +129,8 @@ class MachineStatus:
     last_seen_at: dt.datetime | None
     version: str
     agent_count: int
+    next_fire_at: dt.datetime | None = None
+    """The soonest schedule fire time it reported (kept after it went offline)."""
 
 
 class PresenceRegistry:
@@ -186,6 +192,14 @@ class PresenceRegistry:
             session.agent_count = agent_count
         await self._write(session, force=False)
 
+    def fire_reported(self, session: Session, next_fire_at: dt.datetime | None) -> None:
+        """A heartbeat said when the machine's next schedule fires: a change is written
+        with the next :meth:`seen` (not held back), so a machine that stops right
+        after leaves its next fire time in the store to be woken for."""
+        if next_fire_at != session.next_fire_at:
+            session.next_fire_at = next_fire_at
+            session.fire_changed = True
+
     async def close(self, session: Session) -> None:
         """The link ended: forget it and write last seen (idempotent; a replaced
         session is already forgotten and its successor writes for it)."""
@@ -236,14 +250,20 @@ class PresenceRegistry:
 
     async def _write(self, session: Session, *, force: bool) -> None:
         now = self._monotonic()
-        if not force and now - session.last_write < self._write_interval:
+        if (
+            not force
+            and not session.fire_changed
+            and now - session.last_write < self._write_interval
+        ):
             return
         session.last_write = now
+        session.fire_changed = False
         record = Presence(
             machine_id=session.machine_id,
             last_seen_at=session.last_seen_at,
             version=session.version,
             agent_count=session.agent_count,
+            next_fire_at=session.next_fire_at,
         )
         try:
             await self._store.put(
@@ -267,7 +287,14 @@ class PresenceRegistry:
         """The machine's listing view: live session first, else its stored last seen."""
         live = self._sessions.get(machine.machine_id)
         if live is not None:
-            return MachineStatus(machine, True, live.last_seen_at, live.version, live.agent_count)
+            return MachineStatus(
+                machine,
+                True,
+                live.last_seen_at,
+                live.version,
+                live.agent_count,
+                live.next_fire_at,
+            )
         try:
             data = await self._store.get(presence_key(machine.account_id, machine.machine_id))
         except (NotFound, IntegrityError):
@@ -275,5 +302,10 @@ class PresenceRegistry:
             return MachineStatus(machine, False, None, machine.version, 0)
         rec = Presence.from_dict(decode(data, "presence"))
         return MachineStatus(
-            machine, False, rec.last_seen_at, rec.version or machine.version, rec.agent_count
+            machine,
+            False,
+            rec.last_seen_at,
+            rec.version or machine.version,
+            rec.agent_count,
+            rec.next_fire_at,
         )

@@ -282,6 +282,8 @@ class Presence(_Record):
     last_seen_at: dt.datetime
     version: str = ""
     agent_count: int = 0
+    next_fire_at: dt.datetime | None = None
+    """The soonest schedule fire time it reported (to wake it for), or None."""
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from controlplane.presence import PresenceRegistry
 from controlplane.queue import PromptQueue, QueueLimits
 from controlplane.starter import MachineStarter
 from controlplane.tokens import TokenService
+from controlplane.wake import ScheduleWaker
 from shared.atomic import write_atomic
 from shared.call_metrics import CallsInterceptor
 from shared.errors import AgentsError, StoreUnavailable
@@ -113,6 +114,7 @@ class ControlPlane:
         self.metrics = ControlMetrics(self.registry)
         self._store: TrustedStore | None = None
         self._checker: asyncio.Task[None] | None = None
+        self._waker: asyncio.Task[None] | None = None
         self._offline: asyncio.Task[None] | None = None
         self._health: HealthServicer | None = None
         self._server: grpc.aio.Server | None = None
@@ -189,6 +191,14 @@ class ControlPlane:
             log_dir=cfg.home / "providers",
             on_result=self.metrics.provider_start,
         )
+        waker = ScheduleWaker(
+            services.machines,
+            presence,
+            starter,
+            lead=cfg.wake_lead_seconds,
+            interval=cfg.wake_check_seconds,
+            on_wake=self.metrics.schedule_wakes.inc,
+        )
         self._prompts = prompts = PromptDelivery(
             prompt_queue, presence, on_queued=starter.request, on_connected=starter.connected
         )
@@ -245,6 +255,7 @@ class ControlPlane:
             join_address=f"{_bracket(advertise)}:{self.public_port}",
             prompts=prompts,
             starter=starter,
+            waker=waker,
         )
         link_pb2_grpc.add_MachineLinkServicer_to_server(link, server)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
@@ -253,6 +264,7 @@ class ControlPlane:
         self._offline = asyncio.create_task(
             _count_offline(presence, services.machines, self.metrics), name="machines-offline"
         )
+        self._waker = asyncio.create_task(waker.run(), name="schedule-waker")
         self._checker = asyncio.create_task(
             _self_check(trusted.guard, services.intents, cfg.heartbeat_interval),
             name="store-self-check",
@@ -290,6 +302,10 @@ class ControlPlane:
             offline, self._offline = self._offline, None
             offline.cancel()
             await asyncio.gather(offline, return_exceptions=True)
+        if self._waker is not None:
+            waker, self._waker = self._waker, None
+            waker.cancel()
+            await asyncio.gather(waker, return_exceptions=True)
         if self._checker is not None:
             checker, self._checker = self._checker, None
             checker.cancel()

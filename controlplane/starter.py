@@ -131,14 +131,27 @@ class MachineStarter:
 
     def request(self, account_id: str, machine_id: str) -> None:
         """A prompt waits for this offline machine: ask its provider (debounced)."""
+        self.try_request(account_id, machine_id)
+
+    def try_request(self, account_id: str, machine_id: str) -> bool:
+        """As :meth:`request` (a schedule is due); whether a request was made now."""
         now = self._monotonic()
         last = self._asked.get(machine_id)
         if last is not None and now - last < self._debounce:
-            return
+            return False
         self._asked[machine_id] = now
         task = asyncio.create_task(self._start(account_id, machine_id), name=f"start-{machine_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def has_provider(self, account_id: str, machine_id: str) -> bool:
+        """Whether a provider is set for the machine (an unreadable one counts: a
+        start then reports what is wrong with it)."""
+        try:
+            return await self._provider(account_id, machine_id) is not None
+        except (AgentsError, IntegrityError, KeyError, ValueError):
+            return True
 
     async def _start(self, account_id: str, machine_id: str) -> None:
         try:

@@ -155,6 +155,9 @@ class AgentsService:
                     f"archive agent {agent_id}", "a run is in flight or waiting; cancel it first"
                 )
             store.set_agent_state(conn, agent_id, AgentState.ARCHIVED, now)
+            # Its schedules pause with it (in the same transaction); unarchiving
+            # leaves them paused for a person to resume.
+            store.pause_agent_schedules(conn, agent_id, now)
             store.log(conn, now, "agent.archived", agent_id)
             return store.get_agent(conn, agent_id, self._own)
 

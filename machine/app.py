@@ -33,6 +33,7 @@ from machine.metrics import MachineMetrics
 from machine.models import MachineIds
 from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry, default_registry
+from machine.schedules import Scheduler, SchedulesService
 from machine.streams import StreamLimits
 from shared.atomic import ensure_private_dir
 from shared.backup_target import BackupTarget, StoreTarget
@@ -79,6 +80,14 @@ class Machine:
     metrics: MachineMetrics | None = None
     backups: BackupService | None = None
     handoff: Handoff | None = None
+    schedules: SchedulesService | None = None
+    scheduler: Scheduler | None = None
+
+    def require_schedules(self) -> SchedulesService:
+        """Schedules (always built by :func:`open_machine`)."""
+        if self.schedules is None:
+            raise InvalidState("schedules", "this machine was opened without schedules")
+        return self.schedules
 
     @property
     def machine_id(self) -> str:
@@ -421,6 +430,22 @@ async def open_machine(
             backups=await _build_backups(config, db, ids, metrics, closing),
             handoff=handoff,
         )
+        scheduler = Scheduler(
+            db,
+            engine,
+            ids=ids,
+            metrics=metrics,
+            test_seconds=config.schedule_test_seconds,
+        )
+        machine.scheduler = scheduler
+        machine.schedules = SchedulesService(
+            db,
+            ids=ids,
+            prompt_limit=config.prompt_limit,
+            default_zone=config.time_zone,
+            on_change=scheduler.changed,
+            test_seconds=config.schedule_test_seconds,
+        )
         # Exports and imports a killed daemon left behind for over an hour go now.
         await handoff.sweep()
         interrupted = await engine.start()
@@ -428,6 +453,10 @@ async def open_machine(
             logger.warning(
                 "%d run(s) were in flight at the last stop: marked interrupted", interrupted
             )
+        if config.scheduler:
+            # After the engine's recovery: a fire's run recorded before a crash is
+            # started by the engine, and the scheduler sees the fire as recorded.
+            loops.append(asyncio.create_task(scheduler.run(), name="machine-scheduler"))
         if config.background_loops:
             loops.append(asyncio.create_task(_prune_loop(machine), name="machine-log-prune"))
             loops.append(asyncio.create_task(_check_loop(machine), name="machine-db-check"))

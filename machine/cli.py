@@ -348,6 +348,7 @@ _ID_ARGS: dict[str, tuple[str, str]] = {
     "agent": ("agent", "agent_id"),
     "run_id": ("run", "run_id"),
     "backup_id": ("backup", "backup_id"),
+    "schedule_id": ("schedule", "schedule_id"),
 }
 
 
@@ -547,6 +548,102 @@ async def _agent_runs(ctx: _Ctx) -> int:
     return _show(
         ctx.out, runs, lambda: ctx.out.table([*columns, Column("ms"), Column("prompt")], rows)
     )
+
+
+def _schedule_text(args: argparse.Namespace) -> str:
+    """The prompt of ``schedule add``: ``--text`` or the UTF-8 file of ``--file``."""
+    if args.file is None:
+        text: str = args.text
+    else:
+        try:
+            with Path(args.file).expanduser().open("rb") as f:
+                data = f.read(_MAX_MESSAGE + 1)
+        except OSError as e:
+            raise UsageError(f"--file: cannot read {args.file}: {e.strerror or e}") from None
+        if len(data) > _MAX_MESSAGE:
+            raise UsageError(f"--file: {args.file} is larger than {_MAX_MESSAGE} bytes")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--file: {args.file} is not UTF-8 (at byte {e.start})") from None
+    if "\0" in text:
+        raise UsageError("prompt: contains a NUL byte; prompts are text")
+    return text
+
+
+def _schedule_row(s: pb.Schedule) -> list[str]:
+    state = "enabled" if s.enabled else "paused"
+    return [s.id, s.agent_id, s.cron, s.time_zone, state, s.missed, _when(s.next_run_at), s.prompt]
+
+
+_SCHEDULE_COLUMNS = [
+    Column("id", whole=True),
+    Column("agent", whole=True),
+    Column("cron"),
+    Column("zone"),
+    Column("state"),
+    Column("missed"),
+    Column("next"),
+]
+
+
+def _show_schedule(out: Output, s: pb.Schedule) -> int:
+    return _show(
+        out, s, lambda: out.table([*_SCHEDULE_COLUMNS, Column("prompt")], [_schedule_row(s)])
+    )
+
+
+async def _schedule_add(ctx: _Ctx) -> int:
+    args = ctx.args
+    text = _schedule_text(args)
+    async with _client(ctx.cfg) as stub:
+        s = await stub.CreateSchedule(
+            pb.CreateScheduleRequest(
+                agent_id=args.agent,
+                cron=args.cron,
+                prompt=text,
+                time_zone=args.tz or "",
+                missed=args.missed or "",
+            )
+        )
+    return _show(ctx.out, s, lambda: ctx.out.lines(s.id))
+
+
+async def _schedule_list(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        listed = await stub.ListSchedules(pb.ListSchedulesRequest(agent_id=ctx.args.agent or ""))
+    rows = [_schedule_row(s) for s in listed.schedules]
+    return _show(
+        ctx.out, listed, lambda: ctx.out.table([*_SCHEDULE_COLUMNS, Column("prompt")], rows)
+    )
+
+
+async def _schedule_pause(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        s = await stub.PauseSchedule(pb.PauseScheduleRequest(schedule_id=ctx.args.schedule_id))
+    return _show_schedule(ctx.out, s)
+
+
+async def _schedule_resume(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        s = await stub.ResumeSchedule(pb.ResumeScheduleRequest(schedule_id=ctx.args.schedule_id))
+    return _show_schedule(ctx.out, s)
+
+
+async def _schedule_delete(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        done = await stub.DeleteSchedule(pb.DeleteScheduleRequest(schedule_id=ctx.args.schedule_id))
+    return _show(ctx.out, done, lambda: ctx.out.lines(f"deleted {ctx.args.schedule_id}"))
+
+
+async def _schedule_runs(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        runs = await stub.ListScheduleRuns(
+            pb.ListScheduleRunsRequest(schedule_id=ctx.args.schedule_id, limit=ctx.args.limit)
+        )
+    rows = [[_when(r.fire_time), r.result, r.run_id or "-", r.detail] for r in runs.runs]
+    columns = [Column("fire time"), Column("result"), Column("run", whole=True)]
+    return _show(ctx.out, runs, lambda: ctx.out.table([*columns, Column("detail")], rows))
 
 
 async def _agent_search(ctx: _Ctx) -> int:
@@ -887,6 +984,12 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("backup", "verify"): _backup_verify,
     ("backup", "restore"): _backup_restore,
     ("backup", "recovery-key"): _backup_recovery_key,
+    ("schedule", "add"): _schedule_add,
+    ("schedule", "list"): _schedule_list,
+    ("schedule", "pause"): _schedule_pause,
+    ("schedule", "resume"): _schedule_resume,
+    ("schedule", "delete"): _schedule_delete,
+    ("schedule", "runs"): _schedule_runs,
     ("export", None): _cmd_export,
     ("import", None): _cmd_import,
 }
@@ -1016,6 +1119,29 @@ def _parser() -> CliParser:
         parents=[common],
         help="make this stand-alone machine's recovery key; prints the private half once",
     )
+    sc = sub.add_parser("schedule", parents=[common], help="prompts an agent runs on a cron")
+    sverbs = sc.add_subparsers(dest="verb", parser_class=CliParser)
+    sa = sverbs.add_parser("add", parents=[common], help="add a schedule to an active agent")
+    sa.add_argument("agent", metavar="AGENT", help=_AGENT_ID)
+    sa.add_argument("--cron", required=True, help='five-field cron, e.g. "0 7 * * 1-5"')
+    source = sa.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", help="the prompt")
+    source.add_argument("--file", metavar="FILE", help="read the prompt (UTF-8) from FILE")
+    sa.add_argument("--tz", help="IANA time zone, e.g. Europe/Berlin (default: the machine's)")
+    sa.add_argument(
+        "--missed",
+        choices=("skip", "once"),
+        help="fire times missed while the daemon was down: skip them (default) or run once",
+    )
+    sl = sverbs.add_parser("list", parents=[common], help="schedules, of one agent or all")
+    sl.add_argument("agent", metavar="AGENT", nargs="?", help=_AGENT_ID)
+    for verb, what in (("pause", "pause"), ("resume", "resume (from now)"), ("delete", "delete")):
+        sverbs.add_parser(verb, parents=[common], help=f"{what} a schedule").add_argument(
+            "schedule_id", metavar="ID", help="the schedule's id (sch_…; see `schedule list`)"
+        )
+    sr = sverbs.add_parser("runs", parents=[common], help="a schedule's fires, newest first")
+    sr.add_argument("schedule_id", metavar="ID", help="the schedule's id (sch_…)")
+    sr.add_argument("--limit", type=bounded_int(1, 1000), default=20, help="at most this many")
     ex = sub.add_parser("export", parents=[common], help="export agents as a .tar.gz")
     ex.add_argument("agents", nargs="*", metavar="AGENT", help="agents to export (ag_…)")
     ex.add_argument("--folder", help="export every agent working in this folder")

@@ -18,6 +18,8 @@ from machine.models import (
     RunErrorCode,
     RunRecord,
     RunState,
+    ScheduleRecord,
+    ScheduleRunRecord,
     SearchHit,
     StoredEvent,
 )
@@ -79,6 +81,34 @@ def run_to_pb(run: RunRecord) -> pb.Run:
         error_code=pb.RunErrorCode.Value(
             run.error_code.value if run.error_code else "RUN_ERROR_CODE_UNSPECIFIED"
         ),
+    )
+
+
+def schedule_to_pb(s: ScheduleRecord, next_fire: float | None) -> pb.Schedule:
+    """Domain schedule (and when it fires next) -> message."""
+    return pb.Schedule(
+        id=s.id,
+        agent_id=s.agent_id,
+        cron=s.cron,
+        prompt=s.prompt,
+        next_run_at=from_seconds(next_fire),
+        time_zone=s.time_zone,
+        enabled=s.enabled,
+        missed=s.missed,
+        created_at=from_seconds(s.created_at),
+        last_fire_at=from_seconds(s.last_fire),
+    )
+
+
+def schedule_run_to_pb(r: ScheduleRunRecord) -> pb.ScheduleRun:
+    """Domain schedule fire -> message."""
+    return pb.ScheduleRun(
+        schedule_id=r.schedule_id,
+        fire_time=from_seconds(r.fire_time),
+        run_id=r.run_id,
+        result=r.result,
+        detail=r.detail,
+        recorded_at=from_seconds(r.recorded_at),
     )
 
 

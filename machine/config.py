@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from machine.backup_service import parse_daily_time
+from machine.cron import validate_zone
 from machine.runtimes.claude_files import default_claude_home, default_codex_home
 from shared.config import (
     Sources,
@@ -35,6 +36,7 @@ __all__ = [
     "FILE_KEYS",
     "MachineConfig",
     "default_data_dir",
+    "default_time_zone",
     "parse_hostport",
     "resolve_data_dir",
     "server_data_dir",
@@ -101,7 +103,31 @@ FILE_KEYS: dict[str, tuple[type, ...]] = {
     "backup_keep": (int,),
     "backup_time": (str,),
     "backup_dir": (str,),
+    "time_zone": (str,),
+    "scheduler": (bool,),
+    # A test hook, on purpose not a flag or an environment variable: see the field.
+    "schedule_test_seconds": (int,),
 }
+
+
+def default_time_zone(env: Mapping[str, str], etc: Path = Path("/etc")) -> str:
+    """The machine's IANA zone: ``$TZ`` when it names one, else ``/etc/timezone``,
+    else the zone ``/etc/localtime`` links to, else ``UTC``."""
+    tz = env.get("TZ", "").removeprefix(":")
+    if tz and not tz.startswith("/") and ".." not in tz:
+        return tz
+    try:
+        named = (etc / "timezone").read_text().strip()
+        if named:
+            return named
+    except OSError:
+        pass
+    try:
+        target = str((etc / "localtime").readlink())
+    except OSError:
+        return "UTC"
+    _, found, zone = target.partition("zoneinfo/")
+    return zone if found and zone else "UTC"
 
 
 def _parse_keep(value: object) -> int:
@@ -193,6 +219,20 @@ class MachineConfig:
     codex_home: Path | None = None
     """Codex's folder (``$CODEX_HOME`` or ``~/.codex``), as ``claude_home``."""
 
+    time_zone: str = "UTC"
+    """The IANA zone a schedule's cron is read in when it names none (default:
+    the machine's own zone, from ``$TZ``, ``/etc/timezone`` or ``/etc/localtime``)."""
+
+    scheduler: bool = True
+    """Fire schedules. Independent of ``background_loops``: schedules are a
+    feature people rely on, not housekeeping."""
+
+    schedule_test_seconds: int = 0
+    """Test hook (``machine.toml`` only; no flag, no environment variable): when
+    above 0, every schedule also matches on seconds, firing every this many
+    seconds within each minute its cron matches (``* * * * *`` every N seconds).
+    0, the default, is real cron: minute resolution."""
+
     @property
     def socket(self) -> Path:
         """The Unix socket path actually used."""
@@ -265,6 +305,12 @@ class MachineConfig:
                 "backup_time",
                 f"must be a local time of day as HH:MM, got {self.backup_time[:16]!r}",
             ) from None
+        try:
+            validate_zone(self.time_zone, "time_zone")
+        except InvalidArgument as e:
+            raise ConfigError("time_zone", e.reason) from None
+        if not 0 <= self.schedule_test_seconds <= 59:
+            raise ConfigError("schedule_test_seconds", "must be 0 (off) to 59")
         if self.backup_dir is not None and not self.backup_dir.is_absolute():
             raise ConfigError("backup_dir", f"must be an absolute path, got {self.backup_dir}")
         return self
@@ -337,6 +383,9 @@ class MachineConfig:
             ),
             backup_time=src.get("backup_time", "AGENTS_MACHINE_BACKUP_TIME", DEFAULT_BACKUP_TIME),
             backup_dir=Path(backup_dir).expanduser() if backup_dir else None,
+            time_zone=src.get("time_zone", "AGENTS_MACHINE_TIME_ZONE", default_time_zone(env)),
+            scheduler=src.get("scheduler", "AGENTS_MACHINE_SCHEDULER", True, parse_bool),
+            schedule_test_seconds=int(file.get("schedule_test_seconds", 0)),
             claude_home=default_claude_home(env, home),
             codex_home=default_codex_home(env, home),
         )

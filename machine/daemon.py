@@ -82,6 +82,7 @@ def _control_link(
         agent_count=machine.agent_count,
         version=machine_version(),
         on_delivery=DeliveryHandler(machine.runs, keys.box),
+        next_fire=lambda: machine.scheduler.next_fire_at if machine.scheduler else None,
         registry=metrics.registry,
     )
 

@@ -7,6 +7,7 @@ An export is a tar (``.tar.gz`` on disk) of::
     agents/<agent id>/conversation.jsonl       one stored event per line, in seq order
     agents/<agent id>/summaries.jsonl          one turn summary per line
     agents/<agent id>/tools.jsonl              one tool-log entry per line
+    agents/<agent id>/schedules.jsonl          optional: one schedule (with its fires) per line
     attachments/<sha256>                       files the conversations name
 
 The manifest names every other file with its SHA-256, so a reader checks the
@@ -33,6 +34,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST",
+    "OPTIONAL_AGENT_FILES",
     "AgentEntry",
     "ExportManifest",
     "accept_path",
@@ -50,6 +52,9 @@ FORMAT_NAME: Final = "agents-export"
 FORMAT_VERSION: Final = 1
 MANIFEST: Final = "manifest.json"
 AGENT_FILES: Final = ("record.json", "conversation.jsonl", "summaries.jsonl", "tools.jsonl")
+#: Agent files a writer adds only when it has something to put in them (an
+#: agent without schedules has no schedules.jsonl, so its archive reads as before).
+OPTIONAL_AGENT_FILES: Final = ("schedules.jsonl",)
 #: Longest agent name the format carries (the machine's own limit is lower).
 MAX_NAME: Final = 500
 #: Longest single JSONL line: one event's payload is bounded well below this.
@@ -63,7 +68,7 @@ def _bad(reason: str) -> InvalidArgument:
 
 def agent_path(agent_id: str, name: str) -> str:
     """Path of one of an agent's files inside the archive."""
-    if name not in AGENT_FILES or not is_valid_id("agent", agent_id):
+    if name not in (*AGENT_FILES, *OPTIONAL_AGENT_FILES) or not is_valid_id("agent", agent_id):
         raise ValueError(f"no such export path: {agent_id}/{name}")
     return f"agents/{agent_id}/{name}"
 
@@ -81,7 +86,7 @@ def accept_path(path: str) -> bool:
     if parts == [MANIFEST]:
         return True
     if len(parts) == 3 and parts[0] == "agents":
-        return is_valid_id("agent", parts[1]) and parts[2] in AGENT_FILES
+        return is_valid_id("agent", parts[1]) and parts[2] in (*AGENT_FILES, *OPTIONAL_AGENT_FILES)
     if len(parts) == 2 and parts[0] == "attachments":
         name = parts[1]
         return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
@@ -127,7 +132,7 @@ class AgentEntry:
     agent_id: str
     name: str
     files: dict[str, str]
-    """File name (one of :data:`AGENT_FILES`) -> SHA-256 hex."""
+    """File name (each of :data:`AGENT_FILES`, any of :data:`OPTIONAL_AGENT_FILES`) -> SHA-256."""
     attachments: tuple[str, ...] = ()
     """SHA-256 of each attachment its conversation names."""
 
@@ -208,8 +213,13 @@ def _parse_agent(row: object, where: str) -> AgentEntry:
         raise _bad(f"{where}: agent_id missing or malformed")
     if not isinstance(name, str) or not name or len(name) > MAX_NAME:
         raise _bad(f"{where}: name missing or longer than {MAX_NAME} characters")
-    if not isinstance(files, dict) or set(files) != set(AGENT_FILES):
-        raise _bad(f"{where}: files must name exactly {', '.join(AGENT_FILES)}")
+    if not isinstance(files, dict) or not (
+        set(AGENT_FILES) <= set(files) <= {*AGENT_FILES, *OPTIONAL_AGENT_FILES}
+    ):
+        raise _bad(
+            f"{where}: files must name {', '.join(AGENT_FILES)}"
+            f" (and may name {', '.join(OPTIONAL_AGENT_FILES)})"
+        )
     if not all(_is_hash(h) for h in files.values()):
         raise _bad(f"{where}: a file hash is not a SHA-256")
     attachments = row.get("attachments", [])

@@ -156,6 +156,7 @@ class ControlLink:
         agent_count: Callable[[], Awaitable[int]],
         version: str,
         on_delivery: Callable[[Delivery], Awaitable[DeliveryAck | None]] | None = None,
+        next_fire: Callable[[], float | None] = lambda: None,
         registry: CollectorRegistry | None = None,
         renew_fraction: float = 1 / 3,
         backoff_initial: float = 0.5,
@@ -173,6 +174,9 @@ class ControlLink:
         self._agent_count = agent_count
         self._version = version
         self._on_delivery = on_delivery
+        # The soonest schedule fire: sent with hello and heartbeats so the
+        # control plane can wake this machine for it once it is stopped.
+        self._next_fire = next_fire
         self._renew_fraction = renew_fraction
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
@@ -379,7 +383,7 @@ class ControlLink:
     async def _converse(
         self, stream: LinkStream, client: LinkClient, keys: identity.MachineKeys
     ) -> None:
-        await stream.hello(self._version, await self._count_agents())
+        await stream.hello(self._version, await self._count_agents(), self._next_fire())
         first = await asyncio.wait_for(stream.read(), self._handshake_timeout)
         if first is None:
             # A refusal arrives as an AioRpcError from read(); EOF is a clean close.
@@ -481,7 +485,7 @@ class ControlLink:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             next_at = max(next_at + interval, time.monotonic())
             count = await self._count_agents()
-            await stream.heartbeat(count)
+            await stream.heartbeat(count, self._next_fire())
             self._metrics.heartbeats.inc()
 
     # ---------------------------------------------------------------- renewal

@@ -21,7 +21,7 @@ import grpc
 import grpc.aio
 
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
-from shared.timestamps import to_datetime
+from shared.timestamps import from_seconds, to_datetime
 
 __all__ = [
     "AccountDeleted",
@@ -192,17 +192,19 @@ class LinkStream:
         async with self._write_lock:
             await self._call.write(msg)
 
-    async def hello(self, version: str, agent_count: int) -> None:
-        """Open the conversation."""
-        await self._send(
-            link_pb2.MachineMessage(hello=link_pb2.Hello(version=version, agent_count=agent_count))
+    async def hello(
+        self, version: str, agent_count: int, next_fire_at: float | None = None
+    ) -> None:
+        """Open the conversation (``next_fire_at``: the soonest schedule fire, Unix seconds)."""
+        hello = link_pb2.Hello(
+            version=version, agent_count=agent_count, next_fire_at=from_seconds(next_fire_at)
         )
+        await self._send(link_pb2.MachineMessage(hello=hello))
 
-    async def heartbeat(self, agent_count: int) -> None:
-        """Say the machine is alive."""
-        await self._send(
-            link_pb2.MachineMessage(heartbeat=link_pb2.Heartbeat(agent_count=agent_count))
-        )
+    async def heartbeat(self, agent_count: int, next_fire_at: float | None = None) -> None:
+        """Say the machine is alive (and when its next schedule fires, if any)."""
+        beat = link_pb2.Heartbeat(agent_count=agent_count, next_fire_at=from_seconds(next_fire_at))
+        await self._send(link_pb2.MachineMessage(heartbeat=beat))
 
     async def ack(self, delivery_id: str, answer: DeliveryAck | None = None) -> None:
         """Acknowledge a stored delivery (with its run id or refusal)."""

@@ -97,6 +97,31 @@ class MachineMetrics:
             registry=registry,
         )
 
+        self.schedule_fires = Counter(
+            "agents_machine_schedule_fires",
+            "Schedule fires, by result (fired, caught_up: a missed fire run once at"
+            " start, refused: the agent could not run).",
+            ["result"],
+            registry=registry,
+        )
+        self.schedule_missed = Counter(
+            "agents_machine_schedule_missed_fires",
+            "Fire times that passed while the daemon was down or busy (one of them"
+            " may be caught up, by the schedule's missed-run policy).",
+            registry=registry,
+        )
+        self.schedule_lag = Histogram(
+            "agents_machine_schedule_start_delay_seconds",
+            "Time from a schedule's fire time to its run starting.",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 60.0, 300.0, 3600.0),
+            registry=registry,
+        )
+        self.schedules_enabled = Gauge(
+            "agents_machine_schedules_enabled",
+            "Enabled schedules of active agents.",
+            registry=registry,
+        )
+
     def observe_fault(self, kind: str) -> None:
         """Record a storage fault (called from the database's threads)."""
         self.storage_faults.labels(kind).inc()

@@ -19,6 +19,8 @@ __all__ = [
     "RunErrorCode",
     "RunRecord",
     "RunState",
+    "ScheduleRecord",
+    "ScheduleRunRecord",
     "SearchHit",
     "StoredEvent",
     "TERMINAL_KINDS",
@@ -207,3 +209,38 @@ class AttachmentRecord:
     agent_id: str
     file_name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ScheduleRecord:
+    """One schedule: an agent's prompt on a cron in a time zone."""
+
+    id: str
+    agent_id: str
+    cron: str
+    """Five-field cron expression."""
+    time_zone: str
+    """IANA zone the cron's wall times are read in."""
+    prompt: str
+    enabled: bool
+    """False: paused (by a person, by archiving its agent, or by a restore)."""
+    missed: str
+    """``skip`` or ``once``: what a start does about fire times missed while down."""
+    created_at: float
+    updated_at: float
+    last_fire: float | None
+    """The latest fire time handled (run, refused or skipped), or None."""
+
+
+@dataclass(frozen=True)
+class ScheduleRunRecord:
+    """One fire of a schedule: its fire time and the run it made (or why none)."""
+
+    schedule_id: str
+    fire_time: float
+    run_id: str
+    """Empty when the fire was refused."""
+    result: str
+    """``fired``, ``caught_up`` (a missed fire run once at start) or ``refused``."""
+    detail: str
+    recorded_at: float

@@ -157,6 +157,8 @@ class RunEngine:
         self._locks: dict[str, asyncio.Lock] = {}
         self._runtimes: dict[str, Runtime] = {}
         self._closing = False
+        # run id -> called with the start time when that run starts (schedule lag).
+        self._start_hooks: dict[str, Callable[[float], None]] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -170,8 +172,12 @@ class RunEngine:
             events = []
             delivered = []
             for run in store.runs_in_states(conn, (RunState.QUEUED, RunState.RUNNING)):
-                if run.prompt_id and run.state is RunState.QUEUED:
-                    delivered.append(run)  # acknowledged but never started: start it
+                if run.state is RunState.QUEUED and (
+                    run.prompt_id or store.is_scheduled_run(conn, run.id)
+                ):
+                    # Acknowledged, or a recorded schedule fire, but never
+                    # started: start it (nobody would send it again).
+                    delivered.append(run)
                     continue
                 message = (
                     "the machine daemon stopped while the run was in flight"
@@ -323,6 +329,18 @@ class RunEngine:
 
         # Like submit: a committed queued run is spawned even if the caller has gone.
         return await complete(commit())
+
+    def check_runnable(self, agent: AgentRecord) -> None:
+        """InvalidState unless ``agent`` may run here now (for writers of queued runs)."""
+        self._check_runnable(agent)
+
+    def start_queued(self, run: RunRecord, on_start: Callable[[float], None] | None = None) -> None:
+        """Drive a queued run another writer committed (a schedule's fire), in its
+        agent's turn; ``on_start`` is called with the time it starts."""
+        if on_start is not None:
+            self._start_hooks[run.id] = on_start
+        if not self._closing:
+            self._spawn(run, parked=False)
 
     def _check_runnable(self, agent: AgentRecord) -> None:
         if not agent.local:
@@ -550,6 +568,7 @@ class RunEngine:
 
     def _forget(self, run_id: str) -> None:
         self._active.pop(run_id, None)
+        self._start_hooks.pop(run_id, None)
         self._permissions.forget(run_id)
 
     async def _end_unended(self, active: _Active) -> None:
@@ -592,6 +611,9 @@ class RunEngine:
             )
 
         await self._recorder.append(run, write)
+        hook = self._start_hooks.pop(run.id, None)
+        if hook is not None:
+            hook(started)
         active.run = await self._db.read(lambda c: store.get_run(c, run.id))
         self._update_gauges()
         if self._metrics is not None:

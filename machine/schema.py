@@ -163,8 +163,41 @@ ALTER TABLE runs ADD COLUMN prompt_id TEXT;
 CREATE UNIQUE INDEX runs_prompt_id ON runs (prompt_id) WHERE prompt_id IS NOT NULL;
 """
 
+# Schedules: a cron expression in a time zone and a prompt, per agent, and
+# each fire as a schedule_runs row. (schedule_id, fire_time) is the primary
+# key, so a fire time is recorded at most once whatever restarts happen; the
+# row is written in the transaction that inserts its run. ``last_fire`` is the
+# latest fire time handled (run, refused or skipped as missed). ``run_id`` has
+# no foreign key: a restore may bring schedule runs back without their runs.
+_V4_SCHEDULES = """
+CREATE TABLE schedules (
+    id          TEXT PRIMARY KEY,
+    agent_id    TEXT NOT NULL REFERENCES agents(id) ON DELETE CASCADE,
+    cron        TEXT NOT NULL,
+    time_zone   TEXT NOT NULL,
+    prompt      TEXT NOT NULL,
+    state       TEXT NOT NULL CHECK (state IN ('enabled', 'paused')),
+    missed      TEXT NOT NULL CHECK (missed IN ('skip', 'once')),
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL,
+    last_fire   REAL
+);
+CREATE INDEX schedules_agent ON schedules (agent_id, created_at);
+
+CREATE TABLE schedule_runs (
+    schedule_id TEXT NOT NULL REFERENCES schedules(id) ON DELETE CASCADE,
+    fire_time   REAL NOT NULL,
+    run_id      TEXT NOT NULL DEFAULT '',
+    result      TEXT NOT NULL CHECK (result IN ('fired', 'caught_up', 'refused')),
+    detail      TEXT NOT NULL DEFAULT '',
+    recorded_at REAL NOT NULL,
+    PRIMARY KEY (schedule_id, fire_time)
+);
+CREATE INDEX schedule_runs_run ON schedule_runs (run_id);
+"""
+
 #: MIGRATIONS[i] upgrades version i to i + 1.
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3)
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4_SCHEDULES)
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 

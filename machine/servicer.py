@@ -330,9 +330,50 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
             attachments=result.attachments,
         )
 
+    # ------------------------------------------------------------- schedules
+
+    async def CreateSchedule(self, request: pb.CreateScheduleRequest, context: Ctx) -> pb.Schedule:
+        svc = self._m.require_schedules()
+        s = await svc.create(
+            request.agent_id,
+            request.cron,
+            request.prompt,
+            time_zone=request.time_zone,
+            missed=request.missed,
+        )
+        return codec.schedule_to_pb(s, svc.next_fire(s))
+
+    async def ListSchedules(
+        self, request: pb.ListSchedulesRequest, context: Ctx
+    ) -> pb.ListSchedulesResponse:
+        svc = self._m.require_schedules()
+        listed = await svc.list(request.agent_id)
+        return pb.ListSchedulesResponse(
+            schedules=[codec.schedule_to_pb(s, svc.next_fire(s)) for s in listed]
+        )
+
+    async def PauseSchedule(self, request: pb.PauseScheduleRequest, context: Ctx) -> pb.Schedule:
+        svc = self._m.require_schedules()
+        s = await svc.set_enabled(request.schedule_id, False)
+        return codec.schedule_to_pb(s, svc.next_fire(s))
+
+    async def ResumeSchedule(self, request: pb.ResumeScheduleRequest, context: Ctx) -> pb.Schedule:
+        svc = self._m.require_schedules()
+        s = await svc.set_enabled(request.schedule_id, True)
+        return codec.schedule_to_pb(s, svc.next_fire(s))
+
+    async def DeleteSchedule(
+        self, request: pb.DeleteScheduleRequest, context: Ctx
+    ) -> pb.DeleteScheduleResponse:
+        await self._m.require_schedules().delete(request.schedule_id)
+        return pb.DeleteScheduleResponse()
+
+    async def ListScheduleRuns(
+        self, request: pb.ListScheduleRunsRequest, context: Ctx
+    ) -> pb.ListScheduleRunsResponse:
+        runs = await self._m.require_schedules().runs(request.schedule_id, request.limit)
+        return pb.ListScheduleRunsResponse(runs=[codec.schedule_run_to_pb(r) for r in runs])
+
     # RPCs that arrive with later issues.
     DeleteAgent = unimplemented("DeleteAgent", _LATER, what="DeleteAgent (erasure)")
     ListErasures = unimplemented("ListErasures", _LATER)
-    CreateSchedule = unimplemented("CreateSchedule", _LATER)
-    ListSchedules = unimplemented("ListSchedules", _LATER)
-    DeleteSchedule = unimplemented("DeleteSchedule", _LATER)

@@ -28,6 +28,7 @@ from machine.backup import AgentItem, FetchedBackup
 from machine.db import Database
 from machine.export_format import (
     AGENT_FILES,
+    OPTIONAL_AGENT_FILES,
     AgentEntry,
     ExportManifest,
     accept_path,
@@ -69,6 +70,11 @@ class InResult:
 # -- out ---------------------------------------------------------------------
 
 
+def _agent_files(folder: Path) -> list[str]:
+    """The export files a dump wrote: every required one, and the optional ones present."""
+    return [*AGENT_FILES, *(n for n in OPTIONAL_AGENT_FILES if (folder / n).is_file())]
+
+
 async def _dump(db: Database, agent_id: str, folder: Path) -> dict[str, Any]:
     ensure_private_dir(folder)
     return await db.read(
@@ -98,10 +104,11 @@ async def export_agents(
         for agent_id in ids:
             folder = work / agent_id
             record = await _dump(db, agent_id, folder)
-            files = {name: file_sha256(folder / name) for name in AGENT_FILES}
+            names = _agent_files(folder)
+            files = {name: file_sha256(folder / name) for name in names}
             mine = sorted({a["sha256"] for a in record["attachments"]})
             agents.append(AgentEntry(agent_id, record["name"], files, tuple(mine)))
-            entries += [(agent_path(agent_id, n), folder / n) for n in AGENT_FILES]
+            entries += [(agent_path(agent_id, n), folder / n) for n in names]
             shas |= set(mine)
         for sha in sorted(shas):
             path = attachments_dir / sha
@@ -131,7 +138,7 @@ class DatabaseBackupSource:
         with tempfile.TemporaryDirectory(dir=self._work, prefix=".dump-") as tmp:
             folder = Path(tmp)
             await _dump(self._db, agent_id, folder)
-            write_tar(out, [(agent_path(agent_id, n), folder / n) for n in AGENT_FILES])
+            write_tar(out, [(agent_path(agent_id, n), folder / n) for n in _agent_files(folder)])
 
     async def attachments(self) -> list[tuple[str, Path]]:
         shas = await self._db.read(store_export.attachments_named, what="backup attachments")
@@ -263,7 +270,9 @@ async def restore_fetched(
             return path.startswith(prefix) and accept_path(path)
 
         got = extract_staged(plain, stage, accept=only_this)
-        if sorted(got) != sorted(agent_path(agent_id, n) for n in AGENT_FILES):
+        required = {agent_path(agent_id, n) for n in AGENT_FILES}
+        optional = {agent_path(agent_id, n) for n in OPTIONAL_AGENT_FILES}
+        if not required <= set(got) <= required | optional:
             raise IntegrityError(f"backup agent {agent_id}", "segment does not hold its files")
         folders[agent_id] = stage / "agents" / agent_id
     erased_all = erased | {str(e.get("agent_id")) for e in fetched.manifest.erased}

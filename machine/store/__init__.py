@@ -7,7 +7,7 @@ writes SQL: erasure and backups read and delete through this package.
 
 Modules by table group: :mod:`.settings` (settings, machine log, counts),
 :mod:`.agents`, :mod:`.runs`, :mod:`.events` (events, tool log, search,
-summaries), :mod:`.permissions`, :mod:`.attachments`, and :mod:`.export`
+summaries), :mod:`.permissions`, :mod:`.attachments`, :mod:`.schedules`, and :mod:`.export`
 (dump and load of whole agents for export, import and backups).
 """
 
@@ -43,6 +43,22 @@ from machine.store.runs import (
     runs_in_states,
     set_run_state,
 )
+from machine.store.schedules import (
+    agent_schedule_rows,
+    delete_agent_schedules,
+    delete_schedule,
+    enabled_schedules,
+    get_schedule,
+    insert_schedule,
+    insert_schedule_run,
+    is_scheduled_run,
+    list_schedule_runs,
+    list_schedules,
+    pause_agent_schedules,
+    schedule_run_at,
+    set_last_fire,
+    set_schedule_enabled,
+)
 from machine.store.settings import (
     count_rows,
     get_setting,
@@ -55,6 +71,7 @@ from machine.store.settings import (
 __all__ = [
     "OwnIds",
     "add_attachment_ref",
+    "agent_schedule_rows",
     "answer_permission",
     "append_event",
     "attachment_referenced",
@@ -62,17 +79,27 @@ __all__ = [
     "count_agents",
     "count_open_runs",
     "count_rows",
+    "delete_agent_schedules",
+    "delete_schedule",
+    "enabled_schedules",
     "get_agent",
     "get_permission",
     "get_run",
+    "get_schedule",
     "get_setting",
     "insert_agent",
     "insert_permission",
     "insert_run",
+    "insert_schedule",
+    "insert_schedule_run",
+    "is_scheduled_run",
     "last_event_time",
     "list_agents",
     "list_runs",
+    "list_schedule_runs",
+    "list_schedules",
     "log",
+    "pause_agent_schedules",
     "prune_log",
     "read_events",
     "record_attachment",
@@ -84,9 +111,12 @@ __all__ = [
     "run_for_prompt",
     "run_permissions",
     "runs_in_states",
+    "schedule_run_at",
     "search",
     "set_agent_state",
+    "set_last_fire",
     "set_run_state",
+    "set_schedule_enabled",
     "set_session_id",
     "set_setting",
     "state_counts",

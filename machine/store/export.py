@@ -24,6 +24,7 @@ from machine.export_format import encode_jsonl, read_jsonl
 from machine.models import AgentState, EventKind
 from machine.store.events import _index
 from machine.store.runs import RUN_FIELDS
+from machine.store.schedules import dump_schedules, load_schedules
 from shared.errors import InvalidArgument
 from shared.ids import is_valid_id
 
@@ -47,9 +48,20 @@ _TERMINAL_STATE: Final = {"RUN_FINISHED": "finished", "RUN_ERROR": "failed"}
 
 def agent_markers(conn: sqlite3.Connection) -> list[tuple[str, str]]:
     """(agent id, change marker) of every agent; the marker moves with any change."""
-    rows = conn.execute("SELECT id, last_seq, updated_at, name, state FROM agents ORDER BY id")
+    rows = conn.execute(
+        "SELECT id, last_seq, updated_at, name, state, (SELECT COUNT(*) || ':' ||"
+        " COALESCE(MAX(s.updated_at), 0) || ':' || COALESCE(MAX(s.last_fire), 0)"
+        " FROM schedules s WHERE s.agent_id = agents.id) AS schedules"
+        " FROM agents ORDER BY id"
+    )
     return [
-        (r["id"], f"{r['last_seq']}:{r['updated_at']!r}:{r['state']}:{r['name']}") for r in rows
+        (
+            r["id"],
+            f"{r['last_seq']}:{r['updated_at']!r}:{r['state']}:{r['name']}"
+            # Schedules are in the agent's segment: a change to them is a change.
+            + ("" if r["schedules"] == "0:0:0" else f":{r['schedules']}"),
+        )
+        for r in rows
     ]
 
 
@@ -157,6 +169,9 @@ def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDu
         (agent_id,),
     )
     _lines(folder / "tools.jsonl", (dict(t) for t in tools))
+    schedules = dump_schedules(conn, agent_id)
+    if schedules:  # optional file: an agent without schedules reads as before
+        _lines(folder / "schedules.jsonl", iter(schedules))
     return record
 
 
@@ -267,6 +282,9 @@ def load_agent(
     _load_rows(conn, agent_id, folder, "tools.jsonl", _insert_tool)
     for ref in record.get("attachments", []):
         _insert_attachment_ref(conn, agent_id, ref, where)
+    if (folder / "schedules.jsonl").is_file():
+        what = f"{folder.name}/schedules.jsonl"
+        load_schedules(conn, agent_id, read_jsonl(folder / "schedules.jsonl", what), what)
     return agent_id
 
 

@@ -180,6 +180,9 @@ class _NoStarter:
     def starting(self, machine_id: str) -> bool:
         return False
 
+    async def has_provider(self, account_id: str, machine_id: str) -> bool:
+        return False
+
 
 class _Context:
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:

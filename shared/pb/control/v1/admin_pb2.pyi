@@ -490,6 +490,9 @@ class Machine(_message.Message):
     CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _builtins.int
     PROVIDER_FIELD_NUMBER: _builtins.int
     STARTING_FIELD_NUMBER: _builtins.int
+    NEXT_FIRE_AT_FIELD_NUMBER: _builtins.int
+    NEXT_WAKE_AT_FIELD_NUMBER: _builtins.int
+    HAS_PROVIDER_FIELD_NUMBER: _builtins.int
     machine_id: _builtins.str
     """The machine id ("mc_...")."""
     account_id: _builtins.str
@@ -512,6 +515,8 @@ class Machine(_message.Message):
     """Its provider name, if any (later issue)."""
     starting: _builtins.bool
     """Its provider was asked to start it and it has not connected yet."""
+    has_provider: _builtins.bool
+    """Whether a provider is set for it: without one, nothing wakes it."""
     @_builtins.property
     def joined_at(self) -> _timestamp_pb2.Timestamp:
         """When it joined."""
@@ -523,6 +528,16 @@ class Machine(_message.Message):
     @_builtins.property
     def certificate_not_after(self) -> _timestamp_pb2.Timestamp:
         """When its current client certificate expires."""
+
+    @_builtins.property
+    def next_fire_at(self) -> _timestamp_pb2.Timestamp:
+        """The soonest schedule fire time it last reported (unset: none)."""
+
+    @_builtins.property
+    def next_wake_at(self) -> _timestamp_pb2.Timestamp:
+        """When the control plane will ask its provider to start it for that fire,
+        should it be offline then (unset when no provider is set or nothing is due).
+        """
 
     def __init__(
         self,
@@ -541,10 +556,13 @@ class Machine(_message.Message):
         certificate_not_after: _timestamp_pb2.Timestamp | None = ...,
         provider: _builtins.str = ...,
         starting: _builtins.bool = ...,
+        next_fire_at: _timestamp_pb2.Timestamp | None = ...,
+        next_wake_at: _timestamp_pb2.Timestamp | None = ...,
+        has_provider: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["certificate_not_after", b"certificate_not_after", "joined_at", b"joined_at", "last_seen_at", b"last_seen_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["certificate_not_after", b"certificate_not_after", "joined_at", b"joined_at", "last_seen_at", b"last_seen_at", "next_fire_at", b"next_fire_at", "next_wake_at", b"next_wake_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "agent_count", b"agent_count", "certificate_not_after", b"certificate_not_after", "certificate_serial", b"certificate_serial", "hostname", b"hostname", "joined_at", b"joined_at", "last_seen_at", b"last_seen_at", "machine_id", b"machine_id", "name", b"name", "online", b"online", "provider", b"provider", "revoked", b"revoked", "starting", b"starting", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "agent_count", b"agent_count", "certificate_not_after", b"certificate_not_after", "certificate_serial", b"certificate_serial", "has_provider", b"has_provider", "hostname", b"hostname", "joined_at", b"joined_at", "last_seen_at", b"last_seen_at", "machine_id", b"machine_id", "name", b"name", "next_fire_at", b"next_fire_at", "next_wake_at", b"next_wake_at", "online", b"online", "provider", b"provider", "revoked", b"revoked", "starting", b"starting", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -263,19 +263,25 @@ class Hello(_message.Message):
 
     VERSION_FIELD_NUMBER: _builtins.int
     AGENT_COUNT_FIELD_NUMBER: _builtins.int
+    NEXT_FIRE_AT_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """The machine agent's version."""
     agent_count: _builtins.int
     """How many agents the machine holds."""
+    @_builtins.property
+    def next_fire_at(self) -> _timestamp_pb2.Timestamp:
+        """As Heartbeat.next_fire_at."""
+
     def __init__(
         self,
         *,
         version: _builtins.str = ...,
         agent_count: _builtins.int = ...,
+        next_fire_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["next_fire_at", b"next_fire_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_count", b"agent_count", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_count", b"agent_count", "next_fire_at", b"next_fire_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -286,16 +292,25 @@ class Heartbeat(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENT_COUNT_FIELD_NUMBER: _builtins.int
+    NEXT_FIRE_AT_FIELD_NUMBER: _builtins.int
     agent_count: _builtins.int
     """How many agents the machine holds now."""
+    @_builtins.property
+    def next_fire_at(self) -> _timestamp_pb2.Timestamp:
+        """The soonest fire time of its enabled schedules; unset when none comes. The
+        control plane keeps it with presence to wake the machine (through its
+        provider) shortly before, should it be stopped then.
+        """
+
     def __init__(
         self,
         *,
         agent_count: _builtins.int = ...,
+        next_fire_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["next_fire_at", b"next_fire_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_count", b"agent_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_count", b"agent_count", "next_fire_at", b"next_fire_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

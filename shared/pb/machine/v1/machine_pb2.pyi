@@ -1931,6 +1931,11 @@ class Schedule(_message.Message):
     CRON_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
     NEXT_RUN_AT_FIELD_NUMBER: _builtins.int
+    TIME_ZONE_FIELD_NUMBER: _builtins.int
+    ENABLED_FIELD_NUMBER: _builtins.int
+    MISSED_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    LAST_FIRE_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The schedule's id ("sch_...")."""
     agent_id: _builtins.str
@@ -1939,9 +1944,23 @@ class Schedule(_message.Message):
     """Five-field cron expression."""
     prompt: _builtins.str
     """The prompt sent at each tick."""
+    time_zone: _builtins.str
+    """IANA time zone the cron's wall times are read in."""
+    enabled: _builtins.bool
+    """False when paused (by a person, by archiving the agent, or by a restore)."""
+    missed: _builtins.str
+    """Missed-run policy: "skip" or "once" (run one catch-up at start)."""
     @_builtins.property
     def next_run_at(self) -> _timestamp_pb2.Timestamp:
-        """The next tick."""
+        """The next tick (unset when paused, or when the cron never fires again)."""
+
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """When the schedule was created."""
+
+    @_builtins.property
+    def last_fire_at(self) -> _timestamp_pb2.Timestamp:
+        """The latest fire time handled (run, refused or skipped as missed)."""
 
     def __init__(
         self,
@@ -1951,14 +1970,159 @@ class Schedule(_message.Message):
         cron: _builtins.str = ...,
         prompt: _builtins.str = ...,
         next_run_at: _timestamp_pb2.Timestamp | None = ...,
+        time_zone: _builtins.str = ...,
+        enabled: _builtins.bool = ...,
+        missed: _builtins.str = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        last_fire_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["next_run_at", b"next_run_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "last_fire_at", b"last_fire_at", "next_run_at", b"next_run_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "cron", b"cron", "id", b"id", "next_run_at", b"next_run_at", "prompt", b"prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "created_at", b"created_at", "cron", b"cron", "enabled", b"enabled", "id", b"id", "last_fire_at", b"last_fire_at", "missed", b"missed", "next_run_at", b"next_run_at", "prompt", b"prompt", "time_zone", b"time_zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Schedule: _TypeAlias = Schedule  # noqa: Y015
+
+@_typing.final
+class ScheduleRun(_message.Message):
+    """One fire of a schedule."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULE_ID_FIELD_NUMBER: _builtins.int
+    FIRE_TIME_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    RECORDED_AT_FIELD_NUMBER: _builtins.int
+    schedule_id: _builtins.str
+    """The schedule's id."""
+    run_id: _builtins.str
+    """The run it made ("run_..."); empty when refused."""
+    result: _builtins.str
+    """"fired", "caught_up" (a fire missed while down, run once at start), "refused"."""
+    detail: _builtins.str
+    """Why it was refused."""
+    @_builtins.property
+    def fire_time(self) -> _timestamp_pb2.Timestamp:
+        """The fire time it was for."""
+
+    @_builtins.property
+    def recorded_at(self) -> _timestamp_pb2.Timestamp:
+        """When the fire was recorded (with its run, in one transaction)."""
+
+    def __init__(
+        self,
+        *,
+        schedule_id: _builtins.str = ...,
+        fire_time: _timestamp_pb2.Timestamp | None = ...,
+        run_id: _builtins.str = ...,
+        result: _builtins.str = ...,
+        detail: _builtins.str = ...,
+        recorded_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fire_time", b"fire_time", "recorded_at", b"recorded_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "fire_time", b"fire_time", "recorded_at", b"recorded_at", "result", b"result", "run_id", b"run_id", "schedule_id", b"schedule_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScheduleRun: _TypeAlias = ScheduleRun  # noqa: Y015
+
+@_typing.final
+class PauseScheduleRequest(_message.Message):
+    """PauseSchedule input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULE_ID_FIELD_NUMBER: _builtins.int
+    schedule_id: _builtins.str
+    """The schedule's id."""
+    def __init__(
+        self,
+        *,
+        schedule_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["schedule_id", b"schedule_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseScheduleRequest: _TypeAlias = PauseScheduleRequest  # noqa: Y015
+
+@_typing.final
+class ResumeScheduleRequest(_message.Message):
+    """ResumeSchedule input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULE_ID_FIELD_NUMBER: _builtins.int
+    schedule_id: _builtins.str
+    """The schedule's id."""
+    def __init__(
+        self,
+        *,
+        schedule_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["schedule_id", b"schedule_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeScheduleRequest: _TypeAlias = ResumeScheduleRequest  # noqa: Y015
+
+@_typing.final
+class ListScheduleRunsRequest(_message.Message):
+    """ListScheduleRuns input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULE_ID_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    schedule_id: _builtins.str
+    """The schedule's id."""
+    limit: _builtins.int
+    """At most this many (0: 100; at most 1000)."""
+    def __init__(
+        self,
+        *,
+        schedule_id: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "schedule_id", b"schedule_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListScheduleRunsRequest: _TypeAlias = ListScheduleRunsRequest  # noqa: Y015
+
+@_typing.final
+class ListScheduleRunsResponse(_message.Message):
+    """ListScheduleRuns output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUNS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScheduleRun]:
+        """The fires, newest first."""
+
+    def __init__(
+        self,
+        *,
+        runs: _abc.Iterable[Global___ScheduleRun] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["runs", b"runs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListScheduleRunsResponse: _TypeAlias = ListScheduleRunsResponse  # noqa: Y015
 
 @_typing.final
 class CreateScheduleRequest(_message.Message):
@@ -1969,22 +2133,30 @@ class CreateScheduleRequest(_message.Message):
     AGENT_ID_FIELD_NUMBER: _builtins.int
     CRON_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
+    TIME_ZONE_FIELD_NUMBER: _builtins.int
+    MISSED_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The agent to prompt."""
     cron: _builtins.str
     """Five-field cron expression."""
     prompt: _builtins.str
     """The prompt text."""
+    time_zone: _builtins.str
+    """IANA time zone (empty: the machine's)."""
+    missed: _builtins.str
+    """Missed-run policy: "skip" (default) or "once"."""
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
         cron: _builtins.str = ...,
         prompt: _builtins.str = ...,
+        time_zone: _builtins.str = ...,
+        missed: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "cron", b"cron", "prompt", b"prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "cron", b"cron", "missed", b"missed", "prompt", b"prompt", "time_zone", b"time_zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

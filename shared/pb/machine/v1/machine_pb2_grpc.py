@@ -165,6 +165,21 @@ class MachineServiceStub:
                 request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.DeleteScheduleRequest.SerializeToString,
                 response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.DeleteScheduleResponse.FromString,
                 _registered_method=True)
+        self.PauseSchedule = channel.unary_unary(
+                '/shared.pb.machine.v1.MachineService/PauseSchedule',
+                request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.PauseScheduleRequest.SerializeToString,
+                response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Schedule.FromString,
+                _registered_method=True)
+        self.ResumeSchedule = channel.unary_unary(
+                '/shared.pb.machine.v1.MachineService/ResumeSchedule',
+                request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ResumeScheduleRequest.SerializeToString,
+                response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Schedule.FromString,
+                _registered_method=True)
+        self.ListScheduleRuns = channel.unary_unary(
+                '/shared.pb.machine.v1.MachineService/ListScheduleRuns',
+                request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ListScheduleRunsRequest.SerializeToString,
+                response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ListScheduleRunsResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/shared.pb.machine.v1.MachineService/Status',
                 request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.StatusRequest.SerializeToString,
@@ -365,21 +380,45 @@ class MachineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreateSchedule(self, request, context):
-        """Add a schedule (cron expression + prompt) to an agent. (Later issue.)
+        """Add a schedule (cron expression in a time zone + prompt) to an active agent.
+        INVALID_ARGUMENT for a bad cron, an unknown zone or a prompt over the limit;
+        FAILED_PRECONDITION for an archived agent or one of another machine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListSchedules(self, request, context):
-        """An agent's schedules, or every schedule. (Later issue.)
+        """An agent's schedules, or every schedule, oldest first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteSchedule(self, request, context):
-        """Remove a schedule. (Later issue.)
+        """Remove a schedule and its fire records (their runs stay in the conversation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseSchedule(self, request, context):
+        """Pause a schedule: it fires no more until resumed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeSchedule(self, request, context):
+        """Resume a paused schedule from now (fire times passed while paused are not
+        caught up). FAILED_PRECONDITION when its agent is archived.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListScheduleRuns(self, request, context):
+        """A schedule's fires, newest first: fire time, run, result.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -531,6 +570,21 @@ def add_MachineServiceServicer_to_server(servicer, server):
                     servicer.DeleteSchedule,
                     request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.DeleteScheduleRequest.FromString,
                     response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.DeleteScheduleResponse.SerializeToString,
+            ),
+            'PauseSchedule': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseSchedule,
+                    request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.PauseScheduleRequest.FromString,
+                    response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Schedule.SerializeToString,
+            ),
+            'ResumeSchedule': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeSchedule,
+                    request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ResumeScheduleRequest.FromString,
+                    response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Schedule.SerializeToString,
+            ),
+            'ListScheduleRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListScheduleRuns,
+                    request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ListScheduleRunsRequest.FromString,
+                    response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ListScheduleRunsResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -1246,6 +1300,87 @@ class MachineService:
             '/shared.pb.machine.v1.MachineService/DeleteSchedule',
             shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.DeleteScheduleRequest.SerializeToString,
             shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.DeleteScheduleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseSchedule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shared.pb.machine.v1.MachineService/PauseSchedule',
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.PauseScheduleRequest.SerializeToString,
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Schedule.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeSchedule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shared.pb.machine.v1.MachineService/ResumeSchedule',
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ResumeScheduleRequest.SerializeToString,
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Schedule.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListScheduleRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shared.pb.machine.v1.MachineService/ListScheduleRuns',
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ListScheduleRunsRequest.SerializeToString,
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ListScheduleRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -128,11 +128,22 @@ class MachineServiceStub:
     the machine has one already.
     """
     CreateSchedule: _grpc.UnaryUnaryMultiCallable[_machine_pb2.CreateScheduleRequest, _machine_pb2.Schedule]
-    """Add a schedule (cron expression + prompt) to an agent. (Later issue.)"""
+    """Add a schedule (cron expression in a time zone + prompt) to an active agent.
+    INVALID_ARGUMENT for a bad cron, an unknown zone or a prompt over the limit;
+    FAILED_PRECONDITION for an archived agent or one of another machine.
+    """
     ListSchedules: _grpc.UnaryUnaryMultiCallable[_machine_pb2.ListSchedulesRequest, _machine_pb2.ListSchedulesResponse]
-    """An agent's schedules, or every schedule. (Later issue.)"""
+    """An agent's schedules, or every schedule, oldest first."""
     DeleteSchedule: _grpc.UnaryUnaryMultiCallable[_machine_pb2.DeleteScheduleRequest, _machine_pb2.DeleteScheduleResponse]
-    """Remove a schedule. (Later issue.)"""
+    """Remove a schedule and its fire records (their runs stay in the conversation)."""
+    PauseSchedule: _grpc.UnaryUnaryMultiCallable[_machine_pb2.PauseScheduleRequest, _machine_pb2.Schedule]
+    """Pause a schedule: it fires no more until resumed."""
+    ResumeSchedule: _grpc.UnaryUnaryMultiCallable[_machine_pb2.ResumeScheduleRequest, _machine_pb2.Schedule]
+    """Resume a paused schedule from now (fire times passed while paused are not
+    caught up). FAILED_PRECONDITION when its agent is archived.
+    """
+    ListScheduleRuns: _grpc.UnaryUnaryMultiCallable[_machine_pb2.ListScheduleRunsRequest, _machine_pb2.ListScheduleRunsResponse]
+    """A schedule's fires, newest first: fire time, run, result."""
     Status: _grpc.UnaryUnaryMultiCallable[_machine_pb2.StatusRequest, _machine_pb2.StatusResponse]
     """The daemon's health and counts."""
     CheckDatabase: _grpc.UnaryUnaryMultiCallable[_machine_pb2.CheckDatabaseRequest, _machine_pb2.CheckDatabaseResponse]
@@ -227,11 +238,22 @@ class MachineServiceAsyncStub(MachineServiceStub):
     the machine has one already.
     """
     CreateSchedule: _aio.UnaryUnaryMultiCallable[_machine_pb2.CreateScheduleRequest, _machine_pb2.Schedule]  # type: ignore[assignment]
-    """Add a schedule (cron expression + prompt) to an agent. (Later issue.)"""
+    """Add a schedule (cron expression in a time zone + prompt) to an active agent.
+    INVALID_ARGUMENT for a bad cron, an unknown zone or a prompt over the limit;
+    FAILED_PRECONDITION for an archived agent or one of another machine.
+    """
     ListSchedules: _aio.UnaryUnaryMultiCallable[_machine_pb2.ListSchedulesRequest, _machine_pb2.ListSchedulesResponse]  # type: ignore[assignment]
-    """An agent's schedules, or every schedule. (Later issue.)"""
+    """An agent's schedules, or every schedule, oldest first."""
     DeleteSchedule: _aio.UnaryUnaryMultiCallable[_machine_pb2.DeleteScheduleRequest, _machine_pb2.DeleteScheduleResponse]  # type: ignore[assignment]
-    """Remove a schedule. (Later issue.)"""
+    """Remove a schedule and its fire records (their runs stay in the conversation)."""
+    PauseSchedule: _aio.UnaryUnaryMultiCallable[_machine_pb2.PauseScheduleRequest, _machine_pb2.Schedule]  # type: ignore[assignment]
+    """Pause a schedule: it fires no more until resumed."""
+    ResumeSchedule: _aio.UnaryUnaryMultiCallable[_machine_pb2.ResumeScheduleRequest, _machine_pb2.Schedule]  # type: ignore[assignment]
+    """Resume a paused schedule from now (fire times passed while paused are not
+    caught up). FAILED_PRECONDITION when its agent is archived.
+    """
+    ListScheduleRuns: _aio.UnaryUnaryMultiCallable[_machine_pb2.ListScheduleRunsRequest, _machine_pb2.ListScheduleRunsResponse]  # type: ignore[assignment]
+    """A schedule's fires, newest first: fire time, run, result."""
     Status: _aio.UnaryUnaryMultiCallable[_machine_pb2.StatusRequest, _machine_pb2.StatusResponse]  # type: ignore[assignment]
     """The daemon's health and counts."""
     CheckDatabase: _aio.UnaryUnaryMultiCallable[_machine_pb2.CheckDatabaseRequest, _machine_pb2.CheckDatabaseResponse]  # type: ignore[assignment]
@@ -467,7 +489,10 @@ class MachineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machine_pb2.CreateScheduleRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machine_pb2.Schedule, _abc.Awaitable[_machine_pb2.Schedule]]:
-        """Add a schedule (cron expression + prompt) to an agent. (Later issue.)"""
+        """Add a schedule (cron expression in a time zone + prompt) to an active agent.
+        INVALID_ARGUMENT for a bad cron, an unknown zone or a prompt over the limit;
+        FAILED_PRECONDITION for an archived agent or one of another machine.
+        """
 
     @_abc_1.abstractmethod
     def ListSchedules(
@@ -475,7 +500,7 @@ class MachineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machine_pb2.ListSchedulesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machine_pb2.ListSchedulesResponse, _abc.Awaitable[_machine_pb2.ListSchedulesResponse]]:
-        """An agent's schedules, or every schedule. (Later issue.)"""
+        """An agent's schedules, or every schedule, oldest first."""
 
     @_abc_1.abstractmethod
     def DeleteSchedule(
@@ -483,7 +508,33 @@ class MachineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _machine_pb2.DeleteScheduleRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_machine_pb2.DeleteScheduleResponse, _abc.Awaitable[_machine_pb2.DeleteScheduleResponse]]:
-        """Remove a schedule. (Later issue.)"""
+        """Remove a schedule and its fire records (their runs stay in the conversation)."""
+
+    @_abc_1.abstractmethod
+    def PauseSchedule(
+        self,
+        request: _machine_pb2.PauseScheduleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_machine_pb2.Schedule, _abc.Awaitable[_machine_pb2.Schedule]]:
+        """Pause a schedule: it fires no more until resumed."""
+
+    @_abc_1.abstractmethod
+    def ResumeSchedule(
+        self,
+        request: _machine_pb2.ResumeScheduleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_machine_pb2.Schedule, _abc.Awaitable[_machine_pb2.Schedule]]:
+        """Resume a paused schedule from now (fire times passed while paused are not
+        caught up). FAILED_PRECONDITION when its agent is archived.
+        """
+
+    @_abc_1.abstractmethod
+    def ListScheduleRuns(
+        self,
+        request: _machine_pb2.ListScheduleRunsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_machine_pb2.ListScheduleRunsResponse, _abc.Awaitable[_machine_pb2.ListScheduleRunsResponse]]:
+        """A schedule's fires, newest first: fire time, run, result."""
 
     @_abc_1.abstractmethod
     def Status(

@@ -1,0 +1,275 @@
+"""machine.schedules with an injected clock: fires, DST, missed fires, pause, archive."""
+
+from __future__ import annotations
+
+import datetime as dt
+import sqlite3
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from machine import store
+from machine.app import Machine, open_machine
+from machine.config import MachineConfig
+from machine.metrics import MachineMetrics
+from machine.models import RunState, ScheduleRunRecord
+from machine.schedules import Scheduler, SchedulesService
+from shared.errors import InvalidArgument, InvalidState, NotFound, TooLarge
+from tests.helpers.runs import wait_for_state
+
+
+def ts(*args: int) -> float:
+    return dt.datetime(*args, tzinfo=dt.UTC).timestamp()
+
+
+class Clock:
+    """Unix seconds a test moves by hand."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def machine(machine_config: MachineConfig) -> AsyncIterator[Machine]:
+    # The daemon's own scheduler is off: each test drives one with its clock.
+    async with open_machine(replace(machine_config, scheduler=False)) as m:
+        yield m
+
+
+class Rig:
+    def __init__(self, m: Machine, clock: Clock) -> None:
+        self.m = m
+        self.clock = clock
+        self.metrics = MachineMetrics(CollectorRegistry())
+        self.svc = SchedulesService(
+            m.db, ids=m.ids, prompt_limit=4096, default_zone="Europe/Berlin", clock=clock
+        )
+        self.scheduler = self.new_scheduler()
+
+    def new_scheduler(self) -> Scheduler:
+        """A fresh scheduler on the same database: what a restart makes."""
+        return Scheduler(
+            self.m.db, self.m.runs, ids=self.m.ids, metrics=self.metrics, clock=self.clock
+        )
+
+    def fires(self, result: str) -> float:
+        return self.metrics.schedule_fires.labels(result)._value.get()
+
+    async def runs(self, schedule_id: str) -> list[tuple[float, str, str]]:
+        got = await self.svc.runs(schedule_id)
+        return sorted((r.fire_time, r.result, r.run_id) for r in got)
+
+
+@pytest.fixture
+async def rig(machine: Machine, tmp_path: Path) -> Rig:
+    return Rig(machine, Clock(ts(2026, 3, 27, 12)))
+
+
+async def _agent(m: Machine, tmp_path: Path) -> str:
+    return (await m.agents.create(name="a", folder=str(tmp_path))).id
+
+
+async def test_fires_a_run_recorded_as_a_schedule_run(rig: Rig, tmp_path: Path) -> None:
+    agent = await _agent(rig.m, tmp_path)
+    s = await rig.svc.create(agent, "0 7 * * *", "morning summary")
+    assert s.time_zone == "Europe/Berlin" and s.enabled and s.missed == "skip"
+    assert rig.svc.next_fire(s) == ts(2026, 3, 28, 6)
+    assert await rig.scheduler.fire_due() == pytest.approx(ts(2026, 3, 28, 6) - rig.clock.now)
+    assert await rig.runs(s.id) == []  # nothing due yet
+
+    rig.clock.now = ts(2026, 3, 28, 6, 0, 1)
+    await rig.scheduler.fire_due()
+    [(fire, result, run_id)] = await rig.runs(s.id)
+    assert (fire, result) == (ts(2026, 3, 28, 6), "fired")
+    run = await wait_for_state(rig.m, run_id, RunState.FINISHED)
+    assert run.prompt == "morning summary" and run.agent_id == agent
+    assert rig.fires("fired") == 1
+    assert rig.metrics.schedule_lag._sum.get() >= 1.0  # started a second after the fire time
+
+    # The same fire time is never fired twice, whatever asks.
+    await rig.scheduler.fire_due()
+    assert not await rig.scheduler.fire(s, ts(2026, 3, 28, 6), "fired")
+    assert len(await rig.m.runs.list_runs(agent)) == 1
+
+
+async def test_daily_fire_follows_dst_in_its_zone(rig: Rig, tmp_path: Path) -> None:
+    agent = await _agent(rig.m, tmp_path)
+    # 02:30 Berlin does not exist on 2026-03-29: it fires once, at the jump (01:00 UTC).
+    s = await rig.svc.create(agent, "30 2 * * *", "check", time_zone="Europe/Berlin")
+    for day in (28, 29, 30):
+        rig.clock.now = ts(2026, 3, day, 12)
+        await rig.scheduler.fire_due()
+    fires = [f for f, _, _ in await rig.runs(s.id)]
+    assert fires == [ts(2026, 3, 28, 1, 30), ts(2026, 3, 29, 1, 0), ts(2026, 3, 30, 0, 30)]
+
+
+@pytest.mark.parametrize(("policy", "caught_up"), [("skip", False), ("once", True)])
+async def test_fire_times_missed_while_down(
+    rig: Rig, tmp_path: Path, policy: str, caught_up: bool
+) -> None:
+    agent = await _agent(rig.m, tmp_path)
+    s = await rig.svc.create(agent, "0 * * * *", "hourly", time_zone="UTC", missed=policy)
+    rig.clock.now = ts(2026, 3, 27, 13, 0, 5)
+    await rig.scheduler.fire_due()
+    assert [f for f, _, _ in await rig.runs(s.id)] == [ts(2026, 3, 27, 13)]
+
+    # Down from 13:00:05 to 16:30: 14:00, 15:00 and 16:00 were missed.
+    rig.clock.now = ts(2026, 3, 27, 16, 30)
+    restarted = rig.new_scheduler()
+    assert await restarted.start() == (1 if caught_up else 0)
+    got = await rig.runs(s.id)
+    if caught_up:
+        assert [(f, r) for f, r, _ in got] == [
+            (ts(2026, 3, 27, 13), "fired"),
+            (ts(2026, 3, 27, 16), "caught_up"),  # the latest missed one, once
+        ]
+    else:
+        assert len(got) == 1
+    assert rig.metrics.schedule_missed._value.get() == 3
+    assert rig.fires("caught_up") == (1 if caught_up else 0)
+    # A second restart at the same time adds nothing; the next hour fires normally.
+    assert await rig.new_scheduler().start() == 0
+    rig.clock.now = ts(2026, 3, 27, 17, 0, 1)
+    await restarted.fire_due()
+    got = await rig.runs(s.id)
+    assert got[-1][:2] == (ts(2026, 3, 27, 17), "fired")
+    assert len(got) == (3 if caught_up else 2)
+
+
+async def test_paused_schedule_does_not_fire_and_resumes_from_now(rig: Rig, tmp_path: Path) -> None:
+    agent = await _agent(rig.m, tmp_path)
+    s = await rig.svc.create(agent, "0 * * * *", "hourly", time_zone="UTC", missed="once")
+    paused = await rig.svc.set_enabled(s.id, False)
+    assert not paused.enabled and rig.svc.next_fire(paused) is None
+    rig.clock.now = ts(2026, 3, 27, 15, 30)
+    await rig.scheduler.fire_due()
+    await rig.new_scheduler().start()
+    assert await rig.runs(s.id) == []
+    # Resumed: hours passed while paused are not caught up, even with `once`.
+    await rig.svc.set_enabled(s.id, True)
+    await rig.new_scheduler().start()
+    assert await rig.runs(s.id) == []
+    rig.clock.now = ts(2026, 3, 27, 16, 0, 1)
+    await rig.scheduler.fire_due()
+    assert [f for f, _, _ in await rig.runs(s.id)] == [ts(2026, 3, 27, 16)]
+
+
+async def test_archiving_the_agent_pauses_its_schedules(rig: Rig, tmp_path: Path) -> None:
+    agent = await _agent(rig.m, tmp_path)
+    s = await rig.svc.create(agent, "0 * * * *", "hourly", time_zone="UTC")
+    await rig.m.agents.archive(agent)
+    assert not (await rig.svc.get(s.id)).enabled
+    rig.clock.now = ts(2026, 3, 27, 15, 30)
+    await rig.scheduler.fire_due()
+    assert await rig.runs(s.id) == []
+    with pytest.raises(InvalidState, match="archived"):
+        await rig.svc.set_enabled(s.id, True)
+    with pytest.raises(InvalidState, match="archived"):
+        await rig.svc.create(agent, "0 * * * *", "x")
+    # Unarchiving leaves it paused for a person to resume.
+    await rig.m.agents.unarchive(agent)
+    assert not (await rig.svc.get(s.id)).enabled
+
+
+async def test_fire_for_an_agent_that_cannot_run_is_recorded_refused(
+    rig: Rig, tmp_path: Path
+) -> None:
+    agent = await _agent(rig.m, tmp_path)
+    s = await rig.svc.create(agent, "0 * * * *", "hourly", time_zone="UTC")
+
+    def remove_its_runtime(conn: sqlite3.Connection) -> None:
+        conn.execute("UPDATE agents SET runtime = 'gone' WHERE id = ?", (agent,))
+
+    await rig.m.db.write(remove_its_runtime)
+    rig.clock.now = ts(2026, 3, 27, 13, 0, 1)
+    await rig.scheduler.fire_due()
+    [(fire, result, run_id)] = await rig.runs(s.id)
+    assert (result, run_id) == ("refused", "")
+    assert rig.fires("refused") == 1
+    assert await rig.m.runs.list_runs(agent) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"cron": "61 * * * *"}, InvalidArgument, "cron"),
+        ({"cron": "* * * *"}, InvalidArgument, "cron"),
+        ({"time_zone": "Mars/Olympus"}, InvalidArgument, "time_zone"),
+        ({"missed": "twice"}, InvalidArgument, "missed"),
+        ({"prompt": "x" * 5000}, TooLarge, "prompt"),
+        ({"prompt": "  "}, InvalidArgument, "prompt"),
+    ],
+)
+async def test_bad_input_is_refused_and_nothing_written(
+    rig: Rig, tmp_path: Path, kwargs: dict[str, str], error: type[Exception], match: str
+) -> None:
+    agent = await _agent(rig.m, tmp_path)
+    args = {"cron": "0 7 * * *", "prompt": "hi", **kwargs}
+    with pytest.raises(error, match=match):
+        await rig.svc.create(
+            agent,
+            args["cron"],
+            args["prompt"],
+            time_zone=args.get("time_zone", ""),
+            missed=args.get("missed", ""),
+        )
+    assert await rig.svc.list() == []
+
+
+async def test_unknown_ids(rig: Rig) -> None:
+    with pytest.raises(NotFound):
+        await rig.svc.create("ag_" + "0" * 26, "0 7 * * *", "hi")
+    with pytest.raises(NotFound):
+        await rig.svc.delete("sch_" + "0" * 26)
+    with pytest.raises(InvalidArgument, match="schedule_id"):
+        await rig.svc.runs("../x")
+
+
+async def test_delete_agent_schedules_in_the_callers_transaction(rig: Rig, tmp_path: Path) -> None:
+    agent = await _agent(rig.m, tmp_path)
+    s = await rig.svc.create(agent, "0 * * * *", "hourly", time_zone="UTC")
+    rig.clock.now = ts(2026, 3, 27, 13, 0, 1)
+    await rig.scheduler.fire_due()
+
+    def erase(conn: sqlite3.Connection) -> int:
+        return store.delete_agent_schedules(conn, agent)
+
+    assert await rig.m.db.write(erase) == 1
+    assert await rig.svc.list() == []
+    left = await rig.m.db.read(
+        lambda c: c.execute(
+            "SELECT COUNT(*) FROM schedule_runs WHERE schedule_id = ?", (s.id,)
+        ).fetchone()[0]
+    )
+    assert left == 0
+
+
+async def test_fire_recorded_just_before_a_crash_runs_at_the_restart(
+    machine_config: MachineConfig, tmp_path: Path
+) -> None:
+    config = replace(machine_config, scheduler=False)
+    async with open_machine(config) as m:
+        agent = await _agent(m, tmp_path)
+        svc = SchedulesService(m.db, ids=m.ids, prompt_limit=4096, default_zone="UTC")
+        s = await svc.create(agent, "0 * * * *", "hourly")
+
+        def committed_then_crashed(conn: sqlite3.Connection) -> None:
+            # What a fire commits; the daemon dies before it drives the run.
+            store.insert_run(conn, "run_" + "1" * 26, agent, "hourly", (), 1.0)
+            store.insert_schedule_run(
+                conn, ScheduleRunRecord(s.id, 3600.0, "run_" + "1" * 26, "fired", "", 1.0)
+            )
+            store.insert_run(conn, "run_" + "2" * 26, agent, "a prompt", (), 2.0)
+
+        await m.db.write(committed_then_crashed)
+    async with open_machine(config) as m:
+        # The recorded fire's run starts (nobody would fire it again); an ordinary
+        # queued prompt is interrupted, as before.
+        await wait_for_state(m, "run_" + "1" * 26, RunState.FINISHED)
+        assert (await m.runs.get_run("run_" + "2" * 26)).state is RunState.INTERRUPTED
