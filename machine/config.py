@@ -113,6 +113,16 @@ def _parse_keep(value: object) -> int:
         ) from None
 
 
+def _test_crash_after(env: Mapping[str, str]) -> int:
+    value = env.get("AGENTS_MACHINE_TEST_CRASH_AFTER_DELIVERIES", "") or "0"
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(
+            "crash_after_deliveries", f"must be a whole number, got {value[:16]!r}"
+        ) from None
+
+
 def parse_hostport(value: str, field: str) -> tuple[str, int]:
     """Parse ``HOST:PORT`` where HOST must be a loopback address (127.0.0.1, ::1).
 
@@ -193,6 +203,12 @@ class MachineConfig:
     codex_home: Path | None = None
     """Codex's folder (``$CODEX_HOME`` or ``~/.codex``), as ``claude_home``."""
 
+    crash_after_deliveries: int = 0
+    """Test only (no flag, no file key; ``AGENTS_MACHINE_TEST_CRASH_AFTER_DELIVERIES``):
+    once this many deliveries are stored durably, the daemon SIGKILLs itself
+    before acknowledging the last one, so a real-process test can kill the
+    machine exactly between its record and its ack. 0 (the default): off."""
+
     @property
     def socket(self) -> Path:
         """The Unix socket path actually used."""
@@ -265,6 +281,8 @@ class MachineConfig:
                 "backup_time",
                 f"must be a local time of day as HH:MM, got {self.backup_time[:16]!r}",
             ) from None
+        if self.crash_after_deliveries < 0:
+            raise ConfigError("crash_after_deliveries", "must not be negative")
         if self.backup_dir is not None and not self.backup_dir.is_absolute():
             raise ConfigError("backup_dir", f"must be an absolute path, got {self.backup_dir}")
         return self
@@ -339,5 +357,6 @@ class MachineConfig:
             backup_dir=Path(backup_dir).expanduser() if backup_dir else None,
             claude_home=default_claude_home(env, home),
             codex_home=default_codex_home(env, home),
+            crash_after_deliveries=_test_crash_after(env),
         )
         return cfg.validate()
