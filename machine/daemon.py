@@ -80,6 +80,7 @@ def _control_link(
     return ControlLink(
         data_dir=config.data_dir,
         agent_count=machine.agent_count,
+        roster=machine.agent_roster,
         version=machine_version(),
         on_delivery=DeliveryHandler(
             machine.runs, keys.box, after_store=crash_after(config.crash_after_deliveries)

@@ -28,7 +28,14 @@ import psutil
 import pytest
 
 from controlplane.client import AdminClient
-from shared.errors import AgentsError, InvalidArgument, NotFound, QuotaExceeded, TooLarge
+from shared.errors import (
+    AgentsError,
+    InvalidArgument,
+    InvalidState,
+    NotFound,
+    QuotaExceeded,
+    TooLarge,
+)
 from shared.ids import new_id
 from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
 from tests.helpers.fault_proxy import CrashProxy, crash_proxy
@@ -154,6 +161,9 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
                 made = run_cli(data, "agent", "create", name, "--folder", str(tmp_path), "--json")
                 assert made.returncode == 0, made.stderr
                 agents.append(json.loads(made.stdout)["id"])
+            made = run_cli(data, "agent", "create", "c", "--folder", str(tmp_path), "--json")
+            archived = json.loads(made.stdout)["id"]
+            assert run_cli(data, "agent", "archive", archived).returncode == 0
             joined.send_signal(signal.SIGTERM)
             assert joined.wait(timeout=DEADLINE) == 0
             await _online(client, machine_id, False)
@@ -180,7 +190,7 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
                 assert sent["state"] == "queued"
             again = await client.send_prompt(machine_id, agents[0], texts[0], "k0")
             assert again["prompt_id"] == first.split()[1]
-            await _bad_input_queues_nothing(cp, client, machine_id, agents[0])
+            await _bad_input_queues_nothing(cp, client, machine_id, agents[0], archived)
             listed = _prompts(cp, machine_id)
             assert len(listed) == 20 and {p["state"] for p in listed} == {"queued"}
             for blob in _bucket(moto_endpoint, s3_bucket).values():
@@ -314,9 +324,15 @@ async def test_a_machine_killed_after_recording_a_prompt_before_its_ack_runs_it_
 
 
 async def _bad_input_queues_nothing(
-    cp: ControlProc, client: AdminClient, machine_id: str, agent_id: str
+    cp: ControlProc, client: AdminClient, machine_id: str, agent_id: str, archived: str
 ) -> None:
     """Each refusal names the problem; the queue (full at DEPTH) is unchanged."""
+    # The stopped machine's roster (it sent its agents' ids before it left).
+    unknown = new_id("agent")
+    with pytest.raises(NotFound, match=f"agent {unknown}"):
+        await client.send_prompt(machine_id, unknown, "hi")
+    with pytest.raises(InvalidState, match="archived on machine"):
+        await client.send_prompt(machine_id, archived, "hi")
     with pytest.raises(QuotaExceeded, match=f"limit of {DEPTH}"):
         await client.send_prompt(machine_id, agent_id, "one too many")
     with pytest.raises(TooLarge, match="text: larger than the limit of 1048576 bytes"):
