@@ -115,7 +115,16 @@ class PromptDelivery:
     ) -> SendOutcome:
         """Queue the prompt; with the machine connected, deliver it and wait (a
         bounded time) for its acknowledgement."""
-        sent = await self._queue.send(principal, machine_id, agent_id, text, idempotency_key)
+        # An offline machine's roster decides whether the agent exists; an
+        # online machine answers itself (its roster may be a heartbeat old).
+        sent = await self._queue.send(
+            principal,
+            machine_id,
+            agent_id,
+            text,
+            idempotency_key,
+            check_roster=self._live(machine_id) is None,
+        )
         link = self._live(machine_id)
         if link is None and self._on_queued is not None:
             # A prompt waits (a retried send too): ask the provider (debounced).

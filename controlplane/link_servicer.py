@@ -24,6 +24,7 @@ from controlplane.links import (
     LinkNotice,
     LinkSessions,
     MachineMessage,
+    RosterReport,
     Welcome,
 )
 from controlplane.machines import MachineInfo, MachineRegistry
@@ -35,6 +36,7 @@ from controlplane.presence import (
     PresenceRegistry,
     RevokedNotice,
 )
+from controlplane.rosters import AgentRosters
 from shared.errors import AgentsError, InvalidArgument, Unimplemented
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import status_for
@@ -76,6 +78,10 @@ async def _decode(
             yield Heartbeat(msg.heartbeat.agent_count, _fire_time(msg.heartbeat))
         elif kind == "ack":
             yield Ack(msg.ack.delivery_id, msg.ack.run_id, msg.ack.refused_reason)
+        elif kind == "roster":
+            yield RosterReport(
+                tuple(msg.roster.active_agent_ids), tuple(msg.roster.archived_agent_ids)
+            )
         else:
             yield Ack()
 
@@ -123,6 +129,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         link_host: str = "",
         backups: MachineBackups | None = None,
         deliveries: DeliveryHooks | None = None,
+        rosters: AgentRosters | None = None,
     ) -> None:
         self._pairing = pairing
         self._backups = backups
@@ -139,6 +146,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             # Looked up here at each call, so tests can move only this module's clock.
             clock=_utcnow,
             deliveries=deliveries,
+            rosters=rosters,
         )
         self.link_port = link_port
         self.link_host = link_host

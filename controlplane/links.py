@@ -47,6 +47,7 @@ from controlplane.presence import (
     RevokedNotice,
     Session,
 )
+from controlplane.rosters import AgentRosters
 from shared import tls
 from shared.errors import AgentsError, InvalidArgument, Unauthenticated
 
@@ -58,6 +59,7 @@ __all__ = [
     "LinkNotice",
     "LinkSessions",
     "MachineMessage",
+    "RosterReport",
     "Welcome",
 ]
 
@@ -102,7 +104,15 @@ class Ack:
     refused: str = ""
 
 
-MachineMessage = Hello | Heartbeat | Ack
+@dataclass(frozen=True)
+class RosterReport:
+    """The ids of the machine's agents by state (controlplane.rosters)."""
+
+    active: tuple[str, ...] = ()
+    archived: tuple[str, ...] = ()
+
+
+MachineMessage = Hello | Heartbeat | Ack | RosterReport
 
 
 @dataclass(frozen=True)
@@ -146,6 +156,7 @@ class LinkSessions:
         clock: Clock = utcnow,
         linger: float = LINGER,
         deliveries: DeliveryHooks | None = None,
+        rosters: AgentRosters | None = None,
     ) -> None:
         self._ca_cert_pem = ca_cert_pem
         self._machines = machines
@@ -156,6 +167,7 @@ class LinkSessions:
         self._clock = clock
         self._linger = linger
         self._deliveries = deliveries
+        self._rosters = rosters
 
     async def authorize(self, cert_pem: bytes | None) -> AuthorizedPeer:
         """The machine a client certificate names, if it may still act, and its identity.
@@ -271,6 +283,10 @@ class LinkSessions:
                     await self._presence.seen(session)
                 if isinstance(msg, Ack) and msg.delivery_id and self._deliveries is not None:
                     await self._deliveries.acked(session, msg)
+                if isinstance(msg, RosterReport) and self._rosters is not None:
+                    await self._rosters.report(
+                        session.account_id, session.machine_id, msg.active, msg.archived
+                    )
         except TimeoutError:
             reason = CloseReason.TIMEOUT
             logger.info("machine %s: no heartbeat for %.1fs", session.machine_id, timeout)

@@ -34,6 +34,7 @@ from controlplane.audit import Auditor, Clock, utcnow
 from controlplane.authz import Principal
 from controlplane.machines import MachineRegistry
 from controlplane.records import Machine, _Record, decode, encode
+from controlplane.rosters import AgentRosters
 from shared.crypto import prompt_aad, seal_bytes
 from shared.errors import (
     AgentsError,
@@ -163,8 +164,10 @@ class PromptQueue:
         limits: QueueLimits | None = None,
         clock: Clock = utcnow,
         on_outcome: Callable[[str], None] | None = None,
+        rosters: AgentRosters | None = None,
     ) -> None:
         self._store = store
+        self._rosters = rosters
         self._machines = machines
         self._audit = auditor
         self._limits = limits or QueueLimits()
@@ -231,9 +234,13 @@ class PromptQueue:
         agent_id: str,
         text: str,
         idempotency_key: str = "",
+        *,
+        check_roster: bool = False,
     ) -> SendResult:
         """Seal ``text`` to the machine and queue it; the same idempotency key
-        answers the first prompt's id and state and queues nothing."""
+        answers the first prompt's id and state and queues nothing. With
+        ``check_roster`` (an offline machine), an agent the machine's roster
+        does not run is refused first (controlplane.rosters)."""
         validate_id("agent", agent_id, "agent_id")
         size = len(text.encode("utf-8"))
         if not text:
@@ -254,6 +261,12 @@ class PromptQueue:
             if replay is not None:
                 self._count("replayed")
                 return SendResult(replay.prompt_id, "queued", None, machine.account_id)
+        if check_roster and self._rosters is not None:
+            try:
+                await self._rosters.check(machine.account_id, machine_id, agent_id)
+            except AgentsError:
+                self._count("refused_agent")
+                raise
         if len(view) >= self._limits.max_depth:
             # Expired entries still have keys: drop them (a full read), then recount.
             if len(await self._entries(machine)) >= self._limits.max_depth:

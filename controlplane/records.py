@@ -6,6 +6,7 @@ Store layout (keys relative to the deployment prefix)::
     accounts/<acct>/deleting.json          tombstone while the account is deleted
     accounts/<acct>/machines/<mc>.json     Machine
     accounts/<acct>/presence/<mc>.json     Presence (last seen; written by one writer)
+    accounts/<acct>/rosters/<mc>.json      agent ids by state (controlplane.rosters)
     accounts/<acct>/tokens/<tok>.json      JoinToken (hash of the secret only)
     index/machines/<mc>.json               {"account_id": ...}  machine id -> account
     index/tokens/<tok>.json                {"account_id": ...}  token id -> account
@@ -54,6 +55,7 @@ __all__ = [
     "machines_prefix",
     "parse_time",
     "presence_key",
+    "roster_key",
     "token_index_key",
     "token_key",
     "tokens_prefix",
@@ -102,6 +104,12 @@ def presence_key(account_id: str, machine_id: str) -> str:
     """Key of a machine's last-seen record."""
     acct = validate_id("account", account_id, "account_id")
     return f"accounts/{acct}/presence/{validate_id('machine', machine_id, 'machine_id')}.json"
+
+
+def roster_key(account_id: str, machine_id: str) -> str:
+    """Key of a machine's agent roster (controlplane.rosters)."""
+    acct = validate_id("account", account_id, "account_id")
+    return f"accounts/{acct}/rosters/{validate_id('machine', machine_id, 'machine_id')}.json"
 
 
 def tokens_prefix(account_id: str) -> str:

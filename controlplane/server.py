@@ -39,6 +39,7 @@ from controlplane.metrics import ControlMetrics
 from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry
 from controlplane.queue import PromptQueue, QueueLimits
+from controlplane.rosters import AgentRosters
 from controlplane.starter import MachineStarter
 from controlplane.tokens import TokenService
 from controlplane.wake import ScheduleWaker
@@ -171,6 +172,7 @@ class ControlPlane:
             logger.warning("rolled back %d change(s) a previous run left unfinished", recovered)
         services.machines.on_revoke(presence.kick)
         self._presence = presence
+        rosters = AgentRosters(trusted.store)
         prompt_queue = PromptQueue(
             trusted.store,
             services.machines,
@@ -181,6 +183,7 @@ class ControlPlane:
                 ttl=dt.timedelta(seconds=cfg.prompt_ttl_seconds),
             ),
             on_outcome=self.metrics.prompt_outcome,
+            rosters=rosters,
         )
         self.metrics.watch_queue(prompt_queue.depth, prompt_queue.oldest_age)
         self._starter = starter = MachineStarter(
@@ -243,6 +246,7 @@ class ControlPlane:
             link_host=cfg.advertise_host,
             backups=_machine_backups(trusted, services.machines),
             deliveries=prompts,
+            rosters=rosters,
         )
         admin = AdminServicer(
             accounts=services.accounts,

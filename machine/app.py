@@ -28,9 +28,9 @@ from machine.config import MachineConfig
 from machine.db import Database
 from machine.dbfaults import CheckResult
 from machine.handoff import Handoff
-from machine.link_client import LinkClient
+from machine.link_client import AgentRoster, LinkClient
 from machine.metrics import MachineMetrics
-from machine.models import MachineIds
+from machine.models import AgentState, MachineIds
 from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry, default_registry
 from machine.schedules import Scheduler, SchedulesService
@@ -97,6 +97,16 @@ class Machine:
     async def agent_count(self) -> int:
         """How many agents this machine holds, active or archived (one COUNT)."""
         return await self.db.read(store.count_agents)
+
+    async def agent_roster(self) -> AgentRoster:
+        """Ids of the agents this machine runs prompts for (its own), by state,
+        for the control plane (never names)."""
+        agents = await self.agents.list(include_archived=True)
+        mine = sorted((a for a in agents if a.local), key=lambda a: a.id)
+        return AgentRoster(
+            active=tuple(a.id for a in mine if a.state is AgentState.ACTIVE),
+            archived=tuple(a.id for a in mine if a.state is AgentState.ARCHIVED),
+        )
 
     async def status(self) -> MachineStatus:
         """Current counts."""

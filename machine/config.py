@@ -139,6 +139,16 @@ def _parse_keep(value: object) -> int:
         ) from None
 
 
+def _test_crash_after(env: Mapping[str, str]) -> int:
+    value = env.get("AGENTS_MACHINE_TEST_CRASH_AFTER_DELIVERIES", "") or "0"
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(
+            "crash_after_deliveries", f"must be a whole number, got {value[:16]!r}"
+        ) from None
+
+
 def parse_hostport(value: str, field: str) -> tuple[str, int]:
     """Parse ``HOST:PORT`` where HOST must be a loopback address (127.0.0.1, ::1).
 
@@ -233,6 +243,12 @@ class MachineConfig:
     seconds within each minute its cron matches (``* * * * *`` every N seconds).
     0, the default, is real cron: minute resolution."""
 
+    crash_after_deliveries: int = 0
+    """Test only (no flag, no file key; ``AGENTS_MACHINE_TEST_CRASH_AFTER_DELIVERIES``):
+    once this many deliveries are stored durably, the daemon SIGKILLs itself
+    before acknowledging the last one, so a real-process test can kill the
+    machine exactly between its record and its ack. 0 (the default): off."""
+
     @property
     def socket(self) -> Path:
         """The Unix socket path actually used."""
@@ -311,6 +327,9 @@ class MachineConfig:
             raise ConfigError("time_zone", e.reason) from None
         if not 0 <= self.schedule_test_seconds <= 59:
             raise ConfigError("schedule_test_seconds", "must be 0 (off) to 59")
+
+        if self.crash_after_deliveries < 0:
+            raise ConfigError("crash_after_deliveries", "must not be negative")
         if self.backup_dir is not None and not self.backup_dir.is_absolute():
             raise ConfigError("backup_dir", f"must be an absolute path, got {self.backup_dir}")
         return self
@@ -388,5 +407,6 @@ class MachineConfig:
             schedule_test_seconds=int(file.get("schedule_test_seconds", 0)),
             claude_home=default_claude_home(env, home),
             codex_home=default_codex_home(env, home),
+            crash_after_deliveries=_test_crash_after(env),
         )
         return cfg.validate()

@@ -26,7 +26,7 @@ import grpc.aio
 from machine import identity
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig, parse_hostport
-from machine.deliveries import DeliveryHandler
+from machine.deliveries import DeliveryHandler, crash_after
 from machine.link import ControlLink
 from machine.local_auth import TOKEN_FILE, BearerTokenInterceptor, load_or_create_token
 from machine.metrics import MachineMetrics
@@ -80,8 +80,11 @@ def _control_link(
     return ControlLink(
         data_dir=config.data_dir,
         agent_count=machine.agent_count,
+        roster=machine.agent_roster,
         version=machine_version(),
-        on_delivery=DeliveryHandler(machine.runs, keys.box),
+        on_delivery=DeliveryHandler(
+            machine.runs, keys.box, after_store=crash_after(config.crash_after_deliveries)
+        ),
         next_fire=lambda: machine.scheduler.next_fire_at if machine.scheduler else None,
         registry=metrics.registry,
     )

@@ -11,13 +11,16 @@ again; a crash after it means the redelivery finds the run and starts nothing.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+from collections.abc import Callable
 
 from machine.link_client import Delivery, DeliveryAck
 from machine.runs import RunEngine
 from shared.crypto import BoxKeyPair, open_bytes, prompt_aad
 from shared.errors import IntegrityError
 
-__all__ = ["DeliveryHandler"]
+__all__ = ["DeliveryHandler", "crash_after"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +28,16 @@ logger = logging.getLogger(__name__)
 class DeliveryHandler:
     """The link's ``on_delivery``: one instance per daemon."""
 
-    def __init__(self, engine: RunEngine, box: BoxKeyPair) -> None:
+    def __init__(
+        self,
+        engine: RunEngine,
+        box: BoxKeyPair,
+        *,
+        after_store: Callable[[], None] | None = None,
+    ) -> None:
         self._engine = engine
         self._box = box
+        self._after_store = after_store
 
     async def __call__(self, delivery: Delivery) -> DeliveryAck:
         """Store ``delivery`` durably (once) and say what it became."""
@@ -48,4 +58,23 @@ class DeliveryHandler:
             logger.info("delivery %s refused: %s", delivery.id, got.refused)
         else:
             logger.info("delivery %s stored as run %s", delivery.id, got.run_id)
+        if self._after_store is not None:
+            self._after_store()  # a test's fault point: stored, not yet acknowledged
         return DeliveryAck(run_id=got.run_id, refused=got.refused)
+
+
+def crash_after(deliveries: int) -> Callable[[], None] | None:
+    """A test's fault hook (``MachineConfig.crash_after_deliveries``): SIGKILL this
+    process once ``deliveries`` were stored, before the last one is acknowledged."""
+    if deliveries <= 0:
+        return None
+    stored = 0
+
+    def hook() -> None:
+        nonlocal stored
+        stored += 1
+        if stored >= deliveries:
+            logger.error("test fault: killing the daemon after %d stored deliveries", stored)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook

@@ -4,7 +4,11 @@
 background task keeps a ``Connect`` stream to the control plane's mutual-TLS
 listener: it sends ``hello``, waits for ``welcome``, then sends a heartbeat
 every interval the welcome names, hands deliveries to ``on_delivery`` and
-acknowledges each once that returns (the callback stores it durably).
+acknowledges each once that returns (the callback stores it durably). The ids
+of the machine's agents (``roster``: ids and active/archived, never names) go
+after the welcome, then with any heartbeat that finds them changed, and once
+more before a clean goodbye: the control plane refuses prompts for unknown or
+archived agents from it while the machine is offline.
 
 Reconnect policy: a failed attempt is retried forever with exponential backoff
 and full jitter (``backoff_initial`` doubling up to ``backoff_max`` seconds),
@@ -49,6 +53,7 @@ from tenacity import RetryCallState
 from machine import identity
 from machine.link_client import (
     AccountDeleted,
+    AgentRoster,
     ControlNotice,
     Delivery,
     DeliveryAck,
@@ -157,6 +162,7 @@ class ControlLink:
         version: str,
         on_delivery: Callable[[Delivery], Awaitable[DeliveryAck | None]] | None = None,
         next_fire: Callable[[], float | None] = lambda: None,
+        roster: Callable[[], Awaitable[AgentRoster]] | None = None,
         registry: CollectorRegistry | None = None,
         renew_fraction: float = 1 / 3,
         backoff_initial: float = 0.5,
@@ -177,6 +183,8 @@ class ControlLink:
         # The soonest schedule fire: sent with hello and heartbeats so the
         # control plane can wake this machine for it once it is stopped.
         self._next_fire = next_fire
+        self._roster = roster
+        self._sent_roster: AgentRoster | None = None
         self._renew_fraction = renew_fraction
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
@@ -399,6 +407,8 @@ class ControlLink:
             interval,
         )
         await self._set_state(LinkState.CONNECTED)
+        self._sent_roster = None  # each stream starts with the whole roster
+        await self._send_roster(stream)
 
         reader = asyncio.create_task(self._read_loop(stream), name="link-read")
         helpers = [
@@ -413,6 +423,10 @@ class ControlLink:
                 for t in helpers:
                     t.cancel()
                 await asyncio.gather(*helpers, return_exceptions=True)
+                # Changes since the last heartbeat, so the control plane refuses
+                # prompts for agents deleted or archived just before we stopped.
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    await self._send_roster(stream)
                 await self._half_close(stream, reader)
         finally:
             # Cancelling a task blocked in read() cancels the whole RPC,
@@ -487,6 +501,20 @@ class ControlLink:
             count = await self._count_agents()
             await stream.heartbeat(count, self._next_fire())
             self._metrics.heartbeats.inc()
+            await self._send_roster(stream)
+
+    async def _send_roster(self, stream: LinkStream) -> None:
+        """Send the agent roster when it changed since the last one sent on ``stream``."""
+        if self._roster is None:
+            return
+        try:
+            roster = await self._roster()
+        except Exception:  # the link must not die with the roster query
+            logger.exception("agent roster failed; not sent")
+            return
+        if roster != self._sent_roster:
+            await stream.roster(roster)
+            self._sent_roster = roster
 
     # ---------------------------------------------------------------- renewal
 

@@ -25,6 +25,7 @@ from shared.timestamps import from_seconds, to_datetime
 
 __all__ = [
     "AccountDeleted",
+    "AgentRoster",
     "BackupEntry",
     "ControlNotice",
     "Delivery",
@@ -178,6 +179,14 @@ def _notice(msg: link_pb2.ControlMessage) -> ControlNotice:
     return Unknown(str(kind))
 
 
+@dataclass(frozen=True)
+class AgentRoster:
+    """The ids of this machine's agents the control plane may queue prompts for."""
+
+    active: tuple[str, ...] = ()
+    archived: tuple[str, ...] = ()
+
+
 _Call: TypeAlias = "grpc.aio.StreamStreamCall[link_pb2.MachineMessage, link_pb2.ControlMessage]"
 
 
@@ -205,6 +214,16 @@ class LinkStream:
         """Say the machine is alive (and when its next schedule fires, if any)."""
         beat = link_pb2.Heartbeat(agent_count=agent_count, next_fire_at=from_seconds(next_fire_at))
         await self._send(link_pb2.MachineMessage(heartbeat=beat))
+
+    async def roster(self, roster: AgentRoster) -> None:
+        """Tell the ids of the machine's agents (the whole roster)."""
+        await self._send(
+            link_pb2.MachineMessage(
+                roster=link_pb2.AgentRoster(
+                    active_agent_ids=roster.active, archived_agent_ids=roster.archived
+                )
+            )
+        )
 
     async def ack(self, delivery_id: str, answer: DeliveryAck | None = None) -> None:
         """Acknowledge a stored delivery (with its run id or refusal)."""

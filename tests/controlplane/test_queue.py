@@ -13,10 +13,12 @@ from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry
 from controlplane.queue import PromptQueue, QueueLimits, queue_prefix
+from controlplane.records import roster_key
+from controlplane.rosters import AgentRosters
 from controlplane.tokens import TokenService
 from shared import tls
 from shared.crypto import BoxKeyPair, open_bytes, prompt_aad
-from shared.errors import InvalidArgument, NotFound, QuotaExceeded, TooLarge
+from shared.errors import InvalidArgument, InvalidState, NotFound, QuotaExceeded, TooLarge
 from shared.ids import new_id
 from shared.store import MemoryStore
 from tests.helpers.clock import FixedClock
@@ -35,6 +37,7 @@ class World:
         )
         self.op = Principal("adm_" + "0" * 26, "operator")
         self.outcomes: list[str] = []
+        self.rosters = AgentRosters(self.store, clock=self.clock)
         self.queue = PromptQueue(
             self.store,
             self.machines,
@@ -42,6 +45,7 @@ class World:
             limits=QueueLimits(max_depth=3, max_prompt_bytes=100, ttl=dt.timedelta(days=7)),
             clock=self.clock,
             on_outcome=self.outcomes.append,
+            rosters=self.rosters,
         )
 
     async def machine(self, gh: int) -> tuple[str, str, BoxKeyPair]:
@@ -164,3 +168,38 @@ async def test_offline_count_skips_connected_and_revoked_machines(w: World) -> N
     await w.machines.revoke(w.op, revoked)
     assert await presence.count_offline(w.machines) == 1
     assert offline
+
+
+async def test_an_offline_machines_roster_refuses_unknown_and_archived_agents(w: World) -> None:
+    acct, m, _box = await w.machine(1)
+    active, archived, unknown = new_id("agent"), new_id("agent"), new_id("agent")
+    # Never reported (an older machine): every agent is queued, as before.
+    await w.queue.send(w.op, m, unknown, "queued without a roster", check_roster=True)
+    await w.rosters.report(acct, m, (active,), (archived,))
+    with pytest.raises(NotFound, match=f"agent {unknown}"):
+        await w.queue.send(w.op, m, unknown, "hi", check_roster=True)
+    with pytest.raises(InvalidState, match=f"agent {archived}: archived on machine {m}"):
+        await w.queue.send(w.op, m, archived, "hi", check_roster=True)
+    assert len(await w.queue.queued(w.op, m)) == 1  # nothing more queued
+    assert w.outcomes.count("refused_agent") == 2
+    await w.queue.send(w.op, m, active, "for the active one", check_roster=True)
+    # An online machine answers itself (the roster may be a heartbeat old).
+    await w.queue.send(w.op, m, unknown, "delivered, the machine decides")
+
+    # The roster is read back from the store by a new process; ids only.
+    stored = (await w.store.get(roster_key(acct, m))).decode()
+    assert active in stored and archived in stored
+    fresh = AgentRosters(w.store)
+    with pytest.raises(NotFound):
+        await fresh.check(acct, m, unknown)
+    await fresh.check(acct, m, active)
+
+    # Unarchived: the whole roster replaces the old one; a same roster writes nothing.
+    await w.rosters.report(acct, m, (active, archived), ())
+    await w.rosters.check(acct, m, archived)
+    before = (await w.store.head(roster_key(acct, m))).etag
+    await w.rosters.report(acct, m, (archived, active), ())
+    assert (await w.store.head(roster_key(acct, m))).etag == before
+    # A malformed id: the report is ignored and the stored roster stays.
+    await w.rosters.report(acct, m, ("../../etc",), ())
+    await AgentRosters(w.store).check(acct, m, archived)

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helpers.poll import poll_until
 
-__all__ = ["AGENTS_MACHINE", "MachineProc", "run_cli"]
+__all__ = ["AGENTS_MACHINE", "MachineProc", "machine_env", "run_cli"]
 
 AGENTS_MACHINE = Path(sys.executable).parent / "agents-machine"
 START_DEADLINE = 20.0
@@ -31,6 +31,12 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
     env.update(extra or {})
     return env
+
+
+def machine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a test's agents-machine process gets: ours without any
+    ``AGENTS_*`` setting, plus ``extra``."""
+    return _env(extra)
 
 
 def run_cli(

@@ -28,11 +28,18 @@ import psutil
 import pytest
 
 from controlplane.client import AdminClient
-from shared.errors import AgentsError, InvalidArgument, NotFound, QuotaExceeded, TooLarge
+from shared.errors import (
+    AgentsError,
+    InvalidArgument,
+    InvalidState,
+    NotFound,
+    QuotaExceeded,
+    TooLarge,
+)
 from shared.ids import new_id
 from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
 from tests.helpers.fault_proxy import CrashProxy, crash_proxy
-from tests.helpers.machine_proc import run_cli
+from tests.helpers.machine_proc import machine_env, run_cli
 from tests.helpers.moto_server import free_port
 from tests.helpers.poll import apoll_until
 
@@ -142,20 +149,7 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
     tmp_path: Path, cp: ControlProc, proxy: CrashProxy, moto_endpoint: str, s3_bucket: str
 ) -> None:
     data = tmp_path / "machine"
-    account = re.search(
-        r"account (acct_[0-9a-z]{26})",
-        _ok(cp.cli("account", "create", "--github-id", "7", "--github-login", "q")),
-    )
-    assert account
-    token = json.loads(_ok(cp.cli("token", "create", "--account", account.group(1), "--json")))
-    join = shlex.split(token["join_command"])
-    log = (tmp_path / "join.log").open("wb")
-    joined = subprocess.Popen(
-        [str(MACHINE_EXE), *join[1:], "--data-dir", str(data), "--no-background"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
+    joined = _join(cp, tmp_path, data)
     try:
         async with admin(cp) as client:
             machine_id = await apoll_until(
@@ -167,6 +161,9 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
                 made = run_cli(data, "agent", "create", name, "--folder", str(tmp_path), "--json")
                 assert made.returncode == 0, made.stderr
                 agents.append(json.loads(made.stdout)["id"])
+            made = run_cli(data, "agent", "create", "c", "--folder", str(tmp_path), "--json")
+            archived = json.loads(made.stdout)["id"]
+            assert run_cli(data, "agent", "archive", archived).returncode == 0
             joined.send_signal(signal.SIGTERM)
             assert joined.wait(timeout=DEADLINE) == 0
             await _online(client, machine_id, False)
@@ -193,7 +190,7 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
                 assert sent["state"] == "queued"
             again = await client.send_prompt(machine_id, agents[0], texts[0], "k0")
             assert again["prompt_id"] == first.split()[1]
-            await _bad_input_queues_nothing(cp, client, machine_id, agents[0])
+            await _bad_input_queues_nothing(cp, client, machine_id, agents[0], archived)
             listed = _prompts(cp, machine_id)
             assert len(listed) == 20 and {p["state"] for p in listed} == {"queued"}
             for blob in _bucket(moto_endpoint, s3_bucket).values():
@@ -257,10 +254,85 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
         _kill_serving(data)
 
 
+async def test_a_machine_killed_after_recording_a_prompt_before_its_ack_runs_it_once(
+    tmp_path: Path, cp: ControlProc
+) -> None:
+    data = tmp_path / "machine"
+    joined = _join(cp, tmp_path, data)
+    serving: subprocess.Popen[bytes] | None = None
+    try:
+        async with admin(cp) as client:
+            machine_id = await apoll_until(
+                lambda: next(iter(_machine_ids(cp)), None), deadline=DEADLINE, what="joined"
+            )
+            await _online(client, machine_id, True)
+            made = run_cli(data, "agent", "create", "a", "--folder", str(tmp_path), "--json")
+            assert made.returncode == 0, made.stderr
+            agent = json.loads(made.stdout)["id"]
+            joined.send_signal(signal.SIGTERM)
+            assert joined.wait(timeout=DEADLINE) == 0
+            await _online(client, machine_id, False)
+            texts = [f"prompt {i} before the machine crash" for i in range(3)]
+            ids = [(await client.send_prompt(machine_id, agent, t))["prompt_id"] for t in texts]
+
+            # The machine stores the 2nd delivery durably, then SIGKILLs itself
+            # before its acknowledgement is sent (the test-only fault hook).
+            log = (tmp_path / "crash.log").open("wb")
+            serving = subprocess.Popen(
+                [str(MACHINE_EXE), "--data-dir", str(data), "serve", "--no-background"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=machine_env({"AGENTS_MACHINE_TEST_CRASH_AFTER_DELIVERIES": "2"}),
+            )
+            log.close()
+            assert serving.wait(timeout=DEADLINE) == -signal.SIGKILL
+            await _online(client, machine_id, False)
+            recorded = [r[2] for r in _runs(data)]
+            assert sorted(recorded) == sorted(ids[:2])  # the 2nd one is recorded...
+            queued = {p["prompt_id"] for p in _prompts(cp, machine_id) if p["state"] == "queued"}
+            assert {ids[1], ids[2]} <= queued  # ...and still queued: its ack never came
+
+            # Restarted (no fault): the 2nd is delivered again, deduplicated, once.
+            serving = subprocess.Popen(
+                [str(MACHINE_EXE), "--data-dir", str(data), "serve", "--no-background"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=machine_env(),
+            )
+
+            async def drained() -> bool:
+                states = [p["state"] for p in _prompts(cp, machine_id)]
+                return states.count("acknowledged") >= 2 and "queued" not in states
+
+            await apoll_until(drained, deadline=DEADLINE, what="queue drained")
+            ended = ("finished", "interrupted")
+            runs = await apoll_until(
+                lambda: (r := _runs(data)) and len(r) == 3 and all(x[3] in ended for x in r) and r,
+                deadline=DEADLINE,
+                what="3 runs ended",
+            )
+            assert [r[2] for r in runs] == ids  # each once, in send order
+            assert [r[1] for r in runs] == texts
+            # The first may have been running when the machine died (interrupted,
+            # never started again); the recorded-but-unacknowledged 2nd runs now.
+            assert [r[3] for r in runs[1:]] == ["finished", "finished"]
+    finally:
+        for proc in (joined, serving):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=DEADLINE)
+
+
 async def _bad_input_queues_nothing(
-    cp: ControlProc, client: AdminClient, machine_id: str, agent_id: str
+    cp: ControlProc, client: AdminClient, machine_id: str, agent_id: str, archived: str
 ) -> None:
     """Each refusal names the problem; the queue (full at DEPTH) is unchanged."""
+    # The stopped machine's roster (it sent its agents' ids before it left).
+    unknown = new_id("agent")
+    with pytest.raises(NotFound, match=f"agent {unknown}"):
+        await client.send_prompt(machine_id, unknown, "hi")
+    with pytest.raises(InvalidState, match="archived on machine"):
+        await client.send_prompt(machine_id, archived, "hi")
     with pytest.raises(QuotaExceeded, match=f"limit of {DEPTH}"):
         await client.send_prompt(machine_id, agent_id, "one too many")
     with pytest.raises(TooLarge, match="text: larger than the limit of 1048576 bytes"):
@@ -286,6 +358,25 @@ async def _bad_input_queues_nothing(
     assert res.code == 2 and "cannot read /nope" in res.err and "Traceback" not in res.err
     res = cp.cli("prompt", "send", "--machine", machine_id, "--agent", agent_id, "--text", "x")
     assert res.code != 0 and "limit of 20" in res.err and "Traceback" not in res.err
+
+
+def _join(cp: ControlProc, tmp_path: Path, data: Path) -> subprocess.Popen[bytes]:
+    """A new account, and a machine joined to it (serving in the foreground)."""
+    account = re.search(
+        r"account (acct_[0-9a-z]{26})",
+        _ok(cp.cli("account", "create", "--github-id", "7", "--github-login", "q")),
+    )
+    assert account
+    token = json.loads(_ok(cp.cli("token", "create", "--account", account.group(1), "--json")))
+    join = shlex.split(token["join_command"])
+    log = (tmp_path / "join.log").open("wb")
+    joined = subprocess.Popen(
+        [str(MACHINE_EXE), *join[1:], "--data-dir", str(data), "--no-background"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    return joined
 
 
 def _kill_serving(data: Path) -> None:

@@ -228,6 +228,7 @@ class MachineMessage(_message.Message):
     HELLO_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     ACK_FIELD_NUMBER: _builtins.int
+    ROSTER_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello:
         """First message of every stream."""
@@ -240,22 +241,62 @@ class MachineMessage(_message.Message):
     def ack(self) -> Global___Ack:
         """The machine stored a delivery durably."""
 
+    @_builtins.property
+    def roster(self) -> Global___AgentRoster:
+        """The ids of the machine's agents: sent after welcome and whenever they
+        change, so the control plane can refuse a prompt for an unknown or
+        archived agent while the machine is offline.
+        """
+
     def __init__(
         self,
         *,
         hello: Global___Hello | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
         ack: Global___Ack | None = ...,
+        roster: Global___AgentRoster | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "roster", b"roster"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "roster", b"roster"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "heartbeat", "ack"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "heartbeat", "ack", "roster"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___MachineMessage: _TypeAlias = MachineMessage  # noqa: Y015
+
+@_typing.final
+class AgentRoster(_message.Message):
+    """The ids (never names) of the agents a machine would run prompts for, whole
+    each time (not a diff). At most 100,000 ids in all.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTIVE_AGENT_IDS_FIELD_NUMBER: _builtins.int
+    ARCHIVED_AGENT_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def active_agent_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Active agents ("ag_...")."""
+
+    @_builtins.property
+    def archived_agent_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Archived agents: a prompt for one is refused (FAILED_PRECONDITION)."""
+
+    def __init__(
+        self,
+        *,
+        active_agent_ids: _abc.Iterable[_builtins.str] | None = ...,
+        archived_agent_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_agent_ids", b"active_agent_ids", "archived_agent_ids", b"archived_agent_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentRoster: _TypeAlias = AgentRoster  # noqa: Y015
 
 @_typing.final
 class Hello(_message.Message):
