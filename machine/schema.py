@@ -163,8 +163,41 @@ ALTER TABLE runs ADD COLUMN prompt_id TEXT;
 CREATE UNIQUE INDEX runs_prompt_id ON runs (prompt_id) WHERE prompt_id IS NOT NULL;
 """
 
+# Erasure (issue 11): the erased list (agents that restore and import skip:
+# at most 10,000, each kept 400 days) and one receipt per erased agent, whose
+# runtime_copy = 'pending' rows are the runtime erasure queue (at most 1,000).
+# A receipt keeps what the runtime erasure needs (runtime, folder, settings,
+# session) only while it is pending; each layer reads done, unsupported,
+# failed or pending.
+_V4_ERASURE = """
+CREATE TABLE erased (
+    agent_id  TEXT PRIMARY KEY,
+    erased_at REAL NOT NULL
+);
+CREATE INDEX erased_time ON erased (erased_at);
+
+CREATE TABLE erasures (
+    agent_id        TEXT PRIMARY KEY,
+    erased_at       REAL NOT NULL,
+    runtime         TEXT NOT NULL,
+    folder          TEXT NOT NULL,
+    settings_json   TEXT NOT NULL DEFAULT '{}',
+    session_id      TEXT,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    last_attempt_at REAL,
+    machine_data    TEXT NOT NULL
+        CHECK (machine_data IN ('done', 'unsupported', 'failed', 'pending')),
+    attachments     TEXT NOT NULL
+        CHECK (attachments IN ('done', 'unsupported', 'failed', 'pending')),
+    runtime_copy    TEXT NOT NULL
+        CHECK (runtime_copy IN ('done', 'unsupported', 'failed', 'pending')),
+    detail          TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX erasures_queue ON erasures (runtime_copy, erased_at);
+"""
+
 #: MIGRATIONS[i] upgrades version i to i + 1.
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3)
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4_ERASURE)
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 

@@ -330,9 +330,23 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
             attachments=result.attachments,
         )
 
+    # --------------------------------------------------------------- erasure
+
+    async def DeleteAgent(
+        self, request: pb.DeleteAgentRequest, context: Ctx
+    ) -> pb.DeleteAgentResponse:
+        result = await self._m.require_erasure().delete(request.agent_id)
+        return pb.DeleteAgentResponse(
+            agent_id=result.agent_id, runtime_erasure_queued=result.runtime_erasure_queued
+        )
+
+    async def ListErasures(
+        self, request: pb.ListErasuresRequest, context: Ctx
+    ) -> pb.ListErasuresResponse:
+        views = await self._m.require_erasure().receipts()
+        return pb.ListErasuresResponse(erasures=[codec.erasure_to_pb(v) for v in views])
+
     # RPCs that arrive with later issues.
-    DeleteAgent = unimplemented("DeleteAgent", _LATER, what="DeleteAgent (erasure)")
-    ListErasures = unimplemented("ListErasures", _LATER)
     CreateSchedule = unimplemented("CreateSchedule", _LATER)
     ListSchedules = unimplemented("ListSchedules", _LATER)
     DeleteSchedule = unimplemented("DeleteSchedule", _LATER)
