@@ -3,11 +3,13 @@ retries across restarts, and restore/import skipping erased agents."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -359,3 +361,44 @@ def test_restore_and_import_skip_an_erased_agent_also_on_a_new_machine(
 def sync_receipts(stub: Any) -> dict[str, Any]:
     listed = stub.ListErasures(pb.ListErasuresRequest(), timeout=10)
     return {e.agent_id: e for e in listed.erasures}
+
+
+async def test_sigkill_right_after_the_commit_is_finished_at_the_next_start(
+    setup: Setup,
+) -> None:
+    daemon = setup.daemon
+    daemon.start()
+    async with stub_for(daemon) as stub:
+        agent = await create(stub, setup, "killed")
+        sha = await upload(stub, agent, f"attached {MARKER}\n".encode())
+        await prompt(stub, agent, f"remember {MARKER}", [sha])
+        await stub.ArchiveAgent(pb.ArchiveAgentRequest(agent_id=agent), timeout=10)
+
+    def erased_here() -> bool:
+        # A reader of its own: WAL lets it look while the daemon writes.
+        conn = sqlite3.connect(f"file:{setup.data / 'machine.db'}?mode=ro", uri=True)
+        try:
+            return bool(conn.execute("SELECT COUNT(*) FROM erased").fetchone()[0])
+        except sqlite3.OperationalError:  # busy for a moment: look again
+            return False
+        finally:
+            conn.close()
+
+    deleting = asyncio.create_task(
+        asyncio.to_thread(run_cli, setup.data, "agent", "delete", agent, env=setup.env)
+    )
+    # SIGKILL as soon as the delete's transaction is committed (the bytes may still
+    # be in the files): the next start must finish the erasure by itself.
+    await apoll_until(erased_here, deadline=DEADLINE, what="the delete's commit", step=0.001)
+    daemon.kill()
+    await deleting
+    daemon.start()
+    async with stub_for(daemon) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.GetAgent(pb.GetAgentRequest(agent_id=agent), timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        got = await receipts(stub)
+        assert (got[agent].machine_data, got[agent].attachments) == ("done", "done")
+    for name, content in raw_bytes(setup.data).items():
+        assert MARKER.encode() not in content, f"the marker is still in {name}"
+    daemon.stop()
