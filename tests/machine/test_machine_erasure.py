@@ -245,3 +245,18 @@ async def test_retention_sweeps_follow_the_clock(opened: Any, tmp_path: Path, cl
         assert not unnamed.exists() and not outgoing.exists()
         assert (m.config.attachments_dir / named.sha256).exists()
         assert await _erasure(m).erased_ids() == set()
+
+
+async def test_the_restore_check_counts_an_erased_agent_as_accounted_for(
+    opened: Any, tmp_path: Path, clock: Clock
+) -> None:
+    async with opened() as m:
+        agent = await _archived(m, tmp_path)
+        backups = m.require_backups()
+        await backups.backup_now()
+        clock.now = time.time() + 1  # the delete comes after the backup
+        await _erasure(m).delete(agent)
+        check = await backups.restore_check()
+        assert check.ok, check.problem
+        receipt = {v.agent_id: v for v in await _erasure(m).receipts()}[agent]
+        assert receipt.backups == "pending"  # the backup made before still holds it
