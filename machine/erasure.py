@@ -302,7 +302,11 @@ class ErasureService:
         if queued:
             self.queue.notify()
         await self.refresh_gauges()
-        await self.scrub([agent_id], orphans)
+        try:
+            await self.scrub([agent_id], orphans)
+        except AgentsError as e:
+            # The rows are gone (committed); the bytes go at the next start.
+            logger.error("erasing the bytes of agent %s failed (%s): next start", agent_id, e)
         return DeleteResult(agent_id, queued)
 
     async def scrub(self, agent_ids: Iterable[str], shas: Iterable[str]) -> None:
@@ -319,8 +323,8 @@ class ErasureService:
             state = "failed"
         if ids:
             await self._db.write(
-                lambda c: store_erasures.finish_attachments(c, ids, state),
-                what="record removed attachments",
+                lambda c: store_erasures.finish_scrub(c, ids, state),
+                what="record erased bytes",
             )
 
     async def checkpoint(self) -> None:
@@ -347,7 +351,7 @@ class ErasureService:
     async def finish_pending(self) -> None:
         """At start: finish the byte removal of deletes a crash interrupted."""
         pending = await self._db.read(
-            store_erasures.pending_attachment_receipts, what="read erasure receipts"
+            store_erasures.unscrubbed_receipts, what="read erasure receipts"
         )
         if pending:
             shas = await unnamed_attachment_files(self._db, self._attachments, min_age=0.0)

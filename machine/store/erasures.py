@@ -26,11 +26,11 @@ __all__ = [
     "delete_agent_rows",
     "erased_among",
     "erased_rows",
-    "finish_attachments",
+    "finish_scrub",
     "insert_receipt",
     "list_receipts",
     "optimize_search",
-    "pending_attachment_receipts",
+    "unscrubbed_receipts",
     "prune_erased",
     "queue_length",
     "queued",
@@ -176,12 +176,13 @@ def insert_receipt(
     detail: str = "",
 ) -> None:
     """Write an erased agent's receipt; ``runtime_copy='pending'`` queues its
-    runtime erasure (the settings are kept only then)."""
+    runtime erasure (the settings are kept only then). Its machine data reads
+    pending until the deleted bytes have left the files (:func:`finish_scrub`)."""
     keep = runtime_copy == "pending"
     conn.execute(
         "INSERT OR REPLACE INTO erasures (agent_id, erased_at, runtime, folder, settings_json,"
         " session_id, attempts, machine_data, attachments, runtime_copy, detail)"
-        " VALUES (?,?,?,?,?,?,0,'done',?,?,?)",
+        " VALUES (?,?,?,?,?,?,0,'pending',?,?,?)",
         (
             agent_id,
             erased_at,
@@ -272,17 +273,20 @@ def record_attempt(
         )
 
 
-def pending_attachment_receipts(conn: sqlite3.Connection) -> list[str]:
-    """Agents whose attachment files may still be on disk (a crash after the commit)."""
-    rows = conn.execute("SELECT agent_id FROM erasures WHERE attachments = 'pending'")
+def unscrubbed_receipts(conn: sqlite3.Connection) -> list[str]:
+    """Agents whose deleted bytes may still be in the files (a crash after the commit)."""
+    rows = conn.execute(
+        "SELECT agent_id FROM erasures WHERE machine_data = 'pending' OR attachments = 'pending'"
+    )
     return [r[0] for r in rows]
 
 
-def finish_attachments(conn: sqlite3.Connection, agent_ids: Iterable[str], state: str) -> None:
-    """Set the attachments layer of these receipts."""
+def finish_scrub(conn: sqlite3.Connection, agent_ids: Iterable[str], attachments: str) -> None:
+    """The deleted bytes left the database files: machine data done, and the
+    attachments layer ``attachments`` (done, or failed)."""
     conn.executemany(
-        "UPDATE erasures SET attachments = ? WHERE agent_id = ?",
-        [(state, a) for a in agent_ids],
+        "UPDATE erasures SET machine_data = 'done', attachments = ? WHERE agent_id = ?",
+        [(attachments, a) for a in agent_ids],
     )
 
 

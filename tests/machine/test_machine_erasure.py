@@ -206,11 +206,11 @@ async def test_a_crash_after_the_commit_is_finished_at_the_next_start(
         path = m.config.attachments_dir / rec.sha256
         assert path.exists()
         r = {v.agent_id: v for v in await _erasure(m).receipts()}[agent]
-        assert (r.machine_data, r.attachments) == ("done", "pending")
+        assert (r.machine_data, r.attachments) == ("pending", "pending")
     async with opened() as m:
         assert not path.exists()
         r = {v.agent_id: v for v in await _erasure(m).receipts()}[agent]
-        assert r.attachments == "done"
+        assert (r.machine_data, r.attachments) == ("done", "done")
 
 
 async def test_retention_sweeps_follow_the_clock(opened: Any, tmp_path: Path, clock: Clock) -> None:
