@@ -27,10 +27,12 @@ from machine.backup_service import BackupMetrics, BackupService, parse_daily_tim
 from machine.config import MachineConfig
 from machine.db import Database
 from machine.dbfaults import CheckResult
+from machine.erasure import ErasureService
 from machine.handoff import Handoff
 from machine.link_client import AgentRoster, LinkClient
 from machine.metrics import MachineMetrics
 from machine.models import AgentState, MachineIds
+from machine.retention import Retention
 from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry, default_registry
 from machine.schedules import Scheduler, SchedulesService
@@ -80,6 +82,8 @@ class Machine:
     metrics: MachineMetrics | None = None
     backups: BackupService | None = None
     handoff: Handoff | None = None
+    erasure: ErasureService | None = None
+    retention: Retention | None = None
     schedules: SchedulesService | None = None
     scheduler: Scheduler | None = None
 
@@ -173,14 +177,18 @@ class Machine:
         finally:
             await folder_store.close()
 
-    async def prune(self) -> int:
-        """Delete machine log entries older than the retention; return how many."""
-        cutoff = time.time() - self.config.event_retention_days * 86400
+    def require_erasure(self) -> ErasureService:
+        """Agent erasure (always built by :func:`open_machine`)."""
+        if self.erasure is None:
+            raise InvalidState("erasure", "this machine was opened without erasure")
+        return self.erasure
 
-        removed = await self.db.write(lambda c: store.prune_log(c, cutoff))
-        if self.handoff is not None:
-            await self.handoff.sweep()
-        return removed
+    async def prune(self) -> int:
+        """Run the retention sweeps; return how many machine log entries went."""
+        if self.retention is not None:
+            return (await self.retention.sweep()).log_entries
+        cutoff = time.time() - self.config.event_retention_days * 86400
+        return await self.db.write(lambda c: store.prune_log(c, cutoff))
 
 
 # Settings keys: the id made with the database (never changes), every id this
@@ -370,14 +378,24 @@ async def _build_backups(
     return service
 
 
+def _backup_times(service: BackupService) -> Callable[[], Awaitable[list[float]]]:
+    async def times() -> list[float]:
+        return [m.created_at for _, m in await service.engine.list() if m is not None]
+
+    return times
+
+
 @contextlib.asynccontextmanager
 async def open_machine(
     config: MachineConfig,
     *,
     metrics: MachineMetrics | None = None,
     runtimes: RuntimeRegistry | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> AsyncIterator[Machine]:
     """Open the data folder and database, recover runs, and yield the machine.
+
+    ``clock`` is the time the retention sweeps and erasures read (tests move it).
 
     On exit, runs get ``config.shutdown_grace_seconds`` to end, then are
     interrupted; runs waiting for a person stay waiting.
@@ -421,6 +439,26 @@ async def open_machine(
             attachments_dir=config.attachments_dir,
             outgoing=config.outgoing_dir,
             incoming=config.incoming_dir,
+            clock=clock,
+        )
+        backups = await _build_backups(config, db, ids, metrics, closing)
+        erasure = ErasureService(
+            db,
+            ids=ids,
+            runs=engine,
+            registry=registry,
+            attachments_dir=config.attachments_dir,
+            metrics=metrics,
+            backup_times=_backup_times(backups),
+            clock=clock,
+        )
+        retention = Retention(
+            db,
+            attachments_dir=config.attachments_dir,
+            erasure=erasure,
+            handoff=handoff,
+            log_days=config.event_retention_days,
+            clock=clock,
         )
         machine = Machine(
             config=config,
@@ -437,8 +475,10 @@ async def open_machine(
                 metrics=metrics,
             ),
             metrics=metrics,
-            backups=await _build_backups(config, db, ids, metrics, closing),
+            backups=backups,
             handoff=handoff,
+            erasure=erasure,
+            retention=retention,
         )
         scheduler = Scheduler(
             db,
@@ -458,6 +498,12 @@ async def open_machine(
         )
         # Exports and imports a killed daemon left behind for over an hour go now.
         await handoff.sweep()
+        # Bytes a delete left behind (a crash after its commit), then every
+        # retention rule: exports and imports a killed daemon left for over an
+        # hour, unnamed attachments, old log and erased-list entries.
+        await erasure.finish_pending()
+        await retention.sweep()
+        await erasure.refresh_gauges()
         interrupted = await engine.start()
         if interrupted:
             logger.warning(
@@ -467,6 +513,8 @@ async def open_machine(
             # After the engine's recovery: a fire's run recorded before a crash is
             # started by the engine, and the scheduler sees the fire as recorded.
             loops.append(asyncio.create_task(scheduler.run(), name="machine-scheduler"))
+        # Not a periodic job: queued runtime erasures get their one try per start.
+        loops.append(asyncio.create_task(erasure.queue.run(), name="machine-erasure-queue"))
         if config.background_loops:
             loops.append(asyncio.create_task(_prune_loop(machine), name="machine-log-prune"))
             loops.append(asyncio.create_task(_check_loop(machine), name="machine-db-check"))

@@ -26,10 +26,10 @@ from machine.db import Database
 from machine.dbfaults import is_disk_full
 from machine.models import AttachmentRecord
 from shared.atomic import ensure_private_dir, fsync_dir
-from shared.errors import DiskFull, InvalidArgument, NotFound, TooLarge
+from shared.errors import DiskFull, InvalidArgument, InvalidId, NotFound, TooLarge
 from shared.ids import validate_id, validate_sha256
 
-__all__ = ["AttachmentStore", "remove_partial_uploads"]
+__all__ = ["AttachmentStore", "remove_partial_uploads", "unnamed_attachment_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,3 +147,36 @@ def _commit_file(tmp: Path, final: Path) -> None:
     os.chmod(tmp, 0o600)
     os.replace(tmp, final)  # same content, same name: replacing an existing copy is harmless
     fsync_dir(final.parent)
+
+
+def _is_sha256(name: str) -> bool:
+    try:
+        validate_sha256(name)
+    except InvalidId:
+        return False
+    return True
+
+
+def _files_older_than(folder: Path, cutoff: float) -> list[str]:
+    names = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(folder):
+            if not _is_sha256(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if entry.stat(follow_symlinks=False).st_mtime <= cutoff:
+                    names.append(entry.name)
+    return names
+
+
+async def unnamed_attachment_files(
+    db: Database, folder: Path, *, min_age: float, now: float | None = None
+) -> list[str]:
+    """sha256 names of attachment files at least ``min_age`` old that no agent names."""
+    cutoff = (time.time() if now is None else now) - min_age
+    names = await asyncio.to_thread(_files_older_than, folder, cutoff)
+    if not names:
+        return []
+    return await db.read(
+        lambda c: store.unreferenced_attachments(c, names), what="read attachments"
+    )

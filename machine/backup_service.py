@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from machine.backup import BackupEngine, BackupResult, Progress, VerifyResult
 from machine.backup_keys import BackupKeys, new_standalone_recovery_key
 from machine.db import Database
+from machine.store import erasures as store_erasures
 from machine.store import export as store_export
 from machine.transfer import DatabaseBackupSource, InResult, restore_fetched
 from shared.backup_target import BackupTarget
@@ -234,7 +235,11 @@ class BackupService:
                 manifest = await self.engine.open(info.backup_id)
                 agents = {s.ref for s in manifest.segments if s.kind == "agent"}
                 live = await self._db.read(
-                    lambda c: store_export.existing_agents(c, agents), what="restore check"
+                    lambda c: (
+                        store_export.existing_agents(c, agents)
+                        | store_erasures.erased_among(c, agents)
+                    ),  # erased since: not missing
+                    what="restore check",
                 )
                 missing = agents - live
                 problem = (

@@ -646,6 +646,41 @@ async def _schedule_runs(ctx: _Ctx) -> int:
     return _show(ctx.out, runs, lambda: ctx.out.table([*columns, Column("detail")], rows))
 
 
+async def _agent_delete(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        reply = await stub.DeleteAgent(pb.DeleteAgentRequest(agent_id=ctx.args.id))
+    text = f"{reply.agent_id} erased"
+    if reply.runtime_erasure_queued:
+        text += "; its runtime's copy is being erased"
+    return _show(
+        ctx.out,
+        reply,
+        lambda: ctx.out.lines(text, f"Try: {ctx.prog} agent erasures  (the receipt)"),
+    )
+
+
+async def _agent_erasures(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as stub:
+        listed = await stub.ListErasures(pb.ListErasuresRequest())
+    rows = [
+        [e.agent_id, e.state, _when(e.erased_at), e.machine_data, e.attachments, e.runtime_copy,
+         e.backups, str(e.attempts), e.detail]
+        for e in listed.erasures
+    ]  # fmt: skip
+    columns = [
+        Column("agent", whole=True),
+        Column("state"),
+        Column("erased"),
+        Column("machine data"),
+        Column("attachments"),
+        Column("runtime copy"),
+        Column("backups"),
+        Column("tries"),
+        Column("detail"),
+    ]
+    return _show(ctx.out, listed, lambda: ctx.out.table(columns, rows))
+
+
 async def _agent_search(ctx: _Ctx) -> int:
     args = ctx.args
     async with _client(ctx.cfg) as stub:
@@ -979,6 +1014,8 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("agent", "answer"): _agent_answer,
     ("agent", "runs"): _agent_runs,
     ("agent", "search"): _agent_search,
+    ("agent", "delete"): _agent_delete,
+    ("agent", "erasures"): _agent_erasures,
     ("backup", "now"): _backup_now,
     ("backup", "list"): _backup_list,
     ("backup", "verify"): _backup_verify,
@@ -1094,6 +1131,14 @@ def _parser() -> CliParser:
     se.add_argument("query", nargs="+", help="words to find")
     se.add_argument("--agent", help="only this agent")
     se.add_argument("--limit", type=_LIMIT, default=20, help="at most this many (default 20)")
+    verbs.add_parser(
+        "delete",
+        parents=[common],
+        help="erase an archived agent everywhere this machine can reach (cannot be undone)",
+    ).add_argument("id", help=_AGENT_ID)
+    verbs.add_parser(
+        "erasures", parents=[common], help="erased agents and what was erased, per layer"
+    )
 
     b = sub.add_parser(
         "backup", parents=[common], help="sealed backups: make, list, verify, restore"

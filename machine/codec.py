@@ -11,6 +11,7 @@ import logging
 from machine.backup import BackupResult
 from machine.backup_format import BackupManifest
 from machine.backup_service import BackupStatus
+from machine.erasure import ErasureView
 from machine.models import (
     AgentRecord,
     AgentState,
@@ -268,4 +269,19 @@ def backup_status_to_pb(st: BackupStatus) -> pb.BackupStatus:
         last_check_problem=check.problem if check else "",
         recovery_key=st.recovery_key,
         warnings=list(st.warnings),
+    )
+
+
+def erasure_to_pb(view: ErasureView) -> pb.Erasure:
+    """An erasure receipt."""
+    return pb.Erasure(
+        agent_id=view.agent_id,
+        state=view.state,
+        attempts=view.attempts,
+        erased_at=from_seconds(view.erased_at),
+        machine_data=view.machine_data,
+        attachments=view.attachments,
+        runtime_copy=view.runtime_copy,
+        backups=view.backups,
+        detail=view.detail,
     )

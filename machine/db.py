@@ -324,6 +324,29 @@ class Database:
 
         return await asyncio.get_running_loop().run_in_executor(self._reader.executor, run)
 
+    async def maintain(self, fn: Callable[[sqlite3.Connection], T], *, what: str = "") -> T:
+        """Run ``fn`` on a short-lived connection of its own, outside any transaction.
+
+        For statements SQLite refuses inside one (``PRAGMA wal_checkpoint``);
+        ordinary writes go through :meth:`write`. Storage faults become our errors.
+        """
+        if self._closed:
+            raise StoreError(f"maintain {self.path}: database is closed")
+
+        def run() -> T:
+            conn = _connect(self.path)
+            try:
+                return fn(conn)
+            except (sqlite3.Error, OSError) as e:
+                ours = self._translated(e, what or f"maintain {self.path.name}")
+                if ours is None:
+                    raise
+                raise ours from e
+            finally:
+                conn.close()
+
+        return await asyncio.to_thread(run)
+
     def _fault(self, kind: str) -> None:
         if self._on_fault is not None:
             try:

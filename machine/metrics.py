@@ -121,6 +121,27 @@ class MachineMetrics:
             "Enabled schedules of active agents.",
             registry=registry,
         )
+        self.erasure_queue_length = Gauge(
+            "agents_machine_erasure_queue_length",
+            "Runtime erasures of deleted agents waiting (at most 1,000).",
+            registry=registry,
+        )
+        self.erasure_queue_oldest_age = Gauge(
+            "agents_machine_erasure_queue_oldest_age_seconds",
+            "Age of the oldest runtime erasure still waiting; 0 when none waits.",
+            registry=registry,
+        )
+        self.erasures = Counter(
+            "agents_machine_erasures",
+            "Runtime erasures that reached a result (done, unsupported, failed: given up).",
+            ["result"],
+            registry=registry,
+        )
+        self.erasure_failures = Counter(
+            "agents_machine_erasure_failures",
+            "Runtime erasure attempts that failed (the runtime did not start or answer).",
+            registry=registry,
+        )
 
     def observe_fault(self, kind: str) -> None:
         """Record a storage fault (called from the database's threads)."""

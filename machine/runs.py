@@ -243,6 +243,13 @@ class RunEngine:
                 logger.exception("closing runtime %s failed", runtime.name)
         self._runtimes.clear()
 
+    async def release_runtime(self, agent_id: str) -> None:
+        """Stop the agent's runtime (its process, if any) and forget it; the agent
+        must have no open run (an archived one has none)."""
+        runtime = self._runtimes.pop(agent_id, None)
+        if runtime is not None:
+            await runtime.close()
+
     def interrupt_now(self) -> None:
         """Interrupt every open run at once (the second stop signal)."""
         self._closing = True

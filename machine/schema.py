@@ -163,6 +163,39 @@ ALTER TABLE runs ADD COLUMN prompt_id TEXT;
 CREATE UNIQUE INDEX runs_prompt_id ON runs (prompt_id) WHERE prompt_id IS NOT NULL;
 """
 
+# Erasure (issue 11): the erased list (agents that restore and import skip:
+# at most 10,000, each kept 400 days) and one receipt per erased agent, whose
+# runtime_copy = 'pending' rows are the runtime erasure queue (at most 1,000).
+# A receipt keeps what the runtime erasure needs (runtime, folder, settings,
+# session) only while it is pending; each layer reads done, unsupported,
+# failed or pending.
+_V4_ERASURE = """
+CREATE TABLE erased (
+    agent_id  TEXT PRIMARY KEY,
+    erased_at REAL NOT NULL
+);
+CREATE INDEX erased_time ON erased (erased_at);
+
+CREATE TABLE erasures (
+    agent_id        TEXT PRIMARY KEY,
+    erased_at       REAL NOT NULL,
+    runtime         TEXT NOT NULL,
+    folder          TEXT NOT NULL,
+    settings_json   TEXT NOT NULL DEFAULT '{}',
+    session_id      TEXT,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    last_attempt_at REAL,
+    machine_data    TEXT NOT NULL
+        CHECK (machine_data IN ('done', 'unsupported', 'failed', 'pending')),
+    attachments     TEXT NOT NULL
+        CHECK (attachments IN ('done', 'unsupported', 'failed', 'pending')),
+    runtime_copy    TEXT NOT NULL
+        CHECK (runtime_copy IN ('done', 'unsupported', 'failed', 'pending')),
+    detail          TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX erasures_queue ON erasures (runtime_copy, erased_at);
+"""
+
 # Schedules: a cron expression in a time zone and a prompt, per agent, and
 # each fire as a schedule_runs row. (schedule_id, fire_time) is the primary
 # key, so a fire time is recorded at most once whatever restarts happen; the
@@ -197,7 +230,7 @@ CREATE INDEX schedule_runs_run ON schedule_runs (run_id);
 """
 
 #: MIGRATIONS[i] upgrades version i to i + 1.
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4_SCHEDULES)
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4_ERASURE, _V4_SCHEDULES)
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 

@@ -26,7 +26,6 @@ from shared.errors import AgentsError, InvalidArgument
 from shared.ids import validate_id
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
-from shared.rpc import unimplemented
 from shared.timestamps import from_seconds
 
 __all__ = ["SERVICE_NAME", "MachineServicer"]
@@ -34,7 +33,6 @@ __all__ = ["SERVICE_NAME", "MachineServicer"]
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MachineService"].full_name
-_LATER = "arrives with a later issue"
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
@@ -374,6 +372,18 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         runs = await self._m.require_schedules().runs(request.schedule_id, request.limit)
         return pb.ListScheduleRunsResponse(runs=[codec.schedule_run_to_pb(r) for r in runs])
 
-    # RPCs that arrive with later issues.
-    DeleteAgent = unimplemented("DeleteAgent", _LATER, what="DeleteAgent (erasure)")
-    ListErasures = unimplemented("ListErasures", _LATER)
+    # --------------------------------------------------------------- erasure
+
+    async def DeleteAgent(
+        self, request: pb.DeleteAgentRequest, context: Ctx
+    ) -> pb.DeleteAgentResponse:
+        result = await self._m.require_erasure().delete(request.agent_id)
+        return pb.DeleteAgentResponse(
+            agent_id=result.agent_id, runtime_erasure_queued=result.runtime_erasure_queued
+        )
+
+    async def ListErasures(
+        self, request: pb.ListErasuresRequest, context: Ctx
+    ) -> pb.ListErasuresResponse:
+        views = await self._m.require_erasure().receipts()
+        return pb.ListErasuresResponse(erasures=[codec.erasure_to_pb(v) for v in views])

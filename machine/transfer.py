@@ -37,11 +37,12 @@ from machine.export_format import (
     file_sha256,
     verify_staged,
 )
+from machine.store import erasures as store_erasures
 from machine.store import export as store_export
 from shared.archive import ArchiveLimits, extract_staged, write_tar, write_tar_gz
 from shared.atomic import ensure_private_dir, fsync_dir
 from shared.errors import IntegrityError, InvalidArgument
-from shared.ids import validate_id
+from shared.ids import is_valid_id, validate_id
 
 __all__ = [
     "DatabaseBackupSource",
@@ -148,7 +149,7 @@ class DatabaseBackupSource:
         return await self._db.read(store_export.usage_rows, what="backup usage")
 
     async def erased(self) -> list[dict[str, Any]]:
-        return []  # the erased list arrives with erasure (issue 11); the field is kept
+        return await self._db.read(store_erasures.erased_rows, what="backup erased list")
 
     async def settings(self) -> dict[str, str]:
         return {}
@@ -193,10 +194,17 @@ async def _commit(
     usage: list[dict[str, Any]],
     erased: set[str],
     what: str,
+    erased_entries: list[tuple[str, float]] | None = None,
 ) -> InResult:
-    existing = await db.read(
-        lambda c: store_export.existing_agents(c, folders), what=f"{what}: existing agents"
-    )
+    def known(conn: Any) -> tuple[set[str], set[str]]:
+        return (
+            store_export.existing_agents(conn, folders),
+            store_erasures.erased_among(conn, folders),
+        )
+
+    existing, erased_here = await db.read(known, what=f"{what}: existing agents")
+    # The machine's own erased list, the caller's and the backup's: all are skipped.
+    erased = erased | erased_here | {a for a, _ in erased_entries or ()}
     skipped_existing = tuple(sorted(a for a in folders if a in existing))
     skipped_erased = tuple(sorted(a for a in folders if a in erased and a not in existing))
     todo = [a for a in folders if a not in existing and a not in erased]
@@ -213,8 +221,14 @@ async def _commit(
                 raise InvalidArgument("archive", f"agent {agent_id}: its record names {loaded}")
         for sha, size in sizes.items():
             store_export.set_attachment_size(conn, sha, size)
+        # A restore brings the erased list back (a new machine must skip them too).
+        entries = erased_entries or []
+        here = store_export.existing_agents(conn, [a for a, _ in entries])
+        for agent_id, erased_at in entries:
+            if agent_id not in here:
+                store_erasures.add_erased(conn, agent_id, erased_at)
 
-    if todo:
+    if todo or erased_entries:
         await db.write(commit, what=what)  # the commit point: every agent or none
     logger.info("%s: %d agents in, %d skipped", what, len(todo), len(folders) - len(todo))
     return InResult(tuple(todo), skipped_existing, skipped_erased, len(sizes))
@@ -275,13 +289,28 @@ async def restore_fetched(
         if not required <= set(got) <= required | optional:
             raise IntegrityError(f"backup agent {agent_id}", "segment does not hold its files")
         folders[agent_id] = stage / "agents" / agent_id
-    erased_all = erased | {str(e.get("agent_id")) for e in fetched.manifest.erased}
     return await _commit(
         db,
         folders,
         dict(fetched.attachment_files),
         attachments_dir,
         usage=list(fetched.manifest.usage),
-        erased=erased_all,
+        erased=erased,
         what=f"restore {fetched.manifest.backup_id}",
+        erased_entries=_erased_entries(fetched.manifest.erased),
     )
+
+
+def _erased_entries(rows: Iterable[dict[str, Any]]) -> list[tuple[str, float]]:
+    """The backup's erased list, each entry checked (a malformed one is dropped)."""
+    out = []
+    for row in rows:
+        agent_id, at = row.get("agent_id"), row.get("erased_at")
+        if not isinstance(agent_id, str) or not is_valid_id("agent", agent_id):
+            logger.warning("backup erased list: dropping a malformed agent id")
+            continue
+        if not isinstance(at, int | float) or isinstance(at, bool):
+            logger.warning("backup erased list: dropping %s (no time)", agent_id)
+            continue
+        out.append((agent_id, float(at)))
+    return out

@@ -103,6 +103,8 @@ _MAX_TOOL_OUTPUT_CHARS = 64 * 1024
 # default line limit would break the connection on it.
 _STREAM_LIMIT = 32 * 1024 * 1024
 _CLIENT_NAME = "agents-machine"
+# JSON-RPC error ACP agents answer for an unknown session: already gone.
+_RESOURCE_NOT_FOUND = -32002
 _CLIENT_VERSION = "0.1.0"
 _CANCELLED = RequestPermissionResponse(outcome=DeniedOutcome(outcome="cancelled"))
 
@@ -377,6 +379,7 @@ class _AgentProcess:
         self.conn = conn
         self.client = client
         self.can_load = False
+        self.can_delete = False
         self.sessions: set[str] = set()
         self._stderr_task = asyncio.create_task(self._drain_stderr())
 
@@ -557,6 +560,8 @@ class AcpRuntime:
                 )
             caps = init.agent_capabilities
             proc.can_load = bool(caps is not None and caps.load_session)
+            session_caps = caps.session_capabilities if caps is not None else None
+            proc.can_delete = session_caps is not None and session_caps.delete is not None
         except BaseException:
             await self._stop_process()
             raise
@@ -846,6 +851,62 @@ class AcpRuntime:
             paths = await asyncio.to_thread(codex_session_paths, base, session_id)
         removed = await asyncio.to_thread(remove_session_paths, base, paths)
         logger.info("acp delete_session (%s): removed %d path(s)", kind, removed)
+
+    async def erase_session(self, session_id: str | None, folder: Path) -> tuple[str, str]:
+        """Delete the agent's own copy of a session (see ``base.SessionEraser``).
+
+        Starts the agent as it ran (its settings, in ``folder``) and calls
+        ``session/delete`` when the agent advertises it (an unknown session
+        counts as deleted); for kinds claude and codex the CLI's session files
+        go too. RuntimeFailed when the agent does not start or answer.
+        """
+        if not session_id:
+            return "done", "the agent never opened a session"
+        settings = self._settings
+        if settings is None:
+            raise RuntimeFailed("acp session/delete: the agent's settings are unknown")
+        async with self._lock:
+            proc = await self._ensure_process(settings, folder)
+            deleted = False
+            if proc.can_delete:
+                deleted = await self._delete_on_agent(proc, session_id)
+        files = ""
+        if settings.kind != "generic":
+            try:
+                await self.delete_session(session_id)
+            except InvalidArgument:
+                files = f"; its {settings.kind} session id is not a UUID: no files removed"
+            else:
+                return "done", f"session/delete: {'yes' if deleted else 'not offered'}; " + (
+                    f"{settings.kind} session files removed"
+                )
+        if deleted:
+            return "done", "deleted by the agent (session/delete)" + files
+        return "unsupported", "the agent offers no session/delete and keeps files we do not know"
+
+    async def _delete_on_agent(self, proc: _AgentProcess, session_id: str) -> bool:
+        program = proc.settings.program
+        # The package knows session/delete's schema but has no client method for
+        # it yet: send the request on its connection ourselves.
+        call = proc.conn._conn.send_request("session/delete", {"sessionId": session_id})
+        try:
+            await asyncio.wait_for(call, self._handshake_timeout)
+        except acp.RequestError as exc:
+            if exc.code == _RESOURCE_NOT_FOUND:
+                return True  # a missing session is a deleted one
+            raise RuntimeFailed(
+                f"acp session/delete {program}: agent error {exc.code}: {exc}"
+            ) from None
+        except TimeoutError:
+            raise RuntimeFailed(
+                f"acp session/delete {program}: no answer within {self._handshake_timeout:g}s"
+            ) from None
+        except OSError:
+            code = await proc.exit_code(2.0)
+            raise RuntimeFailed(
+                f"acp session/delete {program}: agent process exited (code {code})"
+            ) from None
+        return True
 
 
 def _answer(

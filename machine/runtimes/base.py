@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from shared.errors import RuntimeFailed
 
@@ -33,6 +33,7 @@ __all__ = [
     "Runtime",
     "RuntimeEvent",
     "RuntimeFailed",
+    "SessionEraser",
     "SessionStarted",
     "TextDelta",
     "ToolCall",
@@ -173,4 +174,22 @@ class Runtime(Protocol):
 
     async def delete_session(self, session_id: str) -> None:
         """Remove the backend's own stored session (files under ~/.claude...)."""
+        ...
+
+
+@runtime_checkable
+class SessionEraser(Protocol):
+    """A runtime that can erase its backend's own copy of a session (agent erasure).
+
+    A runtime without it reads "unsupported" in the erasure receipt.
+    """
+
+    async def erase_session(self, session_id: str | None, folder: Path) -> tuple[str, str]:
+        """Delete the backend's copy of ``session_id`` (the agent ran in ``folder``).
+
+        Returns ("done" or "unsupported", a detail for the receipt): done when
+        the copy is gone (deleted, missing, or never made); unsupported when the
+        backend keeps it and cannot delete it. Raises RuntimeFailed when the
+        backend does not start or answer: the erasure is tried again later.
+        """
         ...

@@ -133,3 +133,7 @@ class EchoRuntime:
 
     async def delete_session(self, session_id: str) -> None:
         """Echo keeps no session files."""
+
+    async def erase_session(self, session_id: str | None, folder: Path) -> tuple[str, str]:
+        """Echo keeps no copy of a conversation: nothing to erase."""
+        return "done", "the echo runtime keeps no copy"

@@ -7,8 +7,9 @@ writes SQL: erasure and backups read and delete through this package.
 
 Modules by table group: :mod:`.settings` (settings, machine log, counts),
 :mod:`.agents`, :mod:`.runs`, :mod:`.events` (events, tool log, search,
-summaries), :mod:`.permissions`, :mod:`.attachments`, :mod:`.schedules`, and :mod:`.export`
-(dump and load of whole agents for export, import and backups).
+summaries), :mod:`.permissions`, :mod:`.attachments`, :mod:`.schedules`, :mod:`.export`
+(dump and load of whole agents for export, import and backups), and
+:mod:`.erasures` (an agent's rows deleted, the erased list, receipts).
 """
 
 from machine.store.agents import (
@@ -23,6 +24,7 @@ from machine.store.agents import (
     set_session_id,
 )
 from machine.store.attachments import add_attachment_ref, attachment_referenced, record_attachment
+from machine.store.erasures import unreferenced_attachments
 from machine.store.events import append_event, read_events, run_events, search
 from machine.store.permissions import (
     answer_permission,
@@ -120,4 +122,5 @@ __all__ = [
     "set_session_id",
     "set_setting",
     "state_counts",
+    "unreferenced_attachments",
 ]

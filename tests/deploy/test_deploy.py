@@ -28,8 +28,6 @@ TIMEOUT = 60
 # too. Names outside this set must be found in the code.
 ASSUMED_METRICS = frozenset(
     {
-        "agents_machine_erasure_queue_oldest_age_seconds",
-        "agents_machine_erasure_failures_total",
         # The machine opens no object store yet; shared/store/wrappers.py will
         # export these (namespace agents_machine) once it does.
         "agents_machine_store_errors_total",

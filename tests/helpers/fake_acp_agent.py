@@ -14,6 +14,10 @@ behaves deterministically, keyed by the prompt text:
 - ``/fs`` and ``/terminal``: asks the client to read a file / create a terminal
   and reports whether the client refused ("fake: fs refused").
 
+It advertises ``session/delete``: a deleted session's file goes, an unknown one
+answers "resource not found". With ``--fail-delete`` every ``session/delete``
+answers an internal error instead (a runtime that cannot erase).
+
 Sessions are kept in ``DIR/sessions/<id>.json`` so ``session/load`` works after
 a restart; a turn is stored only once it completes, and tool call ids are
 ``call-<completed turns>-<NAME>``, so a prompt driven again after an
@@ -33,15 +37,21 @@ from typing import Any, cast
 
 import acp
 from acp import helpers
+from acp.agent import connection as agent_connection
+from acp.agent.router import build_agent_router
+from acp.router import MessageRouter
 from acp.schema import (
     AgentCapabilities,
     AllowedOutcome,
+    DeleteSessionRequest,
     Implementation,
     InitializeResponse,
     LoadSessionResponse,
     NewSessionResponse,
     PermissionOption,
     PromptResponse,
+    SessionCapabilities,
+    SessionDeleteCapabilities,
     TextContentBlock,
     ToolCallUpdate,
     Usage,
@@ -54,8 +64,9 @@ SLOW_PAUSE = 0.05
 class FakeAgent:
     """Deterministic ACP agent; see the module docstring."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, *, fail_delete: bool = False) -> None:
         self._state_dir = state_dir
+        self._fail_delete = fail_delete
         self._sessions_dir = state_dir / "sessions"
         self._sessions_dir.mkdir(parents=True, exist_ok=True)
         self._cancelled: dict[str, asyncio.Event] = {}
@@ -116,7 +127,10 @@ class FakeAgent:
         )
         return InitializeResponse(
             protocol_version=acp.PROTOCOL_VERSION,
-            agent_capabilities=AgentCapabilities(load_session=True),
+            agent_capabilities=AgentCapabilities(
+                load_session=True,
+                session_capabilities=SessionCapabilities(delete=SessionDeleteCapabilities()),
+            ),
             agent_info=Implementation(name="fake-acp-agent", version="1.0"),
         )
 
@@ -140,6 +154,16 @@ class FakeAgent:
             await self._say(session_id, turn["reply"])
         self._log("load_session", session_id=session_id, cwd=cwd, turns=len(data["turns"]))
         return LoadSessionResponse()
+
+    async def delete_session(self, session_id: str, **kwargs: Any) -> dict[str, Any]:
+        self._log("delete_session", session_id=session_id, failing=self._fail_delete)
+        if self._fail_delete:
+            raise acp.RequestError.internal_error({"reason": "asked to fail"})
+        try:
+            self._session_path(session_id).unlink()
+        except (ValueError, FileNotFoundError):
+            raise acp.RequestError.resource_not_found(session_id) from None
+        return {}
 
     async def cancel(self, session_id: str, **kwargs: Any) -> None:
         self._log("cancel", session_id=session_id)
@@ -261,12 +285,21 @@ class FakeAgent:
         return reply
 
 
+def _router_with_delete(agent: Any, use_unstable_protocol: bool = False) -> MessageRouter:
+    # The package knows session/delete's schema but routes no handler for it yet.
+    router = build_agent_router(agent, use_unstable_protocol=use_unstable_protocol)
+    router.route_request("session/delete", DeleteSessionRequest, agent, "delete_session")
+    return router
+
+
 def main() -> None:
     """Parse arguments and serve ACP on stdin/stdout until the client goes away."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--state-dir", required=True, type=Path)
+    parser.add_argument("--fail-delete", action="store_true")
     args = parser.parse_args()
-    agent = FakeAgent(args.state_dir)
+    agent = FakeAgent(args.state_dir, fail_delete=args.fail_delete)
+    agent_connection.build_agent_router = _router_with_delete  # type: ignore[assignment]
     # The fake implements only the methods it needs; the package routes the rest.
     asyncio.run(acp.run_agent(cast(acp.Agent, agent)))
 

@@ -40,16 +40,21 @@ def machine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_cli(
-    data_dir: Path, *args: str, timeout: float = 30.0, stdin: str | None = None
+    data_dir: Path,
+    *args: str,
+    timeout: float = 30.0,
+    stdin: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``agents-machine --data-dir DATA ARGS...`` and capture its output."""
+    """Run ``agents-machine --data-dir DATA ARGS...`` and capture its output
+    (``env``: variables added to the environment, e.g. a temporary HOME)."""
     return subprocess.run(
         [str(AGENTS_MACHINE), "--data-dir", str(data_dir), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         input=stdin,
-        env=_env(),
+        env=_env(env),
         check=False,
     )
 
@@ -57,9 +62,10 @@ def run_cli(
 class MachineProc:
     """One daemon process over one data folder (restartable)."""
 
-    def __init__(self, data_dir: Path, *extra_args: str) -> None:
+    def __init__(self, data_dir: Path, *extra_args: str, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.extra_args = extra_args
+        self.env = env  # added to the daemon's environment (e.g. a temporary HOME)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
 
@@ -90,7 +96,7 @@ class MachineProc:
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_env(),
+            env=_env(self.env),
         )
         log.close()
         proc = self.proc

@@ -1384,7 +1384,7 @@ Global___ListErasuresRequest: _TypeAlias = ListErasuresRequest  # noqa: Y015
 
 @_typing.final
 class Erasure(_message.Message):
-    """One queued or finished erasure."""
+    """One queued or finished erasure: its receipt."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1392,12 +1392,31 @@ class Erasure(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     ATTEMPTS_FIELD_NUMBER: _builtins.int
     ERASED_AT_FIELD_NUMBER: _builtins.int
+    MACHINE_DATA_FIELD_NUMBER: _builtins.int
+    ATTACHMENTS_FIELD_NUMBER: _builtins.int
+    RUNTIME_COPY_FIELD_NUMBER: _builtins.int
+    BACKUPS_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The erased agent."""
     state: _builtins.str
-    """"queued", "done" or "failed"."""
+    """The runtime erasure's state: "queued", "done", "unsupported" or "failed"
+    (given up); "listed" for an erased-list entry a restore brought.
+    """
     attempts: _builtins.int
     """Attempts made so far (at most 3)."""
+    machine_data: _builtins.str
+    """Each layer of the receipt reads "done", "unsupported", "failed" or "pending".
+    The agent's rows in machine.db.
+    """
+    attachments: _builtins.str
+    """Attachment files no other agent names."""
+    runtime_copy: _builtins.str
+    """The runtime's own copy of the conversation (ACP session/delete, CLI files)."""
+    backups: _builtins.str
+    """Backups made before the delete, which hold it until they age out."""
+    detail: _builtins.str
+    """What happened, in words (the last attempt's error, what was removed)."""
     @_builtins.property
     def erased_at(self) -> _timestamp_pb2.Timestamp:
         """When the agent was erased."""
@@ -1409,10 +1428,15 @@ class Erasure(_message.Message):
         state: _builtins.str = ...,
         attempts: _builtins.int = ...,
         erased_at: _timestamp_pb2.Timestamp | None = ...,
+        machine_data: _builtins.str = ...,
+        attachments: _builtins.str = ...,
+        runtime_copy: _builtins.str = ...,
+        backups: _builtins.str = ...,
+        detail: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["erased_at", b"erased_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "attempts", b"attempts", "erased_at", b"erased_at", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "attachments", b"attachments", "attempts", b"attempts", "backups", b"backups", "detail", b"detail", "erased_at", b"erased_at", "machine_data", b"machine_data", "runtime_copy", b"runtime_copy", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
