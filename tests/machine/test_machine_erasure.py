@@ -260,3 +260,23 @@ async def test_the_restore_check_counts_an_erased_agent_as_accounted_for(
         assert check.ok, check.problem
         receipt = {v.agent_id: v for v in await _erasure(m).receipts()}[agent]
         assert receipt.backups == "pending"  # the backup made before still holds it
+
+
+async def test_deleting_an_agent_deletes_its_schedules_and_their_fires(
+    opened: Any, tmp_path: Path
+) -> None:
+    async with opened() as m:
+        agent = await m.agents.create(name="a", folder=str(tmp_path))
+        other = await m.agents.create(name="b", folder=str(tmp_path))
+        schedules = m.require_schedules()
+        mine = await schedules.create(agent.id, "0 7 * * *", "morning summary")
+        kept = await schedules.create(other.id, "0 7 * * *", "morning summary")
+        await m.agents.archive(agent.id)
+        await _erasure(m).delete(agent.id)
+        assert [s.id for s in await schedules.list()] == [kept.id]
+        rows = await m.db.read(
+            lambda c: c.execute(
+                "SELECT count(*) FROM schedules WHERE id = ?", (mine.id,)
+            ).fetchone()[0]
+        )
+        assert rows == 0
