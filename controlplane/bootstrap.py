@@ -14,7 +14,7 @@ from controlplane.authz import CredentialService
 from controlplane.config import ControlConfig
 from controlplane.fencing import new_home_id, write_home_id
 from controlplane.integrity import DEPLOYMENT_KEY, deployment_marker, open_trusted_store
-from controlplane.keybundle import reseal_key_bundle
+from controlplane.keybundle import reseal_key_bundle, write_recovery_public_key
 from controlplane.keys import check_home_empty, create_home_keys
 from controlplane.records import credential_key
 from controlplane.server import open_control_store
@@ -110,6 +110,7 @@ async def init_control_plane(
         made = await creds.create_operator()
         deployment_id = new_id("deployment")
         write_home_id(cfg.home, new_home_id())
+        write_recovery_public_key(cfg.home, public)
         # Before the marker: a deployment that exists always has its bundle.
         # Below the guard: it would take the missing marker for a swapped store.
         await _seal_new_bundle(cfg, trusted.authenticated, deployment_id, public)

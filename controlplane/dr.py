@@ -37,7 +37,13 @@ from controlplane.integrity import (
     open_trusted_store,
     record_mac_key,
 )
-from controlplane.keybundle import BUNDLE_KEY, KeyBundle, StoredBundle, open_bundle
+from controlplane.keybundle import (
+    BUNDLE_KEY,
+    KeyBundle,
+    StoredBundle,
+    open_bundle,
+    write_recovery_public_key,
+)
 from controlplane.keys import check_home_empty, write_home_keys
 from controlplane.server import open_control_store
 from shared.atomic import fsync_dir, write_atomic
@@ -133,6 +139,7 @@ async def restore_home(cfg: ControlConfig, recovery: BoxKeyPair) -> RestoreResul
         write_atomic(staging / CONFIG_FILE, _config_text(bundle, cfg), mode=0o600)
         home_id = new_home_id()
         write_home_id(staging, home_id)
+        write_recovery_public_key(staging, envelope.recovery_public_key)
         fsync_dir(staging)
         trusted = await open_trusted_store(cfg, bundle.keys, None)
         try:

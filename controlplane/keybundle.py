@@ -31,6 +31,7 @@ from typing import Any, Final
 
 from controlplane.config import CONFIG_FILE
 from controlplane.keys import HomeKeys, load_home_keys
+from shared.atomic import write_atomic
 from shared.crypto import (
     BoxKeyPair,
     decode_public_key,
@@ -56,8 +57,10 @@ __all__ = [
     "bundle_digest",
     "home_bundle",
     "open_bundle",
+    "read_recovery_public_key",
     "reseal_key_bundle",
     "seal_bundle",
+    "write_recovery_public_key",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,8 @@ _AAD: Final = b"agents.cp.keys.v1:"
 _PEM_FIELDS: Final = ("ca_cert", "ca_key", "server_cert", "server_key", "control_key")
 _ENVELOPE_FORMAT: Final = "agents-cp-keys/1"
 _DIGEST_INFO: Final = b"agents.cp.keys-digest.v1"
+#: The recovery public key, in the home (so a lost or damaged bundle can be sealed again).
+RECOVERY_PUBLIC_FILE: Final = "recovery.pub"
 #: Attempts at the compare-and-swap of the stored bundle before giving up.
 _RESEAL_ATTEMPTS: Final = 3
 
@@ -206,6 +211,26 @@ class StoredBundle:
         if not isinstance(digest, str) or not sealed:
             raise IntegrityError(what, "digest or sealed missing")
         return cls(public, digest, sealed)
+
+
+def write_recovery_public_key(home: Path, public: bytes) -> None:
+    """Record the recovery public key in ``home`` (not secret; 0600 like the rest)."""
+    text = encode_public_key(public) + "\n"
+    write_atomic(home / RECOVERY_PUBLIC_FILE, text.encode(), mode=0o600)
+
+
+def read_recovery_public_key(home: Path) -> bytes | None:
+    """The recovery public key the home names, None when it names none."""
+    try:
+        text = (home / RECOVERY_PUBLIC_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidState(f"home {home}", f"{RECOVERY_PUBLIC_FILE} is unreadable: {e}") from None
+    try:
+        return decode_public_key(text)
+    except InvalidArgument as e:
+        raise InvalidState(f"home {home}", f"{RECOVERY_PUBLIC_FILE}: {e.reason}") from None
 
 
 def home_bundle(home: Path, deployment_id: str) -> KeyBundle:

@@ -8,6 +8,8 @@ Layout (folder 0700, files 0600)::
     control.key     the control key (Ed25519, PKCS#8 PEM), signs control-plane statements
     secrets.key     32 random bytes that encrypt provider secrets in the store
     serve.json      written by ``serve``: the addresses it actually listens on
+    instance.json   this home's id (fencing: controlplane.fencing)
+    recovery.pub    the operator recovery public key the key bundle is sealed to
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from controlplane.integrity import (
     open_trusted_store,
 )
 from controlplane.intents import Intents
-from controlplane.keybundle import reseal_key_bundle
+from controlplane.keybundle import read_recovery_public_key, reseal_key_bundle
 from controlplane.keys import HomeKeys, load_home_keys
 from controlplane.link_servicer import LinkServicer
 from controlplane.machines import MachineRegistry
@@ -170,7 +170,8 @@ class ControlPlane:
         # nothing, and from now on every write first checks that we still own it.
         self.fence = await take_epoch(cfg.home, trusted.authenticated, trusted.where, self._fenced)
         trusted.set_fence(self.fence)
-        await _reseal(cfg, trusted)
+        self.metrics.epoch.set(self.fence.epoch)
+        self.metrics.key_bundle_sealed.set(1 if await _reseal(cfg, trusted) else 0)
         services = Services(cfg, trusted.store, keys)
         presence = PresenceRegistry(
             trusted.store,
@@ -363,11 +364,23 @@ async def _count_offline(
         await asyncio.sleep(OFFLINE_COUNT_INTERVAL)
 
 
-async def _reseal(cfg: ControlConfig, trusted: TrustedStore) -> None:
-    """Bring ``cp/keys.sealed`` up to date with the home (a no-op when it is)."""
+async def _reseal(cfg: ControlConfig, trusted: TrustedStore) -> bool:
+    """Bring ``cp/keys.sealed`` up to date with the home (a no-op when it is).
+
+    False when it cannot be (no bundle, or one that does not verify)."""
     deployment_id = marker_deployment_id(await trusted.store.get(DEPLOYMENT_KEY))
     try:
-        await reseal_key_bundle(cfg.home, trusted.store, deployment_id=deployment_id)
+        # The home's copy of the public key wins over the bucket's, and lets a
+        # deleted or damaged bundle be sealed again.
+        public = read_recovery_public_key(cfg.home)
+        await reseal_key_bundle(
+            cfg.home,
+            trusted.store,
+            deployment_id=deployment_id,
+            recovery_public_key=public,
+            replace_unverified=public is not None,
+        )
+        return True
     except (InvalidState, IntegrityError) as e:
         # Serving goes on (the machines need it); the operator must act on this.
         logger.error(
@@ -375,6 +388,7 @@ async def _reseal(cfg: ControlConfig, trusted: TrustedStore) -> None:
             "disaster-recovery.md)",
             e,
         )
+        return False
 
 
 async def _self_check(

@@ -18,7 +18,12 @@ from controlplane.integrity import (
     marker_deployment_id,
     open_trusted_store,
 )
-from controlplane.keybundle import BUNDLE_KEY, StoredBundle, reseal_key_bundle
+from controlplane.keybundle import (
+    BUNDLE_KEY,
+    StoredBundle,
+    read_recovery_public_key,
+    reseal_key_bundle,
+)
 from controlplane.keys import load_home_keys
 from shared.crypto import BoxKeyPair, encode_private_key
 from shared.errors import IntegrityError, InvalidArgument, StoreFenced
@@ -81,6 +86,18 @@ async def test_init_seals_every_key_and_reseal_writes_only_changes(tmp_path: Pat
         )
         with pytest.raises(IntegrityError):
             await reseal_key_bundle(cfg.home, trusted.store, deployment_id=dep)
+        # serve's reseal: the home's public key, so the damaged bundle is replaced.
+        public = read_recovery_public_key(cfg.home)
+        assert public is not None and public != thief.public_key
+        assert await reseal_key_bundle(
+            cfg.home,
+            trusted.store,
+            deployment_id=dep,
+            recovery_public_key=public,
+            replace_unverified=True,
+        )
+        env = StoredBundle.parse(await trusted.store.get(BUNDLE_KEY))
+        assert env.recovery_public_key == public
     finally:
         await trusted.close()
 
