@@ -139,7 +139,6 @@ async def _seal_new_bundle(
             store,
             deployment_id=deployment_id,
             recovery_public_key=public,
-            replace_unverified=True,
         )
     except PreconditionFailed:
         raise InvalidState("init", "the store already holds a control plane") from None

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from controlplane.config import CONFIG_FILE
+from controlplane.integrity import DEPLOYMENT_KEY, marker_deployment_id
 from controlplane.keys import HomeKeys, load_home_keys
 from shared.atomic import write_atomic
 from shared.crypto import (
@@ -247,22 +248,31 @@ async def reseal_key_bundle(
     home: Path,
     store: ObjectStore,
     *,
-    deployment_id: str,
+    deployment_id: str | None = None,
     recovery_public_key: bytes | None = None,
-    replace_unverified: bool = False,
 ) -> bool:
     """Seal ``home``'s current keys to ``cp/keys.sealed`` unless it already holds them.
 
-    ``store`` is the control plane's MAC'd store (the trusted stack). The
-    recovery public key is the one given (``init``) or, after that, the one the
-    stored envelope names. The write is a compare-and-swap on the envelope's
-    etag (create-only when there is none), so two writers never lose a change.
-    Idempotent; returns True when it wrote. InvalidState when there is no
-    bundle yet and no recovery public key was given; IntegrityError when the
-    stored envelope does not verify under this home's key, unless
-    ``replace_unverified`` (``init``: before its marker exists, any envelope
-    is a crashed init's leftover).
+    The one writer of the bundle: ``init``, the start of ``serve``, and anything
+    that changes a key of the home calls it afterwards (idempotent, cheap when
+    nothing changed: one HEAD and one GET). ``store`` is the control plane's
+    MAC'd store (the trusted stack). ``deployment_id`` defaults to the one
+    ``cp/deployment.json`` names. The recovery public key is the one given
+    (``init``), else the home's ``recovery.pub``, else (a home from before that
+    file) the one the stored envelope names. The write is a compare-and-swap
+    on the envelope's etag (create-only when there is none), so two writers
+    never lose a change. Returns True when it wrote.
+
+    With a public key from the caller or the home, a missing or unverifiable
+    envelope is simply replaced (a crashed init's leftover, a deleted or
+    damaged bundle). Without one: InvalidState when there is no bundle, and
+    IntegrityError when the envelope does not verify under this home's key.
     """
+    if deployment_id is None:
+        deployment_id = marker_deployment_id(await store.get(DEPLOYMENT_KEY))
+    if recovery_public_key is None:
+        recovery_public_key = read_recovery_public_key(home)
+    replace_unverified = recovery_public_key is not None
     for _ in range(_RESEAL_ATTEMPTS):
         etag: str | None
         current: StoredBundle | None = None

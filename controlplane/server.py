@@ -32,14 +32,12 @@ from controlplane.deletion import AccountDeletion, DeletionHooks
 from controlplane.delivery import PromptDelivery
 from controlplane.fencing import Fence, take_epoch
 from controlplane.integrity import (
-    DEPLOYMENT_KEY,
     DeploymentGuard,
     TrustedStore,
-    marker_deployment_id,
     open_trusted_store,
 )
 from controlplane.intents import Intents
-from controlplane.keybundle import read_recovery_public_key, reseal_key_bundle
+from controlplane.keybundle import reseal_key_bundle
 from controlplane.keys import HomeKeys, load_home_keys
 from controlplane.link_servicer import LinkServicer
 from controlplane.machines import MachineRegistry
@@ -368,18 +366,8 @@ async def _reseal(cfg: ControlConfig, trusted: TrustedStore) -> bool:
     """Bring ``cp/keys.sealed`` up to date with the home (a no-op when it is).
 
     False when it cannot be (no bundle, or one that does not verify)."""
-    deployment_id = marker_deployment_id(await trusted.store.get(DEPLOYMENT_KEY))
     try:
-        # The home's copy of the public key wins over the bucket's, and lets a
-        # deleted or damaged bundle be sealed again.
-        public = read_recovery_public_key(cfg.home)
-        await reseal_key_bundle(
-            cfg.home,
-            trusted.store,
-            deployment_id=deployment_id,
-            recovery_public_key=public,
-            replace_unverified=public is not None,
-        )
+        await reseal_key_bundle(cfg.home, trusted.store)
         return True
     except (InvalidState, IntegrityError) as e:
         # Serving goes on (the machines need it); the operator must act on this.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -25,11 +26,13 @@ from controlplane.keybundle import (
     reseal_key_bundle,
 )
 from controlplane.keys import load_home_keys
+from controlplane.server import run_daemon
 from shared.crypto import BoxKeyPair, encode_private_key
 from shared.errors import IntegrityError, InvalidArgument, StoreFenced
 from shared.recovery_key import write_recovery_key
 from shared.store import FolderStore
 from shared.store.authenticated import seal
+from tests.helpers.poll import apoll_until
 
 
 def _cfg(tmp_path: Path, home: str = "home") -> ControlConfig:
@@ -84,18 +87,18 @@ async def test_init_seals_every_key_and_reseal_writes_only_changes(tmp_path: Pat
         await trusted.authenticated.inner.put(  # type: ignore[attr-defined]
             BUNDLE_KEY, seal(b"k" * 32, BUNDLE_KEY, forged)
         )
+        # A home from before recovery.pub trusts only a verified envelope: refused.
+        pub_file = cfg.home / "recovery.pub"
+        saved = pub_file.read_bytes()
+        pub_file.unlink()
         with pytest.raises(IntegrityError):
-            await reseal_key_bundle(cfg.home, trusted.store, deployment_id=dep)
-        # serve's reseal: the home's public key, so the damaged bundle is replaced.
+            await reseal_key_bundle(cfg.home, trusted.store)
+        # With the home's public key (serve's reseal), the damaged bundle is replaced.
+        pub_file.write_bytes(saved)
         public = read_recovery_public_key(cfg.home)
         assert public is not None and public != thief.public_key
-        assert await reseal_key_bundle(
-            cfg.home,
-            trusted.store,
-            deployment_id=dep,
-            recovery_public_key=public,
-            replace_unverified=True,
-        )
+        assert await reseal_key_bundle(cfg.home, trusted.store)
+        assert not await reseal_key_bundle(cfg.home, trusted.store)
         env = StoredBundle.parse(await trusted.store.get(BUNDLE_KEY))
         assert env.recovery_public_key == public
     finally:
@@ -227,3 +230,22 @@ async def test_recovery_key_new_and_init_needs_a_key_for_s3(
     err = capsys.readouterr().err
     assert "recovery_public_key: required with an S3 store" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "h").exists()
+
+
+async def test_a_running_idle_daemon_is_fenced_out_by_a_restore_and_stops(
+    tmp_path: Path,
+) -> None:
+    cfg = dataclasses.replace(_cfg(tmp_path), heartbeat_interval=0.1)
+    made = await init_control_plane(cfg)
+    assert made.recovery_private_key is not None
+    recovery = BoxKeyPair.from_private(made.recovery_private_key)
+
+    async def restore_once_serving() -> None:
+        await apoll_until(cfg.serve_path.exists, deadline=20, what="serving")
+        await restore_home(_cfg(tmp_path, "restored"), recovery)
+
+    restoring = asyncio.create_task(restore_once_serving())
+    with pytest.raises(StoreFenced, match="fenced out: epoch 2"):
+        await asyncio.wait_for(run_daemon(cfg, grace=1), 20)
+    await restoring
+    assert not cfg.serve_path.exists()
