@@ -12,6 +12,7 @@ object in the bucket holds a private key, a credential or a secret in the clear.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -20,8 +21,10 @@ import boto3  # type: ignore[import-untyped]
 import pytest
 
 from controlplane.drill import Drill
+from controlplane.fencing import EPOCH_KEY
 from controlplane.keys import load_home_keys
-from tests.helpers.control_proc import agents_control_exe, s3_env
+from tests.helpers.control_proc import agents_control_exe, recovery_key_path, run_init, s3_env
+from tests.helpers.fault_proxy import crash_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -121,3 +124,50 @@ async def test_restore_from_the_bucket_brings_every_machine_back_without_a_join(
         assert "Traceback" not in old.stderr
         assert _bucket(moto_endpoint, s3_bucket) == frozen
         _no_secret_in_clear(frozen, secrets)
+
+
+def test_restore_killed_after_taking_the_epoch_is_completed_by_running_it_again(
+    tmp_path: Path, moto_endpoint: str, s3_bucket: str
+) -> None:
+    """restore's one store write is the epoch; killed right after it (before the
+    rename, its commit point) the home is still absent, the old home is already
+    fenced out, and a second restore completes with the next epoch."""
+    with crash_proxy(moto_endpoint) as proxy:
+        env = {**os.environ, **s3_env(proxy.url)}
+        url = f"s3://{s3_bucket}/cp"
+        cp = run_init(tmp_path / "home", url, env)
+        key = str(recovery_key_path(cp.home))
+        home = tmp_path / "restored"
+        argv = [str(agents_control_exe()), "restore", "--home", str(home), "--store", url]
+        restore = subprocess.Popen(
+            [*argv, "--recovery-key", key],
+            env=cp.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        proxy.arm(restore.pid, after=1)
+        restore.communicate(timeout=DEADLINE)
+        assert proxy.crashed.is_set() and restore.returncode == -9
+        assert proxy.writes == [f"PUT cp/{EPOCH_KEY}"], proxy.writes
+        proxy.disarm()
+        assert not home.exists() and list(tmp_path.glob(".restore-restored-*"))
+        old = subprocess.run(
+            [str(agents_control_exe()), "serve", "--home", str(cp.home)],
+            env=cp.env,
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE,
+        )
+        assert old.returncode == 1 and "fenced out: epoch 1" in old.stderr, old.stderr
+
+        again = subprocess.run(
+            [*argv, "--recovery-key", key, "--json"],
+            env=cp.env,
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE,
+        )
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["epoch"] == 2
+        assert load_home_keys(home) == load_home_keys(cp.home)
+        assert not list(tmp_path.glob(".restore-restored-*"))
