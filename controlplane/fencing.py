@@ -200,6 +200,19 @@ class Fence:
             "epoch", f"{EPOCH_KEY} keeps changing; is another control plane starting?"
         )
 
+    async def hold_current(self) -> int:
+        """Write under the current epoch without taking a new one (``fsck --repair``,
+        run while ``serve`` is stopped): StoreFenced when another home owns it.
+        Returns the epoch (0: no record yet, nothing to check against)."""
+        found = await self._read()
+        if found is None:
+            return 0
+        etag, current = found
+        if current.home_id != self._home_id:
+            raise self._fenced(current)
+        self._etag, self.epoch = etag, current.epoch
+        return current.epoch
+
     async def check(self) -> None:
         """Raise unless this process still holds the current epoch (one shared HEAD)."""
         if self.problem is not None:

@@ -14,6 +14,7 @@ from controlplane.cli import main
 from controlplane.config import ControlConfig
 from controlplane.dr import restore_home
 from controlplane.fencing import EPOCH_KEY, Fence, read_home_id, take_epoch
+from controlplane.fsck import fsck_deployment
 from controlplane.integrity import (
     DEPLOYMENT_KEY,
     marker_deployment_id,
@@ -179,9 +180,13 @@ async def test_a_newer_epoch_fences_a_running_and_a_restarted_old_home(tmp_path:
         assert len(fenced) == 1, "the daemon is told once"
         assert await _objects(tmp_path) == before, "the stale process wrote nothing"
 
-        # The old home started again: refused at start, the epoch record untouched.
+        # The old home started again: refused at start, the epoch record untouched;
+        # its fsck --repair too (a read-only fsck still reports).
         with pytest.raises(StoreFenced, match="fenced out"):
             await take_epoch(cfg.home, trusted.authenticated, "test")
+        with pytest.raises(StoreFenced, match="fenced out"):
+            await fsck_deployment(cfg, repair=True)
+        assert (await fsck_deployment(cfg, repair=False)).objects > 0
         assert await _objects(tmp_path) == before
         # The restored home restarts normally: previous + 1.
         again = await take_epoch(target.home, trusted.authenticated, "test")
