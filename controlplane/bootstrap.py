@@ -12,12 +12,19 @@ from controlplane.accounts import AccountService
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService
 from controlplane.config import ControlConfig
+from controlplane.fencing import new_home_id, write_home_id
 from controlplane.integrity import DEPLOYMENT_KEY, deployment_marker, open_trusted_store
+from controlplane.keybundle import reseal_key_bundle, write_recovery_public_key
 from controlplane.keys import check_home_empty, create_home_keys
 from controlplane.records import credential_key
 from controlplane.server import open_control_store
 from shared.atomic import write_atomic
+from shared.crypto import BoxKeyPair
 from shared.errors import InvalidArgument, InvalidState, NotFound, PreconditionFailed
+from shared.ids import new_id
+from shared.store import S3Config
+from shared.store.base import ObjectStore
+from shared.store.url import parse_store_url
 
 __all__ = ["DEPLOYMENT_KEY", "InitResult", "init_control_plane", "toml_dumps"]
 
@@ -30,6 +37,9 @@ class InitResult:
 
     operator_credential: str
     ca_hash: str
+    recovery_private_key: bytes | None = None
+    """The operator recovery key init made (folder store, none given): shown once."""
+    deployment_id: str = ""
 
 
 def _toml_value(value: Any) -> str:
@@ -50,14 +60,35 @@ def toml_dumps(values: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def init_control_plane(cfg: ControlConfig) -> InitResult:
-    """Refuse a non-empty home or an initialised store; make keys, config, credential.
+def _recovery_public_key(cfg: ControlConfig, given: bytes | None) -> tuple[bytes, bytes | None]:
+    """(public key to seal the bundle to, private key to show once or None)."""
+    if given is not None:
+        return given, None
+    if isinstance(parse_store_url(cfg.store_url), S3Config):
+        # A bucket outlives the host: its bundle must open with a key kept elsewhere.
+        raise InvalidArgument(
+            "recovery_public_key",
+            "required with an S3 store: make one with `agents-control recovery-key new "
+            "--out FILE` and give its public key",
+        )
+    made = BoxKeyPair.generate()
+    return made.public_key, made.private_key
+
+
+async def init_control_plane(
+    cfg: ControlConfig, recovery_public_key: bytes | None = None
+) -> InitResult:
+    """Refuse a non-empty home or an initialised store; make keys, config, credential,
+    and the key bundle sealed to the operator's recovery key.
 
     Raises InvalidArgument("store", ...) when no store is given: missing input,
-    which the CLI reports as a usage error (exit 2).
+    which the CLI reports as a usage error (exit 2). ``recovery_public_key`` is
+    required for an S3 store; for a folder store one is made when not given
+    and its private half returned (shown once).
     """
     if not cfg.store_url:
         raise InvalidArgument("store", "required: give --store s3://bucket/prefix or a folder")
+    public, private = _recovery_public_key(cfg, recovery_public_key)
     check_home_empty(cfg.home)
     raw = await open_control_store(cfg, None)
     try:
@@ -77,7 +108,13 @@ async def init_control_plane(cfg: ControlConfig) -> InitResult:
         auditor = Auditor(store)
         creds = CredentialService(store, AccountService(store, auditor), auditor)
         made = await creds.create_operator()
-        marker = deployment_marker(keys, dt.datetime.now(dt.UTC))
+        deployment_id = new_id("deployment")
+        write_home_id(cfg.home, new_home_id())
+        write_recovery_public_key(cfg.home, public)
+        # Before the marker: a deployment that exists always has its bundle.
+        # Below the guard: it would take the missing marker for a swapped store.
+        await _seal_new_bundle(cfg, trusted.authenticated, deployment_id, public)
+        marker = deployment_marker(keys, dt.datetime.now(dt.UTC), deployment_id)
         try:
             # COMMIT POINT of init: the marker is written last, so a store without it
             # holds no deployment (serve refuses it) whatever a crash left before.
@@ -90,4 +127,18 @@ async def init_control_plane(cfg: ControlConfig) -> InitResult:
     finally:
         await trusted.close()
     logger.info("initialised control plane in %s", cfg.home)
-    return InitResult(made.value, keys.ca_hash)
+    return InitResult(made.value, keys.ca_hash, private, deployment_id)
+
+
+async def _seal_new_bundle(
+    cfg: ControlConfig, store: ObjectStore, deployment_id: str, public: bytes
+) -> None:
+    try:
+        await reseal_key_bundle(
+            cfg.home,
+            store,
+            deployment_id=deployment_id,
+            recovery_public_key=public,
+        )
+    except PreconditionFailed:
+        raise InvalidState("init", "the store already holds a control plane") from None

@@ -36,6 +36,7 @@ from typing import Any, Final
 
 from controlplane import jsonstore
 from controlplane.config import ControlConfig
+from controlplane.fencing import Fence, read_home_id
 from controlplane.integrity import DEPLOYMENT_KEY, TrustedStore, open_trusted_store
 from controlplane.intents import INTENTS_PREFIX, Intents, intent_key
 from controlplane.keys import load_home_keys
@@ -158,6 +159,11 @@ async def fsck_deployment(cfg: ControlConfig, *, repair: bool) -> FsckReport:
     keys = load_home_keys(cfg.home)
     trusted = await open_trusted_store(cfg, keys, None)
     try:
+        if repair:
+            # A superseded home (a restore elsewhere) must not repair anything.
+            fence = Fence(trusted.authenticated, read_home_id(cfg.home) or "", trusted.where)
+            if await fence.hold_current():
+                trusted.set_fence(fence)
         services = Services(cfg, trusted.store, keys)
         return await run_fsck(trusted, services.intents, repair=repair)
     finally:

@@ -32,7 +32,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -65,7 +65,9 @@ __all__ = [
     "DeploymentGuard",
     "GuardedStore",
     "TrustedStore",
+    "WriteFence",
     "deployment_marker",
+    "marker_deployment_id",
     "open_trusted_store",
     "record_kind",
     "record_mac_key",
@@ -114,9 +116,30 @@ def record_kind(key: str) -> str:
     return "other"
 
 
-def deployment_marker(keys: HomeKeys, now: dt.datetime) -> bytes:
+def deployment_marker(keys: HomeKeys, now: dt.datetime, deployment_id: str = "") -> bytes:
     """The content ``init`` writes at :data:`DEPLOYMENT_KEY`."""
-    return json.dumps({"ca_hash": keys.ca_hash, "created_at": utc_iso(now)}).encode()
+    fields = {"ca_hash": keys.ca_hash, "created_at": utc_iso(now)}
+    if deployment_id:
+        fields["deployment_id"] = deployment_id
+    return json.dumps(fields).encode()
+
+
+def marker_deployment_id(marker: bytes) -> str:
+    """The deployment id a marker names (the key bundle is bound to it).
+
+    Markers written before ids existed name only their CA: its hash stands in.
+    IntegrityError for a marker that is not one.
+    """
+    try:
+        data = json.loads(marker)
+    except (ValueError, UnicodeDecodeError):
+        raise IntegrityError(DEPLOYMENT_KEY, "not valid JSON") from None
+    if not isinstance(data, dict):
+        raise IntegrityError(DEPLOYMENT_KEY, "not a JSON object")
+    ident = data.get("deployment_id") or data.get("ca_hash")
+    if not isinstance(ident, str) or not ident:
+        raise IntegrityError(DEPLOYMENT_KEY, "names no deployment")
+    return ident
 
 
 class DeploymentGuard:
@@ -181,12 +204,29 @@ class DeploymentGuard:
         self.check()
 
 
+class WriteFence(Protocol):
+    """What :class:`GuardedStore` asks before each write (controlplane.fencing.Fence)."""
+
+    async def check(self) -> None:
+        """Raise unless this process may still write."""
+
+
 class GuardedStore(StoreWrapper):
-    """Refuses every call while ``guard`` has a problem; re-checks before a NotFound."""
+    """Refuses every call while ``guard`` has a problem; re-checks before a NotFound.
+
+    With a ``fence`` set, every write first asks it whether this process still
+    holds the deployment's epoch (controlplane.fencing).
+    """
 
     def __init__(self, inner: ObjectStore, guard: DeploymentGuard) -> None:
         super().__init__(inner)
         self.guard = guard
+        self.fence: WriteFence | None = None
+
+    async def _may_write(self) -> None:
+        self.guard.check()
+        if self.fence is not None:
+            await self.fence.check()
 
     async def get(self, key: str) -> bytes:
         """See :meth:`ObjectStore.get`."""
@@ -223,17 +263,17 @@ class GuardedStore(StoreWrapper):
         if_match: str | None = None,
     ) -> str:
         """See :meth:`ObjectStore.put`."""
-        self.guard.check()
+        await self._may_write()
         return await self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
 
     async def delete(self, key: str) -> None:
         """See :meth:`ObjectStore.delete`."""
-        self.guard.check()
+        await self._may_write()
         await self.inner.delete(key)
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         """See :meth:`StoreBase.delete_many`."""
-        self.guard.check()
+        await self._may_write()
         await delete_keys(self.inner, keys)
 
     async def list_pages(
@@ -269,6 +309,12 @@ class TrustedStore:
         self.backups = backups
         """Machines' sealed backups: guarded but not MAC'd (see controlplane.backups);
         shares the stack's bottom store, closed with ``store``."""
+
+    def set_fence(self, fence: WriteFence) -> None:
+        """Check ``fence`` before every write through ``store`` and ``backups``."""
+        self.store.fence = fence
+        if isinstance(self.backups, GuardedStore):
+            self.backups.fence = fence
 
     async def close(self) -> None:
         """Close the whole stack."""

@@ -8,6 +8,8 @@ Layout (folder 0700, files 0600)::
     control.key     the control key (Ed25519, PKCS#8 PEM), signs control-plane statements
     secrets.key     32 random bytes that encrypt provider secrets in the store
     serve.json      written by ``serve``: the addresses it actually listens on
+    instance.json   this home's id (fencing: controlplane.fencing)
+    recovery.pub    the operator recovery public key the key bundle is sealed to
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from shared.atomic import ensure_private_dir, write_atomic
 from shared.errors import ConfigError
 from shared.tls import CertKey
 
-__all__ = ["HomeKeys", "check_home_empty", "create_home_keys", "load_home_keys"]
+__all__ = [
+    "HomeKeys",
+    "check_home_empty",
+    "create_home_keys",
+    "load_home_keys",
+    "write_home_keys",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +84,24 @@ def create_home_keys(home: Path, server_names: tuple[str, ...] = ()) -> HomeKeys
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     keys = HomeKeys(ca, server, control, secrets.token_bytes(32))
+    write_home_keys(home, keys)
+    logger.info("home %s: keys created", home)
+    return keys
+
+
+def write_home_keys(home: Path, keys: HomeKeys) -> None:
+    """Write ``keys`` as the home's key files (0600, each atomically) in a 0700 ``home``."""
+    ensure_private_dir(home)
     contents = {
-        "ca_cert": ca.cert_pem,
-        "ca_key": ca.key_pem,
-        "server_cert": server.cert_pem,
-        "server_key": server.key_pem,
-        "control_key": control,
+        "ca_cert": keys.ca.cert_pem,
+        "ca_key": keys.ca.key_pem,
+        "server_cert": keys.server.cert_pem,
+        "server_key": keys.server.key_pem,
+        "control_key": keys.control_key_pem,
         "secrets_key": keys.secrets_key,
     }
     for name, data in contents.items():
         write_atomic(home / _FILES[name], data, mode=0o600)
-    logger.info("home %s: keys created", home)
-    return keys
 
 
 def load_home_keys(home: Path) -> HomeKeys:

@@ -121,6 +121,17 @@ class ControlMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.epoch = Gauge(
+            "agents_cp_epoch",
+            "The fencing epoch this process holds in cp/epoch.json (0: none yet).",
+            registry=registry,
+        )
+        self.key_bundle_sealed = Gauge(
+            "agents_cp_key_bundle_sealed",
+            "1 when cp/keys.sealed held this home's keys at the last reseal, else 0 "
+            "(the deployment cannot be restored from its store).",
+            registry=registry,
+        )
 
     def watch_queue(self, depth: Callable[[], float], oldest_age: Callable[[], float]) -> None:
         """Read the prompt queue's gauges from it at each scrape."""

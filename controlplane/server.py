@@ -30,8 +30,14 @@ from controlplane.backups import MachineBackups
 from controlplane.config import ControlConfig, parse_hostport
 from controlplane.deletion import AccountDeletion, DeletionHooks
 from controlplane.delivery import PromptDelivery
-from controlplane.integrity import DeploymentGuard, TrustedStore, open_trusted_store
+from controlplane.fencing import Fence, take_epoch
+from controlplane.integrity import (
+    DeploymentGuard,
+    TrustedStore,
+    open_trusted_store,
+)
 from controlplane.intents import Intents
+from controlplane.keybundle import reseal_key_bundle
 from controlplane.keys import HomeKeys, load_home_keys
 from controlplane.link_servicer import LinkServicer
 from controlplane.machines import MachineRegistry
@@ -45,7 +51,13 @@ from controlplane.tokens import TokenService
 from controlplane.wake import ScheduleWaker
 from shared.atomic import write_atomic
 from shared.call_metrics import CallsInterceptor
-from shared.errors import AgentsError, StoreUnavailable
+from shared.errors import (
+    AgentsError,
+    IntegrityError,
+    InvalidState,
+    StoreFenced,
+    StoreUnavailable,
+)
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
 from shared.rpc import ErrorInterceptor, serve_health_and_reflection
@@ -127,6 +139,9 @@ class ControlPlane:
         self.public_port = 0
         self.link_port = 0
         self._stopped = asyncio.Event()
+        self.fence: Fence | None = None
+        self.fenced: StoreFenced | None = None
+        """Set when a newer control plane took the store over: the daemon stops."""
 
     async def __aenter__(self) -> Self:
         try:
@@ -152,6 +167,12 @@ class ControlPlane:
         # Refuse a store that is not this deployment's before anything is served.
         await trusted.guard.verify()
         trusted.guard.check()
+        # The epoch before any write: a superseded home stops here having written
+        # nothing, and from now on every write first checks that we still own it.
+        self.fence = await take_epoch(cfg.home, trusted.authenticated, trusted.where, self._fenced)
+        trusted.set_fence(self.fence)
+        self.metrics.epoch.set(self.fence.epoch)
+        self.metrics.key_bundle_sealed.set(1 if await _reseal(cfg, trusted) else 0)
         services = Services(cfg, trusted.store, keys)
         presence = PresenceRegistry(
             trusted.store,
@@ -270,7 +291,7 @@ class ControlPlane:
         )
         self._waker = asyncio.create_task(waker.run(), name="schedule-waker")
         self._checker = asyncio.create_task(
-            _self_check(trusted.guard, services.intents, cfg.heartbeat_interval),
+            _self_check(trusted.guard, services.intents, cfg.heartbeat_interval, self.fence),
             name="store-self-check",
         )
         metrics_addr = ""
@@ -290,6 +311,10 @@ class ControlPlane:
         logger.info(
             "serving: public %s, link %s, metrics %s", info["public"], info["link"], metrics_addr
         )
+
+    def _fenced(self, problem: StoreFenced) -> None:
+        self.fenced = problem
+        self.request_stop()
 
     async def wait(self) -> None:
         """Wait until :meth:`stop` is called."""
@@ -357,16 +382,39 @@ async def _count_offline(
         await asyncio.sleep(OFFLINE_COUNT_INTERVAL)
 
 
-async def _self_check(guard: DeploymentGuard, intents: Intents, interval: float) -> None:
-    """Every ``interval`` seconds: is the store still ours; then finish abandoned changes.
+async def _reseal(cfg: ControlConfig, trusted: TrustedStore) -> bool:
+    """Bring ``cp/keys.sealed`` up to date with the home (a no-op when it is).
 
-    One GET a tick. The heartbeat interval is the period machines notice us by,
-    so a swapped store is noticed about as fast as a machine would be.
+    False when it cannot be (no bundle, or one that does not verify)."""
+    try:
+        await reseal_key_bundle(cfg.home, trusted.store)
+        return True
+    except (InvalidState, IntegrityError) as e:
+        # Serving goes on (the machines need it); the operator must act on this.
+        logger.error(
+            "%s: this deployment cannot be restored from its store (docs/runbooks/"
+            "disaster-recovery.md)",
+            e,
+        )
+        return False
+
+
+async def _self_check(
+    guard: DeploymentGuard, intents: Intents, interval: float, fence: Fence | None = None
+) -> None:
+    """Every ``interval`` seconds: is the store still ours (and our epoch still the
+    current one); then finish abandoned changes.
+
+    One GET (and one HEAD) a tick. The heartbeat interval is the period machines
+    notice us by, so a swapped store, or a newer control plane, is noticed about
+    as fast as a machine would be, even by an idle process.
     """
     while True:
         await asyncio.sleep(interval)
         try:
             await guard.verify()
+            if fence is not None and guard.problem is None:
+                await fence.check()
             if guard.problem is None:
                 await intents.recover()
         except StoreUnavailable as e:
@@ -410,7 +458,10 @@ async def run_daemon(cfg: ControlConfig, grace: float = 10.0) -> None:
             loop.add_signal_handler(sig, on_signal)
         try:
             await cp.wait()
-            await cp.stop(grace)
+            # A fenced process has nothing to drain: another one owns the store.
+            await cp.stop(0 if cp.fenced else grace)
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+        if cp.fenced is not None:
+            raise cp.fenced

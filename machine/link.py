@@ -13,7 +13,12 @@ archived agents from it while the machine is offline.
 Reconnect policy: a failed attempt is retried forever with exponential backoff
 and full jitter (``backoff_initial`` doubling up to ``backoff_max`` seconds),
 so a thousand machines that lose the control plane at once come back spread
-out. A stream that was up for a while and then dropped is retried at once
+out. The cap is low (2 s, :data:`RECONNECT_CAP`): a restored control plane
+must have every machine back within 5 s of listening again (docs/runbooks/
+disaster-recovery.md), and a failed dial to a control plane that is down is a
+refused TCP connection, cheap for both sides; with full jitter a fleet still
+arrives spread over the cap, about one attempt per machine a second.
+A stream that was up for a while and then dropped is retried at once
 (a restarted control plane is usually back by then; if not, the jittered
 backoff spreads the fleet). The link stops for good (and logs an ERROR) only
 when the control plane says ``revoked`` or ``account_deleted``, or refuses the
@@ -78,7 +83,7 @@ from shared.retry import reconnecting
 from shared.rpc import domain_error
 from shared.timestamps import Clock, utc_now
 
-__all__ = ["ControlLink", "Delivery", "LinkState"]
+__all__ = ["RECONNECT_CAP", "ControlLink", "Delivery", "LinkState"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +104,8 @@ class LinkState(enum.Enum):
     STOPPED = "stopped"
 
 
+#: Longest wait between two reconnect attempts (seconds; see the module doc).
+RECONNECT_CAP: Final = 2.0
 _FINAL: Final = frozenset({LinkState.REVOKED, LinkState.ACCOUNT_DELETED, LinkState.STOPPED})
 
 
@@ -166,7 +173,7 @@ class ControlLink:
         registry: CollectorRegistry | None = None,
         renew_fraction: float = 1 / 3,
         backoff_initial: float = 0.5,
-        backoff_max: float = 10.0,
+        backoff_max: float = RECONNECT_CAP,
         handshake_timeout: float = 10.0,
         stable_after: float = 10.0,
         refused_retry: float = 300.0,

@@ -30,6 +30,7 @@ imports ``grpc``.
     ├── TransientError             (retryable)              -> UNAVAILABLE
     │   ├── StoreUnavailable
     │   │   └── StoreUntrusted     the store is not this deployment's (swapped, emptied)
+    │   │       └── StoreFenced    a newer control-plane process owns the store: stop
     │   └── ProviderUnavailable    a machine provider did not answer
     ├── StoreError                 (permanent store fault)  -> INTERNAL
     │   ├── StoreIncompatible      the bucket lacks a feature we need
@@ -73,6 +74,7 @@ __all__ = [
     "StoreIncompatible",
     "StoreMisconfigured",
     "StoreUnavailable",
+    "StoreFenced",
     "StoreUntrusted",
     "TooLarge",
     "TransientError",
@@ -254,6 +256,11 @@ class StoreUntrusted(StoreUnavailable):
 
     Nothing is read from or written to it until it is the right one again.
     """
+
+
+class StoreFenced(StoreUntrusted):
+    """A newer control-plane process (a higher epoch in ``cp/epoch.json``, e.g. a
+    restored one) owns the store: this process must write nothing and stop."""
 
 
 class StoreError(AgentsError):

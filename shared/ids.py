@@ -38,6 +38,7 @@ KINDS: Final[dict[str, str]] = {
     "credential": "adm",
     "audit": "au",
     "intent": "int",
+    "deployment": "dep",
 }
 
 _BODY: Final = f"[{_ALPHABET}]{{26}}"

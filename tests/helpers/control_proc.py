@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.crypto import BoxKeyPair, encode_public_key
+from shared.recovery_key import read_recovery_key, write_recovery_key
 from tests.helpers.poll import poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,8 +99,28 @@ def s3_env(endpoint: str) -> dict[str, str]:
     }
 
 
+def recovery_key_path(home: Path) -> Path:
+    """Where :func:`init_argv` keeps the recovery key it made for an S3 store."""
+    return home.parent / f"{home.name}.recovery.key"
+
+
+def _recovery_flag(home: Path, store_url: str, extra: Sequence[str]) -> list[str]:
+    """An S3 store needs ``--recovery-public-key``: make a key file beside the home."""
+    if not store_url.startswith("s3://") or "--recovery-public-key" in extra:
+        return []
+    path = recovery_key_path(home)
+    if path.exists():
+        pair = read_recovery_key(path)
+    else:
+        pair = BoxKeyPair.generate()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_recovery_key(path, pair, "a test control plane's key bundle")
+    return ["--recovery-public-key", encode_public_key(pair.public_key)]
+
+
 def init_argv(home: Path, store_url: str, extra: Sequence[str] = ()) -> list[str]:
-    """``agents-control init`` on ephemeral loopback ports."""
+    """``agents-control init`` on ephemeral loopback ports (with a recovery key made
+    beside the home for an S3 store, see :func:`recovery_key_path`)."""
     return [
         str(agents_control_exe()),
         "init",
@@ -112,6 +134,7 @@ def init_argv(home: Path, store_url: str, extra: Sequence[str] = ()) -> list[str
         "127.0.0.1:0",
         "--metrics-listen",
         "127.0.0.1:0",
+        *_recovery_flag(home, store_url, extra),
         *extra,
     ]
 
