@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import os
@@ -208,6 +209,26 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--account", required=True, help="account id")
     p.add_argument("--label", default="account admin", help="a label to recognise it by")
+
+    cert = sub.add_parser("cert", help="the server TLS certificate").add_subparsers(
+        dest="verb", parser_class=CliParser
+    )
+    p = cert.add_parser(
+        "rotate-server", help="issue a new server certificate under the same CA (no re-pairing)"
+    )
+    _common(p)
+    ca = sub.add_parser("ca", help="the certificate authority").add_subparsers(
+        dest="verb", parser_class=CliParser
+    )
+    p = ca.add_parser(
+        "rollover", help="start a CA rollover (or report on it); machines renew by themselves"
+    )
+    _common(p)
+    p.add_argument(
+        "--retire-old",
+        action="store_true",
+        help="retire the old CA (refused while a machine still holds one of its certificates)",
+    )
     return root
 
 
@@ -584,6 +605,32 @@ async def _prompt_list(ctx: _Ctx) -> int:
     return ExitCode.OK
 
 
+async def _cert_rotate_server(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        rotated = await c.rotate_server_certificate()
+    data = {"serial": rotated.serial, "not_after": rotated.not_after.isoformat()}
+    return _emit(
+        ctx,
+        data,
+        f"server certificate rotated: serial {rotated.serial}, valid until {data['not_after']}",
+    )
+
+
+async def _ca_rollover(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        r = await c.rollover_ca(retire_old=ctx.args.retire_old)
+    data = dataclasses.asdict(r)
+    if r.state == "retired":
+        text = f"old CA {r.old_ca_hash} retired; the CA is now {r.ca_hash}"
+    else:
+        text = (
+            f"CA rollover in progress: new CA {r.ca_hash} (old {r.old_ca_hash} still trusted); "
+            f"{r.machines_pending} machine(s) still to renew, {r.machines_notified} told now; "
+            f"retire with `{PROG} ca rollover --retire-old` once none is left"
+        )
+    return _emit(ctx, data, text)
+
+
 #: (command, verb) -> handler; a command without verbs has verb None.
 COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("init", None): _init,
@@ -606,6 +653,8 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("credential", "create"): _credential_create,
     ("prompt", "send"): _prompt_send,
     ("prompt", "list"): _prompt_list,
+    ("cert", "rotate-server"): _cert_rotate_server,
+    ("ca", "rollover"): _ca_rollover,
 }
 
 #: Commands that print a secret once (it is stored only as a hash, or not at all):

@@ -126,7 +126,9 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self._heartbeat = heartbeat_interval
         self._renew_threshold = renew_threshold
         self._sessions = LinkSessions(
-            ca_cert_pem=pairing.ca_cert_pem,
+            # Read at each use: a CA rollover changes both while we serve.
+            ca_cert_pem=lambda: pairing.ca_cert_pem,
+            current_ca=pairing.issued_by_current_ca,
             machines=machines,
             presence=presence,
             metrics=metrics,

@@ -239,6 +239,11 @@ def _check_reply(
         raise IntegrityError("join", "account recovery public key is not 32 bytes")
     cert_pem = reply.certificate_pem.encode("ascii", "replace")
     try:
+        if reply.ca_certificate_pem:
+            tls.check_ca_hash(reply.ca_certificate_pem, expected_hash)
+            # During a CA rollover the reply names the pinned CA and the new one
+            # (which signed our certificate): we trust both from now on.
+            ca_pem = reply.ca_certificate_pem.encode("ascii", "replace")
         tls.check_client_cert(
             cert_pem,
             ca_pem,
@@ -246,8 +251,6 @@ def _check_reply(
             account_id=reply.account_id,
             machine_id=reply.machine_id,
         )
-        if reply.ca_certificate_pem:
-            tls.check_ca_hash(reply.ca_certificate_pem, expected_hash)
     except InvalidArgument as e:
         raise IntegrityError("join", f"bad certificate in the reply: {e}") from None
     return cert_pem, ca_pem
