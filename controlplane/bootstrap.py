@@ -66,7 +66,10 @@ async def init_control_plane(cfg: ControlConfig) -> InitResult:
     except NotFound:
         pass
     else:
-        raise InvalidState("init", "the store already holds a control plane")
+        raise InvalidState(
+            "init",
+            "the store already holds a control plane (if its keys are lost: init --adopt)",
+        )
     finally:
         await raw.close()
     keys = create_home_keys(cfg.home, cfg.server_names)

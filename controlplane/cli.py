@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from controlplane.adopt import adopt_control_plane
 from controlplane.bootstrap import init_control_plane
 from controlplane.client import AdminClient, ControlPlaneUnreachable
 from controlplane.config import ControlConfig, load_config
@@ -106,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="server_names",
         default=None,
         help="extra DNS name or IP for the server certificate (repeatable)",
+    )
+    p.add_argument(
+        "--adopt",
+        action="store_true",
+        help="the keys are lost: new keys over this existing store, keeping its accounts, "
+        "machines, queues and backups (machines then re-pair: `machine repair`)",
     )
 
     p = sub.add_parser("serve", help="run the daemon")
@@ -320,6 +327,8 @@ def _listing(
 
 
 async def _init(ctx: _Ctx) -> int:
+    if ctx.args.adopt:
+        return await _adopt(ctx)
     result = await init_control_plane(ctx.cfg)
     # The credential first, in one write: a reader that keeps only the first line
     # (`| head -1`) still gets the one thing that is never shown again.
@@ -329,6 +338,28 @@ async def _init(ctx: _Ctx) -> int:
         f"control plane initialised in {ctx.cfg.home}",
         f"CA hash: {result.ca_hash}",
     )
+    return ExitCode.OK
+
+
+async def _adopt(ctx: _Ctx) -> int:
+    adopted = await adopt_control_plane(ctx.cfg)
+    # As for init: the credential first, on a line of its own.
+    ctx.out.lines(
+        adopted.operator_credential,
+        "^ operator credential (shown ONCE, stored only as a hash)",
+        f"store adopted with new keys in {ctx.cfg.home} "
+        f"({adopted.objects_adopted} objects re-authenticated)",
+        f"CA hash: {adopted.ca_hash}",
+    )
+    ctx.out.note(
+        f"machines must re-pair: `{PROG} machine repair MACHINE` for each, then run the "
+        "printed join command on that machine (it keeps its id, agents and backups)"
+    )
+    if adopted.provider_secrets_lost:
+        ctx.out.note(
+            f"{adopted.provider_secrets_lost} machine provider setting(s) were sealed with the "
+            f"lost key: set them again (`{PROG} machine provider set`)"
+        )
     return ExitCode.OK
 
 

@@ -1,0 +1,155 @@
+"""``agents-control init --adopt``: new keys over an existing store, when the old keys are lost.
+
+When the home is gone and no sealed key bundle can bring it back, the store
+still holds everything that matters: accounts, machines, queued prompts (sealed
+to the machines' box keys) and backups (sealed to the machines' and accounts'
+keys). Adopting keeps all of it and starts a new CA, control key and
+secrets-key:
+
+1. Refused unless the store holds a control plane (``cp/deployment.json``) and
+   the home is empty; nothing is written before both checks.
+2. The new keys and config are made in a staging folder beside the home.
+3. Every MAC'd object is authenticated again under the new key. The old MAC
+   cannot be checked (its key is lost): adopting trusts the store as it is,
+   which is the operator's explicit decision. Objects already under the new key
+   (a resumed adopt) are left alone; backups carry their own authentication and
+   are not MAC'd, so they are not touched.
+4. A new operator credential is made (old credentials stay valid: only their
+   hashes are stored).
+5. COMMIT POINT: the deployment marker, rewritten under the new key naming the
+   new CA. Before it, a crashed adopt is simply run again (the staging folder
+   is made afresh); after it, only the home remains to be moved into place.
+6. The staging folder becomes the home.
+
+Machines do not trust the new CA: each re-pairs with a repair token
+(``agents-control machine repair M``), keeping its id, agents and backups.
+Provider secrets were sealed with the lost secrets-key: set each machine's
+provider again (their count is reported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+
+from controlplane.accounts import AccountService
+from controlplane.audit import Auditor
+from controlplane.authz import CredentialService
+from controlplane.bootstrap import toml_dumps
+from controlplane.config import ControlConfig
+from controlplane.integrity import (
+    DEPLOYMENT_KEY,
+    deployment_marker,
+    open_trusted_store,
+    record_mac_key,
+)
+from controlplane.keys import check_home_empty, create_home_keys
+from controlplane.rotation import _keys_changed
+from controlplane.server import open_control_store
+from shared.atomic import fsync_dir, write_atomic
+from shared.errors import IntegrityError, InvalidArgument, InvalidState, NotFound
+from shared.store.authenticated import MAC_HEADER, seal, unseal
+from shared.store.base import ObjectStore
+
+__all__ = ["AdoptResult", "adopt_control_plane"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdoptResult:
+    """What ``init --adopt`` shows the operator once."""
+
+    operator_credential: str
+    ca_hash: str
+    objects_adopted: int
+    """MAC'd objects authenticated again under the new key."""
+    provider_secrets_lost: int
+    """Machine providers whose sealed settings the lost key held (set them again)."""
+
+
+def _unmacd(key: str) -> bool:
+    """Objects the control plane never MACs (they carry their own authentication)."""
+    parts = key.split("/")
+    return len(parts) > 3 and parts[0] == "accounts" and parts[2] == "backups"
+
+
+async def _re_mac(store: ObjectStore, mac_key: bytes) -> tuple[int, int]:
+    """Authenticate every MAC'd object again under ``mac_key``: (adopted, providers)."""
+    adopted = providers = 0
+    async for info in store.list(""):
+        key = info.key
+        if _unmacd(key) or key == DEPLOYMENT_KEY:
+            continue
+        try:
+            stored = await store.get(key)
+        except NotFound:
+            continue  # deleted since the listing
+        if not stored.startswith(MAC_HEADER):
+            continue  # not ours to vouch for (a probe, a foreign object)
+        try:
+            unseal(mac_key, key, stored)
+            continue  # already adopted (a resumed run)
+        except IntegrityError:
+            pass
+        payload = stored[stored.index(b"\n", len(MAC_HEADER)) + 1 :]
+        await store.put(key, seal(mac_key, key, payload))
+        adopted += 1
+        if key.split("/")[2:3] == ["providers"]:
+            providers += 1
+    return adopted, providers
+
+
+async def adopt_control_plane(cfg: ControlConfig) -> AdoptResult:
+    """New keys over an existing store (see the module doc)."""
+    if not cfg.store_url:
+        raise InvalidArgument("store", "required: give --store s3://bucket/prefix or a folder")
+    check_home_empty(cfg.home)
+    raw = await open_control_store(cfg, None)
+    try:
+        try:
+            await raw.head(DEPLOYMENT_KEY)
+        except NotFound:
+            raise InvalidState(
+                "init --adopt",
+                "the store holds no control plane to adopt; run init without --adopt",
+            ) from None
+        stage = cfg.home.parent / f".{cfg.home.name}.adopting"
+        await asyncio.to_thread(shutil.rmtree, stage, True)  # a crashed adopt's leftovers
+        keys = await asyncio.to_thread(create_home_keys, stage, cfg.server_names)
+        write_atomic(
+            stage / cfg.config_path.name, toml_dumps(cfg.file_values()).encode(), mode=0o600
+        )
+        adopted, providers = await _re_mac(raw, record_mac_key(keys))
+    finally:
+        await raw.close()
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        store = trusted.store
+        auditor = Auditor(store)
+        made = await CredentialService(
+            store, AccountService(store, auditor), auditor
+        ).create_operator()
+        # COMMIT POINT: the marker under the new key, naming the new CA.
+        await trusted.authenticated.put(
+            DEPLOYMENT_KEY, deployment_marker(keys, dt.datetime.now(dt.UTC))
+        )
+        await auditor.record(made.credential.credential_id, "keys.adopt", "deployment")
+    finally:
+        await trusted.close()
+    if cfg.home.exists():
+        cfg.home.rmdir()  # empty (checked above): rename needs it gone
+    os.rename(stage, cfg.home)
+    fsync_dir(cfg.home.parent)
+    _keys_changed(cfg.home)
+    logger.warning(
+        "adopted the store with new keys (CA %s): %d objects re-authenticated; machines "
+        "must re-pair (`agents-control machine repair`)",
+        keys.ca_hash,
+        adopted,
+    )
+    return AdoptResult(made.value, keys.ca_hash, adopted, providers)
