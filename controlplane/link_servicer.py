@@ -150,7 +150,9 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             box_public_key=request.machine.box_public_key,
             signing_public_key=request.machine.signing_public_key,
         )
-        result = await self._pairing.join(request.token, request.csr_pem, info)
+        result = await self._pairing.join(
+            request.token, request.csr_pem, info, request.repair_machine_id
+        )
         return link_pb2.JoinResponse(
             certificate_pem=result.cert.cert_pem.decode(),
             ca_certificate_pem=result.ca_cert_pem.decode(),

@@ -91,18 +91,30 @@ class Pairing:
         """The CA that signs client certificates now."""
         return self._keyring.keys.issuing_ca if self._keyring else self._fixed_ca
 
-    async def join(self, token_value: str, csr_pem: str, info: MachineInfo) -> JoinResult:
+    async def join(
+        self, token_value: str, csr_pem: str, info: MachineInfo, repair_machine_id: str = ""
+    ) -> JoinResult:
         """Validate everything, use the token once, sign the CSR, write the machine.
 
         Input is checked before the token is used, so a malformed request does
-        not burn a single-use token.
+        not burn a single-use token. ``repair_machine_id`` (a joined box
+        re-pairing) must be the machine the token repairs.
         """
         clean = info.validate()
         tls.check_csr(csr_pem)
+        if repair_machine_id:
+            validate_id("machine", repair_machine_id, "repair_machine_id")
         if self._intents is None:
             token = await self._tokens.consume(token_value)
             return await self._register(token.account_id, token.token_id, csr_pem, clean, "")
         token = await self._tokens.check(token_value)
+        if repair_machine_id and token.repair_machine_id != repair_machine_id:
+            raise InvalidState(
+                "join",
+                f"this box is already joined as machine {repair_machine_id}: it re-pairs only "
+                f"with a repair token for it (`agents-control machine repair "
+                f"{repair_machine_id}`); the token was not used",
+            )
         if token.repair_machine_id:
             return await self._repair(token, csr_pem, clean)
         machine_id = self._machines.new_machine_id()

@@ -1,15 +1,22 @@
-"""Key rotation without re-pairing, with real processes on moto's S3 server.
+"""Key rotation without re-pairing, and adopting a store whose keys are lost, with real
+processes on moto's S3 server.
 
 ``agents-control cert rotate-server`` and ``agents-control ca rollover`` run
 against a real control plane; real ``agents-machine`` daemons keep connecting
 (no token is used twice, no machine joins again), renew under the new CA, and a
 machine that was stopped during the rollover still connects and renews.
+
+When the control plane's home is destroyed, ``init --adopt`` starts new keys
+over the same store and ``machine repair`` tokens re-pair the machines: each
+keeps its id, agents and backups, and its queued prompt is still delivered.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
+import shutil
 import ssl
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +26,14 @@ import pytest
 
 from machine import identity
 from shared import tls
-from tests.helpers.control_proc import ControlProc, control_plane, start_serve, stop_serve
+from tests.helpers.control_proc import (
+    ControlProc,
+    control_plane,
+    run_init,
+    start_serve,
+    stop_serve,
+)
+from tests.helpers.machine_proc import run_cli
 from tests.integration.test_join import (
     HEARTBEAT,
     MachineProc,
@@ -32,6 +46,7 @@ from tests.integration.test_join import (
     admin,
     machines,  # noqa: F401 (a fixture)
 )
+from tests.integration.test_prompt_queue import _runs
 
 pytestmark = pytest.mark.integration
 
@@ -188,3 +203,67 @@ async def test_ca_rollover_renews_online_and_offline_machines_then_retires(
         assert len(await client.list_machines(account)) == 2
     # New join commands pin the new CA.
     assert _printed_join(cp, account)[-1] == new_hash
+
+
+def _machine_json(data_dir: Path, *args: str) -> dict[str, object]:
+    res = run_cli(data_dir, *args, "--json")
+    assert res.returncode == 0, res.stderr
+    out: dict[str, object] = json.loads(res.stdout)
+    return out
+
+
+async def test_keys_lost_adopt_and_re_pair_keep_id_agents_backups_and_queue(
+    cp: ControlProc,
+    tmp_path: Path,
+    s3_bucket: str,
+    machines: list[MachineProc],  # noqa: F811
+) -> None:
+    account = _create_account(cp)
+    m = _join(cp, machines, tmp_path, account, "m")
+    await _until(m.joined, 15, "joined")
+    machine_id = identity.load_link(m.data_dir).machine_id
+    await _until(lambda: _online(cp, machine_id), 10, "online")
+    agent = str(_machine_json(m.data_dir, "agent", "create", "a", "--folder", str(tmp_path))["id"])
+    first_backup = _machine_json(m.data_dir, "backup", "now")["id"]
+    m.stop()
+    await _until(lambda: _offline(cp, machine_id), 5, "offline")
+    sent = cp.cli("prompt", "send", "--machine", machine_id, "--agent", agent, "--text", "hi")
+    assert sent.code == 0 and " queued" in sent.out, sent
+
+    # The keys are lost: the daemon dies, its home with it.
+    assert cp.process is not None
+    cp.process.kill()
+    cp.process.wait(timeout=10)
+    shutil.rmtree(cp.home)
+    ports = [
+        "--listen",
+        cp.public,
+        "--link-listen",
+        cp.link,
+        "--heartbeat-interval",
+        str(HEARTBEAT),
+    ]
+    adopted = run_init(cp.home, f"s3://{s3_bucket}/cp", cp.env, [*ports, "--adopt"])
+    assert adopted.ca_hash != cp.ca_hash
+    start_serve(adopted)
+    try:
+        repair = json.loads(adopted.cli("machine", "repair", machine_id, "--json").out)
+        argv = shlex.split(str(repair["join_command"]))
+        argv = argv[: argv.index("--recovery-key")]  # its data is still there
+        assert argv[argv.index("--ca-hash") + 1] == adopted.ca_hash
+        again = _start(machines, m.data_dir, argv, tmp_path / "m.log")
+        await _until(lambda: _online(adopted, machine_id), 20, "online after re-pair")
+        assert f"re-paired as machine {machine_id}" in again.output()
+        assert identity.load_link(m.data_dir).machine_id == machine_id
+        # The queued prompt, sealed to the box key the machine kept, is delivered.
+        await _until(lambda: any(r[1] == "hi" for r in _runs(m.data_dir)), 20, "prompt ran")
+        agents = _machine_json(m.data_dir, "agent", "list")["agents"]
+        assert isinstance(agents, list) and [a["id"] for a in agents] == [agent]
+        after = _machine_json(m.data_dir, "backup", "list")["backups"]
+        assert isinstance(after, list) and len(after) == 2  # the old one and a fresh one
+        assert first_backup in {b["id"] for b in after}
+        async with admin(adopted) as client:
+            listed = await client.list_machines(account)
+        assert [x["machine_id"] for x in listed] == [machine_id]
+    finally:
+        stop_serve(adopted)
