@@ -69,6 +69,8 @@ class FakeControl(link_pb2_grpc.MachineLinkServicer):
 
     def __init__(self, ca: tls.CertKey, heartbeat_ms: int = 100) -> None:
         self.ca = ca
+        self.next_ca: tls.CertKey | None = None
+        """During a CA rollover: signs joins, and joins hand out both CAs."""
         self.heartbeat_ms = heartbeat_ms
         self.cert_lifetime = dt.timedelta(hours=1)
         self.tokens: set[str] = set()
@@ -101,7 +103,7 @@ class FakeControl(link_pb2_grpc.MachineLinkServicer):
         self.tokens.discard(request.token)
         machine_id = repairs or new_id("machine")
         issued = tls.sign_client_csr(
-            self.ca,
+            self.next_ca or self.ca,
             request.csr_pem,
             account_id=self.account_id,
             machine_id=machine_id,
@@ -109,9 +111,10 @@ class FakeControl(link_pb2_grpc.MachineLinkServicer):
         )
         not_after = timestamp_pb2.Timestamp()
         not_after.FromDatetime(issued.not_after)
+        bundle = self.ca.cert_pem + (self.next_ca.cert_pem if self.next_ca else b"")
         return link_pb2.JoinResponse(
             certificate_pem=issued.cert_pem.decode(),
-            ca_certificate_pem=self.ca.cert_pem.decode(),
+            ca_certificate_pem=bundle.decode(),
             machine_id=machine_id,
             account_id=self.account_id,
             account_recovery_public_key=self.recovery.public_key,
@@ -552,6 +555,18 @@ async def test_repair_token_re_pairs_a_joined_box_keeping_its_id_and_keys(
     assert now.tls_key_pem != held.tls_key_pem and now.tls_cert_pem != held.tls_cert_pem
     assert tls.identity_from_cert(now.tls_cert_pem).machine_id == link.machine_id
     assert not list(data_dir.rglob("*.new"))
+
+
+async def test_join_during_a_ca_rollover_trusts_both_cas(control: Running, tmp_path: Path) -> None:
+    control.fake.next_ca = tls.make_ca()
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    keys = identity.load_keys(data_dir)
+    assert tls.split_certs(keys.ca_cert_pem) == [
+        control.fake.ca.cert_pem,
+        control.fake.next_ca.cert_pem,
+    ]
+    tls.verify_issued_by(keys.tls_cert_pem, control.fake.next_ca.cert_pem)
 
 
 def test_re_pair_interrupted_after_its_commit_point_is_finished_at_load(tmp_path: Path) -> None:
