@@ -17,22 +17,28 @@ import json
 import re
 import shlex
 import shutil
+import signal
 import ssl
+import subprocess
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from controlplane.integrity import DEPLOYMENT_KEY
 from machine import identity
 from shared import tls
 from tests.helpers.control_proc import (
     ControlProc,
     control_plane,
+    init_argv,
     run_init,
+    s3_env,
     start_serve,
     stop_serve,
 )
+from tests.helpers.fault_proxy import crash_proxy
 from tests.helpers.machine_proc import run_cli
 from tests.integration.test_join import (
     HEARTBEAT,
@@ -267,3 +273,40 @@ async def test_keys_lost_adopt_and_re_pair_keep_id_agents_backups_and_queue(
         assert [x["machine_id"] for x in listed] == [machine_id]
     finally:
         stop_serve(adopted)
+
+
+async def test_adopt_killed_before_or_at_its_commit_point_is_run_again(
+    tmp_path: Path, moto_endpoint: str, s3_bucket: str
+) -> None:
+    with crash_proxy(moto_endpoint) as proxy:
+        store = f"s3://{s3_bucket}/cp"
+        cp = run_init(tmp_path / "home", store, s3_env(proxy.url))
+        start_serve(cp)
+        try:
+            account = _create_account(cp)
+        finally:
+            stop_serve(cp)
+        shutil.rmtree(cp.home)
+        argv = init_argv(cp.home, store, ["--adopt"])
+
+        def killed_adopt(arm: Callable[[int], None]) -> None:
+            proc = subprocess.Popen(argv, env=cp.env, stdout=subprocess.DEVNULL)
+            arm(proc.pid)
+            proc.wait(timeout=60)
+            assert proc.returncode == -signal.SIGKILL and proxy.crashed.is_set()
+            assert not cp.home.exists()  # the home appears only after the commit point
+
+        # Killed half-way through re-authenticating the records ...
+        killed_adopt(lambda pid: proxy.arm(pid, after=2))
+        # ... just before the marker (the commit point) ...
+        killed_adopt(lambda pid: proxy.arm_before(pid, "PUT", DEPLOYMENT_KEY))
+        # ... and right after it, before the home was moved into place.
+        killed_adopt(lambda pid: proxy.arm_after(pid, "PUT", DEPLOYMENT_KEY))
+        proxy.disarm()
+        adopted = run_init(cp.home, store, cp.env, ["--adopt"])
+        start_serve(adopted)
+        try:
+            async with admin(adopted) as client:
+                assert [a["account_id"] for a in await client.list_accounts()] == [account]
+        finally:
+            stop_serve(adopted)
