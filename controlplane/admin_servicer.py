@@ -17,12 +17,13 @@ from controlplane.delivery import PromptDelivery
 from controlplane.machines import MachineRegistry
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.records import Account, JoinToken, Machine
+from controlplane.rotation import KeyRotation
 from controlplane.starter import MachineStarter
 from controlplane.tokens import TokenService
 from controlplane.wake import ScheduleWaker
+from shared.errors import InvalidState
 from shared.ids import validate_id
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
-from shared.rpc import unimplemented
 from shared.timestamps import from_datetime
 
 __all__ = ["AdminServicer"]
@@ -31,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
-_LATER: Final = "not implemented yet: arrives in a later release"
 #: Presence reads in flight at once while listing machines.
 _STATUS_READS: Final = 16
 
@@ -108,6 +108,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         prompts: PromptDelivery,
         starter: MachineStarter,
         waker: ScheduleWaker | None = None,
+        rotation: KeyRotation | None = None,
     ) -> None:
         self._accounts = accounts
         self._credentials = credentials
@@ -120,6 +121,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._prompts = prompts
         self._starter = starter
         self._waker = waker
+        self._rotation = rotation
+
+    def _pin(self) -> str:
+        # The CA changes at a CA rollover's retirement: join commands follow it.
+        return self._rotation.pinned_ca_hash if self._rotation else self._ca_hash
 
     async def _auth(self, context: Context) -> Principal:
         bearer: str | None = None
@@ -192,7 +198,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.CreateJoinTokenResponse(
             token=_token(made.token, made.token.created_at),
             token_value=made.value,
-            ca_hash=self._ca_hash,
+            ca_hash=self._pin(),
             join_address=self._join_address,
         )
 
@@ -206,7 +212,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.CreateJoinTokenResponse(
             token=_token(made.token, made.token.created_at),
             token_value=made.value,
-            ca_hash=self._ca_hash,
+            ca_hash=self._pin(),
             join_address=self._join_address,
         )
 
@@ -339,6 +345,31 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             ],
         )
 
-    # RPCs that arrive with later issues.
-    RotateServerCertificate = unimplemented("RotateServerCertificate", _LATER, check="_auth")
-    RolloverCA = unimplemented("RolloverCA", _LATER, check="_auth")
+    async def RotateServerCertificate(
+        self, request: admin_pb2.RotateServerCertificateRequest, context: Context
+    ) -> admin_pb2.RotateServerCertificateResponse:
+        """See admin.proto."""
+        p = await self._auth(context)
+        rotated = await self._require_rotation().rotate_server(p)
+        return admin_pb2.RotateServerCertificateResponse(
+            not_after=from_datetime(rotated.not_after), serial=rotated.serial
+        )
+
+    async def RolloverCA(
+        self, request: admin_pb2.RolloverCARequest, context: Context
+    ) -> admin_pb2.RolloverCAResponse:
+        """See admin.proto."""
+        p = await self._auth(context)
+        r = await self._require_rotation().rollover(p, retire_old=request.retire_old)
+        return admin_pb2.RolloverCAResponse(
+            ca_hash=r.ca_hash,
+            state=r.state,
+            old_ca_hash=r.old_ca_hash,
+            machines_pending=r.machines_pending,
+            machines_notified=r.machines_notified,
+        )
+
+    def _require_rotation(self) -> KeyRotation:
+        if self._rotation is None:
+            raise InvalidState("keys", "key rotation is not available in this server")
+        return self._rotation

@@ -26,7 +26,13 @@ from shared.store import S3Config
 from shared.store.base import ObjectStore
 from shared.store.url import parse_store_url
 
-__all__ = ["DEPLOYMENT_KEY", "InitResult", "init_control_plane", "toml_dumps"]
+__all__ = [
+    "DEPLOYMENT_KEY",
+    "InitResult",
+    "init_control_plane",
+    "recovery_public_key_for",
+    "toml_dumps",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ def toml_dumps(values: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _recovery_public_key(cfg: ControlConfig, given: bytes | None) -> tuple[bytes, bytes | None]:
+def recovery_public_key_for(cfg: ControlConfig, given: bytes | None) -> tuple[bytes, bytes | None]:
     """(public key to seal the bundle to, private key to show once or None)."""
     if given is not None:
         return given, None
@@ -88,7 +94,7 @@ async def init_control_plane(
     """
     if not cfg.store_url:
         raise InvalidArgument("store", "required: give --store s3://bucket/prefix or a folder")
-    public, private = _recovery_public_key(cfg, recovery_public_key)
+    public, private = recovery_public_key_for(cfg, recovery_public_key)
     check_home_empty(cfg.home)
     raw = await open_control_store(cfg, None)
     try:
@@ -97,7 +103,10 @@ async def init_control_plane(
     except NotFound:
         pass
     else:
-        raise InvalidState("init", "the store already holds a control plane")
+        raise InvalidState(
+            "init",
+            "the store already holds a control plane (if its keys are lost: init --adopt)",
+        )
     finally:
         await raw.close()
     keys = create_home_keys(cfg.home, cfg.server_names)

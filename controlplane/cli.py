@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from controlplane.adopt import adopt_control_plane
 from controlplane.bootstrap import init_control_plane
 from controlplane.client import AdminClient, ControlPlaneUnreachable
 from controlplane.config import ControlConfig, load_config
@@ -116,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--recovery-public-key",
         help="agpk1_... the key bundle is sealed to (required for S3; "
         "default for a folder store: generate, print once)",
+    )
+    p.add_argument(
+        "--adopt",
+        action="store_true",
+        help="the keys are lost: new keys over this existing store, keeping its accounts, "
+        "machines, queues and backups (machines then re-pair: `machine repair`)",
     )
 
     rk = sub.add_parser("recovery-key", help="the operator recovery key").add_subparsers(
@@ -243,6 +251,26 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--account", required=True, help="account id")
     p.add_argument("--label", default="account admin", help="a label to recognise it by")
+
+    cert = sub.add_parser("cert", help="the server TLS certificate").add_subparsers(
+        dest="verb", parser_class=CliParser
+    )
+    p = cert.add_parser(
+        "rotate-server", help="issue a new server certificate under the same CA (no re-pairing)"
+    )
+    _common(p)
+    ca = sub.add_parser("ca", help="the certificate authority").add_subparsers(
+        dest="verb", parser_class=CliParser
+    )
+    p = ca.add_parser(
+        "rollover", help="start a CA rollover (or report on it); machines renew by themselves"
+    )
+    _common(p)
+    p.add_argument(
+        "--retire-old",
+        action="store_true",
+        help="retire the old CA (refused while a machine still holds one of its certificates)",
+    )
     return root
 
 
@@ -333,7 +361,20 @@ def _listing(
     return ExitCode.OK
 
 
+def _recovery_lines(private: bytes | None) -> list[str]:
+    """The recovery private key init/adopt made, with what to do with it (shown once)."""
+    if private is None:
+        return []
+    return [
+        encode_private_key(private),
+        "^ recovery private key (shown ONCE, never stored): save it to a file kept "
+        "OFFLINE; `agents-control restore` needs it to rebuild this control plane",
+    ]
+
+
 async def _init(ctx: _Ctx) -> int:
+    if ctx.args.adopt:
+        return await _adopt(ctx)
     given = ctx.args.recovery_public_key
     public = decode_public_key(given) if given else None
     result = await init_control_plane(ctx.cfg, public)
@@ -343,12 +384,7 @@ async def _init(ctx: _Ctx) -> int:
         result.operator_credential,
         "^ operator credential (shown ONCE, stored only as a hash)",
     ]
-    if result.recovery_private_key is not None:
-        lines += [
-            encode_private_key(result.recovery_private_key),
-            "^ recovery private key (shown ONCE, never stored): save it to a file kept "
-            "OFFLINE; `agents-control restore` needs it to rebuild this control plane",
-        ]
+    lines += _recovery_lines(result.recovery_private_key)
     ctx.out.lines(
         *lines,
         f"control plane initialised in {ctx.cfg.home}",
@@ -367,6 +403,30 @@ async def _recovery_key_new(ctx: _Ctx) -> int:
         ctx.out.note(
             f"private key written to {out} (0600): keep it offline; give the public key "
             "above to `agents-control init --recovery-public-key`"
+        )
+    return ExitCode.OK
+
+
+async def _adopt(ctx: _Ctx) -> int:
+    given = ctx.args.recovery_public_key
+    adopted = await adopt_control_plane(ctx.cfg, decode_public_key(given) if given else None)
+    # As for init: the credential first, on a line of its own.
+    ctx.out.lines(
+        adopted.operator_credential,
+        "^ operator credential (shown ONCE, stored only as a hash)",
+        *_recovery_lines(adopted.recovery_private_key),
+        f"store adopted with new keys in {ctx.cfg.home} "
+        f"({adopted.objects_adopted} objects re-authenticated)",
+        f"CA hash: {adopted.ca_hash}",
+    )
+    ctx.out.note(
+        f"machines must re-pair: `{PROG} machine repair MACHINE` for each, then run the "
+        "printed join command on that machine (it keeps its id, agents and backups)"
+    )
+    if adopted.provider_secrets_lost:
+        ctx.out.note(
+            f"{adopted.provider_secrets_lost} machine provider setting(s) were sealed with the "
+            f"lost key: set them again (`{PROG} machine provider set`)"
         )
     return ExitCode.OK
 
@@ -708,6 +768,32 @@ async def _drill(ctx: _Ctx) -> int:
     return ExitCode.OK if report.ok else ExitCode.FAILED
 
 
+async def _cert_rotate_server(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        rotated = await c.rotate_server_certificate()
+    data = {"serial": rotated.serial, "not_after": rotated.not_after.isoformat()}
+    return _emit(
+        ctx,
+        data,
+        f"server certificate rotated: serial {rotated.serial}, valid until {data['not_after']}",
+    )
+
+
+async def _ca_rollover(ctx: _Ctx) -> int:
+    async with _client(ctx.cfg) as c:
+        r = await c.rollover_ca(retire_old=ctx.args.retire_old)
+    data = dataclasses.asdict(r)
+    if r.state == "retired":
+        text = f"old CA {r.old_ca_hash} retired; the CA is now {r.ca_hash}"
+    else:
+        text = (
+            f"CA rollover in progress: new CA {r.ca_hash} (old {r.old_ca_hash} still trusted); "
+            f"{r.machines_pending} machine(s) still to renew, {r.machines_notified} told now; "
+            f"retire with `{PROG} ca rollover --retire-old` once none is left"
+        )
+    return _emit(ctx, data, text)
+
+
 #: (command, verb) -> handler; a command without verbs has verb None.
 COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("init", None): _init,
@@ -733,6 +819,8 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("credential", "create"): _credential_create,
     ("prompt", "send"): _prompt_send,
     ("prompt", "list"): _prompt_list,
+    ("cert", "rotate-server"): _cert_rotate_server,
+    ("ca", "rollover"): _ca_rollover,
 }
 
 #: Commands that print a secret once (it is stored only as a hash, or not at all):

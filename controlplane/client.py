@@ -13,10 +13,12 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
+from controlplane.rotation import RolloverState, ServerRotated
 from shared.cli import message_dict
 from shared.errors import TransientError
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
 from shared.rpc import domain_error
+from shared.timestamps import to_datetime
 
 __all__ = ["AdminClient", "ControlPlaneUnreachable"]
 
@@ -74,6 +76,9 @@ class AdminClient:
             await self._channel.close(None)
 
     async def _call(self, method: Any, request: Message) -> dict[str, Any]:
+        return _dict(await self._raw(method, request))
+
+    async def _raw(self, method: Any, request: Message) -> Any:
         try:
             # The generated stubs are typed for the sync API; on an aio channel they await.
             reply: Message = await method(request, metadata=self._metadata, timeout=self._timeout)
@@ -84,7 +89,7 @@ class AdminClient:
                 logger.debug("admin call to %s failed: %s", self._address, exc.details())
                 raise ControlPlaneUnreachable(self._address) from None
             raise domain_error(exc) from None
-        return _dict(reply)
+        return reply
 
     @property
     def stub(self) -> admin_pb2_grpc.AdminStub:
@@ -222,4 +227,20 @@ class AdminClient:
         return await self._call(
             self.stub.CreateCredential,
             admin_pb2.CreateCredentialRequest(account_id=account_id, label=label),
+        )
+
+    async def rotate_server_certificate(self) -> ServerRotated:
+        """RotateServerCertificate (operator)."""
+        reply = await self._raw(
+            self.stub.RotateServerCertificate, admin_pb2.RotateServerCertificateRequest()
+        )
+        return ServerRotated(to_datetime(reply.not_after), reply.serial)
+
+    async def rollover_ca(self, retire_old: bool = False) -> RolloverState:
+        """RolloverCA (operator): start or report a rollover; retire the old CA."""
+        r = await self._raw(
+            self.stub.RolloverCA, admin_pb2.RolloverCARequest(retire_old=retire_old)
+        )
+        return RolloverState(
+            r.state, r.ca_hash, r.old_ca_hash, r.machines_pending, r.machines_notified
         )

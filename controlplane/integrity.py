@@ -36,6 +36,7 @@ from typing import Any, Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
+from controlplane import jsonstore
 from controlplane.config import ControlConfig
 from controlplane.keys import HomeKeys
 from controlplane.records import utc_iso
@@ -67,7 +68,9 @@ __all__ = [
     "TrustedStore",
     "WriteFence",
     "deployment_marker",
+    "marker_ca_hashes",
     "marker_deployment_id",
+    "move_deployment_ca",
     "open_trusted_store",
     "record_kind",
     "record_mac_key",
@@ -142,6 +145,29 @@ def marker_deployment_id(marker: bytes) -> str:
     return ident
 
 
+def marker_ca_hashes(marker: dict[str, Any]) -> set[str]:
+    """The CA pins a deployment marker accepts: its CA and any CA a rollover retired
+    (a home whose swap to the new CA was interrupted still opens its store)."""
+    previous = marker.get("previous_ca_hashes")
+    named = [marker.get("ca_hash"), *(previous if isinstance(previous, list) else [])]
+    return {h for h in named if isinstance(h, str)}
+
+
+async def move_deployment_ca(store: ObjectStore, new_ca_hash: str) -> None:
+    """Name ``new_ca_hash`` in the marker, the former CA kept as previous (one CAS write).
+
+    ``store`` is the MAC'd store below the guard (:attr:`TrustedStore.authenticated`).
+    """
+
+    def change(marker: dict[str, Any]) -> dict[str, Any] | None:
+        if marker.get("ca_hash") == new_ca_hash:
+            return None
+        previous = sorted(marker_ca_hashes(marker) - {new_ca_hash})
+        return {**marker, "ca_hash": new_ca_hash, "previous_ca_hashes": previous}
+
+    await jsonstore.update(store, DEPLOYMENT_KEY, change)
+
+
 class DeploymentGuard:
     """Whether the store is this deployment's (see the module doc)."""
 
@@ -179,7 +205,7 @@ class DeploymentGuard:
             except ValueError:
                 problem = self._untrusted(f"{DEPLOYMENT_KEY} is not valid JSON")
             else:
-                if not isinstance(data, dict) or data.get("ca_hash") != self._ca_hash:
+                if not isinstance(data, dict) or self._ca_hash not in marker_ca_hashes(data):
                     problem = self._untrusted(f"{DEPLOYMENT_KEY} names another deployment")
             if problem is None and self.problem is not None:
                 logger.warning("store %s: this deployment's store is back", self._where)

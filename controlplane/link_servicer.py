@@ -137,7 +137,9 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self._heartbeat = heartbeat_interval
         self._renew_threshold = renew_threshold
         self._sessions = LinkSessions(
-            ca_cert_pem=pairing.ca_cert_pem,
+            # Read at each use: a CA rollover changes both while we serve.
+            ca_cert_pem=lambda: pairing.ca_cert_pem,
+            current_ca=pairing.issued_by_current_ca,
             machines=machines,
             presence=presence,
             metrics=metrics,
@@ -160,7 +162,9 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             box_public_key=request.machine.box_public_key,
             signing_public_key=request.machine.signing_public_key,
         )
-        result = await self._pairing.join(request.token, request.csr_pem, info)
+        result = await self._pairing.join(
+            request.token, request.csr_pem, info, request.repair_machine_id
+        )
         return link_pb2.JoinResponse(
             certificate_pem=result.cert.cert_pem.decode(),
             ca_certificate_pem=result.ca_cert_pem.decode(),

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,6 +52,7 @@ from shared import tls
 from shared.errors import AgentsError, InvalidArgument, Unauthenticated
 
 __all__ = [
+    "CA_ROLLOVER_REASON",
     "Ack",
     "DeliveryHooks",
     "Heartbeat",
@@ -74,6 +75,8 @@ LINGER = 0.5
 NOTICE_GRACE = 3.0
 #: Longest hello version accepted.
 MAX_VERSION = 64
+#: The renew-now reason a CA rollover gives.
+CA_ROLLOVER_REASON = "ca rollover"
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,7 @@ class LinkSessions:
     def __init__(
         self,
         *,
-        ca_cert_pem: bytes,
+        ca_cert_pem: bytes | Callable[[], bytes],
         machines: MachineRegistry,
         presence: PresenceRegistry,
         metrics: ControlMetrics,
@@ -157,8 +160,13 @@ class LinkSessions:
         linger: float = LINGER,
         deliveries: DeliveryHooks | None = None,
         rosters: AgentRosters | None = None,
+        current_ca: Callable[[bytes], bool] | None = None,
     ) -> None:
-        self._ca_cert_pem = ca_cert_pem
+        # A callable follows CA rotations (the daemon passes Pairing's view).
+        self._ca_cert_pem = ca_cert_pem if callable(ca_cert_pem) else lambda: ca_cert_pem
+        # Whether a certificate is signed by the CA that signs them now: one of the
+        # old CA (a rollover) is asked to renew at connect (controlplane.rotation).
+        self._current_ca = current_ca
         self._machines = machines
         self._presence = presence
         self._metrics = metrics
@@ -180,7 +188,7 @@ class LinkSessions:
         # gRPC verified the chain at the handshake; checking again is cheap and
         # keeps us safe should the listener ever be configured differently.
         try:
-            tls.verify_issued_by(cert_pem, self._ca_cert_pem)
+            tls.verify_issued_by(cert_pem, self._ca_cert_pem())
             peer = tls.identity_from_cert(cert_pem)
         except InvalidArgument:
             raise Unauthenticated("link: certificate not issued by this control plane") from None
@@ -229,6 +237,8 @@ class LinkSessions:
             yield Welcome(self._heartbeat, self._clock(), machine.machine_id)
             if tls.needs_renewal(cert_pem, self._renew_threshold):
                 yield RenewNowNotice("certificate nearing expiry")
+            elif self._current_ca is not None and not self._current_ca(cert_pem):
+                yield RenewNowNotice(CA_ROLLOVER_REASON)
             if self._deliveries is not None:
                 self._deliveries.connected(session)
             while True:

@@ -150,6 +150,7 @@ class MachineRegistry:
             signing_public_key=info.signing_public_key,
             token_id=token_id,
             join_intent=join_intent,
+            cert_ca_hash=cert.ca_hash,
         )
         await jsonstore.create(
             self._store, machine_index_key(machine_id), {"account_id": account_id}
@@ -190,6 +191,7 @@ class MachineRegistry:
                 "cert_serial": cert.serial,
                 "previous_cert_serial": "",
                 "cert_not_after": utc_iso(cert.not_after),
+                "cert_ca_hash": cert.ca_hash,
                 "box_public_key": info.box_public_key.hex(),
                 "signing_public_key": info.signing_public_key.hex(),
                 "token_id": token_id,
@@ -351,6 +353,7 @@ class MachineRegistry:
                 "previous_cert_serial": d.get("cert_serial", ""),
                 "cert_serial": cert.serial,
                 "cert_not_after": utc_iso(cert.not_after),
+                "cert_ca_hash": cert.ca_hash,
             }
 
         data = await jsonstore.update(

@@ -47,6 +47,13 @@ class ControlMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.key_rotations = Counter(
+            "agents_cp_key_rotations",
+            "Key rotations, by kind (server, ca_rollover, ca_retire) and result "
+            "(ok, refused, error).",
+            ["kind", "result"],
+            registry=registry,
+        )
         self.admin_calls = Counter(
             "agents_cp_admin_calls",
             "Admin RPCs, by method and status code.",

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 from controlplane.accounts import AccountService
 from controlplane.intents import Intent, Intents
+from controlplane.keys import KeyRing
 from controlplane.machines import AuthorizedPeer, MachineInfo, MachineRegistry
 from controlplane.records import Account, JoinToken, Machine, machine_index_key, machine_key
 from controlplane.tokens import TokenService
 from shared import tls
-from shared.errors import InvalidState, Unauthenticated
+from shared.errors import InvalidArgument, InvalidState, Unauthenticated
 from shared.ids import validate_id
 from shared.store.base import ObjectStore
 from shared.tls import CertKey, IssuedCert
@@ -70,11 +71,14 @@ class Pairing:
         intents: Intents | None = None,
         confirm_grace: float = 300.0,
         store: ObjectStore | None = None,
+        keyring: KeyRing | None = None,
     ) -> None:
         self._tokens = tokens
         self._machines = machines
         self._accounts = accounts
-        self._ca = ca
+        self._fixed_ca = ca
+        # With a key ring (the daemon), the CA follows rotations (controlplane.rotation).
+        self._keyring = keyring
         self._lifetime = cert_lifetime
         self._intents = intents
         self._confirm_grace = confirm_grace
@@ -82,18 +86,35 @@ class Pairing:
         if intents is not None:
             intents.register(_JOIN, self._roll_back_join)
 
-    async def join(self, token_value: str, csr_pem: str, info: MachineInfo) -> JoinResult:
+    @property
+    def _ca(self) -> CertKey:
+        """The CA that signs client certificates now."""
+        return self._keyring.keys.issuing_ca if self._keyring else self._fixed_ca
+
+    async def join(
+        self, token_value: str, csr_pem: str, info: MachineInfo, repair_machine_id: str = ""
+    ) -> JoinResult:
         """Validate everything, use the token once, sign the CSR, write the machine.
 
         Input is checked before the token is used, so a malformed request does
-        not burn a single-use token.
+        not burn a single-use token. ``repair_machine_id`` (a joined box
+        re-pairing) must be the machine the token repairs.
         """
         clean = info.validate()
         tls.check_csr(csr_pem)
+        if repair_machine_id:
+            validate_id("machine", repair_machine_id, "repair_machine_id")
         if self._intents is None:
             token = await self._tokens.consume(token_value)
             return await self._register(token.account_id, token.token_id, csr_pem, clean, "")
         token = await self._tokens.check(token_value)
+        if repair_machine_id and token.repair_machine_id != repair_machine_id:
+            raise InvalidState(
+                "join",
+                f"this box is already joined as machine {repair_machine_id}: it re-pairs only "
+                f"with a repair token for it (`agents-control machine repair "
+                f"{repair_machine_id}`); the token was not used",
+            )
         if token.repair_machine_id:
             return await self._repair(token, csr_pem, clean)
         machine_id = self._machines.new_machine_id()
@@ -136,7 +157,7 @@ class Pairing:
                 lifetime=self._lifetime,
             )
             machine = await self._machines.repair(old, info, cert, token.token_id, intent.intent_id)
-            return JoinResult(machine, account, cert, self._ca.cert_pem)
+            return JoinResult(machine, account, cert, self.ca_cert_pem)
 
     async def _register(
         self,
@@ -159,7 +180,7 @@ class Pairing:
         machine = await self._machines.register(
             account.account_id, machine_id, info, cert, token_id, join_intent=intent_id
         )
-        return JoinResult(machine, account, cert, self._ca.cert_pem)
+        return JoinResult(machine, account, cert, self.ca_cert_pem)
 
     async def _roll_back_join(self, intent: Intent, age: float) -> bool:
         """Undo a join that was never confirmed (see the module doc); idempotent."""
@@ -202,7 +223,11 @@ class Pairing:
             # A superseded certificate may still connect until it expires, but
             # never mint a new one: a stolen old key must not outlive it.
             raise Unauthenticated("renew: only the current certificate may renew")
-        if not tls.needs_renewal(peer.cert_pem, max(threshold, RENEW_EARLIEST)):
+        if self.issued_by_current_ca(peer.cert_pem):
+            due = tls.needs_renewal(peer.cert_pem, max(threshold, RENEW_EARLIEST))
+        else:
+            due = True  # a CA rollover: every machine moves to the new CA now
+        if not due:
             raise InvalidState("renew", "certificate is not due for renewal yet")
         return await self.renew(peer.machine, csr_pem)
 
@@ -220,5 +245,14 @@ class Pairing:
 
     @property
     def ca_cert_pem(self) -> bytes:
-        """The CA certificate machines pin."""
-        return self._ca.cert_pem
+        """The CA certificates machines trust: the pinned one first, then (during a CA
+        rollover) the new one."""
+        return self._keyring.keys.ca_bundle_pem if self._keyring else self._fixed_ca.cert_pem
+
+    def issued_by_current_ca(self, cert_pem: bytes) -> bool:
+        """Whether a client certificate is signed by the CA that signs them now."""
+        try:
+            tls.verify_issued_by(cert_pem, self._ca.cert_pem)
+        except InvalidArgument:
+            return False
+        return True

@@ -276,6 +276,10 @@ class Machine(_Record):
     join_intent: str = ""
     """Set while the join is not confirmed (the machine has not connected yet): such a
     machine is rolled back if it never connects (controlplane.pairing)."""
+    cert_ca_hash: str = ""
+    """Pin of the CA that signed the current certificate ("" in records older than
+    CA rollover: the CA of that time). A rollover retires the old CA only once no
+    machine's current certificate names it."""
 
     def accepts_serial(self, serial: str) -> bool:
         """Whether a client certificate with ``serial`` may act as this machine."""

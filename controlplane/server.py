@@ -38,7 +38,7 @@ from controlplane.integrity import (
 )
 from controlplane.intents import Intents
 from controlplane.keybundle import reseal_key_bundle
-from controlplane.keys import HomeKeys, load_home_keys
+from controlplane.keys import HomeKeys, KeyRing, load_home_keys
 from controlplane.link_servicer import LinkServicer
 from controlplane.machines import MachineRegistry
 from controlplane.metrics import ControlMetrics
@@ -46,6 +46,7 @@ from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry
 from controlplane.queue import PromptQueue, QueueLimits
 from controlplane.rosters import AgentRosters
+from controlplane.rotation import KeyRotation
 from controlplane.starter import MachineStarter
 from controlplane.tokens import TokenService
 from controlplane.wake import ScheduleWaker
@@ -92,6 +93,8 @@ class Services:
     """The domain objects of one daemon, built from a store and keys."""
 
     def __init__(self, cfg: ControlConfig, store: ObjectStore, keys: HomeKeys) -> None:
+        # The live keys: rotation (controlplane.rotation) swaps them while serving.
+        self.keyring = KeyRing(keys)
         self.auditor = Auditor(store)
         # One intent log for every multi-object change (controlplane.intents).
         self.intents = Intents(store)
@@ -114,6 +117,7 @@ class Services:
             intents=self.intents,
             confirm_grace=cfg.join_confirm_grace,
             store=store,
+            keyring=self.keyring,
         )
         self.deletion = AccountDeletion(store, self.accounts, self.auditor, self.intents)
 
@@ -244,11 +248,10 @@ class ControlPlane:
         self._server = server
         # The chain carries the CA too: a joining machine checks it against the
         # pinned hash before it sends its token (kubeadm-style discovery).
-        pair = [(keys.server.key_pem, keys.server.cert_pem + keys.ca.cert_pem)]
-        public_creds = grpc.ssl_server_credentials(pair)
-        link_creds = grpc.ssl_server_credentials(
-            pair, root_certificates=keys.ca.cert_pem, require_client_auth=True
-        )
+        # Both are read from the key ring at each handshake, so a rotation reaches
+        # new connections without a restart (controlplane.rotation).
+        public_creds = _dynamic_credentials(services.keyring, client_auth=False)
+        link_creds = _dynamic_credentials(services.keyring, client_auth=True)
         host, port = parse_hostport(cfg.listen, "listen")
         self.public_port = server.add_secure_port(f"{_bracket(host)}:{port}", public_creds)
         lhost, lport = parse_hostport(cfg.link_listen, "link_listen")
@@ -269,6 +272,18 @@ class ControlPlane:
             deliveries=prompts,
             rosters=rosters,
         )
+        rotation = KeyRotation(
+            home=cfg.home,
+            server_names=cfg.server_names,
+            keyring=services.keyring,
+            machines=services.machines,
+            presence=presence,
+            auditor=services.auditor,
+            marker_store=trusted.authenticated,
+            bundle_store=trusted.store,
+            on_result=lambda kind, result: self.metrics.key_rotations.labels(kind, result).inc(),
+            on_resealed=lambda sealed: self.metrics.key_bundle_sealed.set(1 if sealed else 0),
+        )
         admin = AdminServicer(
             accounts=services.accounts,
             credentials=services.credentials,
@@ -281,6 +296,7 @@ class ControlPlane:
             prompts=prompts,
             starter=starter,
             waker=waker,
+            rotation=rotation,
         )
         link_pb2_grpc.add_MachineLinkServicer_to_server(link, server)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
@@ -432,6 +448,34 @@ def _machine_backups(trusted: TrustedStore, machines: MachineRegistry) -> Machin
         return await machines.load_any(account_id, machine_id) is not None
 
     return MachineBackups(trusted.backups, exists=exists)
+
+
+def _certificate_config(ring: KeyRing, client_auth: bool) -> grpc.ServerCertificateConfiguration:
+    keys = ring.keys
+    # The chain carries the CA too: a joining machine checks it against the
+    # pinned hash before it sends its token (kubeadm-style discovery).
+    pair = [(keys.server.key_pem, keys.server.cert_pem + keys.ca.cert_pem)]
+    roots = keys.ca_bundle_pem if client_auth else None
+    return grpc.ssl_server_certificate_configuration(pair, root_certificates=roots)
+
+
+def _dynamic_credentials(ring: KeyRing, *, client_auth: bool) -> grpc.ServerCredentials:
+    """TLS credentials that follow the key ring: gRPC asks before each handshake."""
+    seen = ring.version
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        nonlocal seen
+        if ring.version == seen:
+            return None  # unchanged: gRPC keeps the current configuration
+        seen = ring.version
+        return _certificate_config(ring, client_auth)
+
+    return grpc.dynamic_ssl_server_credentials(
+        _certificate_config(ring, client_auth),
+        # gRPC documents None as "keep the current one"; grpc-stubs does not.
+        fetch,  # type: ignore[arg-type]
+        require_client_authentication=client_auth,
+    )
 
 
 def _bracket(host: str) -> str:

@@ -953,6 +953,7 @@ def _cmd_serve(ctx: _Ctx) -> int:
 
 def _cmd_join(ctx: _Ctx) -> int:
     # Imported here: only `join` needs the join flow and the service installer.
+    from machine import identity
     from machine.join import join_control_plane, restore_after_join
     from machine.service_unit import install_service
     from shared.recovery_key import read_recovery_key
@@ -964,6 +965,8 @@ def _cmd_join(ctx: _Ctx) -> int:
     cfg = ctx.cfg
     # Read before the join: a bad key file must not cost the one-time token.
     recovery = read_recovery_key(Path(args.recovery_key)) if args.recovery_key else None
+    if identity.is_joined(cfg.data_dir):
+        return _re_pair(ctx)
     result = asyncio.run(
         join_control_plane(
             data_dir=cfg.data_dir,
@@ -989,6 +992,45 @@ def _cmd_join(ctx: _Ctx) -> int:
             else "the control plane keeps no backup of this machine: nothing to restore"
         )
     if args.install_service:
+        installed = install_service(data_dir=cfg.data_dir)
+        ctx.out.lines(f"installed {installed.unit_path}")
+        if installed.started:
+            return ExitCode.OK
+    return _run_serve(cfg)
+
+
+def _re_pair(ctx: _Ctx) -> int:
+    """``join`` on a joined data folder: re-pair (machine.join), back up at once, serve."""
+    from machine.daemon import hold_data_dir
+    from machine.join import backup_after_repair, join_control_plane
+
+    args, cfg = ctx.args, ctx.cfg
+    if args.recovery_key:
+        raise UsageError(
+            "join: this data folder is already joined: its data is here, so a re-pair "
+            "restores nothing; drop --recovery-key"
+        )
+    # Held from before the join to after the backup: a daemon serving this folder
+    # (with the old certificate) is refused here, before the token is spent.
+    with hold_data_dir(cfg.data_dir, "join (re-pair): stop the running agents-machine first"):
+        result = asyncio.run(
+            join_control_plane(
+                data_dir=cfg.data_dir,
+                address=args.address,
+                token=args.token,
+                ca_hash=args.ca_hash,
+                name=args.name,
+            )
+        )
+        ctx.out.lines(
+            f"re-paired as machine {result.machine_id} (account {result.account_id}): "
+            "same id, agents and backups; new certificate"
+        )
+        backup_id = asyncio.run(backup_after_repair(cfg))
+        ctx.out.lines(f"backup {backup_id} uploaded to the control plane")
+    if args.install_service:
+        from machine.service_unit import install_service
+
         installed = install_service(data_dir=cfg.data_dir)
         ctx.out.lines(f"installed {installed.unit_path}")
         if installed.started:

@@ -55,7 +55,7 @@ class ServeInfo:
 
 
 @contextlib.contextmanager
-def _data_dir_lock(data_dir: Path) -> Any:
+def _data_dir_lock(data_dir: Path, hint: str = "") -> Any:
     """Hold an exclusive lock so two daemons never share a data folder."""
     fd = os.open(data_dir / "machine.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -63,11 +63,19 @@ def _data_dir_lock(data_dir: Path) -> Any:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise InvalidState(
-                f"serve {data_dir}", "another agents-machine is already using this data folder"
+                f"serve {data_dir}",
+                "another agents-machine is already using this data folder"
+                + (f" ({hint})" if hint else ""),
             ) from None
         yield
     finally:
         os.close(fd)
+
+
+def hold_data_dir(data_dir: Path, hint: str) -> contextlib.AbstractContextManager[None]:
+    """The daemon's data-folder lock, for a command that must not run beside a daemon."""
+    lock: contextlib.AbstractContextManager[None] = _data_dir_lock(data_dir, hint)
+    return lock
 
 
 def _control_link(

@@ -60,6 +60,7 @@ __all__ = [
     "save_link",
     "staged_join",
     "write_identity",
+    "write_repair",
 ]
 
 logger = logging.getLogger(__name__)
@@ -230,6 +231,7 @@ def _read_private(path: Path, limit: int = 64 * 1024) -> bytes:
 
 def load_link(data_dir: Path) -> LinkRecord:
     """Read ``link.json``; InvalidState when the machine has not joined."""
+    _finish_repair(data_dir)
     path = data_dir / LINK_FILE
     if not path.is_file():
         raise InvalidState(str(data_dir), "not joined to a control plane (no link.json)")
@@ -243,6 +245,7 @@ def save_link(data_dir: Path, link: LinkRecord) -> None:
 
 def load_keys(data_dir: Path) -> MachineKeys:
     """Read every key and certificate under ``keys/``; IntegrityError if one is damaged."""
+    _finish_repair(data_dir)
     keys_dir = data_dir / KEYS_DIR
     signing_pem = _read_private(keys_dir / SIGNING_KEY)
     box_text = _read_private(keys_dir / BOX_KEY)
@@ -300,6 +303,56 @@ def save_certificate(
     )
     save_link(data_dir, updated)
     return updated
+
+
+# A re-pair replaces these (staged as NAME.new) in this order; the first rename
+# is its commit point, and load_keys/load_link finish a swap found begun.
+_REPAIR_SWAP: Final = (
+    (KEYS_DIR, TLS_KEY),
+    (KEYS_DIR, TLS_CERT),
+    (KEYS_DIR, CA_CERT),
+    (".", LINK_FILE),
+)
+
+
+def _finish_repair(data_dir: Path) -> None:
+    staged = [data_dir / folder / f"{name}.new" for folder, name in _REPAIR_SWAP]
+    if staged[0].exists() or not any(p.exists() for p in staged[1:]):
+        return  # no swap begun (staged files alone are a re-pair that never committed)
+    logger.warning("%s: finishing a re-pair a crash interrupted", data_dir)
+    _swap_repair(data_dir)
+
+
+def _swap_repair(data_dir: Path) -> None:
+    for folder, name in _REPAIR_SWAP:
+        src = data_dir / folder / f"{name}.new"
+        if src.exists():
+            os.replace(src, data_dir / folder / name)
+    fsync_dir(data_dir / KEYS_DIR)
+    fsync_dir(data_dir)
+
+
+def write_repair(
+    data_dir: Path,
+    tls_key: ec.EllipticCurvePrivateKey,
+    *,
+    cert_pem: bytes,
+    ca_cert_pem: bytes,
+    link: LinkRecord,
+) -> None:
+    """Re-pair a joined machine: a new TLS key, certificate, CA set and link record.
+
+    The signing and box keys stay (prompts queued for this machine and its
+    backups are sealed to them). Each file is staged, then renamed into place
+    with the TLS key first (the commit point, see :data:`_REPAIR_SWAP`).
+    """
+    for (folder, name), data in zip(
+        _REPAIR_SWAP,
+        (tls.private_key_pem(tls_key), cert_pem, ca_cert_pem, link.to_json()),
+        strict=True,
+    ):
+        write_atomic(data_dir / folder / f"{name}.new", data)
+    _swap_repair(data_dir)
 
 
 def _remove_stale_stages(data_dir: Path) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import re
@@ -45,6 +46,7 @@ from machine.version import machine_version
 
 if TYPE_CHECKING:
     from machine.backup_link import RepairRestore
+    from machine.config import MachineConfig
 from shared import tls
 from shared.atomic import ensure_private_dir
 from shared.crypto import BoxKeyPair
@@ -60,6 +62,7 @@ from shared.timestamps import Clock, utc_now
 
 __all__ = [
     "JoinResult",
+    "backup_after_repair",
     "fetch_pinned_ca",
     "join_control_plane",
     "parse_address",
@@ -91,6 +94,8 @@ class JoinResult:
     machine_id: str
     account_id: str
     control_address: str
+    repaired: bool = False
+    """A re-pair: an already-joined box took a new certificate and CA, keeping its id."""
 
 
 def validate_token(token: str) -> str:
@@ -239,6 +244,11 @@ def _check_reply(
         raise IntegrityError("join", "account recovery public key is not 32 bytes")
     cert_pem = reply.certificate_pem.encode("ascii", "replace")
     try:
+        if reply.ca_certificate_pem:
+            tls.check_ca_hash(reply.ca_certificate_pem, expected_hash)
+            # During a CA rollover the reply names the pinned CA and the new one
+            # (which signed our certificate): we trust both from now on.
+            ca_pem = reply.ca_certificate_pem.encode("ascii", "replace")
         tls.check_client_cert(
             cert_pem,
             ca_pem,
@@ -246,8 +256,6 @@ def _check_reply(
             account_id=reply.account_id,
             machine_id=reply.machine_id,
         )
-        if reply.ca_certificate_pem:
-            tls.check_ca_hash(reply.ca_certificate_pem, expected_hash)
     except InvalidArgument as e:
         raise IntegrityError("join", f"bad certificate in the reply: {e}") from None
     return cert_pem, ca_pem
@@ -295,19 +303,29 @@ async def join_control_plane(
     and the control plane's refusal (Unauthenticated for a bad, expired, used
     or revoked token; PermissionDenied for a deleted account) otherwise.
     In every failure case nothing is written under ``data_dir``.
+
+    A ``data_dir`` already joined RE-PAIRS (after the control plane's keys were
+    lost and it adopted its store, or it moved): the token must be a repair
+    token for this very machine (the control plane checks that before using
+    it); the machine keeps its id, its signing and box keys (queued prompts and
+    backups are sealed to them) and its data, and takes a new TLS key,
+    certificate, CA and link record (:func:`machine.identity.write_repair`).
     """
     validate_token(token)
     expected = validate_ca_hash(ca_hash)
     host, port = parse_address(address)
     machine_name = validate_name(name)
     data_dir = Path(data_dir).absolute()
-    # Refuse early, before a token is spent; staged_join checks again at commit.
-    identity.check_not_joined(data_dir)
+    current = await asyncio.to_thread(_current_link, data_dir)
 
     ca_pem = await fetch_pinned_ca(host, port, expected, clock=clock)
     logger.info("control plane %s:%d presents the pinned CA %s", host, port, expected)
 
-    keys = await asyncio.to_thread(identity.NewKeys.generate)
+    if current is None:
+        keys = await asyncio.to_thread(identity.NewKeys.generate)
+    else:
+        held = await asyncio.to_thread(identity.load_keys, data_dir)
+        keys = identity.NewKeys(held.signing_key, held.box, tls.new_tls_key())
     machine = MachineInfo(
         name=machine_name,
         version=machine_version(),
@@ -320,7 +338,11 @@ async def join_control_plane(
         try:
             try:
                 reply = await client.join(
-                    token.strip(), keys.csr_pem().decode("ascii"), machine, timeout=JOIN_TIMEOUT
+                    token.strip(),
+                    keys.csr_pem().decode("ascii"),
+                    machine,
+                    timeout=JOIN_TIMEOUT,
+                    repair_machine_id=current.machine_id if current else "",
                 )
             except grpc.aio.AioRpcError as e:
                 if _connection_lost(e):
@@ -348,6 +370,19 @@ async def join_control_plane(
         cert_not_after=tls.cert_not_after(cert_pem),
         cert_received_at=clock(),
     )
+    if current is not None:
+        if (reply.machine_id, reply.account_id) != (current.machine_id, current.account_id):
+            raise IntegrityError("join", "the re-pair reply names another machine")
+        await asyncio.to_thread(
+            identity.write_repair,
+            data_dir,
+            keys.tls_key,
+            cert_pem=cert_pem,
+            ca_cert_pem=ca_pem,
+            link=link,
+        )
+        logger.info("re-paired with %s as machine %s", link_address, link.machine_id)
+        return JoinResult(link.machine_id, link.account_id, link_address, repaired=True)
     # Only now, with the certificate in hand, does anything touch the disk.
     with identity.staged_join(data_dir) as stage:
         await asyncio.to_thread(
@@ -359,6 +394,26 @@ async def join_control_plane(
     return JoinResult(
         machine_id=link.machine_id, account_id=link.account_id, control_address=link_address
     )
+
+
+def _current_link(data_dir: Path) -> identity.LinkRecord | None:
+    """The link record of an already-joined ``data_dir`` (a re-pair), else None."""
+    return identity.load_link(data_dir) if identity.is_joined(data_dir) else None
+
+
+async def backup_after_repair(config: MachineConfig) -> str:
+    """Upload a fresh backup to the control plane at once (after a re-pair); its id.
+
+    The caller holds the data folder (no daemon runs on it meanwhile).
+    """
+    # Imported here: a plain join needs neither the database nor the backup code.
+    from machine.app import open_machine
+
+    quiet = dataclasses.replace(config, background_loops=False)
+    async with open_machine(quiet) as machine:
+        result = await machine.require_backups().backup_now()
+    logger.info("re-paired: backup %s uploaded", result.backup_id)
+    return result.backup_id
 
 
 async def restore_after_join(

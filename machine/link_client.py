@@ -277,13 +277,20 @@ class LinkClient:
         await self._channel.close(grace=None)
 
     async def join(
-        self, token: str, csr_pem: str, machine: MachineInfo, *, timeout: float
+        self,
+        token: str,
+        csr_pem: str,
+        machine: MachineInfo,
+        *,
+        timeout: float,
+        repair_machine_id: str = "",
     ) -> JoinReply:
-        """Join with a one-time token and a certificate request."""
+        """Join with a one-time token and a certificate request (a re-pair names our id)."""
         reply = await self._stub.Join(
             link_pb2.JoinRequest(
                 token=token,
                 csr_pem=csr_pem,
+                repair_machine_id=repair_machine_id,
                 machine=link_pb2.MachineInfo(
                     name=machine.name,
                     version=machine.version,

@@ -63,6 +63,7 @@ __all__ = [
     "new_tls_key",
     "private_key_pem",
     "sign_client_csr",
+    "split_certs",
     "verify_issued_by",
 ]
 
@@ -96,6 +97,9 @@ class IssuedCert:
     """Serial number, lower-case hex."""
     not_after: dt.datetime
     """Expiry, timezone-aware UTC."""
+    ca_hash: str = ""
+    """The pin (:func:`ca_hash`) of the CA that signed it: a CA rollover retires
+    the old CA only once no machine's current certificate names it."""
 
 
 @dataclass(frozen=True)
@@ -336,18 +340,43 @@ def sign_client_csr(
         .sign(ca_key, hashes.SHA256())
     )
     return IssuedCert(
-        cert_pem=_pem(cert), serial=_serial_hex(cert), not_after=cert.not_valid_after_utc
+        cert_pem=_pem(cert),
+        serial=_serial_hex(cert),
+        not_after=cert.not_valid_after_utc,
+        ca_hash=ca_hash(ca.cert_pem),
     )
 
 
+_PEM_CERT_RE: Final = re.compile(
+    rb"-----BEGIN CERTIFICATE-----\r?\n.+?\r?\n-----END CERTIFICATE-----", re.DOTALL
+)
+
+
+def split_certs(pem: bytes | str, field: str = "ca_certificate") -> list[bytes]:
+    """The PEM certificates of a bundle, in order (a CA rollover trusts two CAs).
+
+    InvalidArgument naming ``field`` when it holds none.
+    """
+    found = [m.group(0) + b"\n" for m in _PEM_CERT_RE.finditer(_as_bytes(pem, field))]
+    if not found:
+        raise InvalidArgument(field, "no PEM certificate")
+    return found
+
+
 def verify_issued_by(cert_pem: bytes | str, ca_cert_pem: bytes | str) -> None:
-    """Raise InvalidArgument unless ``cert_pem`` carries a valid signature of the CA."""
+    """Raise InvalidArgument unless ``cert_pem`` carries a valid signature of the CA.
+
+    ``ca_cert_pem`` may be a bundle: any one of its CAs will do.
+    """
     cert = load_cert(cert_pem)
-    ca_cert = load_cert(ca_cert_pem, "ca_certificate")
-    try:
-        cert.verify_directly_issued_by(ca_cert)
-    except (ValueError, TypeError, InvalidSignature):
-        raise InvalidArgument("certificate", "not issued by this CA") from None
+    for one in split_certs(ca_cert_pem):
+        ca_cert = load_cert(one, "ca_certificate")
+        try:
+            cert.verify_directly_issued_by(ca_cert)
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+        return
+    raise InvalidArgument("certificate", "not issued by this CA")
 
 
 def identity_from_cert(cert_pem: bytes | str) -> PeerIdentity:
@@ -415,10 +444,14 @@ def ca_hash(ca_cert_pem: bytes | str) -> str:
 
 
 def check_ca_hash(ca_cert_pem: bytes | str, expected: str) -> None:
-    """Raise InvalidArgument unless the CA certificate matches the pinned hash."""
+    """Raise InvalidArgument unless the CA certificate matches the pinned hash.
+
+    ``ca_cert_pem`` may be a bundle (during a CA rollover): one of its CAs must match.
+    """
     if not isinstance(expected, str) or not _CA_HASH_RE.match(expected.lower()):
         raise InvalidArgument("ca_hash", "must look like sha256:<64 hex chars>")
-    if not hmac.compare_digest(ca_hash(ca_cert_pem), expected.lower()):
+    hashes_ = [ca_hash(one) for one in split_certs(ca_cert_pem)]
+    if not any(hmac.compare_digest(h, expected.lower()) for h in hashes_):
         raise InvalidArgument("ca_hash", "the control plane's CA does not match the pinned hash")
 
 

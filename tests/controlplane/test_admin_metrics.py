@@ -43,7 +43,8 @@ async def test_admin_calls_counted_by_method_and_final_code(tmp_path: Path) -> N
                 )
             assert caught.value.code() == grpc.StatusCode.NOT_FOUND
             with pytest.raises(grpc.aio.AioRpcError):
-                await admin.RolloverCA(admin_pb2.RolloverCARequest(), metadata=good)
+                # Nothing to retire: refused.
+                await admin.RolloverCA(admin_pb2.RolloverCARequest(retire_old=True), metadata=good)
             # Not an Admin call: never counted.
             with pytest.raises(grpc.aio.AioRpcError):
                 await link_pb2_grpc.MachineLinkStub(ch).Join(link_pb2.JoinRequest(token="x"))
@@ -58,7 +59,7 @@ async def test_admin_calls_counted_by_method_and_final_code(tmp_path: Path) -> N
         assert calls("ListAccounts", "UNAUTHENTICATED") == 1
         assert calls("GetMachine", "UNAUTHENTICATED") == 1  # no credential at all
         assert calls("GetAccount", "NOT_FOUND") == 1
-        assert calls("RolloverCA", "UNIMPLEMENTED") == 1
+        assert calls("RolloverCA", "FAILED_PRECONDITION") == 1
         methods = {
             s.labels["method"]
             for m in cp.registry.collect()

@@ -8,7 +8,8 @@ answer goes back: exactly "S3 took the write, then the process died".
 ``proxy.writes`` lists the writes seen since arming (``"PUT key"``).
 ``proxy.arm_before(pid, "DELETE", "/queue/")`` instead kills ``pid`` when the
 first such write ARRIVES, and never forwards it: "the process died just
-before that write".
+before that write"; ``proxy.arm_after(pid, "PUT", "cp/deployment")`` once
+such a write was accepted.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class CrashProxy:
         self._pid: int | None = None
         self._after = 0
         self._before: tuple[int, str, str] | None = None
+        self._after_match: tuple[int, str, str] | None = None
 
     def arm(self, pid: int, after: int) -> None:
         """Kill ``pid`` once the ``after``-th write from now was accepted."""
@@ -54,11 +56,18 @@ class CrashProxy:
             self.crashed.clear()
             self._before = (pid, method, key_part)
 
+    def arm_after(self, pid: int, method: str, key_part: str) -> None:
+        """Kill ``pid`` once a ``method`` write of a key containing ``key_part`` was accepted."""
+        with self._lock:
+            self.crashed.clear()
+            self._after_match = (pid, method, key_part)
+
     def disarm(self) -> None:
         """Stop counting; nothing will be killed."""
         with self._lock:
             self._pid = None
             self._before = None
+            self._after_match = None
 
     def before_write(self, method: str, path: str) -> bool:
         """True when the writer was killed instead of this write being forwarded."""
@@ -91,6 +100,13 @@ class CrashProxy:
         if write is None or status >= 300:
             return False
         with self._lock:
+            match = self._after_match
+            if match is not None and method == match[1] and match[2] in write:
+                self._after_match = None
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(match[0], signal.SIGKILL)
+                self.crashed.set()
+                return True
             if self._pid is None:
                 return False
             self.writes.append(write)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -68,9 +69,13 @@ class FakeControl(link_pb2_grpc.MachineLinkServicer):
 
     def __init__(self, ca: tls.CertKey, heartbeat_ms: int = 100) -> None:
         self.ca = ca
+        self.next_ca: tls.CertKey | None = None
+        """During a CA rollover: signs joins, and joins hand out both CAs."""
         self.heartbeat_ms = heartbeat_ms
         self.cert_lifetime = dt.timedelta(hours=1)
         self.tokens: set[str] = set()
+        self.repairs: dict[str, str] = {}
+        """Repair token -> the machine it repairs."""
         self.join_calls = 0
         self.renew_calls = 0
         self.connects = 0
@@ -91,10 +96,14 @@ class FakeControl(link_pb2_grpc.MachineLinkServicer):
         self.join_calls += 1
         if request.token not in self.tokens:
             raise Unauthenticated("join: token refused")
+        # Like controlplane.pairing: a re-pair needs a repair token for that machine.
+        repairs = self.repairs.get(request.token, "")
+        if request.repair_machine_id and request.repair_machine_id != repairs:
+            raise InvalidState("join", "this box is already joined; the token was not used")
         self.tokens.discard(request.token)
-        machine_id = new_id("machine")
+        machine_id = repairs or new_id("machine")
         issued = tls.sign_client_csr(
-            self.ca,
+            self.next_ca or self.ca,
             request.csr_pem,
             account_id=self.account_id,
             machine_id=machine_id,
@@ -102,9 +111,10 @@ class FakeControl(link_pb2_grpc.MachineLinkServicer):
         )
         not_after = timestamp_pb2.Timestamp()
         not_after.FromDatetime(issued.not_after)
+        bundle = self.ca.cert_pem + (self.next_ca.cert_pem if self.next_ca else b"")
         return link_pb2.JoinResponse(
             certificate_pem=issued.cert_pem.decode(),
-            ca_certificate_pem=self.ca.cert_pem.decode(),
+            ca_certificate_pem=bundle.decode(),
             machine_id=machine_id,
             account_id=self.account_id,
             account_recovery_public_key=self.recovery.public_key,
@@ -509,11 +519,108 @@ async def test_joined_data_dir_is_refused_without_spending_a_token(
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     before = (data_dir / identity.LINK_FILE).read_bytes()
+    token = control.fake.new_token()
     with pytest.raises(InvalidState) as info:
-        await _joined(control, data_dir)
+        await join_control_plane(
+            data_dir=data_dir,
+            address=control.public_address,
+            token=token,
+            ca_hash=control.ca_hash,
+            name=None,
+        )
     assert "already joined" in str(info.value)
-    assert control.fake.join_calls == 1
+    assert token in control.fake.tokens  # not spent
     assert (data_dir / identity.LINK_FILE).read_bytes() == before
+
+
+async def test_repair_token_re_pairs_a_joined_box_keeping_its_id_and_keys(
+    control: Running, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    link = identity.load_link(data_dir)
+    held = identity.load_keys(data_dir)
+    token = control.fake.new_token()
+    control.fake.repairs[token] = link.machine_id
+    result = await join_control_plane(
+        data_dir=data_dir,
+        address=control.public_address,
+        token=token,
+        ca_hash=control.ca_hash,
+        name=None,
+    )
+    assert result.repaired and result.machine_id == link.machine_id
+    now = identity.load_keys(data_dir)
+    assert now.box.public_key == held.box.public_key  # queued prompts still open
+    assert now.tls_key_pem != held.tls_key_pem and now.tls_cert_pem != held.tls_cert_pem
+    assert tls.identity_from_cert(now.tls_cert_pem).machine_id == link.machine_id
+    assert not list(data_dir.rglob("*.new"))
+
+
+async def test_join_during_a_ca_rollover_trusts_both_cas(control: Running, tmp_path: Path) -> None:
+    control.fake.next_ca = tls.make_ca()
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    keys = identity.load_keys(data_dir)
+    assert tls.split_certs(keys.ca_cert_pem) == [
+        control.fake.ca.cert_pem,
+        control.fake.next_ca.cert_pem,
+    ]
+    tls.verify_issued_by(keys.tls_cert_pem, control.fake.next_ca.cert_pem)
+
+
+def test_re_pair_interrupted_after_its_commit_point_is_finished_at_load(tmp_path: Path) -> None:
+    ca = tls.make_ca()
+    data_dir = tmp_path / "data"
+    keys = identity.NewKeys.generate()
+    first = tls.sign_client_csr(
+        ca,
+        keys.csr_pem(),
+        account_id=new_id("account"),
+        machine_id=new_id("machine"),
+        lifetime=dt.timedelta(hours=1),
+    )
+    ident = tls.identity_from_cert(first.cert_pem)
+    link = identity.LinkRecord(
+        control_address="127.0.0.1:1",
+        machine_id=ident.machine_id,
+        account_id=ident.account_id,
+        account_recovery_public_key=bytes(32),
+        heartbeat_interval=1.0,
+        cert_not_after=first.not_after,
+        cert_received_at=first.not_after,
+    )
+    identity.write_identity(
+        data_dir, keys, cert_pem=first.cert_pem, ca_cert_pem=ca.cert_pem, link=link
+    )
+    new_key = tls.new_tls_key()
+    second = tls.sign_client_csr(
+        ca,
+        tls.build_csr(new_key),
+        account_id=ident.account_id,
+        machine_id=ident.machine_id,
+        lifetime=dt.timedelta(hours=2),
+    )
+    moved = dataclasses.replace(link, control_address="127.0.0.1:2")
+    # Staged, then killed right after the first rename (the commit point).
+    for folder, name, data in (
+        ("keys", "tls.key", tls.private_key_pem(new_key)),
+        ("keys", "tls.crt", second.cert_pem),
+        ("keys", "ca.crt", ca.cert_pem),
+        (".", "link.json", moved.to_json()),
+    ):
+        (data_dir / folder / f"{name}.new").write_bytes(data)
+    os.replace(data_dir / "keys" / "tls.key.new", data_dir / "keys" / "tls.key")
+
+    assert identity.load_link(data_dir).control_address == "127.0.0.1:2"
+    now = identity.load_keys(data_dir)
+    assert now.tls_cert_pem == second.cert_pem
+    tls.check_client_cert(
+        now.tls_cert_pem,
+        now.ca_cert_pem,
+        public_key=new_key.public_key(),
+        account_id=ident.account_id,
+    )
 
 
 async def test_join_into_a_used_data_dir_keeps_its_files(control: Running, tmp_path: Path) -> None:

@@ -904,6 +904,9 @@ class RotateServerCertificateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NOT_AFTER_FIELD_NUMBER: _builtins.int
+    SERIAL_FIELD_NUMBER: _builtins.int
+    serial: _builtins.str
+    """The new server certificate's serial number (hex)."""
     @_builtins.property
     def not_after(self) -> _timestamp_pb2.Timestamp:
         """When the new server certificate expires."""
@@ -912,10 +915,11 @@ class RotateServerCertificateResponse(_message.Message):
         self,
         *,
         not_after: _timestamp_pb2.Timestamp | None = ...,
+        serial: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["not_after", b"not_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["not_after", b"not_after"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["not_after", b"not_after", "serial", b"serial"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -925,12 +929,19 @@ Global___RotateServerCertificateResponse: _TypeAlias = RotateServerCertificateRe
 class RolloverCARequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    RETIRE_OLD_FIELD_NUMBER: _builtins.int
+    retire_old: _builtins.bool
+    """Retire the old CA (refused while a machine still holds one of its
+    certificates). Without it: start a rollover, or report on the one running.
+    """
     def __init__(
         self,
+        *,
+        retire_old: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["retire_old", b"retire_old"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -941,16 +952,32 @@ class RolloverCAResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CA_HASH_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    OLD_CA_HASH_FIELD_NUMBER: _builtins.int
+    MACHINES_PENDING_FIELD_NUMBER: _builtins.int
+    MACHINES_NOTIFIED_FIELD_NUMBER: _builtins.int
     ca_hash: _builtins.str
     """The new CA hash "sha256:<hex>"."""
+    state: _builtins.str
+    """"rolling" (old and new CA trusted) or "retired" (only the new one)."""
+    old_ca_hash: _builtins.str
+    """The CA being retired."""
+    machines_pending: _builtins.int
+    """Machines (not revoked) whose certificate is still of the old CA."""
+    machines_notified: _builtins.int
+    """Live links told to renew by this call."""
     def __init__(
         self,
         *,
         ca_hash: _builtins.str = ...,
+        state: _builtins.str = ...,
+        old_ca_hash: _builtins.str = ...,
+        machines_pending: _builtins.int = ...,
+        machines_notified: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ca_hash", b"ca_hash"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ca_hash", b"ca_hash", "machines_notified", b"machines_notified", "machines_pending", b"machines_pending", "old_ca_hash", b"old_ca_hash", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -84,11 +84,17 @@ class JoinRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     CSR_PEM_FIELD_NUMBER: _builtins.int
     MACHINE_FIELD_NUMBER: _builtins.int
+    REPAIR_MACHINE_ID_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     """The join token, "<tok_id>.<secret>", as printed by `agents-control token create`."""
     csr_pem: _builtins.str
     """PEM certificate signing request for the machine's TLS client key.
     Its subject is ignored: the control plane sets the identity.
+    """
+    repair_machine_id: _builtins.str
+    """A re-pair: the id of the machine this box already is. The control plane
+    refuses (FAILED_PRECONDITION, before the token is used) unless the token
+    is a repair token for exactly this machine.
     """
     @_builtins.property
     def machine(self) -> Global___MachineInfo:
@@ -100,10 +106,11 @@ class JoinRequest(_message.Message):
         token: _builtins.str = ...,
         csr_pem: _builtins.str = ...,
         machine: Global___MachineInfo | None = ...,
+        repair_machine_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["machine", b"machine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem", "machine", b"machine", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem", "machine", b"machine", "repair_machine_id", b"repair_machine_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,56 @@
+"""``init --adopt``: new keys over an existing store keep its accounts and credentials."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from controlplane.adopt import adopt_control_plane
+from controlplane.bootstrap import init_control_plane
+from controlplane.client import AdminClient
+from controlplane.config import ControlConfig
+from controlplane.keys import load_ca_cert
+from controlplane.server import ControlPlane
+from shared.errors import InvalidState
+
+
+def _cfg(tmp_path: Path, store: str = "store") -> ControlConfig:
+    return ControlConfig(
+        home=tmp_path / "home",
+        store_url=str(tmp_path / store),
+        listen="127.0.0.1:0",
+        link_listen="127.0.0.1:0",
+        metrics_listen="",
+    ).validate()
+
+
+async def test_adopt_keeps_accounts_and_refuses_where_it_must(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    made = await init_control_plane(cfg)
+    async with ControlPlane(cfg) as cp:
+        async with AdminClient(
+            f"127.0.0.1:{cp.public_port}", load_ca_cert(cfg.home), made.operator_credential
+        ) as client:
+            account = (await client.create_account(7, "alice"))["account"]["account_id"]
+
+    shutil.rmtree(cfg.home)  # the keys are lost
+    with pytest.raises(InvalidState, match="already holds a control plane"):
+        await init_control_plane(cfg)  # without --adopt: refused as before
+    assert not cfg.home.exists() or not any(cfg.home.iterdir())
+    with pytest.raises(InvalidState, match="no control plane to adopt"):
+        await adopt_control_plane(_cfg(tmp_path, "empty-store"))
+
+    adopted = await adopt_control_plane(cfg)
+    assert adopted.ca_hash != made.ca_hash and adopted.objects_adopted > 0
+    assert not list(tmp_path.glob(".home.adopting*"))
+    async with ControlPlane(cfg) as cp:
+        ca = load_ca_cert(cfg.home)
+        for credential in (adopted.operator_credential, made.operator_credential):
+            async with AdminClient(f"127.0.0.1:{cp.public_port}", ca, credential) as client:
+                listed = await client.list_accounts()
+                assert [a["account_id"] for a in listed] == [account]
+    # A home in place: adopting again is refused like init.
+    with pytest.raises(Exception, match="not empty"):
+        await adopt_control_plane(cfg)
