@@ -104,6 +104,12 @@ class KeyBundle:
             "control_key": k.control_key_pem.decode(),
             "secrets_key": base64.b64encode(k.secrets_key).decode(),
         }
+        # During a CA rollover the next CA signs every new machine certificate:
+        # a restore without it would strand the machines that already renewed.
+        for name, pair in (("next_ca", k.next_ca), ("next_server", k.next_server)):
+            if pair is not None:
+                fields[f"{name}_cert"] = pair.cert_pem.decode()
+                fields[f"{name}_key"] = pair.key_pem.decode()
         if self.config_toml:
             fields["config_toml"] = self.config_toml.decode()
         return json.dumps(fields, sort_keys=True).encode()
@@ -133,11 +139,23 @@ class KeyBundle:
             server=CertKey(data["server_cert"].encode(), data["server_key"].encode()),
             control_key_pem=data["control_key"].encode(),
             secrets_key=secrets_key,
+            next_ca=_optional_pair(data, "next_ca", what),
+            next_server=_optional_pair(data, "next_server", what),
         )
         config = data.get("config_toml", "")
         if not isinstance(config, str):
             raise IntegrityError(what, "config_toml is not text")
         return cls(deployment, keys, config_toml=config.encode())
+
+
+def _optional_pair(data: dict[str, Any], name: str, what: str) -> CertKey | None:
+    """The ``*-next`` certificate and key of a rollover in progress, when the bundle has them."""
+    cert, key = data.get(f"{name}_cert"), data.get(f"{name}_key")
+    if cert is None and key is None:
+        return None
+    if not isinstance(cert, str) or not isinstance(key, str):
+        raise IntegrityError(what, f"{name} must have a certificate and a key")
+    return CertKey(cert.encode(), key.encode())
 
 
 def _aad(deployment_id: str) -> bytes:

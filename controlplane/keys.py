@@ -170,6 +170,11 @@ def write_home_keys(home: Path, keys: HomeKeys) -> None:
     }
     for name, data in contents.items():
         write_atomic(home / _FILES[name], data, mode=0o600)
+    for files, pair in ((_NEXT_CA, keys.next_ca), (_NEXT_SERVER, keys.next_server)):
+        if pair is not None:
+            # The certificate last: its presence is what marks a rollover (ca-next.pem).
+            write_atomic(home / files[1], pair.key_pem, mode=0o600)
+            write_atomic(home / files[0], pair.cert_pem, mode=0o600)
 
 
 def _swap_in(home: Path, swap: tuple[tuple[str, str], ...]) -> None:

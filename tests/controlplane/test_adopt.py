@@ -11,9 +11,11 @@ from controlplane.adopt import adopt_control_plane
 from controlplane.bootstrap import init_control_plane
 from controlplane.client import AdminClient
 from controlplane.config import ControlConfig
+from controlplane.dr import restore_home
 from controlplane.keys import load_ca_cert
 from controlplane.server import ControlPlane
-from shared.errors import InvalidState
+from shared.crypto import BoxKeyPair
+from shared.errors import InvalidArgument, InvalidState
 
 
 def _cfg(tmp_path: Path, store: str = "store") -> ControlConfig:
@@ -54,3 +56,29 @@ async def test_adopt_keeps_accounts_and_refuses_where_it_must(tmp_path: Path) ->
     # A home in place: adopting again is refused like init.
     with pytest.raises(Exception, match="not empty"):
         await adopt_control_plane(cfg)
+
+
+async def test_an_adopted_home_can_be_restored_with_its_new_recovery_key(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    made = await init_control_plane(cfg)
+    assert made.deployment_id
+    async with ControlPlane(cfg):
+        pass
+    shutil.rmtree(cfg.home)  # the keys, and with them the old recovery key's use, are lost
+    adopted = await adopt_control_plane(cfg)
+    assert adopted.recovery_private_key is not None  # folder store: made and shown once
+    async with ControlPlane(cfg) as cp:
+        assert cp.fence is not None and cp.fence.epoch >= 2  # took over the deployment
+    # The adopted keys are in the bundle: a restore brings them back, same deployment.
+    target = ControlConfig(
+        home=tmp_path / "restored",
+        store_url=cfg.store_url,
+        listen="127.0.0.1:0",
+        link_listen="127.0.0.1:0",
+        metrics_listen="",
+    ).validate()
+    with pytest.raises(InvalidArgument, match="recovery_key"):
+        await restore_home(target, BoxKeyPair.from_private(made.recovery_private_key or b""))
+    restored = await restore_home(target, BoxKeyPair.from_private(adopted.recovery_private_key))
+    assert restored.ca_hash == adopted.ca_hash
+    assert restored.deployment_id == made.deployment_id

@@ -11,6 +11,7 @@ import pytest
 
 from controlplane.bootstrap import init_control_plane
 from controlplane.cli import main
+from controlplane.client import AdminClient
 from controlplane.config import ControlConfig
 from controlplane.dr import restore_home
 from controlplane.fencing import EPOCH_KEY, Fence, read_home_id, take_epoch
@@ -26,8 +27,8 @@ from controlplane.keybundle import (
     read_recovery_public_key,
     reseal_key_bundle,
 )
-from controlplane.keys import load_home_keys
-from controlplane.server import run_daemon
+from controlplane.keys import load_ca_cert, load_home_keys
+from controlplane.server import ControlPlane, run_daemon
 from shared.crypto import BoxKeyPair, encode_private_key
 from shared.errors import IntegrityError, InvalidArgument, StoreFenced
 from shared.recovery_key import write_recovery_key
@@ -254,3 +255,26 @@ async def test_a_running_idle_daemon_is_fenced_out_by_a_restore_and_stops(
         await asyncio.wait_for(run_daemon(cfg, grace=1), 20)
     await restoring
     assert not cfg.serve_path.exists()
+
+
+async def test_every_rotation_reseals_the_bundle_and_a_restore_brings_the_next_ca(
+    tmp_path: Path,
+) -> None:
+    cfg = _cfg(tmp_path)
+    made = await init_control_plane(cfg)
+    assert made.recovery_private_key is not None
+    recovery = BoxKeyPair.from_private(made.recovery_private_key)
+    async with ControlPlane(cfg) as cp:
+        address = f"127.0.0.1:{cp.public_port}"
+        async with AdminClient(address, load_ca_cert(cfg.home), made.operator_credential) as c:
+            await c.rotate_server_certificate()
+            rotated = load_home_keys(cfg.home).server.cert_pem
+            await c.rollover_ca()
+        rolling = load_home_keys(cfg.home)
+        assert rolling.next_ca is not None
+        assert cp.registry.get_sample_value("agents_cp_key_bundle_sealed") == 1
+    restored = await restore_home(_cfg(tmp_path, "restored"), recovery)
+    keys = load_home_keys(restored.home)
+    assert keys.server.cert_pem == rotated  # the rotated certificate, not init's
+    assert keys.next_ca is not None and keys.next_ca.cert_pem == rolling.next_ca.cert_pem
+    assert keys.next_server is not None
