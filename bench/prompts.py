@@ -11,8 +11,10 @@ It starts one moto S3 server and, in this process, measures:
 (b) enqueue: ``PromptQueue.send`` of ``--prompts`` prompts of ``--size`` bytes
     to one machine through the control plane's store stack (MAC'd store,
     retries, metrics): seal + one LIST + one conditional PUT each;
-(c) drain: ``pending`` (LIST + one GET each) and ``acknowledged`` (one DELETE
-    each) for the whole queue, as a connect drains it.
+(c) drain: ``pending`` (LIST + one GET each, 8 at once) and the deletes of
+    the acknowledged entries through :class:`~controlplane.acks.AckBatcher`
+    (acknowledgements arriving one by one; those that arrive while a delete
+    is in flight share the next DeleteObjects), as a connect drains it.
 
 It prints prompts per second of each and the ratios enqueue/raw PUT,
 drain/raw GET (target: at least 0.5) and drain/raw GET+DELETE (a drained
@@ -31,6 +33,7 @@ import time
 import boto3  # type: ignore[import-untyped]
 
 from controlplane.accounts import AccountService
+from controlplane.acks import AckBatcher
 from controlplane.audit import Auditor
 from controlplane.authz import Principal
 from controlplane.machines import MachineInfo, MachineRegistry
@@ -99,8 +102,14 @@ async def _queue(store: ObjectStore, count: int, size: int) -> tuple[float, floa
     enqueue = time.perf_counter() - start
     start = time.perf_counter()
     entries = await queue.pending(account, machine_id)
+    acks = AckBatcher(queue)
+    deleted = []
     for entry in entries:
-        await queue.acknowledged(entry)
+        # Acknowledgements come one by one (a link reads one message at a
+        # time); those arriving while a delete is in flight go in the next batch.
+        deleted.append(acks.add(entry))
+        await asyncio.sleep(0)
+    await asyncio.gather(*deleted)
     drain = time.perf_counter() - start
     if len(entries) != count or await queue.pending(account, machine_id):
         raise SystemExit(f"bench: drained {len(entries)} of {count}, or the queue is not empty")

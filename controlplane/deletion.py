@@ -80,6 +80,8 @@ DELETED_PREFIX: Final = "deleted/"
 CREDENTIALS_PREFIX: Final = "credentials/"
 #: Delete batches (each up to DELETE_BATCH keys, one S3 request) in flight at once.
 CONCURRENT_BATCHES: Final = 4
+#: Credential records read at once while looking for the account's own.
+CONCURRENT_READS: Final = 8
 
 
 @dataclass(frozen=True)
@@ -407,11 +409,17 @@ class AccountSweep:
     async def _credentials_of(self) -> list[str]:
         """Admin credentials scoped to the account (they live outside its prefix)."""
         account_id = self._account_id
-        out: list[str] = []
-        for key in await self._keys(CREDENTIALS_PREFIX):
-            if await self._points_to(key, account_id):
-                out.append(key)
-        return out
+        keys = await self._keys(CREDENTIALS_PREFIX)
+        # One read per credential (they carry the account, no index does): a
+        # bounded number at once rather than one round trip after the other.
+        limit = asyncio.Semaphore(CONCURRENT_READS)
+
+        async def scoped(key: str) -> bool:
+            async with limit:
+                return await self._points_to(key, account_id)
+
+        found = await asyncio.gather(*(scoped(k) for k in keys))
+        return [k for k, mine in zip(keys, found, strict=True) if mine]
 
     async def prefix(self) -> None:
         """Step 5: every object under the account's prefix but the tombstone and record."""

@@ -9,10 +9,11 @@ its one create-once put is the commit point); delivery only reads the queue:
   at a time, so the outbox keeps sequence order; the machine handles
   deliveries one after another and so runs each agent's prompts in order.
 - The entry is deleted only after the machine's acknowledgement (it stored the
-  prompt durably, deduplicated by prompt id). A control plane killed between
-  the delivery and the delete delivers the entry again on the next connect and
-  the machine answers the same run id; a machine killed before its ack gets
-  it again too. Neither loses nor runs a prompt twice.
+  prompt durably, deduplicated by prompt id), in batches with the other
+  acknowledgements that arrive meanwhile (:class:`~controlplane.acks.AckBatcher`).
+  A control plane killed between the delivery and the delete delivers the
+  entry again on the next connect and the machine answers the same run id; a
+  machine killed before its ack gets it again too. Neither loses nor runs a prompt twice.
 - A link that ends forgets what was in flight on it: the next connect
   delivers it again.
 
@@ -26,11 +27,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import datetime as dt
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from controlplane.acks import AckBatcher
 from controlplane.audit import Clock, utcnow
 from controlplane.authz import Principal
 from controlplane.links import Ack
@@ -102,6 +105,7 @@ class PromptDelivery:
         self._waiters: dict[str, asyncio.Future[SendOutcome]] = {}
         self._recent: dict[str, collections.deque[PromptState]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._acks = AckBatcher(queue)
 
     # ------------------------------------------------------------ admin side
 
@@ -192,18 +196,41 @@ class PromptDelivery:
             del self._links[session.machine_id]
 
     async def acked(self, session: Session, ack: Ack) -> None:
-        """Delete the acknowledged entry (only now), then tell a waiting send."""
+        """Delete the acknowledged entry (only now, batched with others that come
+        meanwhile: controlplane.acks), then show it and tell a waiting send."""
         link = self._links.get(session.machine_id)
         entry = link.in_flight.get(ack.delivery_id) if link is not None else None
-        if entry is None:
+        if entry is None or link is None:
             logger.info("machine %s: ack for unknown delivery ignored", session.machine_id)
             return
-        await self._queue.acknowledged(entry, refused=bool(ack.refused))
-        if link is not None:
-            link.in_flight.pop(ack.delivery_id, None)
+        # Not awaited: the link reads the next acknowledgement while this one is
+        # deleted. It stays in flight until then, so no drain delivers it again.
+        deleted = self._acks.add(entry, refused=bool(ack.refused))
+        deleted.add_done_callback(
+            functools.partial(self._deleted, session.machine_id, link, entry, ack)
+        )
+
+    def _deleted(
+        self,
+        machine_id: str,
+        link: _Link,
+        entry: QueuedPrompt,
+        ack: Ack,
+        deleted: asyncio.Future[None],
+    ) -> None:
+        link.in_flight.pop(ack.delivery_id, None)
+        if deleted.cancelled():
+            return
+        if (err := deleted.exception()) is not None:
+            # Still queued: the next drain delivers it again and the machine
+            # answers the run it already made.
+            logger.warning(
+                "machine %s: cannot delete acknowledged %s: %s", machine_id, entry.prompt_id, err
+            )
+            return
         state = "refused" if ack.refused else "acknowledged"
         outcome = SendOutcome(entry.prompt_id, state, ack.run_id, ack.refused)
-        recent = self._recent.setdefault(session.machine_id, collections.deque(maxlen=RECENT))
+        recent = self._recent.setdefault(machine_id, collections.deque(maxlen=RECENT))
         recent.append(
             PromptState(
                 entry.prompt_id,
@@ -254,3 +281,4 @@ class PromptDelivery:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._acks.close()

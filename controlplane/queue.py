@@ -26,7 +26,7 @@ import datetime as dt
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -47,7 +47,7 @@ from shared.errors import (
     TooLarge,
 )
 from shared.ids import new_id, validate_id
-from shared.store.base import ObjectStore
+from shared.store.base import ObjectStore, delete_keys
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
@@ -329,12 +329,20 @@ class PromptQueue:
 
     async def acknowledged(self, entry: QueuedPrompt, *, refused: bool = False) -> None:
         """The machine stored ``entry`` durably (or refused it for good): delete it."""
+        await self.acknowledged_many([(entry, refused)])
+
+    async def acknowledged_many(self, acks: Sequence[tuple[QueuedPrompt, bool]]) -> None:
+        """Delete acknowledged entries (each with whether it was refused): one
+        DELETE for one, batched DeleteObjects for more (see controlplane.acks)."""
+        keys = [_entry_key(e.account_id, e.machine_id, e.seq, e.idempotency) for e, _r in acks]
         # Deleting a missing key succeeds: a second ack (redelivery) is harmless.
-        await self._store.delete(
-            _entry_key(entry.account_id, entry.machine_id, entry.seq, entry.idempotency)
-        )
-        self._views.get(entry.machine_id, {}).pop(entry.seq, None)
-        self._count("refused_by_machine" if refused else "acknowledged")
+        if len(keys) == 1:
+            await self._store.delete(keys[0])
+        else:
+            await delete_keys(self._store, keys)
+        for entry, refused in acks:
+            self._views.get(entry.machine_id, {}).pop(entry.seq, None)
+            self._count("refused_by_machine" if refused else "acknowledged")
 
     async def _keys(self, machine: Machine) -> list[tuple[str, int, str]]:
         """(key, seq, tag) of every entry, in sequence order."""

@@ -264,6 +264,10 @@ class S3Store(StoreBase):
         """Create the client and run :meth:`probe`; closes again if either fails."""
         cfg = self.config
         session = get_session()
+        # No store method returns a time from S3 (ObjectInfo has none): keep them
+        # as the text S3 sent. Parsing every listed key's LastModified (dateutil)
+        # was half the client's CPU for a listing (an account deletion lists all).
+        session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=str)
         client_config = AioConfig(
             s3={"addressing_style": "path" if cfg.path_style else "auto"},
             retries={"total_max_attempts": 1, "mode": "standard"},

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+from collections.abc import Sequence
 
 import pytest
 
 from controlplane.accounts import AccountService
+from controlplane.acks import AckBatcher
 from controlplane.audit import Auditor
 from controlplane.authz import Principal
 from controlplane.machines import MachineInfo, MachineRegistry
@@ -18,7 +21,14 @@ from controlplane.rosters import AgentRosters
 from controlplane.tokens import TokenService
 from shared import tls
 from shared.crypto import BoxKeyPair, open_bytes, prompt_aad
-from shared.errors import InvalidArgument, InvalidState, NotFound, QuotaExceeded, TooLarge
+from shared.errors import (
+    InvalidArgument,
+    InvalidState,
+    NotFound,
+    QuotaExceeded,
+    StoreUnavailable,
+    TooLarge,
+)
 from shared.ids import new_id
 from shared.store import MemoryStore
 from tests.helpers.clock import FixedClock
@@ -203,3 +213,42 @@ async def test_an_offline_machines_roster_refuses_unknown_and_archived_agents(w:
     # A malformed id: the report is ignored and the stored roster stays.
     await w.rosters.report(acct, m, ("../../etc",), ())
     await AgentRosters(w.store).check(acct, m, archived)
+
+
+async def test_acks_arriving_together_are_deleted_in_one_batch(w: World) -> None:
+    acct, m, _box = await w.machine(1)
+    w.queue._limits = QueueLimits(max_depth=50)
+    agent = new_id("agent")
+    for i in range(10):
+        await w.queue.send(w.op, m, agent, f"p{i}")
+    entries = await w.queue.queued(w.op, m)
+    calls: list[int] = []
+    real = w.store.delete_many
+
+    async def counted(keys: Sequence[str]) -> None:
+        calls.append(len(keys))
+        await real(keys)
+
+    w.store.delete_many = counted  # type: ignore[method-assign]
+    acks = AckBatcher(w.queue)
+    done = [acks.add(e) for e in entries[:1]]
+    await asyncio.sleep(0)  # the first is on its way (alone: one DELETE)...
+    done += [acks.add(e) for e in entries[1:]]  # ...the rest arrive meanwhile
+    await asyncio.gather(*done)
+    assert calls == [9]  # one DeleteObjects for the nine that waited
+    assert await w.queue.queued(w.op, m) == []
+    assert w.outcomes.count("acknowledged") == 10
+
+
+async def test_a_failed_ack_delete_leaves_the_entry_queued(w: World) -> None:
+    acct, m, _box = await w.machine(1)
+    await w.queue.send(w.op, m, new_id("agent"), "kept")
+    [entry] = await w.queue.queued(w.op, m)
+
+    async def down(key: str) -> None:
+        raise StoreUnavailable("delete: the store is down")
+
+    w.store.delete = down  # type: ignore[method-assign]
+    with pytest.raises(StoreUnavailable):
+        await AckBatcher(w.queue).add(entry)
+    assert [e.prompt_id for e in await w.queue.queued(w.op, m)] == [entry.prompt_id]

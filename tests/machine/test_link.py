@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from machine import identity
 from machine.join import join_control_plane, parse_address, validate_ca_hash, validate_token
 from machine.link import ControlLink, Delivery, LinkState
+from machine.link_client import AgentRoster
 from shared import tls
 from shared.crypto import BoxKeyPair
 from shared.errors import (
@@ -60,6 +61,7 @@ class Stream:
     hello: link_pb2.Hello
     heartbeats: int = 0
     acks: list[str] = field(default_factory=list)
+    rosters: list[tuple[list[str], list[str]]] = field(default_factory=list)
     outbox: asyncio.Queue[link_pb2.ControlMessage | None] = field(default_factory=asyncio.Queue)
     ended_by_client: bool = False
 
@@ -182,6 +184,10 @@ class FakeControl(link_pb2_grpc.MachineLinkServicer):
                     stream.heartbeats += 1
                 elif msg.HasField("ack"):
                     stream.acks.append(msg.ack.delivery_id)
+                elif msg.HasField("roster"):
+                    stream.rosters.append(
+                        (list(msg.roster.active_agent_ids), list(msg.roster.archived_agent_ids))
+                    )
 
         task = asyncio.create_task(reader())
         try:
@@ -681,6 +687,30 @@ async def test_link_says_hello_and_beats(control: Running, tmp_path: Path) -> No
     await _until(lambda: stream.ended_by_client)
     assert link.state is LinkState.STOPPED
     assert _sample(registry, "agents_machine_link_connected") == 0
+
+
+async def test_link_sends_the_roster_at_connect_on_change_and_before_goodbye(
+    control: Running, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    a, b = new_id("agent"), new_id("agent")
+    current = AgentRoster(active=(a,))
+
+    async def roster() -> AgentRoster:
+        return current
+
+    async with _link(data_dir, CollectorRegistry(), roster=roster) as link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        stream = control.fake.streams[0]
+        await _until(lambda: stream.rosters == [([a], [])])
+        await _until(lambda: stream.heartbeats >= 3)
+        assert len(stream.rosters) == 1  # unchanged: not sent again with each beat
+        current = AgentRoster(active=(b,), archived=(a,))
+        await _until(lambda: stream.rosters[-1] == ([b], [a]))
+        current = AgentRoster(active=(a, b))  # changed just before the goodbye
+    await _until(lambda: stream.ended_by_client)
+    assert stream.rosters[-1] == ([a, b], [])
 
 
 async def test_link_not_joined(tmp_path: Path) -> None:
