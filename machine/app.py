@@ -33,6 +33,7 @@ from machine.metrics import MachineMetrics
 from machine.models import MachineIds
 from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry, default_registry
+from machine.search_indexer import SearchIndexer
 from machine.streams import StreamLimits
 from shared.atomic import ensure_private_dir
 from shared.backup_target import BackupTarget, StoreTarget
@@ -79,6 +80,7 @@ class Machine:
     metrics: MachineMetrics | None = None
     backups: BackupService | None = None
     handoff: Handoff | None = None
+    indexer: SearchIndexer | None = None
 
     @property
     def machine_id(self) -> str:
@@ -421,6 +423,13 @@ async def open_machine(
             backups=await _build_backups(config, db, ids, metrics, closing),
             handoff=handoff,
         )
+        # Always on (not a timer but unfinished work): resumes a killed daemon's backlog.
+        machine.indexer = SearchIndexer(
+            db, registry=metrics.registry if metrics is not None else None
+        )
+        if machine.backups is not None:
+            machine.backups.on_restored = machine.indexer.kick
+        loops.append(asyncio.create_task(machine.indexer.run(), name="machine-search-indexer"))
         # Exports and imports a killed daemon left behind for over an hour go now.
         await handoff.sweep()
         interrupted = await engine.start()

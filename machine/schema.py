@@ -163,8 +163,17 @@ ALTER TABLE runs ADD COLUMN prompt_id TEXT;
 CREATE UNIQUE INDEX runs_prompt_id ON runs (prompt_id) WHERE prompt_id IS NOT NULL;
 """
 
+# v4: restored agents whose conversations the background indexer has not put in
+# the full-text index yet (machine/store/search_backlog.py).
+_V4_SEARCH_BACKLOG = """
+CREATE TABLE search_backlog (
+    agent_id  TEXT PRIMARY KEY REFERENCES agents(id) ON DELETE CASCADE,
+    queued_at REAL NOT NULL
+);
+"""
+
 #: MIGRATIONS[i] upgrades version i to i + 1.
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3)
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4_SEARCH_BACKLOG)
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 
