@@ -143,7 +143,7 @@ async def _change(data: Path, agents: list[str]) -> None:
 async def _engine(data: Path, work: Path, target: Path) -> Any:
     from machine.backup import BackupEngine
     from machine.transfer import DatabaseBackupSource
-    from shared.backup_target import StoreTarget
+    from shared.backup_folder import FolderTarget
     from shared.crypto import BoxKeyPair
     from shared.store.folder import FolderStore
 
@@ -153,7 +153,7 @@ async def _engine(data: Path, work: Path, target: Path) -> Any:
     db = await Database.open(data / "machine.db")
     engine = BackupEngine(
         DatabaseBackupSource(db, data / "attachments", work / "engine"),
-        StoreTarget(FolderStore(target)),
+        FolderTarget(FolderStore(target)),
         machine_id=keys["machine_id"],
         naming_key=bytes.fromhex(keys["naming"]),
         recipients=[machine_key.public_key, recovery.public_key],

@@ -36,7 +36,8 @@ from machine.runtimes import RuntimeRegistry, default_registry
 from machine.search_indexer import SearchIndexer
 from machine.streams import StreamLimits
 from shared.atomic import ensure_private_dir
-from shared.backup_target import BackupTarget, StoreTarget
+from shared.backup_folder import FolderTarget
+from shared.backup_target import BackupTarget
 from shared.errors import AgentsError, InvalidArgument, InvalidId, InvalidState, NotFound
 from shared.ids import new_id, validate_id
 from shared.store.folder import FolderStore
@@ -277,7 +278,7 @@ async def _record_backup_owner(folder_store: FolderStore, folder: Path, machine_
 async def folder_backup_target(folder: Path) -> tuple[BackupTarget, FolderStore]:
     """A backup target in ``folder`` (a stand-alone machine's, or a copied backup dir)."""
     store_ = await FolderStore.open(folder)
-    return StoreTarget(store_), store_
+    return FolderTarget(store_), store_
 
 
 async def backup_target(

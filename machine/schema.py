@@ -163,17 +163,21 @@ ALTER TABLE runs ADD COLUMN prompt_id TEXT;
 CREATE UNIQUE INDEX runs_prompt_id ON runs (prompt_id) WHERE prompt_id IS NOT NULL;
 """
 
-# v4: restored agents whose conversations the background indexer has not put in
-# the full-text index yet (machine/store/search_backlog.py).
-_V4_SEARCH_BACKLOG = """
+# v4 (backup speed): restored agents whose conversations the background indexer
+# has not put in the full-text index yet (machine/store/search_backlog.py); and
+# per-agent indexes on summaries and the tool log, which a backup and the
+# indexer read agent by agent (without them each read scans the whole table).
+_V4_BACKUP_SPEED = """
 CREATE TABLE search_backlog (
     agent_id  TEXT PRIMARY KEY REFERENCES agents(id) ON DELETE CASCADE,
     queued_at REAL NOT NULL
 );
+CREATE INDEX summaries_agent ON summaries (agent_id, run_id);
+CREATE INDEX tool_log_agent ON tool_log (agent_id, id);
 """
 
 #: MIGRATIONS[i] upgrades version i to i + 1.
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4_SEARCH_BACKLOG)
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4_BACKUP_SPEED)
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 
