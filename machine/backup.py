@@ -72,6 +72,8 @@ _CACHE_FILE: Final = "segment-cache.json"
 #: Agents read, hashed, compressed and encrypted at once (a machine has few cores).
 PARALLEL: Final = 3
 _READ: Final = SEGMENT_CHUNK
+#: A fetched segment up to this size is decoded from memory, not a temp file.
+_HOLD: Final = 4 * 1024 * 1024
 
 
 def validate_keep(keep: object, field: str = "backup_keep") -> int:
@@ -350,19 +352,31 @@ class BackupEngine:
     ) -> int:
         """Download, authenticate and decode one segment; check its name; return its size.
 
-        The stored bytes go to a temp file first, so memory stays at one chunk.
+        A small segment (as its manifest entry says) is held in memory; a larger
+        one goes to a temp file first, so memory stays at one chunk.
         """
         raw = work / f".{ref.name}.download"
+        held: list[bytes] | None = [] if ref.size <= _HOLD else None
         try:
-            with open(raw, "wb") as f:
+            if held is not None:
+                size = 0
                 async for chunk in self._target.get_segment(ref.name):
-                    f.write(chunk)
+                    size += len(chunk)
+                    if size > _HOLD:  # more than the manifest said: spill, then fail below
+                        held = None
+                        break
+                    held.append(chunk)
+            if held is None:
+                with open(raw, "wb") as f:
+                    async for chunk in self._target.get_segment(ref.name):
+                        f.write(chunk)
 
             def decode() -> tuple[int, str]:
                 h = KeyedHasher(naming_key)
                 total = 0
+                stored = iter(held) if held is not None else _file_chunks(raw)
                 for piece in decode_segment(
-                    _file_chunks(raw), name=ref.name, key=ref.key, max_plain=ref.plain_size
+                    stored, name=ref.name, key=ref.key, max_plain=ref.plain_size
                 ):
                     h.update(piece)
                     total += len(piece)

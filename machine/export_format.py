@@ -116,7 +116,8 @@ def read_jsonl(source: Path | IO[bytes], what: str) -> Iterator[dict[str, Any]]:
         if len(line) > MAX_LINE:
             raise _bad(f"{what} line {number}: longer than {MAX_LINE} bytes")
         try:
-            row = json.loads(line)
+            # Decoded first: json.loads of bytes would guess the encoding each line.
+            row = json.loads(line.decode("utf-8"))
         except (ValueError, UnicodeDecodeError):
             raise _bad(f"{what} line {number}: not valid JSON") from None
         if not isinstance(row, dict):

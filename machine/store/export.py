@@ -49,6 +49,13 @@ logger = logging.getLogger(__name__)
 
 _RUN_FIELDS: Final = RUN_FIELDS
 _TERMINAL_STATE: Final = {"RUN_FINISHED": "finished", "RUN_ERROR": "failed"}
+_EVENT_FIELDS: Final[tuple[tuple[str, type | tuple[type, ...]], ...]] = (
+    ("seq", int),
+    ("run_id", str),
+    ("kind", str),
+    ("payload", dict),
+    ("time", (int, float)),
+)
 _INSERT_EVENT: Final = (
     "INSERT INTO events (agent_id, seq, run_id, kind, payload_json, time) VALUES (?,?,?,?,?,?)"
 )
@@ -308,11 +315,23 @@ def load_agent_files(
     kinds = EventKind.__members__
     with files("conversation.jsonl") as f:
         for n, ev in enumerate(read_jsonl(f, conv), 1):
-            seq = _need(ev, "seq", int, f"{conv} line {n}")
-            run_id = _need(ev, "run_id", str, f"{conv} line {n}")
-            kind = _need(ev, "kind", str, f"{conv} line {n}")
-            payload = _need(ev, "payload", dict, f"{conv} line {n}")
-            time = _need(ev, "time", (int, float), f"{conv} line {n}")
+            seq: Any = ev.get("seq")
+            run_id: Any = ev.get("run_id")
+            kind: Any = ev.get("kind")
+            payload: Any = ev.get("payload")
+            time: Any = ev.get("time")
+            # The checks of _need, inline (this loop runs once per event of the
+            # whole backup); _need names the first bad field when one fails.
+            if not (
+                type(seq) is int
+                and type(run_id) is str
+                and type(kind) is str
+                and type(payload) is dict
+                and type(time) in (int, float)
+            ):
+                where = f"{conv} line {n}"
+                for key, kinds_of in _EVENT_FIELDS:
+                    _need(ev, key, kinds_of, where)
             if kind not in kinds or seq <= last_seq:
                 raise InvalidArgument("archive", f"{conv} line {n}: bad kind or seq out of order")
             last_seq = seq
