@@ -240,6 +240,19 @@ def usage_by_run(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {str(u.get("id")): u for u in rows}
 
 
+def _stored_payload(payload: dict[str, Any]) -> str:
+    """The payload as a live append stores it: json.dumps(payload, sort_keys=True).
+
+    Most events are text deltas, ``{"text": ...}``: those are written out
+    directly (the same bytes), without an encoder's setup for each of them.
+    """
+    if len(payload) == 1:
+        text = payload.get("text")
+        if type(text) is str:
+            return '{"text": ' + json.dumps(text) + "}"
+    return _PAYLOAD.encode(payload)
+
+
 def load_agent(
     conn: sqlite3.Connection,
     folder: Path,
@@ -335,7 +348,7 @@ def load_agent_files(
             if kind not in kinds or seq <= last_seq:
                 raise InvalidArgument("archive", f"{conv} line {n}: bad kind or seq out of order")
             last_seq = seq
-            batch.append((agent_id, seq, run_id, kind, _PAYLOAD.encode(payload), time))
+            batch.append((agent_id, seq, run_id, kind, _stored_payload(payload), time))
             if len(batch) >= _BATCH:
                 conn.executemany(_INSERT_EVENT, batch)
                 batch.clear()
