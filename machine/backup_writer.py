@@ -51,7 +51,7 @@ UPLOADS: Final = 8
 #: Segments per window: one ``have_segments`` question each.
 WINDOW: Final = 256
 #: Compressed bytes of a window kept in memory; past it they go to temp files.
-WINDOW_MEMORY: Final = 32 * 1024 * 1024
+WINDOW_MEMORY: Final = 16 * 1024 * 1024
 #: One compressed segment in memory at most this big (then a temp file).
 _SPOOL: Final = 1024 * 1024
 

@@ -37,6 +37,8 @@ async def test_segments_appear_at_the_commit_in_the_folder_store_format(tmp_path
     # A plain StoreTarget over the same folder (a restore, a prune) reads them.
     plain = StoreTarget(FolderStore(tmp_path / "t"))
     assert await plain.have_segments([a, b]) == {a: 6, b: 5000}
+    missing = os.urandom(32).hex()
+    assert await target.have_segments([a, b, missing]) == {a: 6, b: 5000}
     assert await _read(plain, a) == b"onetwo"
     assert await plain.get_manifest(backup) == b"sealed"
     # Create-once: a second put of a stored name keeps the stored bytes.
