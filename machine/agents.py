@@ -16,6 +16,7 @@ from machine import store
 from machine.db import Database
 from machine.models import AgentRecord, AgentState, MachineIds, SearchHit
 from machine.runtimes import RuntimeRegistry
+from machine.store import search_backlog
 from shared.errors import InvalidArgument, InvalidState, TooLarge
 from shared.ids import new_id, validate_id
 
@@ -196,3 +197,7 @@ class AgentsService:
         if limit < 0 or limit > 200:
             raise InvalidArgument("limit", "must be 0 to 200")
         return await self._db.read(lambda c: store.search(c, query, agent_id or None, limit or 20))
+
+    async def search_indexing(self) -> int:
+        """Restored agents whose conversations are not searchable yet (being indexed)."""
+        return await self._db.read(search_backlog.backlog_count, what="search backlog")

@@ -36,9 +36,11 @@ from machine.retention import Retention
 from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry, default_registry
 from machine.schedules import Scheduler, SchedulesService
+from machine.search_indexer import SearchIndexer
 from machine.streams import StreamLimits
 from shared.atomic import ensure_private_dir
-from shared.backup_target import BackupTarget, StoreTarget
+from shared.backup_folder import FolderTarget
+from shared.backup_target import BackupTarget
 from shared.errors import AgentsError, InvalidArgument, InvalidId, InvalidState, NotFound
 from shared.ids import new_id, validate_id
 from shared.store.folder import FolderStore
@@ -92,6 +94,8 @@ class Machine:
         if self.schedules is None:
             raise InvalidState("schedules", "this machine was opened without schedules")
         return self.schedules
+
+    indexer: SearchIndexer | None = None
 
     @property
     def machine_id(self) -> str:
@@ -302,7 +306,7 @@ async def _record_backup_owner(folder_store: FolderStore, folder: Path, machine_
 async def folder_backup_target(folder: Path) -> tuple[BackupTarget, FolderStore]:
     """A backup target in ``folder`` (a stand-alone machine's, or a copied backup dir)."""
     store_ = await FolderStore.open(folder)
-    return StoreTarget(store_), store_
+    return FolderTarget(store_), store_
 
 
 async def backup_target(
@@ -496,6 +500,13 @@ async def open_machine(
             on_change=scheduler.changed,
             test_seconds=config.schedule_test_seconds,
         )
+        # Always on (not a timer but unfinished work): resumes a killed daemon's backlog.
+        machine.indexer = SearchIndexer(
+            db, registry=metrics.registry if metrics is not None else None
+        )
+        if machine.backups is not None:
+            machine.backups.on_restored = machine.indexer.kick
+        loops.append(asyncio.create_task(machine.indexer.run(), name="machine-search-indexer"))
         # Exports and imports a killed daemon left behind for over an hour go now.
         await handoff.sweep()
         # Bytes a delete left behind (a crash after its commit), then every

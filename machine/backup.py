@@ -30,7 +30,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Final, Protocol
@@ -40,11 +40,11 @@ from machine.backup_format import (
     BackupManifest,
     SegmentRef,
     decode_segment,
-    encode_segment,
     open_manifest,
     seal_manifest,
     segment_key,
 )
+from machine.backup_writer import SegmentWriter
 from shared.atomic import ensure_private_dir, write_atomic
 from shared.backup_target import BackupTarget, ManifestInfo, PruneResult
 from shared.crypto import BoxKeyPair, KeyedHasher
@@ -72,6 +72,8 @@ _CACHE_FILE: Final = "segment-cache.json"
 #: Agents read, hashed, compressed and encrypted at once (a machine has few cores).
 PARALLEL: Final = 3
 _READ: Final = SEGMENT_CHUNK
+#: A fetched segment up to this size is decoded from memory, not a temp file.
+_HOLD: Final = 4 * 1024 * 1024
 
 
 def validate_keep(keep: object, field: str = "backup_keep") -> int:
@@ -159,29 +161,18 @@ Progress = Callable[[str, int, int], None]
 """progress(stage, done, total): called as segments are handled."""
 
 
-def _hash_file(naming_key: bytes, path: Path) -> str:
-    h = KeyedHasher(naming_key)
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _file_chunks(path: Path) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while chunk := f.read(_READ):
             yield chunk
 
 
-async def _athread(it: Iterator[bytes]) -> AsyncIterator[bytes]:
-    """Drive a CPU-bound iterator (compress + encrypt) in a thread, chunk by chunk."""
-    done = object()
-    while True:
-        chunk = await asyncio.to_thread(next, it, done)
-        if chunk is done:
-            return
-        assert isinstance(chunk, bytes)
-        yield chunk
+def _cleanup(folder: Path) -> None:
+    for p in folder.iterdir():
+        with contextlib.suppress(OSError):
+            p.unlink()
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
 
 
 class BackupEngine:
@@ -247,86 +238,52 @@ class BackupEngine:
         agents = await self._source.agents()
         attachments = await self._source.attachments()
         total = len(agents) + len(attachments)
-        done = 0
-        sem = asyncio.Semaphore(PARALLEL)
+        counts = {"read": 0, "upload": 0}
 
-        def tick(stage_name: str, of: int) -> None:
-            nonlocal done
-            done += 1
+        def tick(stage_name: str) -> None:
+            counts[stage_name] += 1
             if progress:
-                progress(stage_name, done, of)
+                progress(stage_name, counts[stage_name], total)
 
-        async def plan_agent(agent: AgentItem) -> tuple[SegmentRef, Path | None]:
+        # An agent whose change marker is the one of the last backup, and an
+        # attachment (content-addressed) backed up before, reuse their segment
+        # as it is, if the target still has it.
+        cached: list[SegmentRef] = []
+        todo_agents: list[str] = []
+        for agent in agents:
             hit = cache.get(agent.agent_id)
             if hit and hit.get("marker") == agent.marker and isinstance(hit.get("name"), str):
-                ref = SegmentRef(
-                    hit["name"],
-                    segment_key(self._naming_key, hit["name"]),
-                    "agent",
-                    agent.agent_id,
-                    int(hit["size"]),
-                    int(hit["plain_size"]),
-                )
-                tick("read", total)
-                return ref, None
-            async with sem:
-                path = stage / agent.agent_id
-                with open(path, "wb") as out:
-                    await self._source.write_agent(agent.agent_id, out)
-                planned = await self._plan_file(path, "agent", agent.agent_id)
-            tick("read", total)
-            return planned, path
-
-        async def plan_attachment(sha: str, path: Path) -> tuple[SegmentRef, Path | None]:
+                cached.append(self._cached_ref(hit, "agent", agent.agent_id))
+            else:
+                todo_agents.append(agent.agent_id)
+        todo_attachments: list[tuple[str, Path]] = []
+        paths = dict(attachments)
+        for sha, path in attachments:
             hit = cache.get(f"attachment:{sha}")
             if hit and isinstance(hit.get("name"), str):
-                # Content-addressed: the same sha256 is the same bytes, the same segment.
-                name = hit["name"]
-                key = segment_key(self._naming_key, name)
-                tick("read", total)
-                return SegmentRef(name, key, "attachment", sha, 0, int(hit["plain_size"])), path
-            async with sem:
-                planned = await self._plan_file(path, "attachment", sha)
-            tick("read", total)
-            return planned, path
-
-        # Reading (the database), hashing, compressing and encrypting overlap
-        # across a few agents at a time: each step releases the GIL.
-        planned = list(
-            await asyncio.gather(
-                *(plan_agent(a) for a in agents),
-                *(plan_attachment(sha, p) for sha, p in attachments),
-            )
-        )
-        have = await self._target.have_segments({ref.name for ref, _ in planned})
-        uploaded = uploaded_bytes = 0
-        done = 0
-
-        async def store(ref: SegmentRef, src: Path | None) -> SegmentRef:
-            nonlocal uploaded, uploaded_bytes
-            if ref.name in have:
-                if ref.size == 0:
-                    ref = SegmentRef(
-                        ref.name, ref.key, ref.kind, ref.ref, have[ref.name], ref.plain_size
-                    )
+                cached.append(self._cached_ref(hit, "attachment", sha))
             else:
-                async with sem:
-                    if src is None:
-                        # The cache named a segment the target lost: read the agent again.
-                        src = stage / ref.ref
-                        with open(src, "wb") as out:
-                            await self._source.write_agent(ref.ref, out)
-                        ref = await self._plan_file(src, "agent", ref.ref)
-                    size = await self._upload(ref, src)
-                ref = SegmentRef(ref.name, ref.key, ref.kind, ref.ref, size, ref.plain_size)
-                uploaded += 1
-                uploaded_bytes += size
-            if src is not None and src.parent == stage:
-                src.unlink(missing_ok=True)  # plaintext leaves the disk as soon as it is sent
-            tick("upload", len(planned))
-            return ref
-
-        refs = list(await asyncio.gather(*(store(ref, src) for ref, src in planned)))
+                todo_attachments.append((sha, path))
+        have = await self._target.have_segments({ref.name for ref in cached}) if cached else {}
+        refs: list[SegmentRef] = []
+        for ref in cached:
+            if ref.name in have:
+                refs.append(
+                    SegmentRef(ref.name, ref.key, ref.kind, ref.ref, have[ref.name], ref.plain_size)
+                )
+                tick("read")
+                tick("upload")
+            elif ref.kind == "agent":
+                todo_agents.append(ref.ref)  # the target lost it: read the agent again
+            else:
+                todo_attachments.append((ref.ref, paths[ref.ref]))
+        writer = SegmentWriter(
+            self._source.write_agent, self._target, naming_key=self._naming_key,
+            work_dir=stage, tick=tick,
+        )  # fmt: skip
+        written = await writer.write(todo_agents, todo_attachments)
+        refs += written.refs
+        uploaded, uploaded_bytes = written.uploaded, written.uploaded_bytes
         manifest = BackupManifest(
             backup_id,
             self._machine_id,
@@ -362,23 +319,12 @@ class BackupEngine:
             0.0,
         )
 
-    async def _plan_file(self, path: Path, kind: str, ref: str) -> SegmentRef:
-        name = await asyncio.to_thread(_hash_file, self._naming_key, path)
-        plain = path.stat().st_size
-        return SegmentRef(name, segment_key(self._naming_key, name), kind, ref, 0, plain)
-
-    async def _upload(self, ref: SegmentRef, path: Path) -> int:
-        sent = 0
-
-        async def counted() -> AsyncIterator[bytes]:
-            nonlocal sent
-            stream = encode_segment(_file_chunks(path), name=ref.name, key=ref.key)
-            async for chunk in _athread(stream):
-                sent += len(chunk)
-                yield chunk
-
-        await self._target.put_segment(ref.name, counted())
-        return sent
+    def _cached_ref(self, hit: dict[str, Any], kind: str, ref: str) -> SegmentRef:
+        name = str(hit["name"])
+        size = int(hit.get("size", 0)) if kind == "agent" else 0
+        return SegmentRef(
+            name, segment_key(self._naming_key, name), kind, ref, size, int(hit["plain_size"])
+        )
 
     # -- reading -------------------------------------------------------------
 
@@ -406,19 +352,31 @@ class BackupEngine:
     ) -> int:
         """Download, authenticate and decode one segment; check its name; return its size.
 
-        The stored bytes go to a temp file first, so memory stays at one chunk.
+        A small segment (as its manifest entry says) is held in memory; a larger
+        one goes to a temp file first, so memory stays at one chunk.
         """
         raw = work / f".{ref.name}.download"
+        held: list[bytes] | None = [] if ref.size <= _HOLD else None
         try:
-            with open(raw, "wb") as f:
+            if held is not None:
+                size = 0
                 async for chunk in self._target.get_segment(ref.name):
-                    f.write(chunk)
+                    size += len(chunk)
+                    if size > _HOLD:  # more than the manifest said: spill, then fail below
+                        held = None
+                        break
+                    held.append(chunk)
+            if held is None:
+                with open(raw, "wb") as f:
+                    async for chunk in self._target.get_segment(ref.name):
+                        f.write(chunk)
 
             def decode() -> tuple[int, str]:
                 h = KeyedHasher(naming_key)
                 total = 0
+                stored = iter(held) if held is not None else _file_chunks(raw)
                 for piece in decode_segment(
-                    _file_chunks(raw), name=ref.name, key=ref.key, max_plain=ref.plain_size
+                    stored, name=ref.name, key=ref.key, max_plain=ref.plain_size
                 ):
                     h.update(piece)
                     total += len(piece)
@@ -450,21 +408,37 @@ class BackupEngine:
         manifest = await self.open(backup_id, keypair)
         ensure_private_dir(dest)
         fetched = FetchedBackup(manifest, dest)
-        try:
-            for ref in manifest.segments:
-                path = dest / f"{ref.kind}-{ref.ref}"
+        sem = asyncio.Semaphore(PARALLEL)
+
+        async def one(ref: SegmentRef) -> None:
+            path = dest / f"{ref.kind}-{ref.ref}"
+            async with sem:
                 with open(path, "wb") as out:
                     await self._segment_to(ref, manifest.naming_key, dest, out)
-                if ref.kind == "agent":
-                    fetched.agent_files[ref.ref] = path
-                else:
-                    fetched.attachment_files[ref.ref] = path
+            if ref.kind == "agent":
+                fetched.agent_files[ref.ref] = path
+            else:
+                fetched.attachment_files[ref.ref] = path
+
+        failed: list[BaseException] = []
+
+        async def guarded(ref: SegmentRef) -> None:
+            if failed:
+                return  # one segment failed: the fetch fails, fetch no more
+            try:
+                await one(ref)
+            except Exception as e:
+                failed.append(e)
+
+        try:
+            # A few segments at once: downloading, decrypting and decompressing
+            # release the GIL. Those in flight when one fails end normally (their
+            # downloads close their streams), then the first failure is raised.
+            await asyncio.gather(*(guarded(ref) for ref in manifest.segments))
+            if failed:
+                raise failed[0]
         except BaseException:
-            for p in dest.iterdir():
-                with contextlib.suppress(OSError):
-                    p.unlink()
-            with contextlib.suppress(OSError):
-                os.rmdir(dest)
+            _cleanup(dest)
             raise
         return fetched
 

@@ -29,12 +29,13 @@ import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import IO, Any, Final
 
 import zstandard
 
 from shared.crypto import (
     BoxKeyPair,
+    KeyedHasher,
     decrypt_chunks,
     encrypt_chunks,
     keyed_hash,
@@ -49,8 +50,10 @@ __all__ = [
     "SEGMENT_CHUNK",
     "BackupManifest",
     "SegmentRef",
+    "SegmentCompressor",
     "decode_segment",
     "encode_segment",
+    "encrypt_segment",
     "manifest_aad",
     "open_manifest",
     "seal_manifest",
@@ -64,6 +67,8 @@ MANIFEST_VERSION: Final = 1
 #: Plaintext bytes per secretstream chunk of a segment.
 SEGMENT_CHUNK: Final = 1024 * 1024
 #: zstd level: 3 is zstd's default, the speed/size balance `tar | zstd -3` uses too.
+#: (Level 1 compresses a third faster but stored 11 % more in bench/backup.py:
+#: 91 MB against 82 MB, more than restic; the time saved was under a tenth.)
 ZSTD_LEVEL: Final = 3
 _SEGMENT_AAD: Final = b"agents.backup.segment.v1:"
 _MANIFEST_AAD: Final = b"agents.backup.manifest.v1:"
@@ -98,7 +103,49 @@ def encode_segment(plaintext: Iterable[bytes], *, name: str, key: bytes) -> Iter
             yield from chunker.compress(piece)
         yield from chunker.finish()  # type: ignore[no-untyped-call]
 
-    return encrypt_chunks(key, compressed(), chunk_size=SEGMENT_CHUNK, aad=_segment_aad(name))
+    return encrypt_segment(compressed(), name=name, key=key)
+
+
+def encrypt_segment(compressed: Iterable[bytes], *, name: str, key: bytes) -> Iterator[bytes]:
+    """Encrypt an already compressed segment (see :class:`SegmentCompressor`), lazily."""
+    return encrypt_chunks(key, compressed, chunk_size=SEGMENT_CHUNK, aad=_segment_aad(name))
+
+
+class SegmentCompressor:
+    """Names and compresses a segment's plaintext in one pass, before its key is known.
+
+    Write the plaintext (it is a writable file object, so a tar can be written
+    straight into it); :meth:`finish` gives the name. The compressed bytes go
+    to ``out``; :func:`encrypt_segment` of them under the name's key gives the
+    same stored format as :func:`encode_segment`. Reading the plaintext once
+    instead of twice (once to name it, once to encode it) is most of a full
+    backup's saving.
+    """
+
+    def __init__(self, naming_key: bytes, out: IO[bytes]) -> None:
+        self._hash = KeyedHasher(naming_key)
+        self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj()
+        self._out = out
+        self.plain_size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._hash.update(data)
+        self.plain_size += len(data)
+        piece = self._zstd.compress(bytes(data))
+        if piece:
+            self._out.write(piece)
+        return len(data)
+
+    def flush(self) -> None:
+        """Nothing to do: :meth:`finish` ends the stream."""
+
+    def finish(self) -> str:
+        """End the compressed stream; return the segment's name."""
+        self._out.write(self._zstd.flush())
+        return self._hash.hexdigest()
 
 
 class _IterReader(io.RawIOBase):

@@ -159,6 +159,8 @@ class BackupService:
         self._last_check: RestoreCheck | None = None
         self._last_id = ""
         self._last_bytes = 0
+        #: Called after a restore committed (wakes the search indexer).
+        self.on_restored: Callable[[], None] | None = None
 
     def engine_for(self, target: BackupTarget, machine_id: str) -> BackupEngine:
         """An engine on ``target`` reading ``machine_id``'s backups (a copied backup
@@ -278,11 +280,14 @@ class BackupService:
         stage = self._work / f".restore-{os.getpid()}-{int(self._clock() * 1000)}"
         try:
             fetched = await (engine or self.engine).fetch(backup_id, stage, recovery)
-            return await restore_fetched(
+            result = await restore_fetched(
                 self._db, fetched, attachments_dir=self._attachments, erased=erased or set()
             )
         finally:
             shutil.rmtree(stage, ignore_errors=True)
+        if self.on_restored is not None:
+            self.on_restored()
+        return result
 
     # -- scheduling ----------------------------------------------------------
 

@@ -695,6 +695,11 @@ async def _agent_search(ctx: _Ctx) -> int:
         for h in found.hits
     ]  # fmt: skip
     columns = [Column("agent", whole=True), Column("name"), Column("seq", whole=True)]
+    if found.indexing and not ctx.out.as_json:
+        ctx.out.note(
+            f"{found.indexing} restored agent(s) still being indexed: "
+            "their conversations are not found yet"
+        )
     return _show(
         ctx.out, found, lambda: ctx.out.table([*columns, Column("source"), Column("match")], rows)
     )

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
 
 from shared.errors import InvalidArgument
 from shared.ids import is_valid_id
@@ -110,19 +110,24 @@ def encode_jsonl(rows: Iterable[dict[str, Any]]) -> bytes:
     )
 
 
-def read_jsonl(path: Path, what: str) -> Iterator[dict[str, Any]]:
-    """The objects of a JSON Lines file; anything else is refused naming the line."""
-    with open(path, "rb") as f:
-        for number, line in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), 1):
-            if len(line) > MAX_LINE:
-                raise _bad(f"{what} line {number}: longer than {MAX_LINE} bytes")
-            try:
-                row = json.loads(line)
-            except (ValueError, UnicodeDecodeError):
-                raise _bad(f"{what} line {number}: not valid JSON") from None
-            if not isinstance(row, dict):
-                raise _bad(f"{what} line {number}: not a JSON object")
-            yield row
+def read_jsonl(source: Path | IO[bytes], what: str) -> Iterator[dict[str, Any]]:
+    """The objects of a JSON Lines file (a path, or a binary file open for reading);
+    anything else is refused naming the line."""
+    if isinstance(source, Path):
+        with open(source, "rb") as f:
+            yield from read_jsonl(f, what)
+        return
+    for number, line in enumerate(iter(lambda: source.readline(MAX_LINE + 1), b""), 1):
+        if len(line) > MAX_LINE:
+            raise _bad(f"{what} line {number}: longer than {MAX_LINE} bytes")
+        try:
+            # Decoded first: json.loads of bytes would guess the encoding each line.
+            row = json.loads(line.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            raise _bad(f"{what} line {number}: not valid JSON") from None
+        if not isinstance(row, dict):
+            raise _bad(f"{what} line {number}: not a JSON object")
+        yield row
 
 
 @dataclass(frozen=True)

@@ -229,8 +229,28 @@ CREATE TABLE schedule_runs (
 CREATE INDEX schedule_runs_run ON schedule_runs (run_id);
 """
 
+# Backup speed: restored agents whose conversations the background indexer
+# has not put in the full-text index yet (machine/store/search_backlog.py); and
+# per-agent indexes on summaries and the tool log, which a backup and the
+# indexer read agent by agent (without them each read scans the whole table).
+_V4_BACKUP_SPEED = """
+CREATE TABLE search_backlog (
+    agent_id  TEXT PRIMARY KEY REFERENCES agents(id) ON DELETE CASCADE,
+    queued_at REAL NOT NULL
+);
+CREATE INDEX summaries_agent ON summaries (agent_id, run_id);
+CREATE INDEX tool_log_agent ON tool_log (agent_id, id);
+"""
+
 #: MIGRATIONS[i] upgrades version i to i + 1.
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4_ERASURE, _V4_SCHEDULES)
+MIGRATIONS: Final[tuple[str, ...]] = (
+    _V1,
+    _V2,
+    _V3,
+    _V4_ERASURE,
+    _V4_SCHEDULES,
+    _V4_BACKUP_SPEED,
+)
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 

@@ -162,7 +162,8 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         hits = await self._m.agents.search(
             request.query, agent_id=request.agent_id, limit=request.limit
         )
-        return pb.SearchResponse(hits=[codec.hit_to_pb(h) for h in hits])
+        indexing = await self._m.agents.search_indexing()
+        return pb.SearchResponse(hits=[codec.hit_to_pb(h) for h in hits], indexing=indexing)
 
     async def UploadAttachment(
         self, request_iterator: AsyncIterator[pb.UploadAttachmentRequest], context: Ctx

@@ -13,16 +13,18 @@ person unarchives it (and only its own machine may).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Final
+from typing import IO, Any, BinaryIO, Final
 
 from machine.backup import AgentItem, FetchedBackup
 from machine.db import Database
@@ -37,6 +39,7 @@ from machine.export_format import (
     file_sha256,
     verify_staged,
 )
+from machine.segment_files import open_segment
 from machine.store import erasures as store_erasures
 from machine.store import export as store_export
 from shared.archive import ArchiveLimits, extract_staged, write_tar, write_tar_gz
@@ -55,6 +58,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _COPY: Final = 1024 * 1024
+#: Bytes of one export file of an agent kept in memory while it is backed up.
+_SPOOL: Final = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,10 @@ async def export_agents(
     return manifest
 
 
+def _spool(folder: Path) -> tempfile.SpooledTemporaryFile[bytes]:
+    return tempfile.SpooledTemporaryFile(max_size=_SPOOL, mode="w+b", dir=str(folder))
+
+
 class DatabaseBackupSource:
     """The machine's data as a :class:`~machine.backup.BackupSource`."""
 
@@ -136,10 +145,25 @@ class DatabaseBackupSource:
 
     async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
         ensure_private_dir(self._work)
-        with tempfile.TemporaryDirectory(dir=self._work, prefix=".dump-") as tmp:
-            folder = Path(tmp)
-            await _dump(self._db, agent_id, folder)
-            write_tar(out, [(agent_path(agent_id, n), folder / n) for n in _agent_files(folder)])
+        # In memory for a usual agent, on disk (unnamed temp files) past _SPOOL each.
+        with contextlib.ExitStack() as stack:
+            spools: dict[str, IO[bytes]] = {}
+
+            def spool(name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+                # Made when the dump opens the file: optional files only when written.
+                if name not in spools:
+                    spools[name] = stack.enter_context(_spool(self._work))
+                return contextlib.nullcontext(spools[name])
+
+            await self._db.read(
+                lambda c: store_export.dump_agent_to(c, agent_id, spool),
+                what=f"back up agent {agent_id}",
+            )
+            # The tar goes to ``out`` in a worker thread: a backup's ``out``
+            # hashes and compresses what it is given (machine.backup_writer).
+            names = [*AGENT_FILES, *(n for n in OPTIONAL_AGENT_FILES if n in spools)]
+            entries = [(agent_path(agent_id, n), spools[n]) for n in names]
+            await asyncio.to_thread(write_tar, out, entries)
 
     async def attachments(self) -> list[tuple[str, Path]]:
         shas = await self._db.read(store_export.attachments_named, what="backup attachments")
@@ -195,7 +219,11 @@ async def _commit(
     erased: set[str],
     what: str,
     erased_entries: list[tuple[str, float]] | None = None,
+    load: Callable[[Any, str], str] | None = None,
 ) -> InResult:
+    """Skip existing and erased agents, place attachments, then load the rest in one
+    transaction; ``load(conn, agent_id)`` loads one (default: from its folder)."""
+
     def known(conn: Any) -> tuple[set[str], set[str]]:
         return (
             store_export.existing_agents(conn, folders),
@@ -214,9 +242,14 @@ async def _commit(
         for sha, path in sorted(attachment_files.items())
     }
 
+    runs = store_export.usage_by_run(usage)
+
+    def load_folder(conn: Any, agent_id: str) -> str:
+        return store_export.load_agent(conn, folders[agent_id], runs=runs)
+
     def commit(conn: Any) -> None:
         for agent_id in todo:
-            loaded = store_export.load_agent(conn, folders[agent_id], runs=usage)
+            loaded = (load or load_folder)(conn, agent_id)
             if loaded != agent_id:
                 raise InvalidArgument("archive", f"agent {agent_id}: its record names {loaded}")
         for sha, size in sizes.items():
@@ -273,31 +306,39 @@ async def restore_fetched(
     *,
     attachments_dir: Path,
     erased: set[str],
+    now: float | None = None,
 ) -> InResult:
-    """Restore a fetched backup's agents (archived), skipping existing and erased ones."""
-    folders: dict[str, Path] = {}
-    for agent_id, plain in sorted(fetched.agent_files.items()):
-        stage = fetched.folder / f"unpacked-{agent_id}"
-        prefix = f"agents/{agent_id}/"
+    """Restore a fetched backup's agents (archived), skipping existing and erased ones.
 
-        def only_this(path: str, prefix: str = prefix) -> bool:
-            return path.startswith(prefix) and accept_path(path)
+    Each agent's segment is read in place inside the one transaction; their
+    conversations go to the search index afterwards, in the background
+    (:mod:`machine.search_indexer`), queued in that same transaction.
+    """
+    runs = store_export.usage_by_run(fetched.manifest.usage)
+    queued_at = time.time() if now is None else now
 
-        got = extract_staged(plain, stage, accept=only_this)
-        required = {agent_path(agent_id, n) for n in AGENT_FILES}
-        optional = {agent_path(agent_id, n) for n in OPTIONAL_AGENT_FILES}
-        if not required <= set(got) <= required | optional:
-            raise IntegrityError(f"backup agent {agent_id}", "segment does not hold its files")
-        folders[agent_id] = stage / "agents" / agent_id
+    def load(conn: Any, agent_id: str) -> str:
+        with open_segment(fetched.agent_files[agent_id], agent_id) as files:
+            return store_export.load_agent_files(
+                conn,
+                agent_id,
+                files.open,
+                optional=files.open_optional,
+                runs=runs,
+                index=False,
+                now=queued_at,
+            )
+
     return await _commit(
         db,
-        folders,
+        dict(fetched.agent_files),
         dict(fetched.attachment_files),
         attachments_dir,
-        usage=list(fetched.manifest.usage),
+        usage=[],
         erased=erased,
         what=f"restore {fetched.manifest.backup_id}",
         erased_entries=_erased_entries(fetched.manifest.erased),
+        load=load,
     )
 
 

@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Final
+from typing import IO, BinaryIO, Final
 
 from shared.atomic import FILE_MODE, open_atomic
 from shared.errors import InvalidArgument
@@ -257,8 +257,9 @@ def _write_entry(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path, pa
 FIXED_MTIME: Final = 0
 
 
-def write_tar(out: BinaryIO, entries: Iterable[tuple[str, bytes | Path]]) -> None:
-    """Write ``entries`` (path, bytes or a file to copy) as a plain tar stream to ``out``.
+def write_tar(out: BinaryIO, entries: Iterable[tuple[str, bytes | Path | IO[bytes]]]) -> None:
+    """Write ``entries`` (path, bytes, a file to copy, or an open file read from its
+    start to its end) as a plain tar stream to ``out``.
 
     Deterministic: fixed mtime, owner and mode, so the same entries make the
     same bytes (backup segments are named by a hash of them). Paths are
@@ -276,6 +277,10 @@ def write_tar(out: BinaryIO, entries: Iterable[tuple[str, bytes | Path]]) -> Non
                 info.size = data.stat().st_size
                 with open(data, "rb") as src:
                     tar.addfile(info, src)
+            elif not isinstance(data, bytes):
+                info.size = data.seek(0, os.SEEK_END)
+                data.seek(0)
+                tar.addfile(info, data)
             else:
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))

@@ -13,16 +13,18 @@ secrets), its runtime session id, tokens, remembered permission rules.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
 
 from machine.export_format import encode_jsonl, read_jsonl
 from machine.models import AgentState, EventKind
-from machine.store.events import _index
+from machine.store import search_backlog
 from machine.store.runs import RUN_FIELDS
 from machine.store.schedules import dump_schedules, load_schedules
 from shared.errors import InvalidArgument
@@ -34,9 +36,14 @@ __all__ = [
     "agents_in_folder",
     "attachments_named",
     "dump_agent",
+    "dump_agent_to",
     "existing_agents",
+    "AgentFiles",
+    "OptionalFiles",
     "load_agent",
+    "load_agent_files",
     "set_attachment_size",
+    "usage_by_run",
     "usage_rows",
 ]
 
@@ -44,6 +51,23 @@ logger = logging.getLogger(__name__)
 
 _RUN_FIELDS: Final = RUN_FIELDS
 _TERMINAL_STATE: Final = {"RUN_FINISHED": "finished", "RUN_ERROR": "failed"}
+_EVENT_FIELDS: Final[tuple[tuple[str, type | tuple[type, ...]], ...]] = (
+    ("seq", int),
+    ("run_id", str),
+    ("kind", str),
+    ("payload", dict),
+    ("time", (int, float)),
+)
+_INSERT_EVENT: Final = (
+    "INSERT INTO events (agent_id, seq, run_id, kind, payload_json, time) VALUES (?,?,?,?,?,?)"
+)
+#: Events inserted per executemany.
+_BATCH: Final = 500
+#: A record.json is a few hundred bytes plus its attachment list.
+_MAX_RECORD: Final = 16 * 1024 * 1024
+# The payload as live appends store it (json.dumps(payload, sort_keys=True)); one
+# encoder for all, since json.dumps builds a new one per call when given an option.
+_PAYLOAD: Final = json.JSONEncoder(sort_keys=True)
 
 
 def agent_markers(conn: sqlite3.Connection) -> list[tuple[str, str]]:
@@ -99,28 +123,41 @@ AgentDump = dict[str, Any]
 """An agent's record.json as a dict."""
 
 
-def _lines(path: Path, rows: Iterator[dict[str, Any]]) -> None:
-    with open(path, "wb") as f:
-        batch: list[dict[str, Any]] = []
-        for row in rows:
-            batch.append(row)
-            if len(batch) >= 500:
-                f.write(encode_jsonl(batch))
-                batch.clear()
-        f.write(encode_jsonl(batch))
+def _lines(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
+    batch: list[dict[str, Any]] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) >= 500:
+            f.write(encode_jsonl(batch))
+            batch.clear()
+    f.write(encode_jsonl(batch))
 
 
-def _event_line(seq: int, run_id: str, kind: str, payload_json: str, time: float) -> bytes:
-    """One conversation line, keys sorted, with the payload as stored.
+def _conversation(f: IO[bytes], events: Iterable[Sequence[Any]]) -> None:
+    """The conversation lines of ``events`` (seq, run_id, kind, payload_json, time rows):
+    one line each, keys sorted, with the payload as stored.
 
     The stored payload is already JSON (json.dumps with sorted keys, as
     load_agent stores it again), so it is embedded as it is rather than
-    decoded and encoded once more: the same bytes for half the work.
+    decoded and encoded once more: the same bytes for half the work. Each run
+    id and kind is encoded once: a backup writes a whole machine's
+    conversations, and this is most of its Python work.
     """
-    return (
-        f'{{"kind":{json.dumps(kind)},"payload":{payload_json},'
-        f'"run_id":{json.dumps(run_id)},"seq":{int(seq)},"time":{json.dumps(time)}}}\n'
-    ).encode()
+    quoted: dict[str, str] = {}
+    batch: list[bytes] = []
+    for seq, run_id, kind, payload_json, time in events:
+        qkind = quoted.get(kind) or quoted.setdefault(kind, json.dumps(kind))
+        qrun = quoted.get(run_id) or quoted.setdefault(run_id, json.dumps(run_id))
+        # json.dumps of a finite float is its repr; anything else goes through json.
+        qtime = repr(time) if type(time) is float and math.isfinite(time) else json.dumps(time)
+        batch.append(
+            f'{{"kind":{qkind},"payload":{payload_json},'
+            f'"run_id":{qrun},"seq":{int(seq)},"time":{qtime}}}\n'.encode()
+        )
+        if len(batch) >= _BATCH:
+            f.write(b"".join(batch))
+            batch.clear()
+    f.write(b"".join(batch))
 
 
 def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDump:
@@ -128,6 +165,16 @@ def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDu
 
     Call it inside one read job: every file then comes from one snapshot.
     """
+
+    def open_file(name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        return open(folder / name, "wb")
+
+    return dump_agent_to(conn, agent_id, open_file)
+
+
+def dump_agent_to(conn: sqlite3.Connection, agent_id: str, files: AgentFiles) -> AgentDump:
+    """Write ``agent_id``'s export files to ``files(name)`` (opened for writing, in
+    :data:`AGENT_FILES` order); return its record. Call it inside one read job."""
     row = conn.execute("SELECT * FROM agents WHERE id = ?", (agent_id,)).fetchone()
     if row is None:
         raise InvalidArgument("agent_id", f"agent {agent_id} not found")
@@ -148,30 +195,33 @@ def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDu
         "last_seq": row["last_seq"],
         "attachments": [dict(r) for r in refs],
     }
-    (folder / "record.json").write_bytes(
-        json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    )
+    with files("record.json") as f:
+        f.write(
+            json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        )
     events = conn.execute(
         "SELECT seq, run_id, kind, payload_json, time FROM events WHERE agent_id = ? ORDER BY seq",
         (agent_id,),
     )
-    with open(folder / "conversation.jsonl", "wb") as f:
-        for e in events:
-            f.write(_event_line(e["seq"], e["run_id"], e["kind"], e["payload_json"], e["time"]))
+    with files("conversation.jsonl") as f:
+        _conversation(f, events)
     summaries = conn.execute(
         "SELECT run_id, text, created_at FROM summaries WHERE agent_id = ? ORDER BY run_id",
         (agent_id,),
     )
-    _lines(folder / "summaries.jsonl", (dict(s) for s in summaries))
+    with files("summaries.jsonl") as f:
+        _lines(f, (dict(s) for s in summaries))
     tools = conn.execute(
         "SELECT run_id, call_id, title, tool_kind, input_json, status, output, started_at,"
         " ended_at FROM tool_log WHERE agent_id = ? ORDER BY id",
         (agent_id,),
     )
-    _lines(folder / "tools.jsonl", (dict(t) for t in tools))
+    with files("tools.jsonl") as f:
+        _lines(f, (dict(t) for t in tools))
     schedules = dump_schedules(conn, agent_id)
     if schedules:  # optional file: an agent without schedules reads as before
-        _lines(folder / "schedules.jsonl", iter(schedules))
+        with files("schedules.jsonl") as f:
+            _lines(f, iter(schedules))
     return record
 
 
@@ -197,22 +247,86 @@ def _check_record(record: dict[str, Any], where: str) -> None:
         raise InvalidArgument("archive", f"{where}: attachments must be a list")
 
 
+AgentFiles = Callable[[str], contextlib.AbstractContextManager[IO[bytes]]]
+#: Opens an optional file (:data:`OPTIONAL_AGENT_FILES`) by name: None when absent.
+OptionalFiles = Callable[[str], contextlib.AbstractContextManager[IO[bytes] | None]]
+"""Opens one of an agent's export files by name, for reading (a load) or writing (a
+dump) as the caller made it; called in :data:`AGENT_FILES` order."""
+
+
+def usage_by_run(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A backup's usage rows by run id (built once for a whole restore)."""
+    return {str(u.get("id")): u for u in rows}
+
+
+def _stored_payload(payload: dict[str, Any]) -> str:
+    """The payload as a live append stores it: json.dumps(payload, sort_keys=True).
+
+    Most events are text deltas, ``{"text": ...}``: those are written out
+    directly (the same bytes), without an encoder's setup for each of them.
+    """
+    if len(payload) == 1:
+        text = payload.get("text")
+        if type(text) is str:
+            return '{"text": ' + json.dumps(text) + "}"
+    return _PAYLOAD.encode(payload)
+
+
 def load_agent(
     conn: sqlite3.Connection,
     folder: Path,
     *,
-    runs: Iterable[dict[str, Any]] = (),
+    runs: Mapping[str, dict[str, Any]] | Iterable[dict[str, Any]] = (),
+    index: bool = True,
 ) -> str:
     """Insert the agent dumped in ``folder`` (archived), in the caller's transaction.
 
-    ``runs`` are its usage rows from a backup; without them (an import) each
-    run is rebuilt from its events with unknown usage. Returns the agent id.
+    See :func:`load_agent_files`; returns the agent id.
+    """
+
+    def open_file(name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        return open(folder / name, "rb")
+
+    def open_optional(name: str) -> contextlib.AbstractContextManager[IO[bytes] | None]:
+        path = folder / name
+        return open(path, "rb") if path.is_file() else contextlib.nullcontext()
+
+    if not isinstance(runs, Mapping):
+        runs = usage_by_run(runs)
+    return load_agent_files(
+        conn, folder.name, open_file, optional=open_optional, runs=runs, index=index
+    )
+
+
+def load_agent_files(
+    conn: sqlite3.Connection,
+    label: str,
+    files: AgentFiles,
+    *,
+    runs: Mapping[str, dict[str, Any]],
+    optional: OptionalFiles | None = None,
+    index: bool = True,
+    now: float = 0.0,
+) -> str:
+    """Insert one agent's export files (archived), in the caller's transaction.
+
+    ``files`` opens each file by name, in :data:`AGENT_FILES` order (a tar is
+    read front to back), then ``optional`` each optional one (schedules,
+    loaded paused); ``label`` names the agent in errors. ``runs`` are the
+    backup's usage rows by run id; without them (an import) each run is rebuilt
+    from its events with unknown usage. With ``index`` the conversation goes
+    into the search index in this transaction; without, the agent is queued
+    for the background indexer (:mod:`.search_backlog`), queued at ``now``.
     Anything malformed raises InvalidArgument naming the file and line, and
     the caller's transaction rolls back: nothing of the agent is kept.
     """
-    where = f"{folder.name}/record.json"
+    where = f"{label}/record.json"
+    with files("record.json") as f:
+        raw = f.read(_MAX_RECORD + 1)
+    if len(raw) > _MAX_RECORD:
+        raise InvalidArgument("archive", f"{where}: longer than {_MAX_RECORD} bytes")
     try:
-        record = json.loads((folder / "record.json").read_bytes())
+        record = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise InvalidArgument("archive", f"{where}: not valid JSON") from None
     if not isinstance(record, dict):
@@ -235,56 +349,62 @@ def load_agent(
     )
     started: dict[str, dict[str, Any]] = {}
     ended: dict[str, tuple[str, dict[str, Any], float]] = {}
-    # Reply text per open run, indexed when the run ends (runs follow one another
-    # in a conversation, so this holds about one run's text at a time).
-    replies: dict[str, tuple[int, list[str]]] = {}
-    first_reply: dict[str, int] = {}
     last_seq = 0
-    conv = f"{folder.name}/conversation.jsonl"
-    for n, ev in enumerate(read_jsonl(folder / "conversation.jsonl", conv), 1):
-        seq = _need(ev, "seq", int, f"{conv} line {n}")
-        run_id = _need(ev, "run_id", str, f"{conv} line {n}")
-        kind = _need(ev, "kind", str, f"{conv} line {n}")
-        payload = _need(ev, "payload", dict, f"{conv} line {n}")
-        time = _need(ev, "time", (int, float), f"{conv} line {n}")
-        if kind not in EventKind.__members__ or seq <= last_seq:
-            raise InvalidArgument("archive", f"{conv} line {n}: bad kind or seq out of order")
-        last_seq = seq
-        conn.execute(
-            "INSERT INTO events (agent_id, seq, run_id, kind, payload_json, time)"
-            " VALUES (?,?,?,?,?,?)",
-            (agent_id, seq, run_id, kind, json.dumps(payload, sort_keys=True), time),
-        )
-        if kind == "RUN_STARTED":
-            started[run_id] = {**payload, "time": time}
-            _index(conn, str(payload.get("prompt", "")), agent_id, run_id, seq, "prompt")
-        elif kind == "TEXT_DELTA":
-            replies.setdefault(run_id, (seq, []))[1].append(str(payload.get("text", "")))
-        elif kind == "TOOL_CALL":
-            text = f"{payload.get('title', '')} {payload.get('input_json', '')}"
-            _index(conn, text, agent_id, run_id, seq, "tool")
-        elif kind == "TOOL_RESULT":
-            _index(conn, str(payload.get("output", "")), agent_id, run_id, seq, "tool")
-        elif kind in _TERMINAL_STATE:
-            ended[run_id] = (kind, payload, time)
-            # The reply's search row, as the run's end made it on the first machine.
-            first, parts = replies.pop(run_id, (0, []))
-            if parts:
-                _index(conn, "".join(parts), agent_id, run_id, first, "reply")
-                first_reply[run_id] = first
+    conv = f"{label}/conversation.jsonl"
+    batch: list[tuple[str, int, str, str, str, float]] = []
+    kinds = EventKind.__members__
+    with files("conversation.jsonl") as f:
+        for n, ev in enumerate(read_jsonl(f, conv), 1):
+            seq: Any = ev.get("seq")
+            run_id: Any = ev.get("run_id")
+            kind: Any = ev.get("kind")
+            payload: Any = ev.get("payload")
+            time: Any = ev.get("time")
+            # The checks of _need, inline (this loop runs once per event of the
+            # whole backup); _need names the first bad field when one fails.
+            if not (
+                type(seq) is int
+                and type(run_id) is str
+                and type(kind) is str
+                and type(payload) is dict
+                and type(time) in (int, float)
+            ):
+                where = f"{conv} line {n}"
+                for key, kinds_of in _EVENT_FIELDS:
+                    _need(ev, key, kinds_of, where)
+            if kind not in kinds or seq <= last_seq:
+                raise InvalidArgument("archive", f"{conv} line {n}: bad kind or seq out of order")
+            last_seq = seq
+            batch.append((agent_id, seq, run_id, kind, _stored_payload(payload), time))
+            if len(batch) >= _BATCH:
+                conn.executemany(_INSERT_EVENT, batch)
+                batch.clear()
+            if kind == "RUN_STARTED":
+                started[run_id] = {**payload, "time": time}
+            elif kind in _TERMINAL_STATE:
+                ended[run_id] = (kind, payload, time)
+    if batch:
+        conn.executemany(_INSERT_EVENT, batch)
     conn.execute("UPDATE agents SET last_seq = ? WHERE id = ?", (last_seq, agent_id))
-    _load_runs(conn, agent_id, started, ended, list(runs))
-    for n, row in enumerate(read_jsonl(folder / "summaries.jsonl", f"{folder.name}/summaries"), 1):
-        where = f"{folder.name}/summaries.jsonl line {n}"
-        _insert_summary(conn, agent_id, row, where)
-        run_id = str(row["run_id"])
-        _index(conn, str(row["text"]), agent_id, run_id, first_reply.get(run_id, 0), "summary")
-    _load_rows(conn, agent_id, folder, "tools.jsonl", _insert_tool)
+    _load_runs(conn, agent_id, started, ended, runs)
+    with files("summaries.jsonl") as f:
+        for n, row in enumerate(read_jsonl(f, f"{label}/summaries"), 1):
+            _insert_summary(conn, agent_id, row, f"{label}/summaries.jsonl line {n}")
+    with files("tools.jsonl") as f:
+        what = f"{label}/tools.jsonl"
+        for n, row in enumerate(read_jsonl(f, what), 1):
+            _insert_tool(conn, agent_id, row, f"{what} line {n}")
     for ref in record.get("attachments", []):
         _insert_attachment_ref(conn, agent_id, ref, where)
-    if (folder / "schedules.jsonl").is_file():
-        what = f"{folder.name}/schedules.jsonl"
-        load_schedules(conn, agent_id, read_jsonl(folder / "schedules.jsonl", what), what)
+    if optional is not None:
+        with optional("schedules.jsonl") as f:
+            if f is not None:
+                what = f"{label}/schedules.jsonl"
+                load_schedules(conn, agent_id, read_jsonl(f, what), what)
+    if index:
+        search_backlog.index_agent(conn, agent_id)
+    else:
+        search_backlog.queue_for_index(conn, agent_id, now)
     return agent_id
 
 
@@ -293,11 +413,12 @@ def _load_runs(
     agent_id: str,
     started: dict[str, dict[str, Any]],
     ended: dict[str, tuple[str, dict[str, Any], float]],
-    usage: list[dict[str, Any]],
+    usage: Mapping[str, dict[str, Any]],
 ) -> None:
-    by_id = {u.get("id"): u for u in usage if u.get("agent_id") == agent_id}
     for run_id, start in started.items():
-        u = by_id.get(run_id, {})
+        u = usage.get(run_id) or {}
+        if u.get("agent_id") != agent_id:
+            u = {}  # a usage row is another agent's: not this run's
         kind, end, finished = ended.get(run_id, ("RUN_ERROR", {}, None))
         state = u.get("state") or _TERMINAL_STATE.get(kind, "interrupted")
         if state in ("queued", "running", "waiting_permission"):
@@ -322,18 +443,6 @@ def _load_runs(
                 u.get("error_code", end.get("code")),
             ),
         )
-
-
-def _load_rows(
-    conn: sqlite3.Connection,
-    agent_id: str,
-    folder: Path,
-    name: str,
-    insert: Any,
-) -> None:
-    what = f"{folder.name}/{name}"
-    for n, row in enumerate(read_jsonl(folder / name, what), 1):
-        insert(conn, agent_id, row, f"{what} line {n}")
 
 
 def _insert_summary(

@@ -118,6 +118,10 @@ async def test_backup_restores_on_a_new_machine_byte_equal(tmp_path: Path) -> No
         for agent in agents:
             rec = await new.agents.get(agent)
             assert rec.state is AgentState.ARCHIVED and rec.name.startswith("agent-")
+        # The search index is built in the background, after the commit.
+        assert new.indexer is not None
+        await new.indexer.drain()
+        assert await new.agents.search_indexing() == 0
         hits = await new.agents.search("MARKER-TOOL-2")
         assert hits, "restored conversations are searchable"
         # A second restore skips every agent that exists.

@@ -1252,6 +1252,11 @@ class SearchResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HITS_FIELD_NUMBER: _builtins.int
+    INDEXING_FIELD_NUMBER: _builtins.int
+    indexing: _builtins.int
+    """Restored agents whose conversations are still being indexed in the
+    background: their text is not found until then.
+    """
     @_builtins.property
     def hits(self) -> _containers.RepeatedCompositeFieldContainer[Global___SearchHit]:
         """Best first."""
@@ -1260,10 +1265,11 @@ class SearchResponse(_message.Message):
         self,
         *,
         hits: _abc.Iterable[Global___SearchHit] | None = ...,
+        indexing: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "indexing", b"indexing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,245 @@
+"""Encoding and sending a backup's new segments: one pass over each plaintext, in windows.
+
+For each agent whose segment must be made, its history is dumped (the
+database reader), written as a tar straight into a
+:class:`~machine.backup_format.SegmentCompressor` (a worker thread) that
+names and compresses it in the same pass; only the compressed bytes are
+kept (in memory, or an unnamed temp file past a bound), and once the target
+said which names it lacks, those are encrypted under their keys and sent.
+Nothing is read twice and no plaintext copy of a segment is written.
+
+Work goes in *windows* of agents: a window is named and compressed, the
+target is asked once which of its names it has, and its missing segments
+are sent while the next window is being compressed. Memory is bounded by
+the window's in-memory budget (past it, compressed segments go to temp
+files) and by the few agents in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, BinaryIO, Final, Protocol, TypeVar
+
+from machine.backup_format import (
+    SEGMENT_CHUNK,
+    SegmentCompressor,
+    SegmentRef,
+    encode_segment,
+    encrypt_segment,
+    segment_key,
+)
+from shared.backup_target import BackupTarget
+from shared.crypto import KeyedHasher
+
+__all__ = ["SegmentWriter", "WriteResult"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Agents dumped and compressed at once (a machine has few cores; each step
+#: but the dump releases the GIL).
+PARALLEL: Final = 3
+#: Segments sent at once: a folder target's fsyncs overlap (the file system
+#: commits concurrent fsyncs together), a remote one's round trips do.
+UPLOADS: Final = 8
+#: Segments per window: one ``have_segments`` question each.
+WINDOW: Final = 256
+#: Compressed bytes of a window kept in memory; past it they go to temp files.
+WINDOW_MEMORY: Final = 16 * 1024 * 1024
+#: One compressed segment in memory at most this big (then a temp file).
+_SPOOL: Final = 1024 * 1024
+
+
+class AgentWriter(Protocol):
+    """Writes an agent's plaintext segment (``BackupSource.write_agent``)."""
+
+    async def __call__(self, agent_id: str, out: BinaryIO) -> None: ...
+
+
+Tick = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """The segments written (or found stored), and what was sent."""
+
+    refs: list[SegmentRef]
+    uploaded: int
+    uploaded_bytes: int
+
+
+@dataclass
+class _Item:
+    kind: str
+    ref_id: str
+    """Agent id, or attachment sha256."""
+    path: Path | None = None
+    """An attachment's file."""
+    ref: SegmentRef | None = None
+    compressed: tempfile.SpooledTemporaryFile[bytes] | None = None
+
+    def close(self) -> None:
+        if self.compressed is not None:
+            self.compressed.close()
+            self.compressed = None
+
+
+def _spool_chunks(spool: IO[bytes]) -> Iterator[bytes]:
+    spool.seek(0)
+    while chunk := spool.read(SEGMENT_CHUNK):
+        yield chunk
+
+
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(SEGMENT_CHUNK):
+            yield chunk
+
+
+def _hash_file(naming_key: bytes, path: Path) -> str:
+    h = KeyedHasher(naming_key)
+    for chunk in _file_chunks(path):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+async def _athread(it: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """Drive a CPU-bound iterator (encryption) in a worker thread, chunk by chunk."""
+    done = object()
+    while True:
+        chunk = await asyncio.to_thread(next, it, done)
+        if chunk is done:
+            return
+        assert isinstance(chunk, bytes)
+        yield chunk
+
+
+async def _all(jobs: Iterable[Awaitable[T]]) -> list[T]:
+    """Run ``jobs`` together; if any fails, let the others end, then raise the first
+    failure (nothing is left running on what the caller is about to close)."""
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
+
+
+class SegmentWriter:
+    """Makes and sends the segments of one backup that are not stored yet."""
+
+    def __init__(
+        self,
+        write_agent: AgentWriter,
+        target: BackupTarget,
+        *,
+        naming_key: bytes,
+        work_dir: Path,
+        tick: Tick,
+    ) -> None:
+        self._write_agent = write_agent
+        self._target = target
+        self._naming_key = naming_key
+        self._work = work_dir
+        self._tick = tick
+        self._cpu = asyncio.Semaphore(PARALLEL)
+        self._io = asyncio.Semaphore(UPLOADS)
+        self._uploaded = 0
+        self._uploaded_bytes = 0
+
+    async def write(self, agents: list[str], attachments: list[tuple[str, Path]]) -> WriteResult:
+        """Make and send the segments of ``agents`` and ``attachments`` (sha256, file)."""
+        items = [_Item("agent", a) for a in agents]
+        items += [_Item("attachment", sha, path) for sha, path in attachments]
+        refs: list[SegmentRef] = []
+        sending: asyncio.Task[list[SegmentRef]] | None = None
+        try:
+            for start in range(0, len(items), WINDOW):
+                window = items[start : start + WINDOW]
+                await self._plan(window)
+                if sending is not None:
+                    refs += await sending
+                # Sent while the next window is read and compressed.
+                sending = asyncio.create_task(self._send(window))
+            if sending is not None:
+                refs += await sending
+                sending = None
+        finally:
+            if sending is not None:
+                sending.cancel()
+                await asyncio.gather(sending, return_exceptions=True)
+            for item in items:
+                item.close()
+        return WriteResult(refs, self._uploaded, self._uploaded_bytes)
+
+    async def _plan(self, window: list[_Item]) -> None:
+        in_memory = 0
+
+        async def plan(item: _Item) -> None:
+            nonlocal in_memory
+            async with self._cpu:
+                if item.kind == "attachment":
+                    assert item.path is not None
+                    name = await asyncio.to_thread(_hash_file, self._naming_key, item.path)
+                    plain = item.path.stat().st_size
+                else:
+                    spool: tempfile.SpooledTemporaryFile[bytes] = tempfile.SpooledTemporaryFile(
+                        max_size=_SPOOL, mode="w+b", dir=str(self._work)
+                    )
+                    item.compressed = spool
+                    compressor = SegmentCompressor(self._naming_key, spool)
+                    # A writable file object as far as a tar writer is concerned.
+                    await self._write_agent(item.ref_id, compressor)  # type: ignore[arg-type]
+                    name = await asyncio.to_thread(compressor.finish)
+                    plain = compressor.plain_size
+                    in_memory += spool.tell()
+                    if in_memory > WINDOW_MEMORY:
+                        await asyncio.to_thread(spool.rollover)
+            key = segment_key(self._naming_key, name)
+            item.ref = SegmentRef(name, key, item.kind, item.ref_id, 0, plain)
+            self._tick("read")
+
+        await _all(plan(item) for item in window)
+
+    async def _send(self, window: list[_Item]) -> list[SegmentRef]:
+        refs = [item.ref for item in window]
+        assert all(ref is not None for ref in refs)
+        have = await self._target.have_segments({ref.name for ref in refs if ref is not None})
+
+        async def send(item: _Item) -> SegmentRef:
+            ref = item.ref
+            assert ref is not None
+            if ref.name in have:
+                size = have[ref.name]
+            else:
+                async with self._io:
+                    size = await self._upload(item, ref)
+                self._uploaded += 1
+                self._uploaded_bytes += size
+            item.close()  # the compressed copy goes as soon as it is sent
+            self._tick("upload")
+            return SegmentRef(ref.name, ref.key, ref.kind, ref.ref, size, ref.plain_size)
+
+        return await _all(send(item) for item in window)
+
+    async def _upload(self, item: _Item, ref: SegmentRef) -> int:
+        if item.compressed is not None:
+            stream = encrypt_segment(_spool_chunks(item.compressed), name=ref.name, key=ref.key)
+        else:
+            assert item.path is not None
+            stream = encode_segment(_file_chunks(item.path), name=ref.name, key=ref.key)
+        sent = 0
+
+        async def counted() -> AsyncIterator[bytes]:
+            nonlocal sent
+            async for chunk in _athread(stream):
+                sent += len(chunk)
+                yield chunk
+
+        await self._target.put_segment(ref.name, counted())
+        return sent

@@ -1,0 +1,124 @@
+"""The search backlog: restored agents whose conversations are not indexed yet (store layer).
+
+A restore commits an agent's rows and one ``search_backlog`` row in the same
+transaction, and leaves the full-text index to :func:`index_next`, run by a
+background task one agent per transaction: the agent's search rows and the
+removal of its backlog row commit together (the commit point), so a daemon
+killed at any moment resumes where it was, and never indexes an agent twice.
+Until then search reports how many agents are still being indexed.
+
+The rows an agent gets are the ones a live run makes (``events.py``): the
+prompt, the reply text of each finished run, each tool call and result, and
+each turn summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from typing import Any, Final
+
+__all__ = [
+    "backlog_count",
+    "index_agent",
+    "index_next",
+    "queue_for_index",
+]
+
+logger = logging.getLogger(__name__)
+
+_INSERT: Final = "INSERT INTO search (text, agent_id, run_id, seq, source) VALUES (?,?,?,?,?)"
+_BATCH: Final = 500
+_TERMINAL: Final = ("RUN_FINISHED", "RUN_ERROR")
+
+
+def queue_for_index(conn: sqlite3.Connection, agent_id: str, now: float) -> None:
+    """Leave ``agent_id``'s conversation for the indexer (in the caller's transaction)."""
+    conn.execute(
+        "INSERT INTO search_backlog (agent_id, queued_at) VALUES (?, ?)"
+        " ON CONFLICT (agent_id) DO NOTHING",
+        (agent_id, now),
+    )
+
+
+def backlog_count(conn: sqlite3.Connection) -> int:
+    """How many agents are waiting to be indexed."""
+    row = conn.execute("SELECT COUNT(*) FROM search_backlog").fetchone()
+    return int(row[0])
+
+
+def index_agent(conn: sqlite3.Connection, agent_id: str) -> int:
+    """Add ``agent_id``'s search rows from its stored events and summaries; return
+    the characters of text indexed.
+
+    Runs inside the caller's transaction; the agent must have no search rows yet.
+    """
+    rows: list[tuple[str, str, str, int, str]] = []
+    added = 0
+
+    def add(text: str, run_id: str, seq: int, source: str) -> None:
+        nonlocal added
+        if text.strip():
+            rows.append((text, agent_id, run_id, seq, source))
+            added += len(text)
+            if len(rows) >= _BATCH:
+                conn.executemany(_INSERT, rows)
+                rows.clear()
+
+    # Reply text per open run, indexed when the run ends (runs follow one another
+    # in a conversation, so this holds about one run's text at a time).
+    replies: dict[str, tuple[int, list[str]]] = {}
+    first_reply: dict[str, int] = {}
+    events = conn.execute(
+        "SELECT seq, run_id, kind, payload_json FROM events WHERE agent_id = ?"
+        " AND kind IN ('RUN_STARTED', 'TEXT_DELTA', 'TOOL_CALL', 'TOOL_RESULT',"
+        " 'RUN_FINISHED', 'RUN_ERROR') ORDER BY seq",
+        (agent_id,),
+    )
+    for seq, run_id, kind, payload_json in events:
+        if kind in _TERMINAL:
+            first, parts = replies.pop(run_id, (0, []))
+            if parts:
+                add("".join(parts), run_id, first, "reply")
+                first_reply[run_id] = first
+            continue
+        payload: dict[str, Any] = json.loads(payload_json)
+        if kind == "TEXT_DELTA":
+            replies.setdefault(run_id, (seq, []))[1].append(str(payload.get("text", "")))
+        elif kind == "RUN_STARTED":
+            add(str(payload.get("prompt", "")), run_id, seq, "prompt")
+        elif kind == "TOOL_CALL":
+            add(f"{payload.get('title', '')} {payload.get('input_json', '')}", run_id, seq, "tool")
+        else:  # TOOL_RESULT
+            add(str(payload.get("output", "")), run_id, seq, "tool")
+    summaries = conn.execute(
+        "SELECT run_id, text FROM summaries WHERE agent_id = ? ORDER BY run_id", (agent_id,)
+    )
+    for run_id, text in summaries.fetchall():
+        add(str(text), run_id, first_reply.get(run_id, 0), "summary")
+    if rows:
+        conn.executemany(_INSERT, rows)
+    return added
+
+
+def index_next(conn: sqlite3.Connection, budget: int = 4 * 1024 * 1024) -> list[str]:
+    """Index queued agents, first queued first, until about ``budget`` characters of
+    text went in or the backlog is empty; take each off the backlog; return their ids.
+
+    Call it in one write transaction: the search rows and the backlog rows'
+    removal commit together (the commit point).
+    """
+    done: list[str] = []
+    chars = 0
+    while chars < budget:
+        row = conn.execute(
+            "SELECT agent_id FROM search_backlog ORDER BY queued_at, agent_id LIMIT 1"
+        ).fetchone()
+        if row is None:
+            break
+        agent_id = str(row[0])
+        chars += index_agent(conn, agent_id)
+        conn.execute("DELETE FROM search_backlog WHERE agent_id = ?", (agent_id,))
+        done.append(agent_id)
+    return done

@@ -1,0 +1,100 @@
+"""shared.backup_folder: segments become durable and visible at the commit, in one batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from shared.backup_folder import FolderTarget
+from shared.backup_target import StoreTarget
+from shared.ids import new_id
+from shared.store.folder import FolderStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
+    for p in parts:
+        yield p
+
+
+async def _read(target: StoreTarget, name: str) -> bytes:
+    return b"".join([c async for c in target.get_segment(name)])
+
+
+async def test_segments_appear_at_the_commit_in_the_folder_store_format(tmp_path: Path) -> None:
+    target = FolderTarget(FolderStore(tmp_path / "t"))
+    a, b = os.urandom(32).hex(), os.urandom(32).hex()
+    await target.put_segment(a, _chunks(b"one", b"two"))
+    await target.put_segment(b, _chunks(b"x" * 5000))
+    assert await target.have_segments([a, b]) == {}, "nothing is visible before the commit"
+    backup = new_id("backup")
+    await target.put_manifest(backup, b"sealed", [a, b])
+    # A plain StoreTarget over the same folder (a restore, a prune) reads them.
+    plain = StoreTarget(FolderStore(tmp_path / "t"))
+    assert await plain.have_segments([a, b]) == {a: 6, b: 5000}
+    missing = os.urandom(32).hex()
+    assert await target.have_segments([a, b, missing]) == {a: 6, b: 5000}
+    assert await _read(plain, a) == b"onetwo"
+    assert await plain.get_manifest(backup) == b"sealed"
+    # Create-once: a second put of a stored name keeps the stored bytes.
+    await target.put_segment(a, _chunks(b"other"))
+    await target.flush()
+    assert await _read(plain, a) == b"onetwo"
+    leftovers = [p.name for p in (tmp_path / "t" / "segments").iterdir()]
+    assert sorted(leftovers) == sorted([a, b]), "no temp file is left behind"
+
+
+_CRASH = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    from shared.backup_folder import FolderTarget
+    from shared.store.folder import FolderStore
+
+    async def chunks(data):
+        yield data
+
+    async def main():
+        target = FolderTarget(FolderStore(sys.argv[1]))
+        for i in range(20):
+            await target.put_segment(f"{i:064x}", chunks(os.urandom(50_000)))
+        if sys.argv[2] == "after":
+            await target.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(main())
+    """
+)
+
+
+def _killed(root: Path, when: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASH, str(root), when], cwd=ROOT, capture_output=True, timeout=60
+    )
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+
+
+async def test_a_crash_before_the_commit_leaves_no_segment(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    _killed(root, "before")
+    names = [f"{i:064x}" for i in range(20)]
+    assert await StoreTarget(FolderStore(root)).have_segments(names) == {}
+    files = [p.name for p in (root / "segments").iterdir()]
+    assert len(files) == 20 and all(f.startswith(".") and f.endswith(".tmp") for f in files), (
+        "only temp files, which the store's sweep removes"
+    )
+
+
+async def test_a_crash_after_the_flush_leaves_whole_segments(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    _killed(root, "after")
+    target = StoreTarget(FolderStore(root))
+    names = [f"{i:064x}" for i in range(20)]
+    assert await target.have_segments(names) == dict.fromkeys(names, 50_000)
+    for name in names:
+        # get_segment checks the header's SHA-256 against the bytes read.
+        assert len(await _read(target, name)) == 50_000
