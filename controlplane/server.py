@@ -142,6 +142,8 @@ class ControlPlane:
         self._starter: MachineStarter | None = None
         self.public_port = 0
         self.link_port = 0
+        self._serve_info: dict[str, object] = {}
+        self._keyring: KeyRing | None = None
         self._stopped = asyncio.Event()
         self.fence: Fence | None = None
         self.fenced: StoreFenced | None = None
@@ -281,7 +283,7 @@ class ControlPlane:
             auditor=services.auditor,
             marker_store=trusted.authenticated,
             bundle_store=trusted.store,
-            on_result=lambda kind, result: self.metrics.key_rotations.labels(kind, result).inc(),
+            on_result=self._rotated,
             on_resealed=lambda sealed: self.metrics.key_bundle_sealed.set(1 if sealed else 0),
         )
         admin = AdminServicer(
@@ -323,7 +325,9 @@ class ControlPlane:
             "metrics": metrics_addr,
             "ca_hash": keys.ca_hash,
         }
-        write_atomic(cfg.serve_path, json.dumps(info, indent=2).encode() + b"\n", mode=0o600)
+        self._serve_info = info
+        self._keyring = services.keyring
+        self._write_serve_info()
         logger.info(
             "serving: public %s, link %s, metrics %s", info["public"], info["link"], metrics_addr
         )
@@ -331,6 +335,20 @@ class ControlPlane:
     def _fenced(self, problem: StoreFenced) -> None:
         self.fenced = problem
         self.request_stop()
+
+    def _write_serve_info(self) -> None:
+        write_atomic(
+            self.cfg.serve_path,
+            json.dumps(self._serve_info, indent=2).encode() + b"\n",
+            mode=0o600,
+        )
+
+    def _rotated(self, kind: str, result: str) -> None:
+        """A key rotation ended: count it; serve.json names the CA joins pin now."""
+        self.metrics.key_rotations.labels(kind, result).inc()
+        if result == "ok" and self._serve_info and self._keyring is not None:
+            self._serve_info["ca_hash"] = self._keyring.keys.ca_hash
+            self._write_serve_info()
 
     async def wait(self) -> None:
         """Wait until :meth:`stop` is called."""

@@ -198,6 +198,7 @@ async def test_ca_rollover_renews_online_and_offline_machines_then_retires(
     # The live server now presents a chain under the new CA.
     tls.verify_issued_by(_server_cert(cp.public), cp.ca_pem)
     assert tls.ca_hash(cp.ca_pem) == new_hash
+    assert json.loads((cp.home / "serve.json").read_text())["ca_hash"] == new_hash
 
     # After a restart (the home holds the new CA only) both come back by themselves.
     stop_serve(cp)
