@@ -1268,6 +1268,8 @@ def _hint(err: BaseException, prog: str) -> str | None:
         isinstance(err, InvalidArgument) and getattr(err, "field", "") == "agent_id"
     ):
         return f"{prog} agent list --all"
+    if isinstance(err, InvalidState) and "archive it first" in err.message:
+        return f"{prog} agent archive ID"
     if isinstance(err, InvalidState) and "archived" in err.message:
         return f"{prog} agent unarchive ID"
     if isinstance(err, ConfigError):

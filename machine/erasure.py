@@ -42,7 +42,7 @@ from machine.runtimes.base import SessionEraser
 from machine.store import erasures as store_erasures
 from machine.store.erasures import QueuedErasure, Receipt
 from shared.atomic import fsync_dir
-from shared.errors import AgentsError, InvalidState, QuotaExceeded, StoreError
+from shared.errors import AgentsError, InvalidState, QuotaExceeded, RuntimeFailed, StoreError
 from shared.ids import validate_id, validate_sha256
 
 __all__ = [
@@ -207,7 +207,10 @@ class RuntimeErasures:
         try:
             if not isinstance(runtime, SessionEraser):
                 return "unsupported", f"the {entry.runtime} runtime cannot delete its sessions"
-            return await runtime.erase_session(entry.session_id, Path(entry.folder))
+            result, detail = await runtime.erase_session(entry.session_id, Path(entry.folder))
+            if result not in ("done", "unsupported"):  # the receipt holds nothing else
+                raise RuntimeFailed(f"{entry.runtime} erase_session: unknown result {result!r}")
+            return result, detail
         finally:
             try:
                 await runtime.close()

@@ -279,7 +279,9 @@ def test_bad_input_is_refused_in_one_line(setup: Setup) -> None:
         pytest.fail(unknown.stderr)
     _refused(unknown, "not found")
     agent = _ok(_cli(setup, "agent", "create", "active", "--folder", str(setup.work))).strip()
-    _refused(_cli(setup, "agent", "delete", agent), "archive it first")
+    active = _cli(setup, "agent", "delete", agent)
+    _refused(active, "archive it first")
+    assert "agent archive ID" in active.stderr  # the hint
     assert agent in _ok(_cli(setup, "agent", "list"))
     with grpc.insecure_channel(setup.daemon.target) as channel:
         stub = pb_grpc.MachineServiceStub(channel)

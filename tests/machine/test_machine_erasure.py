@@ -280,3 +280,21 @@ async def test_deleting_an_agent_deletes_its_schedules_and_their_fires(
             ).fetchone()[0]
         )
         assert rows == 0
+
+
+async def test_an_agent_from_another_machine_is_erased_without_running_its_runtime(
+    opened: Any, tmp_path: Path
+) -> None:
+    async with opened() as m:
+        agent = await _archived(m, tmp_path, "stuck")
+
+        def move(conn: Any) -> None:  # as if restored from another machine's backup
+            conn.execute("UPDATE agents SET origin_machine = 'mc_other' WHERE id = ?", (agent,))
+
+        await m.db.write(move)
+        result = await _erasure(m).delete(agent)
+        assert not result.runtime_erasure_queued
+        r = {v.agent_id: v for v in await _erasure(m).receipts()}[agent]
+        assert (r.state, r.machine_data, r.runtime_copy) == ("unsupported", "done", "unsupported")
+        assert "mc_other" in r.detail
+        assert _sample(m, "agents_machine_erasure_queue_length") == 0
