@@ -102,5 +102,9 @@ class SearchIndexer:
             except AgentsError as e:
                 logger.warning("search index: indexing restored agents failed: %s", e)
                 wait = RETRY_SECONDS
+            except Exception:
+                # Not ours to die of: log it, and try again later.
+                logger.exception("search index: indexing restored agents failed")
+                wait = RETRY_SECONDS
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)

@@ -12,6 +12,7 @@ bounded.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import tarfile
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 #: One file inside a segment (as shared.archive's default entry limit).
 MAX_FILE_BYTES: Final = 1024**3
 _READ: Final = 1024 * 1024
+#: A file up to this size is read into memory in one piece.
+_IN_MEMORY: Final = 8 * 1024 * 1024
 
 
 class SegmentFiles:
@@ -99,6 +102,14 @@ class SegmentFiles:
             raise self._refuse(f"has no data for {name}")
         try:
             with reader:
+                if member.size <= _IN_MEMORY:
+                    # Read whole: lines then come from a BytesIO (C), not through
+                    # the tar stream's Python layers, line by line.
+                    data = reader.read(member.size + 1)
+                    if len(data) != member.size:
+                        raise self._refuse(f"holds {len(data)} bytes for {name}, not {member.size}")
+                    yield io.BytesIO(data)
+                    return
                 yield reader
                 # Read what the loader left (nothing, for well-formed JSON Lines), so
                 # the stream stands at the next member and a short file is noticed.

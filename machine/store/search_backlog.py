@@ -83,7 +83,15 @@ def index_agent(conn: sqlite3.Connection, agent_id: str) -> int:
                 add("".join(parts), run_id, first, "reply")
                 first_reply[run_id] = first
             continue
-        payload: dict[str, Any] = json.loads(payload_json)
+        try:
+            payload: dict[str, Any] = json.loads(payload_json)
+        except ValueError:
+            # Only damage makes such a row (reads of it name it); its text is not
+            # indexed, and the rest of the backlog is not held up by it.
+            logger.warning("search index: event %d of agent %s is unreadable", seq, agent_id)
+            continue
+        if not isinstance(payload, dict):
+            continue
         if kind == "TEXT_DELTA":
             replies.setdefault(run_id, (seq, []))[1].append(str(payload.get("text", "")))
         elif kind == "RUN_STARTED":
