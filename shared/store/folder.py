@@ -483,7 +483,11 @@ class FolderStore(StoreBase):
                 if len(page) < page_size:
                     return
         finally:
-            walker.close()
+            # A cancel lands while _take may still run in its thread: closing the
+            # walker then raises ValueError ("generator already executing"), which
+            # would replace the CancelledError and leave the cancelled task running.
+            with contextlib.suppress(ValueError):
+                walker.close()
 
     async def close(self) -> None:
         """Close the lock file. The store may not be used afterwards."""

@@ -221,8 +221,10 @@ async def test_account_deletion_survives_a_crash_and_keeps_the_other_account(
             metrics = r.read().decode()
         assert 'agents_cp_account_deletions_total{result="ok"} 1.0' in metrics
         found = re.search(r"^agents_cp_account_deletion_objects_total (\S+)$", metrics, re.M)
-        # (A batch the proxy relayed before the kill may land after the midway count.)
-        assert found and 0 < float(found.group(1)) <= len(midway) - 2, metrics
+        # Batches in flight when the proxy killed the daemon may land after the
+        # midway count, and may even leave nothing but the records for the restart
+        # (the deletion pipelines several): so at most what was left, maybe 0.
+        assert found and 0 <= float(found.group(1)) <= len(midway) - 2, metrics
         assert _keys(s3, s3_bucket, f"{PREFIX}accounts/{kept}/") == kept_before
         assert _pointing_to(s3, s3_bucket, kept) == kept_index
         assert _keys(s3, s3_bucket, f"{PREFIX}deleted/") == [f"{PREFIX}deleted/{gone}.json"]

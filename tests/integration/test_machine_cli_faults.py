@@ -142,7 +142,7 @@ def test_json_has_one_shape(daemon: MachineProc, agent: str) -> None:
     assert isinstance(finished["duration_ms"], int)
     assert isinstance(finished["usage"]["input_tokens"], int)
     none = cli(daemon.data_dir, "--json", "agent", "search", "nothing-matches-this")
-    assert json.loads(none.stdout) == {"hits": []}
+    assert json.loads(none.stdout) == {"hits": [], "indexing": 0}  # every field, zeros too
 
 
 def test_table_keeps_ids_whole_in_a_pipe(daemon: MachineProc, tmp_path: Path) -> None:
