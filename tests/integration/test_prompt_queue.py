@@ -208,7 +208,9 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
 
             await apoll_until(starting, deadline=DEADLINE, what="machine starting")
             listed = json.loads(_ok(cp.cli("machine", "list", "--json")))["machines"]
-            assert [m["starting"] for m in listed] == [True]
+            # The listing shows it starting, unless it already connected meanwhile
+            # (the CLI takes a moment to start; the local provider is quick).
+            assert [m["starting"] or m["online"] for m in listed] == [True]
 
             async def drained() -> bool:
                 states = [p["state"] for p in _prompts(cp, machine_id)]
