@@ -229,11 +229,21 @@ async def test_acks_arriving_together_are_deleted_in_one_batch(w: World) -> None
         calls.append(len(keys))
         await real(keys)
 
+    started, release = asyncio.Event(), asyncio.Event()
+    real_one = w.store.delete
+
+    async def held(key: str) -> None:
+        started.set()
+        await release.wait()  # the first delete stays in flight while the rest arrive
+        await real_one(key)
+
     w.store.delete_many = counted  # type: ignore[method-assign]
+    w.store.delete = held  # type: ignore[method-assign]
     acks = AckBatcher(w.queue)
-    done = [acks.add(e) for e in entries[:1]]
-    await asyncio.sleep(0)  # the first is on its way (alone: one DELETE)...
-    done += [acks.add(e) for e in entries[1:]]  # ...the rest arrive meanwhile
+    done = [asyncio.ensure_future(acks.add(e)) for e in entries[:1]]
+    await asyncio.wait_for(started.wait(), 5)  # the first is on its way (alone: one DELETE)...
+    done += [asyncio.ensure_future(acks.add(e)) for e in entries[1:]]  # ...the rest arrive
+    release.set()
     await asyncio.gather(*done)
     assert calls == [9]  # one DeleteObjects for the nine that waited
     assert await w.queue.queued(w.op, m) == []
