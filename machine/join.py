@@ -41,7 +41,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from machine import identity
-from machine.link_client import JoinReply, LinkClient, MachineInfo
+from machine.link_client import JoinDialer, JoinReply, LinkClient, MachineInfo
 from machine.version import machine_version
 
 if TYPE_CHECKING:
@@ -294,6 +294,7 @@ async def join_control_plane(
     ca_hash: str,
     name: str | None,
     clock: Clock = utc_now,
+    dial: JoinDialer = LinkClient.for_join,
 ) -> JoinResult:
     """Join the control plane at ``address`` with a one-time ``token``.
 
@@ -310,6 +311,9 @@ async def join_control_plane(
     it); the machine keeps its id, its signing and box keys (queued prompts and
     backups are sealed to them) and its data, and takes a new TLS key,
     certificate, CA and link record (:func:`machine.identity.write_repair`).
+
+    ``dial`` opens the channel the token goes over, once the pin check passed
+    (the real TLS client; tests pass a fake control plane's).
     """
     validate_token(token)
     expected = validate_ca_hash(ca_hash)
@@ -334,7 +338,7 @@ async def join_control_plane(
         signing_public_key=keys.signing_public_key,
     )
     target = _join_hostport(host, port)
-    async with contextlib.aclosing(LinkClient.for_join(target, ca_pem)) as client:
+    async with contextlib.aclosing(dial(target, ca_pem)) as client:
         try:
             try:
                 reply = await client.join(

@@ -60,10 +60,12 @@ from machine.link_client import (
     AccountDeleted,
     AgentRoster,
     ControlNotice,
+    ControlStream,
     Delivery,
     DeliveryAck,
     LinkClient,
-    LinkStream,
+    LinkDialer,
+    LinkSession,
     RenewNow,
     Revoked,
     Welcome,
@@ -178,6 +180,7 @@ class ControlLink:
         stable_after: float = 10.0,
         refused_retry: float = 300.0,
         clock: Clock = utc_now,
+        dial: LinkDialer = LinkClient.mutual,
     ) -> None:
         if not 0 < renew_fraction < 1:
             raise InvalidArgument("renew_fraction", "must be between 0 and 1")
@@ -199,6 +202,8 @@ class ControlLink:
         self._stable_after = stable_after
         self._refused_retry = refused_retry
         self._clock = clock
+        # Opens each connection: the real mutual-TLS client, or a test's fake.
+        self._dial = dial
         self._metrics = _Metrics(registry if registry is not None else CollectorRegistry())
         self._state = LinkState.STARTING
         self._state_changed = asyncio.Condition()
@@ -350,7 +355,7 @@ class ControlLink:
         link = await asyncio.to_thread(identity.load_link, self._data_dir)
         keys = await asyncio.to_thread(identity.load_keys, self._data_dir)
         self._link = link
-        client = LinkClient.mutual(
+        client = self._dial(
             link.control_address,
             ca_pem=keys.ca_cert_pem,
             key_pem=keys.tls_key_pem,
@@ -396,7 +401,7 @@ class ControlLink:
         return err
 
     async def _converse(
-        self, stream: LinkStream, client: LinkClient, keys: identity.MachineKeys
+        self, stream: ControlStream, client: LinkSession, keys: identity.MachineKeys
     ) -> None:
         await stream.hello(self._version, await self._count_agents(), self._next_fire())
         first = await asyncio.wait_for(stream.read(), self._handshake_timeout)
@@ -445,7 +450,7 @@ class ControlLink:
             if not t.cancelled() and (exc := t.exception()) is not None:
                 raise exc
 
-    async def _half_close(self, stream: LinkStream, reader: asyncio.Task[None]) -> None:
+    async def _half_close(self, stream: ControlStream, reader: asyncio.Task[None]) -> None:
         # A clean goodbye: end our side so the control plane sees the machine
         # leave at once rather than after missed heartbeats, then give it a
         # moment to end the stream.
@@ -462,7 +467,7 @@ class ControlLink:
         if isinstance(notice, AccountDeleted):
             raise _Stop(LinkState.ACCOUNT_DELETED, "the account was deleted")
 
-    async def _read_loop(self, stream: LinkStream) -> None:
+    async def _read_loop(self, stream: ControlStream) -> None:
         while True:
             notice = await stream.read()
             if notice is None:
@@ -477,7 +482,7 @@ class ControlLink:
             else:
                 logger.debug("control link: ignoring %s", _kind(notice))
 
-    async def _deliver(self, delivery: Delivery, stream: LinkStream) -> None:
+    async def _deliver(self, delivery: Delivery, stream: ControlStream) -> None:
         if self._on_delivery is None:
             logger.warning("delivery %s dropped: this daemon takes no deliveries", delivery.id)
             return
@@ -499,7 +504,7 @@ class ControlLink:
         self._last_agent_count = max(0, min(count, _UINT32_MAX))
         return self._last_agent_count
 
-    async def _heartbeat_loop(self, stream: LinkStream, interval: float) -> None:
+    async def _heartbeat_loop(self, stream: ControlStream, interval: float) -> None:
         # Ticks are scheduled on a fixed grid so a slow send does not drift the beat.
         next_at = time.monotonic() + interval
         while True:
@@ -510,7 +515,7 @@ class ControlLink:
             self._metrics.heartbeats.inc()
             await self._send_roster(stream)
 
-    async def _send_roster(self, stream: LinkStream) -> None:
+    async def _send_roster(self, stream: ControlStream) -> None:
         """Send the agent roster when it changed since the last one sent on ``stream``."""
         if self._roster is None:
             return
@@ -538,7 +543,7 @@ class ControlLink:
         renew_at = end - (end - start) * self._renew_fraction
         return (renew_at - self._clock()).total_seconds()
 
-    async def _renew_loop(self, client: LinkClient, keys: identity.MachineKeys) -> None:
+    async def _renew_loop(self, client: LinkSession, keys: identity.MachineKeys) -> None:
         failures = 0
         while True:
             delay = self._renew_in(keys)
@@ -563,7 +568,7 @@ class ControlLink:
                 self._metrics.renewals.labels("error").inc()
                 logger.warning("certificate renewal failed: %s", e)
 
-    async def _renew(self, client: LinkClient, keys: identity.MachineKeys) -> identity.MachineKeys:
+    async def _renew(self, client: LinkSession, keys: identity.MachineKeys) -> identity.MachineKeys:
         key = tls.load_private_key(keys.tls_key_pem)
         csr = tls.build_csr(key).decode("ascii")
         reply = await client.renew(csr, timeout=self._handshake_timeout)

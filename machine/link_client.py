@@ -15,7 +15,7 @@ import datetime as dt
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Final, TypeAlias
+from typing import Final, Protocol, TypeAlias
 
 import grpc
 import grpc.aio
@@ -30,8 +30,13 @@ __all__ = [
     "ControlNotice",
     "Delivery",
     "DeliveryAck",
+    "ControlStream",
+    "JoinDialer",
     "JoinReply",
+    "JoinSession",
     "LinkClient",
+    "LinkDialer",
+    "LinkSession",
     "LinkStream",
     "MachineInfo",
     "Renewed",
@@ -185,6 +190,93 @@ class AgentRoster:
 
     active: tuple[str, ...] = ()
     archived: tuple[str, ...] = ()
+
+
+class ControlStream(Protocol):
+    """What the link needs of one Connect stream (:class:`LinkStream`, or a test's fake).
+
+    Writes and reads raise :class:`grpc.aio.AioRpcError` when the stream failed.
+    """
+
+    async def hello(
+        self, version: str, agent_count: int, next_fire_at: float | None = None
+    ) -> None:
+        """Open the conversation; the first :meth:`read` answers it."""
+        ...
+
+    async def heartbeat(self, agent_count: int, next_fire_at: float | None = None) -> None:
+        """Say the machine is alive."""
+        ...
+
+    async def roster(self, roster: AgentRoster) -> None:
+        """Tell the whole roster."""
+        ...
+
+    async def ack(self, delivery_id: str, answer: DeliveryAck | None = None) -> None:
+        """Acknowledge a stored delivery."""
+        ...
+
+    async def read(self) -> ControlNotice | None:
+        """The next message, or None at a clean end."""
+        ...
+
+    async def done_writing(self) -> None:
+        """End our side of the stream."""
+        ...
+
+    def cancel(self) -> None:
+        """Abandon the stream."""
+        ...
+
+
+class LinkSession(Protocol):
+    """What :class:`~machine.link.ControlLink` needs of a mutual-TLS channel."""
+
+    def connect(self) -> ControlStream:
+        """Open the Connect stream."""
+        ...
+
+    async def renew(self, csr_pem: str, *, timeout: float) -> Renewed:
+        """Renew the client certificate this channel presents."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close the channel."""
+        ...
+
+
+class LinkDialer(Protocol):
+    """Opens a mutual-TLS channel (:meth:`LinkClient.mutual`, or a test's fake)."""
+
+    def __call__(
+        self, target: str, *, ca_pem: bytes, key_pem: bytes, cert_pem: bytes
+    ) -> LinkSession: ...
+
+
+class JoinSession(Protocol):
+    """What :func:`~machine.join.join_control_plane` needs of a join channel."""
+
+    async def join(
+        self,
+        token: str,
+        csr_pem: str,
+        machine: MachineInfo,
+        *,
+        timeout: float,
+        repair_machine_id: str = "",
+    ) -> JoinReply:
+        """Join with a one-time token."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close the channel."""
+        ...
+
+
+class JoinDialer(Protocol):
+    """Opens a join channel trusting the pinned CA (:meth:`LinkClient.for_join`, or a fake)."""
+
+    def __call__(self, target: str, ca_pem: bytes) -> JoinSession: ...
 
 
 _Call: TypeAlias = "grpc.aio.StreamStreamCall[link_pb2.MachineMessage, link_pb2.ControlMessage]"

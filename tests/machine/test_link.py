@@ -1,283 +1,58 @@
 """Unit tests of join (input checks, the CA pin, staging) and of ControlLink.
 
-A small in-process control plane (``FakeControl``) speaks the real MachineLink
-protocol over real TLS: a public listener with server TLS only (Join) and a
-link listener that requires a client certificate from its CA (Connect,
-RenewCertificate), like the real control plane. It records every call so
-tests can prove what the machine did (and did not) send.
+Both talk to :class:`~tests.helpers.fake_link_client.FakeControlPlane`, an
+in-process control plane behind a fake of the machine's link client (no gRPC):
+it records every call so tests can prove what the machine did (and did not)
+send, and scripts refusals, broken streams and notices. The pin check before a
+join is a real TLS handshake with a bare TLS listener. The link client itself
+is tested against a real TLS gRPC server in test_link_client.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import datetime as dt
 import json
+import logging
 import os
 import stat
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-import grpc.aio
 import pytest
-from google.protobuf import timestamp_pb2
 from prometheus_client import CollectorRegistry
 
 from machine import identity
 from machine.join import join_control_plane, parse_address, validate_ca_hash, validate_token
 from machine.link import ControlLink, Delivery, LinkState
-from machine.link_client import AgentRoster
+from machine.link_client import AccountDeleted, AgentRoster, DeliveryAck, RenewNow, Revoked
 from shared import tls
-from shared.crypto import BoxKeyPair
 from shared.errors import (
     IntegrityError,
     InvalidArgument,
     InvalidState,
+    MachineRevoked,
     TransientError,
     Unauthenticated,
 )
 from shared.ids import new_id
-from shared.pb.control.v1 import link_pb2, link_pb2_grpc
-from shared.rpc import ErrorInterceptor
+from tests.helpers.clock import FixedClock
+from tests.helpers.fake_link_client import (
+    GOOD_SECRET,
+    FakeControlPlane,
+    domain_rpc_error,
+    rpc_error,
+    serve_pin_check,
+)
 from tests.helpers.poll import apoll_until
-
-GOOD_SECRET = "s" * 43
 
 
 def _token() -> str:
     return f"{new_id('token')}.{GOOD_SECRET}"
-
-
-@dataclass
-class Stream:
-    """One Connect stream as the fake control plane saw it."""
-
-    machine_id: str
-    hello: link_pb2.Hello
-    heartbeats: int = 0
-    acks: list[str] = field(default_factory=list)
-    rosters: list[tuple[list[str], list[str]]] = field(default_factory=list)
-    outbox: asyncio.Queue[link_pb2.ControlMessage | None] = field(default_factory=asyncio.Queue)
-    ended_by_client: bool = False
-
-
-class FakeControl(link_pb2_grpc.MachineLinkServicer):
-    """A MachineLink control plane in this process (see the module docstring)."""
-
-    def __init__(self, ca: tls.CertKey, heartbeat_ms: int = 100) -> None:
-        self.ca = ca
-        self.next_ca: tls.CertKey | None = None
-        """During a CA rollover: signs joins, and joins hand out both CAs."""
-        self.heartbeat_ms = heartbeat_ms
-        self.cert_lifetime = dt.timedelta(hours=1)
-        self.tokens: set[str] = set()
-        self.repairs: dict[str, str] = {}
-        """Repair token -> the machine it repairs."""
-        self.join_calls = 0
-        self.renew_calls = 0
-        self.connects = 0
-        self.streams: list[Stream] = []
-        self.revoked: set[str] = set()
-        self.unknown: set[str] = set()
-        self.account_deleting = False
-        self.link_port = 0
-        self.account_id = new_id("account")
-        self.recovery = BoxKeyPair.generate()
-
-    def new_token(self) -> str:
-        value = _token()
-        self.tokens.add(value)
-        return value
-
-    async def Join(self, request: Any, context: Any) -> link_pb2.JoinResponse:  # noqa: N802
-        self.join_calls += 1
-        if request.token not in self.tokens:
-            raise Unauthenticated("join: token refused")
-        # Like controlplane.pairing: a re-pair needs a repair token for that machine.
-        repairs = self.repairs.get(request.token, "")
-        if request.repair_machine_id and request.repair_machine_id != repairs:
-            raise InvalidState("join", "this box is already joined; the token was not used")
-        self.tokens.discard(request.token)
-        machine_id = repairs or new_id("machine")
-        issued = tls.sign_client_csr(
-            self.next_ca or self.ca,
-            request.csr_pem,
-            account_id=self.account_id,
-            machine_id=machine_id,
-            lifetime=self.cert_lifetime,
-        )
-        not_after = timestamp_pb2.Timestamp()
-        not_after.FromDatetime(issued.not_after)
-        bundle = self.ca.cert_pem + (self.next_ca.cert_pem if self.next_ca else b"")
-        return link_pb2.JoinResponse(
-            certificate_pem=issued.cert_pem.decode(),
-            ca_certificate_pem=bundle.decode(),
-            machine_id=machine_id,
-            account_id=self.account_id,
-            account_recovery_public_key=self.recovery.public_key,
-            heartbeat_interval_ms=self.heartbeat_ms,
-            certificate_not_after=not_after,
-            link_port=self.link_port,
-        )
-
-    def _peer(self, context: Any) -> tls.PeerIdentity:
-        pem = context.auth_context().get("x509_pem_cert")
-        if not pem:
-            raise Unauthenticated("no client certificate")
-        return tls.identity_from_cert(pem[0])
-
-    async def RenewCertificate(  # noqa: N802
-        self, request: Any, context: Any
-    ) -> link_pb2.RenewCertificateResponse:
-        peer = self._peer(context)
-        self.renew_calls += 1
-        issued = tls.sign_client_csr(
-            self.ca,
-            request.csr_pem,
-            account_id=peer.account_id,
-            machine_id=peer.machine_id,
-            lifetime=self.cert_lifetime,
-        )
-        return link_pb2.RenewCertificateResponse(
-            certificate_pem=issued.cert_pem.decode(), ca_certificate_pem=self.ca.cert_pem.decode()
-        )
-
-    # Driven by context.read()/write() (so notices can be pushed at any time),
-    # not by yielding, hence the different signature.
-    async def Connect(  # type: ignore[override]  # noqa: N802
-        self, request_iterator: Any, context: Any
-    ) -> None:
-        self.connects += 1
-        # Like the real control plane: read the hello before refusing, or the
-        # machine may see INTERNAL (its write raced our abort) instead of the refusal.
-        first = await context.read()
-        peer = self._peer(context)
-        if peer.machine_id in self.revoked:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "link: machine revoked")
-        if peer.machine_id in self.unknown:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "link: unknown machine")
-        if self.account_deleting:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "link: account is being deleted")
-        stream = Stream(machine_id=peer.machine_id, hello=first.hello)
-        self.streams.append(stream)
-        await context.write(
-            link_pb2.ControlMessage(
-                welcome=link_pb2.Welcome(
-                    heartbeat_interval_ms=self.heartbeat_ms, machine_id=peer.machine_id
-                )
-            )
-        )
-
-        async def reader() -> None:
-            while True:
-                msg = await context.read()
-                if not isinstance(msg, link_pb2.MachineMessage):  # EOF: the machine hung up
-                    stream.ended_by_client = True
-                    await stream.outbox.put(None)
-                    return
-                if msg.HasField("heartbeat"):
-                    stream.heartbeats += 1
-                elif msg.HasField("ack"):
-                    stream.acks.append(msg.ack.delivery_id)
-                elif msg.HasField("roster"):
-                    stream.rosters.append(
-                        (list(msg.roster.active_agent_ids), list(msg.roster.archived_agent_ids))
-                    )
-
-        task = asyncio.create_task(reader())
-        try:
-            while (out := await stream.outbox.get()) is not None:
-                if out.HasField("welcome"):  # a marker: drop the stream with an error
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "dropped by test")
-                await context.write(out)
-                if out.HasField("revoked"):
-                    return
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _unused(self, context: Any) -> Any:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
-
-    async def HaveSegments(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return await self._unused(context)
-
-    async def PutSegment(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
-        return await self._unused(context)
-
-    async def PutManifest(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return await self._unused(context)
-
-    async def ListBackups(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return await self._unused(context)
-
-    async def GetManifest(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return await self._unused(context)
-
-    async def GetSegment(  # noqa: N802
-        self, request: Any, context: Any
-    ) -> AsyncIterator[link_pb2.GetSegmentChunk]:
-        await self._unused(context)
-        yield link_pb2.GetSegmentChunk()
-
-    async def Prune(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return await self._unused(context)
-
-    def drop(self, stream: Stream) -> None:
-        stream.outbox.put_nowait(link_pb2.ControlMessage(welcome=link_pb2.Welcome()))
-
-    def send(self, stream: Stream, msg: link_pb2.ControlMessage) -> None:
-        stream.outbox.put_nowait(msg)
-
-
-@dataclass
-class Running:
-    """A FakeControl served on two ports."""
-
-    fake: FakeControl
-    public_address: str
-    link_address: str
-    ca_hash: str
-
-
-@contextlib.asynccontextmanager
-async def serve_fake(fake: FakeControl) -> AsyncIterator[Running]:
-    server_cert = tls.issue_server_cert(fake.ca)
-    chain = server_cert.cert_pem + fake.ca.cert_pem  # the CA rides along for the pin check
-    public = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    link = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    for server in (public, link):
-        link_pb2_grpc.add_MachineLinkServicer_to_server(fake, server)
-    public_port = public.add_secure_port(
-        "127.0.0.1:0", grpc.ssl_server_credentials([(server_cert.key_pem, chain)])
-    )
-    link_port = link.add_secure_port(
-        "127.0.0.1:0",
-        grpc.ssl_server_credentials(
-            [(server_cert.key_pem, chain)],
-            root_certificates=fake.ca.cert_pem,
-            require_client_auth=True,
-        ),
-    )
-    fake.link_port = link_port
-    await public.start()
-    await link.start()
-    try:
-        yield Running(
-            fake,
-            f"127.0.0.1:{public_port}",
-            f"127.0.0.1:{link_port}",
-            tls.ca_hash(fake.ca.cert_pem),
-        )
-    finally:
-        await public.stop(None)
-        await link.stop(None)
 
 
 @pytest.fixture(scope="module")
@@ -286,9 +61,15 @@ def ca() -> tls.CertKey:
 
 
 @pytest.fixture
-async def control(ca: tls.CertKey) -> AsyncIterator[Running]:
-    async with serve_fake(FakeControl(ca)) as running:
-        yield running
+async def control(ca: tls.CertKey) -> AsyncIterator[FakeControlPlane]:
+    fake = FakeControlPlane(ca)
+    async with serve_pin_check(ca) as address:
+        fake.public_address = address
+        yield fake
+
+
+def _pin(control: FakeControlPlane) -> str:
+    return tls.ca_hash(control.ca.cert_pem)
 
 
 async def _until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -296,14 +77,21 @@ async def _until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
     await apoll_until(pred, deadline=timeout, what="condition", fail=lambda: fail)
 
 
-async def _joined(control: Running, data_dir: Path) -> None:
-    await join_control_plane(
-        data_dir=data_dir,
-        address=control.public_address,
-        token=control.fake.new_token(),
-        ca_hash=control.ca_hash,
-        name="test-machine",
-    )
+async def _join(control: FakeControlPlane, data_dir: Path, **kw: Any) -> Any:
+    args: dict[str, Any] = {
+        "data_dir": data_dir,
+        "address": control.public_address,
+        "token": control.new_token(),
+        "ca_hash": _pin(control),
+        "name": "test-machine",
+        "dial": control.for_join,
+    }
+    args.update(kw)
+    return await join_control_plane(**args)
+
+
+async def _joined(control: FakeControlPlane, data_dir: Path) -> None:
+    await _join(control, data_dir)
 
 
 def _listing(path: Path) -> list[str]:
@@ -373,37 +161,34 @@ def test_address_forms() -> None:
     ],
 )
 async def test_join_validates_before_contacting_anyone(
-    control: Running, tmp_path: Path, field_name: str, kwargs: dict[str, str]
+    control: FakeControlPlane, tmp_path: Path, field_name: str, kwargs: dict[str, str]
 ) -> None:
     args: dict[str, Any] = {
         "data_dir": tmp_path / "data",
         "address": control.public_address,
-        "token": control.fake.new_token(),
-        "ca_hash": control.ca_hash,
+        "token": control.new_token(),
+        "ca_hash": _pin(control),
         "name": "m",
+        "dial": control.for_join,
     }
     args.update(kwargs)
     with pytest.raises(InvalidArgument) as info:
         await join_control_plane(**args)
     assert info.value.field == field_name
-    assert control.fake.join_calls == 0
+    assert control.join_calls == 0
     assert _listing(tmp_path) == []
 
 
 # ------------------------------------------------------------------ join flow
 
 
-async def test_join_writes_private_identity(control: Running, tmp_path: Path) -> None:
+async def test_join_writes_private_identity(control: FakeControlPlane, tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
-    result = await join_control_plane(
-        data_dir=data_dir,
-        address=control.public_address,
-        token=control.fake.new_token(),
-        ca_hash=control.ca_hash,
-        name="laptop",
-    )
-    assert result.account_id == control.fake.account_id
+    result = await _join(control, data_dir, name="laptop")
+    assert result.account_id == control.account_id
+    # The reply names the link port only: the link is on the join's host.
     assert result.control_address == control.link_address
+    assert [m.name for m in control.joined] == ["laptop"]
     assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700
     keys = data_dir / identity.KEYS_DIR
     assert stat.S_IMODE(keys.stat().st_mode) == 0o700
@@ -421,84 +206,114 @@ async def test_join_writes_private_identity(control: Running, tmp_path: Path) ->
     doc = json.loads((data_dir / identity.LINK_FILE).read_text())
     assert doc["machine_id"] == result.machine_id
     assert doc["control_address"] == control.link_address
-    assert doc["heartbeat_interval_ms"] == control.fake.heartbeat_ms
+    assert doc["heartbeat_interval_ms"] == control.heartbeat_ms
     link = identity.load_link(data_dir)
-    assert link.account_recovery_public_key == control.fake.recovery.public_key
+    assert link.account_recovery_public_key == control.recovery.public_key
     loaded = identity.load_keys(data_dir)
     assert tls.identity_from_cert(loaded.tls_cert_pem).machine_id == result.machine_id
-    assert tls.ca_hash(loaded.ca_cert_pem) == control.ca_hash
+    assert tls.ca_hash(loaded.ca_cert_pem) == _pin(control)
+    assert control.joined[0].box_public_key == loaded.box.public_key
     # No staging folder is left beside the data folder.
     assert _listing(tmp_path) == ["data"]
     # Nothing private in the link record.
     assert "PRIVATE" not in (data_dir / identity.LINK_FILE).read_text()
 
 
-async def test_wrong_pin_is_refused_before_join(control: Running, tmp_path: Path) -> None:
+async def test_wrong_pin_is_refused_before_join(control: FakeControlPlane, tmp_path: Path) -> None:
     other = tls.ca_hash(tls.make_ca().cert_pem)
     with pytest.raises(IntegrityError) as info:
-        await join_control_plane(
-            data_dir=tmp_path / "data",
-            address=control.public_address,
-            token=control.fake.new_token(),
-            ca_hash=other,
-            name=None,
-        )
+        await _join(control, tmp_path / "data", ca_hash=other, name=None)
     assert info.value.what == "ca_hash"
     assert "does not present the pinned CA" in str(info.value)
-    assert control.fake.join_calls == 0  # the token never left the machine
+    assert control.join_calls == 0  # the token never left the machine
     assert _listing(tmp_path) == []
 
 
-async def test_join_reads_the_injected_clock(control: Running, tmp_path: Path) -> None:
+async def test_join_reads_the_injected_clock(control: FakeControlPlane, tmp_path: Path) -> None:
     # Ten years on, the server certificate has expired: refused before the token is sent.
     later = dt.datetime.now(dt.UTC) + dt.timedelta(days=3650)
     with pytest.raises(IntegrityError) as info:
-        await join_control_plane(
-            data_dir=tmp_path / "data",
-            address=control.public_address,
-            token=control.fake.new_token(),
-            ca_hash=control.ca_hash,
-            name=None,
-            clock=lambda: later,
-        )
+        await _join(control, tmp_path / "data", name=None, clock=lambda: later)
     assert "is not valid now" in str(info.value)
-    assert control.fake.join_calls == 0
+    assert control.join_calls == 0
+
+
+async def test_join_records_the_certificate_arrival_by_the_injected_clock(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    clock = FixedClock(dt.datetime.now(dt.UTC).replace(microsecond=0) + dt.timedelta(days=1))
+    data_dir = tmp_path / "data"
+    await _join(control, data_dir, clock=clock)
+    # Renewal is timed from this moment (the link's renew_in).
+    assert identity.load_link(data_dir).cert_received_at == clock.now
 
 
 async def test_server_without_ca_in_chain_is_refused(ca: tls.CertKey, tmp_path: Path) -> None:
-    fake = FakeControl(ca)
-    server_cert = tls.issue_server_cert(ca)
-    server = grpc.aio.server()
-    link_pb2_grpc.add_MachineLinkServicer_to_server(fake, server)
-    port = server.add_secure_port(
-        "127.0.0.1:0", grpc.ssl_server_credentials([(server_cert.key_pem, server_cert.cert_pem)])
-    )
-    await server.start()
-    try:
+    fake = FakeControlPlane(ca)
+    async with serve_pin_check(ca, with_ca=False) as address:
+        fake.public_address = address
         with pytest.raises(IntegrityError):
-            await join_control_plane(
-                data_dir=tmp_path / "data",
-                address=f"127.0.0.1:{port}",
-                token=fake.new_token(),
-                ca_hash=tls.ca_hash(ca.cert_pem),
-                name=None,
-            )
-        assert fake.join_calls == 0
-    finally:
-        await server.stop(None)
+            await _join(fake, tmp_path / "data", name=None)
+    assert fake.join_calls == 0
     assert _listing(tmp_path) == []
 
 
-async def test_refused_token_writes_nothing(control: Running, tmp_path: Path) -> None:
+async def test_refused_token_writes_nothing(control: FakeControlPlane, tmp_path: Path) -> None:
     with pytest.raises(Unauthenticated):
-        await join_control_plane(
-            data_dir=tmp_path / "data",
-            address=control.public_address,
-            token=_token(),  # unknown to the control plane
-            ca_hash=control.ca_hash,
-            name=None,
-        )
-    assert control.fake.join_calls == 1
+        await _join(control, tmp_path / "data", token=_token(), name=None)  # unknown to it
+    assert control.join_calls == 1
+    assert _listing(tmp_path) == []
+
+
+async def test_join_whose_connection_is_lost_is_transient_and_writes_nothing(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    token = control.new_token()
+    control.fail("join", rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+    with pytest.raises(TransientError) as info:
+        await _join(control, tmp_path / "data", token=token, name=None)
+    assert "run the same command again" in str(info.value)
+    assert token not in str(info.value)
+    assert _listing(tmp_path) == []
+    # The same command again succeeds with the same token.
+    await _join(control, tmp_path / "data", token=token)
+    assert identity.is_joined(tmp_path / "data")
+
+
+async def test_join_refusal_with_a_status_detail_is_the_domain_error(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    # UNAVAILABLE with our detail is the control plane's answer, not a lost connection.
+    control.fail("join", domain_rpc_error(TransientError("join: the store is busy")))
+    with pytest.raises(TransientError) as info:
+        await _join(control, tmp_path / "data")
+    assert "store is busy" in str(info.value)
+    assert "run the same command again" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "words"),
+    [
+        (lambda r: dataclasses.replace(r, account_recovery_public_key=b"short"), "32 bytes"),
+        (lambda r: dataclasses.replace(r, machine_id=new_id("machine")), "bad certificate"),
+        (lambda r: dataclasses.replace(r, link_host="bad host"), "bad link address"),
+        (lambda r: dataclasses.replace(r, ca_certificate_pem=""), "bad certificate"),
+    ],
+)
+async def test_a_bad_join_reply_is_refused_and_writes_nothing(
+    ca: tls.CertKey,
+    tmp_path: Path,
+    tamper: Callable[[Any], Any],
+    words: str,
+) -> None:
+    fake = FakeControlPlane(ca)
+    fake.next_ca = tls.make_ca()  # signed by the new CA: without the bundle it does not verify
+    async with serve_pin_check(ca) as address:
+        fake.public_address = address
+        fake.tamper_join = tamper
+        with pytest.raises(IntegrityError) as info:
+            await _join(fake, tmp_path / "data")
+    assert words in str(info.value)
     assert _listing(tmp_path) == []
 
 
@@ -520,41 +335,29 @@ async def test_unreachable_control_plane(tmp_path: Path) -> None:
 
 
 async def test_joined_data_dir_is_refused_without_spending_a_token(
-    control: Running, tmp_path: Path
+    control: FakeControlPlane, tmp_path: Path
 ) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     before = (data_dir / identity.LINK_FILE).read_bytes()
-    token = control.fake.new_token()
+    token = control.new_token()
     with pytest.raises(InvalidState) as info:
-        await join_control_plane(
-            data_dir=data_dir,
-            address=control.public_address,
-            token=token,
-            ca_hash=control.ca_hash,
-            name=None,
-        )
+        await _join(control, data_dir, token=token, name=None)
     assert "already joined" in str(info.value)
-    assert token in control.fake.tokens  # not spent
+    assert token in control.tokens  # not spent
     assert (data_dir / identity.LINK_FILE).read_bytes() == before
 
 
 async def test_repair_token_re_pairs_a_joined_box_keeping_its_id_and_keys(
-    control: Running, tmp_path: Path
+    control: FakeControlPlane, tmp_path: Path
 ) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     link = identity.load_link(data_dir)
     held = identity.load_keys(data_dir)
-    token = control.fake.new_token()
-    control.fake.repairs[token] = link.machine_id
-    result = await join_control_plane(
-        data_dir=data_dir,
-        address=control.public_address,
-        token=token,
-        ca_hash=control.ca_hash,
-        name=None,
-    )
+    token = control.new_token()
+    control.repairs[token] = link.machine_id
+    result = await _join(control, data_dir, token=token, name=None)
     assert result.repaired and result.machine_id == link.machine_id
     now = identity.load_keys(data_dir)
     assert now.box.public_key == held.box.public_key  # queued prompts still open
@@ -563,16 +366,15 @@ async def test_repair_token_re_pairs_a_joined_box_keeping_its_id_and_keys(
     assert not list(data_dir.rglob("*.new"))
 
 
-async def test_join_during_a_ca_rollover_trusts_both_cas(control: Running, tmp_path: Path) -> None:
-    control.fake.next_ca = tls.make_ca()
+async def test_join_during_a_ca_rollover_trusts_both_cas(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    control.next_ca = tls.make_ca()
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     keys = identity.load_keys(data_dir)
-    assert tls.split_certs(keys.ca_cert_pem) == [
-        control.fake.ca.cert_pem,
-        control.fake.next_ca.cert_pem,
-    ]
-    tls.verify_issued_by(keys.tls_cert_pem, control.fake.next_ca.cert_pem)
+    assert tls.split_certs(keys.ca_cert_pem) == [control.ca.cert_pem, control.next_ca.cert_pem]
+    tls.verify_issued_by(keys.tls_cert_pem, control.next_ca.cert_pem)
 
 
 def test_re_pair_interrupted_after_its_commit_point_is_finished_at_load(tmp_path: Path) -> None:
@@ -629,7 +431,9 @@ def test_re_pair_interrupted_after_its_commit_point_is_finished_at_load(tmp_path
     )
 
 
-async def test_join_into_a_used_data_dir_keeps_its_files(control: Running, tmp_path: Path) -> None:
+async def test_join_into_a_used_data_dir_keeps_its_files(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
     data_dir = tmp_path / "data"
     (data_dir / "keys").mkdir(parents=True)
     (data_dir / "machine.db").write_bytes(b"db")
@@ -655,42 +459,47 @@ def _sample_ok(registry: CollectorRegistry) -> float:
     return 0.0 if value is None else value
 
 
-def _link(data_dir: Path, registry: CollectorRegistry, **kw: Any) -> ControlLink:
+def _link(
+    control: FakeControlPlane, data_dir: Path, registry: CollectorRegistry, **kw: Any
+) -> ControlLink:
     async def count() -> int:
         return 7
 
+    args: dict[str, Any] = {
+        "backoff_initial": 0.05,
+        "backoff_max": 0.2,
+        "stable_after": 0.5,
+        "dial": control.mutual,
+    }
+    args.update(kw)
     return ControlLink(
-        data_dir=data_dir,
-        agent_count=count,
-        version="9.9.9",
-        registry=registry,
-        backoff_initial=0.05,
-        backoff_max=0.2,
-        stable_after=0.5,
-        **kw,
+        data_dir=data_dir, agent_count=count, version="9.9.9", registry=registry, **args
     )
 
 
-async def test_link_says_hello_and_beats(control: Running, tmp_path: Path) -> None:
+async def test_link_says_hello_and_beats(control: FakeControlPlane, tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     registry = CollectorRegistry()
     assert ControlLink.is_joined(data_dir)
-    async with _link(data_dir, registry) as link:
+    fire_at = time.time() + 3600
+    async with _link(control, data_dir, registry, next_fire=lambda: fire_at) as link:
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
         assert _sample(registry, "agents_machine_link_connected") == 1
-        stream = control.fake.streams[0]
+        stream = control.streams[0]
         assert (stream.hello.version, stream.hello.agent_count) == ("9.9.9", 7)
+        assert stream.hello.next_fire_at == fire_at
+        assert stream.cert_pem == identity.load_keys(data_dir).tls_cert_pem
         await _until(lambda: stream.heartbeats >= 3)
         assert _sample(registry, "agents_machine_link_heartbeats_total") >= 3
-    # Leaving the block half-closes the stream: the server sees a clean end.
-    await _until(lambda: stream.ended_by_client)
+    # Leaving the block half-closes the stream: the control plane sees a clean end.
+    assert stream.ended_by_client
     assert link.state is LinkState.STOPPED
     assert _sample(registry, "agents_machine_link_connected") == 0
 
 
 async def test_link_sends_the_roster_at_connect_on_change_and_before_goodbye(
-    control: Running, tmp_path: Path
+    control: FakeControlPlane, tmp_path: Path
 ) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
@@ -700,166 +509,175 @@ async def test_link_sends_the_roster_at_connect_on_change_and_before_goodbye(
     async def roster() -> AgentRoster:
         return current
 
-    async with _link(data_dir, CollectorRegistry(), roster=roster) as link:
+    async with _link(control, data_dir, CollectorRegistry(), roster=roster) as link:
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
-        stream = control.fake.streams[0]
+        stream = control.streams[0]
         await _until(lambda: stream.rosters == [([a], [])])
         await _until(lambda: stream.heartbeats >= 3)
         assert len(stream.rosters) == 1  # unchanged: not sent again with each beat
         current = AgentRoster(active=(b,), archived=(a,))
         await _until(lambda: stream.rosters[-1] == ([b], [a]))
         current = AgentRoster(active=(a, b))  # changed just before the goodbye
-    await _until(lambda: stream.ended_by_client)
+    assert stream.ended_by_client
     assert stream.rosters[-1] == ([a, b], [])
 
 
-async def test_link_not_joined(tmp_path: Path) -> None:
+async def test_link_not_joined(ca: tls.CertKey, tmp_path: Path) -> None:
     assert not ControlLink.is_joined(tmp_path)
     with pytest.raises(InvalidState):
-        async with _link(tmp_path, CollectorRegistry()):
+        async with _link(FakeControlPlane(ca), tmp_path, CollectorRegistry()):
             pass
 
 
-async def test_link_reconnects_after_a_drop(control: Running, tmp_path: Path) -> None:
+async def test_link_reconnects_after_a_drop(control: FakeControlPlane, tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     registry = CollectorRegistry()
-    async with _link(data_dir, registry) as link:
+    async with _link(control, data_dir, registry) as link:
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
-        control.fake.drop(control.fake.streams[0])
-        await _until(lambda: len(control.fake.streams) == 2)
+        control.drop(control.streams[0])
+        await _until(lambda: len(control.streams) == 2)
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
         assert _sample(registry, "agents_machine_link_reconnects_total") >= 1
 
 
-async def test_link_survives_a_control_plane_restart(ca: tls.CertKey, tmp_path: Path) -> None:
-    fake = FakeControl(ca)
-    data_dir = tmp_path / "data"
-    async with serve_fake(fake) as running:
-        await _joined(running, data_dir)
-    # The control plane is down: the link backs off and keeps trying.
-    registry = CollectorRegistry()
-    async with _link(data_dir, registry) as link:
-        await link.wait_for_state(LinkState.BACKING_OFF, timeout=5)
-        await _until(lambda: _sample(registry, "agents_machine_link_reconnects_total") >= 2)
-        # Bring it back on the same link port.
-        link_port = fake.link_port
-        server_cert = tls.issue_server_cert(ca)
-        server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-        link_pb2_grpc.add_MachineLinkServicer_to_server(fake, server)
-        server.add_secure_port(
-            f"127.0.0.1:{link_port}",
-            grpc.ssl_server_credentials(
-                [(server_cert.key_pem, server_cert.cert_pem + ca.cert_pem)],
-                root_certificates=ca.cert_pem,
-                require_client_auth=True,
-            ),
-        )
-        await server.start()
-        try:
-            await link.wait_for_state(LinkState.CONNECTED, timeout=5)
-            assert fake.streams
-        finally:
-            await link.close()
-            await server.stop(None)
-
-
-async def test_revoked_notice_stops_the_link(control: Running, tmp_path: Path) -> None:
+async def test_link_survives_a_control_plane_restart(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
-    async with _link(data_dir, CollectorRegistry()) as link:
+    control.down = True
+    # The control plane is down: the link backs off and keeps trying.
+    registry = CollectorRegistry()
+    async with _link(control, data_dir, registry) as link:
+        await link.wait_for_state(LinkState.BACKING_OFF, timeout=5)
+        await _until(lambda: _sample(registry, "agents_machine_link_reconnects_total") >= 2)
+        assert control.connects == 0
+        control.down = False  # back on the same address
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
-        stream = control.fake.streams[0]
-        control.fake.revoked.add(stream.machine_id)
-        control.fake.send(
-            stream, link_pb2.ControlMessage(revoked=link_pb2.Revoked(reason="test says so"))
-        )
+        assert control.streams
+
+
+async def test_revoked_notice_stops_the_link(control: FakeControlPlane, tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    async with _link(control, data_dir, CollectorRegistry()) as link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        stream = control.streams[0]
+        control.revoked.add(stream.machine_id)
+        control.send(stream, Revoked(reason="test says so"))
         await link.wait_for_state(LinkState.REVOKED, timeout=1)
         assert "test says so" in link.final_reason
         # The background task is over: nothing will dial again.
         assert link._task is not None
         await asyncio.wait_for(asyncio.shield(link._task), 1)
-    assert control.fake.connects == 1
+    assert control.connects == 1
 
 
-async def test_refused_handshake_stops_the_link(control: Running, tmp_path: Path) -> None:
+async def test_refused_handshake_stops_the_link(control: FakeControlPlane, tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
-    control.fake.revoked.add(identity.load_link(data_dir).machine_id)
-    async with _link(data_dir, CollectorRegistry()) as link:
+    control.revoked.add(identity.load_link(data_dir).machine_id)
+    async with _link(control, data_dir, CollectorRegistry()) as link:
         await link.wait_for_state(LinkState.REVOKED, timeout=5)
         assert "refused" in link.final_reason
-    assert control.fake.connects == 1
+    assert control.connects == 1
+
+
+async def test_machine_revoked_detail_stops_the_link(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    # The current control plane names the class in the status detail, not in words.
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    control.fail("connect", domain_rpc_error(MachineRevoked("link: certificate withdrawn")))
+    async with _link(control, data_dir, CollectorRegistry()) as link:
+        await link.wait_for_state(LinkState.REVOKED, timeout=5)
+        assert "certificate withdrawn" in link.final_reason
+    assert control.connects == 1
 
 
 async def test_unknown_machine_keeps_identity_and_retries_slowly(
-    control: Running, tmp_path: Path
+    control: FakeControlPlane, tmp_path: Path
 ) -> None:
     """A control plane whose store is being restored may not know us yet: not final."""
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     machine_id = identity.load_link(data_dir).machine_id
-    control.fake.unknown.add(machine_id)
-    async with _link(data_dir, CollectorRegistry(), refused_retry=0.3) as link:
-        await _until(lambda: control.fake.connects >= 2)
+    control.unknown.add(machine_id)
+    async with _link(control, data_dir, CollectorRegistry(), refused_retry=0.3) as link:
+        await _until(lambda: control.connects >= 2)
         assert link.state not in (LinkState.REVOKED, LinkState.STOPPED), link.final_reason
         assert link.final_reason == ""
-        control.fake.unknown.discard(machine_id)
+        control.unknown.discard(machine_id)
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
     assert ControlLink.is_joined(data_dir)
 
 
 async def test_dropped_stream_is_retried_at_once(
-    control: Running, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    control: FakeControlPlane, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After a control-plane restart the first retry is immediate, not a random pause."""
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     monkeypatch.setattr("machine.link.random.random", lambda: 1.0)
-    link = ControlLink(
-        data_dir=data_dir,
-        agent_count=_seven,
-        version="1",
-        registry=CollectorRegistry(),
+    link = _link(
+        control,
+        data_dir,
+        CollectorRegistry(),
         backoff_initial=5.0,
         backoff_max=5.0,
         stable_after=0.0,
     )
     async with link:
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
-        control.fake.drop(control.fake.streams[0])
+        control.drop(control.streams[0])
         started = time.monotonic()
-        await _until(lambda: len(control.fake.streams) == 2)
+        await _until(lambda: len(control.streams) == 2)
         assert time.monotonic() - started < 2.0
 
 
-async def _seven() -> int:
-    return 7
-
-
-async def test_account_deleted_stops_the_link(control: Running, tmp_path: Path) -> None:
+async def test_a_stream_dying_young_backs_off(
+    control: FakeControlPlane, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream that breaks before ``stable_after`` is retried like a failed dial."""
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
-    async with _link(data_dir, CollectorRegistry()) as link:
+    monkeypatch.setattr("machine.link.random.random", lambda: 1.0)
+    registry = CollectorRegistry()
+    link = _link(
+        control, data_dir, registry, backoff_initial=5.0, backoff_max=5.0, stable_after=60.0
+    )
+    async with link:
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
-        control.fake.send(
-            control.fake.streams[0],
-            link_pb2.ControlMessage(account_deleted=link_pb2.AccountDeleted()),
-        )
-        await link.wait_for_state(LinkState.ACCOUNT_DELETED, timeout=2)
+        control.drop(control.streams[0])
+        await link.wait_for_state(LinkState.BACKING_OFF, timeout=5)
+        assert len(control.streams) == 1
 
 
-async def test_refused_account_stops_the_link(control: Running, tmp_path: Path) -> None:
+async def test_account_deleted_stops_the_link(control: FakeControlPlane, tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
-    control.fake.account_deleting = True
-    async with _link(data_dir, CollectorRegistry()) as link:
+    async with _link(control, data_dir, CollectorRegistry()) as link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        control.send(control.streams[0], AccountDeleted())
+        await link.wait_for_state(LinkState.ACCOUNT_DELETED, timeout=2)
+    assert control.connects == 1
+
+
+async def test_refused_account_stops_the_link(control: FakeControlPlane, tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    control.account_deleting = True
+    async with _link(control, data_dir, CollectorRegistry()) as link:
         await link.wait_for_state(LinkState.ACCOUNT_DELETED, timeout=5)
         assert "being deleted" in link.final_reason
-    assert control.fake.connects == 1
+    assert control.connects == 1
 
 
-async def test_client_cert_of_another_ca_is_refused(control: Running, tmp_path: Path) -> None:
+async def test_client_cert_of_another_ca_is_refused(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     # Swap in a certificate for the same key, signed by a stranger CA.
@@ -876,72 +694,157 @@ async def test_client_cert_of_another_ca_is_refused(control: Running, tmp_path: 
     )
     (data_dir / "keys" / identity.TLS_CERT).write_bytes(forged.cert_pem)
     registry = CollectorRegistry()
-    async with _link(data_dir, registry) as running:
+    async with _link(control, data_dir, registry) as running:
         await _until(lambda: _sample(registry, "agents_machine_link_reconnects_total") >= 2)
         assert running.state is not LinkState.CONNECTED
-    assert control.fake.connects == 0  # the handshake failed before any handler ran
+        assert running.final_reason == ""  # a handshake failure is not a refusal: retried
+    assert control.connects == 0  # the handshake failed before any handler ran
 
 
-async def test_delivery_is_acked_after_the_callback(control: Running, tmp_path: Path) -> None:
+async def test_delivery_is_acked_after_the_callback(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     got: list[Delivery] = []
+    stored = asyncio.Event()
+    run_id = new_id("run")
+
+    async def store(delivery: Delivery) -> DeliveryAck:
+        got.append(delivery)
+        await stored.wait()
+        return DeliveryAck(run_id=run_id)
+
+    async with _link(control, data_dir, CollectorRegistry(), on_delivery=store) as link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        stream = control.streams[0]
+        prompt_id, agent_id = new_id("prompt"), new_id("agent")
+        sent = dt.datetime(2026, 5, 1, tzinfo=dt.UTC)
+        control.send(stream, Delivery(prompt_id, agent_id, b"x", sent))
+        await _until(lambda: len(got) == 1)
+        assert stream.acks == []  # not before the callback returned
+        stored.set()
+        await _until(lambda: stream.ack_ids == [prompt_id])
+    assert stream.acks == [(prompt_id, DeliveryAck(run_id=run_id))]
+    assert [(d.id, d.agent_id, d.sealed_prompt, d.created_at) for d in got] == [
+        (prompt_id, agent_id, b"x", sent)
+    ]
+
+
+async def test_a_delivery_not_stored_is_not_acked(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    calls: list[str] = []
 
     async def store(delivery: Delivery) -> None:
-        got.append(delivery)
+        calls.append(delivery.id)
+        if len(calls) == 1:
+            raise TransientError("database is locked")
 
-    async with _link(data_dir, CollectorRegistry(), on_delivery=store) as link:
+    async with _link(control, data_dir, CollectorRegistry(), on_delivery=store) as link:
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
-        stream = control.fake.streams[0]
-        prompt_id, agent_id = new_id("prompt"), new_id("agent")
-        control.fake.send(
-            stream,
-            link_pb2.ControlMessage(
-                delivery=link_pb2.Delivery(id=prompt_id, agent_id=agent_id, sealed_prompt=b"x")
-            ),
-        )
-        await _until(lambda: stream.acks == [prompt_id])
-    assert [(d.id, d.agent_id, d.sealed_prompt) for d in got] == [(prompt_id, agent_id, b"x")]
+        stream = control.streams[0]
+        first, second = new_id("prompt"), new_id("prompt")
+        control.send(stream, Delivery(first, new_id("agent"), b"x", None))
+        control.send(stream, Delivery(second, new_id("agent"), b"y", None))
+        await _until(lambda: stream.ack_ids == [second])
+        assert link.connected  # one failed store does not break the stream
+    assert calls == [first, second]
 
 
-async def test_link_renews_a_short_lived_certificate(control: Running, tmp_path: Path) -> None:
-    control.fake.cert_lifetime = dt.timedelta(seconds=3)
+async def test_link_renews_a_short_lived_certificate(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    control.cert_lifetime = dt.timedelta(seconds=2)
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     first = identity.load_keys(data_dir).tls_cert_pem
     registry = CollectorRegistry()
-    async with _link(data_dir, registry, renew_fraction=0.5) as link:
+    async with _link(control, data_dir, registry, renew_fraction=0.5) as link:
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
         await _until(lambda: _sample_ok(registry) >= 2, timeout=10)
         assert link.state is LinkState.CONNECTED
     renewed = identity.load_keys(data_dir)
     assert renewed.tls_cert_pem != first
+    assert renewed.tls_cert_pem in control.renewed
     assert tls.cert_not_after(renewed.tls_cert_pem) > tls.cert_not_after(first)
     assert identity.load_link(data_dir).cert_not_after == tls.cert_not_after(renewed.tls_cert_pem)
     assert stat.S_IMODE((data_dir / "keys" / identity.TLS_CERT).stat().st_mode) == 0o600
-    assert control.fake.renew_calls >= 2
+    assert control.renew_calls >= 2
 
 
-async def test_renew_now_renews_at_once(control: Running, tmp_path: Path) -> None:
+async def test_renewal_is_timed_by_the_injected_clock(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    # A one-hour certificate, renewed once a third of it is left: 50 minutes on, at once.
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
-    async with _link(data_dir, CollectorRegistry()) as link:
+    clock = FixedClock(identity.load_link(data_dir).cert_received_at + dt.timedelta(minutes=50))
+    registry = CollectorRegistry()
+    async with _link(control, data_dir, registry, clock=clock) as link:
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
-        assert control.fake.renew_calls == 0
-        control.fake.send(
-            control.fake.streams[0],
-            link_pb2.ControlMessage(renew_now=link_pb2.RenewNow(reason="rollover")),
+        await _until(lambda: _sample_ok(registry) >= 1)
+        # Received "at" the injected now: the next renewal is ~40 minutes of it away.
+        assert identity.load_link(data_dir).cert_received_at == clock.now
+    assert control.renew_calls == 1
+
+
+async def test_a_failed_renewal_is_retried_after_a_backoff(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    # Renewal is due at once by the injected clock; the first call fails.
+    clock = FixedClock(identity.load_link(data_dir).cert_received_at + dt.timedelta(minutes=50))
+    control.fail("renew", rpc_error(grpc.StatusCode.UNAVAILABLE, "the store is down"))
+    registry = CollectorRegistry()
+    async with _link(control, data_dir, registry, clock=clock) as link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        await _until(lambda: _sample_ok(registry) == 1)
+        errors = registry.get_sample_value(
+            "agents_machine_link_renewals_total", {"outcome": "error"}
         )
-        await _until(lambda: control.fake.renew_calls == 1)
-        # After a renewal the next connection presents the new certificate.
-        control.fake.drop(control.fake.streams[0])
-        await _until(lambda: len(control.fake.streams) == 2)
+        assert errors == 1
+        assert link.connected  # the stream lives on meanwhile
+    assert control.renew_calls == 1  # the failed call never reached the handler
+
+
+async def test_expired_certificate_is_logged_while_retrying(
+    control: FakeControlPlane, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    control.down = True
+    clock = FixedClock(identity.load_link(data_dir).cert_not_after + dt.timedelta(seconds=1))
+    registry = CollectorRegistry()
+    with caplog.at_level(logging.ERROR, logger="machine.link"):
+        async with _link(control, data_dir, registry, clock=clock) as link:
+            await _until(lambda: "certificate expired" in caplog.text)
+            assert link.state is not LinkState.STOPPED  # it keeps trying
+    assert "join this machine again" in caplog.text
+
+
+async def test_renew_now_renews_at_once(control: FakeControlPlane, tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    async with _link(control, data_dir, CollectorRegistry()) as link:
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        assert control.renew_calls == 0
+        control.send(control.streams[0], RenewNow(reason="rollover"))
+        await _until(lambda: control.renew_calls == 1)
+        await _until(lambda: identity.load_keys(data_dir).tls_cert_pem == control.renewed[0])
+        # After a renewal the next connection presents the new certificate.
+        control.drop(control.streams[0])
+        await _until(lambda: len(control.streams) == 2)
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        assert control.streams[1].cert_pem == control.renewed[0]
 
 
-def test_link_options_are_checked(tmp_path: Path) -> None:
+def test_link_options_are_checked(ca: tls.CertKey, tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument):
-        _link(tmp_path, CollectorRegistry(), renew_fraction=1.5)
+        _link(FakeControlPlane(ca), tmp_path, CollectorRegistry(), renew_fraction=1.5)
 
 
 def test_no_os_environ_here() -> None:

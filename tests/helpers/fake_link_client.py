@@ -1,0 +1,541 @@
+"""An in-process control plane behind a fake of the machine's link client.
+
+:class:`FakeControlPlane` stands where the real ``MachineLink`` service would,
+without gRPC or sockets: ``fake.for_join`` is a
+:class:`~machine.link_client.JoinDialer` and ``fake.mutual`` a
+:class:`~machine.link_client.LinkDialer`, so ``join_control_plane(dial=...)``
+and ``ControlLink(dial=...)`` talk to it directly. It behaves like the real
+service where the machine's logic depends on it:
+
+- the mutual-TLS checks: a certificate not issued by its CA, or expired, fails
+  every call with UNAVAILABLE (the handshake) before any handler runs; the
+  peer's identity comes from the certificate, never from a request field;
+- refusals arrive as :class:`grpc.aio.AioRpcError`, with the rich status the
+  server's error interceptor would attach (:func:`domain_rpc_error`) or with
+  words only (:func:`rpc_error`), whichever a test scripts;
+- a Connect stream is refused at its first read, after the hello.
+
+It records every call so tests prove what the machine sent (and did not), and
+is scriptable: ``fail(rpc, error)`` queues a failure for the next call of an
+RPC, ``send``/``drop`` push notices or a broken stream to a live Connect,
+``down`` refuses every mutual-TLS call like a stopped control plane. Backups
+are kept in memory (``have_segments`` ... ``prune``).
+
+The pin check before a join is a real TLS handshake, so join tests serve
+:func:`serve_pin_check` (a bare TLS listener presenting the server chain).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import ssl
+import tempfile
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import grpc.aio
+
+from machine.link_client import (
+    AgentRoster,
+    BackupEntry,
+    ControlNotice,
+    DeliveryAck,
+    JoinReply,
+    MachineInfo,
+    Renewed,
+    Welcome,
+)
+from shared import tls
+from shared.crypto import BoxKeyPair
+from shared.errors import AgentsError, InvalidState, NotFound, Unauthenticated
+from shared.ids import new_id
+from shared.rpc import _DETAILS_KEY, _rich_status, status_for
+
+__all__ = [
+    "FakeControlPlane",
+    "FakeLinkClient",
+    "FakeStream",
+    "Hello",
+    "Stream",
+    "domain_rpc_error",
+    "rpc_error",
+    "serve_pin_check",
+]
+
+GOOD_SECRET = "s" * 43
+
+
+def rpc_error(
+    code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, bytes], ...] = ()
+) -> grpc.aio.AioRpcError:
+    """A failed call as the client sees it (``trailing``: the trailing metadata)."""
+    return grpc.aio.AioRpcError(
+        code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details=details
+    )
+
+
+def domain_rpc_error(exc: AgentsError) -> grpc.aio.AioRpcError:
+    """The error a client sees when a servicer raised ``exc`` (shared.rpc's interceptor)."""
+    code = status_for(exc)
+    status = _rich_status(exc, code)
+    return rpc_error(code, exc.message, ((_DETAILS_KEY, status.SerializeToString()),))
+
+
+def _unavailable(what: str) -> grpc.aio.AioRpcError:
+    # No status detail: a transport failure, as join's "connection lost" check expects.
+    return rpc_error(grpc.StatusCode.UNAVAILABLE, what)
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The hello a stream opened with."""
+
+    version: str
+    agent_count: int
+    next_fire_at: float | None
+
+
+@dataclass
+class Stream:
+    """One welcomed Connect stream as the fake control plane saw it."""
+
+    machine_id: str
+    hello: Hello
+    cert_pem: bytes
+    """The client certificate the stream presented."""
+    heartbeats: int = 0
+    acks: list[tuple[str, DeliveryAck | None]] = field(default_factory=list)
+    rosters: list[tuple[list[str], list[str]]] = field(default_factory=list)
+    ended_by_client: bool = False
+    inbox: asyncio.Queue[ControlNotice | grpc.aio.AioRpcError | None] = field(
+        default_factory=asyncio.Queue
+    )
+
+    @property
+    def ack_ids(self) -> list[str]:
+        """The delivery ids acknowledged, in order."""
+        return [delivery_id for delivery_id, _ in self.acks]
+
+
+class FakeStream:
+    """The machine's end of one Connect stream (a :class:`ControlStream`)."""
+
+    def __init__(self, fake: FakeControlPlane, client: FakeLinkClient) -> None:
+        self._fake = fake
+        self._client = client
+        self._inbox: asyncio.Queue[ControlNotice | grpc.aio.AioRpcError | None] = asyncio.Queue()
+        self._error: grpc.aio.AioRpcError | None = client.handshake_error()
+        self._record: Stream | None = None
+        self.cancelled = False
+        if self._error is None:
+            fake.connects += 1
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self.cancelled:
+            raise asyncio.InvalidStateError("the call was cancelled")
+
+    async def hello(
+        self, version: str, agent_count: int, next_fire_at: float | None = None
+    ) -> None:
+        self._check()
+        hello = Hello(version, agent_count, next_fire_at)
+        # Like the real control plane: the hello is read before any refusal,
+        # which then ends the stream at the machine's first read.
+        refusal = self._fake.connect_refusal(self._client.peer.machine_id)
+        if refusal is not None:
+            self._inbox.put_nowait(refusal)
+            return
+        record = Stream(self._client.peer.machine_id, hello, self._client.cert_pem)
+        record.inbox = self._inbox
+        self._record = record
+        self._fake.streams.append(record)
+        self._inbox.put_nowait(Welcome(record.machine_id, self._fake.heartbeat_ms / 1000))
+
+    def _live(self) -> Stream:
+        self._check()
+        if self._record is None:
+            raise AssertionError("the machine wrote before its hello was welcomed")
+        return self._record
+
+    async def heartbeat(self, agent_count: int, next_fire_at: float | None = None) -> None:
+        self._live().heartbeats += 1
+
+    async def roster(self, roster: AgentRoster) -> None:
+        self._live().rosters.append((list(roster.active), list(roster.archived)))
+
+    async def ack(self, delivery_id: str, answer: DeliveryAck | None = None) -> None:
+        self._live().acks.append((delivery_id, answer))
+
+    async def read(self) -> ControlNotice | None:
+        self._check()
+        item = await self._inbox.get()
+        if isinstance(item, grpc.aio.AioRpcError):
+            self._error = item
+            raise item
+        return item
+
+    async def done_writing(self) -> None:
+        record = self._live()
+        record.ended_by_client = True
+        # The control plane's handler returns at the machine's EOF: a clean end.
+        self._inbox.put_nowait(None)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeLinkClient:
+    """One channel to :class:`FakeControlPlane` (the fake of :class:`LinkClient`)."""
+
+    def __init__(
+        self,
+        fake: FakeControlPlane,
+        target: str,
+        ca_pem: bytes,
+        cert_pem: bytes = b"",
+        key_pem: bytes = b"",
+    ) -> None:
+        self._fake = fake
+        self.target = target
+        self.ca_pem = ca_pem
+        self.cert_pem = cert_pem
+        self._key_pem = key_pem
+        self._shaken = False
+        self.closed = False
+
+    @property
+    def peer(self) -> tls.PeerIdentity:
+        """Who the client certificate says we are (mutual TLS only)."""
+        return tls.identity_from_cert(self.cert_pem)
+
+    def handshake_error(self) -> grpc.aio.AioRpcError | None:
+        """Why a mutual-TLS call fails before any handler runs, if it does.
+
+        Like a gRPC channel, the TLS handshake happens once, on the first call:
+        a certificate that expires later keeps serving the channel.
+        """
+        fake = self._fake
+        if fake.down or self.target != fake.link_address:
+            return _unavailable(f"failed to connect to {self.target}: connection refused")
+        if not self._shaken:
+            error = self._handshake()
+            if error is not None:
+                return error
+            self._shaken = True
+        return None
+
+    def _handshake(self) -> grpc.aio.AioRpcError | None:
+        fake = self._fake
+        try:
+            tls.verify_issued_by(self.cert_pem, fake.trusted_cas())
+        except AgentsError:
+            return _unavailable("handshake failed: certificate verify failed")
+        key = tls.load_private_key(self._key_pem).public_key()
+        if tls.load_cert(self.cert_pem).public_key() != key:
+            return _unavailable("handshake failed: the key does not match the certificate")
+        if tls.cert_not_after(self.cert_pem) <= fake.clock():
+            return _unavailable("handshake failed: certificate expired")
+        if fake.ca.cert_pem not in self.ca_pem:
+            return _unavailable("handshake failed: the server's CA is not trusted")
+        return None
+
+    async def _mutual(self, rpc: str) -> tls.PeerIdentity:
+        if self.closed:
+            raise ValueError("the channel is closed")
+        error = self.handshake_error() or self._fake.next_failure(rpc)
+        if error is not None:
+            raise error
+        return self.peer
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+    async def join(
+        self,
+        token: str,
+        csr_pem: str,
+        machine: MachineInfo,
+        *,
+        timeout: float,
+        repair_machine_id: str = "",
+    ) -> JoinReply:
+        return self._fake.join(self, token, csr_pem, machine, repair_machine_id)
+
+    async def renew(self, csr_pem: str, *, timeout: float) -> Renewed:
+        peer = await self._mutual("renew")
+        return self._fake.renew(peer, csr_pem)
+
+    def connect(self) -> FakeStream:
+        return FakeStream(self._fake, self)
+
+    # Backups, kept in memory per machine.
+
+    async def have_segments(self, names: Iterable[str], *, timeout: float) -> dict[str, int]:
+        peer = await self._mutual("have_segments")
+        held = self._fake.segments.setdefault(peer.machine_id, {})
+        return {n: len(held[n]) for n in names if n in held}
+
+    async def put_segment(
+        self, name: str, size: int, data: AsyncIterable[bytes], *, timeout: float
+    ) -> int:
+        peer = await self._mutual("put_segment")
+        body = b"".join([chunk async for chunk in data])
+        if len(body) != size:
+            raise domain_rpc_error(InvalidState("segment", f"{len(body)} bytes, header {size}"))
+        self._fake.segments.setdefault(peer.machine_id, {})[name] = body
+        return size
+
+    async def put_manifest(
+        self, backup_id: str, blob: bytes, names: Iterable[str], *, timeout: float
+    ) -> None:
+        peer = await self._mutual("put_manifest")
+        held = self._fake.segments.get(peer.machine_id, {})
+        missing = [n for n in names if n not in held]
+        if missing:
+            raise domain_rpc_error(InvalidState("backup", f"missing segment {missing[0]}"))
+        self._fake.manifests.setdefault(peer.machine_id, {})[backup_id] = (blob, list(names))
+
+    async def list_backups(self, machine_id: str = "", *, timeout: float) -> list[BackupEntry]:
+        owner = self._owner(await self._mutual("list_backups"), machine_id)
+        kept = self._fake.manifests.get(owner, {})
+        return [BackupEntry(b, owner, len(kept[b][0])) for b in reversed(kept)]
+
+    async def get_manifest(self, backup_id: str, machine_id: str = "", *, timeout: float) -> bytes:
+        owner = self._owner(await self._mutual("get_manifest"), machine_id)
+        kept = self._fake.manifests.get(owner, {})
+        if backup_id not in kept:
+            raise domain_rpc_error(NotFound("backup", backup_id))
+        return kept[backup_id][0]
+
+    async def get_segment(
+        self, name: str, machine_id: str = "", *, timeout: float
+    ) -> AsyncIterator[bytes]:
+        owner = self._owner(await self._mutual("get_segment"), machine_id)
+        held = self._fake.segments.get(owner, {})
+        if name not in held:
+            raise domain_rpc_error(NotFound("segment", name))
+        yield held[name]
+
+    async def prune(self, keep: int, *, timeout: float) -> tuple[list[str], int]:
+        peer = await self._mutual("prune")
+        kept = self._fake.manifests.get(peer.machine_id, {})
+        doomed = list(kept)[: max(0, len(kept) - keep)]
+        for backup_id in doomed:
+            del kept[backup_id]
+        used = {n for _, names in kept.values() for n in names}
+        held = self._fake.segments.get(peer.machine_id, {})
+        unused = [n for n in held if n not in used]
+        for n in unused:
+            del held[n]
+        return list(reversed(doomed)), len(unused)
+
+    def _owner(self, peer: tls.PeerIdentity, machine_id: str) -> str:
+        # Another account's machine answers like a missing one (the real rule).
+        if machine_id and self._fake.accounts.get(machine_id) != peer.account_id:
+            raise domain_rpc_error(NotFound("machine", machine_id))
+        return machine_id or peer.machine_id
+
+
+def _utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class FakeControlPlane:
+    """A scriptable MachineLink control plane in this process (see the module doc)."""
+
+    def __init__(
+        self,
+        ca: tls.CertKey,
+        *,
+        heartbeat_ms: int = 100,
+        link_address: str = "127.0.0.1:7444",
+        clock: Callable[[], dt.datetime] = _utc_now,
+    ) -> None:
+        self.ca = ca
+        self.next_ca: tls.CertKey | None = None
+        """During a CA rollover: signs joins, and joins hand out both CAs."""
+        self.heartbeat_ms = heartbeat_ms
+        self.link_address = link_address
+        """Where the mutual-TLS listener is (the join reply names its port)."""
+        self.public_address = ""
+        """Where joins go (set by whoever serves the pin check)."""
+        self.clock = clock
+        self.cert_lifetime = dt.timedelta(hours=1)
+        self.account_id = new_id("account")
+        self.recovery = BoxKeyPair.generate()
+        self.tokens: set[str] = set()
+        self.repairs: dict[str, str] = {}
+        """Repair token -> the machine it repairs."""
+        self.revoked: set[str] = set()
+        self.unknown: set[str] = set()
+        self.account_deleting = False
+        self.down = False
+        """Refuse every mutual-TLS call like a stopped control plane."""
+        self.failures: dict[str, list[grpc.aio.AioRpcError]] = {}
+        self.accounts: dict[str, str] = {}
+        """Machine id -> account id of every machine joined here."""
+        self.tamper_join: Callable[[JoinReply], JoinReply] | None = None
+        """Rewrites the next join reply (a broken or hostile control plane)."""
+        self.join_calls = 0
+        self.joined: list[MachineInfo] = []
+        self.renew_calls = 0
+        self.renewed: list[bytes] = []
+        """The certificates renewals handed out, in order."""
+        self.connects = 0
+        self.streams: list[Stream] = []
+        self.segments: dict[str, dict[str, bytes]] = {}
+        self.manifests: dict[str, dict[str, tuple[bytes, list[str]]]] = {}
+
+    # -------------------------------------------------------------- dialers
+
+    def for_join(self, target: str, ca_pem: bytes) -> FakeLinkClient:
+        """A :class:`~machine.link_client.JoinDialer`."""
+        return FakeLinkClient(self, target, ca_pem)
+
+    def mutual(
+        self, target: str, *, ca_pem: bytes, key_pem: bytes, cert_pem: bytes
+    ) -> FakeLinkClient:
+        """A :class:`~machine.link_client.LinkDialer`."""
+        return FakeLinkClient(self, target, ca_pem, cert_pem, key_pem)
+
+    def trusted_cas(self) -> bytes:
+        """The CAs whose client certificates the link listener accepts."""
+        return self.ca.cert_pem + (self.next_ca.cert_pem if self.next_ca else b"")
+
+    # -------------------------------------------------------------- scripting
+
+    def new_token(self) -> str:
+        value = f"{new_id('token')}.{GOOD_SECRET}"
+        self.tokens.add(value)
+        return value
+
+    def fail(self, rpc: str, error: grpc.aio.AioRpcError) -> None:
+        """Fail the next call of ``rpc`` (join, renew, connect, have_segments, ...)."""
+        self.failures.setdefault(rpc, []).append(error)
+
+    def next_failure(self, rpc: str) -> grpc.aio.AioRpcError | None:
+        queued = self.failures.get(rpc)
+        return queued.pop(0) if queued else None
+
+    def send(self, stream: Stream, notice: ControlNotice) -> None:
+        """Push a notice to a live stream."""
+        stream.inbox.put_nowait(notice)
+
+    def drop(self, stream: Stream) -> None:
+        """Break a live stream, as a control plane that went away does."""
+        stream.inbox.put_nowait(_unavailable("dropped by test"))
+
+    # -------------------------------------------------------------- the service
+
+    def connect_refusal(self, machine_id: str) -> grpc.aio.AioRpcError | None:
+        """Why Connect refuses this machine now, if it does (after the hello)."""
+        if (scripted := self.next_failure("connect")) is not None:
+            return scripted
+        if machine_id in self.revoked:
+            # Without the error detail, as an older control plane answers.
+            return rpc_error(grpc.StatusCode.UNAUTHENTICATED, "link: machine revoked")
+        if machine_id in self.unknown:
+            return rpc_error(grpc.StatusCode.UNAUTHENTICATED, "link: unknown machine")
+        if self.account_deleting:
+            return rpc_error(grpc.StatusCode.PERMISSION_DENIED, "link: account is being deleted")
+        return None
+
+    def join(
+        self,
+        client: FakeLinkClient,
+        token: str,
+        csr_pem: str,
+        machine: MachineInfo,
+        repair_machine_id: str,
+    ) -> JoinReply:
+        if client.target != self.public_address:
+            raise _unavailable(f"failed to connect to {client.target}")
+        if self.ca.cert_pem not in client.ca_pem:
+            raise _unavailable("handshake failed: the server's CA is not trusted")
+        self.join_calls += 1
+        if (scripted := self.next_failure("join")) is not None:
+            raise scripted
+        if token not in self.tokens:
+            raise domain_rpc_error(Unauthenticated("join: token refused"))
+        # Like controlplane.pairing: a re-pair needs a repair token for that machine.
+        repairs = self.repairs.get(token, "")
+        if repair_machine_id and repair_machine_id != repairs:
+            raise domain_rpc_error(
+                InvalidState("join", "this box is already joined; the token was not used")
+            )
+        self.tokens.discard(token)
+        self.joined.append(machine)
+        machine_id = repairs or new_id("machine")
+        self.accounts[machine_id] = self.account_id
+        issued = tls.sign_client_csr(
+            self.next_ca or self.ca,
+            csr_pem,
+            account_id=self.account_id,
+            machine_id=machine_id,
+            lifetime=self.cert_lifetime,
+            now=self.clock(),
+        )
+        bundle = self.trusted_cas()
+        reply = JoinReply(
+            certificate_pem=issued.cert_pem.decode(),
+            ca_certificate_pem=bundle.decode(),
+            machine_id=machine_id,
+            account_id=self.account_id,
+            account_recovery_public_key=self.recovery.public_key,
+            heartbeat_interval_ms=self.heartbeat_ms,
+            link_host="",  # the join's host, like a control plane on one address
+            link_port=int(self.link_address.rpartition(":")[2]),
+        )
+        tamper, self.tamper_join = self.tamper_join, None
+        return tamper(reply) if tamper else reply
+
+    def renew(self, peer: tls.PeerIdentity, csr_pem: str) -> Renewed:
+        self.renew_calls += 1
+        issued = tls.sign_client_csr(
+            self.ca,
+            csr_pem,
+            account_id=peer.account_id,
+            machine_id=peer.machine_id,
+            lifetime=self.cert_lifetime,
+            now=self.clock(),
+        )
+        self.renewed.append(issued.cert_pem)
+        return Renewed(issued.cert_pem.decode(), self.ca.cert_pem.decode())
+
+
+@contextlib.asynccontextmanager
+async def serve_pin_check(ca: tls.CertKey, *, with_ca: bool = True) -> AsyncIterator[str]:
+    """A bare TLS listener presenting a server certificate of ``ca``; its address.
+
+    ``with_ca=False`` leaves the CA out of the chain (a misconfigured server).
+    """
+    server_cert = tls.issue_server_cert(ca)
+    chain = server_cert.cert_pem + (ca.cert_pem if with_ca else b"")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory() as folder:
+        cert_file, key_file = Path(folder, "chain.pem"), Path(folder, "key.pem")
+        cert_file.write_bytes(chain)
+        key_file.write_bytes(server_cert.key_pem)
+        ctx.load_cert_chain(cert_file, key_file)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # The join's pin check only shakes hands and hangs up.
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await reader.read()
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await writer.wait_closed()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
