@@ -24,7 +24,7 @@ from controlplane.wake import ScheduleWaker
 from shared.errors import InvalidState
 from shared.ids import validate_id
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
-from shared.timestamps import from_datetime
+from shared.timestamps import Clock, from_datetime, utc_now
 
 __all__ = ["AdminServicer"]
 
@@ -109,6 +109,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         starter: MachineStarter,
         waker: ScheduleWaker | None = None,
         rotation: KeyRotation | None = None,
+        clock: Clock = utc_now,
     ) -> None:
         self._accounts = accounts
         self._credentials = credentials
@@ -122,6 +123,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._starter = starter
         self._waker = waker
         self._rotation = rotation
+        # "Now" for token states and prompt ages (tests move it).
+        self._clock = clock
 
     def _pin(self) -> str:
         # The CA changes at a CA rollover's retirement: join commands follow it.
@@ -222,7 +225,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         """See admin.proto."""
         p = await self._auth(context)
         tokens = await self._tokens.list(p, request.account_id)
-        now = dt.datetime.now(dt.UTC)
+        now = self._clock()
         return admin_pb2.ListJoinTokensResponse(tokens=[_token(t, now) for t in tokens])
 
     async def RevokeJoinToken(
@@ -231,7 +234,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         """See admin.proto."""
         p = await self._auth(context)
         token = await self._tokens.revoke(p, request.token_id)
-        return _token(token, dt.datetime.now(dt.UTC))
+        return _token(token, self._clock())
 
     async def ListMachines(
         self, request: admin_pb2.ListMachinesRequest, context: Context
@@ -327,7 +330,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         """See admin.proto."""
         p = await self._auth(context)
         states = await self._prompts.states(p, request.machine_id)
-        now = dt.datetime.now(dt.UTC)
+        now = self._clock()
         return admin_pb2.ListPromptsResponse(
             provider_error=self._starter.last_error(request.machine_id),
             prompts=[

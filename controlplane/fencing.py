@@ -29,7 +29,6 @@ already checked, and it stops on its next check.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import json
 import logging
 import os
@@ -51,6 +50,7 @@ from shared.errors import (
     StoreUntrusted,
 )
 from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
 
 __all__ = [
     "EPOCH_KEY",
@@ -138,8 +138,10 @@ class Fence:
         home_id: str,
         where: str,
         on_fenced: Callable[[StoreFenced], None] | None = None,
+        clock: Clock = utc_now,
     ) -> None:
         self._store = store
+        self._clock = clock
         self._home_id = home_id
         self._where = where
         self._on_fenced = on_fenced
@@ -182,7 +184,7 @@ class Fence:
             mine = Epoch(
                 (previous.epoch if previous is not None else 0) + 1,
                 self._home_id,
-                utc_iso(dt.datetime.now(dt.UTC)),
+                utc_iso(self._clock()),
                 socket.gethostname(),
                 os.getpid(),
             )

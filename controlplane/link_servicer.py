@@ -40,7 +40,7 @@ from controlplane.rosters import AgentRosters
 from shared.errors import AgentsError, InvalidArgument, Unimplemented
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import status_for
-from shared.timestamps import from_datetime, to_datetime
+from shared.timestamps import Clock, from_datetime, to_datetime
 
 __all__ = ["LinkServicer"]
 
@@ -54,6 +54,7 @@ _SEGMENT_CHUNK: Final = 1024 * 1024
 
 
 def _utcnow() -> dt.datetime:
+    # The default clock, looked up at each call so a test can move this module's time.
     return dt.datetime.now(dt.UTC)
 
 
@@ -130,8 +131,10 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         backups: MachineBackups | None = None,
         deliveries: DeliveryHooks | None = None,
         rosters: AgentRosters | None = None,
+        clock: Clock = _utcnow,
     ) -> None:
         self._pairing = pairing
+        self._clock = clock
         self._backups = backups
         self._metrics = metrics
         self._heartbeat = heartbeat_interval
@@ -145,8 +148,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             metrics=metrics,
             heartbeat_interval=heartbeat_interval,
             renew_threshold=renew_threshold,
-            # Looked up here at each call, so tests can move only this module's clock.
-            clock=_utcnow,
+            clock=clock,
             deliveries=deliveries,
             rosters=rosters,
         )
@@ -276,7 +278,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             )
             self._metrics.backup_stored_bytes.labels("manifest").inc(len(request.sealed_manifest))
             self._metrics.backup_stored_objects.labels("manifest").inc()
-            return link_pb2.PutManifestResponse(stored_at=from_datetime(_utcnow()))
+            return link_pb2.PutManifestResponse(stored_at=from_datetime(self._clock()))
 
     async def ListBackups(
         self, request: link_pb2.ListBackupsRequest, context: Context
