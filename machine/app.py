@@ -472,7 +472,7 @@ async def open_machine(
             attachments=attachments,
             runs=engine,
             runtimes=registry,
-            started_at=time.time(),
+            started_at=clock(),
             streams=StreamLimits(
                 per_client=config.max_streams_per_client,
                 total=config.max_streams,
