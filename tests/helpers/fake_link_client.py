@@ -18,8 +18,9 @@ service where the machine's logic depends on it:
 It records every call so tests prove what the machine sent (and did not), and
 is scriptable: ``fail(rpc, error)`` queues a failure for the next call of an
 RPC, ``send``/``drop`` push notices or a broken stream to a live Connect,
-``down`` refuses every mutual-TLS call like a stopped control plane. Backups
-are kept in memory (``have_segments`` ... ``prune``).
+``down`` refuses every mutual-TLS call like a stopped control plane. The
+backup RPCs run the control plane's own backup domain
+(:class:`controlplane.backups.MachineBackups`) on a memory store.
 
 The pin check before a join is a real TLS handshake, so join tests serve
 :func:`serve_pin_check` (a bare TLS listener presenting the server chain).
@@ -32,13 +33,14 @@ import contextlib
 import datetime as dt
 import ssl
 import tempfile
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import grpc.aio
 
+from controlplane.backups import MachineBackups
 from machine.link_client import (
     AgentRoster,
     BackupEntry,
@@ -51,9 +53,10 @@ from machine.link_client import (
 )
 from shared import tls
 from shared.crypto import BoxKeyPair
-from shared.errors import AgentsError, InvalidState, NotFound, Unauthenticated
+from shared.errors import AgentsError, InvalidState, Unauthenticated
 from shared.ids import new_id
 from shared.rpc import _DETAILS_KEY, _rich_status, status_for
+from shared.store import MemoryStore
 
 __all__ = [
     "FakeControlPlane",
@@ -274,72 +277,72 @@ class FakeLinkClient:
     def connect(self) -> FakeStream:
         return FakeStream(self._fake, self)
 
-    # Backups, kept in memory per machine.
+    # Backups: the control plane's own domain (controlplane.backups) on a memory
+    # store, its errors as the servicer's interceptor sends them.
+
+    async def _backups(self, rpc: str, machine_id: str = "") -> tuple[str, str]:
+        """(account, owner) of a backup call: the caller's, or a source it names."""
+        peer = await self._mutual(rpc)
+        try:
+            owner = await self._fake.backups.source(peer.account_id, peer.machine_id, machine_id)
+        except AgentsError as e:
+            raise domain_rpc_error(e) from None
+        return peer.account_id, owner
 
     async def have_segments(self, names: Iterable[str], *, timeout: float) -> dict[str, int]:
-        peer = await self._mutual("have_segments")
-        held = self._fake.segments.setdefault(peer.machine_id, {})
-        return {n: len(held[n]) for n in names if n in held}
+        account, me = await self._backups("have_segments")
+        with _as_rpc_error():
+            return await self._fake.backups.have_segments(account, me, list(names))
 
     async def put_segment(
         self, name: str, size: int, data: AsyncIterable[bytes], *, timeout: float
     ) -> int:
-        peer = await self._mutual("put_segment")
-        body = b"".join([chunk async for chunk in data])
-        if len(body) != size:
-            raise domain_rpc_error(InvalidState("segment", f"{len(body)} bytes, header {size}"))
-        self._fake.segments.setdefault(peer.machine_id, {})[name] = body
-        return size
+        account, me = await self._backups("put_segment")
+        with _as_rpc_error():
+            return await self._fake.backups.put_segment(
+                account, me, name, data, declared=size or None
+            )
 
     async def put_manifest(
         self, backup_id: str, blob: bytes, names: Iterable[str], *, timeout: float
     ) -> None:
-        peer = await self._mutual("put_manifest")
-        held = self._fake.segments.get(peer.machine_id, {})
-        missing = [n for n in names if n not in held]
-        if missing:
-            raise domain_rpc_error(InvalidState("backup", f"missing segment {missing[0]}"))
-        self._fake.manifests.setdefault(peer.machine_id, {})[backup_id] = (blob, list(names))
+        account, me = await self._backups("put_manifest")
+        with _as_rpc_error():
+            await self._fake.backups.put_manifest(account, me, backup_id, blob, list(names))
 
     async def list_backups(self, machine_id: str = "", *, timeout: float) -> list[BackupEntry]:
-        owner = self._owner(await self._mutual("list_backups"), machine_id)
-        kept = self._fake.manifests.get(owner, {})
-        return [BackupEntry(b, owner, len(kept[b][0])) for b in reversed(kept)]
+        account, owner = await self._backups("list_backups", machine_id)
+        with _as_rpc_error():
+            infos = await self._fake.backups.list_manifests(account, owner)
+        # Newest first, like the servicer.
+        return [BackupEntry(i.backup_id, owner, i.size) for i in reversed(infos)]
 
     async def get_manifest(self, backup_id: str, machine_id: str = "", *, timeout: float) -> bytes:
-        owner = self._owner(await self._mutual("get_manifest"), machine_id)
-        kept = self._fake.manifests.get(owner, {})
-        if backup_id not in kept:
-            raise domain_rpc_error(NotFound("backup", backup_id))
-        return kept[backup_id][0]
+        account, owner = await self._backups("get_manifest", machine_id)
+        with _as_rpc_error():
+            return await self._fake.backups.get_manifest(account, owner, backup_id)
 
     async def get_segment(
         self, name: str, machine_id: str = "", *, timeout: float
     ) -> AsyncIterator[bytes]:
-        owner = self._owner(await self._mutual("get_segment"), machine_id)
-        held = self._fake.segments.get(owner, {})
-        if name not in held:
-            raise domain_rpc_error(NotFound("segment", name))
-        yield held[name]
+        account, owner = await self._backups("get_segment", machine_id)
+        with _as_rpc_error():
+            async for chunk in self._fake.backups.get_segment(account, owner, name):
+                yield chunk
 
     async def prune(self, keep: int, *, timeout: float) -> tuple[list[str], int]:
-        peer = await self._mutual("prune")
-        kept = self._fake.manifests.get(peer.machine_id, {})
-        doomed = list(kept)[: max(0, len(kept) - keep)]
-        for backup_id in doomed:
-            del kept[backup_id]
-        used = {n for _, names in kept.values() for n in names}
-        held = self._fake.segments.get(peer.machine_id, {})
-        unused = [n for n in held if n not in used]
-        for n in unused:
-            del held[n]
-        return list(reversed(doomed)), len(unused)
+        account, me = await self._backups("prune")
+        with _as_rpc_error():
+            result = await self._fake.backups.prune(account, me, keep)
+        return list(result.manifests), result.segments
 
-    def _owner(self, peer: tls.PeerIdentity, machine_id: str) -> str:
-        # Another account's machine answers like a missing one (the real rule).
-        if machine_id and self._fake.accounts.get(machine_id) != peer.account_id:
-            raise domain_rpc_error(NotFound("machine", machine_id))
-        return machine_id or peer.machine_id
+
+@contextlib.contextmanager
+def _as_rpc_error() -> Iterator[None]:
+    try:
+        yield
+    except AgentsError as e:
+        raise domain_rpc_error(e) from None
 
 
 def _utc_now() -> dt.datetime:
@@ -389,8 +392,8 @@ class FakeControlPlane:
         """The certificates renewals handed out, in order."""
         self.connects = 0
         self.streams: list[Stream] = []
-        self.segments: dict[str, dict[str, bytes]] = {}
-        self.manifests: dict[str, dict[str, tuple[bytes, list[str]]]] = {}
+        self.backups = MachineBackups(MemoryStore(), exists=self._exists)
+        """Backups kept (the control plane's own domain, on a memory store)."""
 
     # -------------------------------------------------------------- dialers
 
@@ -403,6 +406,9 @@ class FakeControlPlane:
     ) -> FakeLinkClient:
         """A :class:`~machine.link_client.LinkDialer`."""
         return FakeLinkClient(self, target, ca_pem, cert_pem, key_pem)
+
+    async def _exists(self, account_id: str, machine_id: str) -> bool:
+        return self.accounts.get(machine_id) == account_id
 
     def trusted_cas(self) -> bytes:
         """The CAs whose client certificates the link listener accepts."""
