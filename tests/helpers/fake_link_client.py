@@ -356,7 +356,7 @@ class FakeControlPlane:
         self,
         ca: tls.CertKey,
         *,
-        heartbeat_ms: int = 100,
+        heartbeat_ms: int = 25,
         link_address: str = "127.0.0.1:7444",
         clock: Callable[[], dt.datetime] = _utc_now,
     ) -> None:
