@@ -62,6 +62,7 @@ __all__ = [
     "FakeControlPlane",
     "FakeLinkClient",
     "FakeStream",
+    "GOOD_SECRET",
     "Hello",
     "Stream",
     "domain_rpc_error",
@@ -70,6 +71,7 @@ __all__ = [
 ]
 
 GOOD_SECRET = "s" * 43
+"""A well-formed token secret (a token is ``<tok_id>.<secret>``)."""
 
 
 def rpc_error(

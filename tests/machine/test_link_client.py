@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import inspect
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from machine.link_client import (
     Delivery,
     DeliveryAck,
     LinkClient,
+    LinkStream,
     MachineInfo,
     RenewNow,
     Revoked,
@@ -44,7 +46,7 @@ from shared.errors import InvalidState, Unauthenticated
 from shared.ids import new_id
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from shared.rpc import ErrorInterceptor, domain_error
-from tests.helpers.fake_link_client import GOOD_SECRET
+from tests.helpers.fake_link_client import GOOD_SECRET, FakeLinkClient, FakeStream
 from tests.helpers.poll import apoll_until
 
 
@@ -418,3 +420,19 @@ async def test_join_and_link_over_real_tls(control: Running, tmp_path: Path) -> 
         assert stream.hello.agent_count == 2
     await _until(lambda: stream.ended_by_client)
     assert link.state is LinkState.STOPPED
+
+
+@pytest.mark.parametrize(("real", "fake"), [(LinkClient, FakeLinkClient), (LinkStream, FakeStream)])
+def test_the_fake_has_the_real_clients_methods(real: type, fake: type) -> None:
+    """The fake keeps up with the client (tests are not type-checked strictly)."""
+    for name, method in vars(real).items():
+        if name.startswith("_") or isinstance(method, classmethod):
+            continue
+        params = list(inspect.signature(method).parameters.values())
+        twin = list(inspect.signature(getattr(fake, name)).parameters.values())
+        assert [(p.name, p.kind, p.default) for p in params] == [
+            (p.name, p.kind, p.default) for p in twin
+        ], name
+        assert inspect.iscoroutinefunction(method) == inspect.iscoroutinefunction(
+            getattr(fake, name)
+        ), name
