@@ -98,6 +98,13 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
 
 
+def _verbs(
+    sub: argparse._SubParsersAction[CliParser], cmd: str, text: str
+) -> argparse._SubParsersAction[CliParser]:
+    """The verbs of a command (``agents-control CMD VERB``); ``text`` is its help."""
+    return sub.add_parser(cmd, help=text).add_subparsers(dest="verb", parser_class=CliParser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command tree."""
     root = CliParser(prog=PROG, description="The agents control plane.")
@@ -126,9 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "machines, queues and backups (machines then re-pair: `machine repair`)",
     )
 
-    rk = sub.add_parser("recovery-key", help="the operator recovery key").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    rk = _verbs(sub, "recovery-key", "the operator recovery key")
     p = rk.add_parser("new", help="make a recovery key pair; the private half goes to --out")
     p.add_argument("--out", required=True, help="new file for the private key (0600; kept offline)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -160,9 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repair", action="store_true", help="fix what can be fixed (serve stopped)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    acc = sub.add_parser("account", help="accounts").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    acc = _verbs(sub, "account", "accounts")
     p = acc.add_parser("create", help="create an account")
     _common(p)
     p.add_argument("--github-id", type=_github_id, required=True, help="GitHub numeric user id")
@@ -181,9 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("account_id", help="the account's id (acct_…)")
 
-    tok = sub.add_parser("token", help="join tokens").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    tok = _verbs(sub, "token", "join tokens")
     p = tok.add_parser("create", help="create a join token and print the join command")
     _common(p)
     p.add_argument("--account", required=True, help="account id")
@@ -196,9 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("token_id", help="the token's id (tok_…)")
 
-    mac = sub.add_parser("machine", help="machines").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    mac = _verbs(sub, "machine", "machines")
     p = mac.add_parser("list", help="list machines")
     _common(p)
     p.add_argument("--account", default="", help="account id")
@@ -228,8 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("machine_id", help="the machine's id (mc_…)")
     p.add_argument("name", help="the new name")
 
-    pr = sub.add_parser("prompt", help="prompts for machines (queued while they are off)")
-    prv = pr.add_subparsers(dest="verb", parser_class=CliParser)
+    prv = _verbs(sub, "prompt", "prompts for machines (queued while they are off)")
     p = prv.add_parser("send", help="send a prompt to an agent of a machine")
     _common(p)
     p.add_argument("--machine", required=True, help="the machine's id (mc_…)")
@@ -244,24 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--machine", required=True, help="the machine's id (mc_…)")
 
-    cred = sub.add_parser("credential", help="admin credentials").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    cred = _verbs(sub, "credential", "admin credentials")
     p = cred.add_parser("create", help="create an account-scoped admin credential")
     _common(p)
     p.add_argument("--account", required=True, help="account id")
     p.add_argument("--label", default="account admin", help="a label to recognise it by")
 
-    cert = sub.add_parser("cert", help="the server TLS certificate").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    cert = _verbs(sub, "cert", "the server TLS certificate")
     p = cert.add_parser(
         "rotate-server", help="issue a new server certificate under the same CA (no re-pairing)"
     )
     _common(p)
-    ca = sub.add_parser("ca", help="the certificate authority").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    ca = _verbs(sub, "ca", "the certificate authority")
     p = ca.add_parser(
         "rollover", help="start a CA rollover (or report on it); machines renew by themselves"
     )
