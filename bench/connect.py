@@ -57,7 +57,7 @@ async def _wait(pred: Any, timeout: float, what: str, step: float = 0.02) -> flo
 
 
 async def _online_count(client: AdminClient, account_id: str) -> int:
-    return sum(1 for m in await client.list_machines(account_id) if m["online"])
+    return sum(1 for m in await client.list_machines(account_id) if m.online)
 
 
 async def bench_join(
@@ -78,11 +78,11 @@ async def bench_join(
                     "--data-dir",
                     str(tmp / f"join-{i}"),
                     "join",
-                    reply["join_address"],
+                    reply.join_address,
                     "--token",
-                    reply["token_value"],
+                    reply.token_value,
                     "--ca-hash",
-                    reply["ca_hash"],
+                    reply.ca_hash,
                 ],
                 stdout=f,
                 stderr=subprocess.STDOUT,
@@ -204,7 +204,7 @@ async def main_async(args: argparse.Namespace) -> int:
         try:
             start_serve(cp)
             async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=30) as client:
-                account_id = (await client.create_account(1, "bench"))["account"]["account_id"]
+                account_id = (await client.create_account(1, "bench")).account.account_id
                 timings = await bench_join(client, account_id, tmp, args.joins)
                 print(f"(a) join -> listed online, {len(timings)} real agents-machine processes:")
                 for start_to_online, joined_to_online in timings:
@@ -218,9 +218,9 @@ async def main_async(args: argparse.Namespace) -> int:
             assert cp.process is not None
             figures = await bench_streams(
                 cp.process.pid,
-                reply["join_address"],
-                reply["ca_hash"],
-                reply["token_value"],
+                reply.join_address,
+                reply.ca_hash,
+                reply.token_value,
                 tmp,
                 args.streams,
                 args.window,

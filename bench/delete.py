@@ -97,18 +97,18 @@ async def bench_deletion(
     client: AdminClient, s3: Any, mac: bytes, objects: int, round_no: int
 ) -> float:
     reply = await client.create_account(1000 + round_no, f"bench{round_no}")
-    account_id = reply["account"]["account_id"]
+    account_id = reply.account.account_id
     keys = [f"{PREFIX}accounts/{account_id}/backups/seg_{i:06d}.json" for i in range(objects)]
     _fill(s3, keys, mac)
     start = time.perf_counter()
-    state = (await client.delete_account(account_id))["state"]
+    state = (await client.delete_account(account_id)).state
     while state != "deleted":
         if time.perf_counter() - start > DEADLINE:
             raise SystemExit(f"bench: deletion not finished within {DEADLINE}s")
         # Each poll is a store read on the same server: poll gently (the figure is
         # at most one step low).
         await asyncio.sleep(0.05)
-        state = (await client.get_deletion(account_id))["state"]
+        state = (await client.get_deletion(account_id)).state
     elapsed = time.perf_counter() - start
     left = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{PREFIX}accounts/{account_id}/")
     if left.get("KeyCount", 0):

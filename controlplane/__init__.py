@@ -10,6 +10,7 @@ modules by name; this package imports nothing at import time.
 __all__ = [
     "accounts",
     "admin_servicer",
+    "admin_types",
     "audit",
     "authz",
     "bootstrap",

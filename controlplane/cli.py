@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import json
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from controlplane.admin_types import Account, Machine, NewJoinToken, rfc3339
 from controlplane.adopt import adopt_control_plane
 from controlplane.bootstrap import init_control_plane
 from controlplane.client import AdminClient, ControlPlaneUnreachable
@@ -98,6 +98,13 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
 
 
+def _verbs(
+    sub: argparse._SubParsersAction[CliParser], cmd: str, text: str
+) -> argparse._SubParsersAction[CliParser]:
+    """The verbs of a command (``agents-control CMD VERB``); ``text`` is its help."""
+    return sub.add_parser(cmd, help=text).add_subparsers(dest="verb", parser_class=CliParser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command tree."""
     root = CliParser(prog=PROG, description="The agents control plane.")
@@ -126,9 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "machines, queues and backups (machines then re-pair: `machine repair`)",
     )
 
-    rk = sub.add_parser("recovery-key", help="the operator recovery key").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    rk = _verbs(sub, "recovery-key", "the operator recovery key")
     p = rk.add_parser("new", help="make a recovery key pair; the private half goes to --out")
     p.add_argument("--out", required=True, help="new file for the private key (0600; kept offline)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -160,9 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repair", action="store_true", help="fix what can be fixed (serve stopped)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    acc = sub.add_parser("account", help="accounts").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    acc = _verbs(sub, "account", "accounts")
     p = acc.add_parser("create", help="create an account")
     _common(p)
     p.add_argument("--github-id", type=_github_id, required=True, help="GitHub numeric user id")
@@ -181,9 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("account_id", help="the account's id (acct_…)")
 
-    tok = sub.add_parser("token", help="join tokens").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    tok = _verbs(sub, "token", "join tokens")
     p = tok.add_parser("create", help="create a join token and print the join command")
     _common(p)
     p.add_argument("--account", required=True, help="account id")
@@ -196,9 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("token_id", help="the token's id (tok_…)")
 
-    mac = sub.add_parser("machine", help="machines").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    mac = _verbs(sub, "machine", "machines")
     p = mac.add_parser("list", help="list machines")
     _common(p)
     p.add_argument("--account", default="", help="account id")
@@ -228,8 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("machine_id", help="the machine's id (mc_…)")
     p.add_argument("name", help="the new name")
 
-    pr = sub.add_parser("prompt", help="prompts for machines (queued while they are off)")
-    prv = pr.add_subparsers(dest="verb", parser_class=CliParser)
+    prv = _verbs(sub, "prompt", "prompts for machines (queued while they are off)")
     p = prv.add_parser("send", help="send a prompt to an agent of a machine")
     _common(p)
     p.add_argument("--machine", required=True, help="the machine's id (mc_…)")
@@ -244,24 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--machine", required=True, help="the machine's id (mc_…)")
 
-    cred = sub.add_parser("credential", help="admin credentials").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    cred = _verbs(sub, "credential", "admin credentials")
     p = cred.add_parser("create", help="create an account-scoped admin credential")
     _common(p)
     p.add_argument("--account", required=True, help="account id")
     p.add_argument("--label", default="account admin", help="a label to recognise it by")
 
-    cert = sub.add_parser("cert", help="the server TLS certificate").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    cert = _verbs(sub, "cert", "the server TLS certificate")
     p = cert.add_parser(
         "rotate-server", help="issue a new server certificate under the same CA (no re-pairing)"
     )
     _common(p)
-    ca = sub.add_parser("ca", help="the certificate authority").add_subparsers(
-        dest="verb", parser_class=CliParser
-    )
+    ca = _verbs(sub, "ca", "the certificate authority")
     p = ca.add_parser(
         "rollover", help="start a CA rollover (or report on it); machines renew by themselves"
     )
@@ -306,21 +298,16 @@ def _client(cfg: ControlConfig) -> AdminClient:
     return AdminClient(_address(cfg), load_ca_cert(cfg.home), cfg.credential)
 
 
-def _pubkey(b64: str) -> str:
-    raw = base64.b64decode(b64) if b64 else b""
-    return encode_public_key(raw) if len(raw) == 32 else ""
+def _account_view(a: Account) -> dict[str, Any]:
+    """An account as printed: its recovery public key as ``agpk1_…`` ("" when not a key)."""
+    raw = a.recovery_public_key
+    return {**a.to_json(), "recovery_public_key": encode_public_key(raw) if len(raw) == 32 else ""}
 
 
-def _account_view(a: dict[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    out["recovery_public_key"] = _pubkey(str(a.get("recovery_public_key", "")))
-    return out
-
-
-def _join_command(reply: dict[str, Any]) -> str:
+def _join_command(reply: NewJoinToken) -> str:
     return (
-        f"agents-machine join {reply['join_address']} --token {reply['token_value']} "
-        f"--ca-hash {reply['ca_hash']}"
+        f"agents-machine join {reply.join_address} --token {reply.token_value} "
+        f"--ca-hash {reply.ca_hash}"
     )
 
 
@@ -339,6 +326,15 @@ def _emit(ctx: _Ctx, data: dict[str, Any], *text: str) -> int:
         ctx.out.json(data)
     else:
         ctx.out.lines(*text)
+    return ExitCode.OK
+
+
+def _once(ctx: _Ctx, data: dict[str, Any], line: str, note: str) -> int:
+    """What is shown once: ``data`` as JSON with --json, else ``line`` alone on stdout
+    (so ``$(…)`` gets just that) and ``note``, what it is, on stderr."""
+    _emit(ctx, data, line)
+    if not ctx.out.as_json:
+        ctx.out.note(note)
     return ExitCode.OK
 
 
@@ -398,13 +394,13 @@ async def _recovery_key_new(ctx: _Ctx) -> int:
     out = Path(ctx.args.out)
     write_recovery_key(out, pair, "the control plane's key bundle (agents-control restore)")
     public = encode_public_key(pair.public_key)
-    _emit(ctx, {"public_key": public, "private_key_file": str(out)}, public)
-    if not ctx.out.as_json:
-        ctx.out.note(
-            f"private key written to {out} (0600): keep it offline; give the public key "
-            "above to `agents-control init --recovery-public-key`"
-        )
-    return ExitCode.OK
+    return _once(
+        ctx,
+        {"public_key": public, "private_key_file": str(out)},
+        public,
+        f"private key written to {out} (0600): keep it offline; give the public key "
+        "above to `agents-control init --recovery-public-key`",
+    )
 
 
 async def _adopt(ctx: _Ctx) -> int:
@@ -489,8 +485,8 @@ async def _account_create(ctx: _Ctx) -> int:
     public = decode_public_key(args.recovery_public_key) if args.recovery_public_key else b""
     async with _client(ctx.cfg) as c:
         reply = await c.create_account(args.github_id, args.github_login, public)
-    acct = _account_view(reply["account"])
-    private = base64.b64decode(reply.get("recovery_private_key") or "")
+    acct = _account_view(reply.account)
+    private = reply.recovery_private_key
     if ctx.out.as_json:
         if private:
             acct["recovery_private_key"] = encode_private_key(private)
@@ -516,21 +512,20 @@ async def _account_show(ctx: _Ctx) -> int:
 
 async def _account_list(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
-        accounts = [_account_view(a) for a in await c.list_accounts()]
+        accounts = await c.list_accounts()
     rows = [
         [
-            a["account_id"],
-            a["github_login"],
-            str(a["github_user_id"]),
-            a.get("signed_up_at") or "",
-            a["state"],
+            a.account_id,
+            a.github_login,
+            str(a.github_user_id),
+            rfc3339(a.signed_up_at) or "",
+            a.state,
         ]
         for a in accounts
     ]
     columns = [Column("account", whole=True), Column("login"), Column("github id", whole=True)]
-    return _listing(
-        ctx, "accounts", accounts, [*columns, Column("signed up"), Column("state")], rows
-    )
+    views = [_account_view(a) for a in accounts]
+    return _listing(ctx, "accounts", views, [*columns, Column("signed up"), Column("state")], rows)
 
 
 async def _token_create(ctx: _Ctx) -> int:
@@ -539,48 +534,46 @@ async def _token_create(ctx: _Ctx) -> int:
     ttl = 0 if args.ttl is None else args.ttl
     async with _client(ctx.cfg) as c:
         reply = await c.create_token(args.account, ttl, args.uses)
-    command = _join_command(reply)
-    token = reply["token"]
-    _emit(ctx, {**reply, "join_command": command}, command)
-    if not ctx.out.as_json:
-        ctx.out.note(
-            f"token {token['token_id']} for {token['account_id']}, expires "
-            f"{token['expires_at']}, uses {token['max_uses']}: run the command above on "
-            "the machine (shown once)"
-        )
-    return ExitCode.OK
+    token = reply.token
+    return _join_once(
+        ctx,
+        reply,
+        _join_command(reply),
+        f"token {token.token_id} for {token.account_id}, expires {rfc3339(token.expires_at)}, "
+        f"uses {token.max_uses}: run the command above on the machine (shown once)",
+    )
+
+
+def _join_once(ctx: _Ctx, reply: NewJoinToken, command: str, note: str) -> int:
+    """A new token's join ``command`` (shown once), with the reply under --json."""
+    return _once(ctx, {**reply.to_json(), "join_command": command}, command, note)
 
 
 async def _token_list(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         tokens = await c.list_tokens(ctx.args.account)
     rows = [
-        [
-            t["token_id"],
-            t["account_id"],
-            t["state"],
-            f"{t['uses']}/{t['max_uses']}",
-            t.get("expires_at") or "",
-        ]
+        [t.token_id, t.account_id, t.state, f"{t.uses}/{t.max_uses}", rfc3339(t.expires_at) or ""]
         for t in tokens
     ]
     columns = [Column("token", whole=True), Column("account", whole=True), Column("state")]
-    return _listing(ctx, "tokens", tokens, [*columns, Column("uses"), Column("expires")], rows)
+    more = [Column("uses"), Column("expires")]
+    return _listing(ctx, "tokens", [t.to_json() for t in tokens], [*columns, *more], rows)
 
 
 async def _token_revoke(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         reply = await c.revoke_token(ctx.args.token_id)
-    return _emit(ctx, reply, f"token {reply['token_id']} revoked")
+    return _emit(ctx, reply.to_json(), f"token {reply.token_id} revoked")
 
 
-def _wake(m: dict[str, Any]) -> str:
+def _wake(m: Machine) -> str:
     """When a schedule of the machine wakes it (through its provider), or why not."""
-    if not m.get("next_fire_at"):
+    if m.next_fire_at is None:
         return "-"
-    if not m.get("has_provider"):
+    if not m.has_provider:
         return "no provider set"
-    return str(m.get("next_wake_at") or "-")
+    return rfc3339(m.next_wake_at) or "-"
 
 
 async def _machine_list(ctx: _Ctx) -> int:
@@ -588,19 +581,13 @@ async def _machine_list(ctx: _Ctx) -> int:
         machines = await c.list_machines(ctx.args.account)
     rows = [
         [
-            m["machine_id"],
-            m["name"],
-            m["account_id"],
-            "revoked"
-            if m["revoked"]
-            else "online"
-            if m["online"]
-            else "starting"
-            if m.get("starting")
-            else "offline",
-            m.get("last_seen_at") or "-",
-            m["version"],
-            str(m["agent_count"]),
+            m.machine_id,
+            m.name,
+            m.account_id,
+            m.presence,
+            rfc3339(m.last_seen_at) or "-",
+            m.version,
+            str(m.agent_count),
             _wake(m),
         ]
         for m in machines
@@ -608,24 +595,24 @@ async def _machine_list(ctx: _Ctx) -> int:
     columns = [Column("machine", whole=True), Column("name"), Column("account", whole=True)]
     more = [Column("status"), Column("last seen"), Column("version"), Column("agents")]
     more.append(Column("next wake"))
-    return _listing(ctx, "machines", machines, [*columns, *more], rows)
+    return _listing(ctx, "machines", [m.to_json() for m in machines], [*columns, *more], rows)
 
 
 async def _machine_show(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
-        return _record(ctx, await c.get_machine(ctx.args.machine_id))
+        return _record(ctx, (await c.get_machine(ctx.args.machine_id)).to_json())
 
 
 async def _machine_rename(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         reply = await c.rename_machine(ctx.args.machine_id, ctx.args.name)
-    return _emit(ctx, reply, f"machine {reply['machine_id']} renamed to {reply['name']}")
+    return _emit(ctx, reply.to_json(), f"machine {reply.machine_id} renamed to {reply.name}")
 
 
 async def _machine_revoke(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         reply = await c.revoke_machine(ctx.args.machine_id)
-    return _emit(ctx, reply, f"machine {reply['machine_id']} revoked")
+    return _emit(ctx, reply.to_json(), f"machine {reply.machine_id} revoked")
 
 
 async def _machine_repair(ctx: _Ctx) -> int:
@@ -634,15 +621,14 @@ async def _machine_repair(ctx: _Ctx) -> int:
         reply = await c.create_repair_token(ctx.args.machine_id, ttl)
     # The new box restores the machine's newest backup with the account's recovery key.
     command = _join_command(reply) + " --recovery-key RECOVERY-KEY-FILE"
-    token = reply["token"]
-    _emit(ctx, {**reply, "join_command": command}, command)
-    if not ctx.out.as_json:
-        ctx.out.note(
-            f"repair token {token['token_id']} for machine {ctx.args.machine_id}, expires "
-            f"{token['expires_at']}: run the command above on the NEW machine (shown once); "
-            "the old machine's certificate is refused once it joins"
-        )
-    return ExitCode.OK
+    return _join_once(
+        ctx,
+        reply,
+        command,
+        f"repair token {reply.token.token_id} for machine {ctx.args.machine_id}, expires "
+        f"{rfc3339(reply.token.expires_at)}: run the command above on the NEW machine "
+        "(shown once); the old machine's certificate is refused once it joins",
+    )
 
 
 async def _machine_provider(ctx: _Ctx) -> int:
@@ -653,19 +639,19 @@ async def _machine_provider(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         reply = await c.set_provider(args.machine_id, name, args.settings)
     what = f"provider {name} set" if name else "provider cleared"
-    return _emit(ctx, reply, f"machine {reply['machine_id']}: {what}")
+    return _emit(ctx, reply.to_json(), f"machine {reply.machine_id}: {what}")
 
 
 async def _credential_create(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         reply = await c.create_credential(ctx.args.account, ctx.args.label)
-    _emit(ctx, reply, reply["credential"])
-    if not ctx.out.as_json:
-        ctx.out.note(
-            f"credential {reply['credential_id']} for {reply['account_id']} "
-            "(shown ONCE, stored only as a hash)"
-        )
-    return ExitCode.OK
+    return _once(
+        ctx,
+        reply.to_json(),
+        reply.credential,
+        f"credential {reply.credential_id} for {reply.account_id} "
+        "(shown ONCE, stored only as a hash)",
+    )
 
 
 #: Seconds between two progress reads of ``account delete --wait``.
@@ -675,15 +661,15 @@ _DELETION_POLL = 0.5
 async def _account_delete(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         deletion = await c.delete_account(ctx.args.account_id)
-        while ctx.args.wait and deletion.get("state") != "deleted":
+        while ctx.args.wait and deletion.state != "deleted":
             await asyncio.sleep(_DELETION_POLL)  # the daemon does the work; we only watch
             deletion = await c.get_deletion(ctx.args.account_id)
-    return _record(ctx, deletion)
+    return _record(ctx, deletion.to_json())
 
 
 async def _account_deletion(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
-        return _record(ctx, await c.get_deletion(ctx.args.account_id))
+        return _record(ctx, (await c.get_deletion(ctx.args.account_id)).to_json())
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -701,35 +687,34 @@ async def _prompt_send(ctx: _Ctx) -> int:
     text = _prompt_text(args)
     async with _client(ctx.cfg) as c:
         reply = await c.send_prompt(args.machine, args.agent, text, args.idempotency_key)
-    line = f"prompt {reply['prompt_id']} {reply['state']}"
-    if reply.get("run_id"):
-        line += f" (run {reply['run_id']})"
-    return _emit(ctx, reply, line)
+    line = f"prompt {reply.prompt_id} {reply.state}"
+    if reply.run_id:
+        line += f" (run {reply.run_id})"
+    return _emit(ctx, reply.to_json(), line)
 
 
 async def _prompt_list(ctx: _Ctx) -> int:
     async with _client(ctx.cfg) as c:
         reply = await c.list_prompts(ctx.args.machine)
-    prompts = list(reply.get("prompts", []))
     if ctx.out.as_json:
-        ctx.out.json(reply)
+        ctx.out.json(reply.to_json())
         return ExitCode.OK
     rows = [
         [
-            p["prompt_id"],
-            p["agent_id"],
-            p["state"] + (f": {p['reason']}" if p.get("reason") else ""),
-            p.get("run_id") or "-",
-            f"{p['age_seconds']}s",
-            str(p["size"]),
+            p.prompt_id,
+            p.agent_id,
+            p.state + (f": {p.reason}" if p.reason else ""),
+            p.run_id or "-",
+            f"{p.age_seconds}s",
+            str(p.size),
         ]
-        for p in prompts
+        for p in reply.prompts
     ]
     columns = [Column("prompt", whole=True), Column("agent", whole=True), Column("state")]
     more = [Column("run", whole=True), Column("age"), Column("size")]
     ctx.out.table([*columns, *more], rows)
-    if reply.get("provider_error"):
-        ctx.out.note(f"provider: {reply['provider_error']}")
+    if reply.provider_error:
+        ctx.out.note(f"provider: {reply.provider_error}")
     return ExitCode.OK
 
 

@@ -1,6 +1,7 @@
 """The CLI's client for the Admin service: TLS trusting our CA, bearer credential.
 
-Replies come back as plain dicts (protobuf field names), so protobuf stops here.
+Replies come back as the dataclasses of :mod:`controlplane.admin_types`, so
+protobuf stops here.
 """
 
 from __future__ import annotations
@@ -13,8 +14,18 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
+from controlplane.admin_types import (
+    Account,
+    Deletion,
+    JoinToken,
+    Machine,
+    NewAccount,
+    NewCredential,
+    NewJoinToken,
+    PromptQueue,
+    SentPrompt,
+)
 from controlplane.rotation import RolloverState, ServerRotated
-from shared.cli import message_dict
 from shared.errors import TransientError
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc
 from shared.rpc import domain_error
@@ -44,11 +55,6 @@ def _from_transport(exc: grpc.aio.AioRpcError) -> bool:
     return not any(item[0] == _DETAILS_KEY for item in trailers)
 
 
-def _dict(message: Message) -> dict[str, Any]:
-    # Every field present, 64-bit integers as numbers: the shape `--json` prints.
-    return message_dict(message)
-
-
 class AdminClient:
     """``async with AdminClient(address, ca_pem, credential) as c: await c.list_machines()``."""
 
@@ -75,10 +81,8 @@ class AdminClient:
         if self._channel is not None:
             await self._channel.close(None)
 
-    async def _call(self, method: Any, request: Message) -> dict[str, Any]:
-        return _dict(await self._raw(method, request))
-
-    async def _raw(self, method: Any, request: Message) -> Any:
+    async def _call(self, method: Any, request: Message) -> Any:
+        """The reply message of one call; its type is the RPC's (the stubs do not say)."""
         try:
             # The generated stubs are typed for the sync API; on an aio channel they await.
             reply: Message = await method(request, metadata=self._metadata, timeout=self._timeout)
@@ -99,146 +103,121 @@ class AdminClient:
 
     async def create_account(
         self, github_user_id: int, github_login: str, recovery_public_key: bytes = b""
-    ) -> dict[str, Any]:
-        """CreateAccount."""
-        return await self._call(
-            self.stub.CreateAccount,
-            admin_pb2.CreateAccountRequest(
-                github_user_id=github_user_id,
-                github_login=github_login,
-                recovery_public_key=recovery_public_key,
-            ),
+    ) -> NewAccount:
+        """CreateAccount (with the recovery private key when the server made the pair)."""
+        request = admin_pb2.CreateAccountRequest(
+            github_user_id=github_user_id,
+            github_login=github_login,
+            recovery_public_key=recovery_public_key,
         )
+        return NewAccount.from_pb(await self._call(self.stub.CreateAccount, request))
 
-    async def get_account(self, account_id: str) -> dict[str, Any]:
+    async def get_account(self, account_id: str) -> Account:
         """GetAccount."""
-        return await self._call(
-            self.stub.GetAccount, admin_pb2.GetAccountRequest(account_id=account_id)
-        )
+        request = admin_pb2.GetAccountRequest(account_id=account_id)
+        return Account.from_pb(await self._call(self.stub.GetAccount, request))
 
-    async def list_accounts(self) -> list[dict[str, Any]]:
-        """ListAccounts."""
+    async def list_accounts(self) -> list[Account]:
+        """ListAccounts, oldest first."""
         reply = await self._call(self.stub.ListAccounts, admin_pb2.ListAccountsRequest())
-        return list(reply.get("accounts", []))
+        return [Account.from_pb(a) for a in reply.accounts]
 
-    async def delete_account(self, account_id: str) -> dict[str, Any]:
+    async def delete_account(self, account_id: str) -> Deletion:
         """DeleteAccount: the deletion's state after the call."""
-        reply = await self._call(
-            self.stub.DeleteAccount, admin_pb2.DeleteAccountRequest(account_id=account_id)
-        )
-        return dict(reply["deletion"])
+        request = admin_pb2.DeleteAccountRequest(account_id=account_id)
+        reply = await self._call(self.stub.DeleteAccount, request)
+        return Deletion.from_pb(reply.deletion)
 
-    async def get_deletion(self, account_id: str) -> dict[str, Any]:
+    async def get_deletion(self, account_id: str) -> Deletion:
         """GetDeletion."""
-        return await self._call(
-            self.stub.GetDeletion, admin_pb2.GetDeletionRequest(account_id=account_id)
-        )
+        request = admin_pb2.GetDeletionRequest(account_id=account_id)
+        return Deletion.from_pb(await self._call(self.stub.GetDeletion, request))
 
     async def create_token(
         self, account_id: str, ttl_seconds: int = 0, max_uses: int = 0
-    ) -> dict[str, Any]:
-        """CreateJoinToken."""
-        return await self._call(
-            self.stub.CreateJoinToken,
-            admin_pb2.CreateJoinTokenRequest(
-                account_id=account_id, ttl_seconds=ttl_seconds, max_uses=max_uses
-            ),
+    ) -> NewJoinToken:
+        """CreateJoinToken (its secret value is in the reply only)."""
+        request = admin_pb2.CreateJoinTokenRequest(
+            account_id=account_id, ttl_seconds=ttl_seconds, max_uses=max_uses
         )
+        return NewJoinToken.from_pb(await self._call(self.stub.CreateJoinToken, request))
 
-    async def create_repair_token(self, machine_id: str, ttl_seconds: int = 0) -> dict[str, Any]:
+    async def create_repair_token(self, machine_id: str, ttl_seconds: int = 0) -> NewJoinToken:
         """CreateRepairToken."""
-        return await self._call(
-            self.stub.CreateRepairToken,
-            admin_pb2.CreateRepairTokenRequest(machine_id=machine_id, ttl_seconds=ttl_seconds),
-        )
+        request = admin_pb2.CreateRepairTokenRequest(machine_id=machine_id, ttl_seconds=ttl_seconds)
+        return NewJoinToken.from_pb(await self._call(self.stub.CreateRepairToken, request))
 
-    async def list_tokens(self, account_id: str = "") -> list[dict[str, Any]]:
-        """ListJoinTokens."""
-        reply = await self._call(
-            self.stub.ListJoinTokens, admin_pb2.ListJoinTokensRequest(account_id=account_id)
-        )
-        return list(reply.get("tokens", []))
+    async def list_tokens(self, account_id: str = "") -> list[JoinToken]:
+        """ListJoinTokens, oldest first."""
+        request = admin_pb2.ListJoinTokensRequest(account_id=account_id)
+        reply = await self._call(self.stub.ListJoinTokens, request)
+        return [JoinToken.from_pb(t) for t in reply.tokens]
 
-    async def revoke_token(self, token_id: str) -> dict[str, Any]:
+    async def revoke_token(self, token_id: str) -> JoinToken:
         """RevokeJoinToken."""
-        return await self._call(
-            self.stub.RevokeJoinToken, admin_pb2.RevokeJoinTokenRequest(token_id=token_id)
-        )
+        request = admin_pb2.RevokeJoinTokenRequest(token_id=token_id)
+        return JoinToken.from_pb(await self._call(self.stub.RevokeJoinToken, request))
 
-    async def list_machines(self, account_id: str = "") -> list[dict[str, Any]]:
-        """ListMachines."""
-        reply = await self._call(
-            self.stub.ListMachines, admin_pb2.ListMachinesRequest(account_id=account_id)
-        )
-        return list(reply.get("machines", []))
+    async def list_machines(self, account_id: str = "") -> list[Machine]:
+        """ListMachines, oldest first."""
+        request = admin_pb2.ListMachinesRequest(account_id=account_id)
+        reply = await self._call(self.stub.ListMachines, request)
+        return [Machine.from_pb(m) for m in reply.machines]
 
-    async def get_machine(self, machine_id: str) -> dict[str, Any]:
+    async def get_machine(self, machine_id: str) -> Machine:
         """GetMachine."""
-        return await self._call(
-            self.stub.GetMachine, admin_pb2.GetMachineRequest(machine_id=machine_id)
-        )
+        request = admin_pb2.GetMachineRequest(machine_id=machine_id)
+        return Machine.from_pb(await self._call(self.stub.GetMachine, request))
 
-    async def rename_machine(self, machine_id: str, name: str) -> dict[str, Any]:
+    async def rename_machine(self, machine_id: str, name: str) -> Machine:
         """RenameMachine."""
-        return await self._call(
-            self.stub.RenameMachine,
-            admin_pb2.RenameMachineRequest(machine_id=machine_id, name=name),
-        )
+        request = admin_pb2.RenameMachineRequest(machine_id=machine_id, name=name)
+        return Machine.from_pb(await self._call(self.stub.RenameMachine, request))
 
-    async def revoke_machine(self, machine_id: str) -> dict[str, Any]:
+    async def revoke_machine(self, machine_id: str) -> Machine:
         """RevokeMachine."""
-        return await self._call(
-            self.stub.RevokeMachine, admin_pb2.RevokeMachineRequest(machine_id=machine_id)
-        )
+        request = admin_pb2.RevokeMachineRequest(machine_id=machine_id)
+        return Machine.from_pb(await self._call(self.stub.RevokeMachine, request))
 
-    async def set_provider(
-        self, machine_id: str, provider: str, settings_json: str
-    ) -> dict[str, Any]:
+    async def set_provider(self, machine_id: str, provider: str, settings_json: str) -> Machine:
         """SetProvider."""
-        return await self._call(
-            self.stub.SetProvider,
-            admin_pb2.SetProviderRequest(
-                machine_id=machine_id, provider=provider, settings_json=settings_json
-            ),
+        request = admin_pb2.SetProviderRequest(
+            machine_id=machine_id, provider=provider, settings_json=settings_json
         )
+        return Machine.from_pb(await self._call(self.stub.SetProvider, request))
 
     async def send_prompt(
         self, machine_id: str, agent_id: str, text: str, idempotency_key: str = ""
-    ) -> dict[str, Any]:
+    ) -> SentPrompt:
         """SendPrompt."""
-        return await self._call(
-            self.stub.SendPrompt,
-            admin_pb2.SendPromptRequest(
-                machine_id=machine_id,
-                agent_id=agent_id,
-                text=text,
-                idempotency_key=idempotency_key,
-            ),
+        request = admin_pb2.SendPromptRequest(
+            machine_id=machine_id,
+            agent_id=agent_id,
+            text=text,
+            idempotency_key=idempotency_key,
         )
+        return SentPrompt.from_pb(await self._call(self.stub.SendPrompt, request))
 
-    async def list_prompts(self, machine_id: str) -> dict[str, Any]:
+    async def list_prompts(self, machine_id: str) -> PromptQueue:
         """ListPrompts (the prompts and the provider's last error)."""
-        return await self._call(
-            self.stub.ListPrompts, admin_pb2.ListPromptsRequest(machine_id=machine_id)
-        )
+        request = admin_pb2.ListPromptsRequest(machine_id=machine_id)
+        return PromptQueue.from_pb(await self._call(self.stub.ListPrompts, request))
 
-    async def create_credential(self, account_id: str, label: str) -> dict[str, Any]:
-        """CreateCredential."""
-        return await self._call(
-            self.stub.CreateCredential,
-            admin_pb2.CreateCredentialRequest(account_id=account_id, label=label),
-        )
+    async def create_credential(self, account_id: str, label: str) -> NewCredential:
+        """CreateCredential (its secret is in the reply only)."""
+        request = admin_pb2.CreateCredentialRequest(account_id=account_id, label=label)
+        return NewCredential.from_pb(await self._call(self.stub.CreateCredential, request))
 
     async def rotate_server_certificate(self) -> ServerRotated:
         """RotateServerCertificate (operator)."""
-        reply = await self._raw(
+        reply = await self._call(
             self.stub.RotateServerCertificate, admin_pb2.RotateServerCertificateRequest()
         )
         return ServerRotated(to_datetime(reply.not_after), reply.serial)
 
     async def rollover_ca(self, retire_old: bool = False) -> RolloverState:
         """RolloverCA (operator): start or report a rollover; retire the old CA."""
-        r = await self._raw(
+        r = await self._call(
             self.stub.RolloverCA, admin_pb2.RolloverCARequest(retire_old=retire_old)
         )
         return RolloverState(

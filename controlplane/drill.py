@@ -273,9 +273,9 @@ class Drill:
         await self._serving(self.serve)
         async with self.admin() as client:
             made = await client.create_account(424242, "drill")
-            self.account_id = str(made["account"]["account_id"])
+            self.account_id = made.account.account_id
             token = await client.create_token(self.account_id, 3600, len(self.machines))
-        address, value, ca_hash = token["join_address"], token["token_value"], token["ca_hash"]
+        address, value, ca_hash = token.join_address, token.token_value, token.ca_hash
         for machine in self.machines:
             self._start_machine(
                 machine,
@@ -312,7 +312,7 @@ class Drill:
                 listed = await client.list_machines(self.account_id)
         except AgentsError:
             return set()
-        return {str(m["machine_id"]) for m in listed if m["online"]}
+        return {m.machine_id for m in listed if m.online}
 
     async def wait_connected(self, deadline: float) -> None:
         """Until every machine is connected (by its joined machine id once known)."""
@@ -344,9 +344,9 @@ class Drill:
                     sent = await client.send_prompt(
                         machine.machine_id, machine.agent_id, f"drill prompt {i}", f"drill-{i}"
                     )
-                    if sent["state"] != "queued":
-                        raise InvalidState("drill", f"prompt was {sent['state']}, not queued")
-                    machine.prompts.append(str(sent["prompt_id"]))
+                    if sent.state != "queued":
+                        raise InvalidState("drill", f"prompt was {sent.state}, not queued")
+                    machine.prompts.append(sent.prompt_id)
 
     def lose_control_plane(self, keep_copy: Path | None = None) -> None:
         """SIGKILL the control plane and delete its home (``keep_copy``: copy it first)."""
@@ -425,8 +425,8 @@ class Drill:
             async with self.admin() as client:
                 for machine in self.machines:
                     if machine.prompts:
-                        listed = (await client.list_prompts(machine.machine_id))["prompts"]
-                        states = {str(p["prompt_id"]): p["state"] for p in listed}
+                        listed = (await client.list_prompts(machine.machine_id)).prompts
+                        states = {p.prompt_id: p.state for p in listed}
                         count += sum(states.get(p) == "acknowledged" for p in machine.prompts)
             return count == sum(len(m.prompts) for m in self.machines)
 

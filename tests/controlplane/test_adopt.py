@@ -35,7 +35,7 @@ async def test_adopt_keeps_accounts_and_refuses_where_it_must(tmp_path: Path) ->
         async with AdminClient(
             f"127.0.0.1:{cp.public_port}", load_ca_cert(cfg.home), made.operator_credential
         ) as client:
-            account = (await client.create_account(7, "alice"))["account"]["account_id"]
+            account = (await client.create_account(7, "alice")).account.account_id
 
     shutil.rmtree(cfg.home)  # the keys are lost
     with pytest.raises(InvalidState, match="already holds a control plane"):
@@ -52,7 +52,7 @@ async def test_adopt_keeps_accounts_and_refuses_where_it_must(tmp_path: Path) ->
         for credential in (adopted.operator_credential, made.operator_credential):
             async with AdminClient(f"127.0.0.1:{cp.public_port}", ca, credential) as client:
                 listed = await client.list_accounts()
-                assert [a["account_id"] for a in listed] == [account]
+                assert [a.account_id for a in listed] == [account]
     # A home in place: adopting again is refused like init.
     with pytest.raises(Exception, match="not empty"):
         await adopt_control_plane(cfg)

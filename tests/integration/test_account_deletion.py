@@ -11,6 +11,7 @@ entry of the deleted account gone and every object of the other one kept.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import boto3  # type: ignore[import-untyped]
 import pytest
 from botocore.config import Config
 
+from controlplane.admin_types import NewJoinToken
 from controlplane.client import AdminClient
 from controlplane.integrity import record_mac_key
 from controlplane.keys import load_home_keys
@@ -123,15 +125,15 @@ async def _until(pred: Callable[[], Any], what: str, timeout: float = DEADLINE) 
         await asyncio.sleep(0.05)  # poll step; the deadline bounds the wait
 
 
-def _machine_argv(reply: dict[str, Any], data_dir: Path) -> list[str]:
+def _machine_argv(reply: NewJoinToken, data_dir: Path) -> list[str]:
     return [
         str(MACHINE_EXE),
         "join",
-        reply["join_address"],
+        reply.join_address,
         "--token",
-        reply["token_value"],
+        reply.token_value,
         "--ca-hash",
-        reply["ca_hash"],
+        reply.ca_hash,
         "--data-dir",
         str(data_dir),
     ]
@@ -148,8 +150,8 @@ async def test_account_deletion_survives_a_crash_and_keeps_the_other_account(
     machine: subprocess.Popen[bytes] | None = None
     try:
         async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=10) as client:
-            gone = (await client.create_account(101, "gone"))["account"]["account_id"]
-            kept = (await client.create_account(202, "kept"))["account"]["account_id"]
+            gone = (await client.create_account(101, "gone")).account.account_id
+            kept = (await client.create_account(202, "kept")).account.account_id
             await client.create_credential(gone, "gone admin")
             await client.create_credential(kept, "kept admin")
             await client.create_token(kept)
@@ -166,7 +168,7 @@ async def test_account_deletion_survives_a_crash_and_keeps_the_other_account(
 
             async def online() -> bool:
                 listed = await client.list_machines(gone)
-                return bool(listed and listed[0]["online"])
+                return bool(listed and listed[0].online)
 
             await _until(online, "machine online")
 
@@ -186,7 +188,7 @@ async def test_account_deletion_survives_a_crash_and_keeps_the_other_account(
         proxy.arm(cp.process.pid, after=6)
         async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=10) as client:
             started = await client.delete_account(gone)
-        assert started["state"] == "deleting" and started["deleted_by"]
+        assert started.state == "deleting" and started.deleted_by
         assert await asyncio.to_thread(proxy.crashed.wait, DEADLINE), proxy.writes
         cp.process.wait(timeout=10)
         midway = _keys(s3, s3_bucket, f"{PREFIX}accounts/{gone}/")
@@ -202,16 +204,16 @@ async def test_account_deletion_survives_a_crash_and_keeps_the_other_account(
         async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=10) as client:
 
             async def deleted() -> bool:
-                return bool((await client.get_deletion(gone))["state"] == "deleted")
+                return (await client.get_deletion(gone)).state == "deleted"
 
             await _until(deleted, "deletion finished after the restart")
             done = await client.get_deletion(gone)
-            assert done["deleted_by"] == started["deleted_by"] and done["finished_at"]
+            assert done.deleted_by == started.deleted_by and done.finished_at
             with pytest.raises(NotFound):
                 await client.get_account(gone)
             with pytest.raises(NotFound):
                 await client.get_deletion("acct_" + "1" * 26)
-            assert [a["account_id"] for a in await client.list_accounts()] == [kept]
+            assert [a.account_id for a in await client.list_accounts()] == [kept]
 
         assert _keys(s3, s3_bucket, f"{PREFIX}accounts/{gone}/") == []
         assert _pointing_to(s3, s3_bucket, gone) == []
@@ -233,7 +235,7 @@ async def test_account_deletion_survives_a_crash_and_keeps_the_other_account(
         # The deleted account's unused token is refused; the machine did not come back.
         res = subprocess.run(
             # The restarted daemon listens on a new port.
-            _machine_argv({**spare, "join_address": cp.public}, tmp_path / "late"),
+            _machine_argv(dataclasses.replace(spare, join_address=cp.public), tmp_path / "late"),
             capture_output=True,
             text=True,
             timeout=60,

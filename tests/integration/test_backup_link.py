@@ -54,7 +54,7 @@ def cp(tmp_path: Path, moto_endpoint: str, s3_bucket: str) -> Iterator[ControlPr
 async def _machine(cp: ControlProc, account_id: str) -> tuple[str, bytes, bytes]:
     async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=10) as admin:
         token = await admin.create_token(account_id)
-    machine_id, cert, key = await join(cp.public, cp.ca_pem, token["token_value"])
+    machine_id, cert, key = await join(cp.public, cp.ca_pem, token.token_value)
     await connect_once(cp.link, cp.ca_pem, cert, key)  # confirms the join
     return machine_id, cert, key
 
@@ -62,7 +62,7 @@ async def _machine(cp: ControlProc, account_id: str) -> tuple[str, bytes, bytes]
 async def _account(cp: ControlProc, github_id: int) -> str:
     async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=10) as admin:
         reply = await admin.create_account(github_id, f"user{github_id}")
-    return str(reply["account"]["account_id"])
+    return reply.account.account_id
 
 
 @asynccontextmanager

@@ -32,6 +32,7 @@ import grpc.aio
 import pytest
 from botocore.config import Config
 
+from controlplane.admin_types import Machine
 from controlplane.client import AdminClient
 from machine import identity
 from shared import tls
@@ -102,11 +103,11 @@ async def _join_argv(client: AdminClient, account_id: str) -> list[str]:
     return [
         "agents-machine",
         "join",
-        reply["join_address"],
+        reply.join_address,
         "--token",
-        reply["token_value"],
+        reply.token_value,
         "--ca-hash",
-        reply["ca_hash"],
+        reply.ca_hash,
     ]
 
 
@@ -198,19 +199,19 @@ async def _until(pred: Callable[[], Any], timeout: float, what: str, step: float
     return time.monotonic() - start
 
 
-async def _machine(client: AdminClient, account_id: str) -> dict[str, Any] | None:
+async def _machine(client: AdminClient, account_id: str) -> Machine | None:
     listed = await client.list_machines(account_id)
     return listed[0] if listed else None
 
 
 async def _online(client: AdminClient, account_id: str) -> bool:
     m = await _machine(client, account_id)
-    return bool(m and m["online"])
+    return bool(m and m.online)
 
 
 async def _offline(client: AdminClient, account_id: str) -> bool:
     m = await _machine(client, account_id)
-    return bool(m and not m["online"])
+    return bool(m and not m.online)
 
 
 # --------------------------------------------------------------------- presence
@@ -233,7 +234,7 @@ async def test_printed_join_online_offline_and_restart(
         assert online_after < 2.0, f"online {online_after:.2f}s after the join process started"
         listed = await client.list_machines(account_id)
         assert len(listed) == 1
-        machine_id = listed[0]["machine_id"]
+        machine_id = listed[0].machine_id
         assert identity.load_link(data_dir).machine_id == machine_id
 
         # SIGKILL: no goodbye; presence must notice the silence.
@@ -247,7 +248,7 @@ async def test_printed_join_online_offline_and_restart(
         restarted = _start(machines, data_dir, ["agents-machine", "serve"], log)
         await _until(lambda: _online(client, account_id), 10, "online after restart")
         listed = await client.list_machines(account_id)
-        assert [m["machine_id"] for m in listed] == [machine_id]
+        assert [m.machine_id for m in listed] == [machine_id]
         tokens = await client.list_tokens(account_id)
         assert len(tokens) == 1  # still just the one token, used once
 
@@ -302,7 +303,7 @@ async def test_join_refusals_write_nothing(
         bad[bad.index("--ca-hash") + 1] = tls.ca_hash(tls.make_ca().cert_pem)
         _assert_refused(_run_join(bad, tmp_path / "wrong-ca"), tmp_path / "wrong-ca", "ca_hash")
         tokens = await client.list_tokens(account_id)
-        assert [t["uses"] for t in tokens] == [0]
+        assert [t.uses for t in tokens] == [0]
 
         # Expired token: made expired in the store (the shortest TTL is a minute).
         argv = await _join_argv(client, account_id)
@@ -332,7 +333,7 @@ async def test_join_refusals_write_nothing(
 
         # A token of a deleted account. Account deletion is not implemented yet,
         # so the account is marked deleted the way deletion starts: its tombstone.
-        other = (await client.create_account(77, "bob"))["account"]["account_id"]
+        other = (await client.create_account(77, "bob")).account.account_id
         argv = await _join_argv(client, other)
         tombstone = f"accounts/{other}/deleting.json"
         s3.put_object(
@@ -347,8 +348,8 @@ async def test_join_refusals_write_nothing(
         res = _run_join(argv, tmp_path / "first")
         assert res.returncode != 0 and "already joined" in res.stderr, res.stderr
         token_id = argv[argv.index("--token") + 1].split(".")[0]
-        by_id = {t["token_id"]: t for t in await client.list_tokens(account_id)}
-        assert by_id[token_id]["uses"] == 0
+        by_id = {t.token_id: t for t in await client.list_tokens(account_id)}
+        assert by_id[token_id].uses == 0
 
 
 # ------------------------------------------------------------------- revocation
@@ -368,7 +369,7 @@ async def test_revoked_machine_is_cut_off_and_stays_off(
         machine = await _machine(client, account_id)
         assert machine is not None
 
-        await client.revoke_machine(machine["machine_id"])
+        await client.revoke_machine(machine.machine_id)
         revoked_at = time.monotonic()
         await _until(lambda: proc.metric("agents_machine_link_connected") == 0, 1.0, "link closed")
         assert time.monotonic() - revoked_at <= 1.0
@@ -393,7 +394,7 @@ async def _issued_client_cert(cp: ControlProc) -> tuple[bytes, bytes]:
     account_id = _create_account(cp, "valid")
     key = tls.new_tls_key()
     async with admin(cp) as client:
-        token = (await client.create_token(account_id))["token_value"]
+        token = (await client.create_token(account_id)).token_value
     creds = grpc.ssl_channel_credentials(root_certificates=cp.ca_pem)
     async with grpc.aio.secure_channel(cp.public, creds) as channel:
         reply = await link_pb2_grpc.MachineLinkStub(channel).Join(
@@ -519,7 +520,7 @@ async def test_machine_renews_its_certificate_and_stays_online(
             await _until(lambda: _online(client, account_id), 5, "online after renewal")
             machine = await _machine(client, account_id)
             assert machine is not None
-            assert machine["certificate_serial"] != first_serial
+            assert machine.certificate_serial != first_serial
             assert proc.metric("agents_machine_link_connected") == 1
             # The renewed certificate opens the next connection too.
             proc.kill()

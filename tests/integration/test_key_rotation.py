@@ -112,7 +112,7 @@ def _metric(cp: ControlProc, kind: str, result: str) -> float:
 
 async def _online(cp: ControlProc, machine_id: str) -> bool:
     async with admin(cp) as client:
-        return bool((await client.get_machine(machine_id))["online"])
+        return (await client.get_machine(machine_id)).online
 
 
 async def _offline(cp: ControlProc, machine_id: str) -> bool:
@@ -152,8 +152,8 @@ async def test_rotate_server_certificate_machine_reconnects_without_join(
     assert tls.cert_serial(_server_cert(cp.public)) == out["serial"]
     await _until(lambda: _online(cp, machine_id), 15, "online again")
     async with admin(cp) as client:
-        assert [t["uses"] for t in await client.list_tokens(account)] == [1]
-        assert [m["machine_id"] for m in await client.list_machines(account)] == [machine_id]
+        assert [t.uses for t in await client.list_tokens(account)] == [1]
+        assert [m.machine_id for m in await client.list_machines(account)] == [machine_id]
     assert proc.proc.poll() is None
 
 
@@ -206,7 +206,7 @@ async def test_ca_rollover_renews_online_and_offline_machines_then_retires(
     await _until(lambda: _online(cp, a_id), 15, "a online under the new CA")
     await _until(lambda: _online(cp, b_id), 15, "b online under the new CA")
     async with admin(cp) as client:
-        assert sorted(t["uses"] for t in await client.list_tokens(account)) == [1, 1]
+        assert sorted(t.uses for t in await client.list_tokens(account)) == [1, 1]
         assert len(await client.list_machines(account)) == 2
     # New join commands pin the new CA.
     assert _printed_join(cp, account)[-1] == new_hash
@@ -271,7 +271,7 @@ async def test_keys_lost_adopt_and_re_pair_keep_id_agents_backups_and_queue(
         assert first_backup in {b["id"] for b in after}
         async with admin(adopted) as client:
             listed = await client.list_machines(account)
-        assert [x["machine_id"] for x in listed] == [machine_id]
+        assert [x.machine_id for x in listed] == [machine_id]
     finally:
         stop_serve(adopted)
 
@@ -308,6 +308,6 @@ async def test_adopt_killed_before_or_at_its_commit_point_is_run_again(
         start_serve(adopted)
         try:
             async with admin(adopted) as client:
-                assert [a["account_id"] for a in await client.list_accounts()] == [account]
+                assert [a.account_id for a in await client.list_accounts()] == [account]
         finally:
             stop_serve(adopted)

@@ -140,7 +140,7 @@ def _runs(data_dir: Path) -> list[tuple[str, str, str, str, float]]:
 
 async def _online(client: AdminClient, machine_id: str, want: bool) -> None:
     async def check() -> bool:
-        return bool((await client.get_machine(machine_id))["online"]) is want
+        return (await client.get_machine(machine_id)).online is want
 
     await apoll_until(check, deadline=DEADLINE, what=f"machine online={want}")
 
@@ -187,9 +187,9 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
             assert re.match(r"prompt pr_[0-9a-z]{26} queued", first), first
             for i, text in enumerate(texts[1:], start=1):
                 sent = await client.send_prompt(machine_id, agents[i % 2], text, f"k{i}")
-                assert sent["state"] == "queued"
+                assert sent.state == "queued"
             again = await client.send_prompt(machine_id, agents[0], texts[0], "k0")
-            assert again["prompt_id"] == first.split()[1]
+            assert again.prompt_id == first.split()[1]
             await _bad_input_queues_nothing(cp, client, machine_id, agents[0], archived)
             listed = _prompts(cp, machine_id)
             assert len(listed) == 20 and {p["state"] for p in listed} == {"queued"}
@@ -204,7 +204,7 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
             await client.send_prompt(machine_id, agents[0], texts[0], "k0")
 
             async def starting() -> bool:
-                return bool((await client.get_machine(machine_id))["starting"])
+                return (await client.get_machine(machine_id)).starting
 
             await apoll_until(starting, deadline=DEADLINE, what="machine starting")
             listed = json.loads(_ok(cp.cli("machine", "list", "--json")))["machines"]
@@ -275,7 +275,7 @@ async def test_a_machine_killed_after_recording_a_prompt_before_its_ack_runs_it_
             assert joined.wait(timeout=DEADLINE) == 0
             await _online(client, machine_id, False)
             texts = [f"prompt {i} before the machine crash" for i in range(3)]
-            ids = [(await client.send_prompt(machine_id, agent, t))["prompt_id"] for t in texts]
+            ids = [(await client.send_prompt(machine_id, agent, t)).prompt_id for t in texts]
 
             # The machine stores the 2nd delivery durably, then SIGKILLs itself
             # before its acknowledgement is sent (the test-only fault hook).
@@ -350,7 +350,7 @@ async def _bad_input_queues_nothing(
     )
     assert other
     made = await client.create_credential(other.group(1), "other admin")
-    async with AdminClient(cp.public, cp.ca_pem, made["credential"], timeout=15) as theirs:
+    async with AdminClient(cp.public, cp.ca_pem, made.credential, timeout=15) as theirs:
         with pytest.raises(NotFound, match=machine_id):
             await theirs.send_prompt(machine_id, agent_id, "hi")
         with pytest.raises(NotFound, match=machine_id):

@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 import pytest
 
+from controlplane.admin_types import Machine
 from controlplane.client import AdminClient
 from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
 from tests.helpers.machine_proc import run_cli
@@ -116,7 +117,7 @@ async def test_stopped_machine_is_started_for_its_schedule(tmp_path: Path, cp: C
 
             async def joined_id() -> str | None:
                 listed = await client.list_machines()
-                return str(listed[0]["machine_id"]) if listed and listed[0]["online"] else None
+                return listed[0].machine_id if listed and listed[0].online else None
 
             machine_id = await apoll_until(joined_id, deadline=DEADLINE, what="joined")
             made = run_cli(data, "agent", "create", "w", "--folder", str(tmp_path), "--json")
@@ -125,9 +126,9 @@ async def test_stopped_machine_is_started_for_its_schedule(tmp_path: Path, cp: C
             added = run_cli(data, "schedule", "add", agent, "--cron", "* * * * *", "--text", "tick")
             assert added.returncode == 0, added.stderr
 
-            async def reported() -> dict[str, Any] | None:
+            async def reported() -> Machine | None:
                 m = await client.get_machine(machine_id)
-                return m if m.get("next_fire_at") else None
+                return m if m.next_fire_at else None
 
             await apoll_until(reported, deadline=DEADLINE, what="next fire reported")
             # No provider: nothing would wake it, and the listing says so.
@@ -144,7 +145,7 @@ async def test_stopped_machine_is_started_for_its_schedule(tmp_path: Path, cp: C
 
             async def next_known() -> bool:
                 m = await client.get_machine(machine_id)
-                return bool(m.get("next_fire_at")) and m["next_fire_at"] > _iso(last)
+                return m.next_fire_at is not None and m.next_fire_at.timestamp() > last
 
             await apoll_until(next_known, deadline=DEADLINE, what="the next fire reported")
             joined.send_signal(signal.SIGTERM)
@@ -154,10 +155,10 @@ async def test_stopped_machine_is_started_for_its_schedule(tmp_path: Path, cp: C
             assert due > stopped_at, "stopped after the next fire already came"
 
             m = await client.get_machine(machine_id)
-            assert m["has_provider"] and m.get("next_wake_at")
+            assert m.has_provider and m.next_wake_at
 
             async def restarted() -> bool:
-                return bool((await client.get_machine(machine_id))["online"])
+                return (await client.get_machine(machine_id)).online
 
             await apoll_until(restarted, deadline=DEADLINE, what="woken by its provider")
             assert dt.datetime.now(dt.UTC).timestamp() < due, "woken too late for the fire"
@@ -177,8 +178,3 @@ async def test_stopped_machine_is_started_for_its_schedule(tmp_path: Path, cp: C
             joined.kill()
             joined.wait(timeout=DEADLINE)
         _kill_serving(data)
-
-
-def _iso(seconds: float) -> str:
-    """The listing's timestamp form (RFC 3339, UTC, "Z"), for comparison."""
-    return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
