@@ -188,7 +188,7 @@ async def _phase_restore(data: Path, work: Path, target: Path, dest: Path) -> di
     new_db = await Database.open(dest / "machine.db")
     started = time.monotonic()
     try:
-        fetched = await engine.fetch(newest, work / "fetch", recovery)
+        fetched = await engine.fetch(newest, work / "fetch", recovery, decode_agents=False)
         result = await restore_fetched(
             new_db, fetched, attachments_dir=dest / "attachments", erased=set()
         )
