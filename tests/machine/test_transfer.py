@@ -20,7 +20,7 @@ from machine.models import AgentState, EventKind
 from machine.transfer import DatabaseBackupSource, export_agents, import_archive, restore_fetched
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
-from shared.errors import InvalidArgument
+from shared.errors import IntegrityError, InvalidArgument
 from shared.store.folder import FolderStore
 
 DEADLINE = 10.0
@@ -201,3 +201,42 @@ async def test_bad_archive_changes_nothing(tmp_path: Path) -> None:
     con = sqlite3.connect(tmp_path / "b" / "machine.db")
     assert con.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 0
     con.close()
+
+
+async def test_restore_decoding_as_it_loads_refuses_a_tampered_segment_whole(
+    tmp_path: Path,
+) -> None:
+    machine_key = BoxKeyPair.generate()
+    async with open_machine(_config(tmp_path / "old")) as old:
+        agents = await _populate(old, tmp_path, 3)
+        before = await _export_files(old, agents, tmp_path / "before.tar.gz")
+        engine = BackupEngine(
+            DatabaseBackupSource(old.db, old.config.attachments_dir, tmp_path / "work-old"),
+            StoreTarget(FolderStore(tmp_path / "target")),
+            machine_id=old.ids.canonical,
+            naming_key=os.urandom(32),
+            recipients=[machine_key.public_key],
+            keypair=machine_key,
+            work_dir=tmp_path / "work-old",
+        )
+        made = await engine.backup_now()
+    async with open_machine(_config(tmp_path / "new")) as new:
+        fetched = await engine.fetch(made.backup_id, tmp_path / "bad", decode_agents=False)
+        assert fetched.agent_files == {} and sorted(fetched.stored_agents) == sorted(agents)
+        # The last agent loaded is refused after the others went into the transaction.
+        _, stored = fetched.stored_agents[list(fetched.stored_agents)[-1]]
+        blob = bytearray(stored.read_bytes())
+        blob[len(blob) // 2] ^= 1
+        stored.write_bytes(bytes(blob))
+        with pytest.raises(IntegrityError):
+            await restore_fetched(
+                new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+            )
+        assert await new.agents.list(include_archived=True) == []
+        assert list(new.config.attachments_dir.iterdir()) == []
+        fetched = await engine.fetch(made.backup_id, tmp_path / "good", decode_agents=False)
+        result = await restore_fetched(
+            new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        assert sorted(result.restored) == sorted(agents)
+        assert await _export_files(new, agents, tmp_path / "after.tar.gz") == before
