@@ -1,10 +1,13 @@
 """Agents in and out of the machine: export, import, the backup source, restore.
 
 Everything that comes in (an import archive, a fetched backup) is staged on
-disk, checked whole, and then committed in one database transaction: the
-commit point. Attachment files are placed before it (content-addressed,
-checked against their hash, temp -> fsync -> rename); a crash between the two
-leaves only files no conversation names, which the retention sweep removes.
+disk and committed in one database transaction: the commit point. An import
+is checked whole before it; a restore's agent segments are authenticated as
+they are loaded inside the transaction, which rolls back on the first one
+refused. Attachment files are placed last in that transaction, before the
+commit (content-addressed, checked against their hash, temp -> fsync ->
+rename); a crash between the two leaves only files no conversation names,
+which the retention sweep removes.
 
 Agents already on the machine and agents on the erased list are skipped;
 everything that comes in is archived, to read and search, never run until a
