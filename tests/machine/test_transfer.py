@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import sqlite3
+import subprocess
+import sys
 import tarfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
 from shared.errors import IntegrityError, InvalidArgument
 from shared.store.folder import FolderStore
+from tests.helpers.poll import apoll_until
 
 DEADLINE = 10.0
 
@@ -235,6 +238,98 @@ async def test_restore_decoding_as_it_loads_refuses_a_tampered_segment_whole(
         assert await new.agents.list(include_archived=True) == []
         assert list(new.config.attachments_dir.iterdir()) == []
         fetched = await engine.fetch(made.backup_id, tmp_path / "good", decode_agents=False)
+        result = await restore_fetched(
+            new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        assert sorted(result.restored) == sorted(agents)
+        assert await _export_files(new, agents, tmp_path / "after.tar.gz") == before
+
+
+# A restore in a child process that stops for ever once it placed the first
+# attachment: inside its transaction, after every agent loaded, before the commit.
+_RESTORE_CHILD = r"""
+import asyncio, sys, threading
+from pathlib import Path
+
+import machine.transfer as transfer
+from machine.backup import BackupEngine
+from machine.db import Database
+from shared.backup_target import StoreTarget
+from shared.crypto import BoxKeyPair
+from shared.store.folder import FolderStore
+
+data, target, key, machine_id, backup_id = sys.argv[1:]
+data = Path(data)
+place = transfer._place_attachment
+
+
+def placed_then_stop(src, sha, folder):
+    place(src, sha, folder)
+    threading.Event().wait()  # parked here until the test kills this process
+
+
+transfer._place_attachment = placed_then_stop
+
+
+async def main():
+    keypair = BoxKeyPair.from_private(bytes.fromhex(key))
+    db = await Database.open(data / "machine.db")
+    source = transfer.DatabaseBackupSource(db, data / "attachments", data / "work")
+    engine = BackupEngine(
+        source, StoreTarget(FolderStore(Path(target))), machine_id=machine_id,
+        naming_key=bytes(32), recipients=[keypair.public_key], keypair=keypair,
+        work_dir=data / "work",
+    )
+    fetched = await engine.fetch(backup_id, data / "stage", decode_agents=False)
+    await transfer.restore_fetched(
+        db, fetched, attachments_dir=data / "attachments", erased=set()
+    )
+
+
+asyncio.run(main())
+"""
+
+
+async def test_a_restore_killed_after_placing_attachments_commits_nothing(
+    tmp_path: Path,
+) -> None:
+    machine_key = BoxKeyPair.generate()
+    async with open_machine(_config(tmp_path / "old")) as old:
+        agents = await _populate(old, tmp_path, 2)
+        before = await _export_files(old, agents, tmp_path / "before.tar.gz")
+        engine = BackupEngine(
+            DatabaseBackupSource(old.db, old.config.attachments_dir, tmp_path / "work-old"),
+            StoreTarget(FolderStore(tmp_path / "target")),
+            machine_id=old.ids.canonical,
+            naming_key=os.urandom(32),
+            recipients=[machine_key.public_key],
+            keypair=machine_key,
+            work_dir=tmp_path / "work-old",
+        )
+        made = await engine.backup_now()
+        old_id = old.ids.canonical
+    new_config = _config(tmp_path / "new")
+    async with open_machine(new_config):
+        pass  # a new machine's data folder, closed for the child
+    attachments = new_config.attachments_dir
+    args = [str(new_config.data_dir), str(tmp_path / "target"), machine_key.private_key.hex()]
+    child = subprocess.Popen([sys.executable, "-c", _RESTORE_CHILD, *args, old_id, made.backup_id])
+    try:
+
+        def placed() -> bool:
+            if child.poll() is not None:
+                raise AssertionError(f"the restore ended ({child.returncode}) before the kill")
+            return attachments.is_dir() and any(attachments.iterdir())
+
+        await apoll_until(placed, deadline=60, what="the first attachment placed")
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert any(attachments.iterdir())
+    async with open_machine(new_config) as new:
+        # The transaction never committed: no agent, only a file nothing names.
+        assert await new.agents.list(include_archived=True) == []
+        fetched = await engine.fetch(made.backup_id, tmp_path / "again", machine_key)
         result = await restore_fetched(
             new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
         )
