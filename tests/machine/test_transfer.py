@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from machine.app import Machine, open_machine
-from machine.backup import BackupEngine
+from machine.backup import BackupEngine, BackupResult
 from machine.config import MachineConfig
 from machine.models import AgentState, EventKind
 from machine.transfer import DatabaseBackupSource, export_agents, import_archive, restore_fetched
@@ -206,23 +207,41 @@ async def test_bad_archive_changes_nothing(tmp_path: Path) -> None:
     con.close()
 
 
-async def test_restore_decoding_as_it_loads_refuses_a_tampered_segment_whole(
-    tmp_path: Path,
-) -> None:
-    machine_key = BoxKeyPair.generate()
+@dataclasses.dataclass
+class _Old:
+    """A machine that was backed up (and is closed): its agents, their export, the backup."""
+
+    agents: list[str]
+    before: dict[str, bytes]
+    engine: BackupEngine
+    made: BackupResult
+    machine_id: str
+    key: BoxKeyPair
+
+
+async def _backed_up(tmp_path: Path, agents: int) -> _Old:
+    key = BoxKeyPair.generate()
     async with open_machine(_config(tmp_path / "old")) as old:
-        agents = await _populate(old, tmp_path, 3)
-        before = await _export_files(old, agents, tmp_path / "before.tar.gz")
+        ids = await _populate(old, tmp_path, agents)
+        before = await _export_files(old, ids, tmp_path / "before.tar.gz")
         engine = BackupEngine(
             DatabaseBackupSource(old.db, old.config.attachments_dir, tmp_path / "work-old"),
             StoreTarget(FolderStore(tmp_path / "target")),
             machine_id=old.ids.canonical,
             naming_key=os.urandom(32),
-            recipients=[machine_key.public_key],
-            keypair=machine_key,
+            recipients=[key.public_key],
+            keypair=key,
             work_dir=tmp_path / "work-old",
         )
         made = await engine.backup_now()
+        return _Old(ids, before, engine, made, old.ids.canonical, key)
+
+
+async def test_restore_decoding_as_it_loads_refuses_a_tampered_segment_whole(
+    tmp_path: Path,
+) -> None:
+    old = await _backed_up(tmp_path, 3)
+    agents, before, engine, made = old.agents, old.before, old.engine, old.made
     async with open_machine(_config(tmp_path / "new")) as new:
         fetched = await engine.fetch(made.backup_id, tmp_path / "bad", decode_agents=False)
         assert fetched.agent_files == {} and sorted(fetched.stored_agents) == sorted(agents)
@@ -252,7 +271,7 @@ import asyncio, sys, threading
 from pathlib import Path
 
 import machine.transfer as transfer
-from machine.backup import BackupEngine
+from machine.backup import BackupEngine, BackupResult
 from machine.db import Database
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
@@ -293,21 +312,9 @@ asyncio.run(main())
 async def test_a_restore_killed_after_placing_attachments_commits_nothing(
     tmp_path: Path,
 ) -> None:
-    machine_key = BoxKeyPair.generate()
-    async with open_machine(_config(tmp_path / "old")) as old:
-        agents = await _populate(old, tmp_path, 2)
-        before = await _export_files(old, agents, tmp_path / "before.tar.gz")
-        engine = BackupEngine(
-            DatabaseBackupSource(old.db, old.config.attachments_dir, tmp_path / "work-old"),
-            StoreTarget(FolderStore(tmp_path / "target")),
-            machine_id=old.ids.canonical,
-            naming_key=os.urandom(32),
-            recipients=[machine_key.public_key],
-            keypair=machine_key,
-            work_dir=tmp_path / "work-old",
-        )
-        made = await engine.backup_now()
-        old_id = old.ids.canonical
+    old = await _backed_up(tmp_path, 2)
+    agents, before, engine, made = old.agents, old.before, old.engine, old.made
+    machine_key, old_id = old.key, old.machine_id
     new_config = _config(tmp_path / "new")
     async with open_machine(new_config):
         pass  # a new machine's data folder, closed for the child
