@@ -30,10 +30,10 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Final, Protocol
+from typing import IO, Any, BinaryIO, Final, Protocol
 
 from machine.backup_format import (
     SEGMENT_CHUNK,
@@ -61,6 +61,8 @@ __all__ = [
     "FetchedBackup",
     "PruneResult",
     "VerifyResult",
+    "decode_checked",
+    "file_chunks",
     "validate_keep",
 ]
 
@@ -155,16 +157,37 @@ class FetchedBackup:
     """agent id -> its plaintext segment (an export-format tar)."""
     attachment_files: dict[str, Path] = field(default_factory=dict)
     """sha256 -> the attachment's bytes."""
+    stored_agents: dict[str, tuple[SegmentRef, Path]] = field(default_factory=dict)
+    """agent id -> its segment as stored (still encrypted), when fetched with
+    ``decode_agents=False``: whoever reads it decodes it (:func:`decode_checked`)."""
 
 
 Progress = Callable[[str, int, int], None]
 """progress(stage, done, total): called as segments are handled."""
 
 
-def _file_chunks(path: Path) -> Iterator[bytes]:
+def file_chunks(path: Path) -> Iterator[bytes]:
+    """The bytes of the file at ``path`` in stored-chunk sized pieces."""
     with open(path, "rb") as f:
         while chunk := f.read(_READ):
             yield chunk
+
+
+def decode_checked(
+    ref: SegmentRef, naming_key: bytes, stored: Iterable[bytes], out: IO[bytes] | None
+) -> int:
+    """Authenticate and decode segment ``ref`` from its ``stored`` bytes into ``out``;
+    check its size and name; return its size (blocking: call it in a worker thread)."""
+    h = KeyedHasher(naming_key)
+    total = 0
+    for piece in decode_segment(stored, name=ref.name, key=ref.key, max_plain=ref.plain_size):
+        h.update(piece)
+        total += len(piece)
+        if out is not None:
+            out.write(piece)
+    if total != ref.plain_size or h.hexdigest() != ref.name:
+        raise IntegrityError(f"segment {ref.name[:16]}", "content does not match its name")
+    return total
 
 
 def _cleanup(folder: Path) -> None:
@@ -371,25 +394,16 @@ class BackupEngine:
                     async for chunk in self._target.get_segment(ref.name):
                         f.write(chunk)
 
-            def decode() -> tuple[int, str]:
-                h = KeyedHasher(naming_key)
-                total = 0
-                stored = iter(held) if held is not None else _file_chunks(raw)
-                for piece in decode_segment(
-                    stored, name=ref.name, key=ref.key, max_plain=ref.plain_size
-                ):
-                    h.update(piece)
-                    total += len(piece)
-                    if out is not None:
-                        out.write(piece)
-                return total, h.hexdigest()
-
-            total, name = await asyncio.to_thread(decode)
+            stored = iter(held) if held is not None else file_chunks(raw)
+            return await asyncio.to_thread(decode_checked, ref, naming_key, stored, out)
         finally:
             raw.unlink(missing_ok=True)
-        if total != ref.plain_size or name != ref.name:
-            raise IntegrityError(f"segment {ref.name[:16]}", "content does not match its name")
-        return total
+
+    async def _download(self, ref: SegmentRef, path: Path) -> None:
+        """Store segment ``ref`` as it is stored (encrypted) at ``path``."""
+        with open(path, "wb") as f:
+            async for chunk in self._target.get_segment(ref.name):
+                f.write(chunk)
 
     async def verify(self, backup_id: str, keypair: BoxKeyPair | None = None) -> VerifyResult:
         """Open a backup and authenticate every segment (nothing is written)."""
@@ -402,9 +416,19 @@ class BackupEngine:
         return VerifyResult(backup_id, len(manifest.segments), plain, time.monotonic() - started)
 
     async def fetch(
-        self, backup_id: str, dest: Path, keypair: BoxKeyPair | None = None
+        self,
+        backup_id: str,
+        dest: Path,
+        keypair: BoxKeyPair | None = None,
+        *,
+        decode_agents: bool = True,
     ) -> FetchedBackup:
-        """Download and decode a whole backup into the new folder ``dest`` (staging)."""
+        """Download and decode a whole backup into the new folder ``dest`` (staging).
+
+        With ``decode_agents=False`` the agents' segments are only downloaded
+        (:attr:`FetchedBackup.stored_agents`): a restore then decodes them while
+        it loads the ones before, on another core, and writes no plaintext.
+        """
         manifest = await self.open(backup_id, keypair)
         ensure_private_dir(dest)
         fetched = FetchedBackup(manifest, dest)
@@ -412,6 +436,11 @@ class BackupEngine:
 
         async def one(ref: SegmentRef) -> None:
             path = dest / f"{ref.kind}-{ref.ref}"
+            if ref.kind == "agent" and not decode_agents:
+                async with sem:
+                    await self._download(ref, path)
+                fetched.stored_agents[ref.ref] = (ref, path)
+                return
             async with sem:
                 with open(path, "wb") as out:
                     await self._segment_to(ref, manifest.naming_key, dest, out)

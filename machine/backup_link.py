@@ -176,7 +176,7 @@ async def restore_newest(
         )
         stage = work / f".repair-{os.getpid()}"
         try:
-            fetched = await engine.fetch(newest, stage, recovery)
+            fetched = await engine.fetch(newest, stage, recovery, decode_agents=False)
             # Before the restore: a crash after it still leaves the key adopted.
             await asyncio.to_thread(adopt_naming_key, data_dir, fetched.manifest.naming_key)
             result = await restore_fetched(

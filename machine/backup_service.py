@@ -279,7 +279,9 @@ class BackupService:
         """
         stage = self._work / f".restore-{os.getpid()}-{int(self._clock() * 1000)}"
         try:
-            fetched = await (engine or self.engine).fetch(backup_id, stage, recovery)
+            fetched = await (engine or self.engine).fetch(
+                backup_id, stage, recovery, decode_agents=False
+            )
             result = await restore_fetched(
                 self._db, fetched, attachments_dir=self._attachments, erased=erased or set()
             )

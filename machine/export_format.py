@@ -42,6 +42,7 @@ __all__ = [
     "attachment_path",
     "encode_jsonl",
     "file_sha256",
+    "parse_jsonl_line",
     "read_jsonl",
     "verify_staged",
 ]
@@ -118,16 +119,22 @@ def read_jsonl(source: Path | IO[bytes], what: str) -> Iterator[dict[str, Any]]:
             yield from read_jsonl(f, what)
         return
     for number, line in enumerate(iter(lambda: source.readline(MAX_LINE + 1), b""), 1):
-        if len(line) > MAX_LINE:
-            raise _bad(f"{what} line {number}: longer than {MAX_LINE} bytes")
-        try:
-            # Decoded first: json.loads of bytes would guess the encoding each line.
-            row = json.loads(line.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            raise _bad(f"{what} line {number}: not valid JSON") from None
-        if not isinstance(row, dict):
-            raise _bad(f"{what} line {number}: not a JSON object")
-        yield row
+        yield parse_jsonl_line(line, what, number)
+
+
+def parse_jsonl_line(line: bytes, what: str, number: int) -> dict[str, Any]:
+    """One line of a JSON Lines file (read with ``readline(MAX_LINE + 1)``) as an
+    object; anything else is refused naming the line."""
+    if len(line) > MAX_LINE:
+        raise _bad(f"{what} line {number}: longer than {MAX_LINE} bytes")
+    try:
+        # Decoded first: json.loads of bytes would guess the encoding each line.
+        row = json.loads(line.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise _bad(f"{what} line {number}: not valid JSON") from None
+    if not isinstance(row, dict):
+        raise _bad(f"{what} line {number}: not a JSON object")
+    return row
 
 
 @dataclass(frozen=True)

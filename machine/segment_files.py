@@ -128,9 +128,10 @@ class SegmentFiles:
 
 
 @contextlib.contextmanager
-def open_segment(path: Path, agent_id: str) -> Iterator[SegmentFiles]:
-    """Read the plaintext segment at ``path`` (an agent's export-format tar)."""
-    with open(path, "rb") as f:
+def open_segment(source: Path | IO[bytes], agent_id: str) -> Iterator[SegmentFiles]:
+    """Read the plaintext segment at ``source`` (an agent's export-format tar: a
+    path, or a binary file open for reading)."""
+    with open(source, "rb") if isinstance(source, Path) else contextlib.nullcontext(source) as f:
         try:
             tar = tarfile.open(fileobj=f, mode="r|")
         except (tarfile.TarError, EOFError, OSError) as e:

@@ -1,10 +1,13 @@
 """Agents in and out of the machine: export, import, the backup source, restore.
 
 Everything that comes in (an import archive, a fetched backup) is staged on
-disk, checked whole, and then committed in one database transaction: the
-commit point. Attachment files are placed before it (content-addressed,
-checked against their hash, temp -> fsync -> rename); a crash between the two
-leaves only files no conversation names, which the retention sweep removes.
+disk and committed in one database transaction: the commit point. An import
+is checked whole before it; a restore's agent segments are authenticated as
+they are loaded inside the transaction, which rolls back on the first one
+refused. Attachment files are placed last in that transaction, before the
+commit (content-addressed, checked against their hash, temp -> fsync ->
+rename); a crash between the two leaves only files no conversation names,
+which the retention sweep removes.
 
 Agents already on the machine and agents on the erased list are skipped;
 everything that comes in is archived, to read and search, never run until a
@@ -22,11 +25,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Final
 
-from machine.backup import AgentItem, FetchedBackup
+from machine.backup import AgentItem, FetchedBackup, decode_checked, file_chunks
+from machine.backup_format import SegmentRef
 from machine.db import Database
 from machine.export_format import (
     AGENT_FILES,
@@ -58,6 +63,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _COPY: Final = 1024 * 1024
+#: A restore's agent segments decoded ahead of the one loading, and the threads doing it.
+_AHEAD: Final = 3
+_DECODERS: Final = 2
+
 #: Bytes of one export file of an agent kept in memory while it is backed up.
 _SPOOL: Final = 4 * 1024 * 1024
 
@@ -127,7 +136,10 @@ async def export_agents(
     return manifest
 
 
-def _spool(folder: Path) -> tempfile.SpooledTemporaryFile[bytes]:
+_Spool = tempfile.SpooledTemporaryFile[bytes]
+
+
+def _spool(folder: Path) -> _Spool:
     return tempfile.SpooledTemporaryFile(max_size=_SPOOL, mode="w+b", dir=str(folder))
 
 
@@ -220,9 +232,11 @@ async def _commit(
     what: str,
     erased_entries: list[tuple[str, float]] | None = None,
     load: Callable[[Any, str], str] | None = None,
+    start: Callable[[list[str]], None] | None = None,
 ) -> InResult:
-    """Skip existing and erased agents, place attachments, then load the rest in one
-    transaction; ``load(conn, agent_id)`` loads one (default: from its folder)."""
+    """Skip existing and erased agents, then load the rest and place attachments in
+    one transaction; ``load(conn, agent_id)`` loads one (default: from its folder),
+    ``start`` is told which agents will be loaded, in order, before the first."""
 
     def known(conn: Any) -> tuple[set[str], set[str]]:
         return (
@@ -236,11 +250,10 @@ async def _commit(
     skipped_existing = tuple(sorted(a for a in folders if a in existing))
     skipped_erased = tuple(sorted(a for a in folders if a in erased and a not in existing))
     todo = [a for a in folders if a not in existing and a not in erased]
+    if start is not None:
+        start(todo)
     ensure_private_dir(attachments_dir)
-    sizes = {
-        sha: _place_attachment(path, sha, attachments_dir)
-        for sha, path in sorted(attachment_files.items())
-    }
+    sizes: dict[str, int] = {}
 
     runs = store_export.usage_by_run(usage)
 
@@ -252,8 +265,12 @@ async def _commit(
             loaded = (load or load_folder)(conn, agent_id)
             if loaded != agent_id:
                 raise InvalidArgument("archive", f"agent {agent_id}: its record names {loaded}")
-        for sha, size in sizes.items():
-            store_export.set_attachment_size(conn, sha, size)
+        # Placed once every agent loaded (a restore authenticates each segment as it
+        # loads it): a refused one leaves no file behind. Before the commit point, as
+        # a conversation must never name a file that is not there.
+        for sha, path in sorted(attachment_files.items()):
+            sizes[sha] = _place_attachment(path, sha, attachments_dir)
+            store_export.set_attachment_size(conn, sha, sizes[sha])
         # A restore brings the erased list back (a new machine must skip them too).
         entries = erased_entries or []
         here = store_export.existing_agents(conn, [a for a, _ in entries])
@@ -261,7 +278,7 @@ async def _commit(
             if agent_id not in here:
                 store_erasures.add_erased(conn, agent_id, erased_at)
 
-    if todo or erased_entries:
+    if todo or erased_entries or attachment_files:
         await db.write(commit, what=what)  # the commit point: every agent or none
     logger.info("%s: %d agents in, %d skipped", what, len(todo), len(folders) - len(todo))
     return InResult(tuple(todo), skipped_existing, skipped_erased, len(sizes))
@@ -316,9 +333,10 @@ async def restore_fetched(
     """
     runs = store_export.usage_by_run(fetched.manifest.usage)
     queued_at = time.time() if now is None else now
+    ahead = _DecodeAhead(fetched.stored_agents, fetched.manifest.naming_key, fetched.folder)
 
-    def load(conn: Any, agent_id: str) -> str:
-        with open_segment(fetched.agent_files[agent_id], agent_id) as files:
+    def load_from(conn: Any, agent_id: str, segment: Path | IO[bytes]) -> str:
+        with open_segment(segment, agent_id) as files:
             return store_export.load_agent_files(
                 conn,
                 agent_id,
@@ -329,17 +347,90 @@ async def restore_fetched(
                 now=queued_at,
             )
 
-    return await _commit(
-        db,
-        dict(fetched.agent_files),
-        dict(fetched.attachment_files),
-        attachments_dir,
-        usage=[],
-        erased=erased,
-        what=f"restore {fetched.manifest.backup_id}",
-        erased_entries=_erased_entries(fetched.manifest.erased),
-        load=load,
-    )
+    def load(conn: Any, agent_id: str) -> str:
+        if agent_id not in fetched.stored_agents:
+            return load_from(conn, agent_id, fetched.agent_files[agent_id])
+        with ahead.take(agent_id) as plain:
+            return load_from(conn, agent_id, plain)
+
+    agents = {**fetched.agent_files, **{a: p for a, (_, p) in fetched.stored_agents.items()}}
+    try:
+        return await _commit(
+            db,
+            agents,
+            dict(fetched.attachment_files),
+            attachments_dir,
+            usage=[],
+            erased=erased,
+            what=f"restore {fetched.manifest.backup_id}",
+            erased_entries=_erased_entries(fetched.manifest.erased),
+            load=load,
+            start=ahead.start,
+        )
+    finally:
+        await asyncio.to_thread(ahead.close)
+
+
+class _DecodeAhead:
+    """Decodes a restore's stored agent segments in worker threads, a few ahead of
+    the agent the writer thread is loading.
+
+    Decrypting, decompressing and hashing let go of the GIL, so they run on the
+    other core while the loader parses and inserts (most of a restore's time);
+    no plaintext goes to disk but a segment past :data:`_SPOOL`. A segment
+    is handed out only once authenticated whole and checked against its name
+    (:func:`~machine.backup.decode_checked`); a refused one raises in the
+    loader, and the restore's transaction rolls back.
+    """
+
+    def __init__(
+        self, segments: dict[str, tuple[SegmentRef, Path]], naming_key: bytes, work: Path
+    ) -> None:
+        self._segments = segments
+        self._key = naming_key
+        self._work = work
+        self._pool = ThreadPoolExecutor(max_workers=_DECODERS, thread_name_prefix="restore-decode")
+        self._order: list[str] = []
+        self._next = 0
+        self._futures: dict[str, Future[_Spool]] = {}
+
+    def start(self, order: list[str]) -> None:
+        """The agents to be taken, in order: start decoding the first ones."""
+        self._order = [a for a in order if a in self._segments]
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._next < len(self._order) and len(self._futures) < _AHEAD:
+            agent_id = self._order[self._next]
+            self._next += 1
+            self._futures[agent_id] = self._pool.submit(self._decode, agent_id)
+
+    def _decode(self, agent_id: str) -> _Spool:
+        ref, path = self._segments[agent_id]
+        out = _spool(self._work)
+        try:
+            decode_checked(ref, self._key, file_chunks(path), out)
+            out.seek(0)
+        except BaseException:
+            out.close()
+            raise
+        return out
+
+    def take(self, agent_id: str) -> _Spool:
+        """The agent's plaintext segment (close it after reading)."""
+        future = self._futures.pop(agent_id, None)
+        self._fill()
+        return future.result() if future is not None else self._decode(agent_id)
+
+    def close(self) -> None:
+        """Stop decoding; drop what was decoded and not taken."""
+        for future in self._futures.values():
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        for future in self._futures.values():
+            if not future.cancelled() and future.exception() is None:
+                future.result().close()
+        self._futures.clear()
 
 
 def _erased_entries(rows: Iterable[dict[str, Any]]) -> list[tuple[str, float]]:

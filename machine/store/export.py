@@ -17,12 +17,13 @@ import contextlib
 import json
 import logging
 import math
+import re
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Final
 
-from machine.export_format import encode_jsonl, read_jsonl
+from machine.export_format import MAX_LINE, encode_jsonl, parse_jsonl_line, read_jsonl
 from machine.models import AgentState, EventKind
 from machine.store import search_backlog
 from machine.store.runs import RUN_FIELDS
@@ -68,6 +69,23 @@ _MAX_RECORD: Final = 16 * 1024 * 1024
 # The payload as live appends store it (json.dumps(payload, sort_keys=True)); one
 # encoder for all, since json.dumps builds a new one per call when given an option.
 _PAYLOAD: Final = json.JSONEncoder(sort_keys=True)
+# The body of a JSON string exactly as json.dumps (ensure_ascii) writes it: printable
+# ASCII but the quote and backslash, their escapes and the short ones, and \u escapes
+# only where json.dumps uses them (other control characters, DEL and non-ASCII),
+# lowercase. Whatever it accepts decodes and encodes back to the same bytes.
+_CANONICAL_STRING: Final = (
+    rb'(?:[\x20\x21\x23-\x5b\x5d-\x7e]++|\\["\\bfnrt]'
+    rb"|\\u(?:00(?:0[0-7bef]|1[0-9a-f]|7f|[89a-f][0-9a-f])|0[1-9a-f][0-9a-f]{2}|[1-9a-f][0-9a-f]{3}))*+"
+)
+# A text delta's conversation line as a dump writes it (most lines of a backup):
+# its payload is taken as the bytes between the braces, already as a live append
+# stores it, with no JSON decoding and encoding of the text. Any other line (and
+# one this does not match: an id with escapes, a NaN time) goes the JSON way.
+_TEXT_LINE: Final = re.compile(
+    rb'\{"kind":"TEXT_DELTA","payload":(\{"text": "' + _CANONICAL_STRING + rb'"\}),'
+    rb'"run_id":"([A-Za-z0-9_]{1,200})","seq":([1-9][0-9]{0,17}),'
+    rb'"time":(-?(?:0|[1-9][0-9]{0,30})(\.[0-9]{1,30})?([eE][+-]?[0-9]{1,3})?)\}\n?'
+)
 
 
 def agent_markers(conn: sqlite3.Connection) -> list[tuple[str, str]]:
@@ -272,6 +290,9 @@ def _stored_payload(payload: dict[str, Any]) -> str:
     return _PAYLOAD.encode(payload)
 
 
+_Event = tuple[str, int, str, str, str, float]
+
+
 def load_agent(
     conn: sqlite3.Connection,
     folder: Path,
@@ -351,10 +372,35 @@ def load_agent_files(
     ended: dict[str, tuple[str, dict[str, Any], float]] = {}
     last_seq = 0
     conv = f"{label}/conversation.jsonl"
-    batch: list[tuple[str, int, str, str, str, float]] = []
+    batch: list[_Event] = []
     kinds = EventKind.__members__
-    with files("conversation.jsonl") as f:
-        for n, ev in enumerate(read_jsonl(f, conv), 1):
+    with files("conversation.jsonl") as lines:
+        for n, line in enumerate(iter(lambda: lines.readline(MAX_LINE + 1), b""), 1):
+            text = _TEXT_LINE.fullmatch(line)
+            if text is not None:
+                payload_json, qrun, qseq, qtime, frac, exp = text.groups()
+                text_seq = int(qseq)
+                if text_seq <= last_seq:
+                    raise InvalidArgument(
+                        "archive", f"{conv} line {n}: bad kind or seq out of order"
+                    )
+                last_seq = text_seq
+                batch.append(
+                    (
+                        agent_id,
+                        text_seq,
+                        qrun.decode(),
+                        "TEXT_DELTA",
+                        payload_json.decode(),
+                        # As json.loads reads the number: an int without fraction or exponent.
+                        float(qtime) if frac or exp else int(qtime),
+                    )
+                )
+                if len(batch) >= _BATCH:
+                    conn.executemany(_INSERT_EVENT, batch)
+                    batch.clear()
+                continue
+            ev = parse_jsonl_line(line, conv, n)
             seq: Any = ev.get("seq")
             run_id: Any = ev.get("run_id")
             kind: Any = ev.get("kind")
@@ -397,10 +443,10 @@ def load_agent_files(
     for ref in record.get("attachments", []):
         _insert_attachment_ref(conn, agent_id, ref, where)
     if optional is not None:
-        with optional("schedules.jsonl") as f:
-            if f is not None:
+        with optional("schedules.jsonl") as found:
+            if found is not None:
                 what = f"{label}/schedules.jsonl"
-                load_schedules(conn, agent_id, read_jsonl(f, what), what)
+                load_schedules(conn, agent_id, read_jsonl(found, what), what)
     if index:
         search_backlog.index_agent(conn, agent_id)
     else:

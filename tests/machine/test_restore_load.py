@@ -55,3 +55,76 @@ def test_a_malformed_event_line_is_refused_naming_it(line: bytes, problem: str) 
         load_agent_files(conn, "ag", lambda n: io.BytesIO(files[n]), runs={})
     conn.execute("ROLLBACK")
     assert conn.execute("SELECT COUNT(*) FROM agents").fetchone()[0] == 0
+
+
+def _load(conversation: bytes) -> sqlite3.Connection:
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    migrate(conn)
+    files = _files(conversation)
+    conn.execute("BEGIN")
+    load_agent_files(conn, "ag", lambda n: io.BytesIO(files[n]), runs={})
+    conn.execute("COMMIT")
+    return conn
+
+
+# Texts whose canonical encoding uses every kind of escape json.dumps writes.
+_TEXTS = [
+    "plain words",
+    "",
+    'quote " backslash \\ slash /',
+    "line\nfeed\ttab\rreturn\bback\fform",
+    "\x00\x01\x0b\x1f\x7f control",
+    "é ü ß \u0100 \u0fff \u1234 \uffff",
+    "astral 😀 𝄞",
+    "lone \ud800 surrogate",
+]
+# Lines a dump does not write (non-canonical escapes, odd numbers): the loader must
+# store exactly what decoding and encoding them gives, as before.
+_ODD_LINES = [
+    b'{"kind":"TEXT_DELTA","payload":{"text": "\\u0041"},"run_id":"r","seq":1,"time":1}',
+    b'{"kind":"TEXT_DELTA","payload":{"text": "a\\/b"},"run_id":"r","seq":1,"time":1}',
+    b'{"kind":"TEXT_DELTA","payload":{"text": "\\u00E9"},"run_id":"r","seq":1,"time":1e3}',
+    b'{"kind":"TEXT_DELTA","payload":{"text": "\\u000a"},"run_id":"r","seq":1,"time":-0}',
+    b'{"kind":"TEXT_DELTA","payload":{"text":"compact"},"run_id":"r","seq":1,"time":2.5}',
+    b'{"kind":"TEXT_DELTA","payload":{"text": "x", "more": 1},"run_id":"r","seq":1,"time":1}',
+    b'{"kind":"TEXT_DELTA","payload":{"text": "x"},"run_id":"r\\u0031","seq":1,"time":1}',
+    b'{"kind":"TEXT_DELTA","payload":{"text": "x"},"run_id":"r","seq":1,"time":1.0e400}',
+    b'{"kind":"TEXT_DELTA","payload":{"text": "\xc3\xa9 raw utf-8"},"run_id":"r","seq":1,"time":1}',
+]
+
+
+def _expected(line: bytes) -> tuple[str, str, int, float]:
+    ev = json.loads(line)
+    return json.dumps(ev["payload"], sort_keys=True), ev["run_id"], ev["seq"], float(ev["time"])
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        *(
+            b'{"kind":"TEXT_DELTA","payload":'
+            + json.dumps({"text": text}, sort_keys=True).encode()
+            + b',"run_id":"run_1","seq":7,"time":'
+            + when.encode()
+            + b"}"
+            for text in _TEXTS
+            for when in ("1764616000.125", "17", "1e+20", "-2.5E-3")
+        ),
+        *_ODD_LINES,
+    ],
+)
+def test_a_text_line_is_stored_as_decoding_and_encoding_it_would(line: bytes) -> None:
+    # Text deltas skip JSON decoding when they are as a dump writes them: whatever
+    # the line, the stored row must be the one the JSON way gives.
+    conn = _load(line + b"\n")
+    row = conn.execute("SELECT payload_json, run_id, seq, time FROM events").fetchone()
+    payload, run_id, seq, when = _expected(line)
+    assert tuple(row) == (payload, run_id, seq, when)
+
+
+def test_text_lines_out_of_order_are_refused() -> None:
+    line = b'{"kind":"TEXT_DELTA","payload":{"text": "x"},"run_id":"r","seq":%d,"time":1.5}\n'
+    with pytest.raises(InvalidArgument, match="conversation.jsonl line 2: bad kind or seq out"):
+        _load(line % 2 + line % 2)
+    with pytest.raises(InvalidArgument, match="conversation.jsonl line 2: bad kind or seq out"):
+        _load(line % 3 + line % 1)

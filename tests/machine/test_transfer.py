@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
 import sqlite3
+import subprocess
+import sys
 import tarfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,14 +17,15 @@ from pathlib import Path
 import pytest
 
 from machine.app import Machine, open_machine
-from machine.backup import BackupEngine
+from machine.backup import BackupEngine, BackupResult
 from machine.config import MachineConfig
 from machine.models import AgentState, EventKind
 from machine.transfer import DatabaseBackupSource, export_agents, import_archive, restore_fetched
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
-from shared.errors import InvalidArgument
+from shared.errors import IntegrityError, InvalidArgument
 from shared.store.folder import FolderStore
+from tests.helpers.poll import apoll_until
 
 DEADLINE = 10.0
 
@@ -201,3 +205,140 @@ async def test_bad_archive_changes_nothing(tmp_path: Path) -> None:
     con = sqlite3.connect(tmp_path / "b" / "machine.db")
     assert con.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 0
     con.close()
+
+
+@dataclasses.dataclass
+class _Old:
+    """A machine that was backed up (and is closed): its agents, their export, the backup."""
+
+    agents: list[str]
+    before: dict[str, bytes]
+    engine: BackupEngine
+    made: BackupResult
+    machine_id: str
+    key: BoxKeyPair
+
+
+async def _backed_up(tmp_path: Path, agents: int) -> _Old:
+    key = BoxKeyPair.generate()
+    async with open_machine(_config(tmp_path / "old")) as old:
+        ids = await _populate(old, tmp_path, agents)
+        before = await _export_files(old, ids, tmp_path / "before.tar.gz")
+        engine = BackupEngine(
+            DatabaseBackupSource(old.db, old.config.attachments_dir, tmp_path / "work-old"),
+            StoreTarget(FolderStore(tmp_path / "target")),
+            machine_id=old.ids.canonical,
+            naming_key=os.urandom(32),
+            recipients=[key.public_key],
+            keypair=key,
+            work_dir=tmp_path / "work-old",
+        )
+        made = await engine.backup_now()
+        return _Old(ids, before, engine, made, old.ids.canonical, key)
+
+
+async def test_restore_decoding_as_it_loads_refuses_a_tampered_segment_whole(
+    tmp_path: Path,
+) -> None:
+    old = await _backed_up(tmp_path, 3)
+    agents, before, engine, made = old.agents, old.before, old.engine, old.made
+    async with open_machine(_config(tmp_path / "new")) as new:
+        fetched = await engine.fetch(made.backup_id, tmp_path / "bad", decode_agents=False)
+        assert fetched.agent_files == {} and sorted(fetched.stored_agents) == sorted(agents)
+        # The last agent loaded is refused after the others went into the transaction.
+        _, stored = fetched.stored_agents[list(fetched.stored_agents)[-1]]
+        blob = bytearray(stored.read_bytes())
+        blob[len(blob) // 2] ^= 1
+        stored.write_bytes(bytes(blob))
+        with pytest.raises(IntegrityError):
+            await restore_fetched(
+                new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+            )
+        assert await new.agents.list(include_archived=True) == []
+        assert list(new.config.attachments_dir.iterdir()) == []
+        fetched = await engine.fetch(made.backup_id, tmp_path / "good", decode_agents=False)
+        result = await restore_fetched(
+            new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        assert sorted(result.restored) == sorted(agents)
+        assert await _export_files(new, agents, tmp_path / "after.tar.gz") == before
+
+
+# A restore in a child process that stops for ever once it placed the first
+# attachment: inside its transaction, after every agent loaded, before the commit.
+_RESTORE_CHILD = r"""
+import asyncio, sys, threading
+from pathlib import Path
+
+import machine.transfer as transfer
+from machine.backup import BackupEngine, BackupResult
+from machine.db import Database
+from shared.backup_target import StoreTarget
+from shared.crypto import BoxKeyPair
+from shared.store.folder import FolderStore
+
+data, target, key, machine_id, backup_id = sys.argv[1:]
+data = Path(data)
+place = transfer._place_attachment
+
+
+def placed_then_stop(src, sha, folder):
+    place(src, sha, folder)
+    threading.Event().wait()  # parked here until the test kills this process
+
+
+transfer._place_attachment = placed_then_stop
+
+
+async def main():
+    keypair = BoxKeyPair.from_private(bytes.fromhex(key))
+    db = await Database.open(data / "machine.db")
+    source = transfer.DatabaseBackupSource(db, data / "attachments", data / "work")
+    engine = BackupEngine(
+        source, StoreTarget(FolderStore(Path(target))), machine_id=machine_id,
+        naming_key=bytes(32), recipients=[keypair.public_key], keypair=keypair,
+        work_dir=data / "work",
+    )
+    fetched = await engine.fetch(backup_id, data / "stage", decode_agents=False)
+    await transfer.restore_fetched(
+        db, fetched, attachments_dir=data / "attachments", erased=set()
+    )
+
+
+asyncio.run(main())
+"""
+
+
+async def test_a_restore_killed_after_placing_attachments_commits_nothing(
+    tmp_path: Path,
+) -> None:
+    old = await _backed_up(tmp_path, 2)
+    agents, before, engine, made = old.agents, old.before, old.engine, old.made
+    machine_key, old_id = old.key, old.machine_id
+    new_config = _config(tmp_path / "new")
+    async with open_machine(new_config):
+        pass  # a new machine's data folder, closed for the child
+    attachments = new_config.attachments_dir
+    args = [str(new_config.data_dir), str(tmp_path / "target"), machine_key.private_key.hex()]
+    child = subprocess.Popen([sys.executable, "-c", _RESTORE_CHILD, *args, old_id, made.backup_id])
+    try:
+
+        def placed() -> bool:
+            if child.poll() is not None:
+                raise AssertionError(f"the restore ended ({child.returncode}) before the kill")
+            return attachments.is_dir() and any(attachments.iterdir())
+
+        await apoll_until(placed, deadline=60, what="the first attachment placed")
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert any(attachments.iterdir())
+    async with open_machine(new_config) as new:
+        # The transaction never committed: no agent, only a file nothing names.
+        assert await new.agents.list(include_archived=True) == []
+        fetched = await engine.fetch(made.backup_id, tmp_path / "again", machine_key)
+        result = await restore_fetched(
+            new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        assert sorted(result.restored) == sorted(agents)
+        assert await _export_files(new, agents, tmp_path / "after.tar.gz") == before
