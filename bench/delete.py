@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python -m bench.delete [--objects 10000] [--rounds 1]
+    .venv/bin/python -m bench.delete [--objects 10000] [--rounds 1] [--probe]
 
 It starts one moto S3 server and one real ``agents-control`` process on it, then:
 
@@ -15,9 +15,19 @@ It starts one moto S3 server and one real ``agents-control`` process on it, then
 - raw listed: the same, but the keys are found by listing the prefix first,
   as the deletion must (and ``aws s3 rm --recursive`` does).
 
-Prints the rates and the ratios deletion / raw (target at least 0.5) and
-deletion / raw listed. On moto, listing costs about three times what deleting
-does per key (its XML rendering), so the first ratio is bounded by listing.
+Objects are written as our stores write them (no checksum header: moto would
+list a ChecksumAlgorithm with each key). Each phase reports its wall time, the
+CPU seconds moto and the deleting client used, and its S3 calls (the bench's
+own timed one by one; the control plane's from its store metrics). Then the
+rates and the ratios deletion / raw (target at least 0.5) and deletion / raw
+listed. ``--probe`` first prints moto's CPU per ListObjectsV2 page against the
+prefix size and MaxKeys.
+
+On moto the ratio is bounded by listing: rendering a ListObjectsV2 page of
+1000 keys costs moto ~4x the CPU of deleting them (each key's LastModified is
+formatted through dateutil), moto serves every request under one GIL (one
+core at most), and an account's keys can only be found by listing. The bench
+prints that bound from the measured CPU.
 Everything is bounded: sizes by flags, each wait by a deadline.
 """
 
@@ -51,6 +61,10 @@ BUCKET = "bench-delete"
 PREFIX = "cp/"
 #: Seconds one deletion may take before the bench gives up.
 DEADLINE = 600.0
+#: Seconds between two GetDeletion polls. Each poll is a store read on the same
+#: server: more often and the polls take moto CPU from the deletion they time;
+#: rarer and the figure is up to one interval low.
+POLL = 0.1
 
 
 def _s3(endpoint: str) -> Any:
@@ -60,7 +74,13 @@ def _s3(endpoint: str) -> Any:
         region_name="us-east-1",
         aws_access_key_id="testing",
         aws_secret_access_key="testing-secret",
-        config=Config(s3={"addressing_style": "path"}, max_pool_connections=16),
+        config=Config(
+            s3={"addressing_style": "path"},
+            max_pool_connections=16,
+            # As S3Store writes: boto3's default CRC32 would make moto render a
+            # ChecksumAlgorithm per listed key (~7% more CPU per page).
+            request_checksum_calculation="when_required",
+        ),
     )
 
 
@@ -173,6 +193,38 @@ def bench_raw(s3: Any, server_pid: int, objects: int, round_no: int, *, listed: 
     return Phase(objects, total.wall, total.server_cpu, total.client_cpu, calls)
 
 
+def probe_listing(s3: Any, server_pid: int) -> None:
+    """Print moto's CPU per ListObjectsV2 call against the prefix size and MaxKeys.
+
+    Shows the two parts of a page's cost: a fixed part that grows with the keys
+    under the prefix (moto filters the whole bucket and sorts every match for
+    each page, then walks to the continuation point) and a part per returned key
+    (rendering it).
+    """
+    me = os.getpid()
+    for size in (1000, 10_000):
+        prefix = f"probe/{size}/"
+        keys = [f"{prefix}obj_{i:06d}.json" for i in range(size)]
+        _fill(s3, keys, None)
+        for max_keys in (1, 100, 1000):
+            with Meter(server_pid, me) as m:
+                for _ in range(5):
+                    s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix, MaxKeys=max_keys)
+            print(
+                f"probe: ListObjectsV2 of a prefix of {size} keys, MaxKeys {max_keys}: "
+                f"moto CPU {200 * m.server_cpu:.0f} ms, wall {200 * m.wall:.0f} ms"
+            )
+        with Meter(server_pid, me) as m:
+            for i in range(0, size, 1000):
+                batch = [{"Key": k} for k in keys[i : i + 1000]]
+                s3.delete_objects(Bucket=BUCKET, Delete={"Objects": batch, "Quiet": True})
+        calls = -(-size // 1000)
+        print(
+            f"probe: DeleteObjects of 1000 known keys: moto CPU "
+            f"{1000 * m.server_cpu / calls:.0f} ms, wall {1000 * m.wall / calls:.0f} ms"
+        )
+
+
 def _store_calls(metrics_addr: str) -> dict[str, tuple[float, float]]:
     """The control plane's store calls so far: operation -> (count, seconds)."""
     with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=10) as response:
@@ -213,9 +265,7 @@ async def bench_deletion(
         while state != "deleted":
             if time.perf_counter() - started > DEADLINE:
                 raise SystemExit(f"bench: deletion not finished within {DEADLINE}s")
-            # Each poll is a store read on the same server: poll gently (the figure
-            # is at most one step low).
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(POLL)
             state = (await client.get_deletion(account_id))["state"]
     after = _store_calls(cp.serve_info["metrics"])
     left = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{PREFIX}accounts/{account_id}/")
@@ -285,6 +335,8 @@ async def main_async(args: argparse.Namespace) -> int:
             deletion: list[Phase] = []
             raw: list[Phase] = []
             listed: list[Phase] = []
+            if args.probe:
+                probe_listing(s3, moto.pid)
             async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=30) as client:
                 for r in range(args.rounds):
                     deletion.append(
@@ -312,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--objects", type=int, default=10_000, help="objects in the account")
     parser.add_argument("--rounds", type=int, default=1, help="repeat and keep the best")
+    parser.add_argument(
+        "--probe", action="store_true", help="first print moto's CPU per listing page"
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.objects <= 200_000 or not 1 <= args.rounds <= 10:
         parser.error("--objects 1..200000, --rounds 1..10")
