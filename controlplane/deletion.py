@@ -82,6 +82,11 @@ CREDENTIALS_PREFIX: Final = "credentials/"
 CONCURRENT_BATCHES: Final = 4
 #: Credential records read at once while looking for the account's own.
 CONCURRENT_READS: Final = 8
+#: Deleted batches between two saves of the count in the tombstone. A save is
+#: three requests (head, get, compare-and-swap put) that compete with the listing
+#: on the server; the count only matters to a resumed run, which recounts what
+#: it deletes itself (so a crash forgets at most this many batches of it).
+PROGRESS_EVERY: Final = 5
 
 
 @dataclass(frozen=True)
@@ -429,17 +434,21 @@ class AccountSweep:
         limit = asyncio.Semaphore(CONCURRENT_BATCHES)
         # Every batch is awaited (its error included) before the account may go.
         started: list[asyncio.Task[None]] = []
+        done = 0
 
         async def batch(keys: list[str]) -> None:
+            nonlocal done
             try:
                 await self.delete(keys, "objects")
             finally:
                 limit.release()
             self.deleted += len(keys)
+            done += 1
             if self._on_objects is not None:
                 self._on_objects(len(keys))
-            # Progress survives a restart (give or take the batches in flight).
-            await self._save_progress()
+            if done % PROGRESS_EVERY == 0:
+                # Progress survives a restart (give or take the batches since).
+                await self._save_progress()
 
         try:
             # The store resumes a failed page after its last key (RetryingStore);

@@ -8,10 +8,11 @@ from collections.abc import Sequence
 
 import pytest
 
+from controlplane import jsonstore
 from controlplane.accounts import AccountService
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService, Principal
-from controlplane.deletion import AccountDeletion, DeletionHooks
+from controlplane.deletion import PROGRESS_EVERY, AccountDeletion, DeletionHooks
 from controlplane.intents import INTENTS_PREFIX, Intents
 from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.pairing import Pairing
@@ -275,8 +276,47 @@ async def test_background_run_closes_links_and_counts(clock: Clock) -> None:
     assert got.state == "deleted" and got.deleted_objects == sum(objects) >= 30
 
 
-#: Writes and deletes one whole deletion of _populate's account makes (page size 7).
-WRITES = 18
+class RecordingProgress(CrashingStore):
+    """Records the object count of every tombstone write, and every batch delete."""
+
+    def __init__(self, inner: ObjectStore, tombstone: str) -> None:
+        super().__init__(inner, 10**9)
+        self.tombstone = tombstone
+        self.saved: list[int] = []
+        self.batches = 0
+
+    async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
+        if key == self.tombstone:
+            self.saved.append(int(jsonstore.decode(data, key)["deleted_objects"]))
+        return await super().put(key, data, if_none_match=if_none_match, if_match=if_match)
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        self.batches += 1
+        await super().delete_many(keys)
+
+
+async def test_the_count_is_saved_every_few_batches_not_after_each(clock: Clock) -> None:
+    store = MemoryStore()
+    acct = await _populate(Process(store, clock), 1, 1, 90)
+    recording = RecordingProgress(store, deleting_key(acct))
+    p = Process(recording, clock)
+    await p.deletion.delete(OP, acct)
+    # Batches under the prefix: all but the index batch and the last two deletes
+    # (account record, tombstone).
+    prefix_batches = recording.batches - 3
+    assert prefix_batches >= 2 * PROGRESS_EVERY
+    # The tombstone's creation (count 0), then one save per PROGRESS_EVERY batches
+    # (a save per batch before: the saves competed with the listing on the server).
+    assert recording.saved[0] == 0
+    saves = recording.saved[1:]
+    assert len(saves) == prefix_batches // PROGRESS_EVERY
+    assert saves == sorted(saves) and saves[0] > 0
+    assert (await p.deletion.get(OP, acct)).deleted_objects >= saves[-1]
+
+
+#: Writes and deletes one whole deletion of _populate's account makes (page size 7:
+#: five batches under the prefix, the count saved after the fifth only).
+WRITES = 14
 
 
 @pytest.mark.parametrize("crash_after", range(WRITES + 1))

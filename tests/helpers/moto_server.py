@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from tests.helpers.poll import poll_until
 
-__all__ = ["free_port", "moto_server", "start_moto", "stripping_proxy"]
+__all__ = ["free_port", "moto_server", "moto_server_proc", "start_moto", "stripping_proxy"]
 
 START_DEADLINE = 30.0
 
@@ -65,6 +65,19 @@ def moto_server(
     ``env`` adds to the server's environment, e.g. ``INITIAL_NO_AUTH_ACTION_COUNT=0``
     for a server that checks credentials.
     """
+    with moto_server_proc(deadline, env) as (url, _proc):
+        yield url
+
+
+@contextlib.contextmanager
+def moto_server_proc(
+    deadline: float = START_DEADLINE, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """As :func:`moto_server`, also yielding the process (benches read its CPU time).
+
+    ``python -m moto.server`` runs werkzeug with ``threaded=True``: one thread per
+    request, all under one GIL, so the server does at most one core of work.
+    """
     for _ in range(3):  # the free port may be taken before moto binds it
         port = free_port()
         proc = subprocess.Popen(
@@ -79,7 +92,7 @@ def moto_server(
             up = _wait_moto(proc, url, deadline)
             if not up:
                 continue
-            yield url
+            yield url, proc
             return
         finally:
             _stop(proc)
