@@ -30,6 +30,7 @@ from shared.ids import new_id
 from shared.pb.control.v1 import admin_pb2, link_pb2, link_pb2_grpc
 from tests.conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
 from tests.helpers.control_proc import ControlProc, control_plane, run_init
+from tests.helpers.poll import apoll_until
 
 pytestmark = pytest.mark.integration
 
@@ -337,8 +338,18 @@ async def test_link_foreign_ca_refused_and_revocation(cp: ControlProc) -> None:
         first = await asyncio.wait_for(call.read(), 5)
         assert first.WhichOneof("kind") == "welcome"
         assert first.welcome.machine_id == joined.machine_id
-        shown = json.loads(_ok(cp.cli("machine", "show", joined.machine_id, "--json")))
-        assert shown["online"] is True and shown["agent_count"] == 3
+
+        # The welcome goes out as the session is recorded: the listing may lag it by
+        # a moment under load, so wait for it (with a deadline) rather than race it.
+        def online() -> dict[str, Any] | None:
+            out = _ok(cp.cli("machine", "show", joined.machine_id, "--json"))
+            shown: dict[str, Any] = json.loads(out)
+            return shown if shown["online"] else None
+
+        shown = await apoll_until(
+            lambda: asyncio.to_thread(online), deadline=10, what="machine shown online", step=0.1
+        )
+        assert shown["agent_count"] == 3
 
         # Keep heartbeating while the operator revokes; the stream must end within 1 s.
         stop_beating = asyncio.Event()
