@@ -24,7 +24,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the packages' bytecode once, before any test starts a daemon or CLI.
 
     With PYTHONDONTWRITEBYTECODE set (as in many containers) Python never caches
-    bytecode, so each of the suite's thousands of ``agents-control`` /
+    bytecode, so each of the suite's many ``agents-control`` /
     ``agents-machine`` processes would compile every module it imports again
     (about a quarter of a CLI run's CPU). Cached files are still read under that
     setting; compileall writes them regardless of it.
