@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import compileall
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,6 +17,20 @@ from tests.helpers.moto_server import moto_server
 STORE_KINDS = ["folder", "s3", "memory"]
 TEST_ACCESS_KEY = "testing"
 TEST_SECRET_KEY = "testing-secret"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the packages' bytecode once, before any test starts a daemon or CLI.
+
+    With PYTHONDONTWRITEBYTECODE set (as in many containers) Python never caches
+    bytecode, so each of the suite's many ``agents-control`` /
+    ``agents-machine`` processes would compile every module it imports again
+    (about a quarter of a CLI run's CPU). Cached files are still read under that
+    setting; compileall writes them regardless of it.
+    """
+    for package in ("shared", "machine", "controlplane", "tests/helpers"):
+        compileall.compile_dir(ROOT / package, quiet=1)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from machine.runtimes import acp, echo
+from machine.runtimes import echo
 from machine.runtimes.base import Runtime
 from shared.errors import InvalidArgument
 
@@ -63,15 +63,28 @@ class RuntimeRegistry:
         return self.kind(name).create_runtime(agent_id=agent_id, folder=folder, settings=settings)
 
 
+def _validate_acp(settings: Mapping[str, Any]) -> dict[str, Any]:
+    # machine.runtimes.acp is imported on first use: the agent-client-protocol
+    # package (pydantic models) costs about a second at start-up, which every CLI
+    # run and a daemon that never drives an ACP agent should not pay.
+    from machine.runtimes import acp
+
+    return acp.validate_settings(settings)
+
+
+def _create_acp(**kwargs: Any) -> Runtime:
+    from machine.runtimes import acp  # on first use, see _validate_acp
+
+    return acp.create_runtime(**kwargs)
+
+
 def _builtin(claude_home: Path | None, codex_home: Path | None) -> dict[str, RuntimeKind]:
     # The acp runtime removes Claude/Codex session files on delete: bind the
     # folders the config resolved so it never reads the environment itself.
-    create_acp = functools.partial(
-        acp.create_runtime, claude_home=claude_home, codex_home=codex_home
-    )
+    create_acp = functools.partial(_create_acp, claude_home=claude_home, codex_home=codex_home)
     return {
         "echo": RuntimeKind("echo", echo.validate_settings, echo.create_runtime),
-        "acp": RuntimeKind("acp", acp.validate_settings, create_acp),
+        "acp": RuntimeKind("acp", _validate_acp, create_acp),
     }
 
 

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from shared.errors import InvalidArgument
 from shared.store.base import ObjectStore, validate_prefix
 from shared.store.folder import FolderStore
-from shared.store.s3 import S3Config, S3Store
+from shared.store.s3_config import S3Config
 from shared.store.wrappers import DeadlineStore, MeteredStore, RetryingStore
 
 __all__ = ["StoreOptions", "describe_store", "open_store", "parse_store_url"]
@@ -159,6 +159,10 @@ async def open_store(
     if isinstance(target, Path):
         backend = await FolderStore.open(target)
     else:
+        # Imported here: aiobotocore costs most of a second, which a folder store and
+        # every CLI run that only parses a URL should not pay.
+        from shared.store.s3 import S3Store
+
         backend = await S3Store.open(target)
     inner: ObjectStore = RetryingStore(backend)
     deadline = options.call_deadline if options is not None else None

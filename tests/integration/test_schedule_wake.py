@@ -2,7 +2,7 @@
 provider and a joined agents-machine, for real (moto's S3 server as the store).
 
 The machine runs a schedule (the seconds test hook: `* * * * *` fires every
-20 s) and reports its next fire time in its heartbeats. It is stopped right
+15 s) and reports its next fire time in its heartbeats. It is stopped right
 after a fire; with no prompt queued, the control plane asks the provider to
 start it `wake_lead_seconds` before the next fire time, and that fire runs on
 time: recorded as `fired` (with the default `skip` policy, a late start would
@@ -36,8 +36,11 @@ from tests.helpers.poll import apoll_until
 pytestmark = pytest.mark.integration
 
 HEARTBEAT = 0.3
-EVERY = 20
-LEAD = 12
+# A fire every 15 s (a test waits up to two periods); the wake comes 10 s before
+# the next fire: the 5 s after a fire are for stopping the machine, the 10 s
+# before the next for the provider to start it and for it to connect.
+EVERY = 15
+LEAD = 10
 DEADLINE = 40.0
 MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
 
@@ -96,7 +99,7 @@ def _kill_serving(data: Path) -> None:
 async def test_stopped_machine_is_started_for_its_schedule(tmp_path: Path, cp: ControlProc) -> None:
     data = tmp_path / "machine"
     data.mkdir(mode=0o700)
-    # The test hook (machine.toml only): fires at :00, :20 and :40 of each minute.
+    # The test hook (machine.toml only): fires at :00, :15, :30 and :45 of each minute.
     (data / "machine.toml").write_text(f"schedule_test_seconds = {EVERY}\n")
     account = re.search(
         r"account (acct_[0-9a-z]{26})",
