@@ -25,7 +25,6 @@ Rules it keeps:
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import sqlite3
 import time
@@ -49,6 +48,7 @@ from machine.models import (
 )
 from machine.permissions import PermissionBroker
 from machine.recorder import EventRecorder, Usage, complete, event_payload
+from machine.run_reader import RunReader
 from machine.run_recovery import ActiveRun, StorageRecovery, recover_at_start, storage_fault
 from machine.runtime_cache import RuntimeCache
 from machine.runtimes import RuntimeRegistry
@@ -70,10 +70,6 @@ __all__ = ["Delivered", "RunEngine"]
 logger = logging.getLogger(__name__)
 
 _MAX_ATTACHMENTS = 32
-_READ_BATCH = 500
-# A follower holds at most one batch: bounded by bytes too, so large events
-# (a long prompt, a big tool output) do not make a batch hundreds of MiB.
-_READ_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -108,6 +104,7 @@ class RunEngine:
         self._clock = clock
         self._recorder = EventRecorder(db, metrics=metrics, clock=clock)
         self.feeds = self._recorder.feeds
+        self._reader = RunReader(db, self.feeds, ids=ids)
         self._permissions = PermissionBroker(db, self._recorder, track=self._track, clock=clock)
         self._active: dict[str, ActiveRun] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -279,81 +276,29 @@ class RunEngine:
         raises on the first ``__anext__``.
         """
         run, after = await self.submit(agent_id, text, attachments)
-        return self._follow_run(agent_id, run.id, after)
+        return self._reader.follow_run(agent_id, run.id, after)
 
-    async def _follow_run(
-        self, agent_id: str, run_id: str, after: int
-    ) -> AsyncIterator[StoredEvent]:
-        async for ev in self.follow(agent_id, after, follow=True, run_id=run_id):
-            if ev.run_id != run_id:
-                continue
-            yield ev
-            if ev.terminal:
-                return
-
-    async def follow(
+    def follow(
         self, agent_id: str, after_seq: int, *, follow: bool, run_id: str | None = None
     ) -> AsyncIterator[StoredEvent]:
-        """Stored events with seq > after_seq; with ``follow``, then every new one.
-
-        With ``run_id``, once every stored event has been yielded, raise the
-        StoreError recorded for that run if its final event could not be stored.
-        """
-        feed = self.feeds.feed(agent_id)
-        last = after_seq
-        while True:
-            ring = feed.since(last)
-            if ring is not None:
-                batch = ring
-            else:
-                batch = await self._db.read(
-                    functools.partial(
-                        store.read_events,
-                        agent_id=agent_id,
-                        after_seq=last,
-                        limit=_READ_BATCH,
-                        max_bytes=_READ_BYTES,
-                    ),
-                    what=f"replay agent {agent_id}",
-                )
-            for ev in batch:
-                if ev.seq <= last:
-                    continue
-                yield ev
-                last = ev.seq
-            if batch:
-                continue
-            if not follow:
-                return
-            await feed.wait_after(last, run_id)
+        """See :meth:`RunReader.follow <machine.run_reader.RunReader.follow>`."""
+        return self._reader.follow(agent_id, after_seq, follow=follow, run_id=run_id)
 
     async def replay(
         self, agent_id: str, after_seq: int = 0, *, follow: bool = False
     ) -> AsyncIterator[StoredEvent]:
         """Validate, then stream the agent's events (see :meth:`follow`)."""
-        validate_id("agent", agent_id, "agent_id")
-        if after_seq < 0:
-            raise InvalidArgument("after_seq", "must not be negative")
-        await self._db.read(
-            lambda c: store.get_agent(c, agent_id, self.ids.own), what=f"replay agent {agent_id}"
-        )
-        return self.follow(agent_id, after_seq, follow=follow)
+        return await self._reader.replay(agent_id, after_seq, follow=follow)
 
     # ------------------------------------------------------------ control
 
     async def get_run(self, run_id: str) -> RunRecord:
         """One run."""
-        validate_id("run", run_id, "run_id")
-        return await self._db.read(lambda c: store.get_run(c, run_id), what=f"get run {run_id}")
+        return await self._reader.get_run(run_id)
 
     async def list_runs(self, agent_id: str, limit: int = 100) -> list[RunRecord]:
         """An agent's runs, newest first."""
-        validate_id("agent", agent_id, "agent_id")
-        if not 0 <= limit <= 1000:
-            raise InvalidArgument("limit", "must be 0 to 1000")
-        what = f"list runs of agent {agent_id}"
-        await self._db.read(lambda c: store.get_agent(c, agent_id, self.ids.own), what=what)
-        return await self._db.read(lambda c: store.list_runs(c, agent_id, limit or 100), what=what)
+        return await self._reader.list_runs(agent_id, limit)
 
     async def cancel(self, run_id: str) -> RunRecord:
         """Cancel an open run; it ends with RUN_ERROR code CANCELLED."""
