@@ -39,7 +39,7 @@ from controlplane.presence import (
 from controlplane.rosters import AgentRosters
 from shared.errors import InvalidArgument, Unimplemented
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
-from shared.timestamps import from_datetime, to_datetime
+from shared.timestamps import field_datetime, from_datetime
 
 __all__ = ["LinkServicer"]
 
@@ -63,7 +63,7 @@ def _peer_pem(context: Context) -> bytes | None:
 
 
 def _fire_time(msg: link_pb2.Hello | link_pb2.Heartbeat) -> dt.datetime | None:
-    return to_datetime(msg.next_fire_at) if msg.HasField("next_fire_at") else None
+    return field_datetime(msg, "next_fire_at")
 
 
 async def _decode(
