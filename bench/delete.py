@@ -42,6 +42,7 @@ from controlplane.keys import load_home_keys
 from shared.store.authenticated import seal
 from tests.helpers.control_proc import run_init, s3_env, start_serve, stop_serve
 from tests.helpers.moto_server import moto_server
+from tests.helpers.poll import apoll_until
 
 BUCKET = "bench-delete"
 PREFIX = "cp/"
@@ -102,13 +103,17 @@ async def bench_deletion(
     _fill(s3, keys, mac)
     start = time.perf_counter()
     state = (await client.delete_account(account_id))["state"]
-    while state != "deleted":
-        if time.perf_counter() - start > DEADLINE:
-            raise SystemExit(f"bench: deletion not finished within {DEADLINE}s")
+
+    async def deleted() -> bool:
+        return bool((await client.get_deletion(account_id))["state"] == "deleted")
+
+    if state != "deleted":
         # Each poll is a store read on the same server: poll gently (the figure is
         # at most one step low).
-        await asyncio.sleep(0.05)
-        state = (await client.get_deletion(account_id))["state"]
+        fail = f"bench: deletion not finished within {DEADLINE}s"
+        await apoll_until(
+            deleted, deadline=DEADLINE, what="deletion", step=0.05, fail=lambda: SystemExit(fail)
+        )
     elapsed = time.perf_counter() - start
     left = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{PREFIX}accounts/{account_id}/")
     if left.get("KeyCount", 0):

@@ -30,6 +30,7 @@ from shared.ids import new_id
 from shared.pb.control.v1 import admin_pb2, link_pb2, link_pb2_grpc
 from tests.conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
 from tests.helpers.control_proc import ControlProc, control_plane, run_init
+from tests.helpers.poll import apoll_until
 
 pytestmark = pytest.mark.integration
 
@@ -250,12 +251,19 @@ async def test_no_secret_in_clear(
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+    def joined() -> bool:
+        assert machine.poll() is None, machine_log.read_text(errors="replace")
+        return "joined as machine" in machine_log.read_text(errors="replace")
+
     try:
-        deadline = time.monotonic() + 20
-        while "joined as machine" not in machine_log.read_text(errors="replace"):
-            assert machine.poll() is None, machine_log.read_text(errors="replace")
-            assert time.monotonic() < deadline, machine_log.read_text(errors="replace")
-            await asyncio.sleep(0.05)  # poll step; a deadline bounds the loop
+        await apoll_until(
+            joined,
+            deadline=20,
+            what="joined as machine",
+            step=0.05,
+            fail=lambda: AssertionError(machine_log.read_text(errors="replace")),
+        )
         listed = json.loads(
             _ok(cp.cli("machine", "list", "--account", acct["account_id"], "--json"))
         )["machines"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from machine.config import MachineConfig
 from machine.db import Database
 from machine.models import EventKind, RunState, StoredEvent
 from shared.errors import StoreError
+from tests.helpers.poll import apoll_until
 from tests.helpers.runs import break_appends, wait_for_state
 
 DEADLINE = 10.0
@@ -210,10 +210,9 @@ async def test_failing_commit_observer_neither_hangs_nor_stops_the_writer(
         assert await asyncio.wait_for(db.write(_insert), DEADLINE) == 1
         assert await asyncio.wait_for(db.write(lambda c: 2), DEADLINE) == 2
         # The observer runs after the callers are answered: wait for the second call.
-        end = time.monotonic() + DEADLINE
-        while len(calls) < 2:
-            assert time.monotonic() < end, "the observer was not called for the second commit"
-            await asyncio.sleep(0.01)  # poll step under the deadline above
+        await apoll_until(
+            lambda: len(calls) >= 2, deadline=DEADLINE, what="the second commit observed"
+        )
         value = await db.read(lambda c: c.execute("SELECT value FROM settings").fetchone()[0])
         assert value == "v"
     finally:
