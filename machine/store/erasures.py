@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from machine.store.rows import from_row
 from machine.store.schedules import delete_agent_schedules
 
 __all__ = [
@@ -202,25 +203,11 @@ def insert_receipt(
     )
 
 
-def _receipt(row: sqlite3.Row) -> Receipt:
-    return Receipt(
-        agent_id=row["agent_id"],
-        erased_at=row["erased_at"],
-        runtime=row["runtime"],
-        attempts=row["attempts"],
-        last_attempt_at=row["last_attempt_at"],
-        machine_data=row["machine_data"],
-        attachments=row["attachments"],
-        runtime_copy=row["runtime_copy"],
-        detail=row["detail"],
-    )
-
-
 def list_receipts(conn: sqlite3.Connection) -> tuple[list[Receipt], list[tuple[str, float]]]:
     """Receipts (queued first, then newest first) and erased-list entries with no
     receipt here (brought by a restore), newest first."""
     receipts = [
-        _receipt(r)
+        from_row(Receipt, r)
         for r in conn.execute(
             "SELECT * FROM erasures ORDER BY runtime_copy != 'pending', erased_at DESC, agent_id"
         )
