@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from machine.store.rows import from_row
+from machine.store.rows import from_row, present
 from machine.store.schedules import delete_agent_schedules
 
 __all__ = [
@@ -133,16 +133,7 @@ def add_erased(conn: sqlite3.Connection, agent_id: str, erased_at: float) -> Non
 
 def erased_among(conn: sqlite3.Connection, ids: Iterable[str]) -> set[str]:
     """Which of ``ids`` are on the erased list."""
-    wanted = list(ids)
-    found: set[str] = set()
-    for i in range(0, len(wanted), 500):
-        part = wanted[i : i + 500]
-        marks = ",".join("?" * len(part))
-        found |= {
-            r[0]
-            for r in conn.execute(f"SELECT agent_id FROM erased WHERE agent_id IN ({marks})", part)
-        }
-    return found
+    return present(conn, "erased", "agent_id", ids)
 
 
 def erased_rows(conn: sqlite3.Connection) -> list[dict[str, Any]]:

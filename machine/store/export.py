@@ -25,7 +25,7 @@ from typing import IO, Any, Final
 from machine.export_format import encode_jsonl, read_jsonl
 from machine.models import AgentState, EventKind
 from machine.store import search_backlog
-from machine.store.rows import archive_field
+from machine.store.rows import archive_field, present
 from machine.store.runs import RUN_FIELDS
 from machine.store.schedules import dump_schedules, load_schedules
 from shared.errors import InvalidArgument
@@ -92,13 +92,7 @@ def agent_markers(conn: sqlite3.Connection) -> list[tuple[str, str]]:
 
 def existing_agents(conn: sqlite3.Connection, ids: Iterable[str]) -> set[str]:
     """Which of ``ids`` are agents on this machine already."""
-    wanted = list(ids)
-    found: set[str] = set()
-    for i in range(0, len(wanted), 500):
-        part = wanted[i : i + 500]
-        marks = ",".join("?" * len(part))
-        found |= {r[0] for r in conn.execute(f"SELECT id FROM agents WHERE id IN ({marks})", part)}
-    return found
+    return present(conn, "agents", "id", ids)
 
 
 def agents_in_folder(conn: sqlite3.Connection, folder: str) -> list[str]:
