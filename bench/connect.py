@@ -39,21 +39,16 @@ from controlplane.client import AdminClient
 from machine.join import join_control_plane
 from machine.link import ControlLink, LinkState
 from tests.helpers.control_proc import run_init, start_serve, stop_serve
+from tests.helpers.poll import apoll_until
 
 MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
 
 
 async def _wait(pred: Any, timeout: float, what: str, step: float = 0.02) -> float:
     start = time.monotonic()
-    while True:
-        value = pred()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise SystemExit(f"bench: {what} not within {timeout}s")
-        await asyncio.sleep(step)
+    fail = f"bench: {what} not within {timeout}s"
+    await apoll_until(pred, deadline=timeout, what=what, step=step, fail=lambda: SystemExit(fail))
+    return time.monotonic() - start
 
 
 async def _online_count(client: AdminClient, account_id: str) -> int:

@@ -56,6 +56,7 @@ from controlplane.keys import load_home_keys
 from shared.store.authenticated import seal
 from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
 from tests.helpers.moto_server import moto_server_proc
+from tests.helpers.poll import apoll_until
 
 BUCKET = "bench-delete"
 PREFIX = "cp/"
@@ -259,14 +260,21 @@ async def bench_deletion(
     _fill(s3, keys, mac)
     assert cp.process is not None
     before = _store_calls(cp.serve_info["metrics"])
-    started = time.perf_counter()
     with Meter(server_pid, cp.process.pid) as m:
         state = (await client.delete_account(account_id)).state
-        while state != "deleted":
-            if time.perf_counter() - started > DEADLINE:
-                raise SystemExit(f"bench: deletion not finished within {DEADLINE}s")
-            await asyncio.sleep(POLL)
-            state = (await client.get_deletion(account_id)).state
+
+        async def deleted() -> bool:
+            return (await client.get_deletion(account_id)).state == "deleted"
+
+        if state != "deleted":
+            fail = f"bench: deletion not finished within {DEADLINE}s"
+            await apoll_until(
+                deleted,
+                deadline=DEADLINE,
+                what="deletion",
+                step=POLL,
+                fail=lambda: SystemExit(fail),
+            )
     after = _store_calls(cp.serve_info["metrics"])
     left = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{PREFIX}accounts/{account_id}/")
     if left.get("KeyCount", 0):

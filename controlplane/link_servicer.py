@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Final
 
 import grpc
@@ -37,10 +37,9 @@ from controlplane.presence import (
     RevokedNotice,
 )
 from controlplane.rosters import AgentRosters
-from shared.errors import AgentsError, InvalidArgument, Unimplemented
+from shared.errors import InvalidArgument, Unimplemented
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
-from shared.rpc import status_for
-from shared.timestamps import Clock, from_datetime, to_datetime
+from shared.timestamps import Clock, field_datetime, from_datetime
 
 __all__ = ["LinkServicer"]
 
@@ -65,7 +64,7 @@ def _peer_pem(context: Context) -> bytes | None:
 
 
 def _fire_time(msg: link_pb2.Hello | link_pb2.Heartbeat) -> dt.datetime | None:
-    return to_datetime(msg.next_fire_at) if msg.HasField("next_fire_at") else None
+    return field_datetime(msg, "next_fire_at")
 
 
 async def _decode(
@@ -207,19 +206,6 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
 
     # Backups: the account and machine come from the verified certificate only.
 
-    @contextlib.contextmanager
-    def _counted(self, method: str) -> Iterator[None]:
-        # The calls interceptor counts unary calls only; these include streams.
-        try:
-            yield
-        except AgentsError as exc:
-            self._metrics.backup_calls.labels(method, status_for(exc).name).inc()
-            raise
-        except Exception:
-            self._metrics.backup_calls.labels(method, grpc.StatusCode.UNKNOWN.name).inc()
-            raise
-        self._metrics.backup_calls.labels(method, grpc.StatusCode.OK.name).inc()
-
     async def _caller(self, context: Context) -> tuple[MachineBackups, str, str]:
         """The backups domain and the caller's (account id, machine id)."""
         peer = await self._sessions.authorize(_peer_pem(context))
@@ -231,105 +217,94 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self, request: link_pb2.HaveSegmentsRequest, context: Context
     ) -> link_pb2.HaveSegmentsResponse:
         """See link.proto."""
-        with self._counted("HaveSegments"):
-            backups, account, machine = await self._caller(context)
-            have = await backups.have_segments(account, machine, list(request.hashes))
-            names = sorted(have)
-            return link_pb2.HaveSegmentsResponse(
-                present=names, present_sizes=[have[n] for n in names]
-            )
+        backups, account, machine = await self._caller(context)
+        have = await backups.have_segments(account, machine, list(request.hashes))
+        names = sorted(have)
+        return link_pb2.HaveSegmentsResponse(present=names, present_sizes=[have[n] for n in names])
 
     async def PutSegment(
         self, request_iterator: AsyncIterator[link_pb2.PutSegmentRequest], context: Context
     ) -> link_pb2.PutSegmentResponse:
         """See link.proto: a header, then the chunks, streamed into the store."""
-        with self._counted("PutSegment"):
-            backups, account, machine = await self._caller(context)
-            first = await anext(aiter(request_iterator), None)
-            if first is None or first.WhichOneof("kind") != "header":
-                raise InvalidArgument("header", "the first message names the segment")
+        backups, account, machine = await self._caller(context)
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise InvalidArgument("header", "the first message names the segment")
 
-            async def chunks() -> AsyncIterator[bytes]:
-                async for msg in request_iterator:
-                    if msg.WhichOneof("kind") != "chunk":
-                        raise InvalidArgument("chunk", "only chunks follow the header")
-                    yield msg.chunk
+        async def chunks() -> AsyncIterator[bytes]:
+            async for msg in request_iterator:
+                if msg.WhichOneof("kind") != "chunk":
+                    raise InvalidArgument("chunk", "only chunks follow the header")
+                yield msg.chunk
 
-            stored = await backups.put_segment(
-                account, machine, first.header.hash, chunks(), declared=first.header.size or None
-            )
-            if stored:
-                self._metrics.backup_stored_bytes.labels("segment").inc(stored)
-                self._metrics.backup_stored_objects.labels("segment").inc()
-            return link_pb2.PutSegmentResponse(stored_bytes=stored)
+        stored = await backups.put_segment(
+            account, machine, first.header.hash, chunks(), declared=first.header.size or None
+        )
+        if stored:
+            self._metrics.backup_stored_bytes.labels("segment").inc(stored)
+            self._metrics.backup_stored_objects.labels("segment").inc()
+        return link_pb2.PutSegmentResponse(stored_bytes=stored)
 
     async def PutManifest(
         self, request: link_pb2.PutManifestRequest, context: Context
     ) -> link_pb2.PutManifestResponse:
         """See link.proto."""
-        with self._counted("PutManifest"):
-            backups, account, machine = await self._caller(context)
-            await backups.put_manifest(
-                account,
-                machine,
-                request.backup_id,
-                bytes(request.sealed_manifest),
-                list(request.segment_hashes),
-            )
-            self._metrics.backup_stored_bytes.labels("manifest").inc(len(request.sealed_manifest))
-            self._metrics.backup_stored_objects.labels("manifest").inc()
-            return link_pb2.PutManifestResponse(stored_at=from_datetime(self._clock()))
+        backups, account, machine = await self._caller(context)
+        await backups.put_manifest(
+            account,
+            machine,
+            request.backup_id,
+            bytes(request.sealed_manifest),
+            list(request.segment_hashes),
+        )
+        self._metrics.backup_stored_bytes.labels("manifest").inc(len(request.sealed_manifest))
+        self._metrics.backup_stored_objects.labels("manifest").inc()
+        return link_pb2.PutManifestResponse(stored_at=from_datetime(self._clock()))
 
     async def ListBackups(
         self, request: link_pb2.ListBackupsRequest, context: Context
     ) -> link_pb2.ListBackupsResponse:
         """See link.proto: newest first."""
-        with self._counted("ListBackups"):
-            backups, account, machine = await self._caller(context)
-            owner = await backups.source(account, machine, request.machine_id)
-            infos = await backups.list_manifests(account, owner)
-            return link_pb2.ListBackupsResponse(
-                backups=[
-                    link_pb2.BackupInfo(
-                        backup_id=i.backup_id, machine_id=owner, manifest_size=i.size
-                    )
-                    for i in reversed(infos)
-                ]
-            )
+        backups, account, machine = await self._caller(context)
+        owner = await backups.source(account, machine, request.machine_id)
+        infos = await backups.list_manifests(account, owner)
+        return link_pb2.ListBackupsResponse(
+            backups=[
+                link_pb2.BackupInfo(backup_id=i.backup_id, machine_id=owner, manifest_size=i.size)
+                for i in reversed(infos)
+            ]
+        )
 
     async def GetManifest(
         self, request: link_pb2.GetManifestRequest, context: Context
     ) -> link_pb2.GetManifestResponse:
         """See link.proto."""
-        with self._counted("GetManifest"):
-            backups, account, machine = await self._caller(context)
-            owner = await backups.source(account, machine, request.machine_id)
-            blob = await backups.get_manifest(account, owner, request.backup_id)
-            self._metrics.backup_served_bytes.inc(len(blob))
-            return link_pb2.GetManifestResponse(sealed_manifest=blob)
+        backups, account, machine = await self._caller(context)
+        owner = await backups.source(account, machine, request.machine_id)
+        blob = await backups.get_manifest(account, owner, request.backup_id)
+        self._metrics.backup_served_bytes.inc(len(blob))
+        return link_pb2.GetManifestResponse(sealed_manifest=blob)
 
     async def GetSegment(
         self, request: link_pb2.GetSegmentRequest, context: Context
     ) -> AsyncIterator[link_pb2.GetSegmentChunk]:
         """See link.proto: the store's stream, re-cut to bounded messages."""
-        with self._counted("GetSegment"):
-            backups, account, machine = await self._caller(context)
-            owner = await backups.source(account, machine, request.machine_id)
-            async for chunk in backups.get_segment(account, owner, request.hash):
-                for i in range(0, len(chunk), _SEGMENT_CHUNK):
-                    part = chunk[i : i + _SEGMENT_CHUNK]
-                    self._metrics.backup_served_bytes.inc(len(part))
-                    yield link_pb2.GetSegmentChunk(data=part)
+        backups, account, machine = await self._caller(context)
+        owner = await backups.source(account, machine, request.machine_id)
+        async for chunk in backups.get_segment(account, owner, request.hash):
+            for i in range(0, len(chunk), _SEGMENT_CHUNK):
+                part = chunk[i : i + _SEGMENT_CHUNK]
+                self._metrics.backup_served_bytes.inc(len(part))
+                yield link_pb2.GetSegmentChunk(data=part)
 
     async def Prune(
         self, request: link_pb2.PruneRequest, context: Context
     ) -> link_pb2.PruneResponse:
         """See link.proto."""
-        with self._counted("Prune"):
-            backups, account, machine = await self._caller(context)
-            result = await backups.prune(account, machine, request.keep)
-            return link_pb2.PruneResponse(
-                deleted_manifests=len(result.manifests),
-                deleted_segments=result.segments,
-                deleted_backup_ids=list(result.manifests),
-            )
+        backups, account, machine = await self._caller(context)
+        result = await backups.prune(account, machine, request.keep)
+        return link_pb2.PruneResponse(
+            deleted_manifests=len(result.manifests),
+            deleted_segments=result.segments,
+            deleted_backup_ids=list(result.manifests),
+        )

@@ -14,6 +14,17 @@ __all__ = ["ControlMetrics"]
 
 logger = logging.getLogger(__name__)
 
+# The MachineLink backup RPCs, counted in agents_cp_backup_calls (docs/metrics.md).
+BACKUP_METHODS = (
+    "HaveSegments",
+    "PutSegment",
+    "PutManifest",
+    "ListBackups",
+    "GetManifest",
+    "GetSegment",
+    "Prune",
+)
+
 
 class ControlMetrics:
     """Every metric the daemon exports besides the store's own."""
@@ -155,7 +166,8 @@ class ControlMetrics:
 
     def call_counters(self, admin_service: str, link_service: str) -> dict[str, CallCounter]:
         """What :class:`~shared.call_metrics.CallsInterceptor` counts: every Admin call
-        by method and code, joins and renewals by outcome (ok, or the lower-case code)."""
+        by method and code, joins and renewals by outcome (ok, or the lower-case code),
+        the backup calls (streams included) by method and code."""
 
         def admin(method: str, code: grpc.StatusCode) -> None:
             self.admin_calls.labels(method, code.name).inc()
@@ -166,8 +178,12 @@ class ControlMetrics:
 
             return count
 
+        def backup(method: str, code: grpc.StatusCode) -> None:
+            self.backup_calls.labels(method, code.name).inc()
+
         return {
             admin_service: admin,
             f"{link_service}/Join": outcome(self.joins),
             f"{link_service}/RenewCertificate": outcome(self.renewals),
+            **{f"{link_service}/{method}": backup for method in BACKUP_METHODS},
         }

@@ -32,6 +32,7 @@ from machine.local_auth import TOKEN_FILE, BearerTokenInterceptor, load_or_creat
 from machine.metrics import MachineMetrics
 from machine.servicer import SERVICE_NAME, MachineServicer
 from machine.version import machine_version
+from shared.call_metrics import CallsInterceptor
 from shared.errors import InvalidState
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
@@ -205,7 +206,13 @@ async def _serve_grpc(
 
     async def make_server(*interceptors: Any) -> tuple[grpc.aio.Server, Any]:
         server = grpc.aio.server(
-            interceptors=[*interceptors, ErrorInterceptor()],
+            # Counting first: it wraps the error mapping and the token check, and
+            # so sees the final code of every call (a refused one included).
+            interceptors=[
+                CallsInterceptor(metrics.call_counters(SERVICE_NAME)),
+                *interceptors,
+                ErrorInterceptor(),
+            ],
             options=[
                 ("grpc.max_receive_message_length", max_message),
                 ("grpc.max_send_message_length", max_message),

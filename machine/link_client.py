@@ -21,7 +21,7 @@ import grpc
 import grpc.aio
 
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
-from shared.timestamps import from_seconds, to_datetime
+from shared.timestamps import field_datetime, from_seconds
 
 __all__ = [
     "AccountDeleted",
@@ -179,7 +179,7 @@ def _notice(msg: link_pb2.ControlMessage) -> ControlNotice:
             id=pb.id,
             agent_id=pb.agent_id,
             sealed_prompt=bytes(pb.sealed_prompt),
-            created_at=to_datetime(pb.created_at) if pb.HasField("created_at") else None,
+            created_at=field_datetime(pb, "created_at"),
         )
     return Unknown(str(kind))
 

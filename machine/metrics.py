@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared.call_metrics import CallCounter
 
 __all__ = ["MachineMetrics"]
 
@@ -97,6 +100,13 @@ class MachineMetrics:
             registry=registry,
         )
 
+        self.calls = Counter(
+            "agents_machine_calls",
+            "MachineService calls (streams included), by method and status code.",
+            ["method", "code"],
+            registry=registry,
+        )
+
         self.schedule_fires = Counter(
             "agents_machine_schedule_fires",
             "Schedule fires, by result (fired, caught_up: a missed fire run once at"
@@ -158,3 +168,12 @@ class MachineMetrics:
         """Record one committed batch (called from the writer thread)."""
         self.commit_batch_size.observe(batch)
         self.commit_seconds.observe(seconds)
+
+    def call_counters(self, service: str) -> dict[str, CallCounter]:
+        """What :class:`~shared.call_metrics.CallsInterceptor` counts: every call of
+        ``service`` by method and the code its caller saw."""
+
+        def count(method: str, code: grpc.StatusCode) -> None:
+            self.calls.labels(method, code.name).inc()
+
+        return {service: count}

@@ -13,34 +13,24 @@ Rules it keeps:
   acknowledged; a redelivery finds that run and starts nothing. Such a run
   still queued at a restart is started then instead of being interrupted: the
   control plane forgot it once acknowledged, so nobody would send it again.
-- At start, other runs that were queued or running are marked interrupted and get
-  exactly one RUN_ERROR code RUN_INTERRUPTED (in the same transaction as the
-  state change, so a second restart adds nothing). Runs waiting for a
-  permission stay waiting; once answered they are driven again with
-  :class:`ResumeInfo`, and what the runtime re-emits before re-asking the
-  same request is not stored twice.
 - A write whose caller may be cancelled (a client going away) commits together
   with its in-memory follow-up or not at all: the follow-up runs even if the
   caller is cancelled while the write commits.
-- When a run's events cannot be stored (a full disk, a damaged database),
-  the run ends with RUN_ERROR code STORAGE_FAILED. If even that event cannot
-  be stored, its followers fail with the storage error instead of waiting for
-  ever, and the run stays registered (open in the database): it is ended with
-  STORAGE_FAILED as soon as the database accepts writes again (retried with
-  backoff), CancelRun can still end it, and a restart interrupts it.
+- Restarts and storage failures are recovered as :mod:`machine.run_recovery`
+  describes: open runs are interrupted (or started, or parked again), and a
+  run whose events cannot be stored ends with STORAGE_FAILED, once the
+  database takes writes again if need be.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from machine import store
 from machine.attachments import AttachmentStore
@@ -58,66 +48,28 @@ from machine.models import (
 )
 from machine.permissions import PermissionBroker
 from machine.recorder import EventRecorder, Usage, complete, event_payload
+from machine.run_reader import RunReader
+from machine.run_recovery import ActiveRun, StorageRecovery, recover_at_start, storage_fault
+from machine.runtime_cache import RuntimeCache
 from machine.runtimes import RuntimeRegistry
 from machine.runtimes.base import (
     PermissionDecision,
     PermissionRequest,
     ResumeInfo,
     RunContext,
-    Runtime,
     RuntimeEvent,
     RuntimeFailed,
     SessionStarted,
     UsageReport,
 )
-from shared.errors import (
-    AgentsError,
-    DatabaseDamaged,
-    DiskFull,
-    InvalidArgument,
-    InvalidState,
-    NotFound,
-    StoreError,
-    TooLarge,
-)
+from shared.errors import InvalidArgument, InvalidState, NotFound, StoreError, TooLarge
 from shared.ids import new_id, validate_id
 
 __all__ = ["Delivered", "RunEngine"]
 
 logger = logging.getLogger(__name__)
 
-CancelReason = Literal["user", "shutdown"]
-"""Why a run's task was cancelled: a person cancelled the run, or the daemon stops."""
-
 _MAX_ATTACHMENTS = 32
-_READ_BATCH = 500
-# A follower holds at most one batch: bounded by bytes too, so large events
-# (a long prompt, a big tool output) do not make a batch hundreds of MiB.
-_READ_BYTES = 256 * 1024
-# Retrying the final event of a run whose storage failed: first after this
-# long, doubling up to the cap (a freed disk is noticed within the cap).
-_END_RETRY_FIRST = 0.2
-_END_RETRY_MAX = 5.0
-
-
-def _storage_fault(error: BaseException) -> bool:
-    """Whether ``error`` is the database failing to store, not the run failing."""
-    return isinstance(error, DiskFull | DatabaseDamaged | StoreError)
-
-
-@dataclass
-class _Active:
-    """In-memory state of one open run."""
-
-    run: RunRecord
-    task: asyncio.Task[None] | None = None
-    cancel_reason: CancelReason | None = None
-    # The run ended in the engine but its final event could not be stored.
-    unended: bool = False
-    # The first storage failure met while storing the run's events.
-    store_error: str | None = None
-    # Held while storing the final event of an unended run (retry loop or cancel).
-    ending: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 @dataclass(frozen=True)
@@ -145,17 +97,18 @@ class RunEngine:
     ) -> None:
         self._db = db
         self.ids = ids
-        self._registry = runtimes
+        self._runtimes = RuntimeCache(runtimes)
         self._attachments = attachments
         self.prompt_limit = prompt_limit
         self._metrics = metrics
         self._clock = clock
         self._recorder = EventRecorder(db, metrics=metrics, clock=clock)
         self.feeds = self._recorder.feeds
+        self._reader = RunReader(db, self.feeds, ids=ids)
         self._permissions = PermissionBroker(db, self._recorder, track=self._track, clock=clock)
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, ActiveRun] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._runtimes: dict[str, Runtime] = {}
+        self._recovery = StorageRecovery(self._recorder, on_ended=self._ended_late)
         self._closing = False
         # run id -> called with the start time when that run starts (schedule lag).
         self._start_hooks: dict[str, Callable[[float], None]] = {}
@@ -164,55 +117,13 @@ class RunEngine:
 
     async def start(self) -> int:
         """Recover after a restart; return the number of runs marked interrupted."""
-        now = self._clock()
-
-        def recover(
-            conn: sqlite3.Connection,
-        ) -> tuple[list[StoredEvent], list[RunRecord], list[RunRecord]]:
-            events = []
-            delivered = []
-            for run in store.runs_in_states(conn, (RunState.QUEUED, RunState.RUNNING)):
-                if run.state is RunState.QUEUED and (
-                    run.prompt_id or store.is_scheduled_run(conn, run.id)
-                ):
-                    # Acknowledged, or a recorded schedule fire, but never
-                    # started: start it (nobody would send it again).
-                    delivered.append(run)
-                    continue
-                message = (
-                    "the machine daemon stopped while the run was in flight"
-                    if run.state is RunState.RUNNING
-                    else "the machine daemon stopped before the run started"
-                )
-                # The daemon's downtime is not the run's: its duration ends at
-                # the last event it stored before the stop.
-                events.append(
-                    self._recorder.end_sync(
-                        conn,
-                        run,
-                        RunErrorCode.RUN_INTERRUPTED,
-                        message,
-                        now,
-                        started=None,
-                        active_until=store.last_event_time(conn, run.id),
-                    )
-                )
-            waiting = store.runs_in_states(conn, (RunState.WAITING_PERMISSION,))
-            if events:
-                store.log(conn, now, "runs.interrupted", str(len(events)))
-            return events, waiting, delivered
-
-        events, waiting, delivered = await self._db.write(recover)
-        self._recorder.publish(events)
-        for ev in events:
-            self._recorder.count_end(RunState.INTERRUPTED)
-            logger.info("run %s interrupted by a restart", ev.run_id)
-        for run in waiting:
+        found = await recover_at_start(self._db, self._recorder, self._clock())
+        for run in found.waiting:
             # Park the run: it holds its agent's turn until someone answers or cancels.
             self._spawn(run, parked=True)
-        for run in delivered:  # in creation order: each agent's prompts keep theirs
+        for run in found.delivered:
             self._spawn(run, parked=False)
-        return len(events)
+        return found.interrupted
 
     async def close(self, grace: float = 0.0) -> None:
         """Stop: give running runs ``grace`` seconds, then interrupt them. Runs waiting
@@ -236,19 +147,12 @@ class RunEngine:
         tasks = [a.task for a in self._active.values() if a.task is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        for runtime in self._runtimes.values():
-            try:
-                await runtime.close()
-            except Exception:
-                logger.exception("closing runtime %s failed", runtime.name)
-        self._runtimes.clear()
+        await self._runtimes.close()
 
     async def release_runtime(self, agent_id: str) -> None:
         """Stop the agent's runtime (its process, if any) and forget it; the agent
         must have no open run (an archived one has none)."""
-        runtime = self._runtimes.pop(agent_id, None)
-        if runtime is not None:
-            await runtime.close()
+        await self._runtimes.release(agent_id)
 
     def interrupt_now(self) -> None:
         """Interrupt every open run at once (the second stop signal)."""
@@ -357,7 +261,7 @@ class RunEngine:
             )
         if agent.state is not AgentState.ACTIVE:
             raise InvalidState(f"prompt agent {agent.id}", "the agent is archived")
-        if agent.runtime not in self._registry.kinds:
+        if not self._runtimes.available(agent.runtime):
             raise InvalidState(
                 f"prompt agent {agent.id}",
                 f"runtime {agent.runtime!r} is not available on this machine",
@@ -372,81 +276,29 @@ class RunEngine:
         raises on the first ``__anext__``.
         """
         run, after = await self.submit(agent_id, text, attachments)
-        return self._follow_run(agent_id, run.id, after)
+        return self._reader.follow_run(agent_id, run.id, after)
 
-    async def _follow_run(
-        self, agent_id: str, run_id: str, after: int
-    ) -> AsyncIterator[StoredEvent]:
-        async for ev in self.follow(agent_id, after, follow=True, run_id=run_id):
-            if ev.run_id != run_id:
-                continue
-            yield ev
-            if ev.terminal:
-                return
-
-    async def follow(
+    def follow(
         self, agent_id: str, after_seq: int, *, follow: bool, run_id: str | None = None
     ) -> AsyncIterator[StoredEvent]:
-        """Stored events with seq > after_seq; with ``follow``, then every new one.
-
-        With ``run_id``, once every stored event has been yielded, raise the
-        StoreError recorded for that run if its final event could not be stored.
-        """
-        feed = self.feeds.feed(agent_id)
-        last = after_seq
-        while True:
-            ring = feed.since(last)
-            if ring is not None:
-                batch = ring
-            else:
-                batch = await self._db.read(
-                    functools.partial(
-                        store.read_events,
-                        agent_id=agent_id,
-                        after_seq=last,
-                        limit=_READ_BATCH,
-                        max_bytes=_READ_BYTES,
-                    ),
-                    what=f"replay agent {agent_id}",
-                )
-            for ev in batch:
-                if ev.seq <= last:
-                    continue
-                yield ev
-                last = ev.seq
-            if batch:
-                continue
-            if not follow:
-                return
-            await feed.wait_after(last, run_id)
+        """See :meth:`RunReader.follow <machine.run_reader.RunReader.follow>`."""
+        return self._reader.follow(agent_id, after_seq, follow=follow, run_id=run_id)
 
     async def replay(
         self, agent_id: str, after_seq: int = 0, *, follow: bool = False
     ) -> AsyncIterator[StoredEvent]:
         """Validate, then stream the agent's events (see :meth:`follow`)."""
-        validate_id("agent", agent_id, "agent_id")
-        if after_seq < 0:
-            raise InvalidArgument("after_seq", "must not be negative")
-        await self._db.read(
-            lambda c: store.get_agent(c, agent_id, self.ids.own), what=f"replay agent {agent_id}"
-        )
-        return self.follow(agent_id, after_seq, follow=follow)
+        return await self._reader.replay(agent_id, after_seq, follow=follow)
 
     # ------------------------------------------------------------ control
 
     async def get_run(self, run_id: str) -> RunRecord:
         """One run."""
-        validate_id("run", run_id, "run_id")
-        return await self._db.read(lambda c: store.get_run(c, run_id), what=f"get run {run_id}")
+        return await self._reader.get_run(run_id)
 
     async def list_runs(self, agent_id: str, limit: int = 100) -> list[RunRecord]:
         """An agent's runs, newest first."""
-        validate_id("agent", agent_id, "agent_id")
-        if not 0 <= limit <= 1000:
-            raise InvalidArgument("limit", "must be 0 to 1000")
-        what = f"list runs of agent {agent_id}"
-        await self._db.read(lambda c: store.get_agent(c, agent_id, self.ids.own), what=what)
-        return await self._db.read(lambda c: store.list_runs(c, agent_id, limit or 100), what=what)
+        return await self._reader.list_runs(agent_id, limit)
 
     async def cancel(self, run_id: str) -> RunRecord:
         """Cancel an open run; it ends with RUN_ERROR code CANCELLED."""
@@ -456,17 +308,7 @@ class RunEngine:
             raise InvalidState(f"cancel run {run_id}", f"the run has already ended ({run.state})")
         active.cancel_reason = "user"
         if active.unended:
-            # Under the run's ending lock (shared with the retry loop): never two RUN_ERRORs.
-            async with active.ending:
-                if active.unended:
-                    try:
-                        await self._end_unended(active)
-                    except AgentsError:
-                        raise
-                    except Exception as e:
-                        raise StoreError(
-                            f"cancel run {run_id}: the final event could not be stored: {e}"
-                        ) from e
+            await self._recovery.end_cancelled(active)
             return await self.get_run(run_id)
         active.task.cancel()
         await asyncio.gather(active.task, return_exceptions=True)
@@ -494,7 +336,7 @@ class RunEngine:
         return lock
 
     def _spawn(self, run: RunRecord, *, parked: bool) -> None:
-        active = _Active(run)
+        active = ActiveRun(run)
         self._active[run.id] = active
         active.task = asyncio.create_task(self._drive(active, parked), name=f"run {run.id}")
         self._update_gauges()
@@ -505,7 +347,7 @@ class RunEngine:
             queued = sum(1 for a in self._active.values() if a.run.state is RunState.QUEUED)
             self._metrics.prompts_queued.set(queued)
 
-    async def _drive(self, active: _Active, parked: bool) -> None:
+    async def _drive(self, active: ActiveRun, parked: bool) -> None:
         run = active.run
         started = run.started_at
         try:
@@ -521,81 +363,35 @@ class RunEngine:
             try:
                 await self._on_cancelled(active, started)
             except Exception as e:
-                self._unended(active, e)
+                self._recovery.unended(active, e, retry=not self._closing)
         except Exception as e:
             try:
-                if _storage_fault(e):
+                if storage_fault(e):
                     logger.error("run %s: its events could not be stored: %s", run.id, e)
                     active.store_error = active.store_error or str(e)
-                    await self._end_storage_failed(active, started)
+                    await self._recovery.end_storage_failed(active, started)
                 else:
                     logger.exception("run %s failed in the engine", run.id)
                     message = f"run failed: {type(e).__name__}"
                     await self._end(active, RunErrorCode.RUNTIME_FAILED, message, started)
             except Exception as end_error:
-                self._unended(active, end_error)
+                self._recovery.unended(active, end_error, retry=not self._closing)
         finally:
             if not active.unended:
                 self._forget(run.id)
             self._update_gauges()
-
-    def _unended(self, active: _Active, error: Exception) -> None:
-        """The run's final event could not be stored: fail its followers, keep it
-        registered (still open in the database) and end it once writes work again."""
-        run_id = active.run.id
-        logger.error("run %s: its final event could not be stored: %s", run_id, error)
-        active.unended = True
-        active.store_error = active.store_error or str(error)
-        failure: AgentsError = (
-            error
-            if isinstance(error, DiskFull | DatabaseDamaged)
-            else StoreError(f"run {run_id}: its final event could not be stored: {error}")
-        )
-        self.feeds.fail(active.run.agent_id, run_id, failure)
-        if not self._closing:
-            active.task = asyncio.create_task(
-                self._end_when_writable(active), name=f"end run {run_id}"
-            )
-
-    async def _end_when_writable(self, active: _Active) -> None:
-        """Retry the final event of an unended run until the database takes it."""
-        delay = _END_RETRY_FIRST
-        while active.unended:
-            await asyncio.sleep(delay)  # backoff between attempts, not synchronisation
-            delay = min(delay * 2, _END_RETRY_MAX)
-            async with active.ending:
-                if not active.unended:
-                    return
-                try:
-                    await self._end_unended(active)
-                except Exception as e:
-                    logger.debug("run %s: final event still not stored: %s", active.run.id, e)
-                else:
-                    logger.info("run %s: ended now that the database takes writes", active.run.id)
 
     def _forget(self, run_id: str) -> None:
         self._active.pop(run_id, None)
         self._start_hooks.pop(run_id, None)
         self._permissions.forget(run_id)
 
-    async def _end_unended(self, active: _Active) -> None:
-        """Store the final event of a run whose earlier attempt failed: CANCELLED if
-        someone cancelled it, else STORAGE_FAILED. Call under ``active.ending``."""
-        run_id = active.run.id
-        if active.cancel_reason == "user":
-            await self._end(active, RunErrorCode.CANCELLED, "cancelled by the user", None)
-        else:
-            await self._end_storage_failed(active, None)
-        active.unended = False
-        self._forget(run_id)
-        self.feeds.clear_failure(active.run.agent_id, run_id)
+    def _ended_late(self, active: ActiveRun) -> None:
+        """An unended run's final event is stored at last: forget the run."""
+        self._forget(active.run.id)
         self._update_gauges()
 
-    async def _end_storage_failed(self, active: _Active, started: float | None) -> None:
-        message = f"the run's events could not be stored: {active.store_error or 'unknown'}"
-        await self._end(active, RunErrorCode.STORAGE_FAILED, message, started)
-
-    async def _start_run(self, active: _Active, started: float) -> None:
+    async def _start_run(self, active: ActiveRun, started: float) -> None:
         run = active.run
         agent = await self._db.read(
             lambda c: store.get_agent(c, run.agent_id, self.ids.own),
@@ -627,7 +423,7 @@ class RunEngine:
             self._metrics.runs_started.inc()
 
     async def _run_runtime(
-        self, active: _Active, started: float, resume: ResumeInfo | None
+        self, active: ActiveRun, started: float, resume: ResumeInfo | None
     ) -> None:
         run = active.run
         agent = await self._db.read(
@@ -653,7 +449,7 @@ class RunEngine:
             try:
                 await self._recorder.record(run, *mapped)
             except Exception as e:
-                if _storage_fault(e):
+                if storage_fault(e):
                     active.store_error = active.store_error or str(e)
                 raise
 
@@ -664,7 +460,7 @@ class RunEngine:
             return await self._permissions.ask(active.run, req)
 
         try:
-            runtime = self._runtime_for(agent)
+            runtime = self._runtimes.get(agent)
         except Exception as e:
             logger.warning("run %s: runtime unavailable: %s", run.id, e)
             await self._end(active, RunErrorCode.RUNTIME_UNAVAILABLE, str(e), started)
@@ -704,18 +500,9 @@ class RunEngine:
             raise StoreError(active.store_error)
         await self._recorder.finish(active.run, outcome, started, usage)
 
-    def _runtime_for(self, agent: AgentRecord) -> Runtime:
-        runtime = self._runtimes.get(agent.id)
-        if runtime is None:
-            runtime = self._registry.create(
-                agent.runtime, agent_id=agent.id, folder=Path(agent.folder), settings=agent.settings
-            )
-            self._runtimes[agent.id] = runtime
-        return runtime
-
     async def _end(
         self,
-        active: _Active,
+        active: ActiveRun,
         code: RunErrorCode,
         message: str,
         started: float | None,
@@ -724,7 +511,7 @@ class RunEngine:
         run = active.run if usage is None else usage.applied(active.run)
         await self._recorder.end(run, code, message, started)
 
-    async def _on_cancelled(self, active: _Active, started: float | None) -> None:
+    async def _on_cancelled(self, active: ActiveRun, started: float | None) -> None:
         run = await self._db.read(lambda c: store.get_run(c, active.run.id))
         run = Usage.of(active.run).applied(run)
         active.run = run

@@ -1,28 +1,29 @@
 """Counting RPCs by final status, as one server interceptor for every servicer.
 
-:class:`CallsInterceptor` wraps the unary handlers it has a counter for and
-calls that counter once per finished call with the method name and the status
+:class:`CallsInterceptor` wraps the handlers it has a counter for (unary and
+streaming alike) and calls that counter once per finished call with the method name and the status
 the client sees (``OK``, or the code an abort set, which is how
 :class:`shared.rpc.ErrorInterceptor` reports a domain error, including a call
 refused at authentication). Each counter chooses its metric's labels, so the
 metric names and label values of each service stay its own. Install it BEFORE
 the error interceptor in ``grpc.aio.server(interceptors=[...])`` so it wraps
 the mapped handler and reads the final code from the context. Cancelled calls
-are not counted.
+(a client gone mid-stream included) are not counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeAlias
 
 import grpc
 import grpc.aio
 
 from shared.errors import AgentsError
-from shared.rpc import HandlerInterceptor, status_for
+from shared.rpc import HandlerInterceptor, rewrap, status_for
 
 __all__ = ["CallCounter", "CallsInterceptor"]
 
@@ -50,7 +51,7 @@ def _final_code(context: _Context, exc: BaseException | None) -> grpc.StatusCode
 
 
 class CallsInterceptor(HandlerInterceptor):
-    """Counts the unary calls of each service or method in ``counters``.
+    """Counts the calls, unary or streaming, of each service or method in ``counters``.
 
     Keys are a full service name (every method of it) or ``service/Method``;
     the most specific key wins.
@@ -65,22 +66,30 @@ class CallsInterceptor(HandlerInterceptor):
 
     def wrap(self, method: str, handler: _Handler) -> _Handler:
         """``handler``, counted when ``method`` is one of the counted."""
-        full = method
-        counter = self._counter(full)
-        if counter is None or not handler.unary_unary:
+        counter = self._counter(method)
+        if counter is None:
             return handler
-        # The stubs type handlers as synchronous; on an aio server they are coroutines.
-        behavior: Callable[[Any, _Context], Awaitable[Any]] = handler.unary_unary  # type: ignore[assignment]
-        return grpc.unary_unary_rpc_method_handler(
-            _counted(full.rpartition("/")[2], behavior, counter),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        name = method.rpartition("/")[2]
+        return rewrap(handler, lambda behavior: _counted(name, behavior, counter))
 
 
-def _counted(
-    method: str, behavior: Callable[[Any, _Context], Awaitable[Any]], counter: CallCounter
-) -> Callable[[Any, _Context], Awaitable[Any]]:
+def _counted(method: str, behavior: Callable[..., Any], counter: CallCounter) -> Any:
+    """``behavior`` (a coroutine or async generator function), counting its end."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def counted_stream(request: Any, context: _Context) -> AsyncIterator[Any]:
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                counter(method, _final_code(context, exc))
+                raise
+            counter(method, _final_code(context, None))
+
+        return counted_stream
+
     async def counted(request: Any, context: _Context) -> Any:
         try:
             reply = await behavior(request, context)

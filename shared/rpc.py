@@ -36,6 +36,7 @@ __all__ = [
     "ErrorInterceptor",
     "HandlerInterceptor",
     "domain_error",
+    "rewrap",
     "rpc_errors",
     "serve_health_and_reflection",
     "status_for",
@@ -154,7 +155,8 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
     return wrapper
 
 
-def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
+def _mapped(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """``behavior`` (a coroutine or async generator function), errors mapped."""
     if inspect.isasyncgenfunction(behavior):
 
         async def gen_wrapper(
@@ -197,23 +199,25 @@ class ErrorInterceptor(HandlerInterceptor):
 
     def wrap(self, method: str, handler: _Handler) -> _Handler:
         """``handler``, its domain errors mapped to statuses."""
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary), **kwargs)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream), **kwargs
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary), **kwargs)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream), **kwargs
-            )
-        return handler
+        return rewrap(handler, _mapped)
+
+
+def rewrap(handler: _Handler, wrap: Callable[[Callable[..., Any]], Any]) -> _Handler:
+    """A handler of ``handler``'s kind (unary or streaming either side) serving
+    ``wrap(behavior)`` instead of its behavior, with the same (de)serializers."""
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), **kwargs)
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), **kwargs)
+    return handler
 
 
 def _details_status(metadata: Iterable[tuple[str, Any]] | None) -> status_pb2.Status | None:

@@ -10,9 +10,10 @@ import datetime as dt
 from collections.abc import Callable
 from typing import TypeAlias, overload
 
+from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
-__all__ = ["Clock", "from_datetime", "from_seconds", "to_datetime", "utc_now"]
+__all__ = ["Clock", "field_datetime", "from_datetime", "from_seconds", "to_datetime", "utc_now"]
 
 
 Clock: TypeAlias = Callable[[], dt.datetime]
@@ -49,3 +50,13 @@ def from_seconds(seconds: float | None) -> Timestamp | None:
 def to_datetime(value: Timestamp) -> dt.datetime:
     """An aware UTC datetime from a Timestamp."""
     return value.ToDatetime(dt.UTC)
+
+
+def field_datetime(message: Message, name: str) -> dt.datetime | None:
+    """The Timestamp field ``name`` of ``message`` as an aware UTC datetime, or None
+    when the field is unset (an unset time is unknown, not the epoch)."""
+    if not message.HasField(name):
+        return None
+    value = getattr(message, name)
+    assert isinstance(value, Timestamp), f"{name} is not a Timestamp field"
+    return to_datetime(value)

@@ -8,7 +8,8 @@ writes SQL: erasure and backups read and delete through this package.
 Modules by table group: :mod:`.settings` (settings, machine log, counts),
 :mod:`.agents`, :mod:`.runs`, :mod:`.events` (events, tool log, search,
 summaries), :mod:`.permissions`, :mod:`.attachments`, :mod:`.schedules`, :mod:`.export`
-(dump and load of whole agents for export, import and backups), and
+(dump and load of whole agents for export, import and backups), :mod:`.rows`
+(a row read into a record, a field of an archive line checked), and
 :mod:`.erasures` (an agent's rows deleted, the erased list, receipts).
 """
 

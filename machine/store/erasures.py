@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from machine.store.rows import from_row, present
 from machine.store.schedules import delete_agent_schedules
 
 __all__ = [
@@ -132,16 +133,7 @@ def add_erased(conn: sqlite3.Connection, agent_id: str, erased_at: float) -> Non
 
 def erased_among(conn: sqlite3.Connection, ids: Iterable[str]) -> set[str]:
     """Which of ``ids`` are on the erased list."""
-    wanted = list(ids)
-    found: set[str] = set()
-    for i in range(0, len(wanted), 500):
-        part = wanted[i : i + 500]
-        marks = ",".join("?" * len(part))
-        found |= {
-            r[0]
-            for r in conn.execute(f"SELECT agent_id FROM erased WHERE agent_id IN ({marks})", part)
-        }
-    return found
+    return present(conn, "erased", "agent_id", ids)
 
 
 def erased_rows(conn: sqlite3.Connection) -> list[dict[str, Any]]:
@@ -202,25 +194,11 @@ def insert_receipt(
     )
 
 
-def _receipt(row: sqlite3.Row) -> Receipt:
-    return Receipt(
-        agent_id=row["agent_id"],
-        erased_at=row["erased_at"],
-        runtime=row["runtime"],
-        attempts=row["attempts"],
-        last_attempt_at=row["last_attempt_at"],
-        machine_data=row["machine_data"],
-        attachments=row["attachments"],
-        runtime_copy=row["runtime_copy"],
-        detail=row["detail"],
-    )
-
-
 def list_receipts(conn: sqlite3.Connection) -> tuple[list[Receipt], list[tuple[str, float]]]:
     """Receipts (queued first, then newest first) and erased-list entries with no
     receipt here (brought by a restore), newest first."""
     receipts = [
-        _receipt(r)
+        from_row(Receipt, r)
         for r in conn.execute(
             "SELECT * FROM erasures ORDER BY runtime_copy != 'pending', erased_at DESC, agent_id"
         )

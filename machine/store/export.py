@@ -26,6 +26,7 @@ from typing import IO, Any, Final
 from machine.export_format import MAX_LINE, encode_jsonl, parse_jsonl_line, read_jsonl
 from machine.models import AgentState, EventKind
 from machine.store import search_backlog
+from machine.store.rows import archive_field, present
 from machine.store.runs import RUN_FIELDS
 from machine.store.schedules import dump_schedules, load_schedules
 from shared.errors import InvalidArgument
@@ -109,13 +110,7 @@ def agent_markers(conn: sqlite3.Connection) -> list[tuple[str, str]]:
 
 def existing_agents(conn: sqlite3.Connection, ids: Iterable[str]) -> set[str]:
     """Which of ``ids`` are agents on this machine already."""
-    wanted = list(ids)
-    found: set[str] = set()
-    for i in range(0, len(wanted), 500):
-        part = wanted[i : i + 500]
-        marks = ",".join("?" * len(part))
-        found |= {r[0] for r in conn.execute(f"SELECT id FROM agents WHERE id IN ({marks})", part)}
-    return found
+    return present(conn, "agents", "id", ids)
 
 
 def agents_in_folder(conn: sqlite3.Connection, folder: str) -> list[str]:
@@ -243,24 +238,17 @@ def dump_agent_to(conn: sqlite3.Connection, agent_id: str, files: AgentFiles) ->
     return record
 
 
-def _need(row: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    value = row.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise InvalidArgument("archive", f"{where}: {key} missing or of the wrong type")
-    return value
-
-
 def _check_record(record: dict[str, Any], where: str) -> None:
-    agent_id = _need(record, "agent_id", str, where)
+    agent_id = archive_field(record, "agent_id", str, where)
     if not is_valid_id("agent", agent_id):
         raise InvalidArgument("archive", f"{where}: agent_id malformed")
     for key in ("name", "folder", "runtime", "origin_machine"):
-        _need(record, key, str, where)
+        archive_field(record, key, str, where)
     if not is_valid_id("machine", record["origin_machine"]):
         raise InvalidArgument("archive", f"{where}: origin_machine malformed")
     for key in ("created_at", "updated_at"):
-        _need(record, key, (int, float), where)
-    _need(record, "last_seq", int, where)
+        archive_field(record, key, (int, float), where)
+    archive_field(record, "last_seq", int, where)
     if not isinstance(record.get("attachments", []), list):
         raise InvalidArgument("archive", f"{where}: attachments must be a list")
 
@@ -417,7 +405,7 @@ def load_agent_files(
             ):
                 where = f"{conv} line {n}"
                 for key, kinds_of in _EVENT_FIELDS:
-                    _need(ev, key, kinds_of, where)
+                    archive_field(ev, key, kinds_of, where)
             if kind not in kinds or seq <= last_seq:
                 raise InvalidArgument("archive", f"{conv} line {n}: bad kind or seq out of order")
             last_seq = seq
@@ -498,10 +486,10 @@ def _insert_summary(
         "INSERT INTO summaries (run_id, agent_id, text, created_at) VALUES (?,?,?,?)"
         " ON CONFLICT (run_id) DO UPDATE SET text = excluded.text",
         (
-            _need(row, "run_id", str, where),
+            archive_field(row, "run_id", str, where),
             agent_id,
-            _need(row, "text", str, where),
-            _need(row, "created_at", (int, float), where),
+            archive_field(row, "text", str, where),
+            archive_field(row, "created_at", (int, float), where),
         ),
     )
 
@@ -513,14 +501,14 @@ def _insert_tool(conn: sqlite3.Connection, agent_id: str, row: dict[str, Any], w
         " ON CONFLICT (run_id, call_id) DO NOTHING",
         (
             agent_id,
-            _need(row, "run_id", str, where),
-            _need(row, "call_id", str, where),
-            _need(row, "title", str, where),
-            _need(row, "tool_kind", str, where),
-            _need(row, "input_json", str, where),
+            archive_field(row, "run_id", str, where),
+            archive_field(row, "call_id", str, where),
+            archive_field(row, "title", str, where),
+            archive_field(row, "tool_kind", str, where),
+            archive_field(row, "input_json", str, where),
             row.get("status"),
             row.get("output"),
-            _need(row, "started_at", (int, float), where),
+            archive_field(row, "started_at", (int, float), where),
             row.get("ended_at"),
         ),
     )
@@ -531,10 +519,10 @@ def _insert_attachment_ref(
 ) -> None:
     if not isinstance(ref, dict):
         raise InvalidArgument("archive", f"{where}: an attachment entry is not an object")
-    sha = _need(ref, "sha256", str, where)
+    sha = archive_field(ref, "sha256", str, where)
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         raise InvalidArgument("archive", f"{where}: attachment sha256 malformed")
-    created = _need(ref, "created_at", (int, float), where)
+    created = archive_field(ref, "created_at", (int, float), where)
     conn.execute(
         "INSERT INTO attachments (sha256, size, created_at) VALUES (?, 0, ?)"
         " ON CONFLICT (sha256) DO NOTHING",

@@ -9,6 +9,7 @@ from typing import Any, Final
 
 from machine.cron import validate_cron, validate_zone
 from machine.models import ScheduleRecord, ScheduleRunRecord
+from machine.store.rows import archive_field, from_row
 from shared.errors import InvalidArgument, NotFound
 from shared.ids import is_valid_id
 
@@ -30,17 +31,6 @@ def _row_to_schedule(row: sqlite3.Row) -> ScheduleRecord:
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         last_fire=row["last_fire"],
-    )
-
-
-def _row_to_schedule_run(row: sqlite3.Row) -> ScheduleRunRecord:
-    return ScheduleRunRecord(
-        schedule_id=row["schedule_id"],
-        fire_time=row["fire_time"],
-        run_id=row["run_id"],
-        result=row["result"],
-        detail=row["detail"],
-        recorded_at=row["recorded_at"],
     )
 
 
@@ -158,7 +148,7 @@ def schedule_run_at(
         "SELECT * FROM schedule_runs WHERE schedule_id = ? AND fire_time = ?",
         (schedule_id, fire_time),
     ).fetchone()
-    return None if row is None else _row_to_schedule_run(row)
+    return None if row is None else from_row(ScheduleRunRecord, row)
 
 
 def list_schedule_runs(
@@ -169,7 +159,7 @@ def list_schedule_runs(
         "SELECT * FROM schedule_runs WHERE schedule_id = ? ORDER BY fire_time DESC LIMIT ?",
         (schedule_id, limit),
     )
-    return [_row_to_schedule_run(r) for r in rows]
+    return [from_row(ScheduleRunRecord, r) for r in rows]
 
 
 def is_scheduled_run(conn: sqlite3.Connection, run_id: str) -> bool:
@@ -188,7 +178,7 @@ def agent_schedule_rows(
         " WHERE s.agent_id = ? ORDER BY r.schedule_id, r.fire_time",
         (agent_id,),
     )
-    return schedules, [_row_to_schedule_run(r) for r in rows]
+    return schedules, [from_row(ScheduleRunRecord, r) for r in rows]
 
 
 # -- exports and backups ------------------------------------------------------
@@ -227,13 +217,6 @@ def dump_schedules(conn: sqlite3.Connection, agent_id: str) -> list[dict[str, An
     ]
 
 
-def _field(row: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    value = row.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise InvalidArgument("archive", f"{where}: {key} missing or of the wrong type")
-    return value
-
-
 def load_schedules(
     conn: sqlite3.Connection, agent_id: str, rows: Iterable[dict[str, Any]], what: str
 ) -> int:
@@ -243,23 +226,23 @@ def load_schedules(
     loaded = 0
     for n, row in enumerate(rows, 1):
         where = f"{what} line {n}"
-        schedule_id = _field(row, "id", str, where)
+        schedule_id = archive_field(row, "id", str, where)
         if not is_valid_id("schedule", schedule_id):
             raise InvalidArgument("archive", f"{where}: id malformed")
         try:
-            cron = validate_cron(_field(row, "cron", str, where))
-            zone = _field(row, "time_zone", str, where)
+            cron = validate_cron(archive_field(row, "cron", str, where))
+            zone = archive_field(row, "time_zone", str, where)
             validate_zone(zone)
         except InvalidArgument as e:
             raise InvalidArgument("archive", f"{where}: {e.reason}") from None
-        prompt = _field(row, "prompt", str, where)
-        missed = _field(row, "missed", str, where)
+        prompt = archive_field(row, "prompt", str, where)
+        missed = archive_field(row, "missed", str, where)
         if missed not in ("skip", "once"):
             raise InvalidArgument("archive", f"{where}: missed must be skip or once")
         last_fire = row.get("last_fire")
         if last_fire is not None:
-            last_fire = float(_field(row, "last_fire", (int, float), where))
-        runs = _field(row, "runs", list, where)
+            last_fire = float(archive_field(row, "last_fire", (int, float), where))
+        runs = archive_field(row, "runs", list, where)
         if conn.execute("SELECT 1 FROM schedules WHERE id = ?", (schedule_id,)).fetchone():
             logger.info("%s: schedule %s is on this machine already; skipped", where, schedule_id)
             continue
@@ -273,8 +256,8 @@ def load_schedules(
                 prompt=prompt,
                 enabled=False,
                 missed=missed,
-                created_at=float(_field(row, "created_at", (int, float), where)),
-                updated_at=float(_field(row, "updated_at", (int, float), where)),
+                created_at=float(archive_field(row, "created_at", (int, float), where)),
+                updated_at=float(archive_field(row, "updated_at", (int, float), where)),
                 last_fire=last_fire,
             ),
         )
@@ -282,8 +265,8 @@ def load_schedules(
             at = f"{where} runs[{i}]"
             if not isinstance(fire, dict):
                 raise InvalidArgument("archive", f"{at}: not an object")
-            run_id = _field(fire, "run_id", str, at)
-            result = _field(fire, "result", str, at)
+            run_id = archive_field(fire, "run_id", str, at)
+            result = archive_field(fire, "result", str, at)
             if (run_id and not is_valid_id("run", run_id)) or result not in _RESULTS:
                 raise InvalidArgument("archive", f"{at}: run_id or result malformed")
             try:
@@ -291,11 +274,11 @@ def load_schedules(
                     conn,
                     ScheduleRunRecord(
                         schedule_id=schedule_id,
-                        fire_time=float(_field(fire, "fire_time", (int, float), at)),
+                        fire_time=float(archive_field(fire, "fire_time", (int, float), at)),
                         run_id=run_id,
                         result=result,
-                        detail=_field(fire, "detail", str, at),
-                        recorded_at=float(_field(fire, "recorded_at", (int, float), at)),
+                        detail=archive_field(fire, "detail", str, at),
+                        recorded_at=float(archive_field(fire, "recorded_at", (int, float), at)),
                     ),
                 )
             except sqlite3.IntegrityError:

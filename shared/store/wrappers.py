@@ -11,9 +11,9 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Self
+from typing import Any, Final, Self, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from tenacity import AsyncRetrying
@@ -48,6 +48,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class StoreWrapper(StoreBase):
@@ -313,16 +315,20 @@ class MeteredStore(StoreWrapper):
     def _timer(self, operation: str) -> _Timer:
         return _Timer(self._metrics, operation)
 
-    async def get(self, key: str) -> bytes:
-        """See :meth:`ObjectStore.get`."""
-        timer = self._timer("get")
+    async def _timed(self, operation: str, work: Awaitable[T]) -> T:
+        """Await ``work``, counted and timed as one ``operation`` with its outcome."""
+        timer = self._timer(operation)
         try:
-            data = await self.inner.get(key)
+            result = await work
         except BaseException as exc:
             timer.done(exc)
             raise
         timer.done(None)
-        return data
+        return result
+
+    async def get(self, key: str) -> bytes:
+        """See :meth:`ObjectStore.get`."""
+        return await self._timed("get", self.inner.get(key))
 
     async def get_stream(
         self, key: str, chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -339,14 +345,7 @@ class MeteredStore(StoreWrapper):
 
     async def head(self, key: str) -> ObjectInfo:
         """See :meth:`ObjectStore.head`."""
-        timer = self._timer("head")
-        try:
-            info = await self.inner.head(key)
-        except BaseException as exc:
-            timer.done(exc)
-            raise
-        timer.done(None)
-        return info
+        return await self._timed("head", self.inner.head(key))
 
     async def put(
         self,
@@ -357,34 +356,16 @@ class MeteredStore(StoreWrapper):
         if_match: str | None = None,
     ) -> str:
         """See :meth:`ObjectStore.put`."""
-        timer = self._timer("put")
-        try:
-            etag = await self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
-        except BaseException as exc:
-            timer.done(exc)
-            raise
-        timer.done(None)
-        return etag
+        put = self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
+        return await self._timed("put", put)
 
     async def delete(self, key: str) -> None:
         """See :meth:`ObjectStore.delete`."""
-        timer = self._timer("delete")
-        try:
-            await self.inner.delete(key)
-        except BaseException as exc:
-            timer.done(exc)
-            raise
-        timer.done(None)
+        await self._timed("delete", self.inner.delete(key))
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         """See :meth:`StoreBase.delete_many`; counted as one ``delete`` operation."""
-        timer = self._timer("delete")
-        try:
-            await delete_keys(self.inner, keys)
-        except BaseException as exc:
-            timer.done(exc)
-            raise
-        timer.done(None)
+        await self._timed("delete", delete_keys(self.inner, keys))
 
     async def list_pages(
         self,

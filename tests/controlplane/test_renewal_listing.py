@@ -25,6 +25,7 @@ from shared import tls
 from shared.errors import InvalidState, NotFound, Unauthenticated
 from shared.pb.control.v1 import admin_pb2
 from shared.store import MemoryStore
+from tests.helpers.poll import apoll_until
 
 OP = Principal("adm_" + "0" * 26, "operator")
 
@@ -211,9 +212,7 @@ async def test_list_machines_reads_presence_concurrently_but_bounded() -> None:
         servicer.ListMachines(admin_pb2.ListMachinesRequest(), _Context())  # type: ignore[arg-type]
     )
     try:
-        async with asyncio.timeout(10):
-            while presence.in_flight < 16:
-                await asyncio.sleep(0.01)  # poll step; a deadline bounds the loop
+        await apoll_until(lambda: presence.in_flight >= 16, deadline=10, what="16 reads in flight")
         presence.release.set()
         async with asyncio.timeout(10):
             reply = await call

@@ -31,6 +31,7 @@ from shared.errors import InvalidId
 from shared.ids import new_id
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
 from shared.rpc import domain_error
+from tests.helpers.poll import apoll_until
 
 #: Deadline for anything that should happen "at once".
 _PROMPT = 5.0
@@ -146,12 +147,11 @@ async def renew(env: Env, cert: bytes, key: bytes) -> tuple[bytes, bytes]:
 
 async def wait_for_value(probe: Any, want: float, deadline: float = _PROMPT) -> float:
     """Poll ``probe()`` until it returns ``want`` or the deadline passes; return the last."""
-    end = time.monotonic() + deadline
-    value = probe()
-    while value != want and time.monotonic() < end:
-        await asyncio.sleep(0.02)  # poll step; a deadline bounds the loop
-        value = probe()
-    return float(value)
+    try:
+        await apoll_until(lambda: probe() == want, deadline=deadline, what=f"{want}", step=0.02)
+    except TimeoutError:
+        pass  # the caller's assertion shows the value it got instead
+    return float(probe())
 
 
 def connect(channel: grpc.aio.Channel) -> Any:

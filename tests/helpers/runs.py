@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from machine.app import Machine
 from machine.models import EventKind, RunRecord, RunState, StoredEvent
 from tests.helpers.poll import apoll_until
 
-__all__ = ["RUN_DEADLINE", "break_appends", "wait_for_state"]
+__all__ = ["RUN_DEADLINE", "break_appends", "read_until", "wait_for_state"]
 
 RUN_DEADLINE = 10.0
 
@@ -30,6 +31,20 @@ async def wait_for_state(m: Machine, run_id: str, state: RunState) -> RunRecord:
         return AssertionError(f"run {run_id} stayed {last[0].state}, wanted {state}")
 
     return await apoll_until(reached, deadline=RUN_DEADLINE, what=f"run {run_id}", fail=stayed)
+
+
+async def read_until(events: AsyncIterator[StoredEvent], kind: EventKind) -> list[StoredEvent]:
+    """Read a stream up to and including the first event of ``kind`` (with a deadline)."""
+    seen: list[StoredEvent] = []
+
+    async def read() -> None:
+        async for ev in events:
+            seen.append(ev)
+            if ev.kind is kind:
+                return
+
+    await asyncio.wait_for(read(), RUN_DEADLINE)
+    return seen
 
 
 def break_appends(

@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ from shared.errors import NotFound
 from shared.store.authenticated import seal
 from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
 from tests.helpers.fault_proxy import CrashProxy, crash_proxy
+from tests.helpers.poll import apoll_until
 from tests.helpers.store_records import read_json
 
 pytestmark = pytest.mark.integration
@@ -113,16 +113,7 @@ def _fill(s3: Any, bucket: str, home: Path, account_id: str, count: int) -> None
 
 
 async def _until(pred: Callable[[], Any], what: str, timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        await asyncio.sleep(0.05)  # poll step; the deadline bounds the wait
+    await apoll_until(pred, deadline=timeout, what=what, step=0.05)
 
 
 def _machine_argv(reply: NewJoinToken, data_dir: Path) -> list[str]:

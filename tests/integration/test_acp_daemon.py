@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import pytest
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc, run_cli
+from tests.helpers.poll import apoll_until
 
 pytestmark = pytest.mark.integration
 
@@ -81,14 +81,11 @@ async def replay(stub: Any, agent_id: str) -> list[Any]:
 
 
 async def wait_state(stub: Any, run_id: str, state: int) -> Any:
-    end = time.monotonic() + DEADLINE
-    while True:
+    async def reached() -> Any:
         run = await stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=5)
-        if run.state == state:
-            return run
-        if time.monotonic() > end:
-            raise AssertionError(f"run state {run.state}, wanted {state}")
-        await asyncio.sleep(0.05)  # poll step; a deadline bounds the loop
+        return run if run.state == state else None
+
+    return await apoll_until(reached, deadline=DEADLINE, what=f"run state {state}", step=0.05)
 
 
 @pytest.mark.parametrize("answer_with", ["rpc", "cli"])

@@ -175,6 +175,10 @@ async def test_engine_backs_up_lists_verifies_prunes_through_the_control_plane(
     assert _metric(cp, "agents_cp_backup_stored_objects_total") >= 7
     assert _metric(cp, "agents_cp_backup_stored_bytes_total") > 0
     assert _metric(cp, "agents_cp_backup_calls_total") > 0
+    # Streams are counted too, once each, with the code the caller saw.
+    get_segment = 'agents_cp_backup_calls_total{code="%s",method="GetSegment"}'
+    assert _metric(cp, get_segment % "OK") >= 1
+    assert _metric(cp, get_segment % "NOT_FOUND") == 2
 
 
 async def test_backup_rpcs_bound_and_check_their_input(cp: ControlProc) -> None:

@@ -251,12 +251,19 @@ async def test_no_secret_in_clear(
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+    def joined() -> bool:
+        assert machine.poll() is None, machine_log.read_text(errors="replace")
+        return "joined as machine" in machine_log.read_text(errors="replace")
+
     try:
-        deadline = time.monotonic() + 20
-        while "joined as machine" not in machine_log.read_text(errors="replace"):
-            assert machine.poll() is None, machine_log.read_text(errors="replace")
-            assert time.monotonic() < deadline, machine_log.read_text(errors="replace")
-            await asyncio.sleep(0.05)  # poll step; a deadline bounds the loop
+        await apoll_until(
+            joined,
+            deadline=20,
+            what="joined as machine",
+            step=0.05,
+            fail=lambda: AssertionError(machine_log.read_text(errors="replace")),
+        )
         listed = json.loads(
             _ok(cp.cli("machine", "list", "--account", acct["account_id"], "--json"))
         )["machines"]

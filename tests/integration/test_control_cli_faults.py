@@ -9,7 +9,6 @@ import re
 import shlex
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 from shared.ids import new_id
 from tests.helpers.control_proc import ControlProc, agents_control_exe, control_plane, run_init
 from tests.helpers.machine_proc import AGENTS_MACHINE
+from tests.helpers.poll import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -227,10 +227,12 @@ def test_readme_tour_after_join_reaches_the_joined_machine(
         )  # fmt: skip
     try:
         socket = home / ".agents-server" / "root" / "machine.sock"
-        deadline = time.monotonic() + 20
-        while not socket.exists():  # bounded by the deadline
-            assert joined.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+
+        def serving() -> bool:
+            assert joined.poll() is None, log.read_text()
+            return socket.exists()
+
+        poll_until(serving, deadline=20, what="the joined daemon's socket")
         # The tour's next command, with no --data-dir: it reaches the joined daemon.
         work = tmp_path / "work"
         work.mkdir()

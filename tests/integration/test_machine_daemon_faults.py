@@ -8,7 +8,6 @@ import os
 import random
 import sqlite3
 import subprocess
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from tests.helpers.machine_proc import MachineProc, run_cli
+from tests.helpers.poll import apoll_until
 
 pytestmark = pytest.mark.integration
 
@@ -32,10 +32,7 @@ def stub_for(proc: MachineProc) -> tuple[grpc.aio.Channel, pb_grpc.MachineServic
 
 async def poll(check: Callable[[], object], what: str) -> None:
     """Wait until ``await check()`` is truthy; fail after the deadline."""
-    end = time.monotonic() + DEADLINE
-    while not await check():  # type: ignore[misc]
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)  # poll step under the deadline above
+    await apoll_until(check, deadline=DEADLINE, what=what, step=0.05)
 
 
 # ------------------------------------------------------------------ full disk

@@ -21,6 +21,7 @@ import pytest
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from tests.helpers.machine_proc import MachineProc
+from tests.helpers.poll import apoll_until
 
 pytestmark = pytest.mark.integration
 
@@ -108,10 +109,13 @@ async def test_never_read_replay_streams_are_bounded_capped_and_end_quietly(
                 await ch.close()
 
         settled = before + SETTLED_MIB
-        end = time.monotonic() + DEADLINE
-        while (now := rss_mib(proc)) > settled:
-            assert time.monotonic() < end, f"RSS stayed {now:.0f} MiB (from {before:.0f})"
-            await asyncio.sleep(0.2)  # poll step under the deadline above
+        await apoll_until(
+            lambda: rss_mib(proc) <= settled,
+            deadline=DEADLINE,
+            what="RSS back down",
+            step=0.2,
+            fail=lambda: AssertionError(f"RSS stayed {rss_mib(proc):.0f} MiB (from {before:.0f})"),
+        )
 
         # The daemon still serves a whole replay afterwards.
         async with grpc.aio.insecure_channel(proc.target) as channel:

@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from machine import identity
 from shared.ids import KINDS
 from tests.helpers.control_proc import ControlProc, control_plane
 from tests.helpers.machine_proc import MachineProc, run_cli
+from tests.helpers.poll import poll_until
 from tests.helpers.prometheus_proc import PrometheusProc, ScrapeJob, prometheus_binary
 
 pytestmark = pytest.mark.integration
@@ -97,13 +97,18 @@ def _join(cp: ControlProc, data_dir: Path, log: Path) -> tuple[str, str]:
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+
+    def failed() -> AssertionError:
+        return AssertionError(f"join failed:\n{log.read_text(errors='replace')}")
+
+    def link_up() -> bool:
+        if proc.poll() is not None:
+            raise failed()
+        return "control link up" in log.read_text(errors="replace")
+
     try:
-        deadline = time.monotonic() + PROCESS_DEADLINE
         # "control link up" comes after the daemon's signal handlers are installed.
-        while "control link up" not in log.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"join failed:\n{log.read_text(errors='replace')}")
-            time.sleep(0.05)  # polling with a deadline, not synchronisation
+        poll_until(link_up, deadline=PROCESS_DEADLINE, what="control link up", fail=failed)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=PROCESS_DEADLINE) == 0, log.read_text(errors="replace")
     finally:

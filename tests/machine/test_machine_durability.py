@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,25 +17,12 @@ from machine import db as db_module
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.db import Database
-from machine.models import EventKind, RunState, StoredEvent
+from machine.models import EventKind, RunState
 from shared.errors import StoreError
-from tests.helpers.runs import break_appends, wait_for_state
+from tests.helpers.poll import apoll_until
+from tests.helpers.runs import break_appends, read_until, wait_for_state
 
 DEADLINE = 10.0
-
-
-async def until(events: AsyncIterator[StoredEvent], kind: EventKind) -> list[StoredEvent]:
-    """Read a stream up to and including the first event of ``kind``."""
-    seen: list[StoredEvent] = []
-
-    async def read() -> None:
-        async for ev in events:
-            seen.append(ev)
-            if ev.kind is kind:
-                return
-
-    await asyncio.wait_for(read(), DEADLINE)
-    return seen
 
 
 class GatedWrite:
@@ -86,7 +72,7 @@ async def test_answer_cancelled_while_committing_still_resumes_the_run(
 ) -> None:
     agent = (await machine_app.agents.create(name="a", folder=str(tmp_path))).id
     stream = await machine_app.runs.prompt(agent, "/tool deploy prod")
-    req = (await until(stream, EventKind.PERMISSION_REQUEST))[-1]
+    req = (await read_until(stream, EventKind.PERMISSION_REQUEST))[-1]
 
     await cancel_after_commit(
         monkeypatch,
@@ -94,12 +80,12 @@ async def test_answer_cancelled_while_committing_still_resumes_the_run(
         lambda: machine_app.runs.answer(req.run_id, req.payload["request_id"], "allow_once"),
     )
 
-    rest = await until(stream, EventKind.RUN_FINISHED)
+    rest = await read_until(stream, EventKind.RUN_FINISHED)
     assert rest[0].kind is EventKind.PERMISSION_ANSWERED
     await wait_for_state(machine_app, req.run_id, RunState.FINISHED)
     # The agent's turn was released: a next prompt runs to its end.
     nxt = await machine_app.runs.prompt(agent, "next")
-    assert (await until(nxt, EventKind.RUN_FINISHED))[-1].kind is EventKind.RUN_FINISHED
+    assert (await read_until(nxt, EventKind.RUN_FINISHED))[-1].kind is EventKind.RUN_FINISHED
 
 
 async def test_prompt_cancelled_while_committing_still_runs(
@@ -173,7 +159,7 @@ async def test_lost_final_event_run_is_interrupted_at_restart(
         break_appends(monkeypatch, fault)
         stream = await m.runs.prompt(agent, "hello")
         with pytest.raises(StoreError):
-            await asyncio.wait_for(until(stream, EventKind.RUN_FINISHED), DEADLINE)
+            await read_until(stream, EventKind.RUN_FINISHED)
         monkeypatch.undo()
     async with open_machine(machine_config) as m:
         run = (await m.runs.list_runs(agent))[0]
@@ -210,10 +196,9 @@ async def test_failing_commit_observer_neither_hangs_nor_stops_the_writer(
         assert await asyncio.wait_for(db.write(_insert), DEADLINE) == 1
         assert await asyncio.wait_for(db.write(lambda c: 2), DEADLINE) == 2
         # The observer runs after the callers are answered: wait for the second call.
-        end = time.monotonic() + DEADLINE
-        while len(calls) < 2:
-            assert time.monotonic() < end, "the observer was not called for the second commit"
-            await asyncio.sleep(0.01)  # poll step under the deadline above
+        await apoll_until(
+            lambda: len(calls) >= 2, deadline=DEADLINE, what="the second commit observed"
+        )
         value = await db.read(lambda c: c.execute("SELECT value FROM settings").fetchone()[0])
         assert value == "v"
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from machine.runtimes.base import RunContext, RunOutcome, TextDelta
 from machine.streams import StreamLimits
 from shared.errors import DatabaseDamaged, DiskFull, IntegrityError, QuotaExceeded
 from shared.rpc import status_for
+from tests.helpers.poll import apoll_until
 from tests.helpers.runs import break_appends, wait_for_state
 
 DEADLINE = 10.0
@@ -231,10 +231,12 @@ async def test_timer_integrity_check_finds_damage_and_stops_writes(
     async with open_machine(config, metrics=metrics) as m:
         assert sample(metrics, "agents_machine_db_checks_total", kind="quick", result="ok") == 1
         damage_middle_page(config.db_path)
-        end = time.monotonic() + DEADLINE
-        while m.db.damaged is None:
-            assert time.monotonic() < end, "the timer never found the damage"
-            await asyncio.sleep(0.02)  # poll step under the deadline above
+        await apoll_until(
+            lambda: m.db.damaged is not None,
+            deadline=DEADLINE,
+            what="the timer finding the damage",
+            step=0.02,
+        )
         assert sample(metrics, "agents_machine_db_damaged") == 1
         assert sample(metrics, "agents_machine_db_checks_total", kind="full", result="damaged")
         with pytest.raises(DatabaseDamaged) as refused:

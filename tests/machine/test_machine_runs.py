@@ -14,26 +14,13 @@ from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.models import EventKind, RunState, StoredEvent
 from shared.errors import InvalidArgument, InvalidId, InvalidState, NotFound, TooLarge
+from tests.helpers.runs import read_until
 
 DEADLINE = 10.0
 
 
 async def collect(events: AsyncIterator[StoredEvent]) -> list[StoredEvent]:
     return [ev async for ev in events]
-
-
-async def until(events: AsyncIterator[StoredEvent], kind: EventKind) -> list[StoredEvent]:
-    """Read a stream up to and including the first event of ``kind`` (with a deadline)."""
-    seen: list[StoredEvent] = []
-
-    async def read() -> None:
-        async for ev in events:
-            seen.append(ev)
-            if ev.kind is kind:
-                return
-
-    await asyncio.wait_for(read(), DEADLINE)
-    return seen
 
 
 def counts(db_path: Path) -> dict[str, int]:
@@ -87,7 +74,7 @@ async def test_prompts_to_a_busy_agent_wait_in_order(machine_app: Machine, tmp_p
 async def test_cancel_a_running_run(machine_app: Machine, tmp_path: Path) -> None:
     agent = await new_agent(machine_app, tmp_path)
     stream = await machine_app.runs.prompt(agent, "/slow 500 " + "word " * 40)
-    started = await until(stream, EventKind.RUN_STARTED)
+    started = await read_until(stream, EventKind.RUN_STARTED)
     run_id = started[0].run_id
     run = await machine_app.runs.cancel(run_id)
     assert run.state is RunState.CANCELLED
@@ -152,7 +139,7 @@ async def test_shutdown_interrupts_running_run(
     async with open_machine(machine_config) as m:
         agent = await new_agent(m, tmp_path)
         stream = await m.runs.prompt(agent, "/slow 500 " + "word " * 40)
-        await until(stream, EventKind.TEXT_DELTA)
+        await read_until(stream, EventKind.TEXT_DELTA)
     async with open_machine(machine_config) as m:
         events = await collect(await m.runs.replay(agent, 0))
         assert [e.kind for e in events].count(EventKind.RUN_ERROR) == 1
@@ -165,7 +152,7 @@ async def test_permission_waits_survives_restart_and_resumes(
     async with open_machine(machine_config) as m:
         agent = await new_agent(m, tmp_path)
         stream = await m.runs.prompt(agent, "/tool ls -la")
-        seen = await until(stream, EventKind.PERMISSION_REQUEST)
+        seen = await read_until(stream, EventKind.PERMISSION_REQUEST)
         request = seen[-1]
         run = await m.runs.get_run(request.run_id)
         assert run.state is RunState.WAITING_PERMISSION
@@ -178,7 +165,7 @@ async def test_permission_waits_survives_restart_and_resumes(
         assert err.value.field == "option_id"
         follow = await m.runs.replay(agent, request.seq, follow=True)
         await m.runs.answer(request.run_id, request.payload["request_id"], "allow_once")
-        resumed = await until(follow, EventKind.RUN_FINISHED)
+        resumed = await read_until(follow, EventKind.RUN_FINISHED)
         later_events = await asyncio.wait_for(collect(later), DEADLINE)
         events = await collect(await m.runs.replay(agent, 0))
     run_events = [e for e in events if e.run_id == request.run_id]
@@ -201,7 +188,7 @@ async def test_remembered_answer_is_per_agent_and_tool(
     agent = await new_agent(machine_app, tmp_path)
     other = await new_agent(machine_app, tmp_path, "other")
     stream = await machine_app.runs.prompt(agent, "/tool ls one")
-    req = (await until(stream, EventKind.PERMISSION_REQUEST))[-1]
+    req = (await read_until(stream, EventKind.PERMISSION_REQUEST))[-1]
     await machine_app.runs.answer(req.run_id, "call-1", "reject_always", remember=True)
     rest = await collect(stream)
     assert any(e.kind is EventKind.TOOL_RESULT and e.payload["status"] == "failed" for e in rest)
@@ -215,7 +202,7 @@ async def test_remembered_answer_is_per_agent_and_tool(
     # Another tool, or another agent: asked again.
     for who, prompt in ((agent, "/tool cat x"), (other, "/tool ls three")):
         s = await machine_app.runs.prompt(who, prompt)
-        r = (await until(s, EventKind.PERMISSION_REQUEST))[-1]
+        r = (await read_until(s, EventKind.PERMISSION_REQUEST))[-1]
         await machine_app.runs.cancel(r.run_id)
 
 
@@ -276,7 +263,7 @@ async def test_replay_after_seq_and_follow(machine_app: Machine, tmp_path: Path)
     assert [e.seq for e in tail] == [e.seq for e in first[2:]]
     follow = await machine_app.runs.replay(agent, first[-1].seq, follow=True)
     await machine_app.runs.submit(agent, "two")
-    second = await until(follow, EventKind.RUN_FINISHED)
+    second = await read_until(follow, EventKind.RUN_FINISHED)
     assert second[0].kind is EventKind.RUN_STARTED and second[0].seq == first[-1].seq + 1
     with pytest.raises(InvalidArgument):
         await machine_app.runs.replay(agent, -1)

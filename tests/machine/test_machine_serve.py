@@ -82,6 +82,13 @@ async def test_serve_until_stopped(tmp_path: Path) -> None:
         assert "agents_machine_db_commit_batch_size_bucket" in text
         assert "agents_machine_backup_last_success_timestamp_seconds" in text
         assert "agents_machine_restore_check_ok" in text
+        # Every MachineService call is counted once, streams and refusals included.
+        calls = 'agents_machine_calls_total{code="%s",method="%s"} %s'
+        assert calls % ("UNAUTHENTICATED", "Status", "3.0") in text
+        assert calls % ("OK", "Status", "1.0") in text
+        assert calls % ("OK", "Prompt", "1.0") in text
+        assert calls % ("INVALID_ARGUMENT", "Export", "1.0") in text
+        assert "Check" not in text  # health is not MachineService
         assert "ag_" not in text  # no ids as label values
     finally:
         stop.set()

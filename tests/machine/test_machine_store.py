@@ -14,6 +14,7 @@ from machine.db import Database
 from machine.models import EventKind
 from machine.schema import SCHEMA_VERSION
 from shared.errors import InvalidState
+from tests.helpers.poll import apoll_until
 
 
 async def test_open_sets_pragmas_modes_and_schema(tmp_path: Path) -> None:
@@ -94,10 +95,7 @@ async def test_concurrent_appends_share_commits(tmp_path: Path) -> None:
         )
         # The observer runs after writers are answered: wait for the setup commit's
         # report so it is not counted with the appends.
-        deadline = asyncio.get_running_loop().time() + 5
-        while not batches:
-            assert asyncio.get_running_loop().time() < deadline, "setup commit never observed"
-            await asyncio.sleep(0.005)  # poll step under the deadline above
+        await apoll_until(lambda: batches, deadline=5, what="the setup commit observed", step=0.005)
         batches.clear()
 
         async def appender(i: int) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from machine import store
 from machine.app import Machine
 from machine.models import EventKind, PendingPermission, StoredEvent
+from machine.store.rows import present
 
 DEADLINE = 10.0
 
@@ -76,3 +77,14 @@ async def test_insert_permission_round_trips(machine_app: Machine, tmp_path: Pat
 
 async def _collect(stream: AsyncIterator[StoredEvent]) -> list[StoredEvent]:
     return [ev async for ev in stream]
+
+
+def test_present_asks_in_chunks_and_finds_each_id() -> None:
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE t (id TEXT PRIMARY KEY)")
+    stored = [f"id{n:04d}" for n in range(0, 1300, 2)]
+    conn.executemany("INSERT INTO t VALUES (?)", [(i,) for i in stored])
+    asked = [f"id{n:04d}" for n in range(1300)]  # over two chunks of the IN list
+    assert present(conn, "t", "id", iter(asked)) == set(stored)
+    assert present(conn, "t", "id", []) == set()
+    conn.close()
