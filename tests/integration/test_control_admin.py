@@ -346,19 +346,9 @@ async def test_link_foreign_ca_refused_and_revocation(cp: ControlProc) -> None:
         assert first.WhichOneof("kind") == "welcome"
         assert first.welcome.machine_id == joined.machine_id
 
-        # The welcome goes out as the session is recorded: the listing may lag it by
-        # a moment under load, so wait for it (with a deadline) rather than race it.
-        def online() -> dict[str, Any] | None:
-            out = _ok(cp.cli("machine", "show", joined.machine_id, "--json"))
-            shown: dict[str, Any] = json.loads(out)
-            return shown if shown["online"] else None
-
-        shown = await apoll_until(
-            lambda: asyncio.to_thread(online), deadline=10, what="machine shown online", step=0.1
-        )
-        assert shown["agent_count"] == 3
-
-        # Keep heartbeating while the operator revokes; the stream must end within 1 s.
+        # Heartbeat from the welcome on, as a machine does: the control plane marks a
+        # silent session offline after 3 missed beats (1.5 s here), less than a CLI
+        # start takes on a loaded host.
         stop_beating = asyncio.Event()
 
         async def beat() -> None:
@@ -374,6 +364,21 @@ async def test_link_foreign_ca_refused_and_revocation(cp: ControlProc) -> None:
 
         beater = asyncio.create_task(beat())
         try:
+            # The listing may lag the welcome by a moment: wait for it with a deadline.
+            def online() -> dict[str, Any] | None:
+                out = _ok(cp.cli("machine", "show", joined.machine_id, "--json"))
+                shown: dict[str, Any] = json.loads(out)
+                return shown if shown["online"] else None
+
+            shown = await apoll_until(
+                lambda: asyncio.to_thread(online),
+                deadline=10,
+                what="machine shown online",
+                step=0.1,
+            )
+            assert shown["agent_count"] == 3
+
+            # The operator revokes; the stream must end within 1 s.
             revoke = await asyncio.create_subprocess_exec(
                 *cp_cli_argv(cp, "machine", "revoke", joined.machine_id),
                 env={**cp.env, "AGENTS_CONTROL_CREDENTIAL": cp.operator},
