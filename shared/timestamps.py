@@ -12,7 +12,7 @@ from typing import TypeAlias, overload
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-__all__ = ["Clock", "from_datetime", "from_seconds", "to_datetime", "utc_now"]
+__all__ = ["Clock", "from_datetime", "from_seconds", "to_datetime", "to_seconds", "utc_now"]
 
 
 Clock: TypeAlias = Callable[[], dt.datetime]
@@ -49,3 +49,8 @@ def from_seconds(seconds: float | None) -> Timestamp | None:
 def to_datetime(value: Timestamp) -> dt.datetime:
     """An aware UTC datetime from a Timestamp."""
     return value.ToDatetime(dt.UTC)
+
+
+def to_seconds(value: Timestamp) -> float:
+    """Unix seconds from a Timestamp: the inverse of :func:`from_seconds`."""
+    return value.ToNanoseconds() / 1e9
