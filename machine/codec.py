@@ -502,6 +502,16 @@ def in_result_to_pb(result: InResult) -> pb.ImportResponse:
     )
 
 
+def restore_result_to_pb(result: InResult) -> pb.RestoreResponse:
+    """What a restore did -> reply."""
+    return pb.RestoreResponse(
+        restored=result.restored,
+        skipped=result.skipped_existing,
+        skipped_erased=result.skipped_erased,
+        attachments=result.attachments,
+    )
+
+
 def in_result_from_pb(msg: pb.ImportResponse | pb.RestoreResponse) -> InResult:
     """An import's or a restore's reply -> what it did."""
     restored = msg.imported if isinstance(msg, pb.ImportResponse) else msg.restored
