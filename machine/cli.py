@@ -55,12 +55,6 @@ __all__ = ["main"]
 
 logger = logging.getLogger(__name__)
 
-# Kept under their old names: tests and the deploy check reach them here.
-_Ctx = Ctx
-_choose = agents.choose
-_ask_at_terminal = agents.ask_at_terminal
-_stream = agents.stream_events
-
 # A backup status when the daemon has no backup service (``status`` still shows the rows).
 _NO_BACKUPS = BackupStatus(
     target="",

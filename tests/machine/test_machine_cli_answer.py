@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from machine import cli
+from machine import cli_agents as cli
 from machine.client import MachineClient
 from machine.config import MachineConfig
 from machine.daemon import ServeInfo, serve
@@ -30,11 +30,11 @@ def _request() -> PendingPermission:
 
 def test_choose_maps_numbers_ids_and_remember() -> None:
     req = _request()
-    assert cli._choose(req, "1") == ("allow_once", False)
-    assert cli._choose(req, " 2+ ") == ("reject_once", True)
-    assert cli._choose(req, "allow_once") == ("allow_once", False)
-    assert cli._choose(req, "3") is None
-    assert cli._choose(req, "yes") is None
+    assert cli.choose(req, "1") == ("allow_once", False)
+    assert cli.choose(req, " 2+ ") == ("reject_once", True)
+    assert cli.choose(req, "allow_once") == ("allow_once", False)
+    assert cli.choose(req, "3") is None
+    assert cli.choose(req, "yes") is None
 
 
 async def test_ask_at_terminal_retries_then_leaves_pending_on_empty(
@@ -42,9 +42,9 @@ async def test_ask_at_terminal_retries_then_leaves_pending_on_empty(
 ) -> None:
     replies = iter(["maybe", "2+"])
     monkeypatch.setattr("builtins.input", lambda _prompt: next(replies))
-    assert await cli._ask_at_terminal(_request()) == ("reject_once", True)
+    assert await cli.ask_at_terminal(_request()) == ("reject_once", True)
     monkeypatch.setattr("builtins.input", lambda _prompt: "")
-    assert await cli._ask_at_terminal(_request()) is None
+    assert await cli.ask_at_terminal(_request()) is None
 
 
 async def test_prompt_stream_answers_inline_and_finishes(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ async def test_prompt_stream_answers_inline_and_finishes(tmp_path: Path) -> None
             agent = await client.create_agent("a", str(tmp_path))
             events = client.prompt(agent.id, "/tool write x")
             code = await asyncio.wait_for(
-                cli._stream(Output(as_json=False), events, ask=person, client=client), 20
+                cli.stream_events(Output(as_json=False), events, ask=person, client=client), 20
             )
             assert code == ExitCode.OK
             assert asked == ["write"]
