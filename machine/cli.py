@@ -18,7 +18,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from machine import cli_agents as agents
 from machine import cli_backup as backup
@@ -50,6 +50,9 @@ from shared.errors import (
     NotFound,
 )
 from shared.ids import validate_id
+
+if TYPE_CHECKING:
+    from machine.join import JoinResult
 
 __all__ = ["main"]
 
@@ -184,8 +187,7 @@ def _cmd_serve(ctx: Ctx) -> int:
 def _cmd_join(ctx: Ctx) -> int:
     # Imported here: only `join` needs the join flow and the service installer.
     from machine import identity
-    from machine.join import join_control_plane, restore_after_join
-    from machine.service_unit import install_service
+    from machine.join import restore_after_join
     from shared.recovery_key import read_recovery_key
 
     args = ctx.args
@@ -197,15 +199,7 @@ def _cmd_join(ctx: Ctx) -> int:
     recovery = read_recovery_key(Path(args.recovery_key)) if args.recovery_key else None
     if identity.is_joined(cfg.data_dir):
         return _re_pair(ctx)
-    result = asyncio.run(
-        join_control_plane(
-            data_dir=cfg.data_dir,
-            address=args.address,
-            token=args.token,
-            ca_hash=args.ca_hash,
-            name=args.name,
-        )
-    )
+    result = _join(ctx)
     ctx.out.lines(f"joined as machine {result.machine_id} (account {result.account_id})")
     if recovery is not None:
         done = asyncio.run(
@@ -221,18 +215,13 @@ def _cmd_join(ctx: Ctx) -> int:
             if done.backup_id
             else "the control plane keeps no backup of this machine: nothing to restore"
         )
-    if args.install_service:
-        installed = install_service(data_dir=cfg.data_dir)
-        ctx.out.lines(f"installed {installed.unit_path}")
-        if installed.started:
-            return ExitCode.OK
-    return _run_serve(cfg)
+    return _install_then_serve(ctx)
 
 
 def _re_pair(ctx: Ctx) -> int:
     """``join`` on a joined data folder: re-pair (machine.join), back up at once, serve."""
     from machine.daemon import hold_data_dir
-    from machine.join import backup_after_repair, join_control_plane
+    from machine.join import backup_after_repair
 
     args, cfg = ctx.args, ctx.cfg
     if args.recovery_key:
@@ -243,29 +232,42 @@ def _re_pair(ctx: Ctx) -> int:
     # Held from before the join to after the backup: a daemon serving this folder
     # (with the old certificate) is refused here, before the token is spent.
     with hold_data_dir(cfg.data_dir, "join (re-pair): stop the running agents-machine first"):
-        result = asyncio.run(
-            join_control_plane(
-                data_dir=cfg.data_dir,
-                address=args.address,
-                token=args.token,
-                ca_hash=args.ca_hash,
-                name=args.name,
-            )
-        )
+        result = _join(ctx)
         ctx.out.lines(
             f"re-paired as machine {result.machine_id} (account {result.account_id}): "
             "same id, agents and backups; new certificate"
         )
         backup_id = asyncio.run(backup_after_repair(cfg))
         ctx.out.lines(f"backup {backup_id} uploaded to the control plane")
-    if args.install_service:
+    return _install_then_serve(ctx)
+
+
+def _join(ctx: Ctx) -> JoinResult:
+    """Spend the join token: the control plane signs this folder's certificate."""
+    from machine.join import join_control_plane
+
+    args = ctx.args
+    return asyncio.run(
+        join_control_plane(
+            data_dir=ctx.cfg.data_dir,
+            address=args.address,
+            token=args.token,
+            ca_hash=args.ca_hash,
+            name=args.name,
+        )
+    )
+
+
+def _install_then_serve(ctx: Ctx) -> int:
+    """After a join: install the systemd unit when asked (it serves), else serve here."""
+    if ctx.args.install_service:
         from machine.service_unit import install_service
 
-        installed = install_service(data_dir=cfg.data_dir)
+        installed = install_service(data_dir=ctx.cfg.data_dir)
         ctx.out.lines(f"installed {installed.unit_path}")
         if installed.started:
             return ExitCode.OK
-    return _run_serve(cfg)
+    return _run_serve(ctx.cfg)
 
 
 #: (command, verb) -> handler; a command without verbs has verb None.
