@@ -21,6 +21,7 @@ from machine.app import Machine
 from machine.handoff import read_chunks
 from machine.models import StoredEvent
 from machine.version import machine_version
+from machine.views import DaemonStatus
 from shared.crypto import encode_private_key, encode_public_key
 from shared.errors import AgentsError, InvalidArgument
 from shared.ids import validate_id
@@ -211,20 +212,8 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
 
     async def Status(self, request: pb.StatusRequest, context: Ctx) -> pb.StatusResponse:
         st = await self._m.status()
-        return pb.StatusResponse(
-            joined=st.joined,
-            version=machine_version(),
-            data_dir=st.data_dir,
-            machine_id=st.machine_id,
-            active_agents=st.active_agents,
-            archived_agents=st.archived_agents,
-            open_runs=st.open_runs,
-            waiting_runs=st.waiting_runs,
-            runtimes=st.runtimes,
-            started_at=from_seconds(st.started_at),
-            schema_version=st.schema_version,
-            backup=codec.backup_status_to_pb(self._m.backups.status()) if self._m.backups else None,
-        )
+        backup = self._m.backups.status() if self._m.backups else None
+        return codec.status_to_pb(DaemonStatus(machine_version(), st, backup))
 
     # --------------------------------------------------------------- backups
 
@@ -287,12 +276,7 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
             result = await service.restore(
                 _backup_id(request.backup_id), recovery=recovery, engine=engine
             )
-        return pb.RestoreResponse(
-            restored=result.restored,
-            skipped=result.skipped_existing,
-            skipped_erased=result.skipped_erased,
-            attachments=result.attachments,
-        )
+        return codec.restore_result_to_pb(result)
 
     async def CreateRecoveryKey(
         self, request: pb.CreateRecoveryKeyRequest, context: Ctx
@@ -322,12 +306,7 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
                 yield msg.data
 
         result = await self._m.require_handoff().receive(chunks())
-        return pb.ImportResponse(
-            imported=result.restored,
-            skipped=result.skipped_existing,
-            skipped_erased=result.skipped_erased,
-            attachments=result.attachments,
-        )
+        return codec.in_result_to_pb(result)
 
     # ------------------------------------------------------------- schedules
 
@@ -379,9 +358,7 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         self, request: pb.DeleteAgentRequest, context: Ctx
     ) -> pb.DeleteAgentResponse:
         result = await self._m.require_erasure().delete(request.agent_id)
-        return pb.DeleteAgentResponse(
-            agent_id=result.agent_id, runtime_erasure_queued=result.runtime_erasure_queued
-        )
+        return codec.delete_result_to_pb(result)
 
     async def ListErasures(
         self, request: pb.ListErasuresRequest, context: Ctx

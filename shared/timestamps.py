@@ -13,7 +13,15 @@ from typing import TypeAlias, overload
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
-__all__ = ["Clock", "field_datetime", "from_datetime", "from_seconds", "to_datetime", "utc_now"]
+__all__ = [
+    "Clock",
+    "field_datetime",
+    "from_datetime",
+    "from_seconds",
+    "to_datetime",
+    "to_seconds",
+    "utc_now",
+]
 
 
 Clock: TypeAlias = Callable[[], dt.datetime]
@@ -60,3 +68,8 @@ def field_datetime(message: Message, name: str) -> dt.datetime | None:
     value = getattr(message, name)
     assert isinstance(value, Timestamp), f"{name} is not a Timestamp field"
     return to_datetime(value)
+
+
+def to_seconds(value: Timestamp) -> float:
+    """Unix seconds from a Timestamp: the inverse of :func:`from_seconds`."""
+    return value.ToNanoseconds() / 1e9

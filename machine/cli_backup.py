@@ -1,0 +1,198 @@
+"""``agents-machine backup ...``, ``export`` and ``import``: agents leaving and
+arriving as sealed backups or export files."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from pathlib import Path
+
+from machine import codec
+from machine.cli_common import Bar, Ctx, call, human, show, show_record, when, wire
+from machine.client import MachineClient
+from machine.transfer import InResult
+from machine.views import BackupView
+from shared.cli import Column, ExitCode, UsageError, message_dict, stdout_writable
+from shared.crypto import BoxKeyPair
+from shared.errors import TransientError
+from shared.ids import validate_id
+from shared.recovery_key import read_recovery_key
+
+__all__ = [
+    "backup_list",
+    "backup_now",
+    "backup_recovery_key",
+    "backup_restore",
+    "backup_verify",
+    "cmd_export",
+    "cmd_import",
+]
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 256 * 1024
+
+
+def _recovery(args: argparse.Namespace) -> BoxKeyPair | None:
+    """The key pair of ``--recovery-key FILE``, if given."""
+    if not getattr(args, "recovery_key", None):
+        return None
+    return read_recovery_key(Path(args.recovery_key))
+
+
+def _from_dir(args: argparse.Namespace) -> str:
+    folder = getattr(args, "from_dir", None)
+    if not folder:
+        return ""
+    path = Path(folder).expanduser().absolute()
+    if not path.is_dir():
+        raise UsageError(f"--from: {folder} is not a folder")
+    return str(path)
+
+
+def _arrived(head: str, result: InResult) -> list[str]:
+    """What an import or a restore prints: ``head``, then the agents skipped."""
+    lines = [head]
+    if result.skipped_existing:
+        lines.append(f"skipped {len(result.skipped_existing)} already on this machine")
+    if result.skipped_erased:
+        lines.append(f"skipped {len(result.skipped_erased)} erased")
+    return lines
+
+
+async def backup_now(ctx: Ctx) -> int:
+    """``backup now``: a progress bar on a terminal, then what the backup did."""
+    done: BackupView | None = None
+    async with MachineClient(ctx.cfg) as client:
+        with Bar(ctx.out, "backing up") as bar:
+            async for update in client.backup_now():
+                if isinstance(update, BackupView):
+                    done = update
+                else:
+                    bar.update(update.stage, update.done, update.total)
+    if done is None:
+        raise TransientError("backup now: the daemon ended the call without a result")
+    b = done
+    text = (
+        f"{b.id}: {b.segments} segments ({b.uploaded_segments} new, "
+        f"{human(b.uploaded_bytes)} sent), {human(b.size_bytes)} stored"
+    )
+    pruned = f"pruned {', '.join(b.pruned)}" if b.pruned else ""
+    return show_record(ctx.out, b, lambda: ctx.out.lines(text, *([pruned] if pruned else [])))
+
+
+async def backup_list(ctx: Ctx) -> int:
+    """``backup list [--from DIR]``: newest first."""
+    backups = await call(ctx, lambda c: c.list_backups(_from_dir(ctx.args)))
+    rows = [
+        [b.id, when(b.created_at), str(b.agents) if b.opens else "?",
+         str(b.segments) if b.opens else "?", "yes" if b.opens else "no (another key)"]
+        for b in backups
+    ]  # fmt: skip
+    columns = [Column("backup", whole=True), Column("created", whole=True), Column("agents")]
+    return show(
+        ctx.out,
+        {"backups": [wire(b) for b in backups]},
+        lambda: ctx.out.table([*columns, Column("segments"), Column("opens")], rows),
+    )
+
+
+async def backup_verify(ctx: Ctx) -> int:
+    """``backup verify ID``: open it and authenticate every segment."""
+    args = ctx.args
+    from_dir, recovery = _from_dir(args), _recovery(args)
+    async with MachineClient(ctx.cfg) as client:
+        with Bar(ctx.out, "verifying"):
+            report = await client.verify_backup(
+                args.backup_id, from_dir=from_dir, recovery=recovery
+            )
+    text = (
+        f"{args.backup_id}: ok, {report.segments} segments, "
+        f"{human(report.plain_bytes)} authenticated in {report.duration_ms / 1000:.1f} s"
+    )
+    return show_record(ctx.out, report, lambda: ctx.out.lines(text))
+
+
+async def backup_restore(ctx: Ctx) -> int:
+    """``backup restore ID``: its agents arrive archived; existing ones are skipped."""
+    args = ctx.args
+    from_dir, recovery = _from_dir(args), _recovery(args)
+    async with MachineClient(ctx.cfg) as client:
+        with Bar(ctx.out, "restoring"):
+            result = await client.restore(args.backup_id, from_dir=from_dir, recovery=recovery)
+    head = f"restored {len(result.restored)} agents (archived; `agent unarchive ID` to run one)"
+    lines = _arrived(head, result)
+    data = message_dict(codec.restore_result_to_pb(result)) if ctx.out.as_json else {}
+    return show(ctx.out, data, lambda: ctx.out.lines(*lines))
+
+
+async def backup_recovery_key(ctx: Ctx) -> int:
+    """``backup recovery-key``: make the key; print its private half once."""
+    if not stdout_writable():
+        raise UsageError(
+            "backup recovery-key: stdout is not writable, so the key it prints only once "
+            "would be lost; nothing was made"
+        )
+    key = await call(ctx, lambda c: c.create_recovery_key())
+    if ctx.out.as_json:
+        ctx.out.json({"private_key": key.private_key, "public_key": key.public_key})
+    else:
+        ctx.out.lines(key.private_key)
+    ctx.out.note(
+        "This recovery key is shown once and not stored anywhere on this machine.",
+        "Keep it offline (a password manager or paper), away from this disk: with it, "
+        "backups restore on a new machine after this one is lost.",
+        "Save it to a file and restore with "
+        f"`{ctx.prog} backup restore ID --from DIR --recovery-key FILE`.",
+        "Backups made from now on are sealed to it; `backup now` makes one.",
+    )
+    return ExitCode.OK
+
+
+async def cmd_export(ctx: Ctx) -> int:
+    """``export AGENT… | --folder F``: write the .tar.gz whole, or nothing."""
+    args = ctx.args
+    ids = [validate_id("agent", a, "agent_id") for a in args.agents]
+    folder = str(Path(args.folder).expanduser().absolute()) if args.folder else ""
+    if not ids and not folder:
+        raise UsageError(
+            "export: name agents (AGENT…) or --folder F", f"{ctx.prog} agent list --all"
+        )
+    dest = Path(args.output or f"agents-export-{time.strftime('%Y%m%d-%H%M%S')}.tar.gz").absolute()
+    if dest.exists():
+        raise UsageError(f"export: {dest} exists; refusing to overwrite it")
+    tmp = dest.with_name(f".{dest.name}.part")
+    try:
+        async with MachineClient(ctx.cfg) as client:
+            with Bar(ctx.out, "exporting"), open(tmp, "wb") as f:
+                async for chunk in client.export(ids, folder):
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, dest)  # the export is whole at dest, or absent
+    except OSError as e:
+        raise UsageError(f"export: cannot write {dest}: {e.strerror}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    if ctx.out.as_json:
+        ctx.out.json({"file": str(dest), "size": dest.stat().st_size})
+    else:
+        ctx.out.lines(str(dest))
+    return ExitCode.OK
+
+
+async def cmd_import(ctx: Ctx) -> int:
+    """``import FILE``: the export's agents arrive archived."""
+    path = Path(ctx.args.file)
+    try:
+        handle = path.open("rb")
+    except OSError as e:
+        raise UsageError(f"import: cannot read {path}: {e.strerror}") from None
+    with handle:
+        async with MachineClient(ctx.cfg) as client:
+            with Bar(ctx.out, "importing"):
+                result = await client.import_export(iter(lambda: handle.read(_CHUNK), b""))
+    lines = _arrived(f"imported {len(result.restored)} agents (archived)", result)
+    return show_record(ctx.out, result, lambda: ctx.out.lines(*lines))
