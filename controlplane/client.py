@@ -92,7 +92,7 @@ class AdminClient:
                 # to an operator; keep it for debugging only.
                 logger.debug("admin call to %s failed: %s", self._address, exc.details())
                 raise ControlPlaneUnreachable(self._address) from None
-            raise domain_error(exc) from None
+            raise domain_error(exc) from exc
         return reply
 
     @property

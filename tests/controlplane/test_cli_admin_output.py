@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc.aio
 import pytest
 
 from controlplane.bootstrap import init_control_plane
@@ -20,6 +22,8 @@ from controlplane.config import ControlConfig
 from controlplane.keys import load_ca_cert
 from controlplane.server import ControlPlane
 from shared.cli import message_dict
+from shared.errors import NotFound
+from shared.ids import new_id
 from shared.pb.control.v1 import admin_pb2
 
 
@@ -121,3 +125,13 @@ async def test_admin_verbs_print_what_the_server_answered(
     assert done == raw and done["state"] == "deleted" and done["finished_at"]
     text, _ = await _cli(capsys, daemon, "account", "deletion", acct)
     assert text.splitlines()[0].split() == ["account_id", acct]
+
+
+async def test_a_refusal_is_the_domain_error_with_the_grpc_error_as_cause(
+    daemon: Daemon,
+) -> None:
+    async with AdminClient(daemon.address, load_ca_cert(daemon.home), daemon.operator) as client:
+        with pytest.raises(NotFound) as info:
+            await client.get_account(new_id("account"))
+    assert isinstance(info.value.__cause__, grpc.aio.AioRpcError)
+    assert info.value.__cause__.code() == grpc.StatusCode.NOT_FOUND
