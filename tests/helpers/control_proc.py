@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -88,6 +89,30 @@ class ControlProc:
         argv = [str(agents_control_exe()), *args, "--home", str(self.home)]
         proc = subprocess.run(argv, env=env, capture_output=True, timeout=timeout)
         return CliResult(proc.returncode, proc.stdout.decode(), proc.stderr.decode())
+
+
+def join_new_account(
+    cp: ControlProc, data: Path, log: Path, *, github_id: int, login: str
+) -> subprocess.Popen[bytes]:
+    """A new account, and a machine joined to it by the printed join command, serving
+    in the foreground on ``data`` with its output in ``log``."""
+
+    def ok(res: CliResult) -> str:
+        assert res.code == 0, res.err
+        return res.out
+
+    made = ok(cp.cli("account", "create", "--github-id", str(github_id), "--github-login", login))
+    account = re.search(r"account (acct_[0-9a-z]{26})", made)
+    assert account, made
+    token = json.loads(ok(cp.cli("token", "create", "--account", account.group(1), "--json")))
+    join = shlex.split(token["join_command"])
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [str(VENV_BIN / "agents-machine"), *join[1:], "--data-dir", str(data)]
+            + ["--no-background"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def s3_env(endpoint: str) -> dict[str, str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shlex
 import signal
 import sqlite3
 import subprocess
@@ -37,7 +36,14 @@ from shared.errors import (
     TooLarge,
 )
 from shared.ids import new_id
-from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
+from tests.helpers.control_proc import (
+    ControlProc,
+    join_new_account,
+    run_init,
+    s3_env,
+    start_serve,
+    stop_serve,
+)
 from tests.helpers.fault_proxy import CrashProxy, crash_proxy
 from tests.helpers.machine_proc import machine_env, run_cli
 from tests.helpers.moto_server import free_port
@@ -364,21 +370,7 @@ async def _bad_input_queues_nothing(
 
 def _join(cp: ControlProc, tmp_path: Path, data: Path) -> subprocess.Popen[bytes]:
     """A new account, and a machine joined to it (serving in the foreground)."""
-    account = re.search(
-        r"account (acct_[0-9a-z]{26})",
-        _ok(cp.cli("account", "create", "--github-id", "7", "--github-login", "q")),
-    )
-    assert account
-    token = json.loads(_ok(cp.cli("token", "create", "--account", account.group(1), "--json")))
-    join = shlex.split(token["join_command"])
-    log = (tmp_path / "join.log").open("wb")
-    joined = subprocess.Popen(
-        [str(MACHINE_EXE), *join[1:], "--data-dir", str(data), "--no-background"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    return joined
+    return join_new_account(cp, data, tmp_path / "join.log", github_id=7, login="q")
 
 
 def _kill_serving(data: Path) -> None:

@@ -14,11 +14,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-import re
-import shlex
 import signal
 import sqlite3
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +26,14 @@ import pytest
 
 from controlplane.admin_types import Machine
 from controlplane.client import AdminClient
-from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
+from tests.helpers.control_proc import (
+    ControlProc,
+    join_new_account,
+    run_init,
+    s3_env,
+    start_serve,
+    stop_serve,
+)
 from tests.helpers.machine_proc import run_cli
 from tests.helpers.poll import apoll_until
 
@@ -101,20 +105,7 @@ async def test_stopped_machine_is_started_for_its_schedule(tmp_path: Path, cp: C
     data.mkdir(mode=0o700)
     # The test hook (machine.toml only): fires at :00, :15, :30 and :45 of each minute.
     (data / "machine.toml").write_text(f"schedule_test_seconds = {EVERY}\n")
-    account = re.search(
-        r"account (acct_[0-9a-z]{26})",
-        _ok(cp.cli("account", "create", "--github-id", "7", "--github-login", "w")),
-    )
-    assert account
-    token = json.loads(_ok(cp.cli("token", "create", "--account", account.group(1), "--json")))
-    join = shlex.split(token["join_command"])
-    log = (tmp_path / "join.log").open("wb")
-    joined = subprocess.Popen(
-        [str(MACHINE_EXE), *join[1:], "--data-dir", str(data), "--no-background"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
+    joined = join_new_account(cp, data, tmp_path / "join.log", github_id=7, login="w")
     try:
         async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=15) as client:
 
