@@ -122,6 +122,12 @@ def read_jsonl(source: Path | IO[bytes], what: str) -> Iterator[dict[str, Any]]:
         yield parse_jsonl_line(line, what, number)
 
 
+def _not_json(token: str) -> Any:
+    # Python's json reads NaN and +-Infinity, which JSON has not: a NaN time would
+    # otherwise reach the NOT NULL column as a raw database error.
+    raise ValueError(f"{token} is not JSON")
+
+
 def parse_jsonl_line(line: bytes, what: str, number: int) -> dict[str, Any]:
     """One line of a JSON Lines file (read with ``readline(MAX_LINE + 1)``) as an
     object; anything else is refused naming the line."""
@@ -129,7 +135,7 @@ def parse_jsonl_line(line: bytes, what: str, number: int) -> dict[str, Any]:
         raise _bad(f"{what} line {number}: longer than {MAX_LINE} bytes")
     try:
         # Decoded first: json.loads of bytes would guess the encoding each line.
-        row = json.loads(line.decode("utf-8"))
+        row = json.loads(line.decode("utf-8"), parse_constant=_not_json)
     except (ValueError, UnicodeDecodeError):
         raise _bad(f"{what} line {number}: not valid JSON") from None
     if not isinstance(row, dict):

@@ -44,6 +44,11 @@ def _files(conversation: bytes) -> dict[str, bytes]:
         (b'{"kind":"TEXT_DELTA","payload":{},"run_id":"r","seq":1}', "time missing"),
         (b'{"kind":"NOPE","payload":{},"run_id":"r","seq":1,"time":1.0}', "bad kind"),
         (b'{"kind":"TEXT_DELTA","payload":{},"run_id":"r","seq":1,"time":1', "not valid JSON"),
+        # Python's json reads these tokens; JSON has none of them (a NaN time reached
+        # the NOT NULL column as a raw sqlite3.IntegrityError).
+        (b'{"kind":"TEXT_DELTA","payload":{},"run_id":"r","seq":1,"time":NaN}', "not valid JSON"),
+        (b'{"kind":"TEXT_DELTA","payload":{},"run_id":"r","seq":1,"time":-Infinity}', "not valid"),
+        (b'{"kind":"TEXT_DELTA","payload":{"x":Infinity},"run_id":"r","seq":1,"time":1}', "not"),
     ],
 )
 def test_a_malformed_event_line_is_refused_naming_it(line: bytes, problem: str) -> None:
