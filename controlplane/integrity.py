@@ -84,8 +84,6 @@ DEPLOYMENT_KEY: Final = "cp/deployment.json"
 #: (controlplane.client.AdminClient) and one admin call makes a few store calls
 #: in a row, so a frozen store must answer well within that.
 STORE_CALL_DEADLINE: Final = 5.0
-#: Least seconds between two extra marker checks made to confirm a "not found".
-_RECHECK_EVERY: Final = 1.0
 _MAC_INFO: Final = b"agents.control.record-mac.v1"
 
 
@@ -189,31 +187,34 @@ class DeploymentGuard:
     async def verify(self) -> None:
         """Read the marker now; set or clear :attr:`problem`. Store faults propagate."""
         async with self._lock:
-            self._checked_at = time.monotonic()
-            problem: StoreUntrusted | None = None
-            try:
-                data = json.loads(await self._store.get(DEPLOYMENT_KEY))
-            except NotFound:
-                problem = self._untrusted(
-                    f"{DEPLOYMENT_KEY} is missing (the store was emptied or replaced)"
-                )
-            except IntegrityError:
-                problem = self._untrusted(
-                    f"{DEPLOYMENT_KEY} is not authentic under this home's key "
-                    "(another deployment's store, or a forged marker)"
-                )
-            except ValueError:
-                problem = self._untrusted(f"{DEPLOYMENT_KEY} is not valid JSON")
-            else:
-                if not isinstance(data, dict) or self._ca_hash not in marker_ca_hashes(data):
-                    problem = self._untrusted(f"{DEPLOYMENT_KEY} names another deployment")
-            if problem is None and self.problem is not None:
-                logger.warning("store %s: this deployment's store is back", self._where)
-            elif problem is not None and self.problem is None and self._verified:
-                # The first check's problem is the caller's to report (serve's one line).
-                logger.error("%s", problem)
-            self.problem = problem
-            self._verified = True
+            await self._verify_locked()
+
+    async def _verify_locked(self) -> None:
+        self._checked_at = time.monotonic()
+        problem: StoreUntrusted | None = None
+        try:
+            data = json.loads(await self._store.get(DEPLOYMENT_KEY))
+        except NotFound:
+            problem = self._untrusted(
+                f"{DEPLOYMENT_KEY} is missing (the store was emptied or replaced)"
+            )
+        except IntegrityError:
+            problem = self._untrusted(
+                f"{DEPLOYMENT_KEY} is not authentic under this home's key "
+                "(another deployment's store, or a forged marker)"
+            )
+        except ValueError:
+            problem = self._untrusted(f"{DEPLOYMENT_KEY} is not valid JSON")
+        else:
+            if not isinstance(data, dict) or self._ca_hash not in marker_ca_hashes(data):
+                problem = self._untrusted(f"{DEPLOYMENT_KEY} names another deployment")
+        if problem is None and self.problem is not None:
+            logger.warning("store %s: this deployment's store is back", self._where)
+        elif problem is not None and self.problem is None and self._verified:
+            # The first check's problem is the caller's to report (serve's one line).
+            logger.error("%s", problem)
+        self.problem = problem
+        self._verified = True
 
     def check(self) -> None:
         """Raise the current problem, if any."""
@@ -221,12 +222,18 @@ class DeploymentGuard:
             raise self.problem
 
     async def confirm_missing(self) -> None:
-        """Before a "not found" is believed: re-check the marker (at most once a second)."""
-        if time.monotonic() - self._checked_at >= _RECHECK_EVERY:
-            try:
-                await self.verify()
-            except StoreUnavailable:
-                pass  # the caller's own answer stands; the store fault shows elsewhere
+        """Before a "not found" is believed: re-read the marker.
+
+        Only a check that began after the store said "not found" can vouch for
+        it: a store emptied a moment after the last tick would otherwise have its
+        "not found" passed on (a machine told "unknown machine" waits minutes
+        before it tries again). Callers that miss at the same moment share one
+        check. A store that cannot be asked now answers UNAVAILABLE, not the miss.
+        """
+        missed_at = time.monotonic()
+        async with self._lock:
+            if self._checked_at < missed_at:
+                await self._verify_locked()
         self.check()
 
 
