@@ -264,26 +264,56 @@ def write_tar(out: BinaryIO, entries: Iterable[tuple[str, bytes | Path | IO[byte
     Deterministic: fixed mtime, owner and mode, so the same entries make the
     same bytes (backup segments are named by a hash of them). Paths are
     checked as on reading.
+
+    The bytes are those ``tarfile`` writes in ``"w|"`` PAX mode (its headers,
+    512-byte padding and 10 KiB record end), written here without its stream
+    buffer: ``tarfile`` hands ``out`` 10 KiB at a time through copies, and a
+    backup's ``out`` hashes and compresses what it is given, so whole files
+    (or 1 MiB pieces) in one call are most of the saving on a full backup.
     """
-    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in entries:
-            path = _check_path(name)
-            info = tarfile.TarInfo(path)
-            info.mtime = FIXED_MTIME
-            info.mode = FILE_MODE
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            if isinstance(data, Path):
-                info.size = data.stat().st_size
-                with open(data, "rb") as src:
-                    tar.addfile(info, src)
-            elif not isinstance(data, bytes):
-                info.size = data.seek(0, os.SEEK_END)
-                data.seek(0)
-                tar.addfile(info, data)
-            else:
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+    offset = 0
+    for name, data in entries:
+        info = tarfile.TarInfo(_check_path(name))
+        info.mtime = FIXED_MTIME
+        info.mode = FILE_MODE
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        if isinstance(data, bytes):
+            info.size = len(data)
+            offset += _put_entry(out, info, data)
+        elif isinstance(data, Path):
+            with open(data, "rb") as src:
+                info.size = os.fstat(src.fileno()).st_size
+                offset += _put_entry(out, info, src)
+        else:
+            info.size = data.seek(0, os.SEEK_END)
+            data.seek(0)
+            offset += _put_entry(out, info, data)
+    end = tarfile.BLOCKSIZE * 2
+    offset += end
+    end += -offset % tarfile.RECORDSIZE
+    out.write(tarfile.NUL * end)
+
+
+def _put_entry(out: BinaryIO, info: tarfile.TarInfo, data: bytes | IO[bytes]) -> int:
+    """One entry's header, its ``info.size`` bytes from ``data`` and its padding;
+    returns the bytes written."""
+    header = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+    out.write(header)
+    if isinstance(data, bytes):
+        out.write(data)
+    else:
+        left = info.size
+        while left:
+            piece = data.read(min(CHUNK, left))
+            if not piece:
+                raise OSError(f"tar entry {info.name!r}: its file ended {left} bytes early")
+            out.write(piece)
+            left -= len(piece)
+    pad = -info.size % tarfile.BLOCKSIZE
+    if pad:
+        out.write(tarfile.NUL * pad)
+    return len(header) + info.size + pad
 
 
 def write_tar_gz(

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.archive import ArchiveLimits, extract_staged, write_tar_gz
+from shared.archive import FIXED_MTIME, ArchiveLimits, extract_staged, write_tar, write_tar_gz
+from shared.atomic import FILE_MODE
 from shared.errors import InvalidArgument
 
 EXPECTED = {"manifest.json", "agents/ag_1/record.json", "agents/ag_1/conversation.jsonl"}
@@ -62,6 +63,54 @@ def test_round_trip_is_byte_equal_and_deterministic(tmp_path: Path) -> None:
     assert names == [n for n, _ in entries]
     assert (tmp_path / "out/agents/ag_1/conversation.jsonl").read_bytes() == big.read_bytes()
     assert (tmp_path / "out/manifest.json").read_bytes() == b'{"format": 1}'
+
+
+def _tarfile_reference(entries: list[tuple[str, bytes]]) -> bytes:
+    """What tarfile's own stream writer makes of ``entries`` (the format before
+    write_tar had its own writer: segments stay byte-equal, so keep their names)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in entries:
+            info = tarfile.TarInfo(name)
+            info.mtime, info.mode, info.uid, info.gid = FIXED_MTIME, FILE_MODE, 0, 0
+            info.uname = info.gname = ""
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[], [0], [1], [511], [512], [513], [9216], [10240], [3 * 1024 * 1024 + 5], [5, 0, 700, 1]],
+)
+def test_writer_makes_the_bytes_tarfile_makes(tmp_path: Path, sizes: list[int]) -> None:
+    # Later names pass ustar's 100 bytes: tarfile writes a PAX header for those.
+    entries = [
+        (f"agents/ag_{i}/f{'x' * 40 * i}-{n}.jsonl", os.urandom(n)) for i, n in enumerate(sizes)
+    ]
+    expected = _tarfile_reference(entries)
+    as_bytes = io.BytesIO()
+    write_tar(as_bytes, entries)
+    assert as_bytes.getvalue() == expected
+    # The same from files and from open files.
+    files: list[tuple[str, bytes | Path | io.BytesIO]] = []
+    for i, (name, data) in enumerate(entries):
+        path = tmp_path / f"e{i}"
+        path.write_bytes(data)
+        files.append((name, path if i % 2 else io.BytesIO(data)))
+    from_files = io.BytesIO()
+    write_tar(from_files, files)  # type: ignore[arg-type]
+    assert from_files.getvalue() == expected
+
+
+def test_writer_refuses_a_file_that_ends_early() -> None:
+    class Short(io.BytesIO):
+        def seek(self, pos: int, whence: int = 0) -> int:
+            super().seek(pos, whence)
+            return 100 if whence == os.SEEK_END else pos
+
+    with pytest.raises(OSError, match="ended 90 bytes early"):
+        write_tar(io.BytesIO(), [("agents/ag_1/record.json", Short(b"x" * 10))])  # type: ignore[list-item]
 
 
 def test_plain_tar_is_read_too(tmp_path: Path) -> None:
