@@ -44,7 +44,7 @@ from machine.backup_format import (
     seal_manifest,
     segment_key,
 )
-from machine.backup_writer import SegmentWriter
+from machine.backup_writer import SegmentMaker, SegmentWriter
 from shared.atomic import ensure_private_dir, write_atomic
 from shared.backup_target import BackupTarget, ManifestInfo, PruneResult
 from shared.crypto import BoxKeyPair, KeyedHasher
@@ -102,6 +102,13 @@ class BackupSource(Protocol):
 
     async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
         """Write the agent's plaintext segment (export-format tar) to ``out``."""
+        ...
+
+    def segment_maker(
+        self, *, naming_key: bytes, work_dir: Path, agents: int
+    ) -> contextlib.AbstractAsyncContextManager[SegmentMaker | None]:
+        """Makers of whole segments for a backup that reads ``agents`` agents
+        (worker processes), or None: :meth:`write_agent` in this process."""
         ...
 
     async def attachments(self) -> list[tuple[str, Path]]:
@@ -300,11 +307,14 @@ class BackupEngine:
                 todo_agents.append(ref.ref)  # the target lost it: read the agent again
             else:
                 todo_attachments.append((ref.ref, paths[ref.ref]))
-        writer = SegmentWriter(
-            self._source.write_agent, self._target, naming_key=self._naming_key,
-            work_dir=stage, tick=tick,
-        )  # fmt: skip
-        written = await writer.write(todo_agents, todo_attachments)
+        async with self._source.segment_maker(
+            naming_key=self._naming_key, work_dir=stage, agents=len(todo_agents)
+        ) as maker:
+            writer = SegmentWriter(
+                self._source.write_agent, self._target, naming_key=self._naming_key,
+                work_dir=stage, tick=tick, maker=maker,
+            )  # fmt: skip
+            written = await writer.write(todo_agents, todo_attachments)
         refs += written.refs
         uploaded, uploaded_bytes = written.uploaded, written.uploaded_bytes
         manifest = BackupManifest(

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from machine.backup_format import (
     encrypt_segment,
     segment_key,
 )
+from machine.segment_workers import MadeSegment
 from shared.backup_target import BackupTarget
 from shared.crypto import KeyedHasher
 
@@ -62,6 +65,15 @@ class AgentWriter(Protocol):
     async def __call__(self, agent_id: str, out: BinaryIO) -> None: ...
 
 
+class SegmentMaker(Protocol):
+    """Makes whole agent segments elsewhere (machine.segment_workers.SegmentWorkers)."""
+
+    parallel: int
+    """Agents to have in hand at once."""
+
+    async def __call__(self, agent_id: str) -> MadeSegment: ...
+
+
 Tick = Callable[[str], None]
 
 
@@ -83,11 +95,14 @@ class _Item:
     """An attachment's file."""
     ref: SegmentRef | None = None
     compressed: tempfile.SpooledTemporaryFile[bytes] | None = None
+    stored: bytes | tempfile.SpooledTemporaryFile[bytes] | None = None
+    """Made elsewhere, already as stored (SegmentMaker)."""
 
     def close(self) -> None:
-        if self.compressed is not None:
-            self.compressed.close()
-            self.compressed = None
+        for spool in (self.compressed, self.stored):
+            if spool is not None and not isinstance(spool, bytes):
+                spool.close()
+        self.compressed = self.stored = None
 
 
 def _spool_chunks(spool: IO[bytes]) -> Iterator[bytes]:
@@ -107,6 +122,10 @@ def _hash_file(naming_key: bytes, path: Path) -> str:
     for chunk in _file_chunks(path):
         h.update(chunk)
     return h.hexdigest()
+
+
+async def _one(data: bytes) -> AsyncIterator[bytes]:
+    yield data
 
 
 async def _athread(it: Iterator[bytes]) -> AsyncIterator[bytes]:
@@ -141,13 +160,15 @@ class SegmentWriter:
         naming_key: bytes,
         work_dir: Path,
         tick: Tick,
+        maker: SegmentMaker | None = None,
     ) -> None:
         self._write_agent = write_agent
+        self._maker = maker
         self._target = target
         self._naming_key = naming_key
         self._work = work_dir
         self._tick = tick
-        self._cpu = asyncio.Semaphore(PARALLEL)
+        self._cpu = asyncio.Semaphore(PARALLEL if maker is None else maker.parallel)
         self._io = asyncio.Semaphore(UPLOADS)
         self._uploaded = 0
         self._uploaded_bytes = 0
@@ -187,6 +208,15 @@ class SegmentWriter:
                     assert item.path is not None
                     name = await asyncio.to_thread(_hash_file, self._naming_key, item.path)
                     plain = item.path.stat().st_size
+                elif self._maker is not None:
+                    made = await self._maker(item.ref_id)
+                    name, plain = made.name, made.plain_size
+                    if isinstance(made.stored, bytes):
+                        in_memory += len(made.stored)
+                    if isinstance(made.stored, bytes) and in_memory <= WINDOW_MEMORY:
+                        item.stored = made.stored  # kept as it came: no copy, no file
+                    else:
+                        item.stored = await asyncio.to_thread(self._take, made)
                 else:
                     spool: tempfile.SpooledTemporaryFile[bytes] = tempfile.SpooledTemporaryFile(
                         max_size=_SPOOL, mode="w+b", dir=str(self._work)
@@ -205,6 +235,23 @@ class SegmentWriter:
             self._tick("read")
 
         await _all(plan(item) for item in window)
+
+    def _take(self, made: MadeSegment) -> tempfile.SpooledTemporaryFile[bytes]:
+        """A made segment's stored bytes in an unnamed temp file (its own file removed)."""
+        spool: tempfile.SpooledTemporaryFile[bytes] = tempfile.SpooledTemporaryFile(
+            max_size=0, mode="w+b", dir=str(self._work)
+        )
+        try:
+            if isinstance(made.stored, bytes):
+                spool.write(made.stored)
+            else:
+                with open(made.stored, "rb") as f:
+                    os.unlink(made.stored)
+                    shutil.copyfileobj(f, spool, SEGMENT_CHUNK)
+        except BaseException:
+            spool.close()
+            raise
+        return spool
 
     async def _send(self, window: list[_Item]) -> list[SegmentRef]:
         refs = [item.ref for item in window]
@@ -228,7 +275,12 @@ class SegmentWriter:
         return await _all(send(item) for item in window)
 
     async def _upload(self, item: _Item, ref: SegmentRef) -> int:
-        if item.compressed is not None:
+        if isinstance(item.stored, bytes):
+            await self._target.put_segment(ref.name, _one(item.stored))
+            return len(item.stored)
+        if item.stored is not None:
+            stream = _spool_chunks(item.stored)
+        elif item.compressed is not None:
             stream = encrypt_segment(_spool_chunks(item.compressed), name=ref.name, key=ref.key)
         else:
             assert item.path is not None

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Final
 
+from machine import segment_workers
 from machine.backup import AgentItem, FetchedBackup, decode_checked, file_chunks
 from machine.backup_format import SegmentRef
 from machine.db import Database
@@ -45,6 +46,7 @@ from machine.export_format import (
     verify_staged,
 )
 from machine.segment_files import open_segment
+from machine.segment_workers import SegmentWorkers, dump_agent_spooled
 from machine.store import erasures as store_erasures
 from machine.store import export as store_export
 from shared.archive import ArchiveLimits, extract_staged, write_tar, write_tar_gz
@@ -157,25 +159,26 @@ class DatabaseBackupSource:
 
     async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
         ensure_private_dir(self._work)
-        # In memory for a usual agent, on disk (unnamed temp files) past _SPOOL each.
         with contextlib.ExitStack() as stack:
-            spools: dict[str, IO[bytes]] = {}
-
-            def spool(name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
-                # Made when the dump opens the file: optional files only when written.
-                if name not in spools:
-                    spools[name] = stack.enter_context(_spool(self._work))
-                return contextlib.nullcontext(spools[name])
-
-            await self._db.read(
-                lambda c: store_export.dump_agent_to(c, agent_id, spool),
+            entries = await self._db.read(
+                lambda c: dump_agent_spooled(c, agent_id, stack, self._work),
                 what=f"back up agent {agent_id}",
             )
             # The tar goes to ``out`` in a worker thread: a backup's ``out``
             # hashes and compresses what it is given (machine.backup_writer).
-            names = [*AGENT_FILES, *(n for n in OPTIONAL_AGENT_FILES if n in spools)]
-            entries = [(agent_path(agent_id, n), spools[n]) for n in names]
             await asyncio.to_thread(write_tar, out, entries)
+
+    def segment_maker(
+        self, *, naming_key: bytes, work_dir: Path, agents: int
+    ) -> contextlib.AbstractAsyncContextManager[SegmentWorkers | None]:
+        if agents < segment_workers.MIN_AGENTS:
+            return contextlib.nullcontext(None)
+        return SegmentWorkers(
+            self._db.path,
+            naming_key=naming_key,
+            work_dir=work_dir,
+            count=segment_workers.processes(),
+        )
 
     async def attachments(self) -> list[tuple[str, Path]]:
         shas = await self._db.read(store_export.attachments_named, what="backup attachments")

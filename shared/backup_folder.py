@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 #: Up to this many names, have_segments looks each up; past it, one listing.
 _LOOKUPS: Final = 512
+#: A segment up to this size is written in one worker-thread call.
+_GATHER: Final = 4 * 1024 * 1024
 
 
 class FolderTarget(StoreTarget):
@@ -53,26 +55,58 @@ class FolderTarget(StoreTarget):
         wanted = sorted(set(names))
         if len(wanted) > _LOOKUPS:
             return await super().have_segments(wanted)
+        return await asyncio.to_thread(self._sizes, wanted)
+
+    def _sizes(self, names: list[str]) -> dict[str, int]:
+        """Stored size of each of ``names`` stored (in one worker-thread call)."""
         out: dict[str, int] = {}
-        for name in wanted:
+        for name in names:
             try:
-                info = await self._store.head(self._key(segment_key(name)))
+                out[name] = self._folder.head_blocking(self._key(segment_key(name))).size
             except NotFound:
                 continue
-            out[name] = info.size
         return out
 
     async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
-        """Write a segment; it is stored (durable and visible) at the next commit."""
-        obj = await asyncio.to_thread(self._folder.begin_unsynced, self._key(segment_key(name)))
+        """Write a segment; it is stored (durable and visible) at the next commit.
+
+        A segment that fits in :data:`_GATHER` (most of a backup's) is gathered
+        first and written in one worker-thread call: a full backup writes
+        thousands, and each hand-over to a thread costs more than its write.
+        """
+        key = self._key(segment_key(name))
+        gathered: list[bytes] = []
+        size = 0
+        source = aiter(data)
+        async for chunk in source:
+            gathered.append(chunk)
+            size += len(chunk)
+            if size > _GATHER:
+                break
+        else:
+            self._pending.append(await asyncio.to_thread(self._write_whole, key, gathered))
+            return
+        obj = await asyncio.to_thread(self._folder.begin_unsynced, key)
         try:
-            async for chunk in data:
+            await asyncio.to_thread(obj.write, b"".join(gathered))
+            async for chunk in source:
                 await asyncio.to_thread(obj.write, chunk)
             await asyncio.to_thread(obj.close)
         except BaseException:
             await asyncio.to_thread(obj.discard)
             raise
         self._pending.append(obj)
+
+    def _write_whole(self, key: str, chunks: list[bytes]) -> PendingObject:
+        obj = self._folder.begin_unsynced(key)
+        try:
+            for chunk in chunks:
+                obj.write(chunk)
+            obj.close()
+        except BaseException:
+            obj.discard()
+            raise
+        return obj
 
     async def flush(self) -> None:
         """Make every segment put so far durable and visible."""

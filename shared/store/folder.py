@@ -316,13 +316,15 @@ class FolderStore(StoreBase):
     async def head(self, key: str) -> ObjectInfo:
         """See :meth:`ObjectStore.head`."""
         validate_key(key)
+        return await asyncio.to_thread(self.head_blocking, key)
 
-        def _head() -> ObjectInfo:
-            f, etag, size = self._open_object(key)
-            f.close()
-            return ObjectInfo(key, size, etag)
-
-        return await asyncio.to_thread(_head)
+    def head_blocking(self, key: str) -> ObjectInfo:
+        """:meth:`head` in the calling thread, for callers that look up many keys in one
+        worker-thread call. NotFound if there is no object at ``key``."""
+        validate_key(key)
+        f, etag, size = self._open_object(key)
+        f.close()
+        return ObjectInfo(key, size, etag)
 
     # -- writes ------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -45,6 +46,11 @@ class FakeSource:
     async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
         self.reads += 1
         out.write(self.data[agent_id])
+
+    def segment_maker(
+        self, *, naming_key: bytes, work_dir: Path, agents: int
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext(None)
 
     async def attachments(self) -> list[tuple[str, Path]]:
         return [self.attachment]

@@ -1,0 +1,185 @@
+"""machine.segment_workers: agent segments made in worker processes, real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from machine import segment_workers
+from machine.app import open_machine
+from machine.backup import BackupEngine
+from machine.segment_workers import SegmentWorkers
+from machine.transfer import DatabaseBackupSource, restore_fetched
+from shared.backup_target import StoreTarget
+from shared.crypto import BoxKeyPair
+from shared.errors import InvalidArgument, StoreError
+from shared.ids import new_id
+from shared.store.folder import FolderStore
+from tests.helpers.poll import apoll_until
+from tests.machine.test_transfer import _config, _export_files, _populate
+
+NAMING_KEY = os.urandom(32)
+
+
+def _worker_pids() -> set[int]:
+    """Segment worker processes whose parent is this test process."""
+    return _children_named(os.getpid(), b"segment_worker_main")
+
+
+def _children_named(parent_pid: int, name: bytes) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == parent_pid and name in cmdline:
+            found.add(int(entry.name))
+    return found
+
+
+def _engine(
+    source: DatabaseBackupSource, target: Path, work: Path, keys: list[BoxKeyPair]
+) -> BackupEngine:
+    return BackupEngine(
+        source,
+        StoreTarget(FolderStore(target)),
+        machine_id=new_id("machine"),
+        naming_key=NAMING_KEY,
+        recipients=[k.public_key for k in keys],
+        keypair=keys[0],
+        work_dir=work,
+    )
+
+
+async def test_workers_make_the_daemons_segments_and_they_restore_byte_equal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    machine_key, recovery = BoxKeyPair.generate(), BoxKeyPair.generate()
+    async with open_machine(_config(tmp_path / "old")) as old:
+        agents = await _populate(old, tmp_path, 3)
+        before = await _export_files(old, agents, tmp_path / "before.tar.gz")
+        in_process = _engine(
+            DatabaseBackupSource(old.db, old.config.attachments_dir, tmp_path / "w1"),
+            tmp_path / "t1", tmp_path / "w1", [machine_key, recovery],
+        )  # fmt: skip
+        here = await in_process.backup_now()
+        monkeypatch.setattr(segment_workers, "MIN_AGENTS", 1)
+        with_workers = _engine(
+            DatabaseBackupSource(old.db, old.config.attachments_dir, tmp_path / "w2"),
+            tmp_path / "t2", tmp_path / "w2", [machine_key, recovery],
+        )  # fmt: skip
+        made = await with_workers.backup_now()
+        assert made.uploaded == here.uploaded == 3 + 3  # three agents, three attachments
+        assert not _worker_pids(), "the workers are gone once the backup is made"
+    one = await in_process.open(here.backup_id, recovery)
+    two = await with_workers.open(made.backup_id, recovery)
+    # The same plaintext, so the same names and sizes: segments dedupe across both paths.
+    assert sorted((r.name, r.plain_size) for r in one.segments) == sorted(
+        (r.name, r.plain_size) for r in two.segments
+    )
+    async with open_machine(_config(tmp_path / "new")) as new:
+        fetched = await with_workers.fetch(made.backup_id, tmp_path / "fetch", recovery)
+        result = await restore_fetched(
+            new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        assert sorted(result.restored) == sorted(agents)
+        assert await _export_files(new, agents, tmp_path / "after.tar.gz") == before
+
+
+async def test_a_refused_agent_is_its_error_and_the_worker_goes_on(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "m")) as m:
+        agents = await _populate(m, tmp_path, 1)
+        stage = tmp_path / "stage"
+        stage.mkdir(mode=0o700)
+        async with SegmentWorkers(
+            m.db.path, naming_key=NAMING_KEY, work_dir=stage, count=1
+        ) as workers:
+            missing = new_id("agent")
+            with pytest.raises(InvalidArgument, match=f"agent {missing} not found") as err:
+                await workers(missing)
+            assert err.value.field == "agent_id"
+            made = await workers(agents[0])  # the same worker, still in step
+            assert isinstance(made.stored, bytes) and made.plain_size > 0
+            assert len(_worker_pids()) == 1
+        assert not _worker_pids()
+
+
+async def test_leaving_early_kills_the_workers_mid_agent(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "m")) as m:
+        agents = await _populate(m, tmp_path, 1)
+        stage = tmp_path / "stage"
+        stage.mkdir(mode=0o700)
+        with pytest.raises(RuntimeError, match="backup cancelled"):
+            async with SegmentWorkers(
+                m.db.path, naming_key=NAMING_KEY, work_dir=stage, count=2
+            ) as workers:
+                pending = asyncio.ensure_future(workers(agents[0]))
+                await apoll_until(lambda: len(_worker_pids()) == 2, deadline=10, what="workers")
+                pending.cancel()
+                raise RuntimeError("backup cancelled")
+        assert not _worker_pids(), "a backup that ends early leaves no worker behind"
+
+
+async def test_a_worker_that_dies_fails_its_callers_rather_than_hang(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "m")) as m:
+        agents = await _populate(m, tmp_path, 1)
+        stage = tmp_path / "stage"
+        stage.mkdir(mode=0o700)
+        async with SegmentWorkers(
+            m.db.path, naming_key=NAMING_KEY, work_dir=stage, count=1
+        ) as workers:
+            (pid,) = await apoll_until(_worker_pids, deadline=10, what="the worker")
+            os.kill(pid, 9)
+            with pytest.raises(StoreError, match="segment worker exited"):
+                await asyncio.wait_for(workers(agents[0]), 30)
+            with pytest.raises(StoreError, match="segment worker exited"):
+                await asyncio.wait_for(workers(agents[0]), 30)  # and every call after
+        assert not _worker_pids()
+
+
+_HOLDER = """
+import asyncio, sys
+from pathlib import Path
+from machine.segment_workers import SegmentWorkers
+
+async def main():
+    stage = Path(sys.argv[1])
+    async with SegmentWorkers(Path(sys.argv[2]), naming_key=bytes(32), work_dir=stage, count=2):
+        print("started", flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_workers_die_with_a_sigkilled_daemon(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "m")) as m:
+        db_path = m.db.path
+    stage = tmp_path / "stage"
+    stage.mkdir(mode=0o700)
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HOLDER, str(stage), str(db_path), stdout=asyncio.subprocess.PIPE
+    )
+    assert holder.stdout is not None
+    assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"started\n"
+
+    def workers() -> set[int]:
+        return _children_named(holder.pid, b"segment_worker_main")
+
+    started = await apoll_until(lambda: len(workers()) == 2 and workers(), deadline=20, what="2")
+    holder.kill()
+    await holder.wait()
+    await apoll_until(
+        lambda: not any(Path(f"/proc/{pid}").exists() for pid in started),
+        deadline=20,
+        what="the workers gone with their daemon",
+    )
