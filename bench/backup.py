@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from machine import segment_workers
 from machine.db import Database
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,11 +182,18 @@ async def _phase_backup(data: Path, work: Path, target: Path) -> dict[str, Any]:
         seconds, cpu = time.monotonic() - started, _cpu() - cpu
     finally:
         await db.close()
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN)
     return {
         "uploaded": result.uploaded,
         "segments": result.segments,
         "seconds": seconds,
-        "cpu": cpu,
+        # Worker processes (machine.segment_workers) are counted in: their CPU,
+        # and the peak RSS of the largest one (each runs beside this process).
+        "cpu": cpu + workers.ru_utime + workers.ru_stime,
+        "worker_rss_mib": workers.ru_maxrss // 1024,
+        "workers": segment_workers.processes()
+        if result.uploaded >= segment_workers.MIN_AGENTS
+        else 0,
     }
 
 
@@ -287,6 +295,7 @@ def main() -> int:
         s, rss, out, _ = _timed([*me, "backup", str(data), str(work), str(target)])
         rows["full backup"] = (json.loads(out)["seconds"], s, rss)
         cpus["full backup"] = json.loads(out)["cpu"]
+        full_workers = (json.loads(out)["workers"], json.loads(out)["worker_rss_mib"])
         full_stored = _du(target)
         results: dict[str, tuple[float, int, str, float]] = {}
         env = {**os.environ, "RESTIC_PASSWORD": PASSWORD, "RESTIC_CACHE_DIR": str(base / "rc")}
@@ -354,6 +363,11 @@ def main() -> int:
             theirs = results.get(step, nothing)[3]
             print(
                 f"  {step:24} ours {ours:6.2f}  restic {theirs:6.2f}  ratio {ours / theirs:5.2f}x"
+            )
+        if full_workers[0]:
+            print(
+                f"full backup: ours MiB is the daemon's process; beside it {full_workers[0]}"
+                f" segment worker processes of at most {full_workers[1]} MiB each"
             )
         print(f"full backup vs tar|zstd -3: ratio {rows['full backup'][0] / tar_seconds:.2f}x")
         print(
