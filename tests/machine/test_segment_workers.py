@@ -139,9 +139,9 @@ async def test_a_worker_that_dies_fails_its_callers_rather_than_hang(tmp_path: P
         ) as workers:
             (pid,) = await apoll_until(_worker_pids, deadline=10, what="the worker")
             os.kill(pid, 9)
-            with pytest.raises(StoreError, match="segment worker exited"):
+            with pytest.raises(StoreError, match="worker process exited"):
                 await asyncio.wait_for(workers(agents[0]), 30)
-            with pytest.raises(StoreError, match="segment worker exited"):
+            with pytest.raises(StoreError, match="worker process exited"):
                 await asyncio.wait_for(workers(agents[0]), 30)  # and every call after
         assert not _worker_pids()
 
