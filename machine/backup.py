@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -46,9 +47,9 @@ from machine.backup_format import (
 )
 from machine.backup_writer import SegmentMaker, SegmentWriter
 from shared.atomic import ensure_private_dir, write_atomic
-from shared.backup_target import BackupTarget, ManifestInfo, PruneResult
+from shared.backup_target import BackupTarget, LocalSegments, ManifestInfo, PruneResult
 from shared.crypto import BoxKeyPair, KeyedHasher
-from shared.errors import IntegrityError, InvalidArgument
+from shared.errors import IntegrityError, InvalidArgument, NotFound
 from shared.ids import new_id
 
 __all__ = [
@@ -164,9 +165,25 @@ class FetchedBackup:
     """agent id -> its plaintext segment (an export-format tar)."""
     attachment_files: dict[str, Path] = field(default_factory=dict)
     """sha256 -> the attachment's bytes."""
-    stored_agents: dict[str, tuple[SegmentRef, Path]] = field(default_factory=dict)
+    stored_agents: dict[str, tuple[SegmentRef, StoredSegment]] = field(default_factory=dict)
     """agent id -> its segment as stored (still encrypted), when fetched with
-    ``decode_agents=False``: whoever reads it decodes it (:func:`decode_checked`)."""
+    ``decode_agents=False``: whoever reads it decodes it (:func:`decode_checked`
+    of :func:`stored_chunks`)."""
+
+
+StoredSegment = Path | Callable[[], BinaryIO]
+"""A stored segment: a downloaded copy, or an opener of it where it is stored
+(a folder target's file, read in place)."""
+
+
+def stored_chunks(source: StoredSegment) -> Iterator[bytes]:
+    """The bytes of a stored segment in stored-chunk sized pieces."""
+    if isinstance(source, Path):
+        yield from file_chunks(source)
+        return
+    with source() as f:
+        while chunk := f.read(_READ):
+            yield chunk
 
 
 Progress = Callable[[str, int, int], None]
@@ -437,15 +454,31 @@ class BackupEngine:
 
         With ``decode_agents=False`` the agents' segments are only downloaded
         (:attr:`FetchedBackup.stored_agents`): a restore then decodes them while
-        it loads the ones before, on another core, and writes no plaintext.
+        it loads the ones before, on another core, and writes no plaintext. From
+        a target on this machine (:class:`~shared.backup_target.LocalSegments`)
+        they are not even copied: the restore reads them where they are (a
+        segment gone meanwhile fails the restore, which then commits nothing).
         """
         manifest = await self.open(backup_id, keypair)
         ensure_private_dir(dest)
         fetched = FetchedBackup(manifest, dest)
         sem = asyncio.Semaphore(PARALLEL)
 
+        local = self._target if isinstance(self._target, LocalSegments) else None
+        if local is not None and not decode_agents:
+            stored = [r.name for r in manifest.segments if r.kind == "agent"]
+            have = await self._target.have_segments(stored)
+            if missing := [n for n in stored if n not in have]:
+                raise NotFound("segment", missing[0][:16])
+
         async def one(ref: SegmentRef) -> None:
             path = dest / f"{ref.kind}-{ref.ref}"
+            if ref.kind == "agent" and not decode_agents and local is not None:
+                fetched.stored_agents[ref.ref] = (
+                    ref,
+                    functools.partial(local.segment_reader, ref.name),
+                )
+                return
             if ref.kind == "agent" and not decode_agents:
                 async with sem:
                     await self._download(ref, path)

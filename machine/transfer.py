@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO, Final
 
 from machine import segment_workers
-from machine.backup import AgentItem, FetchedBackup, decode_checked, file_chunks
+from machine.backup import (
+    AgentItem,
+    FetchedBackup,
+    StoredSegment,
+    decode_checked,
+    stored_chunks,
+)
 from machine.backup_format import SegmentRef
 from machine.db import Database
 from machine.export_format import (
@@ -356,7 +362,8 @@ async def restore_fetched(
         with ahead.take(agent_id) as plain:
             return load_from(conn, agent_id, plain)
 
-    agents = {**fetched.agent_files, **{a: p for a, (_, p) in fetched.stored_agents.items()}}
+    # Stored agents are read by ``load``, not from a folder: their value is unused.
+    agents = {**fetched.agent_files, **dict.fromkeys(fetched.stored_agents, fetched.folder)}
     try:
         return await _commit(
             db,
@@ -387,7 +394,7 @@ class _DecodeAhead:
     """
 
     def __init__(
-        self, segments: dict[str, tuple[SegmentRef, Path]], naming_key: bytes, work: Path
+        self, segments: dict[str, tuple[SegmentRef, StoredSegment]], naming_key: bytes, work: Path
     ) -> None:
         self._segments = segments
         self._key = naming_key
@@ -409,10 +416,10 @@ class _DecodeAhead:
             self._futures[agent_id] = self._pool.submit(self._decode, agent_id)
 
     def _decode(self, agent_id: str) -> _Spool:
-        ref, path = self._segments[agent_id]
+        ref, stored = self._segments[agent_id]
         out = _spool(self._work)
         try:
-            decode_checked(ref, self._key, file_chunks(path), out)
+            decode_checked(ref, self._key, stored_chunks(stored), out)
             out.seek(0)
         except BaseException:
             out.close()

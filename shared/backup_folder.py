@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterable, Iterable
-from typing import Final
+from typing import BinaryIO, Final
 
 from shared.backup_target import StoreTarget, segment_key
 from shared.errors import NotFound
@@ -56,6 +56,13 @@ class FolderTarget(StoreTarget):
         if len(wanted) > _LOOKUPS:
             return await super().have_segments(wanted)
         return await asyncio.to_thread(self._sizes, wanted)
+
+    def segment_reader(self, name: str) -> BinaryIO:
+        """See :class:`~shared.backup_target.LocalSegments`."""
+        try:
+            return self._folder.open_blocking(self._key(segment_key(name)))
+        except NotFound:
+            raise NotFound("segment", name[:16]) from None
 
     def _sizes(self, names: list[str]) -> dict[str, int]:
         """Stored size of each of ``names`` stored (in one worker-thread call)."""

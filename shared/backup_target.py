@@ -22,7 +22,7 @@ import json
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import BinaryIO, Protocol, runtime_checkable
 
 from shared.errors import NotFound, PreconditionFailed
 from shared.ids import is_valid_id, validate_id
@@ -30,6 +30,7 @@ from shared.store.base import ObjectStore, validate_prefix
 
 __all__ = [
     "BackupTarget",
+    "LocalSegments",
     "ManifestInfo",
     "PruneResult",
     "StoreTarget",
@@ -118,6 +119,17 @@ class BackupTarget(Protocol):
     async def prune(self, keep: int) -> PruneResult:
         """Keep the newest ``keep`` backups; delete older manifests, then every
         segment no kept backup names. A crash part-way leaves every kept backup whole."""
+        ...
+
+
+@runtime_checkable
+class LocalSegments(Protocol):
+    """A target whose segments are files on this machine (a folder target): a
+    restore reads them where they are instead of copying them first."""
+
+    def segment_reader(self, name: str) -> BinaryIO:
+        """Segment ``name`` as stored, open for reading (blocking; the caller
+        closes it). NotFound if it is not stored."""
         ...
 
 

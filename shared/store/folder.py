@@ -318,6 +318,14 @@ class FolderStore(StoreBase):
         validate_key(key)
         return await asyncio.to_thread(self.head_blocking, key)
 
+    def open_blocking(self, key: str) -> BinaryIO:
+        """The object at ``key`` open for reading, at its first byte (blocking; the
+        caller closes it). NotFound if there is none, IntegrityError for a file
+        that is not a store object."""
+        validate_key(key)
+        f, _, _ = self._open_object(key)
+        return f
+
     def head_blocking(self, key: str) -> ObjectInfo:
         """:meth:`head` in the calling thread, for callers that look up many keys in one
         worker-thread call. NotFound if there is no object at ``key``."""

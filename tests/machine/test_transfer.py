@@ -21,9 +21,10 @@ from machine.backup import BackupEngine, BackupResult
 from machine.config import MachineConfig
 from machine.models import AgentState, EventKind
 from machine.transfer import DatabaseBackupSource, export_agents, import_archive, restore_fetched
+from shared.backup_folder import FolderTarget
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
-from shared.errors import IntegrityError, InvalidArgument
+from shared.errors import IntegrityError, InvalidArgument, NotFound
 from shared.store.folder import FolderStore
 from tests.helpers.poll import apoll_until
 
@@ -219,14 +220,15 @@ class _Old:
     key: BoxKeyPair
 
 
-async def _backed_up(tmp_path: Path, agents: int) -> _Old:
+async def _backed_up(tmp_path: Path, agents: int, *, folder_target: bool = False) -> _Old:
     key = BoxKeyPair.generate()
+    store = FolderStore(tmp_path / "target")
     async with open_machine(_config(tmp_path / "old")) as old:
         ids = await _populate(old, tmp_path, agents)
         before = await _export_files(old, ids, tmp_path / "before.tar.gz")
         engine = BackupEngine(
             DatabaseBackupSource(old.db, old.config.attachments_dir, tmp_path / "work-old"),
-            StoreTarget(FolderStore(tmp_path / "target")),
+            FolderTarget(store) if folder_target else StoreTarget(store),
             machine_id=old.ids.canonical,
             naming_key=os.urandom(32),
             recipients=[key.public_key],
@@ -264,6 +266,41 @@ async def test_restore_decoding_as_it_loads_refuses_a_tampered_segment_whole(
         assert await _export_files(new, agents, tmp_path / "after.tar.gz") == before
 
 
+async def test_restore_reads_a_folder_targets_segments_in_place_and_refuses_a_tampered_one(
+    tmp_path: Path,
+) -> None:
+    old = await _backed_up(tmp_path, 3, folder_target=True)
+    agents, before, engine, made = old.agents, old.before, old.engine, old.made
+    manifest = await engine.open(made.backup_id)
+    last = [r for r in manifest.segments if r.kind == "agent"][-1]
+    (stored_file,) = (tmp_path / "target").rglob(f"{last.name}*")
+    pristine = stored_file.read_bytes()
+    async with open_machine(_config(tmp_path / "new")) as new:
+        fetched = await engine.fetch(made.backup_id, tmp_path / "stage", decode_agents=False)
+        # Nothing of the agents' segments was copied: they are read where they are.
+        assert [p.name for p in (tmp_path / "stage").iterdir() if p.name.startswith("agent")] == []
+        # A byte flipped in the target itself, after the fetch: refused whole.
+        blob = bytearray(pristine)
+        blob[len(blob) // 2] ^= 1
+        stored_file.write_bytes(bytes(blob))
+        with pytest.raises(IntegrityError):
+            await restore_fetched(
+                new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+            )
+        assert await new.agents.list(include_archived=True) == []
+        # A segment gone from the target is named before anything is read.
+        stored_file.unlink()
+        with pytest.raises(NotFound, match=last.name[:16]):
+            await engine.fetch(made.backup_id, tmp_path / "stage2", decode_agents=False)
+        stored_file.write_bytes(pristine)
+        fetched = await engine.fetch(made.backup_id, tmp_path / "stage3", decode_agents=False)
+        result = await restore_fetched(
+            new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        assert sorted(result.restored) == sorted(agents)
+        assert await _export_files(new, agents, tmp_path / "after.tar.gz") == before
+
+
 # A restore in a child process that stops for ever once it placed the first
 # attachment: inside its transaction, after every agent loaded, before the commit.
 _RESTORE_CHILD = r"""
@@ -273,6 +310,7 @@ from pathlib import Path
 import machine.transfer as transfer
 from machine.backup import BackupEngine, BackupResult
 from machine.db import Database
+from shared.backup_folder import FolderTarget
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
 from shared.store.folder import FolderStore
