@@ -109,7 +109,7 @@ class FolderTarget(StoreTarget):
         try:
             for chunk in chunks:
                 obj.write(chunk)
-            obj.close()
+            obj.close(sync=True)  # here, beside the other writes, not all at the flush
         except BaseException:
             obj.discard()
             raise

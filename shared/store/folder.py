@@ -81,6 +81,8 @@ class PendingObject:
         self._f: BinaryIO | None = f
         self._hash = hashlib.sha256()
         self.size = 0
+        #: Its bytes are durable already (closed with ``sync``): publish skips it.
+        self.synced = False
 
     def write(self, chunk: bytes) -> None:
         """Append ``chunk`` (blocking)."""
@@ -89,12 +91,21 @@ class PendingObject:
         self._f.write(chunk)
         self.size += len(chunk)
 
-    def close(self) -> str:
-        """Finish the file (its header names the content's SHA-256); return the etag."""
+    def close(self, *, sync: bool = False) -> str:
+        """Finish the file (its header names the content's SHA-256); return the etag.
+
+        With ``sync`` its bytes are made durable now, in the caller's thread (a
+        writer of many objects overlaps their fsyncs with its other work,
+        instead of :meth:`FolderStore.publish` making them all at its end).
+        """
         assert self._f is not None, "closed twice"
         etag = self._hash.hexdigest()
         self._f.seek(0)
         self._f.write(_header(etag))
+        if sync:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self.synced = True
         self._f.close()
         self._f = None
         return etag
@@ -213,6 +224,8 @@ class FolderStore(StoreBase):
         folder is fsynced once.
         """
         for obj in pending:
+            if obj.synced:
+                continue
             fd = os.open(obj.temp, os.O_RDONLY)
             try:
                 os.fsync(fd)
