@@ -6,9 +6,13 @@ Run from the repository root::
 
 It starts one moto S3 server and one real ``agents-control`` process on it, then:
 
-- deletion: writes ``--objects`` sealed objects under an account's prefix
-  (straight into the bucket), calls DeleteAccount and polls GetDeletion until
-  the account is gone; the rate is objects / (reply of the last poll - call);
+- deletion, backups layout: fills an account as machines' backups fill one
+  (``--objects`` sealed segments of two machines, named by their backups'
+  names lists, with manifests and machine records; straight into the bucket),
+  calls DeleteAccount and polls GetDeletion until the account is gone; the
+  rate is segments / (reply of the last poll - call);
+- deletion, unindexed: the same with ``--objects`` objects nothing names
+  (the deletion can only find them by listing);
 - raw: writes the same number of objects under another prefix and deletes
   them with DeleteObjects, 1000 keys a request, one request after the other
   (what a plain script with boto3 would do knowing the keys);
@@ -19,11 +23,11 @@ Objects are written as our stores write them (no checksum header: moto would
 list a ChecksumAlgorithm with each key). Each phase reports its wall time, the
 CPU seconds moto and the deleting client used, and its S3 calls (the bench's
 own timed one by one; the control plane's from its store metrics). Then the
-rates and the ratios deletion / raw (target at least 0.5) and deletion / raw
-listed. ``--probe`` first prints moto's CPU per ListObjectsV2 page against the
-prefix size and MaxKeys.
+rates and the ratios deletion / raw (target at least 0.5; the backups layout)
+and unindexed deletion / raw and / raw listed. ``--probe`` first prints moto's
+CPU per ListObjectsV2 page against the prefix size and MaxKeys.
 
-On moto the ratio is bounded by listing: rendering a ListObjectsV2 page of
+On moto the unindexed ratio is bounded by listing: rendering a ListObjectsV2 page of
 1000 keys costs moto ~4x the CPU of deleting them (each key's LastModified is
 formatted through dateutil), moto serves every request under one GIL (one
 core at most), and an account's keys can only be found by listing. The bench
@@ -50,9 +54,12 @@ import boto3  # type: ignore[import-untyped]
 from botocore.config import Config
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane.backups import backups_prefix
 from controlplane.client import AdminClient
 from controlplane.integrity import record_mac_key
 from controlplane.keys import load_home_keys
+from shared.backup_target import manifest_key, names_key, segment_key
+from shared.ids import new_id
 from shared.store.authenticated import seal
 from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
 from tests.helpers.moto_server import moto_server_proc
@@ -245,6 +252,31 @@ def _store_calls(metrics_addr: str) -> dict[str, tuple[float, float]]:
     return out
 
 
+def _backup_layout(account_id: str, objects: int) -> tuple[list[str], dict[str, bytes]]:
+    """An account as backups fill one: two machines, each with ``objects / 2`` sealed
+    segments named by its backups' names lists (three backups sharing most
+    segments), their manifests, and the machine records.
+
+    Returns the segment keys (raw bytes) and the other objects (key -> body;
+    records are sealed by the caller).
+    """
+    segments: list[str] = []
+    others: dict[str, bytes] = {}
+    per_machine = objects // 2
+    for m in range(2):
+        machine_id = new_id("machine")
+        root = f"{PREFIX}{backups_prefix(account_id, machine_id)}"
+        names = [f"{m:02x}{i:062x}" for i in range(per_machine)]
+        segments += [root + segment_key(n) for n in names]
+        cut = len(names) // 10
+        for b, named in enumerate((names[: -2 * cut], names[cut:-cut], names[2 * cut :])):
+            backup_id = new_id("backup", now_ms=1_800_000_000_000 + b)
+            others[root + names_key(backup_id)] = json.dumps(named).encode()
+            others[root + manifest_key(backup_id)] = os.urandom(512)
+        others[f"{PREFIX}accounts/{account_id}/machines/{machine_id}.json"] = b"{}"
+    return segments, others
+
+
 async def bench_deletion(
     client: AdminClient,
     s3: Any,
@@ -253,11 +285,23 @@ async def bench_deletion(
     server_pid: int,
     objects: int,
     round_no: int,
+    *,
+    backups: bool,
 ) -> Phase:
-    reply = await client.create_account(1000 + round_no, f"bench{round_no}")
+    """One account deletion: with ``backups``, of an account filled as backups fill
+    one; without, of ``objects`` objects nothing names (found only by listing)."""
+    reply = await client.create_account(1000 + 2 * round_no + backups, f"bench{round_no}")
     account_id = reply.account.account_id
-    keys = [f"{PREFIX}accounts/{account_id}/backups/seg_{i:06d}.json" for i in range(objects)]
-    _fill(s3, keys, mac)
+    if backups:
+        keys, others = _backup_layout(account_id, objects)
+        _fill(s3, keys, None)
+        for key, body in others.items():
+            if "/machines/" in key:
+                body = seal(mac, key.removeprefix(PREFIX), body)
+            s3.put_object(Bucket=BUCKET, Key=key, Body=body)
+    else:
+        keys = [f"{PREFIX}accounts/{account_id}/backups/seg_{i:06d}.json" for i in range(objects)]
+        _fill(s3, keys, mac)
     assert cp.process is not None
     before = _store_calls(cp.serve_info["metrics"])
     with Meter(server_pid, cp.process.pid) as m:
@@ -284,7 +328,7 @@ async def bench_deletion(
         for op, (count, seconds) in sorted(after.items())
         if count > before.get(op, (0, 0))[0]
     }
-    return Phase(objects, m.wall, m.server_cpu, m.client_cpu, calls)
+    return Phase(len(keys), m.wall, m.server_cpu, m.client_cpu, calls)
 
 
 def _report(deletion: Phase, raw: Phase, listed: Phase) -> None:
@@ -341,6 +385,7 @@ async def main_async(args: argparse.Namespace) -> int:
             start_serve(cp)
             mac = record_mac_key(load_home_keys(cp.home))
             deletion: list[Phase] = []
+            unindexed: list[Phase] = []
             raw: list[Phase] = []
             listed: list[Phase] = []
             if args.probe:
@@ -348,23 +393,49 @@ async def main_async(args: argparse.Namespace) -> int:
             async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=30) as client:
                 for r in range(args.rounds):
                     deletion.append(
-                        await bench_deletion(client, s3, mac, cp, moto.pid, args.objects, r)
+                        await bench_deletion(
+                            client, s3, mac, cp, moto.pid, args.objects, r, backups=True
+                        )
+                    )
+                    unindexed.append(
+                        await bench_deletion(
+                            client, s3, mac, cp, moto.pid, args.objects, r, backups=False
+                        )
                     )
                     raw.append(bench_raw(s3, moto.pid, args.objects, r, listed=False))
                     listed.append(bench_raw(s3, moto.pid, args.objects, r, listed=True))
                     print(f"round {r + 1}:")
-                    _report(deletion[-1], raw[-1], listed[-1])
+                    _report(unindexed[-1], raw[-1], listed[-1])
+                    print(
+                        f"  account deletion, backups layout: {deletion[-1].wall:.2f} s,"
+                        f" moto CPU {deletion[-1].server_cpu:.2f} s"
+                    )
+                    for op, c in deletion[-1].calls.items():
+                        print(f"    store {op}: {c.count} calls, {c.wall:.2f} s summed")
         finally:
             stop_serve(cp)
+            assert cp.log_path is not None
+            for line in cp.log_path.read_text().splitlines():
+                if ": deleted (" in line:
+                    print("control plane:", line.split("] ", 1)[-1])
     best_raw = max(p.rate for p in raw)
     best_listed = max(p.rate for p in listed)
     best_deletion = max(p.rate for p in deletion)
+    best_unindexed = max(p.rate for p in unindexed)
     print(f"objects per account: {args.objects}, rounds: {args.rounds} (best of each)")
     print(f"raw S3 DeleteObjects of known keys (1000 keys/request): {best_raw:.0f} objects/s")
     print(f"raw list + DeleteObjects (aws s3 rm --recursive): {best_listed:.0f} objects/s")
-    print(f"account deletion (DeleteAccount -> deleted): {best_deletion:.0f} objects/s")
+    print(
+        "account deletion, backups layout (segments named by their backups):"
+        f" {best_deletion:.0f} objects/s"
+    )
     print(f"ratio deletion/raw {best_deletion / best_raw:.2f}x (target >= 0.5)")
-    print(f"ratio deletion/list+delete {best_deletion / best_listed:.2f}x")
+    print(
+        "account deletion, objects nothing names (found by listing):"
+        f" {best_unindexed:.0f} objects/s"
+    )
+    print(f"ratio unindexed deletion/raw {best_unindexed / best_raw:.2f}x")
+    print(f"ratio unindexed deletion/list+delete {best_unindexed / best_listed:.2f}x")
     return 0
 
 

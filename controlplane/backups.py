@@ -22,7 +22,13 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from dataclasses import dataclass
 from typing import Final
 
-from shared.backup_target import ManifestInfo, PruneResult, StoreTarget, segment_key
+from shared.backup_target import (
+    ManifestInfo,
+    PruneResult,
+    StoreTarget,
+    is_segment_name,
+    segment_key,
+)
 from shared.errors import InvalidArgument, NotFound, TooLarge
 from shared.ids import validate_id
 from shared.store.base import ObjectStore
@@ -43,7 +49,7 @@ MachineExists = Callable[[str, str], Awaitable[bool]]
 
 def check_segment_name(name: str) -> str:
     """A segment name as the link carries it: 64 lower-case hex characters."""
-    if len(name) != 64 or any(c not in "0123456789abcdef" for c in name):
+    if not is_segment_name(name):
         raise InvalidArgument("hash", "a segment hash is 64 lower-case hex characters")
     return name
 

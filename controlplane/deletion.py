@@ -9,7 +9,13 @@ that only ever rolls FORWARD once its tombstone is written::
     4. delete the index entries pointing to the account (machines, tokens,
        GitHub id, listing) and its account-scoped credentials
     5. delete every object under accounts/<a>/ but the tombstone and the
-       account record (paginated, batched, a bounded number of batches at once)
+       account record (batched, a bounded number of batches at once): first
+       the backup segments its machines' backups name (their names are in
+       each backup's names list beside its manifest, so they are deleted
+       without listing them: most of an account's objects, and listing costs
+       a store as much as deleting or more), then whatever a paginated
+       listing still finds (names lists, manifests, records, any segment no
+       list names)
     6. create deleted/<a>.json (who, when, how many objects) and an audit record
     7. delete accounts/<a>/account.json, then the tombstone, then the intent
 
@@ -36,8 +42,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -45,6 +53,7 @@ from controlplane import jsonstore
 from controlplane.accounts import AccountService
 from controlplane.audit import Auditor, Clock, utcnow
 from controlplane.authz import Principal
+from controlplane.backups import backups_prefix
 from controlplane.intents import Intent, Intents
 from controlplane.records import (
     account_index_key,
@@ -59,6 +68,7 @@ from controlplane.records import (
     tokens_prefix,
     utc_iso,
 )
+from shared.backup_target import MANIFESTS, NAMES_SUFFIX, is_segment_name, segment_key
 from shared.errors import AgentsError, IntegrityError, InvalidState, NotFound
 from shared.ids import is_valid_id, validate_id
 from shared.retry import retrying
@@ -153,8 +163,10 @@ class AccountDeletion:
         *,
         clock: Clock = utcnow,
         page_size: int = DELETE_BATCH,
+        backups: ObjectStore | None = None,
     ) -> None:
         self._store = store
+        self._backups = backups
         self._accounts = accounts
         self._audit = auditor
         self._intents = intents
@@ -309,10 +321,17 @@ class AccountDeletion:
                 deleted=started.deleted_objects,
                 page_size=self._page_size,
                 on_objects=self.hooks.objects,
+                backups=self._backups,
             )
             self._sweeps[account_id] = sweep
+        steps: dict[str, float] = {}
+        began = time.monotonic()
         await sweep.index_entries(int(tomb.get("github_user_id", 0) or 0))
+        steps["index"] = time.monotonic() - began
+        await sweep.named_segments()
+        steps["named segments"] = time.monotonic() - began - sum(steps.values())
         await sweep.prefix()
+        steps["listed objects"] = time.monotonic() - began - sum(steps.values())
         if await sweep.left_over():
             # Written behind the sweep (a last presence write of a closing link):
             # sweep again; a run that still finds some fails and is resumed later.
@@ -335,7 +354,13 @@ class AccountDeletion:
         if is_valid_id("intent", intent_id):
             await self._intents.commit_id(intent_id)
         self._sweeps.pop(account_id, None)
-        logger.info("account %s: deleted (%d objects)", account_id, done.deleted_objects)
+        steps["records"] = time.monotonic() - began - sum(steps.values())
+        logger.info(
+            "account %s: deleted (%d objects; %s)",
+            account_id,
+            done.deleted_objects,
+            ", ".join(f"{step} {seconds:.2f} s" for step, seconds in steps.items()),
+        )
 
     async def wait(self) -> None:
         """Wait for every running deletion task (tests, and a draining daemon)."""
@@ -363,8 +388,11 @@ class AccountSweep:
         deleted: int = 0,
         page_size: int = DELETE_BATCH,
         on_objects: Callable[[int], None] | None = None,
+        backups: ObjectStore | None = None,
     ) -> None:
         self._store = store
+        self._backups = backups
+        """Where the names lists are read (they are not MAC'd records)."""
         self._account_id = validate_id("account", account_id, "account_id")
         self._page_size = page_size
         self._on_objects = on_objects
@@ -426,11 +454,89 @@ class AccountSweep:
         found = await asyncio.gather(*(scoped(k) for k in keys))
         return [k for k, mine in zip(keys, found, strict=True) if mine]
 
+    async def named_segments(self) -> None:
+        """Step 5, first: the segments the account's backups name, without listing them.
+
+        A names list is read as the store holds it: a name that is not one is
+        skipped, and the listing after this deletes whatever is left anyway.
+        Names lists are deleted by that listing, after their segments: a run
+        resumed after a crash finds them again (and counts those segments again).
+        """
+        if self._backups is None:
+            return
+        account_id = self._account_id
+        roots = [
+            backups_prefix(account_id, machine_id)
+            for record in await self._keys(machines_prefix(account_id))
+            if is_valid_id("machine", machine_id := record.rsplit("/", 1)[-1].removesuffix(".json"))
+        ]
+        lists = [
+            (root, key)
+            for root in roots
+            for key in await self._keys(root + MANIFESTS)
+            if key.endswith(NAMES_SUFFIX)
+        ]
+        limit = asyncio.Semaphore(CONCURRENT_READS)
+
+        async def named_by(root: str, key: str) -> list[str]:
+            async with limit:
+                return [root + segment_key(n) for n in await self._names_in(key)]
+
+        async def pages() -> AsyncIterator[list[str]]:
+            # Deleting starts with the first list read, while the others are read.
+            reads = [asyncio.ensure_future(named_by(*rk)) for rk in lists]
+            try:
+                seen: set[str] = set()
+                page: list[str] = []
+                for read in asyncio.as_completed(reads):
+                    for key in await read:
+                        if key not in seen:  # backups share most segments
+                            seen.add(key)
+                            page.append(key)
+                            if len(page) == self._page_size:
+                                yield page
+                                page = []
+                if page:
+                    yield page
+            finally:
+                for read in reads:
+                    read.cancel()
+                await asyncio.gather(*reads, return_exceptions=True)
+
+        await self._delete_pages(pages())
+
+    async def _names_in(self, key: str) -> list[str]:
+        assert self._backups is not None
+        data: Any = None
+        async for attempt in retrying("account.delete.names"):
+            with attempt:
+                try:
+                    data = json.loads(await self._backups.get(key))
+                except (NotFound, ValueError):
+                    return []
+        if not isinstance(data, list):
+            return []
+        return [n for n in data if isinstance(n, str) and is_segment_name(n)]
+
     async def prefix(self) -> None:
         """Step 5: every object under the account's prefix but the tombstone and record."""
         account_id = self._account_id
-        prefix = f"accounts/{account_id}/"
         keep = {deleting_key(account_id), account_key(account_id)}
+
+        async def pages() -> AsyncIterator[list[str]]:
+            # The store resumes a failed page after its last key (RetryingStore);
+            # deleting keys behind the cursor does not disturb the listing.
+            async for page in self._store.list_pages(
+                f"accounts/{account_id}/", page_size=self._page_size
+            ):
+                keys = [i.key for i in page if i.key not in keep]
+                if keys:
+                    yield keys
+
+        await self._delete_pages(pages())
+
+    async def _delete_pages(self, pages: AsyncIterator[list[str]]) -> None:
+        """Delete each page of keys as one batch, a bounded number at once."""
         limit = asyncio.Semaphore(CONCURRENT_BATCHES)
         # Every batch is awaited (its error included) before the account may go.
         started: list[asyncio.Task[None]] = []
@@ -451,12 +557,7 @@ class AccountSweep:
                 await self._save_progress()
 
         try:
-            # The store resumes a failed page after its last key (RetryingStore);
-            # deleting keys behind the cursor does not disturb the listing.
-            async for page in self._store.list_pages(prefix, page_size=self._page_size):
-                keys = [i.key for i in page if i.key not in keep]
-                if not keys:
-                    continue
+            async for keys in pages:
                 await limit.acquire()
                 started.append(asyncio.create_task(batch(keys)))
                 # Surface a failed batch now rather than after listing everything.

@@ -164,7 +164,7 @@ async def fsck_deployment(cfg: ControlConfig, *, repair: bool) -> FsckReport:
             fence = Fence(trusted.authenticated, read_home_id(cfg.home) or "", trusted.where)
             if await fence.hold_current():
                 trusted.set_fence(fence)
-        services = Services(cfg, trusted.store, keys)
+        services = Services(cfg, trusted.store, keys, trusted.backups)
         return await run_fsck(trusted, services.intents, repair=repair)
     finally:
         await trusted.close()

@@ -92,7 +92,13 @@ async def open_control_store(cfg: ControlConfig, registry: CollectorRegistry | N
 class Services:
     """The domain objects of one daemon, built from a store and keys."""
 
-    def __init__(self, cfg: ControlConfig, store: ObjectStore, keys: HomeKeys) -> None:
+    def __init__(
+        self,
+        cfg: ControlConfig,
+        store: ObjectStore,
+        keys: HomeKeys,
+        backups: ObjectStore | None = None,
+    ) -> None:
         # The live keys: rotation (controlplane.rotation) swaps them while serving.
         self.keyring = KeyRing(keys)
         self.auditor = Auditor(store)
@@ -119,7 +125,10 @@ class Services:
             store=store,
             keyring=self.keyring,
         )
-        self.deletion = AccountDeletion(store, self.accounts, self.auditor, self.intents)
+        # Account deletion reads the backups' names lists (controlplane.deletion).
+        self.deletion = AccountDeletion(
+            store, self.accounts, self.auditor, self.intents, backups=backups
+        )
 
 
 class ControlPlane:
@@ -179,7 +188,7 @@ class ControlPlane:
         trusted.set_fence(self.fence)
         self.metrics.epoch.set(self.fence.epoch)
         self.metrics.key_bundle_sealed.set(1 if await _reseal(cfg, trusted) else 0)
-        services = Services(cfg, trusted.store, keys)
+        services = Services(cfg, trusted.store, keys, trusted.backups)
         presence = PresenceRegistry(
             trusted.store,
             write_interval=cfg.presence_write_interval,

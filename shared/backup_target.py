@@ -22,7 +22,7 @@ import json
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import BinaryIO, Final, Protocol, runtime_checkable
 
 from shared.errors import NotFound, PreconditionFailed
 from shared.ids import is_valid_id, validate_id
@@ -31,9 +31,12 @@ from shared.store.base import ObjectStore, validate_prefix
 __all__ = [
     "BackupTarget",
     "LocalSegments",
+    "MANIFESTS",
     "ManifestInfo",
+    "NAMES_SUFFIX",
     "PruneResult",
     "StoreTarget",
+    "is_segment_name",
     "manifest_key",
     "names_key",
     "segment_key",
@@ -41,26 +44,33 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_MANIFESTS = "manifests/"
+#: Inside a target: manifests (and each backup's names list beside its manifest).
+MANIFESTS: Final = "manifests/"
 _SEGMENTS = "segments/"
 _SUFFIX = ".sealed"
-_NAMES_SUFFIX = ".names"
+#: A backup's names list: ``MANIFESTS + backup id + NAMES_SUFFIX``.
+NAMES_SUFFIX: Final = ".names"
+
+
+def is_segment_name(name: str) -> bool:
+    """Whether ``name`` is a segment name: 64 lower-case hex characters."""
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
 
 def _check_name(name: str) -> str:
-    if len(name) != 64 or any(c not in "0123456789abcdef" for c in name):
+    if not is_segment_name(name):
         raise ValueError(f"not a segment name: {name[:80]!r}")
     return name
 
 
 def manifest_key(backup_id: str) -> str:
     """Key of a sealed manifest inside a target."""
-    return _MANIFESTS + validate_id("backup", backup_id, "backup_id") + _SUFFIX
+    return MANIFESTS + validate_id("backup", backup_id, "backup_id") + _SUFFIX
 
 
 def names_key(backup_id: str) -> str:
     """Key of the list of segment names a backup uses (beside its manifest)."""
-    return _MANIFESTS + validate_id("backup", backup_id, "backup_id") + _NAMES_SUFFIX
+    return MANIFESTS + validate_id("backup", backup_id, "backup_id") + NAMES_SUFFIX
 
 
 def segment_key(name: str) -> str:
@@ -177,7 +187,7 @@ class StoreTarget:
 
     async def list_manifests(self) -> list[ManifestInfo]:
         out: list[ManifestInfo] = []
-        start = self._key(_MANIFESTS)
+        start = self._key(MANIFESTS)
         async for info in self._store.list(start):
             backup_id = info.key[len(start) :].removesuffix(_SUFFIX)
             if info.key.endswith(_SUFFIX) and is_valid_id("backup", backup_id):
@@ -227,9 +237,9 @@ class StoreTarget:
         kept_ids = {i.backup_id for i in kept}
         # Prune runs after the owner's own backup, never beside one (the engine
         # holds one lock for both), so a names list without a kept manifest is debris.
-        async for obj in self._store.list(self._key(_MANIFESTS)):
-            stem = obj.key[len(self._key(_MANIFESTS)) :].removesuffix(_NAMES_SUFFIX)
-            if obj.key.endswith(_NAMES_SUFFIX) and stem not in kept_ids:
+        async for obj in self._store.list(self._key(MANIFESTS)):
+            stem = obj.key[len(self._key(MANIFESTS)) :].removesuffix(NAMES_SUFFIX)
+            if obj.key.endswith(NAMES_SUFFIX) and stem not in kept_ids:
                 await self._store.delete(obj.key)
         orphans = [n for n in await self._segment_names() if n not in named]
         for name in orphans:

@@ -37,9 +37,12 @@ def test_connect_bench_prints_figures() -> None:
 
 def test_delete_bench_prints_ratios() -> None:
     out = _run("-m", "bench.delete", "--objects", "300")
-    assert re.search(r"account deletion \(DeleteAccount -> deleted\): \d+ objects/s", out), out
+    assert re.search(r"account deletion, backups layout .*: \d+ objects/s", out), out
     assert re.search(r"ratio deletion/raw \d+\.\d+x", out), out
-    assert re.search(r"ratio deletion/list\+delete \d+\.\d+x", out), out
+    assert re.search(r"account deletion, objects nothing names .*: \d+ objects/s", out), out
+    assert re.search(r"ratio unindexed deletion/list\+delete \d+\.\d+x", out), out
+    # The control plane's own account of each deletion's steps.
+    assert re.search(r"deleted \(\d+ objects; index .* named segments .* s", out), out
 
 
 def test_queue_bench_prints_ratios() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 from collections.abc import Sequence
 
 import pytest
@@ -12,6 +13,7 @@ from controlplane import jsonstore
 from controlplane.accounts import AccountService
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService, Principal
+from controlplane.backups import backups_prefix
 from controlplane.deletion import PROGRESS_EVERY, AccountDeletion, DeletionHooks
 from controlplane.intents import INTENTS_PREFIX, Intents
 from controlplane.machines import MachineInfo, MachineRegistry
@@ -19,7 +21,9 @@ from controlplane.pairing import Pairing
 from controlplane.records import deleted_key, deleting_key
 from controlplane.tokens import TokenService
 from shared import tls
+from shared.backup_target import names_key, segment_key
 from shared.errors import InvalidState, NotFound, PermissionDenied, StoreError, Unauthenticated
+from shared.ids import new_id
 from shared.store import MemoryStore, ObjectStore
 from shared.store.base import delete_keys
 from shared.store.wrappers import StoreWrapper
@@ -131,7 +135,13 @@ class Process:
             store=store,
         )
         self.deletion = AccountDeletion(
-            store, self.accounts, audit, self.intents, clock=clock, page_size=page_size
+            store,
+            self.accounts,
+            audit,
+            self.intents,
+            clock=clock,
+            page_size=page_size,
+            backups=store,
         )
 
 
@@ -177,6 +187,76 @@ async def _leftovers(store: ObjectStore, acct: str) -> list[str]:
 @pytest.fixture
 def clock() -> Clock:
     return Clock()
+
+
+class ListingSpy(StoreWrapper):
+    """Records every key a listing hands out."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.listed: list[str] = []
+
+    async def get(self, key: str) -> bytes:
+        return await self.inner.get(key)
+
+    def get_stream(self, key, chunk_size=1024):  # type: ignore[no-untyped-def]
+        return self.inner.get_stream(key, chunk_size)
+
+    async def head(self, key: str):  # type: ignore[no-untyped-def]
+        return await self.inner.head(key)
+
+    async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
+        return await self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        await delete_keys(self.inner, keys)
+
+    async def list_pages(self, prefix="", *, start_after=None, page_size=1000):  # type: ignore[no-untyped-def,override]
+        async for page in self.inner.list_pages(
+            prefix, start_after=start_after, page_size=page_size
+        ):
+            self.listed += [i.key for i in page]
+            yield page
+
+
+async def test_segments_the_backups_name_go_without_being_listed(clock: Clock) -> None:
+    spy = ListingSpy(MemoryStore())
+    p = Process(spy, clock)
+    gone = await _populate(p, 1, extra=0)
+    kept = await _populate(p, 2, extra=0)
+    machines = [
+        k.rsplit("/", 1)[-1].removesuffix(".json")
+        for k in await _keys(spy)
+        if k.startswith(f"accounts/{gone}/machines/")
+    ]
+    orphans = []
+    for m, machine in enumerate(machines):
+        root = backups_prefix(gone, machine)
+        names = [f"{m:02x}{i:062x}" for i in range(40)]
+        for name in names:
+            await spy.put(root + segment_key(name), b"sealed")
+        # Two backups sharing most segments; a list names junk too (skipped).
+        await spy.put(root + names_key(new_id("backup")), json.dumps(names[:30]).encode())
+        junk = [*names[10:], "../../index/x", "A" * 64, 7]
+        await spy.put(root + names_key(new_id("backup")), json.dumps(junk).encode())
+        await spy.put(root + names_key(new_id("backup")), b"not json")
+        orphan = root + segment_key("f" * 64)  # named by no list: the listing finds it
+        await spy.put(orphan, b"sealed")
+        orphans.append(orphan)
+    before_kept = await _leftovers(spy, kept)
+    spy.listed.clear()
+
+    done = await p.deletion.delete(OP, gone)
+
+    assert done.state == "deleted"
+    assert await _leftovers(spy, gone) == []
+    assert await _leftovers(spy, kept) == before_kept
+    listed_segments = sorted(k for k in spy.listed if "/segments/" in k)
+    assert listed_segments == sorted(orphans), "only segments no list names are listed"
+    assert done.deleted_objects >= 3 * 41
 
 
 async def test_delete_removes_the_account_and_keeps_the_other(clock: Clock) -> None:
