@@ -375,6 +375,7 @@ async def _build_backups(
         metrics=BackupMetrics(metrics.registry) if metrics is not None else None,
         warnings=await asyncio.to_thread(_backup_warnings, config),
     )
+    await asyncio.to_thread(service.sweep_stale)
     try:
         await service.load_last()
     except AgentsError as e:

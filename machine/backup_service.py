@@ -122,6 +122,11 @@ class BackupStatus:
     warnings: tuple[str, ...]
 
 
+#: Staging folders in the work folder: a backup's (BackupEngine.backup_now) and a
+#: restore's (BackupService.restore).
+_STALE_PREFIXES: Final = (".stage-", ".restore-")
+
+
 class BackupService:
     """Daily sealed backups of one machine, their restore checks, and restores."""
 
@@ -207,6 +212,22 @@ class BackupService:
             self._metrics.uploaded_bytes.inc(result.uploaded_bytes)
             self._metrics.stored_bytes.set(result.stored_bytes)
         return result
+
+    def sweep_stale(self) -> int:
+        """Remove what a backup or restore killed midway left in the work folder: its
+        staging folders (compressed or downloaded segments, a restore's decoded
+        files). Call it at start, before any backup or restore can run (the data
+        folder's lock keeps other daemons out). Returns the folders removed."""
+        removed = 0
+        if not self._work.is_dir():
+            return 0
+        for path in self._work.iterdir():
+            if path.is_dir() and path.name.startswith(_STALE_PREFIXES):
+                shutil.rmtree(path, ignore_errors=True)
+                removed += not path.exists()
+        if removed:
+            logger.info("backups: removed %d staging folder(s) of a stopped run", removed)
+        return removed
 
     async def load_last(self) -> None:
         """Take the newest stored backup as the last success (at start: a restarted

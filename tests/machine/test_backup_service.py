@@ -149,3 +149,18 @@ def test_keys_are_made_once_and_kept(tmp_path: Path) -> None:
     again = load_backup_keys(tmp_path)
     assert first == again
     assert oct((tmp_path / "keys" / "backup.key").stat().st_mode & 0o777) == "0o600"
+
+
+async def test_staging_left_by_a_killed_run_is_removed_at_start(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "m")) as m:
+        work = m.config.data_dir / "backup-work"
+        stale = [work / ".stage-abc123", work / ".restore-4242-1700000000000"]
+        for folder in stale:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "agent-ag_x").write_bytes(b"decoded conversation")
+        kept = work / "segment-cache.json"
+        kept.write_text("{}")
+    # A new start of the daemon on the same data folder sweeps them.
+    async with open_machine(_config(tmp_path / "m")) as m:
+        assert [p for p in stale if p.exists()] == []
+        assert kept.read_text() == "{}"
