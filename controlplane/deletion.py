@@ -177,6 +177,8 @@ class AccountDeletion:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._sweeps: dict[str, AccountSweep] = {}
         """Deletions in progress here (their live object counts)."""
+        self._running: dict[str, Deletion] = {}
+        """Deletions running here now, as their tombstones say."""
         intents.register(_KIND, self._resolve)
 
     def run_in_background(self, hooks: DeletionHooks) -> None:
@@ -242,6 +244,20 @@ class AccountDeletion:
         raise InvalidState(f"deletion {account_id}", "the account is not being deleted")
 
     async def _find(self, account_id: str) -> Deletion | None:
+        running = self._running.get(account_id)
+        sweep = self._sweeps.get(account_id)
+        if running is not None and sweep is not None:
+            # Running here: its tombstone is there until it ends, and the live
+            # count is here. Answered without the store, so an operator's polls
+            # do not compete with the deletion for it.
+            return Deletion(
+                running.account_id,
+                "deleting",
+                running.started_at,
+                running.deleted_by,
+                None,
+                max(sweep.deleted, running.deleted_objects),
+            )
         try:
             data = await jsonstore.read(self._store, deleting_key(account_id))
         except (NotFound, IntegrityError):
@@ -308,6 +324,13 @@ class AccountDeletion:
         except NotFound:
             return  # finished already
         started = Deletion.from_dict(tomb, "deleting")
+        self._running[account_id] = started
+        try:
+            await self._finish(account_id, tomb, started)
+        finally:
+            self._running.pop(account_id, None)
+
+    async def _finish(self, account_id: str, tomb: dict[str, Any], started: Deletion) -> None:
         close = self.hooks.close_links
         if close is not None:
             closed = close(account_id)
