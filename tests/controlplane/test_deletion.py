@@ -43,7 +43,32 @@ class Crash(BaseException):
     """The process dies (nothing after it runs, no roll-back either)."""
 
 
-class CrashingStore(StoreWrapper):
+class PassThrough(StoreWrapper):
+    """Every call straight to ``inner``; the wrappers below change one or two."""
+
+    async def get(self, key: str) -> bytes:
+        return await self.inner.get(key)
+
+    def get_stream(self, key, chunk_size=1024):  # type: ignore[no-untyped-def]
+        return self.inner.get_stream(key, chunk_size)
+
+    async def head(self, key: str):  # type: ignore[no-untyped-def]
+        return await self.inner.head(key)
+
+    async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
+        return await self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        await delete_keys(self.inner, keys)
+
+    def list_pages(self, prefix="", *, start_after=None, page_size=1000):  # type: ignore[no-untyped-def]
+        return self.inner.list_pages(prefix, start_after=start_after, page_size=page_size)
+
+
+class CrashingStore(PassThrough):
     """Dies at the ``after``-th write or delete (a batch counts once)."""
 
     def __init__(self, inner: ObjectStore, after: int) -> None:
@@ -55,15 +80,6 @@ class CrashingStore(StoreWrapper):
         if self.left < 0:
             raise Crash
 
-    async def get(self, key: str) -> bytes:
-        return await self.inner.get(key)
-
-    def get_stream(self, key, chunk_size=1024):  # type: ignore[no-untyped-def]
-        return self.inner.get_stream(key, chunk_size)
-
-    async def head(self, key: str):  # type: ignore[no-untyped-def]
-        return await self.inner.head(key)
-
     async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
         self._tick()
         return await self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
@@ -76,31 +92,13 @@ class CrashingStore(StoreWrapper):
         self._tick()
         await delete_keys(self.inner, keys)
 
-    def list_pages(self, prefix="", *, start_after=None, page_size=1000):  # type: ignore[no-untyped-def]
-        return self.inner.list_pages(prefix, start_after=start_after, page_size=page_size)
 
-
-class FailingBatch(StoreWrapper):
+class FailingBatch(PassThrough):
     """A permanent fault on the ``nth`` batch delete, once."""
 
     def __init__(self, inner: ObjectStore, nth: int) -> None:
         super().__init__(inner)
         self.left = nth
-
-    async def get(self, key: str) -> bytes:
-        return await self.inner.get(key)
-
-    def get_stream(self, key, chunk_size=1024):  # type: ignore[no-untyped-def]
-        return self.inner.get_stream(key, chunk_size)
-
-    async def head(self, key: str):  # type: ignore[no-untyped-def]
-        return await self.inner.head(key)
-
-    async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
-        return await self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         self.left -= 1
@@ -109,9 +107,6 @@ class FailingBatch(StoreWrapper):
         # The others are slower: the failed one ends while they are in flight.
         await asyncio.sleep(0.01)
         await delete_keys(self.inner, keys)
-
-    def list_pages(self, prefix="", *, start_after=None, page_size=1000):  # type: ignore[no-untyped-def]
-        return self.inner.list_pages(prefix, start_after=start_after, page_size=page_size)
 
 
 class Process:
@@ -189,30 +184,12 @@ def clock() -> Clock:
     return Clock()
 
 
-class ListingSpy(StoreWrapper):
+class ListingSpy(PassThrough):
     """Records every key a listing hands out."""
 
     def __init__(self, inner: ObjectStore) -> None:
         super().__init__(inner)
         self.listed: list[str] = []
-
-    async def get(self, key: str) -> bytes:
-        return await self.inner.get(key)
-
-    def get_stream(self, key, chunk_size=1024):  # type: ignore[no-untyped-def]
-        return self.inner.get_stream(key, chunk_size)
-
-    async def head(self, key: str):  # type: ignore[no-untyped-def]
-        return await self.inner.head(key)
-
-    async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
-        return await self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
-
-    async def delete_many(self, keys: Sequence[str]) -> None:
-        await delete_keys(self.inner, keys)
 
     async def list_pages(self, prefix="", *, start_after=None, page_size=1000):  # type: ignore[no-untyped-def,override]
         async for page in self.inner.list_pages(

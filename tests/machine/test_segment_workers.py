@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -95,55 +97,60 @@ async def test_workers_make_the_daemons_segments_and_they_restore_byte_equal(
         assert await _export_files(new, agents, tmp_path / "after.tar.gz") == before
 
 
-async def test_a_refused_agent_is_its_error_and_the_worker_goes_on(tmp_path: Path) -> None:
+@dataclasses.dataclass
+class _OneAgent:
+    db_path: Path
+    agent: str
+    stage: Path
+
+
+@pytest.fixture
+async def one_agent(tmp_path: Path) -> AsyncIterator[_OneAgent]:
+    """A running machine with one agent, and a private stage folder."""
     async with open_machine(_config(tmp_path / "m")) as m:
-        agents = await _populate(m, tmp_path, 1)
+        (agent,) = await _populate(m, tmp_path, 1)
         stage = tmp_path / "stage"
         stage.mkdir(mode=0o700)
+        yield _OneAgent(m.db.path, agent, stage)
+
+
+async def test_a_refused_agent_is_its_error_and_the_worker_goes_on(one_agent: _OneAgent) -> None:
+    async with SegmentWorkers(
+        one_agent.db_path, naming_key=NAMING_KEY, work_dir=one_agent.stage, count=1
+    ) as workers:
+        missing = new_id("agent")
+        with pytest.raises(InvalidArgument, match=f"agent {missing} not found") as err:
+            await workers(missing)
+        assert err.value.field == "agent_id"
+        made = await workers(one_agent.agent)  # the same worker, still in step
+        assert isinstance(made.stored, bytes) and made.plain_size > 0
+        assert len(_worker_pids()) == 1
+    assert not _worker_pids()
+
+
+async def test_leaving_early_kills_the_workers_mid_agent(one_agent: _OneAgent) -> None:
+    with pytest.raises(RuntimeError, match="backup cancelled"):
         async with SegmentWorkers(
-            m.db.path, naming_key=NAMING_KEY, work_dir=stage, count=1
+            one_agent.db_path, naming_key=NAMING_KEY, work_dir=one_agent.stage, count=2
         ) as workers:
-            missing = new_id("agent")
-            with pytest.raises(InvalidArgument, match=f"agent {missing} not found") as err:
-                await workers(missing)
-            assert err.value.field == "agent_id"
-            made = await workers(agents[0])  # the same worker, still in step
-            assert isinstance(made.stored, bytes) and made.plain_size > 0
-            assert len(_worker_pids()) == 1
-        assert not _worker_pids()
+            pending = asyncio.ensure_future(workers(one_agent.agent))
+            await apoll_until(lambda: len(_worker_pids()) == 2, deadline=10, what="workers")
+            pending.cancel()
+            raise RuntimeError("backup cancelled")
+    assert not _worker_pids(), "a backup that ends early leaves no worker behind"
 
 
-async def test_leaving_early_kills_the_workers_mid_agent(tmp_path: Path) -> None:
-    async with open_machine(_config(tmp_path / "m")) as m:
-        agents = await _populate(m, tmp_path, 1)
-        stage = tmp_path / "stage"
-        stage.mkdir(mode=0o700)
-        with pytest.raises(RuntimeError, match="backup cancelled"):
-            async with SegmentWorkers(
-                m.db.path, naming_key=NAMING_KEY, work_dir=stage, count=2
-            ) as workers:
-                pending = asyncio.ensure_future(workers(agents[0]))
-                await apoll_until(lambda: len(_worker_pids()) == 2, deadline=10, what="workers")
-                pending.cancel()
-                raise RuntimeError("backup cancelled")
-        assert not _worker_pids(), "a backup that ends early leaves no worker behind"
-
-
-async def test_a_worker_that_dies_fails_its_callers_rather_than_hang(tmp_path: Path) -> None:
-    async with open_machine(_config(tmp_path / "m")) as m:
-        agents = await _populate(m, tmp_path, 1)
-        stage = tmp_path / "stage"
-        stage.mkdir(mode=0o700)
-        async with SegmentWorkers(
-            m.db.path, naming_key=NAMING_KEY, work_dir=stage, count=1
-        ) as workers:
-            (pid,) = await apoll_until(_worker_pids, deadline=10, what="the worker")
-            os.kill(pid, 9)
-            with pytest.raises(StoreError, match="worker process exited"):
-                await asyncio.wait_for(workers(agents[0]), 30)
-            with pytest.raises(StoreError, match="worker process exited"):
-                await asyncio.wait_for(workers(agents[0]), 30)  # and every call after
-        assert not _worker_pids()
+async def test_a_worker_that_dies_fails_its_callers_rather_than_hang(one_agent: _OneAgent) -> None:
+    async with SegmentWorkers(
+        one_agent.db_path, naming_key=NAMING_KEY, work_dir=one_agent.stage, count=1
+    ) as workers:
+        (pid,) = await apoll_until(_worker_pids, deadline=10, what="the worker")
+        os.kill(pid, 9)
+        with pytest.raises(StoreError, match="worker process exited"):
+            await asyncio.wait_for(workers(one_agent.agent), 30)
+        with pytest.raises(StoreError, match="worker process exited"):
+            await asyncio.wait_for(workers(one_agent.agent), 30)  # and every call after
+    assert not _worker_pids()
 
 
 _HOLDER = """
