@@ -412,6 +412,55 @@ async def test_a_crash_at_any_step_is_finished_by_the_next_process(
         assert len(await _leftovers(store, acct)) > 30
 
 
+async def _with_backups(p: Process, acct: str, segments: int = 10) -> None:
+    """Each of ``acct``'s machines gets ``segments`` segments named by one names list."""
+    machines = [
+        k.rsplit("/", 1)[-1].removesuffix(".json")
+        for k in await _keys(p.store)
+        if k.startswith(f"accounts/{acct}/machines/")
+    ]
+    for m, machine in enumerate(machines):
+        root = backups_prefix(acct, machine)
+        names = [f"{m:02x}{i:062x}" for i in range(segments)]
+        for name in names:
+            await p.store.put(root + segment_key(name), b"sealed")
+        await p.store.put(root + names_key(new_id("backup")), json.dumps(names).encode())
+
+
+async def test_a_crash_at_any_write_among_named_segments_is_finished_by_the_next_process(
+    clock: Clock,
+) -> None:
+    """Killed after 0, 1, 2, ... writes or deletes, until a run gets through: every
+    point of a deletion whose segments are named by names lists, resumed."""
+    for crash_after in range(200):
+        store = MemoryStore()
+        setup = Process(store, clock)
+        acct = await _populate(setup, 1, extra=0)
+        await _with_backups(setup, acct)
+        kept = await _populate(setup, 2, extra=0)
+        await _with_backups(setup, kept)
+        before_kept = await _leftovers(store, kept)
+        dying = Process(CrashingStore(store, crash_after), clock)
+        try:
+            await dying.deletion.delete(OP, acct)
+            finished = True
+        except Crash:
+            finished = False
+        clock.now += dt.timedelta(minutes=1)  # recovery takes intents of a past process
+        after = Process(store, clock)
+        await after.intents.recover()
+        assert await _leftovers(store, kept) == before_kept
+        if deleted_key(acct) in await _keys(store):
+            assert await _leftovers(store, acct) == []
+        else:
+            assert (await after.accounts.get(acct)).state == "active"
+        if finished:
+            break
+    else:
+        pytest.fail("no deletion got through 200 writes")
+    assert crash_after > 10, "the deletion's writes were all reached"
+
+
 async def test_a_failed_batch_stops_the_run_and_the_next_one_finishes(clock: Clock) -> None:
     store = MemoryStore()
     setup = Process(store, clock)
