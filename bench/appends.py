@@ -2,7 +2,7 @@
 
 Both sides make the same events durable on the same disk in the same run:
 
-- store: N concurrent appenders call ``store.append_event`` through
+- store: N concurrent appenders call ``tables.append_event`` through
   :class:`machine.db.Database` (WAL, synchronous=FULL); group commit lets one
   fsync cover every append waiting at that moment;
 - raw: the same JSON bytes written to a file one event at a time, each
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import store
+from machine import tables
 from machine.db import Database
 from machine.models import EventKind
 
@@ -55,7 +55,7 @@ async def bench_store(folder: Path, events: int, appenders: int) -> tuple[float,
             for i in range(per):
                 data = payload(i)
                 await db.write(
-                    lambda c, d=data: store.append_event(
+                    lambda c, d=data: tables.append_event(
                         c, f"ag_{a}", f"run_{a}", EventKind.TEXT_DELTA, d, time.time()
                     )
                 )

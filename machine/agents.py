@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from machine import store
+from machine import tables
 from machine.db import Database
 from machine.models import AgentRecord, AgentState, MachineIds, SearchHit
 from machine.runtimes import RuntimeRegistry
-from machine.store import search_backlog
+from machine.tables import search_backlog
 from shared.errors import InvalidArgument, InvalidState, TooLarge
 from shared.ids import new_id, validate_id
 
@@ -111,8 +111,8 @@ class AgentsService:
         )
 
         def write(conn: sqlite3.Connection) -> None:
-            store.insert_agent(conn, agent)
-            store.log(conn, now, "agent.created", agent.id)
+            tables.insert_agent(conn, agent)
+            tables.log(conn, now, "agent.created", agent.id)
 
         await self._db.write(write)
         logger.info("agent %s created (runtime %s)", agent.id, runtime)
@@ -121,12 +121,12 @@ class AgentsService:
     async def get(self, agent_id: str) -> AgentRecord:
         """One agent; NotFound when missing."""
         validate_id("agent", agent_id, "agent_id")
-        return await self._db.read(lambda c: store.get_agent(c, agent_id, self._own))
+        return await self._db.read(lambda c: tables.get_agent(c, agent_id, self._own))
 
     async def list(self, *, include_archived: bool = False) -> list[AgentRecord]:
         """Agents, newest first."""
         return await self._db.read(
-            lambda c: store.list_agents(c, self._own, include_archived=include_archived)
+            lambda c: tables.list_agents(c, self._own, include_archived=include_archived)
         )
 
     async def rename(self, agent_id: str, name: str) -> AgentRecord:
@@ -136,9 +136,9 @@ class AgentsService:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> AgentRecord:
-            store.get_agent(conn, agent_id, self._own)
-            store.rename_agent(conn, agent_id, name, now)
-            return store.get_agent(conn, agent_id, self._own)
+            tables.get_agent(conn, agent_id, self._own)
+            tables.rename_agent(conn, agent_id, name, now)
+            return tables.get_agent(conn, agent_id, self._own)
 
         return await self._db.write(write)
 
@@ -148,19 +148,19 @@ class AgentsService:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> AgentRecord:
-            agent = store.get_agent(conn, agent_id, self._own)
+            agent = tables.get_agent(conn, agent_id, self._own)
             if agent.state is AgentState.ARCHIVED:
                 return agent
-            if store.count_open_runs(conn, agent_id):
+            if tables.count_open_runs(conn, agent_id):
                 raise InvalidState(
                     f"archive agent {agent_id}", "a run is in flight or waiting; cancel it first"
                 )
-            store.set_agent_state(conn, agent_id, AgentState.ARCHIVED, now)
+            tables.set_agent_state(conn, agent_id, AgentState.ARCHIVED, now)
             # Its schedules pause with it (in the same transaction); unarchiving
             # leaves them paused for a person to resume.
-            store.pause_agent_schedules(conn, agent_id, now)
-            store.log(conn, now, "agent.archived", agent_id)
-            return store.get_agent(conn, agent_id, self._own)
+            tables.pause_agent_schedules(conn, agent_id, now)
+            tables.log(conn, now, "agent.archived", agent_id)
+            return tables.get_agent(conn, agent_id, self._own)
 
         return await self._db.write(write)
 
@@ -170,7 +170,7 @@ class AgentsService:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> AgentRecord:
-            agent = store.get_agent(conn, agent_id, self._own)
+            agent = tables.get_agent(conn, agent_id, self._own)
             if not agent.local:
                 raise InvalidState(
                     f"unarchive agent {agent_id}",
@@ -178,9 +178,9 @@ class AgentsService:
                 )
             if agent.state is AgentState.ACTIVE:
                 return agent
-            store.set_agent_state(conn, agent_id, AgentState.ACTIVE, now)
-            store.log(conn, now, "agent.unarchived", agent_id)
-            return store.get_agent(conn, agent_id, self._own)
+            tables.set_agent_state(conn, agent_id, AgentState.ACTIVE, now)
+            tables.log(conn, now, "agent.unarchived", agent_id)
+            return tables.get_agent(conn, agent_id, self._own)
 
         return await self._db.write(write)
 
@@ -196,7 +196,7 @@ class AgentsService:
             raise InvalidArgument("query", f"longer than {_MAX_QUERY} characters")
         if limit < 0 or limit > 200:
             raise InvalidArgument("limit", "must be 0 to 200")
-        return await self._db.read(lambda c: store.search(c, query, agent_id or None, limit or 20))
+        return await self._db.read(lambda c: tables.search(c, query, agent_id or None, limit or 20))
 
     async def search_indexing(self) -> int:
         """Restored agents whose conversations are not searchable yet (being indexed)."""

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from machine import identity, store
+from machine import identity, tables
 from machine.agents import AgentsService
 from machine.attachments import AttachmentStore, remove_partial_uploads
 from machine.backup import BackupEngine
@@ -104,7 +104,7 @@ class Machine:
 
     async def agent_count(self) -> int:
         """How many agents this machine holds, active or archived (one COUNT)."""
-        return await self.db.read(store.count_agents)
+        return await self.db.read(tables.count_agents)
 
     async def agent_roster(self) -> AgentRoster:
         """Ids of the agents this machine runs prompts for (its own), by state,
@@ -120,8 +120,8 @@ class Machine:
         """Current counts."""
 
         def read(conn: sqlite3.Connection) -> tuple[int, int, int, int]:
-            counts = store.state_counts(conn, "agents")
-            runs = store.state_counts(conn, "runs")
+            counts = tables.state_counts(conn, "agents")
+            runs = tables.state_counts(conn, "runs")
             open_runs = sum(runs.get(s, 0) for s in ("queued", "running", "waiting_permission"))
             return (
                 counts.get("active", 0),
@@ -192,7 +192,7 @@ class Machine:
         if self.retention is not None:
             return (await self.retention.sweep()).log_entries
         cutoff = time.time() - self.config.event_retention_days * 86400
-        return await self.db.write(lambda c: store.prune_log(c, cutoff))
+        return await self.db.write(lambda c: tables.prune_log(c, cutoff))
 
 
 # Settings keys: the id made with the database (never changes), every id this
@@ -223,11 +223,11 @@ def _machine_ids(conn: sqlite3.Connection, joined: bool, link_id: str | None) ->
     The id made with the database stays one of this machine's own ids for
     ever, so agents created before a join still run after it.
     """
-    local = store.get_setting(conn, _LOCAL_ID)
+    local = tables.get_setting(conn, _LOCAL_ID)
     if local is None:
         local = new_id("machine")
-        store.set_setting(conn, _LOCAL_ID, local)
-    raw = store.get_setting(conn, _OWN_IDS)
+        tables.set_setting(conn, _LOCAL_ID, local)
+    raw = tables.get_setting(conn, _OWN_IDS)
     own: list[str] = [str(i) for i in json.loads(raw)] if raw else [local]
     if local not in own:
         own.insert(0, local)
@@ -235,14 +235,14 @@ def _machine_ids(conn: sqlite3.Connection, joined: bool, link_id: str | None) ->
         if link_id not in own:
             logger.info("machine id %s (given at join) recorded as this machine's", link_id)
             own.append(link_id)
-        if store.get_setting(conn, _JOINED_ID) != link_id:
-            store.set_setting(conn, _JOINED_ID, link_id)
+        if tables.get_setting(conn, _JOINED_ID) != link_id:
+            tables.set_setting(conn, _JOINED_ID, link_id)
     encoded = json.dumps(own)
     if raw != encoded:
-        store.set_setting(conn, _OWN_IDS, encoded)
+        tables.set_setting(conn, _OWN_IDS, encoded)
     canonical = local
     if joined:
-        canonical = link_id or store.get_setting(conn, _JOINED_ID) or local
+        canonical = link_id or tables.get_setting(conn, _JOINED_ID) or local
     return MachineIds(canonical=canonical, own=frozenset(own), joined=joined)
 
 

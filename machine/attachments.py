@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from machine import store
+from machine import tables
 from machine.db import Database
 from machine.dbfaults import is_disk_full
 from machine.models import AttachmentRecord
@@ -71,7 +71,7 @@ class AttachmentStore:
             raise InvalidArgument("size", "must not be negative")
         if declared_size > self.limit:
             raise TooLarge("attachment", self.limit, declared_size)
-        await self._db.read(lambda c: store.get_agent(c, agent_id, self._machine_id))
+        await self._db.read(lambda c: tables.get_agent(c, agent_id, self._machine_id))
         ensure_private_dir(self.folder)
         tmp = self.folder / f"{_TMP_PREFIX}{secrets.token_hex(8)}{_TMP_SUFFIX}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -101,9 +101,9 @@ class AttachmentStore:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> None:
-            store.get_agent(conn, agent_id, self._machine_id)
-            store.record_attachment(conn, sha, size, now)
-            store.add_attachment_ref(conn, sha, agent_id, file_name=file_name, now=now)
+            tables.get_agent(conn, agent_id, self._machine_id)
+            tables.record_attachment(conn, sha, size, now)
+            tables.add_attachment_ref(conn, sha, agent_id, file_name=file_name, now=now)
 
         await self._db.write(write, what=f"upload attachment for agent {agent_id}")
         logger.info("attachment %s (%d bytes) stored for %s", sha[:12], size, agent_id)
@@ -113,7 +113,7 @@ class AttachmentStore:
         """In a transaction: the attachment is recorded for the agent and on disk."""
         validate_sha256(sha256, "attachments")
         path = self.folder / sha256
-        if not store.attachment_referenced(conn, sha256, agent_id) or not path.exists():
+        if not tables.attachment_referenced(conn, sha256, agent_id) or not path.exists():
             raise NotFound("attachment", sha256)
         return path
 
@@ -178,5 +178,5 @@ async def unnamed_attachment_files(
     if not names:
         return []
     return await db.read(
-        lambda c: store.unreferenced_attachments(c, names), what="read attachments"
+        lambda c: tables.unreferenced_attachments(c, names), what="read attachments"
     )

@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from machine.backup import BackupEngine, BackupResult, Progress, VerifyResult
 from machine.backup_keys import BackupKeys, new_standalone_recovery_key
 from machine.db import Database
-from machine.store import erasures as store_erasures
-from machine.store import export as store_export
+from machine.tables import erasures as store_erasures
+from machine.tables import export as store_export
 from machine.transfer import DatabaseBackupSource, InResult, restore_fetched
 from shared.backup_target import BackupTarget
 from shared.crypto import BoxKeyPair

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from machine import store
+from machine import tables
 from machine.attachments import unnamed_attachment_files
 from machine.db import Database
 from machine.metrics import MachineMetrics
@@ -39,8 +39,8 @@ from machine.models import AgentState, MachineIds
 from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry
 from machine.runtimes.base import SessionEraser
-from machine.store import erasures as store_erasures
-from machine.store.erasures import QueuedErasure, Receipt
+from machine.tables import erasures as store_erasures
+from machine.tables.erasures import QueuedErasure, Receipt
 from shared.atomic import fsync_dir
 from shared.errors import AgentsError, InvalidState, QuotaExceeded, RuntimeFailed, StoreError
 from shared.ids import validate_id, validate_sha256
@@ -187,9 +187,9 @@ class RuntimeErasures:
                 tried=attempts > entry.attempts,
             )
             if result == "failed":
-                store.log(conn, now, "erasure.given_up", f"{entry.agent_id}: {detail}")
+                tables.log(conn, now, "erasure.given_up", f"{entry.agent_id}: {detail}")
             elif result != "pending":
-                store.log(conn, now, "erasure.runtime", f"{entry.agent_id}: {result}")
+                tables.log(conn, now, "erasure.runtime", f"{entry.agent_id}: {result}")
 
         await self._db.write(write, what=f"record the runtime erasure of {entry.agent_id}")
         if result != "pending" and self._metrics is not None:
@@ -267,14 +267,14 @@ class ErasureService:
         validate_id("agent", agent_id, "agent_id")
         own = self._ids.own
         what = f"delete agent {agent_id}"
-        agent = await self._db.read(lambda c: store.get_agent(c, agent_id, own), what=what)
+        agent = await self._db.read(lambda c: tables.get_agent(c, agent_id, own), what=what)
         if agent.state is AgentState.ACTIVE:
             raise InvalidState(what, "it is active; archive it first")
         await self._runs.release_runtime(agent_id)
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> tuple[list[str], bool]:
-            agent = store.get_agent(conn, agent_id, own)
+            agent = tables.get_agent(conn, agent_id, own)
             if agent.state is AgentState.ACTIVE:  # unarchived meanwhile
                 raise InvalidState(what, "it is active; archive it first")
             queued = agent.local
@@ -296,7 +296,7 @@ class ErasureService:
                 if queued
                 else f"it ran on machine {agent.origin_machine}: its runtime copy is there",
             )
-            store.log(conn, now, "agent.erased", agent_id)
+            tables.log(conn, now, "agent.erased", agent_id)
             return orphans, queued
 
         # The commit point: the agent is whole, or erased, listed and queued.

@@ -22,7 +22,7 @@ from typing import Final
 
 from machine.db import Database
 from machine.export_format import ExportManifest
-from machine.store import export as store_export
+from machine.tables import export as store_export
 from machine.transfer import InResult, export_agents, import_archive
 from shared.archive import ArchiveLimits
 from shared.atomic import ensure_private_dir

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from machine import store
+from machine import tables
 from machine.db import Database
 from machine.models import EventKind, PendingPermission, RunRecord, RunState, StoredEvent
 from machine.models import validate_runtime_ref as _validate_ref
@@ -113,7 +113,7 @@ class PermissionBroker:
         """The gate for a run driven (again) with ``resume``."""
         if resume is None:
             return ResumeGate(None)
-        perms = await self._db.read(lambda c: store.run_permissions(c, run.id))
+        perms = await self._db.read(lambda c: tables.run_permissions(c, run.id))
         return ResumeGate(resume, {p.request_id: p for p in perms if p.state == "answered"})
 
     async def ask(self, run: RunRecord, req: PermissionRequest) -> PermissionDecision:
@@ -128,14 +128,14 @@ class PermissionBroker:
         }
 
         def write(conn: sqlite3.Connection) -> tuple[list[StoredEvent], str | None]:
-            decision = store.rule_for(conn, run.agent_id, req.title)
+            decision = tables.rule_for(conn, run.agent_id, req.title)
             chosen = _option_for_rule(req.options, decision) if decision else None
             events = [
-                store.append_event(
+                tables.append_event(
                     conn, run.agent_id, run.id, EventKind.PERMISSION_REQUEST, request_payload, now
                 )
             ]
-            store.insert_permission(
+            tables.insert_permission(
                 conn,
                 PendingPermission(
                     run_id=run.id,
@@ -160,12 +160,12 @@ class PermissionBroker:
                     "by_rule": True,
                 }
                 events.append(
-                    store.append_event(
+                    tables.append_event(
                         conn, run.agent_id, run.id, EventKind.PERMISSION_ANSWERED, answer, now
                     )
                 )
             else:
-                store.set_run_state(conn, run.id, RunState.WAITING_PERMISSION)
+                tables.set_run_state(conn, run.id, RunState.WAITING_PERMISSION)
             return events, chosen
 
         future: asyncio.Future[PermissionDecision] = asyncio.get_running_loop().create_future()
@@ -176,14 +176,14 @@ class PermissionBroker:
             _, chosen = await self._recorder.append_many(run, write)
             if chosen:
                 return PermissionDecision(chosen)
-            self._track(await self._db.read(lambda c: store.get_run(c, run.id)))
+            self._track(await self._db.read(lambda c: tables.get_run(c, run.id)))
             return await future
         finally:
             parked.waiters.pop(req.request_id, None)
 
     async def wait_parked(self, run: RunRecord) -> ResumeInfo:
         """A run paused before a restart: wait for its answer, then resume it."""
-        perms = await self._db.read(lambda c: store.run_permissions(c, run.id))
+        perms = await self._db.read(lambda c: tables.run_permissions(c, run.id))
         pending = [p for p in perms if p.state == "pending"]
         if not pending:
             raise RuntimeFailedResume(f"run {run.id}: waiting but no pending request")
@@ -210,8 +210,8 @@ class PermissionBroker:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> tuple[StoredEvent, RunRecord]:
-            run = store.get_run(conn, run_id)
-            perm = store.get_permission(conn, run_id, request_id)
+            run = tables.get_run(conn, run_id)
+            perm = tables.get_permission(conn, run_id, request_id)
             if perm.state != "pending" or run.state is not RunState.WAITING_PERMISSION:
                 raise InvalidState(
                     f"answer permission {request_id}", f"it is not pending ({perm.state})"
@@ -221,12 +221,14 @@ class PermissionBroker:
                 raise InvalidArgument(
                     "option_id", f"{option_id!r} is not one of {', '.join(sorted(kinds))}"
                 )
-            store.answer_permission(conn, run_id, request_id, option_id, remember=remember, now=now)
+            tables.answer_permission(
+                conn, run_id, request_id, option_id, remember=remember, now=now
+            )
             if remember:
                 decision = _rule_for(kinds[option_id])
                 if decision is not None:
-                    store.remember_rule(conn, run.agent_id, perm.title, decision, now)
-            ev = store.append_event(
+                    tables.remember_rule(conn, run.agent_id, perm.title, decision, now)
+            ev = tables.append_event(
                 conn,
                 run.agent_id,
                 run_id,
@@ -239,8 +241,8 @@ class PermissionBroker:
                 },
                 now,
             )
-            store.set_run_state(conn, run_id, RunState.RUNNING)
-            return ev, store.get_run(conn, run_id)
+            tables.set_run_state(conn, run_id, RunState.RUNNING)
+            return ev, tables.get_run(conn, run_id)
 
         async def commit() -> RunRecord:
             ev, run = await self._db.write(write)

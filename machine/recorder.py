@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from machine import store
+from machine import tables
 from machine.db import Database
 from machine.feed import FeedHub
 from machine.metrics import MachineMetrics
@@ -170,7 +170,7 @@ class EventRecorder:
         """Store and publish one event of a running run."""
         now = self._clock()
         await self.append(
-            run, lambda c: store.append_event(c, run.agent_id, run.id, kind, payload, now)
+            run, lambda c: tables.append_event(c, run.agent_id, run.id, kind, payload, now)
         )
 
     async def finish(
@@ -186,10 +186,10 @@ class EventRecorder:
         }
 
         def write(conn: sqlite3.Connection) -> StoredEvent:
-            ev = store.append_event(
+            ev = tables.append_event(
                 conn, run.agent_id, run.id, EventKind.RUN_FINISHED, payload, now
             )
-            store.set_run_state(
+            tables.set_run_state(
                 conn,
                 run.id,
                 RunState.FINISHED,
@@ -227,7 +227,7 @@ class EventRecorder:
         started = started or run.started_at
         end = now if active_until is None else min(now, active_until)
         duration = max(0, int((end - started) * 1000)) if started else 0
-        ev = store.append_event(
+        ev = tables.append_event(
             conn,
             run.agent_id,
             run.id,
@@ -235,7 +235,7 @@ class EventRecorder:
             {"code": code.value, "message": message},
             now,
         )
-        store.set_run_state(
+        tables.set_run_state(
             conn,
             run.id,
             OUTCOME[code],
@@ -245,7 +245,7 @@ class EventRecorder:
             input_tokens=run.input_tokens,
             output_tokens=run.output_tokens,
         )
-        store.cancel_pending_permissions(conn, run.id)
+        tables.cancel_pending_permissions(conn, run.id)
         return ev
 
     def count_end(self, state: RunState) -> None:

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from machine import store
+from machine import tables
 from machine.attachments import unnamed_attachment_files
 from machine.db import Database
 from machine.erasure import ERASED_KEEP_SECONDS, ErasureService
 from machine.handoff import Handoff
-from machine.store import erasures as store_erasures
+from machine.tables import erasures as store_erasures
 
 __all__ = ["ATTACHMENT_MIN_AGE", "Retention", "SweepResult"]
 
@@ -71,7 +71,7 @@ class Retention:
         now = self._clock()
         log_cutoff = now - self._log_days * 86400
         removed_log = await self._db.write(
-            lambda c: store.prune_log(c, log_cutoff), what="prune the machine log"
+            lambda c: tables.prune_log(c, log_cutoff), what="prune the machine log"
         )
         shas = await unnamed_attachment_files(
             self._db, self._attachments, min_age=ATTACHMENT_MIN_AGE, now=now

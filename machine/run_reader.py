@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterator
 
-from machine import store
+from machine import tables
 from machine.db import Database
 from machine.feed import FeedHub
 from machine.models import MachineIds, RunRecord, StoredEvent
@@ -61,7 +61,7 @@ class RunReader:
             else:
                 batch = await self._db.read(
                     functools.partial(
-                        store.read_events,
+                        tables.read_events,
                         agent_id=agent_id,
                         after_seq=last,
                         limit=_READ_BATCH,
@@ -88,14 +88,14 @@ class RunReader:
         if after_seq < 0:
             raise InvalidArgument("after_seq", "must not be negative")
         await self._db.read(
-            lambda c: store.get_agent(c, agent_id, self._ids.own), what=f"replay agent {agent_id}"
+            lambda c: tables.get_agent(c, agent_id, self._ids.own), what=f"replay agent {agent_id}"
         )
         return self.follow(agent_id, after_seq, follow=follow)
 
     async def get_run(self, run_id: str) -> RunRecord:
         """One run."""
         validate_id("run", run_id, "run_id")
-        return await self._db.read(lambda c: store.get_run(c, run_id), what=f"get run {run_id}")
+        return await self._db.read(lambda c: tables.get_run(c, run_id), what=f"get run {run_id}")
 
     async def list_runs(self, agent_id: str, limit: int = 100) -> list[RunRecord]:
         """An agent's runs, newest first."""
@@ -103,5 +103,5 @@ class RunReader:
         if not 0 <= limit <= 1000:
             raise InvalidArgument("limit", "must be 0 to 1000")
         what = f"list runs of agent {agent_id}"
-        await self._db.read(lambda c: store.get_agent(c, agent_id, self._ids.own), what=what)
-        return await self._db.read(lambda c: store.list_runs(c, agent_id, limit or 100), what=what)
+        await self._db.read(lambda c: tables.get_agent(c, agent_id, self._ids.own), what=what)
+        return await self._db.read(lambda c: tables.list_runs(c, agent_id, limit or 100), what=what)

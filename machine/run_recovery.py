@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from machine import store
+from machine import tables
 from machine.db import Database
 from machine.models import RunErrorCode, RunRecord, RunState, StoredEvent
 from machine.recorder import EventRecorder
@@ -91,9 +91,9 @@ async def recover_at_start(db: Database, recorder: EventRecorder, now: float) ->
     ) -> tuple[list[StoredEvent], list[RunRecord], list[RunRecord]]:
         events = []
         delivered = []
-        for run in store.runs_in_states(conn, (RunState.QUEUED, RunState.RUNNING)):
+        for run in tables.runs_in_states(conn, (RunState.QUEUED, RunState.RUNNING)):
             if run.state is RunState.QUEUED and (
-                run.prompt_id or store.is_scheduled_run(conn, run.id)
+                run.prompt_id or tables.is_scheduled_run(conn, run.id)
             ):
                 # Acknowledged, or a recorded schedule fire, but never
                 # started: start it (nobody would send it again).
@@ -114,12 +114,12 @@ async def recover_at_start(db: Database, recorder: EventRecorder, now: float) ->
                     message,
                     now,
                     started=None,
-                    active_until=store.last_event_time(conn, run.id),
+                    active_until=tables.last_event_time(conn, run.id),
                 )
             )
-        waiting = store.runs_in_states(conn, (RunState.WAITING_PERMISSION,))
+        waiting = tables.runs_in_states(conn, (RunState.WAITING_PERMISSION,))
         if events:
-            store.log(conn, now, "runs.interrupted", str(len(events)))
+            tables.log(conn, now, "runs.interrupted", str(len(events)))
         return events, waiting, delivered
 
     events, waiting, delivered = await db.write(recover)

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from machine import store
+from machine import tables
 from machine.attachments import AttachmentStore
 from machine.db import Database
 from machine.metrics import MachineMetrics
@@ -183,14 +183,14 @@ class RunEngine:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> tuple[RunRecord, int]:
-            agent = store.get_agent(conn, agent_id, self.ids.own)
+            agent = tables.get_agent(conn, agent_id, self.ids.own)
             self._check_runnable(agent)
             for sha in attachments:
                 self._attachments.check_usable(conn, agent_id, sha)
-            store.insert_run(conn, run_id, agent_id, text, attachments, now)
+            tables.insert_run(conn, run_id, agent_id, text, attachments, now)
             for sha in attachments:
-                store.add_attachment_ref(conn, sha, agent_id, run_id=run_id, now=now)
-            return store.get_run(conn, run_id), agent.last_seq
+                tables.add_attachment_ref(conn, sha, agent_id, run_id=run_id, now=now)
+            return tables.get_run(conn, run_id), agent.last_seq
 
         async def commit() -> tuple[RunRecord, int]:
             run, last_seq = await self._db.write(write, what=f"prompt agent {agent_id}")
@@ -214,7 +214,7 @@ class RunEngine:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> tuple[RunRecord | None, bool, str]:
-            existing = store.run_for_prompt(conn, prompt_id)
+            existing = tables.run_for_prompt(conn, prompt_id)
             if existing is not None:
                 return existing, False, ""
             try:
@@ -224,11 +224,11 @@ class RunEngine:
                     raise TooLarge("prompt", self.prompt_limit, size)
                 if not text.strip():
                     raise InvalidArgument("prompt", "must not be empty")
-                self._check_runnable(store.get_agent(conn, agent_id, self.ids.own))
+                self._check_runnable(tables.get_agent(conn, agent_id, self.ids.own))
             except (InvalidArgument, InvalidState, NotFound) as e:
                 return None, False, str(e)
-            store.insert_run(conn, run_id, agent_id, text, (), now, prompt_id=prompt_id)
-            return store.get_run(conn, run_id), True, ""
+            tables.insert_run(conn, run_id, agent_id, text, (), now, prompt_id=prompt_id)
+            return tables.get_run(conn, run_id), True, ""
 
         async def commit() -> Delivered:
             run, new, refused = await self._db.write(write, what=f"delivery {prompt_id}")
@@ -394,13 +394,13 @@ class RunEngine:
     async def _start_run(self, active: ActiveRun, started: float) -> None:
         run = active.run
         agent = await self._db.read(
-            lambda c: store.get_agent(c, run.agent_id, self.ids.own),
+            lambda c: tables.get_agent(c, run.agent_id, self.ids.own),
             what=f"run {run.id} of agent {run.agent_id}",
         )
 
         def write(conn: sqlite3.Connection) -> StoredEvent:
-            store.set_run_state(conn, run.id, RunState.RUNNING, started_at=started)
-            return store.append_event(
+            tables.set_run_state(conn, run.id, RunState.RUNNING, started_at=started)
+            return tables.append_event(
                 conn,
                 run.agent_id,
                 run.id,
@@ -417,7 +417,7 @@ class RunEngine:
         hook = self._start_hooks.pop(run.id, None)
         if hook is not None:
             hook(started)
-        active.run = await self._db.read(lambda c: store.get_run(c, run.id))
+        active.run = await self._db.read(lambda c: tables.get_run(c, run.id))
         self._update_gauges()
         if self._metrics is not None:
             self._metrics.runs_started.inc()
@@ -427,7 +427,7 @@ class RunEngine:
     ) -> None:
         run = active.run
         agent = await self._db.read(
-            lambda c: store.get_agent(c, run.agent_id, self.ids.own),
+            lambda c: tables.get_agent(c, run.agent_id, self.ids.own),
             what=f"run {run.id} of agent {run.agent_id}",
         )
         usage = Usage.of(run)
@@ -440,7 +440,9 @@ class RunEngine:
             if gate.suppressing:
                 return
             if isinstance(ev, SessionStarted):
-                await self._db.write(lambda c: store.set_session_id(c, run.agent_id, ev.session_id))
+                await self._db.write(
+                    lambda c: tables.set_session_id(c, run.agent_id, ev.session_id)
+                )
                 return
             mapped = event_payload(ev)
             if mapped is None:
@@ -512,7 +514,7 @@ class RunEngine:
         await self._recorder.end(run, code, message, started)
 
     async def _on_cancelled(self, active: ActiveRun, started: float | None) -> None:
-        run = await self._db.read(lambda c: store.get_run(c, active.run.id))
+        run = await self._db.read(lambda c: tables.get_run(c, active.run.id))
         run = Usage.of(active.run).applied(run)
         active.run = run
         if not run.state.open:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Final, cast
 
-from machine import store
+from machine import tables
 from machine.cron import MissedPolicy, fires_between, next_fire, plan_start, validate_cron
 from machine.cron import validate_zone as _zone
 from machine.db import Database
@@ -86,7 +86,7 @@ def _check_prompt(text: str, limit: int) -> str:
 def _check_agent_schedulable(
     conn: sqlite3.Connection, agent_id: str, ids: MachineIds, op: str
 ) -> AgentRecord:
-    agent = store.get_agent(conn, agent_id, ids.own)
+    agent = tables.get_agent(conn, agent_id, ids.own)
     if not agent.local:
         raise InvalidState(
             op, f"agent {agent_id}'s origin is machine {agent.origin_machine}; it never runs here"
@@ -146,8 +146,8 @@ class SchedulesService:
 
         def write(conn: sqlite3.Connection) -> None:
             _check_agent_schedulable(conn, agent_id, self._ids, "create schedule")
-            store.insert_schedule(conn, record)
-            store.log(conn, now, "schedule.created", record.id)
+            tables.insert_schedule(conn, record)
+            tables.log(conn, now, "schedule.created", record.id)
 
         await self._db.write(write, what=f"create schedule for agent {agent_id}")
         logger.info("schedule %s created for agent %s (%s %s)", record.id, agent_id, cron, zone)
@@ -165,17 +165,17 @@ class SchedulesService:
     async def get(self, schedule_id: str) -> ScheduleRecord:
         """One schedule; NotFound when missing."""
         validate_id("schedule", schedule_id, "schedule_id")
-        return await self._db.read(lambda c: store.get_schedule(c, schedule_id))
+        return await self._db.read(lambda c: tables.get_schedule(c, schedule_id))
 
     async def list(self, agent_id: str = "") -> builtins.list[ScheduleRecord]:
         """Schedules of one agent (NotFound for an unknown one), or all, oldest first."""
         if not agent_id:
-            return await self._db.read(store.list_schedules)
+            return await self._db.read(tables.list_schedules)
         validate_id("agent", agent_id, "agent_id")
 
         def read(conn: sqlite3.Connection) -> builtins.list[ScheduleRecord]:
-            store.get_agent(conn, agent_id, self._ids.own)
-            return store.list_schedules(conn, agent_id)
+            tables.get_agent(conn, agent_id, self._ids.own)
+            return tables.list_schedules(conn, agent_id)
 
         return await self._db.read(read)
 
@@ -187,14 +187,14 @@ class SchedulesService:
         op = f"{'resume' if enabled else 'pause'} schedule {schedule_id}"
 
         def write(conn: sqlite3.Connection) -> ScheduleRecord:
-            current = store.get_schedule(conn, schedule_id)
+            current = tables.get_schedule(conn, schedule_id)
             if current.enabled == enabled:
                 return current
             if enabled:
                 _check_agent_schedulable(conn, current.agent_id, self._ids, op)
-            store.set_schedule_enabled(conn, schedule_id, enabled, now, now if enabled else None)
-            store.log(conn, now, "schedule.resumed" if enabled else "schedule.paused", schedule_id)
-            return store.get_schedule(conn, schedule_id)
+            tables.set_schedule_enabled(conn, schedule_id, enabled, now, now if enabled else None)
+            tables.log(conn, now, "schedule.resumed" if enabled else "schedule.paused", schedule_id)
+            return tables.get_schedule(conn, schedule_id)
 
         got = await self._db.write(write, what=op)
         self._on_change()
@@ -206,9 +206,9 @@ class SchedulesService:
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> None:
-            store.get_schedule(conn, schedule_id)
-            store.delete_schedule(conn, schedule_id)
-            store.log(conn, now, "schedule.deleted", schedule_id)
+            tables.get_schedule(conn, schedule_id)
+            tables.delete_schedule(conn, schedule_id)
+            tables.log(conn, now, "schedule.deleted", schedule_id)
 
         await self._db.write(write, what=f"delete schedule {schedule_id}")
         self._on_change()
@@ -220,8 +220,8 @@ class SchedulesService:
             raise InvalidArgument("limit", f"must be 0 to {_MAX_RUNS_LISTED}")
 
         def read(conn: sqlite3.Connection) -> builtins.list[ScheduleRunRecord]:
-            store.get_schedule(conn, schedule_id)
-            return store.list_schedule_runs(conn, schedule_id, limit or 100)
+            tables.get_schedule(conn, schedule_id)
+            return tables.list_schedule_runs(conn, schedule_id, limit or 100)
 
         return await self._db.read(read)
 
@@ -262,7 +262,7 @@ class Scheduler:
         """Plan every enabled schedule after a (re)start: count the fire times missed
         while down and run one catch-up for ``once``; return the runs started."""
         now = self._clock()
-        schedules = await self._db.read(store.enabled_schedules)
+        schedules = await self._db.read(tables.enabled_schedules)
         started = 0
         for s in schedules:
             plan = plan_start(
@@ -287,7 +287,7 @@ class Scheduler:
             if plan.missed:
                 # Whatever the policy, the missed fire times are handled now.
                 await self._db.write(
-                    functools.partial(store.set_last_fire, schedule_id=s.id, fire_time=now)
+                    functools.partial(tables.set_last_fire, schedule_id=s.id, fire_time=now)
                 )
                 if plan.catch_up is None:
                     logger.info("schedule %s: %d missed fire(s) skipped", s.id, plan.missed)
@@ -298,7 +298,7 @@ class Scheduler:
         """Fire every schedule whose fire time has come (its latest one, once);
         return the seconds until the next fire time, or None when none comes."""
         now = self._clock()
-        schedules = await self._db.read(store.enabled_schedules)
+        schedules = await self._db.read(tables.enabled_schedules)
         soonest: float | None = None
         for s in schedules:
             expr, zone = self._expr(s.cron), _zone(s.time_zone)
@@ -327,29 +327,29 @@ class Scheduler:
         limit = self._engine.prompt_limit
 
         def write(conn: sqlite3.Connection) -> tuple[RunRecord | None, str]:
-            if store.schedule_run_at(conn, schedule.id, fire_time) is not None:
+            if tables.schedule_run_at(conn, schedule.id, fire_time) is not None:
                 return None, ""  # recorded before a restart: never twice
             try:
-                current = store.get_schedule(conn, schedule.id)
+                current = tables.get_schedule(conn, schedule.id)
             except NotFound:
                 return None, ""  # deleted meanwhile
             if not current.enabled:
                 return None, ""
             row = ScheduleRunRecord(schedule.id, fire_time, run_id, result, "", now)
             try:
-                agent = store.get_agent(conn, current.agent_id, self._ids.own)
+                agent = tables.get_agent(conn, current.agent_id, self._ids.own)
                 self._engine.check_runnable(agent)
                 _check_prompt(current.prompt, limit)
             except (InvalidArgument, InvalidState, NotFound) as e:
                 row = replace(row, run_id="", result="refused", detail=str(e)[:500])
-                store.insert_schedule_run(conn, row)
-                store.set_last_fire(conn, schedule.id, fire_time)
+                tables.insert_schedule_run(conn, row)
+                tables.set_last_fire(conn, schedule.id, fire_time)
                 return None, row.detail
-            store.insert_run(conn, run_id, current.agent_id, current.prompt, (), now)
-            store.insert_schedule_run(conn, row)
-            store.set_last_fire(conn, schedule.id, fire_time)
-            store.log(conn, now, "schedule.fired", f"{schedule.id} {run_id}")
-            return store.get_run(conn, run_id), ""
+            tables.insert_run(conn, run_id, current.agent_id, current.prompt, (), now)
+            tables.insert_schedule_run(conn, row)
+            tables.set_last_fire(conn, schedule.id, fire_time)
+            tables.log(conn, now, "schedule.fired", f"{schedule.id} {run_id}")
+            return tables.get_run(conn, run_id), ""
 
         async def commit() -> tuple[RunRecord | None, str]:
             # Commit point: the run, its schedule_runs row and last_fire together.

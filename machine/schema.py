@@ -230,7 +230,7 @@ CREATE INDEX schedule_runs_run ON schedule_runs (run_id);
 """
 
 # Backup speed: restored agents whose conversations the background indexer
-# has not put in the full-text index yet (machine/store/search_backlog.py); and
+# has not put in the full-text index yet (machine/tables/search_backlog.py); and
 # per-agent indexes on summaries and the tool log, which a backup and the
 # indexer read agent by agent (without them each read scans the whole table).
 _V4_BACKUP_SPEED = """

@@ -1,7 +1,7 @@
 """The background search indexer: puts restored agents' conversations in the index.
 
 A restore commits the rows of every agent at once and queues each agent in
-the search backlog (``machine/store/search_backlog.py``) in the same
+the search backlog (``machine/tables/search_backlog.py``) in the same
 transaction; this task then indexes them a few megabytes of text per write
 transaction, so the restore itself is not held up by the full-text index
 (about half of its work), and other writes are never held up for long.
@@ -23,7 +23,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from machine.db import Database
-from machine.store import search_backlog
+from machine.tables import search_backlog
 from shared.errors import AgentsError
 
 __all__ = ["SearchIndexer"]

@@ -29,7 +29,7 @@ from typing import IO, Any, Final
 
 from machine.backup_format import SegmentCompressor, encrypt_segment, segment_key
 from machine.export_format import AGENT_FILES, OPTIONAL_AGENT_FILES, agent_path
-from machine.store import export as store_export
+from machine.tables import export as store_export
 from machine.worker_pool import Answer, Handler, WorkerGone, WorkerPool, processes, serve
 from shared.archive import write_tar
 from shared.atomic import FILE_MODE

@@ -53,8 +53,8 @@ from machine.export_format import (
 )
 from machine.segment_files import open_segment
 from machine.segment_workers import SegmentWorkers, dump_agent_spooled
-from machine.store import erasures as store_erasures
-from machine.store import export as store_export
+from machine.tables import erasures as store_erasures
+from machine.tables import export as store_export
 from shared.archive import ArchiveLimits, extract_staged, write_tar, write_tar_gz
 from shared.atomic import ensure_private_dir, fsync_dir
 from shared.errors import IntegrityError, InvalidArgument

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from machine import store
+from machine import tables
 from machine.app import Machine
 from machine.models import EventKind, RunRecord, RunState, StoredEvent
 from tests.helpers.poll import apoll_until
@@ -51,7 +51,7 @@ def break_appends(
     monkeypatch: pytest.MonkeyPatch, fault: Callable[[EventKind], BaseException | None]
 ) -> None:
     """Make storing an event raise what ``fault(kind)`` returns (None: store it)."""
-    original = store.append_event
+    original = tables.append_event
 
     # Positional as the engine calls it: (conn, agent_id, run_id, kind, payload, now).
     def append_event(*args: Any) -> StoredEvent:
@@ -60,4 +60,4 @@ def break_appends(
             raise error
         return original(*args)
 
-    monkeypatch.setattr(store, "append_event", append_event)
+    monkeypatch.setattr(tables, "append_event", append_event)

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from machine import store
+from machine import tables
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.erasure import ErasureService
 from machine.metrics import MachineMetrics
 from machine.runtimes import RuntimeKind, RuntimeRegistry, echo
 from machine.runtimes.base import RunContext, RunOutcome, RuntimeFailed
-from machine.store import erasures as store_erasures
+from machine.tables import erasures as store_erasures
 from shared.errors import InvalidState, QuotaExceeded
 from tests.helpers.poll import apoll_until
 
@@ -230,7 +230,7 @@ async def test_retention_sweeps_follow_the_clock(opened: Any, tmp_path: Path, cl
 
         def seed(conn: Any) -> None:
             store_erasures.add_erased(conn, "ag_old", clock.now - 399 * DAY)
-            store.log(conn, clock.now - 6 * DAY, "test.old", "")
+            tables.log(conn, clock.now - 6 * DAY, "test.old", "")
 
         await m.db.write(seed)
         assert m.retention is not None

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from machine import codec, store
+from machine import codec, tables
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.db import Database
@@ -150,7 +150,7 @@ async def test_full_disk_answers_disk_full_naming_the_data_folder(
     def insert_fails(*args: Any, **kwargs: Any) -> None:
         raise disk_full()
 
-    monkeypatch.setattr(store, "insert_agent", insert_fails)
+    monkeypatch.setattr(tables, "insert_agent", insert_fails)
     with pytest.raises(DiskFull) as failed:
         await machine_app.agents.create(name="b", folder=str(tmp_path))
     assert str(machine_app.config.data_dir) in failed.value.message

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from machine import store
+from machine import tables
 from machine.db import Database
 from machine.models import EventKind
 from machine.schema import SCHEMA_VERSION
@@ -40,11 +40,11 @@ async def test_open_sets_pragmas_modes_and_schema(tmp_path: Path) -> None:
 
 async def test_reopen_keeps_version_and_data(tmp_path: Path) -> None:
     db = await Database.open(tmp_path / "machine.db")
-    await db.write(lambda c: store.set_setting(c, "k", "v"))
+    await db.write(lambda c: tables.set_setting(c, "k", "v"))
     await db.close()
     db = await Database.open(tmp_path / "machine.db")
     try:
-        assert await db.read(lambda c: store.get_setting(c, "k")) == "v"
+        assert await db.read(lambda c: tables.get_setting(c, "k")) == "v"
         rows = await db.read(lambda c: c.execute("SELECT version FROM schema_version").fetchall())
         assert [r[0] for r in rows] == list(range(1, SCHEMA_VERSION + 1))
     finally:
@@ -68,17 +68,17 @@ async def test_failed_write_rolls_back_only_itself(tmp_path: Path) -> None:
     try:
 
         def bad(conn: sqlite3.Connection) -> None:
-            store.set_setting(conn, "bad", "1")
+            tables.set_setting(conn, "bad", "1")
             raise ValueError("boom")
 
         results = await asyncio.gather(
-            db.write(lambda c: store.set_setting(c, "good", "1")),
+            db.write(lambda c: tables.set_setting(c, "good", "1")),
             db.write(bad),
             return_exceptions=True,
         )
         assert isinstance(results[1], ValueError)
-        assert await db.read(lambda c: store.get_setting(c, "good")) == "1"
-        assert await db.read(lambda c: store.get_setting(c, "bad")) is None
+        assert await db.read(lambda c: tables.get_setting(c, "good")) == "1"
+        assert await db.read(lambda c: tables.get_setting(c, "bad")) is None
     finally:
         await db.close()
 
@@ -101,7 +101,7 @@ async def test_concurrent_appends_share_commits(tmp_path: Path) -> None:
         async def appender(i: int) -> None:
             for j in range(20):
                 await db.write(
-                    lambda c, i=i, j=j: store.append_event(
+                    lambda c, i=i, j=j: tables.append_event(
                         c, "ag_x", f"run_{i}", EventKind.TEXT_DELTA, {"text": f"{i}.{j}"}, 0.0
                     )
                 )

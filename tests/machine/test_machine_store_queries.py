@@ -8,10 +8,10 @@ import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from machine import store
+from machine import tables
 from machine.app import Machine
 from machine.models import EventKind, PendingPermission, StoredEvent
-from machine.store.rows import present
+from machine.tables.rows import present
 
 DEADLINE = 10.0
 
@@ -23,15 +23,15 @@ async def test_agent_count_counts_active_and_archived(machine_app: Machine, tmp_
     await machine_app.agents.archive(first.id)
     st = await machine_app.status()
     assert await machine_app.agent_count() == 2 == st.active_agents + st.archived_agents
-    assert await machine_app.db.read(store.count_agents) == 2
+    assert await machine_app.db.read(tables.count_agents) == 2
 
 
 async def test_set_session_id_and_rule_for(machine_app: Machine, tmp_path: Path) -> None:
     agent = await machine_app.agents.create(name="a", folder=str(tmp_path))
-    await machine_app.db.write(lambda c: store.set_session_id(c, agent.id, "sess-1"))
+    await machine_app.db.write(lambda c: tables.set_session_id(c, agent.id, "sess-1"))
     assert (await machine_app.agents.get(agent.id)).session_id == "sess-1"
 
-    assert await machine_app.db.read(lambda c: store.rule_for(c, agent.id, "Write")) is None
+    assert await machine_app.db.read(lambda c: tables.rule_for(c, agent.id, "Write")) is None
 
     def add_rule(conn: sqlite3.Connection) -> None:
         conn.execute(
@@ -41,8 +41,8 @@ async def test_set_session_id_and_rule_for(machine_app: Machine, tmp_path: Path)
         )
 
     await machine_app.db.write(add_rule)
-    assert await machine_app.db.read(lambda c: store.rule_for(c, agent.id, "Write")) == "reject"
-    assert await machine_app.db.read(lambda c: store.rule_for(c, agent.id, "Read")) is None
+    assert await machine_app.db.read(lambda c: tables.rule_for(c, agent.id, "Write")) == "reject"
+    assert await machine_app.db.read(lambda c: tables.rule_for(c, agent.id, "Read")) is None
 
 
 async def test_insert_permission_round_trips(machine_app: Machine, tmp_path: Path) -> None:
@@ -64,14 +64,14 @@ async def test_insert_permission_round_trips(machine_app: Machine, tmp_path: Pat
     )
 
     def write(conn: sqlite3.Connection) -> tuple[float, float | None]:
-        store.insert_permission(conn, perm, requested_at=5.0, answered_at=6.0)
+        tables.insert_permission(conn, perm, requested_at=5.0, answered_at=6.0)
         row = conn.execute(
             "SELECT requested_at, answered_at FROM permissions WHERE request_id = 'req-1'"
         ).fetchone()
         return row[0], row[1]
 
     assert await machine_app.db.write(write) == (5.0, 6.0)
-    got = await machine_app.db.read(lambda c: store.get_permission(c, run_id, "req-1"))
+    got = await machine_app.db.read(lambda c: tables.get_permission(c, run_id, "req-1"))
     assert got == perm
 
 

@@ -1,4 +1,4 @@
-"""machine.store.export.load_agent_files: the fast event loop still names what is wrong."""
+"""machine.tables.export.load_agent_files: the fast event loop still names what is wrong."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 
 from machine.schema import migrate
-from machine.store.export import load_agent_files
+from machine.tables.export import load_agent_files
 from shared.errors import InvalidArgument
 from shared.ids import new_id
 

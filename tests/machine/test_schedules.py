@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from machine import store
+from machine import tables
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.metrics import MachineMetrics
@@ -238,7 +238,7 @@ async def test_delete_agent_schedules_in_the_callers_transaction(rig: Rig, tmp_p
     await rig.scheduler.fire_due()
 
     def erase(conn: sqlite3.Connection) -> int:
-        return store.delete_agent_schedules(conn, agent)
+        return tables.delete_agent_schedules(conn, agent)
 
     assert await rig.m.db.write(erase) == 1
     assert await rig.svc.list() == []
@@ -261,11 +261,11 @@ async def test_fire_recorded_just_before_a_crash_runs_at_the_restart(
 
         def committed_then_crashed(conn: sqlite3.Connection) -> None:
             # What a fire commits; the daemon dies before it drives the run.
-            store.insert_run(conn, "run_" + "1" * 26, agent, "hourly", (), 1.0)
-            store.insert_schedule_run(
+            tables.insert_run(conn, "run_" + "1" * 26, agent, "hourly", (), 1.0)
+            tables.insert_schedule_run(
                 conn, ScheduleRunRecord(s.id, 3600.0, "run_" + "1" * 26, "fired", "", 1.0)
             )
-            store.insert_run(conn, "run_" + "2" * 26, agent, "a prompt", (), 2.0)
+            tables.insert_run(conn, "run_" + "2" * 26, agent, "a prompt", (), 2.0)
 
         await m.db.write(committed_then_crashed)
     async with open_machine(config) as m:

@@ -109,7 +109,7 @@ async def test_background_index_matches_the_original_machines(restored: dict[str
 _KILLER = textwrap.dedent(
     """
     import os, signal, sqlite3, sys
-    from machine.store import search_backlog
+    from machine.tables import search_backlog
 
     conn = sqlite3.connect(sys.argv[1], isolation_level=None)
     real = search_backlog.index_agent

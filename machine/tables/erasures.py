@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from machine.store.rows import from_row, present
-from machine.store.schedules import delete_agent_schedules
+from machine.tables.rows import from_row, present
+from machine.tables.schedules import delete_agent_schedules
 
 __all__ = [
     "ERASED_MAX",

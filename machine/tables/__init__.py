@@ -13,7 +13,7 @@ summaries), :mod:`.permissions`, :mod:`.attachments`, :mod:`.schedules`, :mod:`.
 :mod:`.erasures` (an agent's rows deleted, the erased list, receipts).
 """
 
-from machine.store.agents import (
+from machine.tables.agents import (
     OwnIds,
     count_agents,
     get_agent,
@@ -24,10 +24,10 @@ from machine.store.agents import (
     set_agent_state,
     set_session_id,
 )
-from machine.store.attachments import add_attachment_ref, attachment_referenced, record_attachment
-from machine.store.erasures import unreferenced_attachments
-from machine.store.events import append_event, read_events, run_events, search
-from machine.store.permissions import (
+from machine.tables.attachments import add_attachment_ref, attachment_referenced, record_attachment
+from machine.tables.erasures import unreferenced_attachments
+from machine.tables.events import append_event, read_events, run_events, search
+from machine.tables.permissions import (
     answer_permission,
     cancel_pending_permissions,
     get_permission,
@@ -36,7 +36,7 @@ from machine.store.permissions import (
     rule_for,
     run_permissions,
 )
-from machine.store.runs import (
+from machine.tables.runs import (
     count_open_runs,
     get_run,
     insert_run,
@@ -46,7 +46,7 @@ from machine.store.runs import (
     runs_in_states,
     set_run_state,
 )
-from machine.store.schedules import (
+from machine.tables.schedules import (
     agent_schedule_rows,
     delete_agent_schedules,
     delete_schedule,
@@ -62,7 +62,7 @@ from machine.store.schedules import (
     set_last_fire,
     set_schedule_enabled,
 )
-from machine.store.settings import (
+from machine.tables.settings import (
     count_rows,
     get_setting,
     log,

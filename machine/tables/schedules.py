@@ -9,7 +9,7 @@ from typing import Any, Final
 
 from machine.cron import validate_cron, validate_zone
 from machine.models import ScheduleRecord, ScheduleRunRecord
-from machine.store.rows import archive_field, from_row
+from machine.tables.rows import archive_field, from_row
 from shared.errors import InvalidArgument, NotFound
 from shared.ids import is_valid_id
 

@@ -25,10 +25,10 @@ from typing import IO, Any, Final
 
 from machine.export_format import MAX_LINE, encode_jsonl, parse_jsonl_line, read_jsonl
 from machine.models import AgentState, EventKind
-from machine.store import search_backlog
-from machine.store.rows import archive_field, present
-from machine.store.runs import RUN_FIELDS
-from machine.store.schedules import dump_schedules, load_schedules
+from machine.tables import search_backlog
+from machine.tables.rows import archive_field, present
+from machine.tables.runs import RUN_FIELDS
+from machine.tables.schedules import dump_schedules, load_schedules
 from shared.errors import InvalidArgument
 from shared.ids import is_valid_id
 
