@@ -15,7 +15,8 @@ that only ever rolls FORWARD once its tombstone is written::
        without listing them: most of an account's objects, and listing costs
        a store as much as deleting or more), then whatever a paginated
        listing still finds (names lists, manifests, records, any segment no
-       list names)
+       list names). Step 4 and the named segments run at once: segments are
+       not the records step 4 finds its entries from.
     6. create deleted/<a>.json (who, when, how many objects) and an audit record
     7. delete accounts/<a>/account.json, then the tombstone, then the intent
 
@@ -45,7 +46,7 @@ import datetime as dt
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -258,22 +259,26 @@ class AccountDeletion:
                 None,
                 max(sweep.deleted, running.deleted_objects),
             )
-        try:
-            data = await jsonstore.read(self._store, deleting_key(account_id))
-        except (NotFound, IntegrityError):
-            pass
-        else:
-            d = Deletion.from_dict(data, "deleting")
+        # One after the other: the tombstone goes only after deleted/<a>.json is
+        # written, so reading them in this order never misses both.
+        deleting = await self._read(deleting_key(account_id))
+        deleted = await self._read(deleted_key(account_id)) if deleting is None else None
+        if deleting is not None:
+            d = Deletion.from_dict(deleting, "deleting")
             sweep = self._sweeps.get(account_id)
             done = sweep.deleted if sweep is not None else None
             if done is not None and done > d.deleted_objects:
                 d = Deletion(d.account_id, d.state, d.started_at, d.deleted_by, None, done)
             return d
+        if deleted is None:
+            return None
+        return Deletion.from_dict(deleted, "deleted")
+
+    async def _read(self, key: str) -> dict[str, Any] | None:
         try:
-            data = await jsonstore.read(self._store, deleted_key(account_id))
+            return await jsonstore.read(self._store, key)
         except (NotFound, IntegrityError):
             return None
-        return Deletion.from_dict(data, "deleted")
 
     # -- running --------------------------------------------------------------------
 
@@ -347,14 +352,24 @@ class AccountDeletion:
                 backups=self._backups,
             )
             self._sweeps[account_id] = sweep
-        steps: dict[str, float] = {}
-        began = time.monotonic()
-        await sweep.index_entries(int(tomb.get("github_user_id", 0) or 0))
-        steps["index"] = time.monotonic() - began
-        await sweep.named_segments()
-        steps["named segments"] = time.monotonic() - began - sum(steps.values())
-        await sweep.prefix()
-        steps["listed objects"] = time.monotonic() - began - sum(steps.values())
+        # In the log's order (the first two run at once).
+        steps = dict.fromkeys(("index", "named segments", "listed objects", "records"), 0.0)
+
+        async def timed(step: str, work: Awaitable[None]) -> None:
+            start = time.monotonic()
+            await work
+            steps[step] = time.monotonic() - start
+
+        machine_ids = await sweep.machine_ids()
+        github_user_id = int(tomb.get("github_user_id", 0) or 0)
+        # Steps 4 and 5's named segments at once: the segments are no record
+        # the index entries are found from (those go with the listing, after).
+        await _together(
+            timed("index", sweep.index_entries(github_user_id, machine_ids)),
+            timed("named segments", sweep.named_segments(machine_ids)),
+        )
+        await timed("listed objects", sweep.prefix())
+        listed = time.monotonic()
         if await sweep.left_over():
             # Written behind the sweep (a last presence write of a closing link):
             # sweep again; a run that still finds some fails and is resumed later.
@@ -377,7 +392,7 @@ class AccountDeletion:
         if is_valid_id("intent", intent_id):
             await self._intents.commit_id(intent_id)
         self._sweeps.pop(account_id, None)
-        steps["records"] = time.monotonic() - began - sum(steps.values())
+        steps["records"] = time.monotonic() - listed
         logger.info(
             "account %s: deleted (%d objects; %s)",
             account_id,
@@ -398,6 +413,18 @@ class AccountDeletion:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+
+
+async def _together(*steps: Awaitable[None]) -> None:
+    """Run ``steps`` at once; the first to fail cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        for done in asyncio.as_completed(tasks):
+            await done
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class AccountSweep:
@@ -435,14 +462,23 @@ class AccountSweep:
                 keys = [info.key async for info in self._store.list(prefix)]
         return keys
 
-    async def index_entries(self, github_user_id: int) -> None:
-        """Step 4: every entry pointing to the account, found from its own records."""
+    async def machine_ids(self) -> list[str]:
+        """The account's machines, from their records under its prefix."""
+        return [
+            name
+            for key in await self._keys(machines_prefix(self._account_id))
+            if is_valid_id("machine", name := key.rsplit("/", 1)[-1].removesuffix(".json"))
+        ]
+
+    async def index_entries(
+        self, github_user_id: int, machine_ids: list[str] | None = None
+    ) -> None:
+        """Step 4: every entry pointing to the account, found from its own records
+        (``machine_ids``: the :meth:`machine_ids` the caller listed already)."""
         account_id = self._account_id
-        keys: list[str] = []
-        for key in await self._keys(machines_prefix(account_id)):
-            name = key.rsplit("/", 1)[-1].removesuffix(".json")
-            if is_valid_id("machine", name):
-                keys.append(machine_index_key(name))
+        if machine_ids is None:
+            machine_ids = await self.machine_ids()
+        keys = [machine_index_key(m) for m in machine_ids]
         for key in await self._keys(tokens_prefix(account_id)):
             name = key.rsplit("/", 1)[-1].removesuffix(".json")
             if is_valid_id("token", name):
@@ -477,7 +513,7 @@ class AccountSweep:
         found = await asyncio.gather(*(scoped(k) for k in keys))
         return [k for k, mine in zip(keys, found, strict=True) if mine]
 
-    async def named_segments(self) -> None:
+    async def named_segments(self, machine_ids: list[str] | None = None) -> None:
         """Step 5, first: the segments the account's backups name, without listing them.
 
         A names list is read as the store holds it: a name that is not one is
@@ -487,16 +523,14 @@ class AccountSweep:
         """
         if self._backups is None:
             return
-        account_id = self._account_id
-        roots = [
-            backups_prefix(account_id, machine_id)
-            for record in await self._keys(machines_prefix(account_id))
-            if is_valid_id("machine", machine_id := record.rsplit("/", 1)[-1].removesuffix(".json"))
-        ]
+        if machine_ids is None:
+            machine_ids = await self.machine_ids()
+        roots = [backups_prefix(self._account_id, m) for m in machine_ids]
+        listed = await asyncio.gather(*(self._keys(root + MANIFESTS) for root in roots))
         lists = [
             (root, key)
-            for root in roots
-            for key in await self._keys(root + MANIFESTS)
+            for root, keys in zip(roots, listed, strict=True)
+            for key in keys
             if key.endswith(NAMES_SUFFIX)
         ]
         limit = asyncio.Semaphore(CONCURRENT_READS)
@@ -564,6 +598,7 @@ class AccountSweep:
         # Every batch is awaited (its error included) before the account may go.
         started: list[asyncio.Task[None]] = []
         done = 0
+        listed = False
 
         async def batch(keys: list[str]) -> None:
             nonlocal done
@@ -575,8 +610,11 @@ class AccountSweep:
             done += 1
             if self._on_objects is not None:
                 self._on_objects(len(keys))
-            if done % PROGRESS_EVERY == 0:
+            last = listed and done == len(started)
+            if done % PROGRESS_EVERY == 0 and not last:
                 # Progress survives a restart (give or take the batches since).
+                # Not after the step's last batch: the step ends there, and the
+                # save would only delay the next one.
                 await self._save_progress()
 
         try:
@@ -587,6 +625,7 @@ class AccountSweep:
                 for t in started:
                     if t.done():
                         t.result()
+            listed = True
             await asyncio.gather(*started)
         except BaseException:
             for t in started:

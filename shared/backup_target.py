@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import BinaryIO, Final, Protocol, runtime_checkable
@@ -52,9 +53,12 @@ _SUFFIX = ".sealed"
 NAMES_SUFFIX: Final = ".names"
 
 
+_SEGMENT_NAME: Final = re.compile(r"[0-9a-f]{64}")
+
+
 def is_segment_name(name: str) -> bool:
     """Whether ``name`` is a segment name: 64 lower-case hex characters."""
-    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+    return _SEGMENT_NAME.fullmatch(name) is not None
 
 
 def _check_name(name: str) -> str:

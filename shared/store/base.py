@@ -64,7 +64,21 @@ class ObjectInfo:
     back as ``put(..., if_match=etag)`` for compare-and-swap."""
 
 
+#: The characters and length every key and prefix passes (see _check_path_like).
+_PLAIN_KEY: Final = re.compile(rf"[A-Za-z0-9._\-/=]{{1,{MAX_KEY_BYTES}}}")
+
+
 def _check_path_like(value: str, field: str, *, allow_empty: bool) -> None:
+    # The common case first, in C: deleting an account validates ten thousand
+    # keys, and the rules one by one loop over every character in Python.
+    if (
+        _PLAIN_KEY.fullmatch(value)
+        and not value.startswith("/")
+        and ".." not in value
+        and "//" not in value
+    ):
+        return
+    # Refused (or empty): find the first rule it breaks, to name it.
     if not value:
         if allow_empty:
             return
@@ -99,7 +113,7 @@ def validate_key(key: str, field: str = "key") -> str:
     _check_path_like(key, field, allow_empty=False)
     if key.endswith("/"):
         raise InvalidArgument(field, "must not end with '/'")
-    if any(segment.startswith(".") for segment in key.split("/")):
+    if key.startswith(".") or "/." in key:  # a path segment starting with "."
         raise InvalidArgument(field, "no path segment may start with '.'")
     return key
 

@@ -14,7 +14,7 @@ from controlplane.accounts import AccountService
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService, Principal
 from controlplane.backups import backups_prefix
-from controlplane.deletion import PROGRESS_EVERY, AccountDeletion, DeletionHooks
+from controlplane.deletion import PROGRESS_EVERY, AccountDeletion, DeletionHooks, _together
 from controlplane.intents import INTENTS_PREFIX, Intents
 from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.pairing import Pairing
@@ -366,7 +366,8 @@ async def test_the_count_is_saved_every_few_batches_not_after_each(clock: Clock)
     # (a save per batch before: the saves competed with the listing on the server).
     assert recording.saved[0] == 0
     saves = recording.saved[1:]
-    assert len(saves) == prefix_batches // PROGRESS_EVERY
+    # (none after the last batch: the step ends there).
+    assert len(saves) == (prefix_batches - 1) // PROGRESS_EVERY
     assert saves == sorted(saves) and saves[0] > 0
     assert (await p.deletion.get(OP, acct)).deleted_objects >= saves[-1]
 
@@ -509,3 +510,35 @@ async def test_a_machine_offline_during_the_deletion_hears_it_when_it_connects(
     )
     with pytest.raises(Unauthenticated, match="unknown machine"):
         await p.machines.authorize_peer(stranger)
+
+
+async def test_steps_run_together_and_the_first_failure_cancels_the_rest() -> None:
+
+    started: list[str] = []
+    cancelled = asyncio.Event()
+
+    async def slow() -> None:
+        started.append("slow")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def failing() -> None:
+        started.append("failing")
+        await asyncio.sleep(0)
+        raise StoreError("store: boom")
+
+    with pytest.raises(StoreError, match="boom"):
+        await _together(slow(), failing())
+    assert started == ["slow", "failing"] and cancelled.is_set()
+
+    ran: list[int] = []
+
+    async def step(n: int) -> None:
+        await asyncio.sleep(0)
+        ran.append(n)
+
+    await _together(step(1), step(2))
+    assert sorted(ran) == [1, 2]
