@@ -446,7 +446,9 @@ class ControlLink:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        for t in done:
+        # The reader's failure first: it carries the control plane's answer
+        # (a refusal, a revocation) when a write failed on the same ended stream.
+        for t in sorted(done, key=lambda t: t is not reader):
             if not t.cancelled() and (exc := t.exception()) is not None:
                 raise exc
 

@@ -291,7 +291,21 @@ class LinkStream:
 
     async def _send(self, msg: link_pb2.MachineMessage) -> None:
         async with self._write_lock:
-            await self._call.write(msg)
+            try:
+                await self._call.write(msg)
+            except asyncio.InvalidStateError:
+                # The RPC ended before this write: its status says why (a
+                # refusal, a dropped connection), not gRPC's "RPC already finished".
+                raise await self._ended() from None
+
+    async def _ended(self) -> grpc.aio.AioRpcError:
+        call = self._call
+        return grpc.aio.AioRpcError(
+            await call.code(),
+            await call.initial_metadata(),
+            await call.trailing_metadata(),
+            await call.details(),
+        )
 
     async def hello(
         self, version: str, agent_count: int, next_fire_at: float | None = None
@@ -336,7 +350,7 @@ class LinkStream:
     async def done_writing(self) -> None:
         """End our side of the stream (a clean goodbye)."""
         async with self._write_lock:
-            await self._call.done_writing()
+            await self._call.done_writing()  # nothing to do on an ended RPC
 
     def cancel(self) -> None:
         """Abandon the stream."""

@@ -368,6 +368,27 @@ async def test_done_writing_is_a_clean_goodbye(control: Running) -> None:
     assert control.fake.streams[0].ended_by_client
 
 
+async def test_a_write_on_an_ended_stream_raises_the_streams_status(control: Running) -> None:
+    key = tls.new_tls_key()
+    reply = await _join(control, key)
+    client = _mutual(control, key, reply.certificate_pem.encode())
+    async with contextlib.aclosing(client):
+        stream = client.connect()
+        await stream.hello("1", 0)
+        assert isinstance(await stream.read(), Welcome)
+        control.fake.drop(control.fake.streams[0])
+        with pytest.raises(grpc.aio.AioRpcError) as read:
+            await asyncio.wait_for(stream.read(), 5)
+        # The RPC is over: a write says why, as the read did (gRPC itself
+        # raises InvalidStateError "RPC already finished", which names nothing).
+        for write in (stream.heartbeat(1), stream.ack(new_id("prompt"))):
+            with pytest.raises(grpc.aio.AioRpcError) as written:
+                await write
+            assert written.value.code() == read.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert written.value.details() == "dropped by test"
+        await stream.done_writing()  # a goodbye on an ended stream is no error
+
+
 async def test_renew_returns_a_certificate_for_the_same_machine(control: Running) -> None:
     key = tls.new_tls_key()
     reply = await _join(control, key)
