@@ -305,6 +305,7 @@ class LinkStream:
             await call.initial_metadata(),
             await call.trailing_metadata(),
             await call.details(),
+            None,
         )
 
     async def hello(
