@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from controlplane import jsonstore
-from controlplane.audit import Auditor, Clock, utcnow
+from controlplane.audit import Auditor
 from controlplane.intents import Intent, Intents
 from controlplane.records import (
     ACCOUNT_INDEX_PREFIX,
@@ -31,6 +31,7 @@ from shared.errors import (
 )
 from shared.ids import is_valid_id, new_id, validate_id
 from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
 
 if TYPE_CHECKING:  # authz imports this module
     from controlplane.authz import Principal
@@ -68,7 +69,7 @@ class AccountService:
         self,
         store: ObjectStore,
         auditor: Auditor,
-        clock: Clock = utcnow,
+        clock: Clock = utc_now,
         intents: Intents | None = None,
     ) -> None:
         self._store = store

@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
-from collections.abc import Callable
 
 from controlplane.records import AuditRecord, audit_key, encode
 from shared.errors import AgentsError
 from shared.ids import new_id
 from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
 
-__all__ = ["Auditor", "Clock", "utcnow"]
+__all__ = ["Auditor"]
 
 logger = logging.getLogger(__name__)
-
-Clock = Callable[[], dt.datetime]
-
-
-def utcnow() -> dt.datetime:
-    """The current time, timezone-aware UTC."""
-    return dt.datetime.now(dt.UTC)
 
 
 class Auditor:
     """Writes audit records. Never fails the action it records: a failed write is logged."""
 
-    def __init__(self, store: ObjectStore, clock: Clock = utcnow) -> None:
+    def __init__(self, store: ObjectStore, clock: Clock = utc_now) -> None:
         self._store = store
         self._clock = clock
 

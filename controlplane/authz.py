@@ -16,7 +16,7 @@ from typing import Final
 
 from controlplane import jsonstore
 from controlplane.accounts import AccountService
-from controlplane.audit import Auditor, Clock, utcnow
+from controlplane.audit import Auditor
 from controlplane.hashing import hash_secret, new_secret, split_bearer, verify_secret
 from controlplane.records import Credential, credential_key
 from shared.errors import (
@@ -28,6 +28,7 @@ from shared.errors import (
 )
 from shared.ids import new_id, validate_id
 from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
 
 __all__ = ["OPERATOR", "CredentialService", "NewCredential", "Principal"]
 
@@ -91,7 +92,7 @@ class CredentialService:
     """Admin credentials in the store (hash only)."""
 
     def __init__(
-        self, store: ObjectStore, accounts: AccountService, auditor: Auditor, clock: Clock = utcnow
+        self, store: ObjectStore, accounts: AccountService, auditor: Auditor, clock: Clock = utc_now
     ) -> None:
         self._store = store
         self._accounts = accounts

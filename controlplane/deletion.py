@@ -52,7 +52,7 @@ from typing import Any, Final
 
 from controlplane import jsonstore
 from controlplane.accounts import AccountService
-from controlplane.audit import Auditor, Clock, utcnow
+from controlplane.audit import Auditor
 from controlplane.authz import Principal
 from controlplane.backups import backups_prefix
 from controlplane.intents import Intent, Intents
@@ -74,6 +74,7 @@ from shared.errors import AgentsError, IntegrityError, InvalidState, NotFound
 from shared.ids import is_valid_id, validate_id
 from shared.retry import retrying
 from shared.store.base import DELETE_BATCH, ObjectStore, delete_keys
+from shared.timestamps import Clock, utc_now
 
 __all__ = [
     "DELETED_PREFIX",
@@ -162,7 +163,7 @@ class AccountDeletion:
         auditor: Auditor,
         intents: Intents,
         *,
-        clock: Clock = utcnow,
+        clock: Clock = utc_now,
         page_size: int = DELETE_BATCH,
         backups: ObjectStore | None = None,
     ) -> None:

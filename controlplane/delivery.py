@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from typing import Final
 
 from controlplane.acks import AckBatcher
-from controlplane.audit import Clock, utcnow
 from controlplane.authz import Principal
 from controlplane.links import Ack
 from controlplane.presence import DeliveryNotice, PresenceRegistry, Session
 from controlplane.queue import PromptQueue, QueuedPrompt
 from shared.errors import AgentsError
+from shared.timestamps import Clock, utc_now
 
 __all__ = ["PromptDelivery", "PromptState", "SendOutcome"]
 
@@ -91,7 +91,7 @@ class PromptDelivery:
         presence: PresenceRegistry,
         *,
         ack_wait: float = ACK_WAIT,
-        clock: Clock = utcnow,
+        clock: Clock = utc_now,
         on_queued: Callable[[str, str], None] | None = None,
         on_connected: Callable[[str], None] | None = None,
     ) -> None:

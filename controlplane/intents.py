@@ -41,11 +41,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from controlplane.audit import Clock, utcnow
 from controlplane.records import decode, encode, parse_time, utc_iso
 from shared.errors import AgentsError, IntegrityError, NotFound
 from shared.ids import is_valid_id, new_id, validate_id
 from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
 
 __all__ = ["INTENTS_PREFIX", "Intent", "Intents", "Resolver", "intent_key"]
 
@@ -97,7 +97,7 @@ Resolver = Callable[[Intent, float], Awaitable[bool]]
 class Intents:
     """The intent records of one deployment; one instance per process."""
 
-    def __init__(self, store: ObjectStore, clock: Clock = utcnow) -> None:
+    def __init__(self, store: ObjectStore, clock: Clock = utc_now) -> None:
         self._store = store
         self._clock = clock
         self._resolvers: dict[str, Resolver] = {}

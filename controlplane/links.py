@@ -34,7 +34,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from controlplane.audit import Clock, utcnow
 from controlplane.machines import AuthorizedPeer, MachineRegistry
 from controlplane.metrics import ControlMetrics
 from controlplane.presence import (
@@ -50,6 +49,7 @@ from controlplane.presence import (
 from controlplane.rosters import AgentRosters
 from shared import tls
 from shared.errors import AgentsError, InvalidArgument, Unauthenticated
+from shared.timestamps import Clock, utc_now
 
 __all__ = [
     "CA_ROLLOVER_REASON",
@@ -156,7 +156,7 @@ class LinkSessions:
         metrics: ControlMetrics,
         heartbeat_interval: float,
         renew_threshold: float,
-        clock: Clock = utcnow,
+        clock: Clock = utc_now,
         linger: float = LINGER,
         deliveries: DeliveryHooks | None = None,
         rosters: AgentRosters | None = None,

@@ -9,7 +9,7 @@ from typing import Any, Final
 
 from controlplane import jsonstore
 from controlplane.accounts import AccountService
-from controlplane.audit import Auditor, Clock, utcnow
+from controlplane.audit import Auditor
 from controlplane.authz import Principal
 from controlplane.intents import Intents
 from controlplane.records import (
@@ -30,6 +30,7 @@ from shared.errors import (
 )
 from shared.ids import new_id, validate_id
 from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
 from shared.tls import IssuedCert, PeerIdentity
 
 __all__ = ["AuthorizedPeer", "MachineInfo", "MachineRegistry", "validate_name"]
@@ -102,7 +103,7 @@ class MachineRegistry:
         store: ObjectStore,
         accounts: AccountService,
         auditor: Auditor,
-        clock: Clock = utcnow,
+        clock: Clock = utc_now,
         intents: Intents | None = None,
     ) -> None:
         self._store = store

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from controlplane.audit import Clock, utcnow
 from controlplane.authz import Principal
 from controlplane.records import Machine, Presence, decode, encode, presence_key
 from shared.errors import AgentsError, IntegrityError, NotFound
 from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
 
 if TYPE_CHECKING:
     from controlplane.machines import MachineRegistry
@@ -141,7 +141,7 @@ class PresenceRegistry:
         store: ObjectStore,
         *,
         write_interval: float = 60.0,
-        clock: Clock = utcnow,
+        clock: Clock = utc_now,
         monotonic: Callable[[], float] = time.monotonic,
         on_change: Callable[[int], None] | None = None,
     ) -> None:

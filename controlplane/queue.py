@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from controlplane.audit import Auditor, Clock, utcnow
+from controlplane.audit import Auditor
 from controlplane.authz import Principal
 from controlplane.machines import MachineRegistry
 from controlplane.records import Machine, _Record, decode, encode
@@ -48,6 +48,7 @@ from shared.errors import (
 )
 from shared.ids import new_id, validate_id
 from shared.store.base import ObjectStore, delete_keys
+from shared.timestamps import Clock, utc_now
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
@@ -162,7 +163,7 @@ class PromptQueue:
         auditor: Auditor,
         *,
         limits: QueueLimits | None = None,
-        clock: Clock = utcnow,
+        clock: Clock = utc_now,
         on_outcome: Callable[[str], None] | None = None,
         rosters: AgentRosters | None = None,
     ) -> None:

@@ -19,11 +19,11 @@ import logging
 from dataclasses import dataclass
 from typing import Final
 
-from controlplane.audit import Clock, utcnow
 from controlplane.records import _Record, decode, encode, roster_key
 from shared.errors import AgentsError, IntegrityError, InvalidState, NotFound
 from shared.ids import is_valid_id
 from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
 
 __all__ = ["MAX_ROSTER", "AgentRosters", "Roster"]
 
@@ -54,7 +54,7 @@ class _Known:
 class AgentRosters:
     """Reports from links and checks for sends; one instance per daemon."""
 
-    def __init__(self, store: ObjectStore, *, clock: Clock = utcnow) -> None:
+    def __init__(self, store: ObjectStore, *, clock: Clock = utc_now) -> None:
         self._store = store
         self._clock = clock
         # machine id -> its roster (None: it never sent one), as last read or written.

@@ -9,7 +9,7 @@ from typing import Any, Final
 
 from controlplane import jsonstore
 from controlplane.accounts import AccountService
-from controlplane.audit import Auditor, Clock, utcnow
+from controlplane.audit import Auditor
 from controlplane.authz import Principal
 from controlplane.config import MAX_TOKEN_TTL
 from controlplane.hashing import hash_secret, new_secret, split_bearer, verify_secret
@@ -18,6 +18,7 @@ from controlplane.records import JoinToken, Machine, token_index_key, token_key,
 from shared.errors import IntegrityError, InvalidArgument, InvalidState, NotFound, Unauthenticated
 from shared.ids import new_id, validate_id
 from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
 
 __all__ = ["MAX_USES", "NewToken", "TokenService"]
 
@@ -51,7 +52,7 @@ class TokenService:
         auditor: Auditor,
         *,
         default_ttl: int = 3600,
-        clock: Clock = utcnow,
+        clock: Clock = utc_now,
         intents: Intents | None = None,
     ) -> None:
         self._store = store

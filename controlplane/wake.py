@@ -16,11 +16,11 @@ import datetime as dt
 import logging
 from collections.abc import Callable
 
-from controlplane.audit import Clock, utcnow
 from controlplane.authz import Principal
 from controlplane.machines import MachineRegistry
 from controlplane.presence import MachineStatus, PresenceRegistry
 from controlplane.starter import MachineStarter
+from shared.timestamps import Clock, utc_now
 
 __all__ = ["ScheduleWaker"]
 
@@ -38,7 +38,7 @@ class ScheduleWaker:
         *,
         lead: float,
         interval: float,
-        clock: Clock = utcnow,
+        clock: Clock = utc_now,
         on_wake: Callable[[], None] | None = None,
     ) -> None:
         self._machines = machines
