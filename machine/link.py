@@ -547,17 +547,21 @@ class ControlLink:
 
     async def _renew_loop(self, client: LinkSession, keys: identity.MachineKeys) -> None:
         failures = 0
+        asked = False  # a RenewNow not honoured yet: retried after a backoff, not when due
         while True:
             delay = self._renew_in(keys)
             if failures:
-                delay = max(delay, min(self._backoff_max, self._backoff_initial * 2**failures))
+                backoff = min(self._backoff_max, self._backoff_initial * 2**failures)
+                delay = backoff if asked else max(delay, backoff)
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._renew_now.wait(), delay)
+            asked = asked or self._renew_now.is_set()
             self._renew_now.clear()
             try:
                 keys = await self._renew(client, keys)
                 failures = 0
+                asked = False
             except grpc.aio.AioRpcError as e:
                 err = self._map_error(e)
                 if isinstance(err, _Stop):

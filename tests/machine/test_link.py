@@ -842,6 +842,27 @@ async def test_renew_now_renews_at_once(control: FakeControlPlane, tmp_path: Pat
         assert control.streams[1].cert_pem == control.renewed[0]
 
 
+async def test_a_failed_renew_now_is_retried_after_a_backoff_not_when_due(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    # The certificate is far from due: only the RenewNow asks for this renewal
+    # (a CA rollover waits on it), so a failure must not wait until the due time.
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    control.fail("renew", rpc_error(grpc.StatusCode.UNAVAILABLE, "the store is down"))
+    registry = CollectorRegistry()
+    async with _link(control, data_dir, registry) as link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        control.send(control.streams[0], RenewNow(reason="rollover"))
+        await _until(lambda: _sample_ok(registry) == 1)
+        errors = registry.get_sample_value(
+            "agents_machine_link_renewals_total", {"outcome": "error"}
+        )
+        assert errors == 1
+    assert control.renew_calls == 1  # the failed call never reached the handler
+    assert identity.load_keys(data_dir).tls_cert_pem == control.renewed[0]
+
+
 def test_link_options_are_checked(ca: tls.CertKey, tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument):
         _link(FakeControlPlane(ca), tmp_path, CollectorRegistry(), renew_fraction=1.5)
