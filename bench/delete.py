@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import os
 import sys
@@ -58,6 +59,7 @@ from controlplane.backups import backups_prefix
 from controlplane.client import AdminClient
 from controlplane.integrity import record_mac_key
 from controlplane.keys import load_home_keys
+from controlplane.records import Machine, encode
 from shared.backup_target import manifest_key, names_key, segment_key
 from shared.ids import new_id
 from shared.store.authenticated import seal
@@ -273,7 +275,9 @@ def _backup_layout(account_id: str, objects: int) -> tuple[list[str], dict[str, 
             backup_id = new_id("backup", now_ms=1_800_000_000_000 + b)
             others[root + names_key(backup_id)] = json.dumps(named).encode()
             others[root + manifest_key(backup_id)] = os.urandom(512)
-        others[f"{PREFIX}accounts/{account_id}/machines/{machine_id}.json"] = b"{}"
+        now = dt.datetime.now(dt.UTC)
+        record = Machine(machine_id, account_id, f"m{m}", "bench", "0", now, "01", now)
+        others[f"{PREFIX}accounts/{account_id}/machines/{machine_id}.json"] = encode(record)
     return segments, others
 
 

@@ -188,7 +188,10 @@ class _Record:
             elif "tuple" in kind and isinstance(value, list):
                 value = tuple(value)
             kwargs[name] = value
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # a field missing: MAC'd, so ours, but not this version's
+            raise IntegrityError(f"{cls.__name__.lower()} record", f"malformed: {e}") from None
 
 
 def encode(record: _Record | dict[str, Any]) -> bytes:

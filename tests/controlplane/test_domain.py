@@ -13,11 +13,12 @@ from controlplane.authz import CredentialService, Principal
 from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry, RevokedNotice
-from controlplane.records import deleting_key
+from controlplane.records import Machine, deleting_key
 from controlplane.tokens import TokenService
 from shared import tls
 from shared.errors import (
     AlreadyExists,
+    IntegrityError,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -259,3 +260,10 @@ async def test_presence_writes_at_most_once_per_interval(w: World) -> None:
     assert len(puts) == 3
     status = await presence.status(machine)
     assert not status.online and status.agent_count == 6 and status.last_seen_at == w.clock.now
+
+
+def test_a_record_missing_fields_is_an_integrity_error_not_a_type_error() -> None:
+    # MAC'd records are ours, but one of another version (or a bug) may lack
+    # fields: every reader gets a clear IntegrityError naming the record.
+    with pytest.raises(IntegrityError, match=r"machine record: malformed: .*machine_id"):
+        Machine.from_dict({"name": "m"})
