@@ -355,7 +355,9 @@ async def test_connect_stream_speaks_every_message(control: Running) -> None:
         assert await stream.read() is None  # the handler returned: a clean end
 
 
-async def test_done_writing_is_a_clean_goodbye(control: Running) -> None:
+@contextlib.asynccontextmanager
+async def _welcomed(control: Running) -> AsyncIterator[LinkStream]:
+    """A joined machine's Connect stream, past its hello and the welcome."""
     key = tls.new_tls_key()
     reply = await _join(control, key)
     client = _mutual(control, key, reply.certificate_pem.encode())
@@ -363,19 +365,18 @@ async def test_done_writing_is_a_clean_goodbye(control: Running) -> None:
         stream = client.connect()
         await stream.hello("1", 0)
         assert isinstance(await stream.read(), Welcome)
+        yield stream
+
+
+async def test_done_writing_is_a_clean_goodbye(control: Running) -> None:
+    async with _welcomed(control) as stream:
         await stream.done_writing()
         assert await asyncio.wait_for(stream.read(), 5) is None
     assert control.fake.streams[0].ended_by_client
 
 
 async def test_a_write_on_an_ended_stream_raises_the_streams_status(control: Running) -> None:
-    key = tls.new_tls_key()
-    reply = await _join(control, key)
-    client = _mutual(control, key, reply.certificate_pem.encode())
-    async with contextlib.aclosing(client):
-        stream = client.connect()
-        await stream.hello("1", 0)
-        assert isinstance(await stream.read(), Welcome)
+    async with _welcomed(control) as stream:
         control.fake.drop(control.fake.streams[0])
         with pytest.raises(grpc.aio.AioRpcError) as read:
             await asyncio.wait_for(stream.read(), 5)
