@@ -155,8 +155,20 @@ def run(workdir: Path, once: bool) -> int:
             while cp_proc.poll() is None and m_proc.poll() is None:
                 time.sleep(0.5)
         except KeyboardInterrupt:
-            pass
-        return 0
+            return 0
+        # One daemon ended by itself: say which, and where its log is, before
+        # the other is stopped (the demo runs both or neither).
+        for name, proc, log in (
+            ("control plane", cp_proc, "control.log"),
+            ("machine", m_proc, "machine.log"),
+        ):
+            if proc.poll() is not None:
+                print(
+                    f"demo: the {name} exited (code {proc.returncode}); its log is "
+                    f"{workdir / log}. Stopping the other daemon.",
+                    file=sys.stderr,
+                )
+        return 1
     except DemoError as e:
         print(f"demo: {e} (logs in {workdir})", file=sys.stderr)
         return 1

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +34,47 @@ def test_demo_starts_the_system_and_shows_it_working(tmp_path: Path) -> None:
     # Both daemons were stopped: nothing is left serving from the work folder.
     assert not (work / "control" / "serve.json").exists()
     assert not (work / "machine" / "machine.sock").exists()
+
+
+def _pids_of(argv_part: str) -> list[int]:
+    """Processes whose command line names ``argv_part`` (read from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # gone meanwhile
+            if argv_part.encode() in argv:
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_demo_says_which_daemon_died_and_stops_the_other(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    with subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "demo.py"), "--workdir", str(work)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:  # bounded: the demo ends or prints "Running."
+                if line.startswith("Running."):
+                    break
+            else:
+                raise AssertionError(f"the demo ended first: {proc.wait(10)}")
+            machines = _pids_of(str(work / "machine"))
+            assert len(machines) == 1, machines
+            os.kill(machines[0], signal.SIGKILL)
+            assert proc.wait(timeout=60) == 1
+            assert proc.stderr is not None
+            err = proc.stderr.read()
+        finally:
+            if proc.poll() is None:  # Ctrl-C: the demo stops both daemons
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=60)
+    assert "the machine exited (code -9)" in err and str(work / "machine.log") in err, err
+    assert "control plane exited" not in err
+    assert not (work / "control" / "serve.json").exists()  # the other was stopped
