@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from machine.cli_common import Bar, Ctx, call, human, show, show_record, when, w
 from machine.client import MachineClient
 from machine.transfer import InResult
 from machine.views import BackupView
+from shared.atomic import open_atomic
 from shared.cli import Column, ExitCode, UsageError, message_dict, stdout_writable
 from shared.crypto import BoxKeyPair
 from shared.errors import TransientError
@@ -163,19 +163,17 @@ async def cmd_export(ctx: Ctx) -> int:
     dest = Path(args.output or f"agents-export-{time.strftime('%Y%m%d-%H%M%S')}.tar.gz").absolute()
     if dest.exists():
         raise UsageError(f"export: {dest} exists; refusing to overwrite it")
-    tmp = dest.with_name(f".{dest.name}.part")
     try:
         async with MachineClient(ctx.cfg) as client:
-            with Bar(ctx.out, "exporting"), open(tmp, "wb") as f:
+            # Private (0600: conversations), whole at dest or absent, never over
+            # a file that appeared meanwhile.
+            with Bar(ctx.out, "exporting"), open_atomic(dest, create_new=True) as f:
                 async for chunk in client.export(ids, folder):
                     f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, dest)  # the export is whole at dest, or absent
+    except FileExistsError:
+        raise UsageError(f"export: {dest} exists; refusing to overwrite it") from None
     except OSError as e:
         raise UsageError(f"export: cannot write {dest}: {e.strerror}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     if ctx.out.as_json:
         ctx.out.json({"file": str(dest), "size": dest.stat().st_size})
     else:

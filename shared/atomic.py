@@ -76,10 +76,14 @@ def _temp_name(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def open_atomic(path: Path, mode: int = FILE_MODE) -> Iterator[BinaryIO]:
+def open_atomic(
+    path: Path, mode: int = FILE_MODE, *, create_new: bool = False
+) -> Iterator[BinaryIO]:
     """Yield a binary file that replaces ``path`` atomically when the block ends.
 
     If the block raises, the temp file is removed and ``path`` is untouched.
+    With ``create_new``, an existing ``path`` is never replaced, even one made
+    while the block ran: FileExistsError, and the temp file is removed.
     """
     tmp = _temp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -89,7 +93,11 @@ def open_atomic(path: Path, mode: int = FILE_MODE) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        if create_new:
+            os.link(tmp, path)  # fails if path exists: no check-then-replace race
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import stat
 import subprocess
 import tarfile
 from collections.abc import Callable
@@ -331,6 +332,7 @@ def test_export_then_import_on_another_daemon_skips_existing(
         archive = tmp_path / "out.tar.gz"
         _ok(run_cli(a_data, "export", *agents, "-o", str(archive)))
         assert list((a_data / "Outgoing").iterdir()) == []
+        assert stat.S_IMODE(archive.stat().st_mode) == 0o600  # conversations: private
         _refused(run_cli(a_data, "export", agents[0], "-o", str(archive)), 2, "exists")
         by_folder = tmp_path / "folder.tar.gz"
         _ok(run_cli(a_data, "export", "--folder", str(tmp_path / "work"), "-o", str(by_folder)))

@@ -53,3 +53,17 @@ def test_ensure_private_dir_forces_mode(tmp_path: Path) -> None:
     d.chmod(0o755)
     ensure_private_dir(d)
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_create_new_never_replaces_a_file_made_meanwhile(tmp_path: Path) -> None:
+    target = tmp_path / "export.tar.gz"
+    with open_atomic(target, create_new=True) as f:
+        f.write(b"first")
+    assert target.read_bytes() == b"first"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    # Made by someone else while our block ran: kept, ours dropped, no temp left.
+    with pytest.raises(FileExistsError), open_atomic(target, create_new=True) as f:
+        f.write(b"second")
+        target.write_bytes(b"theirs")
+    assert target.read_bytes() == b"theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["export.tar.gz"]
