@@ -24,6 +24,8 @@ import grpc
 import grpc.aio
 import pytest
 
+from controlplane.admin_types import JoinToken
+from controlplane.client import AdminClient
 from tests.conftest import _s3_client
 from tests.helpers.control_proc import (
     CliResult,
@@ -174,13 +176,25 @@ async def _connect_once(cp: ControlProc, cert: bytes, key: bytes) -> None:
     await connect_once(cp.link, cp.ca_pem, cert, key)
 
 
-def _live_machines(cp: ControlProc, account_id: str) -> list[Any]:
+def _admin(cp: ControlProc) -> AdminClient:
+    """A typed admin client of the running daemon (open one after each restart).
+
+    The trials below call the Admin API in-process rather than through the CLI:
+    a CLI process costs about a second of interpreter start per call, and the
+    CLI's own output is tested elsewhere (test_cli_admin_output).
+    """
+    return AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=30)
+
+
+async def _live_machines(cp: ControlProc, account_id: str) -> list[str]:
     # Earlier trials' machines are revoked at the end of their trial.
-    return [
-        m
-        for m in _json(cp, "machine", "list", "--account", account_id)["machines"]
-        if not m["revoked"]
-    ]
+    async with _admin(cp) as admin:
+        return [m.machine_id for m in await admin.list_machines(account_id) if not m.revoked]
+
+
+async def _token(cp: ControlProc, account_id: str, token_id: str) -> JoinToken:
+    async with _admin(cp) as admin:
+        return next(t for t in await admin.list_tokens(account_id) if t.token_id == token_id)
 
 
 async def _until(check: Any, deadline: float, what: str) -> None:
@@ -197,8 +211,9 @@ async def test_join_crash_at_every_write(
     account_id = acct["account_id"]
     points = 0
     for n in range(1, MAX_WRITES):
-        made = _json(cp, "token", "create", "--account", account_id)
-        token_id, value = made["token"]["token_id"], made["token_value"]
+        async with _admin(cp) as admin:
+            made = await admin.create_token(account_id)
+        token_id, value = made.token.token_id, made.token_value
         assert cp.process is not None
         proxy.arm(cp.process.pid, after=n)
         try:
@@ -222,16 +237,15 @@ async def test_join_crash_at_every_write(
 
         await _until(settled, CONFIRM_GRACE + 15, f"join rolled back after {proxy.writes}")
         # No orphan visible, and the token's use was given back.
-        assert _live_machines(cp, account_id) == []
-        by_id = {
-            t["token_id"]: t for t in _json(cp, "token", "list", "--account", account_id)["tokens"]
-        }
-        assert by_id[token_id]["uses"] == 0 and by_id[token_id]["state"] == "active"
+        assert await _live_machines(cp, account_id) == []
+        token = await _token(cp, account_id, token_id)
+        assert token.uses == 0 and token.state == "active"
         # The same token joins for real, and that machine stays once it connected.
         machine_id, cert, key = await _join(cp, value)
         await _connect_once(cp, cert, key)
-        assert [m["machine_id"] for m in _live_machines(cp, account_id)] == [machine_id]
-        _ok(cp.cli("machine", "revoke", machine_id))
+        assert await _live_machines(cp, account_id) == [machine_id]
+        async with _admin(cp) as admin:
+            await admin.revoke_machine(machine_id)
         _assert_fsck_clean(cp)
     # intent, token use (+ its audit record), machine index, machine record.
     assert points >= 4, points
@@ -251,8 +265,9 @@ async def test_repair_join_crash_at_every_write(
     await _connect_once(cp, old_cert, old_key)
     points = 0
     for n in range(1, MAX_WRITES):
-        made = _json(cp, "machine", "repair", machine_id)
-        token_id, value = made["token"]["token_id"], made["token_value"]
+        async with _admin(cp) as admin:
+            made = await admin.create_repair_token(machine_id)
+        token_id, value = made.token.token_id, made.token_value
         assert cp.process is not None
         proxy.arm(cp.process.pid, after=n)
         try:
@@ -275,16 +290,14 @@ async def test_repair_join_crash_at_every_write(
             return _settled(cp, s3, s3_bucket)
 
         await _until(settled, CONFIRM_GRACE + 15, f"repair settled after {proxy.writes}")
-        by_id = {
-            t["token_id"]: t for t in _json(cp, "token", "list", "--account", account_id)["tokens"]
-        }
-        assert by_id[token_id]["uses"] == 0 and by_id[token_id]["state"] == "active"
+        token = await _token(cp, account_id, token_id)
+        assert token.uses == 0 and token.state == "active"
         # The same token repairs for real; the box that joins with it is the machine.
         again, cert, key = await _join(cp, value)
         assert again == machine_id
         await _connect_once(cp, cert, key)
         old_cert, old_key = cert, key
-        assert [m["machine_id"] for m in _live_machines(cp, account_id)] == [machine_id]
+        assert await _live_machines(cp, account_id) == [machine_id]
         _assert_fsck_clean(cp)
     # intent, token use (+ its audit record), machine record.
     assert points >= 3, points
