@@ -513,13 +513,14 @@ async def test_a_machine_offline_during_the_deletion_hears_it_when_it_connects(
 
 
 async def test_steps_run_together_and_the_first_failure_cancels_the_rest() -> None:
-
     started: list[str] = []
+    slow_waiting = asyncio.Event()
     cancelled = asyncio.Event()
 
     async def slow() -> None:
         started.append("slow")
         try:
+            slow_waiting.set()
             await asyncio.Event().wait()
         except asyncio.CancelledError:
             cancelled.set()
@@ -527,18 +528,18 @@ async def test_steps_run_together_and_the_first_failure_cancels_the_rest() -> No
 
     async def failing() -> None:
         started.append("failing")
-        await asyncio.sleep(0)
+        await slow_waiting.wait()  # both running at once
         raise StoreError("store: boom")
 
     with pytest.raises(StoreError, match="boom"):
         await _together(slow(), failing())
     assert started == ["slow", "failing"] and cancelled.is_set()
 
-    ran: list[int] = []
+    # Each step waits for the other: run one after the other, this would hang.
+    first, second = asyncio.Event(), asyncio.Event()
 
-    async def step(n: int) -> None:
-        await asyncio.sleep(0)
-        ran.append(n)
+    async def step(mine: asyncio.Event, other: asyncio.Event) -> None:
+        mine.set()
+        await other.wait()
 
-    await _together(step(1), step(2))
-    assert sorted(ran) == [1, 2]
+    await asyncio.wait_for(_together(step(first, second), step(second, first)), 5)
