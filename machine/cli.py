@@ -18,7 +18,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from machine import cli_agents as agents
 from machine import cli_backup as backup
@@ -478,13 +478,23 @@ def _parser() -> CliParser:
 # ---------------------------------------------------------------- main
 
 
+#: The listing a "not found" points at, by the kind of thing missing.
+_LISTING: Final = {
+    "backup": "backup list",
+    "schedule": "schedule list",
+    "run": "agent runs AGENT",
+}
+
+
 def _hint(err: BaseException, prog: str) -> str | None:
     if isinstance(err, DaemonNotRunning):
         # Name the folder: a bare `serve` could start a second, stand-alone machine.
         return f"{PROG} --data-dir {shlex.quote(str(err.data_dir))} serve"
-    if isinstance(err, NotFound) or (
-        isinstance(err, InvalidArgument) and getattr(err, "field", "") == "agent_id"
-    ):
+    if isinstance(err, NotFound):
+        # Point at the listing of the kind of thing that was not found.
+        listing = _LISTING.get(getattr(err, "kind", ""), "agent list --all")
+        return f"{prog} {listing}"
+    if isinstance(err, InvalidArgument) and getattr(err, "field", "") == "agent_id":
         return f"{prog} agent list --all"
     if isinstance(err, InvalidState) and "archive it first" in err.message:
         return f"{prog} agent archive ID"

@@ -251,7 +251,8 @@ def backup_info_to_pb(info: ManifestInfo, manifest: BackupManifest | None) -> pb
         )
     return pb.Backup(
         id=info.backup_id,
-        size_bytes=info.size,
+        # As BackupNow counts it: every segment it names, and its manifest.
+        size_bytes=info.size + sum(s.size for s in manifest.segments),
         opens=True,
         created_at=from_seconds(manifest.created_at),
         segments=len(manifest.segments),

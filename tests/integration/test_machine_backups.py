@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from machine.cli_common import human
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc, run_cli
@@ -96,6 +97,13 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
         out = _ok(run_cli(data, "backup", "now"))
         ids = _backup_ids(data)
         assert len(ids) == 1 and ids[0] in out
+        # Listed, it has the size `backup now` gave: every segment it names and its
+        # manifest (the folder store's files add a header of their own to each).
+        made = json.loads(_ok(run_cli(data, "--json", "backup", "list")))["backups"]
+        files = [*_segment_files(data / "backups"), *(data / "backups").glob("manifests/*.sealed")]
+        on_disk = sum(p.stat().st_size for p in files)
+        assert on_disk - 100 * len(files) < int(made[0]["size_bytes"]) < on_disk
+        assert f"{human(int(made[0]['size_bytes']))} stored" in out
         verify = _ok(run_cli(data, "backup", "verify", ids[0]))
         assert "ok" in verify
         status = _ok(run_cli(data, "status"))

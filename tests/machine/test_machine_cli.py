@@ -117,3 +117,19 @@ def test_every_option_is_documented() -> None:
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "cli-machine.md").read_text()
     assert sorted(o for o in long_options(_parser()) if o not in page) == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "listing"),
+    [
+        ("agent", "agent list --all"),
+        ("backup", "backup list"),
+        ("schedule", "schedule list"),
+        ("run", "agent runs AGENT"),
+    ],
+)
+def test_not_found_points_at_its_own_listing(kind: str, listing: str) -> None:
+    from machine.cli import _hint
+    from shared.errors import NotFound
+
+    assert _hint(NotFound(kind, "x_1"), "agents-machine") == f"agents-machine {listing}"

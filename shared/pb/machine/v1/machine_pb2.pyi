@@ -1685,8 +1685,8 @@ class Backup(_message.Message):
     uploaded_bytes: _builtins.int
     """Bytes of new segments it uploaded (BackupNow only)."""
     size_bytes: _builtins.int
-    """Stored size: the manifest (in listings), or every segment it names and
-    its manifest (BackupNow).
+    """Stored size: every segment it names and its manifest (a listed backup
+    that does not open: its manifest only).
     """
     segments: _builtins.int
     """Segments it names."""
