@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import stat
 import subprocess
@@ -212,13 +213,19 @@ def test_keep_out_of_range_is_refused_at_start(tmp_path: Path) -> None:
     assert "11" in line
 
 
-def _big_agents(target: str, work: Path, agents: int, prompt_bytes: int) -> None:
-    """Agents with large conversations, through the RPC (the CLI would be slow here)."""
+def _big_agents(
+    target: str, work: Path, agents: int, prompt_bytes: int, *, varied: bool = False
+) -> None:
+    """Agents with large conversations, through the RPC (the CLI would be slow here);
+    ``varied`` text compresses like prose, not a thousand-fold."""
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.MachineServiceStub(channel)
         for n in range(agents):
             agent = stub.CreateAgent(pb.CreateAgentRequest(name=f"big-{n}", folder=str(work)))
-            text = f"agent {n} " + "lorem ipsum dolor sit amet " * (prompt_bytes // 27)
+            if varied:
+                text = f"agent {n} " + os.urandom(prompt_bytes // 2).hex()
+            else:
+                text = f"agent {n} " + "lorem ipsum dolor sit amet " * (prompt_bytes // 27)
             for _ in stub.Prompt(pb.PromptRequest(agent_id=agent.id, text=text)):
                 pass
 
@@ -284,6 +291,83 @@ def test_sigkill_during_a_backup_leaves_kept_backups_whole(
         _ok(run_cli(data, "backup", "now", timeout=300))
         (last,) = _backup_ids(data)
         _ok(run_cli(data, "backup", "verify", last, timeout=300))
+
+
+def test_sigkill_during_a_restore_leaves_nothing_and_it_runs_again_whole(
+    tmp_path: Path, machine_proc: MakeProc
+) -> None:
+    data = tmp_path / "data"
+    key_file = tmp_path / "recovery.key"
+    work = tmp_path / "work"
+    proc = machine_proc("--prompt-limit", "2MiB")
+    with proc:
+        agents = _populate(data, work, agents=1)
+        _big_agents(proc.target, work, agents=10, prompt_bytes=1_000_000, varied=True)
+        agents = [str(a["id"]) for a in _agents(data)]
+        key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
+        _ok(run_cli(data, "backup", "now", timeout=120))
+        (backup_id,) = _backup_ids(data)
+        before = _export_contents(data, agents, tmp_path / "before.tar.gz")
+    copy = tmp_path / "backup-copy"
+    shutil.copytree(data / "backups", copy)
+    shutil.rmtree(data)
+    restore = [
+        str(AGENTS_MACHINE), "--data-dir", str(data), "backup", "restore", backup_id,
+        "--from", str(copy), "--recovery-key", str(key_file),
+    ]  # fmt: skip
+    wal = data / "machine.db-wal"
+    with proc:
+        start = wal.stat().st_size
+        child = subprocess.Popen(restore, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            # Its one transaction is under way once the rows it holds spill to the WAL:
+            # 20 MB of conversations go in, far past SQLite's page cache.
+            poll_until(
+                lambda: wal.stat().st_size > start + 6 * 1024 * 1024,
+                deadline=120,
+                step=0.002,
+                what="the restore's transaction writing",
+            )
+            proc.kill()
+        finally:
+            child.wait(timeout=30)
+    with proc:
+        # Nothing of it was committed, and the machine.db is sound.
+        assert _agents(data) == []
+        assert _ok(run_cli(data, "check", timeout=120)).strip().endswith("machine.db: ok")
+        restored = _ok(run_cli(data, *restore[3:], timeout=300))
+        assert f"restored {len(agents)} agents" in restored
+        assert _export_contents(data, agents, tmp_path / "after.tar.gz") == before
+    # The same for an import of the export, on another new machine.
+    shutil.rmtree(data)
+    with proc:
+        start = wal.stat().st_size
+        child = subprocess.Popen(
+            [
+                str(AGENTS_MACHINE),
+                "--data-dir",
+                str(data),
+                "import",
+                str(tmp_path / "before.tar.gz"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            poll_until(
+                lambda: wal.stat().st_size > start + 6 * 1024 * 1024,
+                deadline=120,
+                step=0.002,
+                what="the import's transaction writing",
+            )
+            proc.kill()
+        finally:
+            child.wait(timeout=30)
+    with proc:
+        assert _agents(data) == []
+        assert _ok(run_cli(data, "check", timeout=120)).strip().endswith("machine.db: ok")
+        _ok(run_cli(data, "import", str(tmp_path / "before.tar.gz"), timeout=300))
+        assert _export_contents(data, agents, tmp_path / "again.tar.gz") == before
 
 
 def _tar_gz(entries: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
