@@ -50,7 +50,7 @@ from shared.atomic import ensure_private_dir, write_atomic
 from shared.backup_target import BackupTarget, LocalSegments, ManifestInfo, PruneResult
 from shared.crypto import BoxKeyPair, KeyedHasher
 from shared.errors import IntegrityError, InvalidArgument, NotFound
-from shared.ids import new_id
+from shared.ids import id_time_ms, new_id
 
 __all__ = [
     "KEEP_MAX",
@@ -272,7 +272,18 @@ class BackupEngine:
         async with self._lock:
             started = time.monotonic()
             ensure_private_dir(self._work)
-            backup_id = new_id("backup", now_ms=int(self._clock() * 1000))
+            now_ms = int(self._clock() * 1000)
+            stored = await self._target.list_manifests()
+            if stored and id_time_ms(stored[-1].backup_id) >= now_ms:
+                # The clock is behind the newest backup (it once ran ahead, or this box
+                # took over a machine whose clock did). An id from it would sort before
+                # the backups kept, and this backup's own prune would delete it.
+                logger.warning(
+                    "backup: the clock is behind the newest backup %s; numbering after it",
+                    stored[-1].backup_id,
+                )
+                now_ms = id_time_ms(stored[-1].backup_id) + 1
+            backup_id = new_id("backup", now_ms=now_ms)
             with tempfile.TemporaryDirectory(dir=self._work, prefix=".stage-") as stage:
                 result = await self._make(backup_id, Path(stage), progress)
             pruned = await self._target.prune(self.keep)

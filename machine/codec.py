@@ -42,6 +42,7 @@ from machine.views import (
 from shared.backup_target import ManifestInfo
 from shared.crypto import BoxKeyPair, decode_private_key
 from shared.errors import InvalidArgument
+from shared.ids import id_time_ms
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.timestamps import from_seconds, to_seconds
 
@@ -215,15 +216,9 @@ def hit_to_pb(hit: SearchHit) -> pb.SearchHit:
     )
 
 
-_ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
-
-
 def _backup_time(backup_id: str) -> float:
     """When a backup was made, from its id (its first ten characters are the time in ms)."""
-    ms = 0
-    for ch in backup_id.partition("_")[2][:10]:
-        ms = ms * 32 + _ID_ALPHABET.index(ch)
-    return ms / 1000
+    return id_time_ms(backup_id) / 1000
 
 
 def backup_result_to_pb(result: BackupResult) -> pb.Backup:

@@ -17,7 +17,7 @@ from typing import Final
 
 from shared.errors import InvalidId
 
-__all__ = ["KINDS", "is_valid_id", "new_id", "validate_id", "validate_sha256"]
+__all__ = ["KINDS", "id_time_ms", "is_valid_id", "new_id", "validate_id", "validate_sha256"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,14 @@ def new_id(kind: str, *, now_ms: int | None = None) -> str:
     prefix = KINDS[kind]
     ms = int(time.time() * 1000) if now_ms is None else now_ms
     return f"{prefix}_{_encode(ms, 10)}{_encode(secrets.randbits(80), 16)}"
+
+
+def id_time_ms(value: str) -> int:
+    """The millisecond time a well-formed id was made at (its first ten characters)."""
+    ms = 0
+    for ch in value.partition("_")[2][:10]:
+        ms = ms * 32 + _ALPHABET.index(ch)
+    return ms
 
 
 def is_valid_id(kind: str, value: str) -> bool:

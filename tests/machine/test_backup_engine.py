@@ -79,6 +79,7 @@ def parts(tmp_path: Path) -> dict[str, Any]:
     machine_key, recovery = BoxKeyPair.generate(), BoxKeyPair.generate()
     store = FolderStore(tmp_path / "target")
     source = FakeSource(tmp_path, 5)
+    clock = Clock()
     engine = BackupEngine(
         source,
         StoreTarget(store),
@@ -88,10 +89,11 @@ def parts(tmp_path: Path) -> dict[str, Any]:
         keypair=machine_key,
         work_dir=tmp_path / "work",
         keep=2,
-        clock=Clock(),
+        clock=clock,
     )
     return {
         "engine": engine,
+        "clock": clock,
         "source": source,
         "store": store,
         "root": tmp_path / "target",
@@ -180,6 +182,22 @@ async def test_keep_two_prunes_the_first_and_keeps_named_segments(parts: dict[st
     for b in (second, third):
         await engine.verify(b.backup_id)
     assert len(list((root / "segments").iterdir())) == 7
+
+
+async def test_a_clock_behind_the_newest_backup_never_prunes_the_new_one(
+    parts: dict[str, Any],
+) -> None:
+    engine, source = parts["engine"], parts["source"]
+    first = await engine.backup_now()
+    second = await engine.backup_now()
+    parts["clock"].now -= 86_400  # the clock stepped back a day (it had run ahead)
+    source.change(next(iter(source.data)))
+    third = await engine.backup_now()
+    # Numbered after the newest kept, so keep = 2 drops the oldest, not itself.
+    assert third.backup_id > second.backup_id
+    assert third.pruned is not None and third.pruned.manifests == (first.backup_id,)
+    assert [i.backup_id for i, _ in await engine.list()] == [second.backup_id, third.backup_id]
+    await engine.verify(third.backup_id)
 
 
 async def test_crash_mid_prune_leaves_kept_backups_restorable(

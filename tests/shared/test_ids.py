@@ -62,3 +62,10 @@ def test_sha256_validation() -> None:
     for bad in ("A" * 64, "a" * 63, "../" + "a" * 61):
         with pytest.raises(InvalidId):
             validate_sha256(bad)
+
+
+def test_id_time_ms_reads_back_the_time_an_id_was_made_at() -> None:
+    from shared.ids import id_time_ms
+
+    for ms in (0, 1, 1_800_000_000_123, 2**50 - 1):
+        assert id_time_ms(new_id("backup", now_ms=ms)) == ms
