@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from shared.backup_target import (
+    MAX_LINK_MANIFEST,
     ManifestInfo,
     PruneResult,
     StoreTarget,
@@ -37,8 +38,7 @@ __all__ = ["BackupLimits", "MachineBackups", "backups_prefix"]
 
 logger = logging.getLogger(__name__)
 
-#: A sealed manifest names every segment with its key: a few hundred bytes each.
-DEFAULT_MAX_MANIFEST: Final = 64 * 1024 * 1024
+DEFAULT_MAX_MANIFEST: Final = MAX_LINK_MANIFEST
 DEFAULT_MAX_SEGMENT: Final = 4 * 1024**3
 #: Names one HaveSegments call may ask about (link.proto).
 MAX_HAVE_NAMES: Final = 10_000

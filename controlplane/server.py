@@ -61,7 +61,7 @@ from shared.errors import (
 )
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
-from shared.rpc import ErrorInterceptor, serve_health_and_reflection
+from shared.rpc import LINK_MAX_MESSAGE, ErrorInterceptor, serve_health_and_reflection
 from shared.store import ObjectStore, StoreOptions, open_store
 
 __all__ = ["ControlPlane", "Services", "open_control_store", "run_daemon"]
@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 #: Seconds between two counts of offline machines.
 OFFLINE_COUNT_INTERVAL = 60.0
 #: Largest gRPC message accepted (prompts and segments are chunked below this).
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+MAX_MESSAGE_BYTES = LINK_MAX_MESSAGE
 LINK_SERVICE = link_pb2.DESCRIPTOR.services_by_name["MachineLink"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 

@@ -75,6 +75,12 @@ _MANIFEST_AAD: Final = b"agents.backup.manifest.v1:"
 _KEY_PERSON: Final = b"agents.segkey.v1"[:16]
 #: Segment kinds.
 KINDS: Final = frozenset({"agent", "attachment"})
+#: A sealed manifest's plaintext is its JSON compressed with zstd (one row per run
+#: ever made: the usage history grows with the machine's age, and JSON of such rows
+#: shrinks about tenfold). Older manifests are plain JSON; both open.
+_ZSTD_MAGIC: Final = b"\x28\xb5\x2f\xfd"
+#: The most plaintext a manifest may open to (a forged frame cannot claim more).
+MAX_MANIFEST_PLAIN: Final = 256 * 1024 * 1024
 
 
 def segment_name(naming_key: bytes, plaintext: Iterable[bytes]) -> str:
@@ -345,7 +351,7 @@ def manifest_aad(machine_id: str, backup_id: str) -> bytes:
 def seal_manifest(manifest: BackupManifest, recipients: Sequence[bytes]) -> bytes:
     """The manifest sealed to each recipient (machine backup key, account recovery key)."""
     return seal_bytes(
-        manifest.to_json(),
+        zstandard.ZstdCompressor(level=3).compress(manifest.to_json()),
         recipients,
         chunk_size=SEGMENT_CHUNK,
         aad=manifest_aad(manifest.machine_id, manifest.backup_id),
@@ -362,7 +368,25 @@ def open_manifest(
     """
     what = f"backup {backup_id}"
     raw = open_bytes(blob, keypair, aad=manifest_aad(machine_id, backup_id), what=what)
-    manifest = BackupManifest.parse(raw, what)
+    manifest = BackupManifest.parse(_manifest_json(raw, what), what)
     if manifest.backup_id != backup_id or manifest.machine_id != machine_id:
         raise IntegrityError(what, "manifest names another backup or machine")
     return manifest
+
+
+def _manifest_json(raw: bytes, what: str) -> bytes:
+    """The JSON of an opened manifest: decompressed (bounded), or as it is (older ones)."""
+    if not raw.startswith(_ZSTD_MAGIC):
+        return raw
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(raw) as reader:
+            while piece := reader.read(SEGMENT_CHUNK):
+                out += piece
+                if len(out) > MAX_MANIFEST_PLAIN:
+                    raise IntegrityError(
+                        what, f"manifest opens to more than {MAX_MANIFEST_PLAIN} bytes"
+                    )
+    except zstandard.ZstdError:
+        raise IntegrityError(what, "manifest does not decompress") from None
+    return bytes(out)

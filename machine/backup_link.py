@@ -30,10 +30,10 @@ from machine.db import Database
 from machine.link_client import LinkClient
 from machine.transfer import DatabaseBackupSource, restore_fetched
 from shared.atomic import ensure_private_dir
-from shared.backup_target import ManifestInfo, PruneResult
+from shared.backup_target import MAX_LINK_MANIFEST, ManifestInfo, PruneResult
 from shared.crypto import BoxKeyPair
-from shared.errors import InvalidArgument
-from shared.rpc import domain_error
+from shared.errors import InvalidArgument, TooLarge
+from shared.rpc import LINK_MAX_MESSAGE, domain_error
 
 __all__ = ["ControlPlaneTarget", "RepairRestore", "restore_newest"]
 
@@ -81,6 +81,10 @@ class ControlPlaneTarget:
             raise domain_error(exc) from exc
 
     async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
+        names = list(names)
+        # Refused here with what to do, not as the link's RESOURCE_EXHAUSTED.
+        if len(blob) > MAX_LINK_MANIFEST or len(blob) + 65 * len(names) > LINK_MAX_MESSAGE:
+            raise TooLarge("manifest", MAX_LINK_MANIFEST, len(blob))
         try:
             await self._client.put_manifest(backup_id, blob, names, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:

@@ -21,6 +21,7 @@ import grpc
 import grpc.aio
 
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
+from shared.rpc import LINK_MAX_MESSAGE
 from shared.timestamps import field_datetime, from_seconds
 
 __all__ = [
@@ -55,6 +56,9 @@ _CHANNEL_OPTIONS: Final = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # What the control plane sends back (a backup's manifest) can pass gRPC's default.
+    ("grpc.max_receive_message_length", LINK_MAX_MESSAGE),
+    ("grpc.max_send_message_length", LINK_MAX_MESSAGE),
 )
 
 

@@ -27,12 +27,14 @@ from typing import BinaryIO, Final, Protocol, runtime_checkable
 
 from shared.errors import NotFound, PreconditionFailed
 from shared.ids import is_valid_id, validate_id
+from shared.rpc import LINK_MAX_MESSAGE
 from shared.store.base import ObjectStore, validate_prefix
 
 __all__ = [
     "BackupTarget",
     "LocalSegments",
     "MANIFESTS",
+    "MAX_LINK_MANIFEST",
     "ManifestInfo",
     "NAMES_SUFFIX",
     "PruneResult",
@@ -51,6 +53,11 @@ _SEGMENTS = "segments/"
 _SUFFIX = ".sealed"
 #: A backup's names list: ``MANIFESTS + backup id + NAMES_SUFFIX``.
 NAMES_SUFFIX: Final = ".names"
+#: The largest sealed manifest a control plane stores. It names every segment with
+#: its key (a few hundred bytes each) and holds the machine's usage history
+#: (compressed); it travels in one link message with its names list (65 bytes a
+#: segment), for which a mebibyte is left.
+MAX_LINK_MANIFEST: Final = LINK_MAX_MESSAGE - 1024 * 1024
 
 
 _SEGMENT_NAME: Final = re.compile(r"[0-9a-f]{64}")

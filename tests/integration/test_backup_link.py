@@ -24,8 +24,9 @@ from controlplane.client import AdminClient
 from machine.backup import BackupEngine
 from machine.backup_link import ControlPlaneTarget
 from machine.link_client import LinkClient
+from shared.backup_target import MAX_LINK_MANIFEST
 from shared.crypto import BoxKeyPair
-from shared.errors import NotFound
+from shared.errors import NotFound, TooLarge
 from shared.ids import new_id
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from tests.conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY, _s3_client
@@ -212,3 +213,19 @@ async def test_backup_rpcs_bound_and_check_their_input(cp: ControlProc) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Prune(link_pb2.PruneRequest(keep=0), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_manifest_past_grpcs_default_limit_goes_up_and_comes_back(cp: ControlProc) -> None:
+    alice = await _account(cp, 7102)
+    _, cert, key = await _machine(cp, alice)
+    async with _link(cp, cert, key) as link:
+        target = ControlPlaneTarget(link)
+        # Larger than gRPC's 4 MiB default: a machine with a long usage history.
+        blob = os.urandom(5 * 1024 * 1024)
+        backup_id = new_id("backup")
+        await target.put_manifest(backup_id, blob, [])
+        assert await target.get_manifest(backup_id) == blob
+        # Past the link's limit: refused on the machine, saying which limit.
+        with pytest.raises(TooLarge, match="manifest"):
+            await target.put_manifest(new_id("backup"), b"x" * (MAX_LINK_MANIFEST + 1), [])
+        assert [m.backup_id for m in await target.list_manifests()] == [backup_id]

@@ -7,16 +7,18 @@ import os
 import pytest
 
 from machine.backup_format import (
+    SEGMENT_CHUNK,
     BackupManifest,
     SegmentRef,
     decode_segment,
     encode_segment,
+    manifest_aad,
     open_manifest,
     seal_manifest,
     segment_key,
     segment_name,
 )
-from shared.crypto import BoxKeyPair
+from shared.crypto import BoxKeyPair, seal_bytes
 from shared.errors import IntegrityError
 from shared.ids import new_id
 
@@ -120,6 +122,24 @@ def test_manifest_opens_for_either_recipient() -> None:
         assert open_manifest(blob, kp, machine_id=MACHINE, backup_id=BACKUP) == manifest
     with pytest.raises(IntegrityError):
         open_manifest(blob, BoxKeyPair.generate(), machine_id=MACHINE, backup_id=BACKUP)
+
+
+def test_manifest_is_sealed_compressed_and_older_plain_ones_still_open() -> None:
+    kp = BoxKeyPair.generate()
+    runs = tuple({"id": new_id("run"), "input_tokens": i, "state": "finished"} for i in range(5000))
+    manifest = BackupManifest(BACKUP, MACHINE, 1.5, NAMING, (), usage=runs)
+    blob = seal_manifest(manifest, [kp.public_key])
+    assert len(blob) < len(manifest.to_json()) / 3  # a long usage history shrinks
+    assert open_manifest(blob, kp, machine_id=MACHINE, backup_id=BACKUP) == manifest
+    aad = manifest_aad(MACHINE, BACKUP)
+    older = seal_bytes(manifest.to_json(), [kp.public_key], chunk_size=SEGMENT_CHUNK, aad=aad)
+    assert open_manifest(older, kp, machine_id=MACHINE, backup_id=BACKUP) == manifest
+    # Compressed garbage, sealed as a manifest: refused as such, not a traceback.
+    junk = seal_bytes(
+        b"\x28\xb5\x2f\xfd" + os.urandom(64), [kp.public_key], chunk_size=SEGMENT_CHUNK, aad=aad
+    )
+    with pytest.raises(IntegrityError, match="does not decompress"):
+        open_manifest(junk, kp, machine_id=MACHINE, backup_id=BACKUP)
 
 
 def test_manifest_bound_to_its_machine_and_id() -> None:
