@@ -441,6 +441,7 @@ async def open_machine(
         handoff = Handoff(
             db,
             machine_id=ids.canonical,
+            own_ids=ids.own,
             attachments_dir=config.attachments_dir,
             outgoing=config.outgoing_dir,
             incoming=config.incoming_dir,

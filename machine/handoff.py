@@ -58,9 +58,12 @@ class Handoff:
         incoming: Path,
         erased: Callable[[], set[str]] = set,
         clock: Callable[[], float] = time.time,
+        own_ids: frozenset[str] = frozenset(),
     ) -> None:
         self._db = db
         self._machine_id = machine_id
+        # Every id this machine has had: an import of an agent from one is refused.
+        self._own = own_ids | {machine_id}
         self._attachments = attachments_dir
         self.outgoing = outgoing
         self.incoming = incoming
@@ -106,6 +109,7 @@ class Handoff:
                 staging_dir=self.incoming,
                 attachments_dir=self._attachments,
                 erased=self._erased(),
+                own_ids=self._own,
             )
         finally:
             self.done(path)

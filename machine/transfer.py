@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sqlite3
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -242,10 +243,14 @@ async def _commit(
     erased_entries: list[tuple[str, float]] | None = None,
     load: Callable[[Any, str], str] | None = None,
     start: Callable[[list[str]], None] | None = None,
+    whole: bool = True,
+    not_from: frozenset[str] = frozenset(),
 ) -> InResult:
     """Skip existing and erased agents, then load the rest and place attachments in
     one transaction; ``load(conn, agent_id)`` loads one (default: from its folder),
-    ``start`` is told which agents will be loaded, in order, before the first."""
+    ``start`` is told which agents will be loaded, in order, before the first;
+    ``whole`` refuses an attachment a conversation names and the archive lacks
+    (an export always holds them; a backup of a machine that lost one does not)."""
 
     def known(conn: Any) -> tuple[set[str], set[str]]:
         return (
@@ -256,28 +261,54 @@ async def _commit(
     existing, erased_here = await db.read(known, what=f"{what}: existing agents")
     # The machine's own erased list, the caller's and the backup's: all are skipped.
     erased = erased | erased_here | {a for a, _ in erased_entries or ()}
-    skipped_existing = tuple(sorted(a for a in folders if a in existing))
-    skipped_erased = tuple(sorted(a for a in folders if a in erased and a not in existing))
     todo = [a for a in folders if a not in existing and a not in erased]
     if start is not None:
         start(todo)
     ensure_private_dir(attachments_dir)
     sizes: dict[str, int] = {}
+    loaded_ids: list[str] = []
 
     runs = store_export.usage_by_run(usage)
 
     def load_folder(conn: Any, agent_id: str) -> str:
-        return store_export.load_agent(conn, folders[agent_id], runs=runs)
+        return store_export.load_agent(conn, folders[agent_id], runs=runs, not_from=not_from)
 
     def commit(conn: Any) -> None:
+        # Looked at again inside the transaction: an import or an erasure that
+        # committed since the look above must not be overwritten or brought back.
+        existing.update(store_export.existing_agents(conn, todo))
+        erased.update(store_erasures.erased_among(conn, todo))
         for agent_id in todo:
-            loaded = (load or load_folder)(conn, agent_id)
+            if agent_id in existing or agent_id in erased:
+                continue
+            try:
+                loaded = (load or load_folder)(conn, agent_id)
+            except sqlite3.IntegrityError as e:
+                # A run or tool call id another agent here has (the loader checks the
+                # rest): refused whole, as any other malformed input.
+                raise InvalidArgument(
+                    "archive", f"agent {agent_id}: an id it holds is already on this machine ({e})"
+                ) from None
             if loaded != agent_id:
                 raise InvalidArgument("archive", f"agent {agent_id}: its record names {loaded}")
+            loaded_ids.append(agent_id)
         # Placed once every agent loaded (a restore authenticates each segment as it
         # loads it): a refused one leaves no file behind. Before the commit point, as
-        # a conversation must never name a file that is not there.
-        for sha, path in sorted(attachment_files.items()):
+        # a conversation must never name a file that is not there. Only the files the
+        # loaded agents name: a skipped (erased) agent's files stay out.
+        for sha in sorted(store_export.attachments_of(conn, loaded_ids)):
+            path = attachment_files.get(sha)
+            if path is None:
+                if (attachments_dir / sha).is_file():
+                    continue  # already here (another agent's)
+                if not whole:
+                    # The machine backed up had lost the file: everything else of
+                    # a lost machine still comes back.
+                    logger.warning("%s: attachment %s is not in the backup", what, sha[:16])
+                    continue
+                raise InvalidArgument(
+                    "archive", f"attachment {sha[:16]}: named by a conversation, not in the archive"
+                )
             sizes[sha] = _place_attachment(path, sha, attachments_dir)
             store_export.set_attachment_size(conn, sha, sizes[sha])
         # A restore brings the erased list back (a new machine must skip them too).
@@ -287,10 +318,14 @@ async def _commit(
             if agent_id not in here:
                 store_erasures.add_erased(conn, agent_id, erased_at)
 
-    if todo or erased_entries or attachment_files:
+    if todo or erased_entries:
         await db.write(commit, what=what)  # the commit point: every agent or none
-    logger.info("%s: %d agents in, %d skipped", what, len(todo), len(folders) - len(todo))
-    return InResult(tuple(todo), skipped_existing, skipped_erased, len(sizes))
+    skipped_existing = tuple(sorted(a for a in folders if a in existing))
+    skipped_erased = tuple(sorted(a for a in folders if a in erased and a not in existing))
+    logger.info(
+        "%s: %d agents in, %d skipped", what, len(loaded_ids), len(folders) - len(loaded_ids)
+    )
+    return InResult(tuple(loaded_ids), skipped_existing, skipped_erased, len(sizes))
 
 
 async def import_archive(
@@ -301,8 +336,13 @@ async def import_archive(
     attachments_dir: Path,
     erased: set[str],
     limits: ArchiveLimits | None = None,
+    own_ids: frozenset[str] = frozenset(),
 ) -> InResult:
-    """Import an export ``.tar.gz``: checked whole, then committed whole or not at all."""
+    """Import an export ``.tar.gz``: checked whole, then committed whole or not at all.
+
+    An agent whose origin is one of ``own_ids`` (this machine's) is refused: an
+    import never brings an agent that could run here.
+    """
     ensure_private_dir(staging_dir)
     stage = Path(tempfile.mkdtemp(dir=staging_dir, prefix=".import-"))
     os.rmdir(stage)  # extract_staged makes it, and removes it on refusal
@@ -321,6 +361,7 @@ async def import_archive(
             usage=[],
             erased=erased,
             what=f"import {archive.name}",
+            not_from=own_ids,
         )
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -376,6 +417,7 @@ async def restore_fetched(
             erased_entries=_erased_entries(fetched.manifest.erased),
             load=load,
             start=ahead.start,
+            whole=False,
         )
     finally:
         await asyncio.to_thread(ahead.close)

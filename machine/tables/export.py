@@ -37,6 +37,7 @@ __all__ = [
     "agent_markers",
     "agents_in_folder",
     "attachments_named",
+    "attachments_of",
     "dump_agent",
     "dump_agent_to",
     "existing_agents",
@@ -123,6 +124,15 @@ def agents_in_folder(conn: sqlite3.Connection, folder: str) -> list[str]:
 def attachments_named(conn: sqlite3.Connection) -> list[str]:
     """sha256 of every attachment some agent's conversation names."""
     return [r[0] for r in conn.execute("SELECT DISTINCT sha256 FROM attachment_refs ORDER BY 1")]
+
+
+def attachments_of(conn: sqlite3.Connection, agent_ids: Iterable[str]) -> set[str]:
+    """sha256 of every attachment the conversations of ``agent_ids`` name."""
+    out: set[str] = set()
+    for agent_id in agent_ids:
+        rows = conn.execute("SELECT sha256 FROM attachment_refs WHERE agent_id = ?", (agent_id,))
+        out.update(r[0] for r in rows)
+    return out
 
 
 def usage_rows(conn: sqlite3.Connection) -> list[dict[str, Any]]:
@@ -287,6 +297,7 @@ def load_agent(
     *,
     runs: Mapping[str, dict[str, Any]] | Iterable[dict[str, Any]] = (),
     index: bool = True,
+    not_from: frozenset[str] = frozenset(),
 ) -> str:
     """Insert the agent dumped in ``folder`` (archived), in the caller's transaction.
 
@@ -303,7 +314,13 @@ def load_agent(
     if not isinstance(runs, Mapping):
         runs = usage_by_run(runs)
     return load_agent_files(
-        conn, folder.name, open_file, optional=open_optional, runs=runs, index=index
+        conn,
+        folder.name,
+        open_file,
+        optional=open_optional,
+        runs=runs,
+        index=index,
+        not_from=not_from,
     )
 
 
@@ -316,6 +333,7 @@ def load_agent_files(
     optional: OptionalFiles | None = None,
     index: bool = True,
     now: float = 0.0,
+    not_from: frozenset[str] = frozenset(),
 ) -> str:
     """Insert one agent's export files (archived), in the caller's transaction.
 
@@ -327,7 +345,9 @@ def load_agent_files(
     into the search index in this transaction; without, the agent is queued
     for the background indexer (:mod:`.search_backlog`), queued at ``now``.
     Anything malformed raises InvalidArgument naming the file and line, and
-    the caller's transaction rolls back: nothing of the agent is kept.
+    the caller's transaction rolls back: nothing of the agent is kept. An agent
+    whose origin is in ``not_from`` is refused (an import: an agent claiming to
+    be this machine's own would run here once unarchived).
     """
     where = f"{label}/record.json"
     with files("record.json") as f:
@@ -341,6 +361,12 @@ def load_agent_files(
     if not isinstance(record, dict):
         raise InvalidArgument("archive", f"{where}: not a JSON object")
     _check_record(record, where)
+    if record["origin_machine"] in not_from:
+        raise InvalidArgument(
+            "archive",
+            f"{where}: its origin is this machine; an import brings other machines' agents"
+            " (restore a backup to bring this machine's own back)",
+        )
     agent_id = str(record["agent_id"])
     conn.execute(
         "INSERT INTO agents (id, name, folder, runtime, settings_json, state, origin_machine,"
@@ -421,12 +447,18 @@ def load_agent_files(
         conn.executemany(_INSERT_EVENT, batch)
     conn.execute("UPDATE agents SET last_seq = ? WHERE id = ?", (last_seq, agent_id))
     _load_runs(conn, agent_id, started, ended, runs)
+    # A summary or tool call names one of the agent's own runs (those its
+    # conversation started): a run id of another agent would write into that
+    # agent's rows (a summary replaces the run's).
     with files("summaries.jsonl") as f:
         for n, row in enumerate(read_jsonl(f, f"{label}/summaries"), 1):
-            _insert_summary(conn, agent_id, row, f"{label}/summaries.jsonl line {n}")
+            where = f"{label}/summaries.jsonl line {n}"
+            _own_run(row, started, where)
+            _insert_summary(conn, agent_id, row, where)
     with files("tools.jsonl") as f:
         what = f"{label}/tools.jsonl"
         for n, row in enumerate(read_jsonl(f, what), 1):
+            _own_run(row, started, f"{what} line {n}")
             _insert_tool(conn, agent_id, row, f"{what} line {n}")
     for ref in record.get("attachments", []):
         _insert_attachment_ref(conn, agent_id, ref, where)
@@ -477,6 +509,11 @@ def _load_runs(
                 u.get("error_code", end.get("code")),
             ),
         )
+
+
+def _own_run(row: dict[str, Any], started: Mapping[str, Any], where: str) -> None:
+    if archive_field(row, "run_id", str, where) not in started:
+        raise InvalidArgument("archive", f"{where}: names a run its conversation does not start")
 
 
 def _insert_summary(

@@ -7,24 +7,34 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
 import tarfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from machine import transfer
 from machine.app import Machine, open_machine
 from machine.backup import BackupEngine, BackupResult
 from machine.config import MachineConfig
 from machine.models import AgentState, EventKind
-from machine.transfer import DatabaseBackupSource, export_agents, import_archive, restore_fetched
+from machine.transfer import (
+    DatabaseBackupSource,
+    InResult,
+    export_agents,
+    import_archive,
+    restore_fetched,
+)
 from shared.backup_folder import FolderTarget
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
 from shared.errors import IntegrityError, InvalidArgument, NotFound
+from shared.ids import new_id
 from shared.store.folder import FolderStore
 from tests.helpers.poll import apoll_until
 
@@ -380,3 +390,178 @@ async def test_a_restore_killed_after_placing_attachments_commits_nothing(
         )
         assert sorted(result.restored) == sorted(agents)
         assert await _export_files(new, agents, tmp_path / "after.tar.gz") == before
+
+
+def _repack(archive: Path, dest: Path, edit: Callable[[Path, dict[str, Any]], None]) -> Path:
+    """The export ``archive`` unpacked, changed by ``edit(stage, manifest)`` and packed
+    again as ``dest`` with every file hash in its manifest made right again."""
+    stage = dest.with_suffix(".stage")
+    with tarfile.open(archive) as tar:
+        tar.extractall(stage, filter="data")
+    manifest = json.loads((stage / "manifest.json").read_bytes())
+    edit(stage, manifest)
+    for entry in manifest["agents"]:
+        folder = stage / "agents" / entry["agent_id"]
+        entry["files"] = {
+            name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
+            for name in entry["files"]
+        }
+    (stage / "manifest.json").write_text(json.dumps(manifest))
+    with tarfile.open(dest, "w:gz") as tar:
+        for path in sorted(stage.rglob("*")):
+            if path.is_file():
+                tar.add(path, arcname=str(path.relative_to(stage)))
+    return dest
+
+
+async def _import(m: Machine, archive: Path, tmp: Path, **kw: Any) -> InResult:
+    return await import_archive(
+        m.db,
+        archive,
+        staging_dir=tmp / "incoming",
+        attachments_dir=m.config.attachments_dir,
+        erased=set(),
+        **kw,
+    )
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def test_an_import_never_writes_into_another_agents_rows(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "a")) as a:
+        agents = await _populate(a, tmp_path, 2)
+        archive = tmp_path / "out.tar.gz"
+        await _export_files(a, agents, archive)
+    first, second = agents
+
+    def only(agent_id: str) -> Callable[[Path, dict[str, Any]], None]:
+        def edit(stage: Path, manifest: dict[str, Any]) -> None:
+            manifest["agents"] = [e for e in manifest["agents"] if e["agent_id"] == agent_id]
+            for other in agents:
+                if other != agent_id:
+                    shutil.rmtree(stage / "agents" / other)
+            named = {s for e in manifest["agents"] for s in e["attachments"]}
+            for f in (stage / "attachments").iterdir():
+                if f.name not in named:
+                    f.unlink()
+
+        return edit
+
+    async with open_machine(_config(tmp_path / "b")) as b:
+        await _import(b, _repack(archive, tmp_path / "first.tar.gz", only(first)), tmp_path)
+        mine = tmp_path / "first-export.tar.gz"
+        before = await _export_files(b, [first], mine)
+
+        # The second agent's summaries name a run of the first: a summary would have
+        # replaced the first agent's.
+        def steal_summary(stage: Path, manifest: dict[str, Any]) -> None:
+            only(second)(stage, manifest)
+            runs = [e["run_id"] for e in _lines(tmp_path / "runs-of-first.jsonl")]
+            path = stage / "agents" / second / "summaries.jsonl"
+            rows = _lines(path)
+            rows.append({"run_id": runs[0], "text": "STOLEN", "created_at": 1.0})
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+        with tarfile.open(mine) as tar:
+            f = tar.extractfile(f"agents/{first}/conversation.jsonl")
+            assert f is not None
+            (tmp_path / "runs-of-first.jsonl").write_bytes(f.read())
+        bad = _repack(archive, tmp_path / "steal.tar.gz", steal_summary)
+        with pytest.raises(InvalidArgument, match="names a run its conversation does not start"):
+            await _import(b, bad, tmp_path)
+
+        # The second agent under a new id with the first's runs: the run ids collide.
+        def clone_first(stage: Path, manifest: dict[str, Any]) -> None:
+            only(first)(stage, manifest)
+            clone = new_id("agent")
+            (stage / "agents" / first).rename(stage / "agents" / clone)
+            record = json.loads((stage / "agents" / clone / "record.json").read_text())
+            record["agent_id"] = clone
+            (stage / "agents" / clone / "record.json").write_text(json.dumps(record))
+            manifest["agents"][0]["agent_id"] = clone
+
+        clone = _repack(archive, tmp_path / "clone.tar.gz", clone_first)
+        with pytest.raises(InvalidArgument, match="already on this machine"):
+            await _import(b, clone, tmp_path)
+        assert [x.id for x in await b.agents.list(include_archived=True)] == [first]
+        assert await _export_files(b, [first], tmp_path / "after.tar.gz") == before
+
+
+async def test_an_import_of_this_machines_own_agent_is_refused(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "a")) as a:
+        agents = await _populate(a, tmp_path, 1)
+        archive = tmp_path / "out.tar.gz"
+        await _export_files(a, agents, archive)
+        own = a.ids.own
+    # The agent left the machine's database (and its erased list): an import must
+    # still not bring it back as one that runs here.
+    db = sqlite3.connect(tmp_path / "a" / "machine.db")
+    with db:
+        db.execute("PRAGMA foreign_keys = ON")
+        db.execute("DELETE FROM agents")
+    db.close()
+    async with open_machine(_config(tmp_path / "a")) as a:
+        with pytest.raises(InvalidArgument, match="its origin is this machine"):
+            await _import(a, archive, tmp_path, own_ids=own)
+        assert await a.agents.list(include_archived=True) == []
+
+
+async def test_a_skipped_agents_attachments_stay_out(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "a")) as a:
+        agents = await _populate(a, tmp_path, 2)
+        archive = tmp_path / "out.tar.gz"
+        await _export_files(a, agents, archive)
+    async with open_machine(_config(tmp_path / "b")) as b:
+        result = await import_archive(
+            b.db,
+            archive,
+            staging_dir=tmp_path / "incoming",
+            attachments_dir=b.config.attachments_dir,
+            erased={agents[0]},
+        )
+        assert result.restored == (agents[1],) and result.attachments == 1
+        placed = sorted(p.name for p in b.config.attachments_dir.iterdir())
+        con = sqlite3.connect(tmp_path / "b" / "machine.db")
+        named = sorted(r[0] for r in con.execute("SELECT DISTINCT sha256 FROM attachment_refs"))
+        con.close()
+        assert placed == named and len(placed) == 1
+
+
+async def test_an_agent_erased_while_an_import_was_staged_is_not_brought_back(
+    tmp_path: Path,
+) -> None:
+    async with open_machine(_config(tmp_path / "a")) as a:
+        agents = await _populate(a, tmp_path, 2)
+        archive = tmp_path / "out.tar.gz"
+        await _export_files(a, agents, archive)
+    async with open_machine(_config(tmp_path / "b")) as b:
+        stage = tmp_path / "stage"
+        with tarfile.open(archive) as tar:
+            tar.extractall(stage, filter="data")
+
+        def erased_meanwhile(todo: list[str]) -> None:
+            # Between the look at the erased list and the transaction, another
+            # connection commits an erasure of the first agent.
+            assert agents[0] in todo
+            con = sqlite3.connect(tmp_path / "b" / "machine.db")
+            with con:
+                con.execute(
+                    "INSERT INTO erased (agent_id, erased_at) VALUES (?, 1.0)", (agents[0],)
+                )
+            con.close()
+
+        result = await transfer._commit(
+            b.db,
+            {a: stage / "agents" / a for a in agents},
+            {p.name: p for p in (stage / "attachments").iterdir()},
+            b.config.attachments_dir,
+            usage=[],
+            erased=set(),
+            what="import test",
+            start=erased_meanwhile,
+        )
+        assert result.restored == (agents[1],)
+        assert result.skipped_erased == (agents[0],)
+        assert [x.id for x in await b.agents.list(include_archived=True)] == [agents[1]]
