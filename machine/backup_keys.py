@@ -33,7 +33,7 @@ from shared.crypto import (
 )
 from shared.errors import AgentsError, ConfigError, InvalidState
 
-__all__ = ["BackupKeys", "adopt_naming_key", "load_backup_keys", "new_standalone_recovery_key"]
+__all__ = ["BackupKeys", "load_backup_keys", "new_standalone_recovery_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +117,3 @@ def new_standalone_recovery_key(data_dir: Path) -> BoxKeyPair:
     pair = BoxKeyPair.generate()
     write_atomic(path, (encode_public_key(pair.public_key) + "\n").encode())
     return pair
-
-
-def adopt_naming_key(data_dir: Path, naming_key: bytes) -> None:
-    """Name segments as a restored backup did (a repaired machine reuses its segments)."""
-    if len(naming_key) != 32:
-        raise ValueError("a naming key is 32 bytes")
-    write_atomic(data_dir / "keys" / _NAMING, (naming_key.hex() + "\n").encode())

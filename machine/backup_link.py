@@ -25,7 +25,6 @@ import grpc.aio
 
 from machine import identity
 from machine.backup import BackupEngine
-from machine.backup_keys import adopt_naming_key
 from machine.db import Database
 from machine.link_client import LinkClient
 from machine.transfer import DatabaseBackupSource, restore_fetched
@@ -141,8 +140,11 @@ async def restore_newest(
     """Restore this joined machine's newest backup kept by the control plane.
 
     Run once after a repair join (the box took over a lost machine's id, so
-    the backups are "its own"). Opened with the account recovery key only;
-    the backup's naming key is adopted so the next backup reuses its segments.
+    the backups are "its own"). Opened with the account recovery key only.
+    The backup's naming key is not adopted: a manifest sealed to the recovery
+    key proves nothing about who sealed it (anyone holding the public key can),
+    and a forged one must not choose the keys of this machine's next backups.
+    The next backup uploads every segment once, under the box's own key.
     The restore commits whole or not at all (machine.transfer); running it
     again skips the agents already restored.
     """
@@ -181,8 +183,6 @@ async def restore_newest(
         stage = work / f".repair-{os.getpid()}"
         try:
             fetched = await engine.fetch(newest, stage, recovery, decode_agents=False)
-            # Before the restore: a crash after it still leaves the key adopted.
-            await asyncio.to_thread(adopt_naming_key, data_dir, fetched.manifest.naming_key)
             result = await restore_fetched(
                 db, fetched, attachments_dir=attachments_dir, erased=set()
             )

@@ -216,7 +216,8 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
         stream = await new.runs.prompt(agents[7], "after the repair")
         kinds = [ev.kind.name async for ev in stream]
         assert kinds[-1] == "RUN_FINISHED", kinds
-    # The naming key was adopted: a backup now reuses the restored segments.
+    # The repaired machine backs up under its own naming key (a forged backup must
+    # not choose the keys of the next ones).
     again = await _backup(new_dir, tmp_path / "work2")
     assert again != backup_id
 
