@@ -63,6 +63,10 @@ MAX_LINE: Final = 64 * 1024 * 1024
 _HASH_CHUNK: Final = 1024 * 1024
 
 
+#: The largest manifest.json an import reads.
+MAX_MANIFEST: Final = 64 * 1024 * 1024
+
+
 def _bad(reason: str) -> InvalidArgument:
     return InvalidArgument("archive", reason)
 
@@ -256,6 +260,11 @@ def verify_staged(root: Path, paths: Iterable[str]) -> ExportManifest:
     present = set(paths)
     if MANIFEST not in present:
         raise _bad("manifest.json: missing")
+    # Read and parsed whole: bounded far below an entry's 1 GiB (it names each
+    # agent's four files and attachments, a few hundred bytes an agent).
+    size = (root / MANIFEST).stat().st_size
+    if size > MAX_MANIFEST:
+        raise _bad(f"manifest.json: {size} bytes, over the limit of {MAX_MANIFEST}")
     manifest = ExportManifest.parse((root / MANIFEST).read_bytes())
     expected: dict[str, str] = {}
     for agent in manifest.agents:

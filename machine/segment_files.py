@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Final
 
 from machine.export_format import AGENT_FILES, OPTIONAL_AGENT_FILES, agent_path
+from shared.archive import BoundedTarInfo
 from shared.errors import IntegrityError
 
 __all__ = ["MAX_FILE_BYTES", "SegmentFiles", "open_segment"]
@@ -133,7 +134,7 @@ def open_segment(source: Path | IO[bytes], agent_id: str) -> Iterator[SegmentFil
     path, or a binary file open for reading)."""
     with open(source, "rb") if isinstance(source, Path) else contextlib.nullcontext(source) as f:
         try:
-            tar = tarfile.open(fileobj=f, mode="r|")
+            tar = tarfile.open(fileobj=f, mode="r|", tarinfo=BoundedTarInfo)
         except (tarfile.TarError, EOFError, OSError) as e:
             what = f"backup agent {agent_id}"
             raise IntegrityError(what, f"segment is not a tar ({e})") from None

@@ -35,7 +35,9 @@ from shared.atomic import FILE_MODE, open_atomic
 from shared.errors import InvalidArgument
 
 __all__ = [
+    "MAX_EXTENDED_HEADER",
     "ArchiveLimits",
+    "BoundedTarInfo",
     "extract_staged",
     "write_tar",
     "write_tar_gz",
@@ -48,6 +50,33 @@ CHUNK: Final = 1024 * 1024
 _GZIP_MAGIC: Final = b"\x1f\x8b"
 #: One path component: printable, no separators; the caller's ``accept`` narrows it.
 _COMPONENT: Final = re.compile(r"^[A-Za-z0-9._@+=-]{1,255}$")
+
+
+#: The largest extended header (a PAX record or a GNU long name) a reader takes.
+#: The paths of these formats are short; a writer needs a few hundred bytes.
+MAX_EXTENDED_HEADER: Final = 1024 * 1024
+_EXTENDED: Final = frozenset(
+    {tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+     tarfile.SOLARIS_XHDTYPE}
+)  # fmt: skip
+
+
+class ExtendedHeaderTooLarge(tarfile.TarError):
+    """An extended header over :data:`MAX_EXTENDED_HEADER` (read whole, it is no entry)."""
+
+
+class BoundedTarInfo(tarfile.TarInfo):
+    """Pass as ``tarinfo=`` to ``tarfile.open``: tarfile reads an extended header's
+    payload whole into memory before any entry limit applies (a 150 MiB long name
+    in a small archive took 470 MiB); one past :data:`MAX_EXTENDED_HEADER` is
+    refused before it is read."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _EXTENDED and self.size > MAX_EXTENDED_HEADER:
+            raise ExtendedHeaderTooLarge(
+                f"an extended header of {self.size} bytes (the limit is {MAX_EXTENDED_HEADER})"
+            )
+        return super()._proc_member(tar)  # type: ignore[misc,no-any-return]
 
 
 @dataclass(frozen=True)
@@ -198,7 +227,9 @@ def _extract(
         else:
             stream = io.BufferedReader(raw, CHUNK)
         try:
-            tar = tarfile.open(fileobj=stream, mode="r|")
+            tar = tarfile.open(fileobj=stream, mode="r|", tarinfo=BoundedTarInfo)
+        except ExtendedHeaderTooLarge as e:
+            raise _refuse(str(e)) from None
         except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
             raise _refuse(f"not a tar archive ({e})") from None
         with tar:
@@ -229,6 +260,8 @@ def _extract(
                     names.add(path)
                     _write_entry(tar, member, dest / path, path)
                     seen.append(path)
+            except ExtendedHeaderTooLarge as e:
+                raise _refuse(str(e)) from None
             except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
                 raise _refuse(f"damaged or truncated ({e})") from None
             except OSError as e:

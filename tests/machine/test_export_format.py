@@ -19,7 +19,7 @@ from machine.export_format import (
     read_jsonl,
     verify_staged,
 )
-from shared.archive import extract_staged, write_tar_gz
+from shared.archive import ArchiveLimits, extract_staged, write_tar_gz
 from shared.errors import InvalidArgument
 from shared.ids import new_id
 
@@ -165,3 +165,17 @@ def test_jsonl_bad_lines_named(tmp_path: Path) -> None:
     path.write_bytes(b'{"a": 1}\n\xff\n')
     with pytest.raises(InvalidArgument, match="x line 2: not valid JSON"):
         list(read_jsonl(path, "x"))
+
+
+def test_a_manifest_past_64_mib_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    contents = _contents()
+    # Valid JSON, padded with spaces: only its size is wrong.
+    raw = _manifest(contents).to_json() + b" " * (64 * 1024 * 1024)
+    stage = tmp_path / "stage"
+    # (Spaces compress past the import's ratio bound, which would refuse it first.)
+    paths = extract_staged(
+        _archive(tmp_path, contents, raw), stage, accept=accept_path,
+        limits=ArchiveLimits(max_ratio=10**6),
+    )  # fmt: skip
+    with pytest.raises(InvalidArgument, match="manifest.json: 671.* bytes, over the limit"):
+        verify_staged(stage, paths)

@@ -66,3 +66,16 @@ def test_anything_else_is_refused(tmp_path: Path, case: str) -> None:
     path = _with_symlink(tmp_path / "s") if case == "symlink" else _segment(tmp_path / "s", files)
     with pytest.raises(IntegrityError, match=f"backup agent {AGENT}"):
         _read_all(path)
+
+
+def test_an_extended_header_claiming_150_mib_is_refused_before_reading(tmp_path: Path) -> None:
+    first = (agent_path(AGENT, AGENT_FILES[0]), b"{}")
+    path = _segment(tmp_path / "s", [first])
+    info = tarfile.TarInfo("././@LongLink")
+    info.type = tarfile.GNUTYPE_LONGNAME
+    info.size = 150 * 1024 * 1024
+    # After the first file, where the second one's header belongs.
+    raw = path.read_bytes()
+    path.write_bytes(raw[:1024] + info.tobuf(format=tarfile.USTAR_FORMAT) + b"\0" * 4096)
+    with pytest.raises(IntegrityError, match="extended header of 157286400 bytes"):
+        _read_all(path)

@@ -258,3 +258,30 @@ def test_writer_refuses_bad_paths_and_leaves_no_file(tmp_path: Path) -> None:
         write_tar_gz(dest, [("manifest.json", b"{}"), ("../x", b"")])
     assert not dest.exists()
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+@pytest.mark.parametrize("kind", [tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE, tarfile.XGLTYPE])
+def test_an_extended_header_claiming_150_mib_is_refused_before_reading(
+    tmp_path: Path, kind: bytes
+) -> None:
+    # tarfile reads such a header's payload whole into memory before any entry
+    # exists to bound; the claim alone must be refused.
+    info = tarfile.TarInfo("././@LongLink")
+    info.type = kind
+    info.size = 150 * 1024 * 1024
+    path = tmp_path / "header.tar.gz"
+    with gzip.open(path, "wb") as gz:
+        gz.write(info.tobuf(format=tarfile.USTAR_FORMAT) + b"\0" * 4096)
+    _refused(tmp_path, path, "an extended header of 157286400 bytes")
+
+
+def test_a_small_extended_header_still_reads(tmp_path: Path) -> None:
+    def build(tar: tarfile.TarFile) -> None:
+        info = tarfile.TarInfo("manifest.json")
+        info.size = 2
+        info.pax_headers = {"comment": "c" * 10_000}
+        tar.format = tarfile.PAX_FORMAT
+        tar.addfile(info, io.BytesIO(b"{}"))
+
+    paths = extract_staged(_tar_gz(tmp_path / "pax.tar.gz", build), tmp_path / "s", accept=accept)
+    assert paths == ["manifest.json"]
