@@ -38,6 +38,7 @@ from machine.backup_format import (
 from machine.segment_workers import MadeSegment
 from shared.backup_target import BackupTarget
 from shared.crypto import KeyedHasher
+from shared.errors import NotFound
 
 __all__ = ["SegmentWriter", "WriteResult"]
 
@@ -97,6 +98,8 @@ class _Item:
     compressed: tempfile.SpooledTemporaryFile[bytes] | None = None
     stored: bytes | tempfile.SpooledTemporaryFile[bytes] | None = None
     """Made elsewhere, already as stored (SegmentMaker)."""
+    gone: bool = False
+    """An agent erased or deleted after the backup listed it: not in this backup."""
 
     def close(self) -> None:
         for spool in (self.compressed, self.stored):
@@ -202,6 +205,20 @@ class SegmentWriter:
         in_memory = 0
 
         async def plan(item: _Item) -> None:
+            try:
+                await make(item)
+            except NotFound:
+                if item.kind != "agent":
+                    raise
+                # Erased or deleted since the backup listed it: the backup holds
+                # what the machine has now, and the rest of it goes on.
+                logger.info("backup: agent %s went while it was being backed up", item.ref_id)
+                item.close()
+                item.gone = True
+                self._tick("read")
+                self._tick("upload")
+
+        async def make(item: _Item) -> None:
             nonlocal in_memory
             async with self._cpu:
                 if item.kind == "attachment":
@@ -254,6 +271,7 @@ class SegmentWriter:
         return spool
 
     async def _send(self, window: list[_Item]) -> list[SegmentRef]:
+        window = [item for item in window if not item.gone]
         refs = [item.ref for item in window]
         assert all(ref is not None for ref in refs)
         have = await self._target.have_segments({ref.name for ref in refs if ref is not None})

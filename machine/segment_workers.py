@@ -33,7 +33,7 @@ from machine.tables import export as store_export
 from machine.worker_pool import Answer, Handler, WorkerGone, WorkerPool, processes, serve
 from shared.archive import write_tar
 from shared.atomic import FILE_MODE
-from shared.errors import InvalidArgument, StoreError
+from shared.errors import InvalidArgument, NotFound, StoreError
 
 __all__ = [
     "MIN_AGENTS",
@@ -113,6 +113,8 @@ def _make(conn: sqlite3.Connection, agent_id: str, naming_key: bytes, work: Path
                 conn.execute("COMMIT")
             write_tar(compressor, entries)  # type: ignore[arg-type]
         name = compressor.finish()
+    except NotFound:
+        return {"missing": agent_id}, b""
     except InvalidArgument as e:
         return {"refused": [e.field, e.reason]}, b""
     except (sqlite3.Error, OSError) as e:
@@ -164,6 +166,8 @@ class SegmentWorkers:
             answer, data = await self._pool.request({"agent": agent_id})
         except WorkerGone as e:
             raise WorkerGone(f"back up agent {agent_id}: {e}") from None
+        if "missing" in answer:
+            raise NotFound("agent", agent_id)  # erased or deleted since the backup began
         if "refused" in answer:
             raise InvalidArgument(*answer["refused"])
         if "failed" in answer:

@@ -29,7 +29,7 @@ from machine.tables import search_backlog
 from machine.tables.rows import archive_field, present
 from machine.tables.runs import RUN_FIELDS
 from machine.tables.schedules import dump_schedules, load_schedules
-from shared.errors import InvalidArgument
+from shared.errors import InvalidArgument, NotFound
 from shared.ids import is_valid_id
 
 __all__ = [
@@ -200,7 +200,7 @@ def dump_agent_to(conn: sqlite3.Connection, agent_id: str, files: AgentFiles) ->
     :data:`AGENT_FILES` order); return its record. Call it inside one read job."""
     row = conn.execute("SELECT * FROM agents WHERE id = ?", (agent_id,)).fetchone()
     if row is None:
-        raise InvalidArgument("agent_id", f"agent {agent_id} not found")
+        raise NotFound("agent", agent_id)
     refs = conn.execute(
         "SELECT sha256, run_id, file_name, created_at FROM attachment_refs "
         "WHERE agent_id = ? ORDER BY sha256, run_id",

@@ -269,3 +269,23 @@ async def test_wrong_key_and_foreign_manifest_refused(parts: dict[str, Any]) -> 
 def test_keep_bounds(bad: object) -> None:
     with pytest.raises(InvalidArgument, match="backup_keep: must be a whole number from 1 to 10"):
         validate_keep(bad)
+
+
+async def test_an_agent_erased_mid_backup_is_left_out_and_the_backup_goes_on(
+    parts: dict[str, Any],
+) -> None:
+    engine, source = parts["engine"], parts["source"]
+    gone = list(source.data)[2]
+    write = source.write_agent
+
+    async def erased_meanwhile(agent_id: str, out: BinaryIO) -> None:
+        if agent_id == gone:
+            raise NotFound("agent", agent_id)  # as the dump finds it once erased
+        await write(agent_id, out)
+
+    source.write_agent = erased_meanwhile  # type: ignore[method-assign]
+    made = await engine.backup_now()
+    manifest = await engine.open(made.backup_id)
+    agents = {s.ref for s in manifest.segments if s.kind == "agent"}
+    assert agents == set(source.data) - {gone}
+    await engine.verify(made.backup_id)

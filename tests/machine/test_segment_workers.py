@@ -18,7 +18,7 @@ from machine.segment_workers import SegmentWorkers
 from machine.transfer import DatabaseBackupSource, restore_fetched
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
-from shared.errors import InvalidArgument, StoreError
+from shared.errors import NotFound, StoreError
 from shared.ids import new_id
 from shared.store.folder import FolderStore
 from tests.helpers.poll import apoll_until
@@ -114,14 +114,14 @@ async def one_agent(tmp_path: Path) -> AsyncIterator[_OneAgent]:
         yield _OneAgent(m.db.path, agent, stage)
 
 
-async def test_a_refused_agent_is_its_error_and_the_worker_goes_on(one_agent: _OneAgent) -> None:
+async def test_a_missing_agent_is_its_error_and_the_worker_goes_on(one_agent: _OneAgent) -> None:
     async with SegmentWorkers(
         one_agent.db_path, naming_key=NAMING_KEY, work_dir=one_agent.stage, count=1
     ) as workers:
         missing = new_id("agent")
-        with pytest.raises(InvalidArgument, match=f"agent {missing} not found") as err:
+        with pytest.raises(NotFound, match=f"agent {missing}: not found") as err:
             await workers(missing)
-        assert err.value.field == "agent_id"
+        assert err.value.kind == "agent"
         made = await workers(one_agent.agent)  # the same worker, still in step
         assert isinstance(made.stored, bytes) and made.plain_size > 0
         assert len(_worker_pids()) == 1
