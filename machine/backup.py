@@ -31,7 +31,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Final, Protocol
@@ -416,31 +416,38 @@ class BackupEngine:
         A small segment (as its manifest entry says) is held in memory; a larger
         one goes to a temp file first, so memory stays at one chunk.
         """
-        raw = work / f".{ref.name}.download"
-        held: list[bytes] | None = [] if ref.size <= _HOLD else None
+        if ref.size <= _HOLD:
+            held = [chunk async for chunk in self._bounded(ref)]
+            return await asyncio.to_thread(decode_checked, ref, naming_key, iter(held), out)
+        # A name of its own: two verifies of one backup (the CLI's and the
+        # nightly check's) must not write into each other's copy.
+        fd, name = tempfile.mkstemp(dir=work, prefix=f".{ref.name[:16]}-", suffix=".download")
+        raw = Path(name)
         try:
-            if held is not None:
-                size = 0
-                async for chunk in self._target.get_segment(ref.name):
-                    size += len(chunk)
-                    if size > _HOLD:  # more than the manifest said: spill, then fail below
-                        held = None
-                        break
-                    held.append(chunk)
-            if held is None:
-                with open(raw, "wb") as f:
-                    async for chunk in self._target.get_segment(ref.name):
-                        f.write(chunk)
-
-            stored = iter(held) if held is not None else file_chunks(raw)
+            with open(fd, "wb") as f:
+                async for chunk in self._bounded(ref):
+                    f.write(chunk)
+            stored = file_chunks(raw)
             return await asyncio.to_thread(decode_checked, ref, naming_key, stored, out)
         finally:
             raw.unlink(missing_ok=True)
 
+    async def _bounded(self, ref: SegmentRef) -> AsyncIterator[bytes]:
+        """The stored bytes of ``ref``, refused past the size its manifest names (a
+        target that sends more must not fill the disk or the memory first)."""
+        size = 0
+        async for chunk in self._target.get_segment(ref.name):
+            size += len(chunk)
+            if size > ref.size:
+                raise IntegrityError(
+                    f"segment {ref.name[:16]}", f"longer than the {ref.size} bytes its backup names"
+                )
+            yield chunk
+
     async def _download(self, ref: SegmentRef, path: Path) -> None:
         """Store segment ``ref`` as it is stored (encrypted) at ``path``."""
         with open(path, "wb") as f:
-            async for chunk in self._target.get_segment(ref.name):
+            async for chunk in self._bounded(ref):
                 f.write(chunk)
 
     async def verify(self, backup_id: str, keypair: BoxKeyPair | None = None) -> VerifyResult:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -289,3 +291,37 @@ async def test_an_agent_erased_mid_backup_is_left_out_and_the_backup_goes_on(
     agents = {s.ref for s in manifest.segments if s.kind == "agent"}
     assert agents == set(source.data) - {gone}
     await engine.verify(made.backup_id)
+
+
+async def test_a_target_sending_more_than_a_segment_holds_is_refused(
+    parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, store = parts["engine"], parts["store"]
+    made = await engine.backup_now()
+    target = engine._target
+    real = target.get_segment
+
+    async def padded(name: str) -> AsyncIterator[bytes]:
+        async for chunk in real(name):
+            yield chunk
+        yield b"\0" * 1024  # a hostile or broken target: more than the manifest names
+
+    monkeypatch.setattr(target, "get_segment", padded)
+    with pytest.raises(IntegrityError, match="longer than the .* bytes its backup names"):
+        await engine.verify(made.backup_id)
+    with pytest.raises(IntegrityError, match="longer than"):
+        await engine.fetch(made.backup_id, parts["tmp"] / "fetch", decode_agents=False)
+    assert not (parts["tmp"] / "fetch").exists()
+    assert store is not None
+
+
+async def test_two_verifies_of_a_large_segment_at_once_both_pass(parts: dict[str, Any]) -> None:
+    engine, source = parts["engine"], parts["source"]
+    big = next(iter(source.data))
+    source.data[big] = os.urandom(6 * 1024 * 1024)  # stored past what is held in memory
+    source.version[big] += 1
+    made = await engine.backup_now()
+    first, second = await asyncio.gather(
+        engine.verify(made.backup_id), engine.verify(made.backup_id)
+    )
+    assert first.segments == second.segments == made.segments
