@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 
-from controlplane.queue import PromptQueue, QueuedPrompt
+from controlplane.queue import Acknowledgement, PromptQueue, QueuedPrompt
 from shared.store.base import DELETE_BATCH
 
 __all__ = ["AckBatcher"]
@@ -34,15 +34,18 @@ class AckBatcher:
 
     def __init__(self, queue: PromptQueue) -> None:
         self._queue = queue
-        self._pending: list[tuple[QueuedPrompt, bool, asyncio.Future[None]]] = []
-        self._flying: list[tuple[QueuedPrompt, bool, asyncio.Future[None]]] = []
+        self._pending: list[tuple[Acknowledgement, asyncio.Future[None]]] = []
+        self._flying: list[tuple[Acknowledgement, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, entry: QueuedPrompt, *, refused: bool = False) -> asyncio.Future[None]:
-        """Delete ``entry`` soon; the future ends when it is deleted (or with the
-        store's error, and then the entry is still queued)."""
+    def add(
+        self, entry: QueuedPrompt, *, run_id: str = "", refused: str = ""
+    ) -> asyncio.Future[None]:
+        """Delete ``entry`` soon (the machine stored it as ``run_id``, or refused it
+        for the reason ``refused``); the future ends when it is deleted (or with
+        the store's error, and then the entry is still queued)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((entry, refused, done))
+        self._pending.append((Acknowledgement(entry, run_id, refused), done))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._flush(), name="prompt-acks")
         return done
@@ -52,13 +55,13 @@ class AckBatcher:
             self._flying = batch = self._pending[:DELETE_BATCH]
             del self._pending[:DELETE_BATCH]
             try:
-                await self._queue.acknowledged_many([(e, refused) for e, refused, _ in batch])
+                await self._queue.acknowledged_many([ack for ack, _ in batch])
             except Exception as e:  # the store failed: every waiter hears it
-                for _e, _r, done in batch:
+                for _ack, done in batch:
                     if not done.done():
                         done.set_exception(e)
                 continue
-            for _e, _r, done in batch:
+            for _ack, done in batch:
                 if not done.done():
                     done.set_result(None)
 
@@ -69,7 +72,7 @@ class AckBatcher:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for _e, _r, done in (*self._flying, *self._pending):
+        for _ack, done in (*self._flying, *self._pending):
             done.cancel()
         self._pending.clear()
         self._flying = []

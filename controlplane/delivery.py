@@ -130,10 +130,12 @@ class PromptDelivery:
             check_roster=self._live(machine_id) is None,
         )
         link = self._live(machine_id)
-        if link is None and self._on_queued is not None:
+        if link is None and self._on_queued is not None and sent.state == "queued":
             # A prompt waits (a retried send too): ask the provider (debounced).
             self._on_queued(sent.account_id, machine_id)
         if sent.entry is None:  # a replayed idempotency key
+            if sent.state != "queued":  # acknowledged before: the store's record says how
+                return SendOutcome(sent.prompt_id, sent.state, sent.run_id, sent.reason)
             return self._replayed(machine_id, sent.prompt_id)
         if link is None:
             return SendOutcome(sent.prompt_id, "queued")
@@ -205,7 +207,7 @@ class PromptDelivery:
             return
         # Not awaited: the link reads the next acknowledgement while this one is
         # deleted. It stays in flight until then, so no drain delivers it again.
-        deleted = self._acks.add(entry, refused=bool(ack.refused))
+        deleted = self._acks.add(entry, run_id=ack.run_id, refused=ack.refused)
         deleted.add_done_callback(
             functools.partial(self._deleted, session.machine_id, link, entry, ack)
         )

@@ -13,6 +13,12 @@ needed; a lost race for a sequence number moves on to the next one. The object
 is deleted only after the machine acknowledged the prompt durably; a crash in
 between redelivers it and the machine deduplicates by prompt id.
 
+An idempotency key outlives the acknowledgement: before a keyed entry is
+deleted, its outcome is recorded (controlplane.idempotency), so a send retried
+after the ack (its reply was lost) answers the first prompt's id and queues
+nothing until the key's time to live is over. The delete stays the
+acknowledgement's commit point.
+
 Limits: depth per machine (:class:`~shared.errors.QuotaExceeded`), prompt size
 (:class:`~shared.errors.TooLarge`) and time to live (an expired prompt is
 dropped on the next read of the queue, with an audit record and a metric).
@@ -32,6 +38,7 @@ from typing import Final
 
 from controlplane.audit import Auditor
 from controlplane.authz import Principal
+from controlplane.idempotency import AckedPrompt, AcknowledgedKeys
 from controlplane.machines import MachineRegistry
 from controlplane.records import Machine, _Record, decode, encode
 from controlplane.rosters import AgentRosters
@@ -54,6 +61,7 @@ __all__ = [
     "DEFAULT_MAX_DEPTH",
     "DEFAULT_MAX_PROMPT_BYTES",
     "DEFAULT_TTL",
+    "Acknowledgement",
     "PromptQueue",
     "QueueLimits",
     "QueuedPrompt",
@@ -142,8 +150,19 @@ class QueuedPrompt(_Record):
 
 
 @dataclass(frozen=True)
+class Acknowledgement:
+    """A machine's answer to one delivered entry."""
+
+    entry: QueuedPrompt
+    run_id: str = ""
+    refused: str = ""
+    """The machine's reason for refusing the prompt for good; empty when it stored it."""
+
+
+@dataclass(frozen=True)
 class SendResult:
-    """What a send answers: the prompt id and its state ("queued")."""
+    """What a send answers: the prompt id and its state ("queued", or for a key
+    replayed after the acknowledgement "acknowledged" or "refused")."""
 
     prompt_id: str
     state: str
@@ -151,6 +170,8 @@ class SendResult:
     """The entry written; None for a replayed idempotency key."""
     account_id: str = ""
     """The machine's account."""
+    run_id: str = ""
+    reason: str = ""
 
 
 class PromptQueue:
@@ -180,6 +201,7 @@ class PromptQueue:
         # and listings, so a send costs one PUT; a lost sequence claim (another
         # writer) reloads it. Also what the depth and age gauges read.
         self._views: dict[str, dict[int, str]] = {}
+        self._acked = AcknowledgedKeys(store, ttl=self._limits.ttl, clock=clock)
         # Machine records for sends: (monotonic time read, record), see _machine.
         self._recent_machines: dict[str, tuple[float, Machine]] = {}
 
@@ -262,6 +284,14 @@ class PromptQueue:
             if replay is not None:
                 self._count("replayed")
                 return SendResult(replay.prompt_id, "queued", None, machine.account_id)
+            # Checked second: while both exist (an ack between its two writes)
+            # they name the same prompt.
+            done = await self._acked.find(machine.account_id, machine_id, idem)
+            if done is not None:
+                self._count("replayed")
+                return SendResult(
+                    done.prompt_id, done.state, None, machine.account_id, done.run_id, done.reason
+                )
         if check_roster and self._rosters is not None:
             try:
                 await self._rosters.check(machine.account_id, machine_id, agent_id)
@@ -328,22 +358,51 @@ class PromptQueue:
             return []
         return await self._entries(machine, skip or set())
 
-    async def acknowledged(self, entry: QueuedPrompt, *, refused: bool = False) -> None:
-        """The machine stored ``entry`` durably (or refused it for good): delete it."""
-        await self.acknowledged_many([(entry, refused)])
+    async def acknowledged(
+        self, entry: QueuedPrompt, *, run_id: str = "", refused: str = ""
+    ) -> None:
+        """The machine stored ``entry`` durably (with ``run_id``), or refused it for
+        good (``refused`` is its reason): delete it."""
+        await self.acknowledged_many([Acknowledgement(entry, run_id, refused)])
 
-    async def acknowledged_many(self, acks: Sequence[tuple[QueuedPrompt, bool]]) -> None:
-        """Delete acknowledged entries (each with whether it was refused): one
-        DELETE for one, batched DeleteObjects for more (see controlplane.acks)."""
-        keys = [_entry_key(e.account_id, e.machine_id, e.seq, e.idempotency) for e, _r in acks]
-        # Deleting a missing key succeeds: a second ack (redelivery) is harmless.
+    async def acknowledged_many(self, acks: Sequence[Acknowledgement]) -> None:
+        """Delete acknowledged entries: one DELETE for one, batched DeleteObjects
+        for more (see controlplane.acks). A keyed entry's outcome is recorded
+        first (see the module doc)."""
+        limit = asyncio.Semaphore(_READS_AT_ONCE)
+
+        async def record(ack: Acknowledgement) -> None:
+            e = ack.entry
+            done = AckedPrompt(
+                prompt_id=e.prompt_id,
+                account_id=e.account_id,
+                machine_id=e.machine_id,
+                agent_id=e.agent_id,
+                created_at=e.created_at,
+                idempotency=e.idempotency,
+                state="refused" if ack.refused else "acknowledged",
+                run_id=ack.run_id,
+                reason=ack.refused,
+            )
+            async with limit:
+                await self._acked.record(done, e.seq)
+
+        # Each record before any delete; a failed one fails the whole batch,
+        # so every entry stays queued and is delivered (and acknowledged) again.
+        await asyncio.gather(*(record(a) for a in acks if a.entry.idempotency))
+        keys = [
+            _entry_key(a.entry.account_id, a.entry.machine_id, a.entry.seq, a.entry.idempotency)
+            for a in acks
+        ]
+        # THE COMMIT POINT of an acknowledgement: its entry's delete. Deleting a
+        # missing key succeeds: a second ack (redelivery) is harmless.
         if len(keys) == 1:
             await self._store.delete(keys[0])
         else:
             await delete_keys(self._store, keys)
-        for entry, refused in acks:
-            self._views.get(entry.machine_id, {}).pop(entry.seq, None)
-            self._count("refused_by_machine" if refused else "acknowledged")
+        for a in acks:
+            self._views.get(a.entry.machine_id, {}).pop(a.entry.seq, None)
+            self._count("refused_by_machine" if a.refused else "acknowledged")
 
     async def _keys(self, machine: Machine) -> list[tuple[str, int, str]]:
         """(key, seq, tag) of every entry, in sequence order."""
@@ -406,6 +465,10 @@ class PromptQueue:
                 await self._expire(key, entry)
                 continue
             out.append(entry)
+        try:
+            await self._acked.sweep(machine.account_id, machine.machine_id)
+        except AgentsError as e:
+            logger.warning("machine %s: expired idempotency keys kept: %s", machine.machine_id, e)
         return out
 
     async def _expire(self, key: str, entry: QueuedPrompt) -> None:

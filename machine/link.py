@@ -4,7 +4,9 @@
 background task keeps a ``Connect`` stream to the control plane's mutual-TLS
 listener: it sends ``hello``, waits for ``welcome``, then sends a heartbeat
 every interval the welcome names, hands deliveries to ``on_delivery`` and
-acknowledges each once that returns (the callback stores it durably). The ids
+acknowledges each once that returns (the callback stores it durably); a
+delivery the callback fails to store ends the stream (see ``_deliver``), so
+no later prompt is stored before it. The ids
 of the machine's agents (``roster``: ids and active/archived, never names) go
 after the welcome, then with any heartbeat that finds them changed, and once
 more before a clean goodbye: the control plane refuses prompts for unknown or
@@ -491,9 +493,15 @@ class ControlLink:
         try:
             answer = await self._on_delivery(delivery)
         except AgentsError as e:
-            # Not acknowledged: the control plane delivers it again on the next stream.
-            logger.warning("delivery %s not stored: %s", delivery.id, e)
-            return
+            # Not stored, so not acknowledged. Reading on would store, acknowledge
+            # and run the prompts sent after it before it: end the stream instead
+            # (whatever the error, so a damaged database is retried too). The
+            # control plane forgets what was in flight and, once this link is
+            # back after its backoff, delivers again from this prompt, in order.
+            raise TransientError(
+                f"control link: delivery {delivery.id} not stored ({e}); reconnecting"
+                " to have it delivered again before any later prompt"
+            ) from e
         await stream.ack(delivery.id, answer)
         self._metrics.deliveries.inc()
 

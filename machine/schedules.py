@@ -60,6 +60,8 @@ MISSED_POLICIES: Final = ("skip", "once")
 #: a change made by another writer such as a restore).
 _MAX_WAIT = 60.0
 _MAX_RUNS_LISTED = 1000
+#: Seconds until a fire that failed (a full disk) is tried again.
+_RETRY = 5.0
 
 
 def _utc(seconds: float) -> dt.datetime:
@@ -94,6 +96,18 @@ def _check_agent_schedulable(
     if agent.state is not AgentState.ACTIVE:
         raise InvalidState(op, f"agent {agent_id} is archived")
     return agent
+
+
+def _check_rule_current(schedule: ScheduleRecord, op: str) -> None:
+    """InvalidState when ``schedule``'s rule, stored by an older version (or read from
+    its export), is one this version no longer accepts: it must be written anew."""
+    try:
+        validate_cron(schedule.cron)
+        _zone(schedule.time_zone)
+    except InvalidArgument as e:
+        raise InvalidState(
+            op, f"{e.reason}; delete the schedule and add it again with a rule accepted now"
+        ) from None
 
 
 class SchedulesService:
@@ -159,7 +173,13 @@ class SchedulesService:
         if not schedule.enabled:
             return None
         expr = cron_expr(schedule.cron, self._test_seconds)
-        upcoming = next_fire(expr, _zone(schedule.time_zone), _utc(self._clock()))
+        try:
+            upcoming = next_fire(expr, _zone(schedule.time_zone), _utc(self._clock()))
+        except InvalidArgument as e:
+            # A rule or zone stored by an older version that this one cannot read:
+            # the schedule is still listed (so it can be found and deleted), timeless.
+            logger.warning("schedule %s: no next fire time: %s", schedule.id, e)
+            return None
         return None if upcoming is None else upcoming.timestamp()
 
     async def get(self, schedule_id: str) -> ScheduleRecord:
@@ -192,6 +212,7 @@ class SchedulesService:
                 return current
             if enabled:
                 _check_agent_schedulable(conn, current.agent_id, self._ids, op)
+                _check_rule_current(current, op)
             tables.set_schedule_enabled(conn, schedule_id, enabled, now, now if enabled else None)
             tables.log(conn, now, "schedule.resumed" if enabled else "schedule.paused", schedule_id)
             return tables.get_schedule(conn, schedule_id)
@@ -246,6 +267,8 @@ class Scheduler:
         self._clock = clock
         self._test_seconds = test_seconds
         self._changed = asyncio.Event()
+        self._unplannable: set[str] = set()
+        """Schedules whose fire times could not be computed, logged once each."""
         self.next_fire_at: float | None = None
         """The soonest fire time of any enabled schedule (for the heartbeat), or None."""
         self.on_next_fire: Callable[[float | None], None] = lambda _: None
@@ -265,59 +288,96 @@ class Scheduler:
         schedules = await self._db.read(tables.enabled_schedules)
         started = 0
         for s in schedules:
-            plan = plan_start(
-                self._expr(s.cron),
-                _zone(s.time_zone),
-                cast(MissedPolicy, s.missed),
-                _utc(s.last_fire) if s.last_fire is not None else None,
-                _utc(s.created_at),
-                _utc(now),
-            )
-            if plan.missed and self._metrics is not None:
-                self._metrics.schedule_missed.inc(plan.missed)
-            if plan.catch_up is not None:
-                logger.info(
-                    "schedule %s: %d fire(s) missed while down; running %s once",
-                    s.id,
-                    plan.missed,
-                    plan.catch_up.isoformat(),
-                )
-                if await self.fire(s, plan.catch_up.timestamp(), "caught_up"):
-                    started += 1
-            if plan.missed:
-                # Whatever the policy, the missed fire times are handled now.
-                await self._db.write(
-                    functools.partial(tables.set_last_fire, schedule_id=s.id, fire_time=now)
-                )
-                if plan.catch_up is None:
-                    logger.info("schedule %s: %d missed fire(s) skipped", s.id, plan.missed)
+            try:
+                started += await self._start_one(s, now)
+            except Exception:
+                # One schedule that cannot be planned never keeps the others from theirs.
+                logger.exception("schedule %s: planning it at start failed; skipped", s.id)
         await self.fire_due()
+        return started
+
+    async def _start_one(self, s: ScheduleRecord, now: float) -> int:
+        plan = plan_start(
+            self._expr(s.cron),
+            _zone(s.time_zone),
+            cast(MissedPolicy, s.missed),
+            _utc(s.last_fire) if s.last_fire is not None else None,
+            _utc(s.created_at),
+            _utc(now),
+        )
+        started = 0
+        if plan.missed and self._metrics is not None:
+            self._metrics.schedule_missed.inc(plan.missed)
+        if plan.catch_up is not None:
+            logger.info(
+                "schedule %s: %d fire(s) missed while down; running %s once",
+                s.id,
+                plan.missed,
+                plan.catch_up.isoformat(),
+            )
+            if await self.fire(s, plan.catch_up.timestamp(), "caught_up"):
+                started += 1
+        if plan.missed:
+            # Whatever the policy, the missed fire times are handled now.
+            await self._db.write(
+                functools.partial(tables.set_last_fire, schedule_id=s.id, fire_time=now)
+            )
+            if plan.catch_up is None:
+                logger.info("schedule %s: %d missed fire(s) skipped", s.id, plan.missed)
         return started
 
     async def fire_due(self) -> float | None:
         """Fire every schedule whose fire time has come (its latest one, once);
-        return the seconds until the next fire time, or None when none comes."""
+        return the seconds until the next fire time, or None when none comes.
+
+        Each schedule on its own: one whose fire times cannot be computed is
+        logged (once) and skipped; one whose fire failed is tried again in
+        :data:`_RETRY` seconds. Neither holds up the others.
+        """
         now = self._clock()
         schedules = await self._db.read(tables.enabled_schedules)
         soonest: float | None = None
+        retry = False
+        unplannable: set[str] = set()
         for s in schedules:
-            expr, zone = self._expr(s.cron), _zone(s.time_zone)
-            since = _utc(max(s.last_fire or s.created_at, s.created_at))
-            due = fires_between(expr, zone, since, _utc(now))
+            try:
+                expr, zone = self._expr(s.cron), _zone(s.time_zone)
+                since = _utc(max(s.last_fire or s.created_at, s.created_at))
+                due = fires_between(expr, zone, since, _utc(now))
+                upcoming = next_fire(expr, zone, _utc(now))
+            except Exception as e:
+                self._skip(s, f"its fire times cannot be computed: {e!r}", unplannable)
+                continue
+            if upcoming is None:
+                # Only a rule stored by an older version (31 February) has no fire time.
+                self._skip(s, f"{s.cron!r} never fires", unplannable)
             if due:
                 if len(due) > 1 and self._metrics is not None:
                     self._metrics.schedule_missed.inc(len(due) - 1)
-                await self.fire(s, due[-1].timestamp(), "fired")
-            upcoming = next_fire(expr, zone, _utc(now))
+                try:
+                    await self.fire(s, due[-1].timestamp(), "fired")
+                except Exception:
+                    logger.exception("schedule %s: firing failed; trying again soon", s.id)
+                    retry = True
             if upcoming is not None:
                 at = upcoming.timestamp()
                 soonest = at if soonest is None else min(soonest, at)
+        self._unplannable = unplannable
         if self._metrics is not None:
             self._metrics.schedules_enabled.set(len(schedules))
         if soonest != self.next_fire_at:
             self.next_fire_at = soonest
             self.on_next_fire(soonest)
-        return None if soonest is None else max(0.0, soonest - self._clock())
+        wait = None if soonest is None else max(0.0, soonest - self._clock())
+        if retry:
+            wait = _RETRY if wait is None else min(wait, _RETRY)
+        return wait
+
+    def _skip(self, s: ScheduleRecord, why: str, skipped: set[str]) -> None:
+        """Log (once while it lasts) that enabled schedule ``s`` cannot fire."""
+        skipped.add(s.id)
+        if s.id not in self._unplannable:
+            logger.error("schedule %s: %s; it is skipped (delete it and add it again)", s.id, why)
 
     async def fire(self, schedule: ScheduleRecord, fire_time: float, result: str) -> bool:
         """Submit ``schedule``'s run for ``fire_time`` unless that fire is recorded
@@ -386,7 +446,7 @@ class Scheduler:
                 wait = await self.fire_due()
             except Exception:
                 logger.exception("firing schedules failed; retrying")
-                wait = 5.0
+                wait = _RETRY
             # A little past the fire time: the loop's timer may wake a hair early.
             timeout = _MAX_WAIT if wait is None else min(wait + 0.01, _MAX_WAIT)
             # Wakes at the next fire time, or at once when a schedule changes.

@@ -7,7 +7,7 @@ import sqlite3
 from collections.abc import Iterable
 from typing import Any, Final
 
-from machine.cron import validate_cron, validate_zone
+from machine.cron import readable_cron, validate_zone
 from machine.models import ScheduleRecord, ScheduleRunRecord
 from machine.tables.rows import archive_field, from_row
 from shared.errors import InvalidArgument, NotFound
@@ -230,7 +230,8 @@ def load_schedules(
         if not is_valid_id("schedule", schedule_id):
             raise InvalidArgument("archive", f"{where}: id malformed")
         try:
-            cron = validate_cron(archive_field(row, "cron", str, where))
+            # An older version's rule is kept (it comes back paused): see readable_cron.
+            cron = readable_cron(archive_field(row, "cron", str, where))
             zone = archive_field(row, "time_zone", str, where)
             validate_zone(zone)
         except InvalidArgument as e:

@@ -12,9 +12,12 @@ from controlplane.accounts import AccountService
 from controlplane.acks import AckBatcher
 from controlplane.audit import Auditor
 from controlplane.authz import Principal
+from controlplane.delivery import PromptDelivery
+from controlplane.idempotency import acked_prefix
+from controlplane.links import Ack
 from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.pairing import Pairing
-from controlplane.presence import PresenceRegistry
+from controlplane.presence import DeliveryNotice, PresenceRegistry
 from controlplane.queue import PromptQueue, QueueLimits, queue_prefix
 from controlplane.records import roster_key
 from controlplane.rosters import AgentRosters
@@ -48,10 +51,14 @@ class World:
         self.op = Principal("adm_" + "0" * 26, "operator")
         self.outcomes: list[str] = []
         self.rosters = AgentRosters(self.store, clock=self.clock)
-        self.queue = PromptQueue(
+        self.queue = self.new_queue()
+
+    def new_queue(self) -> PromptQueue:
+        """A queue on the same store: what a restarted control plane has."""
+        return PromptQueue(
             self.store,
             self.machines,
-            audit,
+            Auditor(self.store, self.clock),
             limits=QueueLimits(max_depth=3, max_prompt_bytes=100, ttl=dt.timedelta(days=7)),
             clock=self.clock,
             on_outcome=self.outcomes.append,
@@ -139,6 +146,130 @@ async def test_idempotency_key_never_queues_twice(w: World) -> None:
     assert len(await w.queue.queued(w.op, m)) == 2
     raw = b"".join([await w.store.get(i.key) async for i in w.store.list("")])
     assert b"k-1" not in raw
+
+
+async def test_a_key_retried_after_the_ack_answers_the_first_prompt(w: World) -> None:
+    acct, m, _ = await w.machine(1)
+    agent = new_id("agent")
+    presence = PresenceRegistry(w.store, clock=w.clock)
+    delivery = PromptDelivery(w.queue, presence, ack_wait=10, clock=w.clock)
+    record = await w.machines.load_any(acct, m)
+    assert record is not None
+    session = await presence.open(record, "0.1", 1)
+    delivery.connected(session)
+    answers = iter([Ack(run_id="run_" + "1" * 26), Ack(refused="agent is archived")])
+
+    async def the_machine() -> None:
+        while True:
+            notice = await session.next_outgoing()
+            assert isinstance(notice, DeliveryNotice)
+            answer = next(answers)
+            ack = Ack(notice.prompt_id, answer.run_id, answer.refused)
+            await delivery.acked(session, ack)
+
+    machine = asyncio.create_task(the_machine())
+    try:
+        first = await delivery.send(w.op, m, agent, "hello", "k-1")
+        assert (first.state, first.run_id) == ("acknowledged", "run_" + "1" * 26)
+        refused = await delivery.send(w.op, m, agent, "hello", "k-2")
+        assert (refused.state, refused.reason) == ("refused", "agent is archived")
+        assert await w.queue.queued(w.op, m) == []
+        # The replies were lost; the client sends again with the same keys: the
+        # first prompts' answers, nothing queued or delivered again (it would run twice).
+        assert await delivery.send(w.op, m, agent, "hello", "k-1") == first
+        assert await delivery.send(w.op, m, agent, "hello", "k-2") == refused
+        assert await w.queue.queued(w.op, m) == []
+        assert session.outbox.empty()
+        assert w.outcomes.count("replayed") == 2
+    finally:
+        machine.cancel()
+        await delivery.close()
+
+    # A restarted control plane (nothing in memory), the machine offline: the same.
+    restarted = PromptDelivery(w.new_queue(), PresenceRegistry(w.store), clock=w.clock)
+    assert await restarted.send(w.op, m, agent, "hello", "k-1") == first
+    assert await restarted.send(w.op, m, agent, "hello", "k-2") == refused
+    assert await w.queue.queued(w.op, m) == []
+    # The record holds no text, and the key only hashed.
+    records = [await w.store.get(i.key) async for i in w.store.list(acked_prefix(acct, m))]
+    assert len(records) == 2 and not [r for r in records if b"hello" in r or b"k-1" in r]
+
+    # Past its time to live the key is forgotten (a new prompt), and its records go.
+    w.clock.now += dt.timedelta(days=7, seconds=1)
+    later = await restarted.send(w.op, m, agent, "hello", "k-1")
+    assert later.prompt_id != first.prompt_id and later.state == "queued"
+    assert [e.prompt_id for e in await w.queue.queued(w.op, m)] == [later.prompt_id]
+    assert [i.key async for i in w.store.list(acked_prefix(acct, m))] == []
+
+
+async def test_an_ack_that_stops_before_its_delete_keeps_one_answer(w: World) -> None:
+    acct, m, _ = await w.machine(1)
+    agent = new_id("agent")
+    sent = await w.queue.send(w.op, m, agent, "hello", idempotency_key="k-1")
+    assert sent.entry is not None
+    real_delete = w.store.delete
+
+    async def down(key: str) -> None:
+        raise StoreUnavailable("delete: the store is down")
+
+    # The record is written, the entry's delete (the commit point) fails: the
+    # state a crash between the two leaves.
+    w.store.delete = down  # type: ignore[method-assign]
+    with pytest.raises(StoreUnavailable):
+        await AckBatcher(w.queue).add(sent.entry, run_id="run_" + "1" * 26)
+    w.store.delete = real_delete  # type: ignore[method-assign]
+    restarted = w.new_queue()
+    for queue in (w.queue, restarted):
+        again = await queue.send(w.op, m, agent, "hello", idempotency_key="k-1")
+        assert (again.prompt_id, again.entry) == (sent.prompt_id, None)
+    # Still queued, so delivered again; its second ack completes the first.
+    [entry] = await restarted.pending(acct, m)
+    assert entry.prompt_id == sent.prompt_id
+    await restarted.acknowledged(entry, run_id="run_" + "1" * 26)
+    again = await restarted.send(w.op, m, agent, "hello", idempotency_key="k-1")
+    assert (again.prompt_id, again.state, again.run_id) == (
+        sent.prompt_id,
+        "acknowledged",
+        "run_" + "1" * 26,
+    )
+    assert await restarted.queued(w.op, m) == []
+
+
+async def test_an_ack_whose_record_fails_deletes_nothing(w: World) -> None:
+    acct, m, _ = await w.machine(1)
+    sent = await w.queue.send(w.op, m, new_id("agent"), "hello", idempotency_key="k-1")
+    assert sent.entry is not None
+    real_put = w.store.put
+
+    async def full(key: str, *args: object, **kwargs: object) -> None:
+        if key.startswith(acked_prefix(acct, m)):
+            raise StoreUnavailable("put: the store is down")
+        await real_put(key, *args, **kwargs)  # type: ignore[arg-type]
+
+    w.store.put = full  # type: ignore[method-assign,assignment]
+    with pytest.raises(StoreUnavailable):
+        await w.queue.acknowledged(sent.entry, run_id="run_" + "1" * 26)
+    assert [e.prompt_id for e in await w.queue.queued(w.op, m)] == [sent.prompt_id]
+    again = await w.queue.send(w.op, m, new_id("agent"), "hello", idempotency_key="k-1")
+    assert again.prompt_id == sent.prompt_id
+
+
+async def test_a_key_is_the_accounts_own_after_the_ack_too(w: World) -> None:
+    acct_a, m_a, _ = await w.machine(1)
+    acct_b, m_b, _ = await w.machine(2)
+    tenant_a = Principal("adm_" + "1" * 26, "account", acct_a)
+    tenant_b = Principal("adm_" + "2" * 26, "account", acct_b)
+    agent = new_id("agent")
+    theirs = await w.queue.send(tenant_a, m_a, agent, "hi", idempotency_key="same")
+    assert theirs.entry is not None
+    await w.queue.acknowledged(theirs.entry, run_id="run_" + "1" * 26)
+    # The same key from another account names its own prompt, never theirs...
+    mine = await w.queue.send(tenant_b, m_b, agent, "hi", idempotency_key="same")
+    assert mine.prompt_id != theirs.prompt_id and mine.state == "queued"
+    # ...and their machine is not there for it at all.
+    with pytest.raises(NotFound, match=m_a):
+        await w.queue.send(tenant_b, m_a, agent, "hi", idempotency_key="same")
+    assert await w.queue.queued(w.op, m_a) == []
 
 
 async def test_expired_prompts_are_dropped_with_audit(w: World) -> None:

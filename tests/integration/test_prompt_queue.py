@@ -236,6 +236,11 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
                 assert mine == [t for t in texts if t.endswith(agent)]  # in send order
             assert len({r[2] for r in runs}) == 20
             assert not [k for k in _queue_keys(moto_endpoint, s3_bucket)]
+            # A send retried after its prompt was acknowledged (its reply lost)
+            # answers that prompt, and queues (so runs) nothing.
+            again = await client.send_prompt(machine_id, agents[0], texts[0], "k0")
+            assert (again.prompt_id, again.state) == (first.split()[1], "acknowledged")
+            assert again.run_id.startswith("run_")
 
             # The control plane dies after delivering, before deleting the entry.
             assert cp.process is not None
@@ -253,8 +258,12 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
                 return not _queue_keys(moto_endpoint, s3_bucket)
 
             await apoll_until(redelivered, deadline=DEADLINE, what="redelivered and deleted")
+            # The restarted control plane remembers the key from the store.
+            again = await client.send_prompt(machine_id, agents[0], texts[0], "k0")
+            assert (again.prompt_id, again.state) == (first.split()[1], "acknowledged")
         crash_runs = [r for r in _runs(data) if r[1] == "after the crash"]
         assert len(crash_runs) == 1
+        assert len(_runs(data)) == 21, "no retried key ran its prompt again"
     finally:
         if joined.poll() is None:
             joined.kill()

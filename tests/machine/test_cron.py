@@ -6,7 +6,14 @@ import datetime as dt
 
 import pytest
 
-from machine.cron import fires_between, next_fire, plan_start, validate_cron, validate_zone
+from machine.cron import (
+    fires_between,
+    next_fire,
+    plan_start,
+    readable_cron,
+    validate_cron,
+    validate_zone,
+)
 from shared.errors import InvalidArgument
 
 BERLIN = validate_zone("Europe/Berlin")
@@ -22,8 +29,8 @@ def utc(*args: int) -> dt.datetime:
     [
         ("* * * * * *", "has 6 fields"),
         ("* * * *", "has 4 fields"),
-        ("61 * * * *", "not a valid cron"),
-        ("hello world foo bar baz", "not a valid cron"),
+        ("61 * * * *", "not a number from 0 to 59"),
+        ("hello world foo bar baz", "minute field 'hello'"),
         ("", "cron expression"),
     ],
 )
@@ -34,6 +41,82 @@ def test_bad_cron_refused(expr: str, match: str) -> None:
 
 def test_cron_is_normalised() -> None:
     assert validate_cron("0  7 * *   1-5") == "0 7 * * 1-5"
+    # croniter reads a range with equal ends as the whole cycle (every minute): in
+    # cron it is the one value, and it is stored so.
+    assert validate_cron("0-0 * 5-5/2 * *") == "0 * 5 * *"
+
+
+@pytest.mark.parametrize("expr", ["0 0 31 2 *", "0 0 30 2 *", "0 0 31 4 *", "0 0 31 2,4,6 *"])
+def test_rule_that_never_fires_is_refused(expr: str) -> None:
+    with pytest.raises(InvalidArgument, match="never fires") as refused:
+        validate_cron(expr)
+    assert refused.value.field == "cron"
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "0 0 29 2 *",  # leap years only, but it fires
+        "0 0 31 2 1",  # day of month or day of week: every Monday of February
+        "0 0 31 2-4 *",  # 31 March
+        "0 0 31 */2 *",
+        "*/15 9-17 * * mon-fri",
+        "1-5/2,10 0 1 JAN,jul *",
+        "0 0 * * 7",  # Sunday, as 0
+        "0 0 * * sun-sat",
+        "59 23 31 12 5-7",
+    ],
+)
+def test_standard_cron_is_accepted(expr: str) -> None:
+    assert validate_cron(expr) == expr
+    assert next_fire(expr, BERLIN, utc(2026, 1, 1)) is not None
+
+
+@pytest.mark.parametrize(
+    ("expr", "match"),
+    [
+        ("R * * * *", "minute field 'R'"),  # random, drawn anew on every computation
+        ("H * * * *", "minute field 'H'"),
+        ("0 0 L * *", "day-of-month field 'L'"),
+        ("0 0 15W * *", "day-of-month field '15W'"),
+        ("0 0 ? * *", "day-of-month field '\\?'"),
+        ("0 0 * * 1#2", "day-of-week field '1#2'"),
+        ("0 0 * * 5L", "day-of-week field '5L'"),
+        ("0 0 * * L", "day-of-week field 'L'"),
+        ("0 0 * * jan", "day-of-week field 'jan'"),
+        ("0 0 * mon *", "month field 'mon'"),
+        ("5/15 * * * *", "a step follows \\* or a range: write 5-59/15"),
+        ("*/0 * * * *", "step /0 must be 1 to 60"),
+        ("*/61 * * * *", "step /61 must be 1 to 60"),
+        ("0 0 * * 7-1", "runs backwards"),
+        ("0 0 1,,2 * *", "empty list element"),
+        ("0 24 * * *", "not a number from 0 to 23"),
+        ("0 0 * * 8", "not a number from 0 to 7"),
+        ("*-5 * * * *", "not standard cron"),
+        ("@daily", "has 1 fields"),
+        ("0 0 0 * * *", "has 6 fields"),  # a seconds field
+        ("0 0 0 * * * 2030", "has 7 fields"),  # a year field
+    ],
+)
+def test_non_standard_cron_is_refused(expr: str, match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match) as refused:
+        validate_cron(expr)
+    assert refused.value.field == "cron"
+    assert "accepted in each field" in refused.value.reason or "fields" in refused.value.reason
+
+
+def test_rule_stored_by_an_older_version_that_never_fires_has_no_fire_time() -> None:
+    # validate_cron refuses it now; one already stored plans as "never", not as an error.
+    assert readable_cron("0 0 31  2 *") == "0 0 31 2 *"
+    assert next_fire("0 0 31 2 *", BERLIN, utc(2026, 1, 1)) is None
+    assert fires_between("0 0 31 2 *", BERLIN, utc(2026, 1, 1), utc(2027, 1, 1)) == []
+    plan = plan_start("0 0 31 2 *", BERLIN, "once", None, utc(2026, 1, 1), utc(2027, 1, 1))
+    assert (plan.missed, plan.catch_up, plan.next_fire) == (0, None, None)
+
+
+def test_rule_croniter_cannot_read_is_invalid_argument() -> None:
+    with pytest.raises(InvalidArgument, match="cannot be read"):
+        next_fire("61 * * * *", BERLIN, utc(2026, 1, 1))
 
 
 @pytest.mark.parametrize("zone", ["Mars/Olympus", "../../etc/passwd", "", "x" * 100])

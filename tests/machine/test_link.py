@@ -32,6 +32,9 @@ from machine.link import ControlLink, Delivery, LinkState
 from machine.link_client import AccountDeleted, AgentRoster, DeliveryAck, RenewNow, Revoked
 from shared import tls
 from shared.errors import (
+    AgentsError,
+    DatabaseDamaged,
+    DiskFull,
     IntegrityError,
     InvalidArgument,
     InvalidState,
@@ -731,27 +734,48 @@ async def test_delivery_is_acked_after_the_callback(
     ]
 
 
-async def test_a_delivery_not_stored_is_not_acked(
-    control: FakeControlPlane, tmp_path: Path
+@pytest.mark.parametrize(
+    "failure",
+    [
+        TransientError("database is locked"),
+        DiskFull("delivery", "/data"),
+        # Not a reason to stop the link for good, unlike an IntegrityError of the link.
+        DatabaseDamaged("delivery", "/data/machine.db", "malformed"),
+    ],
+    ids=["transient", "disk-full", "damaged"],
+)
+async def test_a_delivery_not_stored_ends_the_stream_so_no_later_one_goes_first(
+    control: FakeControlPlane, tmp_path: Path, failure: AgentsError
 ) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     calls: list[str] = []
 
-    async def store(delivery: Delivery) -> None:
+    async def store(delivery: Delivery) -> DeliveryAck:
         calls.append(delivery.id)
         if len(calls) == 1:
-            raise TransientError("database is locked")
+            raise failure
+        return DeliveryAck(run_id="run_" + delivery.id[3:])
 
-    async with _link(control, data_dir, CollectorRegistry(), on_delivery=store) as link:
+    registry = CollectorRegistry()
+    async with _link(control, data_dir, registry, on_delivery=store) as link:
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
         stream = control.streams[0]
         first, second = new_id("prompt"), new_id("prompt")
         control.send(stream, Delivery(first, new_id("agent"), b"x", None))
         control.send(stream, Delivery(second, new_id("agent"), b"y", None))
-        await _until(lambda: stream.ack_ids == [second])
-        assert link.connected  # one failed store does not break the stream
-    assert calls == [first, second]
+        # The machine ends the stream at the failure and reconnects after its
+        # backoff; the second was never stored (it would have run first).
+        await _until(lambda: len(control.streams) == 2)
+        assert (calls, stream.acks) == ([first], [])
+        assert _sample(registry, "agents_machine_link_reconnects_total") == 1
+        # The control plane delivers again from the first, in order.
+        again = control.streams[1]
+        control.send(again, Delivery(first, new_id("agent"), b"x", None))
+        control.send(again, Delivery(second, new_id("agent"), b"y", None))
+        await _until(lambda: again.ack_ids == [first, second])
+        assert link.connected
+    assert calls == [first, first, second]
 
 
 async def test_link_renews_a_short_lived_certificate(

@@ -198,6 +198,11 @@ async def test_refusals_are_domain_errors_with_the_grpc_error_as_cause(
         with pytest.raises(InvalidArgument) as bad:
             await client.create_schedule(agent.id, "not a cron", "p")
         assert bad.value.field == "cron"
+        # A rule with no fire time (31 February) is refused, not stored and INTERNAL.
+        with pytest.raises(InvalidArgument, match="never fires") as never:
+            await client.create_schedule(agent.id, "0 0 31 2 *", "p")
+        assert never.value.field == "cron"
+        assert await client.list_schedules() == []
         # A refused stream raises while it is read.
         with pytest.raises(NotFound):
             [ev async for ev in client.replay("ag_0000000000aaaaaaaaaaaaaaab")]

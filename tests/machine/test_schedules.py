@@ -15,9 +15,11 @@ from machine import tables
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.metrics import MachineMetrics
-from machine.models import RunState, ScheduleRunRecord
+from machine.models import RunState, ScheduleRecord, ScheduleRunRecord
 from machine.schedules import Scheduler, SchedulesService
-from shared.errors import InvalidArgument, InvalidState, NotFound, TooLarge
+from machine.tables.schedules import load_schedules
+from shared.errors import DiskFull, InvalidArgument, InvalidState, NotFound, TooLarge
+from shared.ids import new_id
 from tests.helpers.runs import wait_for_state
 
 
@@ -195,11 +197,130 @@ async def test_fire_for_an_agent_that_cannot_run_is_recorded_refused(
     assert await rig.m.runs.list_runs(agent) == []
 
 
+async def _stored_by_an_older_version(rig: Rig, agent: str, cron: str, zone: str) -> str:
+    """An enabled schedule with a rule this version refuses, written as an older one did;
+    created an hour ago, so the scheduler comes to it before the test's others."""
+    record = ScheduleRecord(
+        id=new_id("schedule"),
+        agent_id=agent,
+        cron=cron,
+        time_zone=zone,
+        prompt="old",
+        enabled=True,
+        missed="once",
+        created_at=rig.clock.now - 3600,
+        updated_at=rig.clock.now - 3600,
+        last_fire=None,
+    )
+    await rig.m.db.write(lambda conn: tables.insert_schedule(conn, record))
+    return record.id
+
+
+@pytest.mark.parametrize(
+    ("cron", "zone"),
+    [
+        ("0 0 31 2 *", "UTC"),  # never fires: croniter raised CroniterBadDateError
+        ("61 * * * *", "UTC"),  # croniter cannot read it
+        ("0 7 * * *", "Mars/Olympus"),  # a zone this machine does not know
+    ],
+)
+async def test_a_stored_schedule_that_cannot_fire_holds_up_no_other(
+    rig: Rig, tmp_path: Path, cron: str, zone: str
+) -> None:
+    agent = await _agent(rig.m, tmp_path)
+    bad = await _stored_by_an_older_version(rig, agent, cron, zone)
+    good = await rig.svc.create(agent, "0 * * * *", "hourly", time_zone="UTC", missed="once")
+
+    # Listed (so it can be found and deleted), without a next fire time.
+    listed = await rig.svc.list()
+    assert [s.id for s in listed] == [bad, good.id]
+    assert [rig.svc.next_fire(s) for s in listed] == [None, ts(2026, 3, 27, 13)]
+
+    assert await rig.scheduler.start() == 0
+    assert rig.scheduler.next_fire_at == ts(2026, 3, 27, 13)
+    rig.clock.now = ts(2026, 3, 27, 13, 0, 5)
+    await rig.scheduler.fire_due()
+    # Down from 13:00:05 to 15:30: the restart still catches the good one up.
+    rig.clock.now = ts(2026, 3, 27, 15, 30)
+    assert await rig.new_scheduler().start() == 1
+    assert [(f, r) for f, r, _ in await rig.runs(good.id)] == [
+        (ts(2026, 3, 27, 13), "fired"),
+        (ts(2026, 3, 27, 15), "caught_up"),
+    ]
+    assert await rig.runs(bad) == []
+
+    # It cannot be resumed as it is; it can be deleted.
+    await rig.svc.set_enabled(bad, False)
+    with pytest.raises(InvalidState, match="delete the schedule and add it again"):
+        await rig.svc.set_enabled(bad, True)
+    await rig.svc.delete(bad)
+    assert [s.id for s in await rig.svc.list()] == [good.id]
+
+
+async def test_an_export_with_a_rule_this_version_refuses_still_loads_paused(
+    rig: Rig, tmp_path: Path
+) -> None:
+    agent = await _agent(rig.m, tmp_path)
+
+    def row(cron: str) -> dict[str, object]:
+        return {
+            "id": new_id("schedule"),
+            "cron": cron,
+            "time_zone": "UTC",
+            "prompt": "p",
+            "missed": "skip",
+            "enabled": True,
+            "created_at": 1.0,
+            "updated_at": 1.0,
+            "last_fire": None,
+            "runs": [],
+        }
+
+    # Written by an older version: a backup with them must still restore.
+    rows = [row("0 0 31 2 *"), row("5/15 * * * *")]
+    loaded = await rig.m.db.write(lambda c: load_schedules(c, agent, rows, "x.jsonl"))
+    assert loaded == 2
+    got = await rig.svc.list(agent)
+    assert [(s.cron, s.enabled) for s in got] == [("0 0 31 2 *", False), ("5/15 * * * *", False)]
+    with pytest.raises(InvalidState, match="a step follows"):
+        await rig.svc.set_enabled(got[1].id, True)
+    # What croniter cannot read at all is refused, as before.
+    with pytest.raises(InvalidArgument, match="x.jsonl line 1"):
+        await rig.m.db.write(lambda c: load_schedules(c, agent, [row("61 * * * *")], "x.jsonl"))
+
+
+async def test_a_fire_that_fails_holds_up_no_other_and_is_tried_again(
+    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = await _agent(rig.m, tmp_path)
+    first = await rig.svc.create(agent, "0 * * * *", "one", time_zone="UTC")
+    rig.clock.now += 1
+    second = await rig.svc.create(agent, "0 * * * *", "two", time_zone="UTC")
+    fire = rig.scheduler.fire
+
+    async def disk_full_for_the_first(s: ScheduleRecord, fire_time: float, result: str) -> bool:
+        if s.id == first.id:
+            raise DiskFull("fire schedule", "/data")
+        return await fire(s, fire_time, result)
+
+    monkeypatch.setattr(rig.scheduler, "fire", disk_full_for_the_first)
+    rig.clock.now = ts(2026, 3, 27, 13, 0, 5)
+    assert await rig.scheduler.fire_due() == 5.0, "tried again in 5 s, not at 14:00"
+    assert await rig.runs(first.id) == []
+    assert [f for f, _, _ in await rig.runs(second.id)] == [ts(2026, 3, 27, 13)]
+    monkeypatch.setattr(rig.scheduler, "fire", fire)
+    rig.clock.now += 5
+    await rig.scheduler.fire_due()
+    assert [f for f, _, _ in await rig.runs(first.id)] == [ts(2026, 3, 27, 13)]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
         ({"cron": "61 * * * *"}, InvalidArgument, "cron"),
         ({"cron": "* * * *"}, InvalidArgument, "cron"),
+        ({"cron": "0 0 31 2 *"}, InvalidArgument, "cron: '0 0 31 2 \\*' never fires"),
+        ({"cron": "R * * * *"}, InvalidArgument, "cron: 'R \\* \\* \\* \\*': minute field"),
         ({"time_zone": "Mars/Olympus"}, InvalidArgument, "time_zone"),
         ({"missed": "twice"}, InvalidArgument, "missed"),
         ({"prompt": "x" * 5000}, TooLarge, "prompt"),
