@@ -31,6 +31,7 @@ __all__ = [
     "MissedPolicy",
     "StartPlan",
     "fires_between",
+    "latest_fire",
     "next_fire",
     "plan_start",
     "readable_cron",
@@ -258,6 +259,11 @@ def next_fire(expr: str, zone: ZoneInfo, after: dt.datetime) -> dt.datetime | No
     return next(_walk(expr, zone, after), None)
 
 
+def latest_fire(expr: str, zone: ZoneInfo, until: dt.datetime) -> dt.datetime | None:
+    """The newest fire instant (UTC) at or before ``until``; None if none was."""
+    return next(_walk(expr, zone, until, backwards=True), None)
+
+
 def fires_between(
     expr: str, zone: ZoneInfo, after: dt.datetime, until: dt.datetime, *, limit: int = 1000
 ) -> list[dt.datetime]:
@@ -299,6 +305,6 @@ def plan_start(
     """
     since = max(last_fire or created_at, created_at)
     missed = len(fires_between(expr, zone, since, now))
-    latest = next(_walk(expr, zone, now, backwards=True), None) if missed else None
+    latest = latest_fire(expr, zone, now) if missed else None
     catch_up = latest if policy == "once" and latest is not None and latest > since else None
     return StartPlan(catch_up, missed, next_fire(expr, zone, now))

@@ -34,7 +34,14 @@ from dataclasses import replace
 from typing import Final, cast
 
 from machine import tables
-from machine.cron import MissedPolicy, fires_between, next_fire, plan_start, validate_cron
+from machine.cron import (
+    MissedPolicy,
+    fires_between,
+    latest_fire,
+    next_fire,
+    plan_start,
+    validate_cron,
+)
 from machine.cron import validate_zone as _zone
 from machine.db import Database
 from machine.metrics import MachineMetrics
@@ -62,6 +69,8 @@ _MAX_WAIT = 60.0
 _MAX_RUNS_LISTED = 1000
 #: Seconds until a fire that failed (a full disk) is tried again.
 _RETRY = 5.0
+#: Fire times counted in one pass of fire_due (the missed ones go to a metric).
+_COUNTED = 1000
 
 
 def _utc(seconds: float) -> dt.datetime:
@@ -343,7 +352,11 @@ class Scheduler:
             try:
                 expr, zone = self._expr(s.cron), _zone(s.time_zone)
                 since = _utc(max(s.last_fire or s.created_at, s.created_at))
-                due = fires_between(expr, zone, since, _utc(now))
+                due = fires_between(expr, zone, since, _utc(now), limit=_COUNTED)
+                if len(due) == _COUNTED:
+                    # More were due than counted (a daemon asleep for days): the
+                    # time that fires is still the latest, not the 1,000th.
+                    due[-1] = latest_fire(expr, zone, _utc(now)) or due[-1]
                 upcoming = next_fire(expr, zone, _utc(now))
             except Exception as e:
                 self._skip(s, f"its fire times cannot be computed: {e!r}", unplannable)

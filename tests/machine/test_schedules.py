@@ -144,6 +144,20 @@ async def test_fire_times_missed_while_down(
     assert len(got) == (3 if caught_up else 2)
 
 
+async def test_after_days_asleep_the_latest_fire_time_fires_once(rig: Rig, tmp_path: Path) -> None:
+    agent = await _agent(rig.m, tmp_path)
+    s = await rig.svc.create(agent, "* * * * *", "every minute", time_zone="UTC")
+    rig.clock.now = ts(2026, 3, 27, 13, 0, 5)
+    await rig.scheduler.fire_due()
+    # The machine slept two days (a laptop lid): 2,880 fire times passed, more
+    # than one pass counts.
+    rig.clock.now = ts(2026, 3, 29, 13, 0, 30)
+    await rig.scheduler.fire_due()
+    assert [f for f, _, _ in await rig.runs(s.id)][-1] == ts(2026, 3, 29, 13, 0)
+    await rig.scheduler.fire_due()  # and not again
+    assert len(await rig.runs(s.id)) == 2
+
+
 async def test_paused_schedule_does_not_fire_and_resumes_from_now(rig: Rig, tmp_path: Path) -> None:
     agent = await _agent(rig.m, tmp_path)
     s = await rig.svc.create(agent, "0 * * * *", "hourly", time_zone="UTC", missed="once")
