@@ -291,7 +291,9 @@ async def take_epoch(
                 f"store {where}: fenced out: {EPOCH_KEY} names another control plane's "
                 f"home and {home} has no {HOME_ID_FILE}; this home is stale"
             )
-    await fence.acquire()
-    if made:
+        # The id first, then the epoch record naming it: killed between the two,
+        # the next start has its id and takes the epoch. The other way round it
+        # found an epoch of a home without an id, and refused itself as stale.
         write_home_id(home, fence.home_id)
+    await fence.acquire()
     return fence

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane import fencing
 from controlplane.bootstrap import init_control_plane
 from controlplane.cli import main
 from controlplane.client import AdminClient
@@ -278,3 +279,35 @@ async def test_every_rotation_reseals_the_bundle_and_a_restore_brings_the_next_c
     assert keys.server.cert_pem == rotated  # the rotated certificate, not init's
     assert keys.next_ca is not None and keys.next_ca.cert_pem == rolling.next_ca.cert_pem
     assert keys.next_server is not None
+
+
+@pytest.mark.parametrize("killed_at", ["the home id", "the epoch record"])
+async def test_a_pre_fencing_home_killed_between_its_first_two_writes_starts_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, killed_at: str
+) -> None:
+    cfg = _cfg(tmp_path)
+    await init_control_plane(cfg)
+    keys = load_home_keys(cfg.home)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        # A home made before fencing: no id in it, no epoch record in the store.
+        (cfg.home / fencing.HOME_ID_FILE).unlink(missing_ok=True)
+        await trusted.authenticated.delete(EPOCH_KEY)
+        real = {"write_home_id": fencing.write_home_id, "acquire": Fence.acquire}
+
+        def killed(*args: object, **kw: object) -> None:
+            raise SystemExit("killed")
+
+        # The process dies as it makes the named write, the other one done or not.
+        if killed_at == "the home id":
+            monkeypatch.setattr(fencing, "write_home_id", killed)
+        else:
+            monkeypatch.setattr(Fence, "acquire", killed)
+        with pytest.raises(SystemExit):
+            await take_epoch(cfg.home, trusted.authenticated, "test")
+        monkeypatch.setattr(fencing, "write_home_id", real["write_home_id"])
+        monkeypatch.setattr(Fence, "acquire", real["acquire"])
+        fence = await take_epoch(cfg.home, trusted.authenticated, "test")
+        assert read_home_id(cfg.home) == fence.home_id
+    finally:
+        await trusted.close()
