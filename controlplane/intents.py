@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -69,6 +70,8 @@ class Intent:
     """ISO 8601 UTC."""
     fields: dict[str, str] = field(default_factory=dict)
     """The ids of every object the change may write."""
+    owner: str = ""
+    """A random token of the process that began it (empty in older records)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The stored form."""
@@ -77,6 +80,7 @@ class Intent:
             "kind": self.kind,
             "started_at": self.started_at,
             "fields": dict(self.fields),
+            "owner": self.owner,
         }
 
     @classmethod
@@ -88,6 +92,7 @@ class Intent:
             kind=str(data.get("kind", "")),
             started_at=str(data.get("started_at", "")),
             fields={str(k): str(v) for k, v in dict(raw).items()},
+            owner=str(data.get("owner", "")),
         )
 
 
@@ -101,11 +106,12 @@ class Intents:
         self._store = store
         self._clock = clock
         self._resolvers: dict[str, Resolver] = {}
-        # Intents begun by this process (started at or after this instant) are
-        # resolved only once handed over (held, or a failed roll-back): one in
-        # flight, or committed between recover's listing and its decision, must
-        # never be rolled back behind the change's back.
-        self._since = clock()
+        # Intents begun by this process (they carry its token) are resolved only
+        # once handed over (held, or a failed roll-back): one in flight, or
+        # committed between recover's listing and its decision, must never be
+        # rolled back behind the change's back. A token, not a time: an earlier
+        # process whose clock ran ahead left intents "newer" than this start.
+        self._owner = secrets.token_hex(16)
         self._handed_over: set[str] = set()
         self._active: set[str] = set()
 
@@ -115,7 +121,9 @@ class Intents:
 
     async def begin(self, kind: str, **fields: str) -> Intent:
         """Write the intent record (step 1); the caller writes its objects after it."""
-        intent = Intent(new_id("intent"), kind, utc_iso(self._clock()), dict(fields))
+        intent = Intent(
+            new_id("intent"), kind, utc_iso(self._clock()), dict(fields), owner=self._owner
+        )
         self._active.add(intent.intent_id)
         try:
             await self._store.put(
@@ -217,10 +225,7 @@ class Intents:
         return done
 
     def _mine(self, intent: Intent) -> bool:
-        """Begun by this process (intents of earlier runs started before it)."""
-        if intent.intent_id in self._active:
-            return True
-        try:
-            return parse_time(intent.started_at) >= self._since
-        except ValueError:
-            return False
+        """Begun by this process."""
+        return intent.intent_id in self._active or (
+            bool(intent.owner) and secrets.compare_digest(intent.owner, self._owner)
+        )

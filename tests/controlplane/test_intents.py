@@ -72,3 +72,14 @@ async def test_an_error_inside_the_change_rolls_it_back_at_once() -> None:
         pass
     assert rolled == [failed.intent_id]
     assert await intents.pending() == []
+
+
+async def test_an_earlier_run_whose_clock_ran_ahead_is_still_recovered() -> None:
+    store, rolled = MemoryStore(), []  # type: list[str]
+    # The last process's clock was an hour ahead (then NTP stepped it back, or
+    # the control plane was restored onto another host).
+    crashed = _intents(store, Clock(T0 + dt.timedelta(hours=1)), rolled)
+    left = await crashed.begin("demo", thing="a")  # the process dies here
+    now = _intents(store, Clock(T0), rolled)
+    assert await now.recover() == 1
+    assert rolled == [left.intent_id]
