@@ -54,7 +54,7 @@ from controlplane.links import CA_ROLLOVER_REASON
 from controlplane.machines import MachineRegistry
 from controlplane.presence import PresenceRegistry, RenewNowNotice
 from shared import tls
-from shared.errors import AgentsError, InvalidState
+from shared.errors import AgentsError, InvalidState, TransientError
 from shared.store.base import ObjectStore
 
 __all__ = ["KeyRotation", "RolloverState", "ServerRotated"]
@@ -119,6 +119,8 @@ class KeyRotation:
         self._on_resealed = on_resealed
         # One rotation at a time: each reads the home, writes it and swaps the ring.
         self._lock = asyncio.Lock()
+        # Whether the last key change reached the sealed bundle (None: none yet).
+        self._sealed: bool | None = None
 
     async def _keys_changed(self) -> None:
         """Every key change ends here: the sealed key bundle (``cp/keys.sealed``)
@@ -134,8 +136,10 @@ class KeyRotation:
             await reseal_key_bundle(self._home, self._bundle_store)
         except AgentsError as e:
             logger.error("keys changed but the sealed key bundle could not follow: %s", e)
+            self._sealed = False
             self._on_resealed(False)
         else:
+            self._sealed = True
             self._on_resealed(True)
 
     @property
@@ -177,6 +181,16 @@ class KeyRotation:
             old_hash, new_hash = keys.ca_hash, tls.ca_hash(keys.next_ca.cert_pem)
             pending = await self._pending(principal, new_hash)
             if not retire_old:
+                if self._sealed is False:
+                    await self._keys_changed()  # tried again, as a call again promises
+                if self._sealed is False:
+                    # Machines renewed under a CA the bundle does not hold would be
+                    # refused after a restore from it: none is told to, yet.
+                    raise TransientError(
+                        "ca rollover: the new CA is made but the sealed key bundle "
+                        "(cp/keys.sealed) could not be written, so no machine was told to "
+                        "renew; run it again once the store answers"
+                    )
                 notified = self._presence.notify_all(RenewNowNotice(CA_ROLLOVER_REASON))
                 return RolloverState(ROLLING, new_hash, old_hash, pending, notified)
             if pending:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane import fencing
+from controlplane import fencing, rotation
 from controlplane.bootstrap import init_control_plane
 from controlplane.cli import main
 from controlplane.client import AdminClient
@@ -31,7 +31,7 @@ from controlplane.keybundle import (
 from controlplane.keys import load_ca_cert, load_home_keys
 from controlplane.server import ControlPlane, run_daemon
 from shared.crypto import BoxKeyPair, encode_private_key
-from shared.errors import IntegrityError, InvalidArgument, StoreFenced
+from shared.errors import AgentsError, IntegrityError, InvalidArgument, StoreError, StoreFenced
 from shared.recovery_key import write_recovery_key
 from shared.store import FolderStore
 from shared.store.authenticated import seal
@@ -311,3 +311,29 @@ async def test_a_pre_fencing_home_killed_between_its_first_two_writes_starts_aga
         assert read_home_id(cfg.home) == fence.home_id
     finally:
         await trusted.close()
+
+
+async def test_a_rollover_whose_bundle_cannot_be_sealed_tells_no_machine_until_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _cfg(tmp_path)
+    made = await init_control_plane(cfg)
+    real = rotation.reseal_key_bundle
+    failing = True
+
+    async def reseal(home: Path, store: object) -> None:
+        if failing:
+            raise StoreError("store: slow down")
+        await real(home, store)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rotation, "reseal_key_bundle", reseal)
+    async with ControlPlane(cfg) as cp:
+        address = f"127.0.0.1:{cp.public_port}"
+        async with AdminClient(address, load_ca_cert(cfg.home), made.operator_credential) as c:
+            with pytest.raises(AgentsError, match="no machine was told to renew"):
+                await c.rollover_ca()
+            assert cp.registry.get_sample_value("agents_cp_key_bundle_sealed") == 0
+            assert load_home_keys(cfg.home).next_ca is not None  # the rollover itself began
+            failing = False
+            await c.rollover_ca()  # again: the bundle follows, then machines are told
+            assert cp.registry.get_sample_value("agents_cp_key_bundle_sealed") == 1
