@@ -28,11 +28,13 @@ from shared.backup_target import (
     PruneResult,
     StoreTarget,
     is_segment_name,
+    manifest_key,
+    names_key,
     segment_key,
 )
-from shared.errors import InvalidArgument, NotFound, TooLarge
+from shared.errors import InvalidArgument, NotFound, PermissionDenied, TooLarge
 from shared.ids import validate_id
-from shared.store.base import ObjectStore
+from shared.store.base import ObjectStore, delete_keys
 
 __all__ = ["BackupLimits", "MachineBackups", "backups_prefix"]
 
@@ -45,6 +47,8 @@ MAX_HAVE_NAMES: Final = 10_000
 
 MachineExists = Callable[[str, str], Awaitable[bool]]
 """``exists(account_id, machine_id)``: whether the account has that machine (any state)."""
+AccountGone = Callable[[str], Awaitable[bool]]
+"""``gone(account_id)``: whether the account is being deleted or was deleted."""
 
 
 def check_segment_name(name: str) -> str:
@@ -85,10 +89,25 @@ class MachineBackups:
         limits: BackupLimits | None = None,
         *,
         exists: MachineExists | None = None,
+        gone: AccountGone | None = None,
     ) -> None:
         self._store = store
         self.limits = limits or BackupLimits()
         self._exists = exists
+        self._gone = gone
+
+    async def _unless_gone(self, account_id: str, keys: list[str]) -> None:
+        """After a write: when the account's deletion began meanwhile, delete ``keys``
+        (what the call wrote) and refuse.
+
+        The caller was authorized at the call's start; an upload can outlast the
+        deletion's last sweep. Checked after the write, so either the sweep saw
+        the object or this check sees the tombstone (or the deleted marker).
+        """
+        if self._gone is None or not await self._gone(account_id):
+            return
+        await delete_keys(self._store, keys)
+        raise PermissionDenied("backups: account is being deleted")
 
     async def source(self, account_id: str, caller_id: str, named: str) -> str:
         """Whose backups a read names: the caller's own when ``named`` is empty,
@@ -150,6 +169,9 @@ class MachineBackups:
                 raise InvalidArgument("chunk", f"segment ended at {size} of {declared} bytes")
 
         await target.put_segment(name, bounded())
+        await self._unless_gone(
+            account_id, [backups_prefix(account_id, machine_id) + segment_key(name)]
+        )
         return size
 
     async def list_manifests(self, account_id: str, machine_id: str) -> list[ManifestInfo]:
@@ -168,6 +190,10 @@ class MachineBackups:
             raise TooLarge("manifest", self.limits.max_manifest, len(blob))
         names = [check_segment_name(n) for n in names]
         await self.target(account_id, machine_id).put_manifest(backup_id, blob, names)
+        root = backups_prefix(account_id, machine_id)
+        await self._unless_gone(
+            account_id, [root + manifest_key(backup_id), root + names_key(backup_id)]
+        )
 
     async def prune(self, account_id: str, machine_id: str, keep: int) -> PruneResult:
         """Keep the machine's newest ``keep`` backups (from their names lists)."""

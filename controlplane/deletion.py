@@ -35,7 +35,10 @@ in the background), as does ``fsck --repair`` (in the foreground).
 While the tombstone exists the account's RPCs, joins and links are refused
 (:meth:`AccountService.require_active`, :meth:`MachineRegistry.authorize_peer`);
 afterwards its ids are simply unknown, and ``deleted/<a>.json`` tells "deleted
-at T by X" apart from "never existed". Machines themselves are not touched:
+at T by X" apart from "never existed". A backup upload authorized before the
+tombstone can outlast the last sweep: the backups domain looks for the
+tombstone or ``deleted/<a>.json`` after each segment or manifest it writes and
+deletes what it wrote (:class:`controlplane.backups.MachineBackups`). Machines themselves are not touched:
 they are told ``account_deleted``, stop reconnecting and keep their data.
 """
 

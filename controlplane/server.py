@@ -279,7 +279,7 @@ class ControlPlane:
             renew_threshold=cfg.renew_threshold,
             link_port=self.link_port,
             link_host=cfg.advertise_host,
-            backups=_machine_backups(trusted, services.machines),
+            backups=_machine_backups(trusted, services.machines, services.accounts),
             deliveries=prompts,
             rosters=rosters,
         )
@@ -466,7 +466,9 @@ async def _self_check(
             logger.warning("self-check: %s", e)
 
 
-def _machine_backups(trusted: TrustedStore, machines: MachineRegistry) -> MachineBackups | None:
+def _machine_backups(
+    trusted: TrustedStore, machines: MachineRegistry, accounts: AccountService
+) -> MachineBackups | None:
     """The backup RPCs' domain over the un-MAC'd store (None: backups refused)."""
     if trusted.backups is None:
         return None
@@ -474,7 +476,10 @@ def _machine_backups(trusted: TrustedStore, machines: MachineRegistry) -> Machin
     async def exists(account_id: str, machine_id: str) -> bool:
         return await machines.load_any(account_id, machine_id) is not None
 
-    return MachineBackups(trusted.backups, exists=exists)
+    async def gone(account_id: str) -> bool:
+        return await accounts.is_deleting(account_id) or await accounts.was_deleted(account_id)
+
+    return MachineBackups(trusted.backups, exists=exists, gone=gone)
 
 
 def _certificate_config(ring: KeyRing, client_auth: bool) -> grpc.ServerCertificateConfiguration:

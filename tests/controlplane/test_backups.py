@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from controlplane.backups import BackupLimits, MachineBackups, backups_prefix
-from shared.errors import InvalidArgument, InvalidId, NotFound, TooLarge
+from shared.errors import InvalidArgument, InvalidId, NotFound, PermissionDenied, TooLarge
 from shared.ids import new_id
 from shared.store.memory import MemoryStore
 
@@ -95,3 +95,30 @@ async def test_segment_stream_must_match_its_declared_size_and_is_stored_once() 
         await backups.have_segments(ACCT, machine, ["../etc"])
     with pytest.raises(TooLarge):
         await backups.have_segments(ACCT, machine, [name] * 10_001)
+
+
+async def test_an_upload_that_outlasts_its_accounts_deletion_keeps_nothing() -> None:
+    store = MemoryStore()
+    deleting: set[str] = set()
+
+    async def gone(account_id: str) -> bool:
+        return account_id in deleting
+
+    backups = MachineBackups(store, gone=gone)
+    machine, name = new_id("machine"), os.urandom(32).hex()
+
+    async def slow_upload() -> AsyncIterator[bytes]:
+        yield b"sealed"
+        # Authorized at the call's start; the deletion began (and may have
+        # finished its sweep) while the bytes were on their way.
+        deleting.add(ACCT)
+        yield b"bytes"
+
+    with pytest.raises(PermissionDenied, match="account is being deleted"):
+        await backups.put_segment(ACCT, machine, name, slow_upload())
+    with pytest.raises(PermissionDenied):
+        await backups.put_manifest(ACCT, machine, new_id("backup"), b"manifest", [name])
+    assert [i.key async for i in store.list("")] == []
+    # Another account's uploads go on.
+    other = new_id("account")
+    assert await backups.put_segment(other, machine, name, _chunks(b"x")) == 1
