@@ -19,6 +19,7 @@ from machine.link_client import Delivery, DeliveryAck
 from machine.runs import RunEngine
 from shared.crypto import BoxKeyPair, open_bytes, prompt_aad
 from shared.errors import IntegrityError
+from shared.ids import is_valid_id
 
 __all__ = ["DeliveryHandler", "crash_after"]
 
@@ -41,6 +42,11 @@ class DeliveryHandler:
 
     async def __call__(self, delivery: Delivery) -> DeliveryAck:
         """Store ``delivery`` durably (once) and say what it became."""
+        if not (is_valid_id("prompt", delivery.id) and is_valid_id("agent", delivery.agent_id)):
+            # Refused for good, not failed: a failure would have the link reconnect
+            # and be sent this delivery again, forever, before any later prompt.
+            logger.warning("delivery refused: a malformed prompt or agent id")
+            return DeliveryAck(refused="the prompt or agent id is malformed")
         try:
             raw = open_bytes(
                 delivery.sealed_prompt,

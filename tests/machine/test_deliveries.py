@@ -66,6 +66,12 @@ async def test_refusals_are_acknowledged_with_a_reason(
     d = delivery(box, agent, "hi")
     moved = Delivery(new_id("prompt"), d.agent_id, d.sealed_prompt, None)
     assert "cannot open" in (await handle(moved)).refused
+    # A malformed id, sealed to it all the same: refused for good, not failed (a
+    # failure would have the link take it again and again, before any later prompt).
+    for pid, aid in (("pr_../../x", agent), (new_id("prompt"), "ag_bad")):
+        sealed = seal_bytes(b"hi", [box.public_key], aad=prompt_aad(pid, aid))
+        bad = await handle(Delivery(id=pid, agent_id=aid, sealed_prompt=sealed, created_at=None))
+        assert "malformed" in bad.refused and not bad.run_id
     assert await machine_app.runs.list_runs(agent) == []
 
 
