@@ -112,7 +112,9 @@ def encode_segment(plaintext: Iterable[bytes], *, name: str, key: bytes) -> Iter
     return encrypt_segment(compressed(), name=name, key=key)
 
 
-def encrypt_segment(compressed: Iterable[bytes], *, name: str, key: bytes) -> Iterator[bytes]:
+def encrypt_segment(
+    compressed: Iterable[bytes | memoryview], *, name: str, key: bytes
+) -> Iterator[bytes]:
     """Encrypt an already compressed segment (see :class:`SegmentCompressor`), lazily."""
     return encrypt_chunks(key, compressed, chunk_size=SEGMENT_CHUNK, aad=_segment_aad(name))
 

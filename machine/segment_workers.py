@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final
 
-from machine.backup_format import SegmentCompressor, encrypt_segment, segment_key
+from machine.backup_format import (
+    SEGMENT_CHUNK,
+    SegmentCompressor,
+    encrypt_segment,
+    segment_key,
+)
 from machine.export_format import AGENT_FILES, OPTIONAL_AGENT_FILES, agent_path
 from machine.tables import export as store_export
 from machine.worker_pool import Answer, Handler, WorkerGone, WorkerPool, processes, serve
@@ -120,13 +125,17 @@ def _make(conn: sqlite3.Connection, agent_id: str, naming_key: bytes, work: Path
     except (sqlite3.Error, OSError) as e:
         return {"failed": f"{type(e).__name__}: {e}"}, b""
     key = segment_key(naming_key, name)
-    data = b"".join(encrypt_segment([compressed.getvalue()], name=name, key=key))
-    if len(data) <= _IN_PIPE:
-        return {"name": name, "plain": compressor.plain_size}, data
+    view = compressed.getbuffer()  # no copy of the compressed bytes
+    pieces = (view[i : i + SEGMENT_CHUNK] for i in range(0, len(view), SEGMENT_CHUNK))
+    stored = encrypt_segment(pieces, name=name, key=key)  # a chunk at a time
+    # Encryption adds a header and 17 bytes a chunk: well inside the margin.
+    if len(view) <= _IN_PIPE - 64 * 1024:
+        return {"name": name, "plain": compressor.plain_size}, b"".join(stored)
     fd, path = tempfile.mkstemp(dir=work, prefix=".made-")
     with open(fd, "wb") as f:
         os.fchmod(f.fileno(), FILE_MODE)
-        f.write(data)
+        for chunk in stored:
+            f.write(chunk)
     return {"name": name, "plain": compressor.plain_size, "path": path}, b""
 
 

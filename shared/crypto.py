@@ -256,7 +256,7 @@ class _Encryptor:
         self._pending.clear()
         return len(ct).to_bytes(_LEN, "big") + ct
 
-    def update(self, data: bytes) -> list[bytes]:
+    def update(self, data: bytes | memoryview) -> list[bytes]:
         out: list[bytes] = []
         view = memoryview(data).cast("B")
         while view:
@@ -475,7 +475,9 @@ class _Opener:
 # ------------------------------------------------------------------ I/O drivers
 
 
-def _run_encrypt(enc: _Encryptor, prefix: bytes, chunks: Iterable[bytes]) -> Iterator[bytes]:
+def _run_encrypt(
+    enc: _Encryptor, prefix: bytes, chunks: Iterable[bytes | memoryview]
+) -> Iterator[bytes]:
     yield prefix + enc.header
     for chunk in chunks:
         yield from enc.update(chunk)
@@ -524,7 +526,7 @@ def _new_decryptor(key: bytes, aad: bytes, max_chunk_size: int, what: str) -> _D
 
 def encrypt_chunks(
     key: bytes,
-    chunks: Iterable[bytes],
+    chunks: Iterable[bytes | memoryview],
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     aad: bytes = b"",

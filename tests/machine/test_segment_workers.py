@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import os
+import sqlite3
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,7 +15,8 @@ import pytest
 
 from machine import segment_workers
 from machine.app import open_machine
-from machine.backup import BackupEngine
+from machine.backup import BackupEngine, decode_checked
+from machine.backup_format import SegmentRef, segment_key
 from machine.segment_workers import SegmentWorkers
 from machine.transfer import DatabaseBackupSource, restore_fetched
 from shared.backup_target import StoreTarget
@@ -190,3 +193,25 @@ async def test_workers_die_with_a_sigkilled_daemon(tmp_path: Path) -> None:
         deadline=20,
         what="the workers gone with their daemon",
     )
+
+
+def test_a_segment_past_the_pipe_is_written_to_a_file_and_decodes(
+    one_agent: _OneAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Encrypted a chunk at a time into the file, not whole in memory first.
+    monkeypatch.setattr(segment_workers, "_IN_PIPE", 64 * 1024 + 1)
+    conn = sqlite3.connect(f"file:{one_agent.db_path}?mode=ro", uri=True, isolation_level=None)
+    conn.row_factory = sqlite3.Row
+    try:
+        answer, data = segment_workers._make(conn, one_agent.agent, NAMING_KEY, one_agent.stage)
+    finally:
+        conn.close()
+    assert data == b"" and "path" in answer
+    stored = Path(answer["path"]).read_bytes()
+    name = answer["name"]
+    ref = SegmentRef(
+        name, segment_key(NAMING_KEY, name), "agent", one_agent.agent, len(stored), answer["plain"]
+    )
+    out = io.BytesIO()
+    decode_checked(ref, NAMING_KEY, [stored], out)
+    assert len(out.getvalue()) == answer["plain"] > 0
