@@ -293,7 +293,7 @@ def test_sigkill_during_a_backup_leaves_kept_backups_whole(
         _ok(run_cli(data, "backup", "verify", last, timeout=300))
 
 
-def test_sigkill_during_a_restore_leaves_nothing_and_it_runs_again_whole(
+def test_sigkill_during_a_restore_or_an_import_leaves_nothing_and_it_runs_again_whole(
     tmp_path: Path, machine_proc: MakeProc
 ) -> None:
     data = tmp_path / "data"
@@ -310,46 +310,31 @@ def test_sigkill_during_a_restore_leaves_nothing_and_it_runs_again_whole(
         before = _export_contents(data, agents, tmp_path / "before.tar.gz")
     copy = tmp_path / "backup-copy"
     shutil.copytree(data / "backups", copy)
-    shutil.rmtree(data)
     restore = [
-        str(AGENTS_MACHINE), "--data-dir", str(data), "backup", "restore", backup_id,
-        "--from", str(copy), "--recovery-key", str(key_file),
+        "backup", "restore", backup_id, "--from", str(copy), "--recovery-key", str(key_file)
     ]  # fmt: skip
+    imported = ["import", str(tmp_path / "before.tar.gz")]
+    for verb in (restore, imported):
+        shutil.rmtree(data, ignore_errors=True)  # a new machine for each
+        _kill_in_its_transaction(proc, data, verb)
+        with proc:
+            # Nothing of it was committed, and the machine.db is sound.
+            assert _agents(data) == []
+            assert _ok(run_cli(data, "check", timeout=120)).strip().endswith("machine.db: ok")
+            _ok(run_cli(data, *verb, timeout=300))
+            after = tmp_path / f"after-{verb[0]}.tar.gz"
+            assert _export_contents(data, agents, after) == before
+
+
+def _kill_in_its_transaction(proc: MachineProc, data: Path, verb: list[str]) -> None:
+    """Start the daemon, run ``agents-machine VERB…``, and SIGKILL the daemon once
+    the verb's one transaction is under way: the rows it holds spill to the WAL
+    (20 MB of conversations go in, far past SQLite's page cache)."""
     wal = data / "machine.db-wal"
     with proc:
         start = wal.stat().st_size
-        child = subprocess.Popen(restore, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            # Its one transaction is under way once the rows it holds spill to the WAL:
-            # 20 MB of conversations go in, far past SQLite's page cache.
-            poll_until(
-                lambda: wal.stat().st_size > start + 6 * 1024 * 1024,
-                deadline=120,
-                step=0.002,
-                what="the restore's transaction writing",
-            )
-            proc.kill()
-        finally:
-            child.wait(timeout=30)
-    with proc:
-        # Nothing of it was committed, and the machine.db is sound.
-        assert _agents(data) == []
-        assert _ok(run_cli(data, "check", timeout=120)).strip().endswith("machine.db: ok")
-        restored = _ok(run_cli(data, *restore[3:], timeout=300))
-        assert f"restored {len(agents)} agents" in restored
-        assert _export_contents(data, agents, tmp_path / "after.tar.gz") == before
-    # The same for an import of the export, on another new machine.
-    shutil.rmtree(data)
-    with proc:
-        start = wal.stat().st_size
         child = subprocess.Popen(
-            [
-                str(AGENTS_MACHINE),
-                "--data-dir",
-                str(data),
-                "import",
-                str(tmp_path / "before.tar.gz"),
-            ],
+            [str(AGENTS_MACHINE), "--data-dir", str(data), *verb],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -358,16 +343,11 @@ def test_sigkill_during_a_restore_leaves_nothing_and_it_runs_again_whole(
                 lambda: wal.stat().st_size > start + 6 * 1024 * 1024,
                 deadline=120,
                 step=0.002,
-                what="the import's transaction writing",
+                what=f"{verb[0]}'s transaction writing",
             )
             proc.kill()
         finally:
             child.wait(timeout=30)
-    with proc:
-        assert _agents(data) == []
-        assert _ok(run_cli(data, "check", timeout=120)).strip().endswith("machine.db: ok")
-        _ok(run_cli(data, "import", str(tmp_path / "before.tar.gz"), timeout=300))
-        assert _export_contents(data, agents, tmp_path / "again.tar.gz") == before
 
 
 def _tar_gz(entries: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
