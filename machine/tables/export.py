@@ -19,7 +19,7 @@ import logging
 import math
 import re
 import sqlite3
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from pathlib import Path
 from typing import IO, Any, Final
 
@@ -448,17 +448,19 @@ def load_agent_files(
     conn.execute("UPDATE agents SET last_seq = ? WHERE id = ?", (last_seq, agent_id))
     _load_runs(conn, agent_id, started, ended, runs)
     # A summary or tool call names one of the agent's own runs (those its
-    # conversation started): a run id of another agent would write into that
+    # conversation started or ended: a queued run cancelled before it started
+    # has only its end): a run id of another agent would write into that
     # agent's rows (a summary replaces the run's).
+    own = started.keys() | ended.keys()
     with files("summaries.jsonl") as f:
         for n, row in enumerate(read_jsonl(f, f"{label}/summaries"), 1):
             where = f"{label}/summaries.jsonl line {n}"
-            _own_run(row, started, where)
+            _own_run(row, own, where)
             _insert_summary(conn, agent_id, row, where)
     with files("tools.jsonl") as f:
         what = f"{label}/tools.jsonl"
         for n, row in enumerate(read_jsonl(f, what), 1):
-            _own_run(row, started, f"{what} line {n}")
+            _own_run(row, own, f"{what} line {n}")
             _insert_tool(conn, agent_id, row, f"{what} line {n}")
     for ref in record.get("attachments", []):
         _insert_attachment_ref(conn, agent_id, ref, where)
@@ -481,11 +483,16 @@ def _load_runs(
     ended: dict[str, tuple[str, dict[str, Any], float]],
     usage: Mapping[str, dict[str, Any]],
 ) -> None:
-    for run_id, start in started.items():
+    # Runs the conversation started, then those it only ended (a queued run
+    # cancelled before it started: no prompt in the conversation, never started).
+    never_started = [r for r in ended if r not in started]
+    for run_id in [*started, *never_started]:
         u = usage.get(run_id) or {}
         if u.get("agent_id") != agent_id:
             u = {}  # a usage row is another agent's: not this run's
         kind, end, finished = ended.get(run_id, ("RUN_ERROR", {}, None))
+        start = started.get(run_id, {"time": finished})
+        began = start["time"] if run_id in started else None
         state = u.get("state") or _TERMINAL_STATE.get(kind, "interrupted")
         if state in ("queued", "running", "waiting_permission"):
             state = "interrupted"  # a restored run never resumes
@@ -500,7 +507,7 @@ def _load_runs(
                 str(start.get("prompt", "")),
                 json.dumps(start.get("attachments", [])),
                 u.get("created_at", start["time"]),
-                u.get("started_at", start["time"]),
+                u.get("started_at", began),
                 u.get("finished_at", finished),
                 int(u.get("input_tokens") or 0),
                 int(u.get("output_tokens") or 0),
@@ -511,8 +518,8 @@ def _load_runs(
         )
 
 
-def _own_run(row: dict[str, Any], started: Mapping[str, Any], where: str) -> None:
-    if archive_field(row, "run_id", str, where) not in started:
+def _own_run(row: dict[str, Any], own: Set[str], where: str) -> None:
+    if archive_field(row, "run_id", str, where) not in own:
         raise InvalidArgument("archive", f"{where}: names a run its conversation does not start")
 
 

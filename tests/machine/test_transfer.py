@@ -565,3 +565,57 @@ async def test_an_agent_erased_while_an_import_was_staged_is_not_brought_back(
         assert result.restored == (agents[1],)
         assert result.skipped_erased == (agents[0],)
         assert [x.id for x in await b.agents.list(include_archived=True)] == [agents[1]]
+
+
+async def _with_a_cancelled_queued_run(m: Machine, tmp: Path) -> tuple[str, str]:
+    """An agent whose second run was cancelled while queued behind the first: the
+    conversation ends that run without ever starting it. Returns (agent, that run)."""
+    agent = (await m.agents.create(name="queued", folder=str(tmp))).id
+    stream = await m.runs.prompt(agent, "/tool ls X")  # waits for a permission
+    first = None
+    async for ev in stream:
+        if ev.kind is EventKind.PERMISSION_REQUEST:
+            first = ev
+            break
+    assert first is not None
+    queued, _ = await m.runs.submit(agent, "queued one", ())
+    await m.runs.cancel(queued.id)
+    await m.runs.answer(first.run_id, first.payload["request_id"], "allow_once")
+    await asyncio.wait_for(_drain(stream), DEADLINE)
+    await m.agents.archive(agent)
+    return agent, queued.id
+
+
+async def test_a_run_cancelled_before_it_started_exports_imports_and_restores(
+    tmp_path: Path,
+) -> None:
+    key = BoxKeyPair.generate()
+    async with open_machine(_config(tmp_path / "a")) as a:
+        (good,) = await _populate(a, tmp_path, 1)
+        agent, never = await _with_a_cancelled_queued_run(a, tmp_path)
+        archive = tmp_path / "out.tar.gz"
+        before = await _export_files(a, [good, agent], archive)
+        assert never.encode() in before[f"agents/{agent}/conversation.jsonl"]
+        engine = BackupEngine(
+            DatabaseBackupSource(a.db, a.config.attachments_dir, tmp_path / "w"),
+            StoreTarget(FolderStore(tmp_path / "t")),
+            machine_id=a.ids.canonical,
+            naming_key=os.urandom(32),
+            recipients=[key.public_key],
+            keypair=key,
+            work_dir=tmp_path / "w",
+        )
+        made = await engine.backup_now()
+    async with open_machine(_config(tmp_path / "b")) as b:
+        assert sorted((await _import(b, archive, tmp_path)).restored) == sorted([good, agent])
+        assert await _export_files(b, [good, agent], tmp_path / "b.tar.gz") == before
+        run = await b.runs.get_run(never)
+        assert run.agent_id == agent and run.started_at is None
+    async with open_machine(_config(tmp_path / "c")) as c:
+        fetched = await engine.fetch(made.backup_id, tmp_path / "fetch", key, decode_agents=False)
+        result = await restore_fetched(
+            c.db, fetched, attachments_dir=c.config.attachments_dir, erased=set()
+        )
+        assert sorted(result.restored) == sorted([good, agent])
+        assert await _export_files(c, [good, agent], tmp_path / "c.tar.gz") == before
+        assert (await c.runs.get_run(never)).state.value == "cancelled"
