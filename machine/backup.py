@@ -344,6 +344,10 @@ class BackupEngine:
             )  # fmt: skip
             written = await writer.write(todo_agents, todo_attachments)
         refs += written.refs
+        # An attachment no agent names any more (its last one was erased while
+        # this backup ran) stays out of the manifest; a prune removes its segment.
+        still = {sha for sha, _ in await self._source.attachments()}
+        refs = [r for r in refs if r.kind != "attachment" or r.ref in still]
         uploaded, uploaded_bytes = written.uploaded, written.uploaded_bytes
         manifest = BackupManifest(
             backup_id,

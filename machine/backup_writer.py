@@ -207,12 +207,13 @@ class SegmentWriter:
         async def plan(item: _Item) -> None:
             try:
                 await make(item)
-            except NotFound:
-                if item.kind != "agent":
+            except (NotFound, FileNotFoundError) as e:
+                if (item.kind == "agent") != isinstance(e, NotFound):
                     raise
-                # Erased or deleted since the backup listed it: the backup holds
-                # what the machine has now, and the rest of it goes on.
-                logger.info("backup: agent %s went while it was being backed up", item.ref_id)
+                # Erased or deleted since the backup listed it (an attachment's file
+                # goes with the last agent naming it): the backup holds what the
+                # machine has now, and the rest of it goes on.
+                logger.info("backup: %s %s went while it was backed up", item.kind, item.ref_id)
                 item.close()
                 item.gone = True
                 self._tick("read")

@@ -325,3 +325,30 @@ async def test_two_verifies_of_a_large_segment_at_once_both_pass(parts: dict[str
         engine.verify(made.backup_id), engine.verify(made.backup_id)
     )
     assert first.segments == second.segments == made.segments
+
+
+@pytest.mark.parametrize("file_gone", [True, False])
+async def test_an_attachment_whose_last_agent_was_erased_mid_backup_stays_out(
+    parts: dict[str, Any], file_gone: bool
+) -> None:
+    engine, source = parts["engine"], parts["source"]
+    sha, path = source.attachment
+    write = source.write_agent
+
+    async def erased_meanwhile(agent_id: str, out: BinaryIO) -> None:
+        # The erasure scrubs the attachment no one names any more: its file goes
+        # (or has not gone yet when the backup reads it).
+        source.attachments = _none  # type: ignore[method-assign]
+        if file_gone:
+            path.unlink(missing_ok=True)
+        await write(agent_id, out)
+
+    async def _none() -> list[tuple[str, Path]]:
+        return []
+
+    source.write_agent = erased_meanwhile  # type: ignore[method-assign]
+    made = await engine.backup_now()
+    manifest = await engine.open(made.backup_id)
+    assert sha not in {s.ref for s in manifest.segments}
+    assert {s.ref for s in manifest.segments if s.kind == "agent"} == set(source.data)
+    await engine.verify(made.backup_id)
