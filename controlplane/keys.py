@@ -224,6 +224,13 @@ def start_ca_rollover(home: Path, next_ca: CertKey, next_server: CertKey) -> Non
         write_atomic(home / name, data, mode=0o600)
 
 
+def abort_ca_rollover(home: Path) -> None:
+    """Undo :func:`start_ca_rollover` (``ca-next.pem`` first: no rollover from then on)."""
+    for name in ("ca-next.pem", "ca-next.key", "server-next.pem", "server-next.key"):
+        (home / name).unlink(missing_ok=True)
+    fsync_dir(home)
+
+
 def finish_ca_rollover(home: Path) -> None:
     """Make the next CA and its server certificate the current ones (old CA retired)."""
     if not (home / "ca-next.pem").exists():

@@ -45,6 +45,7 @@ from controlplane.integrity import move_deployment_ca
 from controlplane.keybundle import reseal_key_bundle
 from controlplane.keys import (
     KeyRing,
+    abort_ca_rollover,
     finish_ca_rollover,
     load_home_keys,
     replace_server_cert,
@@ -119,7 +120,9 @@ class KeyRotation:
         self._on_resealed = on_resealed
         # One rotation at a time: each reads the home, writes it and swaps the ring.
         self._lock = asyncio.Lock()
-        # Whether the last key change reached the sealed bundle (None: none yet).
+        # Whether the last key change reached the sealed bundle; None: none yet, or
+        # a deployment whose bundle cannot be kept (none, and no recovery key to
+        # seal one: serve's start says so), which a rollover does not wait for.
         self._sealed: bool | None = None
 
     async def _keys_changed(self) -> None:
@@ -134,6 +137,10 @@ class KeyRotation:
             return
         try:
             await reseal_key_bundle(self._home, self._bundle_store)
+        except InvalidState as e:
+            logger.error("keys changed; there is no sealed key bundle to follow: %s", e)
+            self._sealed = None
+            self._on_resealed(False)
         except AgentsError as e:
             logger.error("keys changed but the sealed key bundle could not follow: %s", e)
             self._sealed = False
@@ -207,8 +214,16 @@ class KeyRotation:
         next_server = tls.issue_server_cert(next_ca, self._names)
         # COMMIT POINT: ca-next.pem, written last by start_ca_rollover.
         await asyncio.to_thread(start_ca_rollover, self._home, next_ca, next_server)
-        self._ring.replace(await asyncio.to_thread(load_home_keys, self._home))
+        # The bundle before the ring: the new CA signs nothing (renewals, joins)
+        # that a restore from the bundle would not trust.
         await self._keys_changed()
+        if self._sealed is False:
+            await asyncio.to_thread(abort_ca_rollover, self._home)
+            raise TransientError(
+                "ca rollover: the sealed key bundle (cp/keys.sealed) could not be written, "
+                "so no rollover was started; run it again once the store answers"
+            )
+        self._ring.replace(await asyncio.to_thread(load_home_keys, self._home))
         await self._audit.record(principal.credential_id, "keys.ca_rollover", "ca")
         logger.warning(
             "CA rollover started: new CA %s signs client certificates; the old one stays "

@@ -313,7 +313,7 @@ async def test_a_pre_fencing_home_killed_between_its_first_two_writes_starts_aga
         await trusted.close()
 
 
-async def test_a_rollover_whose_bundle_cannot_be_sealed_tells_no_machine_until_it_is(
+async def test_a_rollover_whose_bundle_cannot_be_sealed_does_not_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = _cfg(tmp_path)
@@ -330,10 +330,14 @@ async def test_a_rollover_whose_bundle_cannot_be_sealed_tells_no_machine_until_i
     async with ControlPlane(cfg) as cp:
         address = f"127.0.0.1:{cp.public_port}"
         async with AdminClient(address, load_ca_cert(cfg.home), made.operator_credential) as c:
-            with pytest.raises(AgentsError, match="no machine was told to renew"):
+            # The new CA would sign renewals and joins a restore from the stale
+            # bundle does not trust: nothing of the rollover is kept.
+            with pytest.raises(AgentsError, match="no rollover was started"):
                 await c.rollover_ca()
             assert cp.registry.get_sample_value("agents_cp_key_bundle_sealed") == 0
-            assert load_home_keys(cfg.home).next_ca is not None  # the rollover itself began
+            assert load_home_keys(cfg.home).next_ca is None
+            assert cp._keyring is not None and cp._keyring.keys.next_ca is None
             failing = False
-            await c.rollover_ca()  # again: the bundle follows, then machines are told
+            await c.rollover_ca()  # again: the bundle holds the new CA before it signs
             assert cp.registry.get_sample_value("agents_cp_key_bundle_sealed") == 1
+            assert cp._keyring.keys.next_ca is not None
