@@ -43,6 +43,7 @@ from controlplane.keys import load_home_keys
 from controlplane.records import (
     account_index_key,
     account_key,
+    deleted_key,
     deleting_key,
     encode,
     github_index_key,
@@ -70,6 +71,7 @@ _IDX_MACHINE: Final = re.compile(rf"\Aindex/machines/(mc_{_ID})\.json\Z")
 _IDX_TOKEN: Final = re.compile(rf"\Aindex/tokens/(tok_{_ID})\.json\Z")
 _TOMBSTONE: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/deleting\.json\Z")
 _IN_ACCOUNT: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/")
+_DELETED: Final = re.compile(rf"\Adeleted/(acct_{_ID})\.json\Z")
 _DELETE_KIND: Final = "account.delete"
 
 
@@ -197,8 +199,16 @@ async def run_fsck(trusted: TrustedStore, intents: Intents, *, repair: bool) -> 
     c.deleting = frozenset(
         [a for a in tombstoned if await c.read(f"accounts/{a}/deleting.json") is not None]
     )
+    # A finished deletion (only an authentic marker counts) leaves nothing under
+    # the account: anything there landed after its last sweep (a write already
+    # under way, then a crash before it looked for the deletion).
+    finished = {m.group(1) for key in keys if (m := _DELETED.match(key))}
+    finished = {a for a in finished - c.deleting if await c.read(deleted_key(a)) is not None}
     for key in keys:
         if (m := _IN_ACCOUNT.match(key)) and m.group(1) in c.deleting:
+            continue
+        if m and m.group(1) in finished:
+            await c.fix_delete("deleted_leftover", key, "left under a deleted account")
             continue
         if key.startswith(INTENTS_PREFIX):
             if not repair:

@@ -142,6 +142,18 @@ async def test_fsck_reports_a_deletion_in_progress_and_repair_finishes_it(
     code, report = await _fsck(cfg, capsys)
     assert (code, report["findings"], report["deleting"]) == (0, [], [])
 
+    # A backup segment that landed after the deletion's last sweep (its upload was
+    # under way and the control plane died before it looked for the deletion).
+    late = f"accounts/{acct}/backups/{new_id('machine')}/segments/{'ab' * 32}"
+    await store.put(late, b"sealed bytes")
+    code, report = await _fsck(cfg, capsys)
+    assert code == 1
+    assert [(f["kind"], f["key"]) for f in report["findings"]] == [("deleted_leftover", late)]
+    code, report = await _fsck(cfg, capsys, "--repair")
+    assert code == 0 and not [i.key async for i in store.list(f"accounts/{acct}/")]
+    # Another account's objects are never touched.
+    assert [i.key async for i in store.list(f"accounts/{kept}/")]
+
 
 async def test_fsck_an_account_delete_intent_without_tombstone_is_unfinished(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
