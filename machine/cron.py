@@ -122,6 +122,9 @@ def _check_item(spec: _Field, item: str) -> str:
             raise ValueError(f"a step follows * or a range: write {start}-{spec.high}/{step}")
         return item
     last = spec.value(end)
+    if spec.names is _WEEKDAYS and end.lower() == "sun" and first > 0:
+        # ``fri-sun``: Sunday ends the week here (7), as cron reads it.
+        return f"{first}-7" + (f"/{step}" if step is not None else "")
     if first > last:
         raise ValueError(f"range {start}-{end} runs backwards (ranges do not wrap around)")
     if first == last:

@@ -191,3 +191,25 @@ def test_long_outage_counts_are_bounded() -> None:
     )
     assert plan.missed == 1000
     assert plan.catch_up == utc(2026, 3, 1), "the latest missed time, not the 1,000th"
+
+
+@pytest.mark.parametrize(
+    ("rule", "stored", "days"),
+    [
+        ("0 9 * * fri-sun", "0 9 * * 5-7", ["Sun", "Fri", "Sat", "Sun"]),
+        ("0 9 * * SAT-SUN", "0 9 * * 6-7", ["Sun", "Sat", "Sun"]),
+        (
+            "0 9 * * sun-sat",
+            "0 9 * * sun-sat",
+            ["Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"],
+        ),
+    ],
+)
+def test_a_weekday_range_may_end_on_sunday(rule: str, stored: str, days: list[str]) -> None:
+    assert validate_cron(rule) == stored
+    # 2026-03-01 is a Sunday.
+    fires = fires_between(
+        stored, validate_zone("UTC"), dt.datetime(2026, 3, 1, tzinfo=dt.UTC),
+        dt.datetime(2026, 3, 9, tzinfo=dt.UTC),
+    )  # fmt: skip
+    assert [f.strftime("%a") for f in fires] == days
