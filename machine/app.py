@@ -27,6 +27,7 @@ from machine.backup_service import BackupMetrics, BackupService, parse_daily_tim
 from machine.config import MachineConfig
 from machine.db import Database
 from machine.dbfaults import CheckResult
+from machine.deliveries import crash_after
 from machine.erasure import ErasureService
 from machine.handoff import Handoff
 from machine.link_client import AgentRoster, LinkClient
@@ -374,6 +375,7 @@ async def _build_backups(
         daily_at=parse_daily_time(config.backup_time),
         metrics=BackupMetrics(metrics.registry) if metrics is not None else None,
         warnings=await asyncio.to_thread(_backup_warnings, config),
+        after_load=crash_after(config.crash_in_transfer_after, "agents loaded in a transfer"),
     )
     await asyncio.to_thread(service.sweep_stale)
     try:
@@ -442,6 +444,7 @@ async def open_machine(
             db,
             machine_id=ids.canonical,
             own_ids=ids.own,
+            after_load=crash_after(config.crash_in_transfer_after, "agents loaded in a transfer"),
             attachments_dir=config.attachments_dir,
             outgoing=config.outgoing_dir,
             incoming=config.incoming_dir,

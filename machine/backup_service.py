@@ -145,8 +145,10 @@ class BackupService:
         metrics: BackupMetrics | None = None,
         clock: Callable[[], float] = time.time,
         warnings: tuple[str, ...] = (),
+        after_load: Callable[[], None] | None = None,
     ) -> None:
         self._db = db
+        self._after_load = after_load  # a test's fault point (machine.transfer)
         self._target = target
         self.target_name = target_name
         self._keys = keys
@@ -304,7 +306,11 @@ class BackupService:
                 backup_id, stage, recovery, decode_agents=False
             )
             result = await restore_fetched(
-                self._db, fetched, attachments_dir=self._attachments, erased=erased or set()
+                self._db,
+                fetched,
+                attachments_dir=self._attachments,
+                erased=erased or set(),
+                after_load=self._after_load,
             )
         finally:
             shutil.rmtree(stage, ignore_errors=True)

@@ -139,14 +139,12 @@ def _parse_keep(value: object) -> int:
         ) from None
 
 
-def _test_crash_after(env: Mapping[str, str]) -> int:
-    value = env.get("AGENTS_MACHINE_TEST_CRASH_AFTER_DELIVERIES", "") or "0"
+def _test_crash_after(env: Mapping[str, str], name: str, field: str) -> int:
+    value = env.get(name, "") or "0"
     try:
         return int(value)
     except ValueError:
-        raise ConfigError(
-            "crash_after_deliveries", f"must be a whole number, got {value[:16]!r}"
-        ) from None
+        raise ConfigError(field, f"must be a whole number, got {value[:16]!r}") from None
 
 
 def parse_hostport(value: str, field: str) -> tuple[str, int]:
@@ -249,6 +247,11 @@ class MachineConfig:
     before acknowledging the last one, so a real-process test can kill the
     machine exactly between its record and its ack. 0 (the default): off."""
 
+    crash_in_transfer_after: int = 0
+    """Test only (``AGENTS_MACHINE_TEST_CRASH_IN_TRANSFER_AFTER_AGENTS``): once a
+    restore or an import loaded this many agents inside its one transaction, the
+    daemon SIGKILLs itself before the commit. 0 (the default): off."""
+
     @property
     def socket(self) -> Path:
         """The Unix socket path actually used."""
@@ -330,6 +333,8 @@ class MachineConfig:
 
         if self.crash_after_deliveries < 0:
             raise ConfigError("crash_after_deliveries", "must not be negative")
+        if self.crash_in_transfer_after < 0:
+            raise ConfigError("crash_in_transfer_after", "must not be negative")
         if self.backup_dir is not None and not self.backup_dir.is_absolute():
             raise ConfigError("backup_dir", f"must be an absolute path, got {self.backup_dir}")
         return self
@@ -407,6 +412,11 @@ class MachineConfig:
             schedule_test_seconds=int(file.get("schedule_test_seconds", 0)),
             claude_home=default_claude_home(env, home),
             codex_home=default_codex_home(env, home),
-            crash_after_deliveries=_test_crash_after(env),
+            crash_after_deliveries=_test_crash_after(
+                env, "AGENTS_MACHINE_TEST_CRASH_AFTER_DELIVERIES", "crash_after_deliveries"
+            ),
+            crash_in_transfer_after=_test_crash_after(
+                env, "AGENTS_MACHINE_TEST_CRASH_IN_TRANSFER_AFTER_AGENTS", "crash_in_transfer_after"
+            ),
         )
         return cfg.validate()

@@ -69,18 +69,19 @@ class DeliveryHandler:
         return DeliveryAck(run_id=got.run_id, refused=got.refused)
 
 
-def crash_after(deliveries: int) -> Callable[[], None] | None:
-    """A test's fault hook (``MachineConfig.crash_after_deliveries``): SIGKILL this
-    process once ``deliveries`` were stored, before the last one is acknowledged."""
-    if deliveries <= 0:
+def crash_after(count: int, what: str = "stored deliveries") -> Callable[[], None] | None:
+    """A test's fault hook (``MachineConfig.crash_after_deliveries``, ...): SIGKILL
+    this process at the ``count``-th call (e.g. once ``count`` deliveries were
+    stored, before the last one is acknowledged)."""
+    if count <= 0:
         return None
-    stored = 0
+    done = 0
 
     def hook() -> None:
-        nonlocal stored
-        stored += 1
-        if stored >= deliveries:
-            logger.error("test fault: killing the daemon after %d stored deliveries", stored)
+        nonlocal done
+        done += 1
+        if done >= count:
+            logger.error("test fault: killing the daemon after %d %s", done, what)
             os.kill(os.getpid(), signal.SIGKILL)
 
     return hook

@@ -59,8 +59,10 @@ class Handoff:
         erased: Callable[[], set[str]] = set,
         clock: Callable[[], float] = time.time,
         own_ids: frozenset[str] = frozenset(),
+        after_load: Callable[[], None] | None = None,
     ) -> None:
         self._db = db
+        self._after_load = after_load  # a test's fault point (machine.transfer)
         self._machine_id = machine_id
         # Every id this machine has had: an import of an agent from one is refused.
         self._own = own_ids | {machine_id}
@@ -110,6 +112,7 @@ class Handoff:
                 attachments_dir=self._attachments,
                 erased=self._erased(),
                 own_ids=self._own,
+                after_load=self._after_load,
             )
         finally:
             self.done(path)

@@ -245,6 +245,7 @@ async def _commit(
     start: Callable[[list[str]], None] | None = None,
     whole: bool = True,
     not_from: frozenset[str] = frozenset(),
+    after_load: Callable[[], None] | None = None,
 ) -> InResult:
     """Skip existing and erased agents, then load the rest and place attachments in
     one transaction; ``load(conn, agent_id)`` loads one (default: from its folder),
@@ -292,6 +293,8 @@ async def _commit(
             if loaded != agent_id:
                 raise InvalidArgument("archive", f"agent {agent_id}: its record names {loaded}")
             loaded_ids.append(agent_id)
+            if after_load is not None:
+                after_load()  # a test's fault point: inside the transaction
         # Placed once every agent loaded (a restore authenticates each segment as it
         # loads it): a refused one leaves no file behind. Before the commit point, as
         # a conversation must never name a file that is not there. Only the files the
@@ -337,6 +340,7 @@ async def import_archive(
     erased: set[str],
     limits: ArchiveLimits | None = None,
     own_ids: frozenset[str] = frozenset(),
+    after_load: Callable[[], None] | None = None,
 ) -> InResult:
     """Import an export ``.tar.gz``: checked whole, then committed whole or not at all.
 
@@ -362,6 +366,7 @@ async def import_archive(
             erased=erased,
             what=f"import {archive.name}",
             not_from=own_ids,
+            after_load=after_load,
         )
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -374,6 +379,7 @@ async def restore_fetched(
     attachments_dir: Path,
     erased: set[str],
     now: float | None = None,
+    after_load: Callable[[], None] | None = None,
 ) -> InResult:
     """Restore a fetched backup's agents (archived), skipping existing and erased ones.
 
@@ -418,6 +424,7 @@ async def restore_fetched(
             load=load,
             start=ahead.start,
             whole=False,
+            after_load=after_load,
         )
     finally:
         await asyncio.to_thread(ahead.close)

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import tarfile
@@ -314,9 +315,19 @@ def test_sigkill_during_a_restore_or_an_import_leaves_nothing_and_it_runs_again_
         "backup", "restore", backup_id, "--from", str(copy), "--recovery-key", str(key_file)
     ]  # fmt: skip
     imported = ["import", str(tmp_path / "before.tar.gz")]
-    for verb in (restore, imported):
+    # A daemon that SIGKILLs itself inside the verb's one transaction, after 5 of
+    # its 11 agents are in.
+    crashing = MachineProc(
+        data, "--prompt-limit", "2MiB",
+        env={"AGENTS_MACHINE_TEST_CRASH_IN_TRANSFER_AFTER_AGENTS": "5"},
+    )  # fmt: skip
+    for n, verb in enumerate((restore, imported), 1):
         shutil.rmtree(data, ignore_errors=True)  # a new machine for each
-        _kill_in_its_transaction(proc, data, verb)
+        with crashing:
+            assert run_cli(data, *verb, timeout=120).returncode != 0
+            assert crashing.proc is not None
+            assert crashing.proc.wait(timeout=30) == -signal.SIGKILL
+        assert crashing.log().count("test fault: killing the daemon after 5 agents loaded") == n
         with proc:
             # Nothing of it was committed, and the machine.db is sound.
             assert _agents(data) == []
@@ -324,30 +335,6 @@ def test_sigkill_during_a_restore_or_an_import_leaves_nothing_and_it_runs_again_
             _ok(run_cli(data, *verb, timeout=300))
             after = tmp_path / f"after-{verb[0]}.tar.gz"
             assert _export_contents(data, agents, after) == before
-
-
-def _kill_in_its_transaction(proc: MachineProc, data: Path, verb: list[str]) -> None:
-    """Start the daemon, run ``agents-machine VERB…``, and SIGKILL the daemon once
-    the verb's one transaction is under way: the rows it holds spill to the WAL
-    (20 MB of conversations go in, far past SQLite's page cache)."""
-    wal = data / "machine.db-wal"
-    with proc:
-        start = wal.stat().st_size
-        child = subprocess.Popen(
-            [str(AGENTS_MACHINE), "--data-dir", str(data), *verb],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            poll_until(
-                lambda: wal.stat().st_size > start + 6 * 1024 * 1024,
-                deadline=120,
-                step=0.002,
-                what=f"{verb[0]}'s transaction writing",
-            )
-            proc.kill()
-        finally:
-            child.wait(timeout=30)
 
 
 def _tar_gz(entries: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
