@@ -59,9 +59,10 @@ from shared.errors import (
     StoreFenced,
     StoreUnavailable,
 )
+from shared.limits import LINK_MAX_MESSAGE
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
-from shared.rpc import LINK_MAX_MESSAGE, ErrorInterceptor, serve_health_and_reflection
+from shared.rpc import ErrorInterceptor, serve_health_and_reflection
 from shared.store import ObjectStore, StoreOptions, open_store
 
 __all__ = ["ControlPlane", "Services", "open_control_store", "run_daemon"]

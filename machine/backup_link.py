@@ -32,7 +32,8 @@ from shared.atomic import ensure_private_dir
 from shared.backup_target import MAX_LINK_MANIFEST, ManifestInfo, PruneResult
 from shared.crypto import BoxKeyPair
 from shared.errors import InvalidArgument, TooLarge
-from shared.rpc import LINK_MAX_MESSAGE, domain_error
+from shared.limits import LINK_MAX_MESSAGE
+from shared.rpc import domain_error
 
 __all__ = ["ControlPlaneTarget", "RepairRestore", "restore_newest"]
 

@@ -20,8 +20,8 @@ from typing import Final, Protocol, TypeAlias
 import grpc
 import grpc.aio
 
+from shared.limits import LINK_MAX_MESSAGE
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
-from shared.rpc import LINK_MAX_MESSAGE
 from shared.timestamps import field_datetime, from_seconds
 
 __all__ = [

@@ -27,7 +27,7 @@ from typing import BinaryIO, Final, Protocol, runtime_checkable
 
 from shared.errors import NotFound, PreconditionFailed
 from shared.ids import is_valid_id, validate_id
-from shared.rpc import LINK_MAX_MESSAGE
+from shared.limits import LINK_MAX_MESSAGE
 from shared.store.base import ObjectStore, validate_prefix
 
 __all__ = [

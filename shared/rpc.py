@@ -20,7 +20,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, Final, NoReturn, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import grpc
 import grpc.aio
@@ -32,7 +32,6 @@ from grpc_reflection.v1alpha import reflection
 from shared import errors as E
 
 __all__ = [
-    "LINK_MAX_MESSAGE",
     "STATUS_TABLE",
     "ErrorInterceptor",
     "HandlerInterceptor",
@@ -47,10 +46,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ERROR_DOMAIN = "agents.platform"
-#: The largest gRPC message the control plane and its machines exchange, the same
-#: at both ends (gRPC's default receive limit is 4 MiB): prompts and segments go in
-#: chunks below it, a sealed backup manifest and its names list in one message.
-LINK_MAX_MESSAGE: Final = 8 * 1024 * 1024
 _DETAILS_KEY = "grpc-status-details-bin"
 
 #: Domain error class -> gRPC status. The most specific class wins (the error's

@@ -7,6 +7,7 @@ import dataclasses
 import io
 import os
 import sqlite3
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -215,3 +216,15 @@ def test_a_segment_past_the_pipe_is_written_to_a_file_and_decodes(
     out = io.BytesIO()
     decode_checked(ref, NAMING_KEY, [stored], out)
     assert len(out.getvalue()) == answer["plain"] > 0
+
+
+def test_a_worker_process_does_not_load_grpc() -> None:
+    # Each worker is a process of its own: gRPC would add about 13 MiB and a
+    # tenth of a second to every one (the backup format's readers import
+    # shared.limits, not shared.rpc).
+    code = (
+        "import sys, machine.segment_worker_main;"
+        " print(sorted(m for m in sys.modules if m.split('.')[0] == 'grpc'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
