@@ -11,6 +11,7 @@ stuck, no token lost, and ``agents-control fsck`` must be clean.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -26,6 +27,8 @@ import pytest
 
 from controlplane.admin_types import JoinToken
 from controlplane.client import AdminClient
+from controlplane.config import load_config
+from controlplane.fsck import FsckReport, fsck_deployment
 from tests.conftest import _s3_client
 from tests.helpers.control_proc import (
     CliResult,
@@ -99,19 +102,30 @@ def _accounts_of(cp: ControlProc, gid: int) -> list[Any]:
     ]
 
 
+async def _fsck(cp: ControlProc) -> FsckReport:
+    """A read-only fsck of the deployment, in this process: the trials run one at
+    every kill point, and a CLI process each time cost about a second of
+    interpreter start (the CLI's output has tests of its own)."""
+    return await fsck_deployment(load_config({"home": str(cp.home)}, cp.env), repair=False)
+
+
 def _assert_fsck_clean(cp: ControlProc) -> None:
-    res = cp.cli("fsck", "--json")
-    report = json.loads(res.out)
-    assert res.code == 0 and report["clean"], report
+    report = asyncio.run(_fsck(cp))
+    assert report.clean, report.to_dict()
 
 
-def _settled(cp: ControlProc, s3: Any, bucket: str) -> bool:
+async def _aassert_fsck_clean(cp: ControlProc) -> None:
+    report = await _fsck(cp)
+    assert report.clean, report.to_dict()
+
+
+async def _settled(cp: ControlProc, s3: Any, bucket: str) -> bool:
     """Whether fsck is clean. While an intent object is left in the bucket fsck reports
-    it as unfinished, so that is checked first in-process: each fsck is a CLI process
-    that opens the store (~1 s), and the roll-back waits CONFIRM_GRACE."""
+    it as unfinished, so that is checked first (cheaper than a whole fsck), and the
+    roll-back waits CONFIRM_GRACE."""
     if s3.list_objects_v2(Bucket=bucket, Prefix=INTENTS).get("KeyCount", 0):
         return False
-    return bool(cp.cli("fsck", "--json").code == 0)
+    return (await _fsck(cp)).clean
 
 
 def _committed(proxy: CrashProxy) -> bool:
@@ -224,16 +238,16 @@ async def test_join_crash_at_every_write(
         if not _crashed(cp, proxy):
             assert joined is not None
             await _connect_once(cp, joined[1], joined[2])
-            _assert_fsck_clean(cp)
+            await _aassert_fsck_clean(cp)
             break
         points += 1
         assert joined is None
 
-        def settled() -> bool:
+        async def settled() -> bool:
             # Rolled back: at once when no machine record was written, else after the
             # machine had its chance to connect (CONFIRM_GRACE); the self-check
             # tick (one heartbeat) runs the roll-back.
-            return _settled(cp, s3, s3_bucket)
+            return await _settled(cp, s3, s3_bucket)
 
         await _until(settled, CONFIRM_GRACE + 15, f"join rolled back after {proxy.writes}")
         # No orphan visible, and the token's use was given back.
@@ -246,7 +260,7 @@ async def test_join_crash_at_every_write(
         assert await _live_machines(cp, account_id) == [machine_id]
         async with _admin(cp) as admin:
             await admin.revoke_machine(machine_id)
-        _assert_fsck_clean(cp)
+        await _aassert_fsck_clean(cp)
     # intent, token use (+ its audit record), machine index, machine record.
     assert points >= 4, points
 
@@ -281,13 +295,13 @@ async def test_repair_join_crash_at_every_write(
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await _connect_once(cp, old_cert, old_key)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            _assert_fsck_clean(cp)
+            await _aassert_fsck_clean(cp)
             break
         points += 1
         assert joined is None
 
-        def settled() -> bool:
-            return _settled(cp, s3, s3_bucket)
+        async def settled() -> bool:
+            return await _settled(cp, s3, s3_bucket)
 
         await _until(settled, CONFIRM_GRACE + 15, f"repair settled after {proxy.writes}")
         token = await _token(cp, account_id, token_id)
@@ -298,7 +312,7 @@ async def test_repair_join_crash_at_every_write(
         await _connect_once(cp, cert, key)
         old_cert, old_key = cert, key
         assert await _live_machines(cp, account_id) == [machine_id]
-        _assert_fsck_clean(cp)
+        await _aassert_fsck_clean(cp)
     # intent, token use (+ its audit record), machine record.
     assert points >= 3, points
 
