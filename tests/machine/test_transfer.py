@@ -414,13 +414,15 @@ def _repack(archive: Path, dest: Path, edit: Callable[[Path, dict[str, Any]], No
     return dest
 
 
-async def _import(m: Machine, archive: Path, tmp: Path, **kw: Any) -> InResult:
+async def _import(
+    m: Machine, archive: Path, tmp: Path, erased: frozenset[str] = frozenset(), **kw: Any
+) -> InResult:
     return await import_archive(
         m.db,
         archive,
         staging_dir=tmp / "incoming",
         attachments_dir=m.config.attachments_dir,
-        erased=set(),
+        erased=set(erased),
         **kw,
     )
 
@@ -514,13 +516,7 @@ async def test_a_skipped_agents_attachments_stay_out(tmp_path: Path) -> None:
         archive = tmp_path / "out.tar.gz"
         await _export_files(a, agents, archive)
     async with open_machine(_config(tmp_path / "b")) as b:
-        result = await import_archive(
-            b.db,
-            archive,
-            staging_dir=tmp_path / "incoming",
-            attachments_dir=b.config.attachments_dir,
-            erased={agents[0]},
-        )
+        result = await _import(b, archive, tmp_path, erased=frozenset({agents[0]}))
         assert result.restored == (agents[1],) and result.attachments == 1
         placed = sorted(p.name for p in b.config.attachments_dir.iterdir())
         con = sqlite3.connect(tmp_path / "b" / "machine.db")
