@@ -12,8 +12,8 @@ secrets-key:
 3. Every MAC'd object is authenticated again under the new key. The old MAC
    cannot be checked (its key is lost): adopting trusts the store as it is,
    which is the operator's explicit decision. Objects already under the new key
-   (a resumed adopt) are left alone; backups carry their own authentication and
-   are not MAC'd, so they are not touched.
+   (a resumed adopt) are left alone; backup segments are authenticated by
+   their manifests and are not MAC'd, so they are not touched (manifests are).
 4. The staged home takes over the deployment's fencing epoch
    (controlplane.fencing): a control plane still running on the lost keys, or
    brought back later, can write nothing from here on.
@@ -82,9 +82,15 @@ class AdoptResult:
 
 
 def _unmacd(key: str) -> bool:
-    """Objects the control plane never MACs (they carry their own authentication)."""
+    """Objects the control plane never MACs: backup segments (their manifest
+    authenticates them), ``accounts/<a>/backups/<m>/segments/<name>``."""
     parts = key.split("/")
-    return len(parts) > 3 and parts[0] == "accounts" and parts[2] == "backups"
+    return (
+        len(parts) == 6
+        and parts[0] == "accounts"
+        and parts[2] == "backups"
+        and parts[4] == "segments"
+    )
 
 
 async def _re_mac(store: ObjectStore, mac_key: bytes) -> tuple[int, int]:

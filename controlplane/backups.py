@@ -10,9 +10,14 @@ Reading another machine's backups (a replacement box restoring a lost
 machine's) is allowed within one account only: :meth:`MachineBackups.source`
 answers NotFound for a machine of another account exactly as for a missing one.
 
-The store given here is NOT the MAC'd record store: sealed segments are
-authenticated by their own encryption and may be gigabytes, which the record
-wrapper (read whole, 16 MiB bound) cannot carry. They are streamed through.
+Segments go to the store given here, NOT the MAC'd record store: they are
+authenticated by the manifest that names them and may be gigabytes, which the
+record wrapper (read whole, 16 MiB bound) cannot carry. They are streamed
+through. Manifests and their names lists go to ``records`` (the server passes
+its MAC'd store): a manifest is sealed anonymously, so without the MAC anyone
+who can write the bucket and knows an account's recovery public key could plant
+a backup that a repair would restore. A planted or moved one is refused on
+read (DATA_LOSS) and reported by ``fsck``.
 """
 
 from __future__ import annotations
@@ -90,8 +95,10 @@ class MachineBackups:
         *,
         exists: MachineExists | None = None,
         gone: AccountGone | None = None,
+        records: ObjectStore | None = None,
     ) -> None:
         self._store = store
+        self._records = records
         self.limits = limits or BackupLimits()
         self._exists = exists
         self._gone = gone
@@ -122,7 +129,9 @@ class MachineBackups:
 
     def target(self, account_id: str, machine_id: str) -> StoreTarget:
         """The calling machine's target (ids from its certificate)."""
-        return StoreTarget(self._store, backups_prefix(account_id, machine_id))
+        return StoreTarget(
+            self._store, backups_prefix(account_id, machine_id), records=self._records
+        )
 
     async def have_segments(
         self, account_id: str, machine_id: str, names: Iterable[str]

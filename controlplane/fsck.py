@@ -14,6 +14,11 @@ Read-only by default. What it looks for (the finding's kind), and what
   elsewhere. Repair writes it.
 - ``mismatch``: a record whose content names other ids than its key. No repair.
 
+A machine's backup manifests and their names lists are MAC'd too (a planted
+backup would otherwise restore on a repair): one that does not verify is
+``refused``. Backup segments are not MAC'd (their manifest authenticates them)
+and are not read.
+
 An account with a deletion tombstone (``accounts/<a>/deleting.json``) is a
 deletion in progress, not an inconsistency: its objects and the index entries
 naming it are not checked (the deletion removes entries before the records
@@ -72,6 +77,9 @@ _IDX_TOKEN: Final = re.compile(rf"\Aindex/tokens/(tok_{_ID})\.json\Z")
 _TOMBSTONE: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/deleting\.json\Z")
 _IN_ACCOUNT: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/")
 _DELETED: Final = re.compile(rf"\Adeleted/(acct_{_ID})\.json\Z")
+_BACKUP_RECORD: Final = re.compile(
+    rf"\Aaccounts/acct_{_ID}/backups/mc_{_ID}/manifests/[^/]+\.(?:sealed|names)\Z"
+)
 _DELETE_KIND: Final = "account.delete"
 
 
@@ -134,6 +142,15 @@ class _Checker:
                 self._records[key] = None
                 self.add("refused", key, e.reason)
         return self._records[key]
+
+    async def verify(self, key: str) -> None:
+        """Read an object that is not JSON (a backup manifest) to check its MAC."""
+        try:
+            await self._store.get(key)
+        except NotFound:
+            pass  # deleted since the listing
+        except IntegrityError as e:
+            self.add("refused", key, e.reason)
 
     async def fix_write(self, kind: str, key: str, data: dict[str, Any], detail: str) -> None:
         if self._repair:
@@ -268,6 +285,8 @@ async def _check_key(c: _Checker, key: str) -> None:
         await _check_owned(c, key, "token", *m.groups())
     elif m := _IDX_TOKEN.match(key):
         await _check_index(c, key, "token", m.group(1))
+    elif _BACKUP_RECORD.match(key):
+        await c.verify(key)
     elif key.endswith(".json"):
         # Everything else (credentials, presence, audit, tombstones) must still verify.
         await c.read(key)

@@ -111,9 +111,12 @@ def record_kind(key: str) -> str:
         if len(parts) == 3:
             return "account" if parts[2] == "account.json" else "other"
         if len(parts) >= 4:
-            return {"machines": "machine", "tokens": "token", "presence": "presence"}.get(
-                parts[2], "other"
-            )
+            return {
+                "machines": "machine",
+                "tokens": "token",
+                "presence": "presence",
+                "backups": "backup",  # a machine's manifest (segments are not MAC'd)
+            }.get(parts[2], "other")
     return "other"
 
 

@@ -470,7 +470,8 @@ async def _self_check(
 def _machine_backups(
     trusted: TrustedStore, machines: MachineRegistry, accounts: AccountService
 ) -> MachineBackups | None:
-    """The backup RPCs' domain over the un-MAC'd store (None: backups refused)."""
+    """The backup RPCs' domain: segments in the un-MAC'd store, manifests MAC'd
+    (None: backups refused)."""
     if trusted.backups is None:
         return None
 
@@ -480,7 +481,7 @@ def _machine_backups(
     async def gone(account_id: str) -> bool:
         return await accounts.is_deleting(account_id) or await accounts.was_deleted(account_id)
 
-    return MachineBackups(trusted.backups, exists=exists, gone=gone)
+    return MachineBackups(trusted.backups, exists=exists, gone=gone, records=trusted.store)
 
 
 def _certificate_config(ring: KeyRing, client_auth: bool) -> grpc.ServerCertificateConfiguration:

@@ -31,11 +31,11 @@ from machine.transfer import DatabaseBackupSource, restore_fetched
 from shared.atomic import ensure_private_dir
 from shared.backup_target import MAX_LINK_MANIFEST, ManifestInfo, PruneResult
 from shared.crypto import BoxKeyPair
-from shared.errors import InvalidArgument, TooLarge
+from shared.errors import IntegrityError, InvalidArgument, TooLarge
 from shared.limits import LINK_MAX_MESSAGE
 from shared.rpc import domain_error
 
-__all__ = ["ControlPlaneTarget", "RepairRestore", "restore_newest"]
+__all__ = ["ControlPlaneTarget", "RepairRestore", "newest_authentic", "restore_newest"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,8 @@ class RepairRestore:
     restored: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
     attachments: int = 0
+    refused: tuple[str, ...] = ()
+    """Newer backups passed over: their manifest was refused (forged, altered)."""
 
 
 async def restore_newest(
@@ -166,7 +168,6 @@ async def restore_newest(
         backups = await target.list_manifests()
         if not backups:
             return RepairRestore("")
-        newest = backups[-1].backup_id
         work = data_dir / "backup-work"
         ensure_private_dir(work)
         source = DatabaseBackupSource(db, attachments_dir, work)
@@ -181,6 +182,7 @@ async def restore_newest(
             work_dir=work,
             keep=1,
         )
+        newest, refused = await newest_authentic(engine, backups, recovery)
         stage = work / f".repair-{os.getpid()}"
         try:
             fetched = await engine.fetch(newest, stage, recovery, decode_agents=False)
@@ -191,5 +193,39 @@ async def restore_newest(
             await asyncio.to_thread(shutil.rmtree, stage, True)
     logger.info("restored %d agents of backup %s", len(result.restored), newest)
     return RepairRestore(
-        newest, result.restored, result.skipped_existing + result.skipped_erased, result.attachments
+        newest,
+        result.restored,
+        result.skipped_existing + result.skipped_erased,
+        result.attachments,
+        tuple(refused),
+    )
+
+
+async def newest_authentic(
+    engine: BackupEngine, backups: list[ManifestInfo], recovery: BoxKeyPair
+) -> tuple[str, list[str]]:
+    """The newest backup whose manifest opens, and the newer ones refused.
+
+    A manifest the control plane refuses (its MAC: planted or altered in the
+    bucket) or that does not open is passed over loudly: the machine's own
+    newest genuine backup is the one to restore, and an older one restored
+    first would make the newer one's agents "already here". IntegrityError
+    when none opens. Other errors (the link down) are raised as they are.
+    """
+    refused: list[str] = []
+    first: IntegrityError | None = None
+    for info in reversed(backups):
+        try:
+            await engine.open(info.backup_id, recovery)
+        except IntegrityError as e:
+            logger.error("backup %s refused, trying the one before: %s", info.backup_id, e)
+            refused.append(info.backup_id)
+            first = first or e
+            continue
+        return info.backup_id, refused
+    assert first is not None
+    raise IntegrityError(
+        "restore",
+        f"none of the {len(backups)} backups the control plane keeps opens"
+        f" (newest: {first.message})",
     )

@@ -210,6 +210,11 @@ def _cmd_join(ctx: Ctx) -> int:
                 recovery=recovery,
             )
         )
+        for refused in done.refused:
+            ctx.out.lines(
+                f"warning: backup {refused} was refused (forged or altered in the store;"
+                " `agents-control fsck` names it): restoring the one before"
+            )
         ctx.out.lines(
             f"restored {len(done.restored)} agents (archived) from backup {done.backup_id}"
             if done.backup_id

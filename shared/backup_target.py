@@ -14,6 +14,13 @@ retrying one is safe. Layout inside a target (after its prefix)::
     manifests/<backup id>.sealed     the sealed manifest (the commit point)
     manifests/<backup id>.names      JSON list of the segment names it uses
     segments/<segment name>          sealed segments, shared by backups
+
+A target may keep its manifests and names lists in a second store,
+``records``: the control plane passes its MAC'd record store, so that write
+access to the bucket alone cannot plant a backup (a manifest sealed to an
+account's recovery key is anonymous; its MAC says the control plane stored it
+for that machine). Segments need no MAC: a manifest names each by a keyed
+hash and holds its key, so an authentic manifest authenticates them.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import BinaryIO, Final, Protocol, runtime_checkable
 
-from shared.errors import NotFound, PreconditionFailed
+from shared.errors import IntegrityError, NotFound, PreconditionFailed
 from shared.ids import is_valid_id, validate_id
 from shared.limits import LINK_MAX_MESSAGE
 from shared.store.base import ObjectStore, validate_prefix
@@ -162,10 +169,15 @@ class StoreTarget:
     removes it with the segments only it named.
     """
 
-    def __init__(self, store: ObjectStore, prefix: str = "") -> None:
+    def __init__(
+        self, store: ObjectStore, prefix: str = "", *, records: ObjectStore | None = None
+    ) -> None:
         if prefix and not prefix.endswith("/"):
             raise ValueError("a target prefix ends with '/'")
         self._store = store
+        # Manifests and names lists (see the module doc); listings and deletes
+        # go to ``store``, which must hold the same objects.
+        self._records = records or store
         self._prefix = validate_prefix(prefix)
 
     def _key(self, key: str) -> str:
@@ -192,9 +204,9 @@ class StoreTarget:
 
     async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
         listing = json.dumps(sorted({_check_name(n) for n in names})).encode()
-        await self._store.put(self._key(names_key(backup_id)), listing)
+        await self._records.put(self._key(names_key(backup_id)), listing)
         # The commit point: until this exists the backup is not listed.
-        await self._store.put(self._key(manifest_key(backup_id)), blob, if_none_match=True)
+        await self._records.put(self._key(manifest_key(backup_id)), blob, if_none_match=True)
 
     async def list_manifests(self) -> list[ManifestInfo]:
         out: list[ManifestInfo] = []
@@ -207,7 +219,7 @@ class StoreTarget:
 
     async def get_manifest(self, backup_id: str) -> bytes:
         try:
-            return await self._store.get(self._key(manifest_key(backup_id)))
+            return await self._records.get(self._key(manifest_key(backup_id)))
         except NotFound:
             raise NotFound("backup", backup_id) from None
 
@@ -220,8 +232,8 @@ class StoreTarget:
 
     async def _names(self, backup_id: str) -> set[str] | None:
         try:
-            data = json.loads(await self._store.get(self._key(names_key(backup_id))))
-        except (NotFound, ValueError):
+            data = json.loads(await self._records.get(self._key(names_key(backup_id))))
+        except (NotFound, ValueError, IntegrityError):
             return None
         if not isinstance(data, list) or not all(isinstance(n, str) for n in data):
             return None

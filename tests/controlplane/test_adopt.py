@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from controlplane.adopt import adopt_control_plane
+from controlplane.backups import MachineBackups, backups_prefix
 from controlplane.bootstrap import init_control_plane
 from controlplane.client import AdminClient
 from controlplane.config import ControlConfig
 from controlplane.dr import restore_home
-from controlplane.keys import load_ca_cert
+from controlplane.integrity import open_trusted_store
+from controlplane.keys import load_ca_cert, load_home_keys
 from controlplane.server import ControlPlane
+from shared.backup_target import segment_key
 from shared.crypto import BoxKeyPair
-from shared.errors import InvalidArgument, InvalidState
+from shared.errors import IntegrityError, InvalidArgument, InvalidState
+from shared.ids import new_id
+from shared.store import FolderStore
 
 
 def _cfg(tmp_path: Path, store: str = "store") -> ControlConfig:
@@ -82,3 +89,54 @@ async def test_an_adopted_home_can_be_restored_with_its_new_recovery_key(tmp_pat
     restored = await restore_home(target, BoxKeyPair.from_private(adopted.recovery_private_key))
     assert restored.ca_hash == adopted.ca_hash
     assert restored.deployment_id == made.deployment_id
+
+
+async def _one(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def test_adopting_vouches_for_backup_manifests_and_leaves_segments_as_they_are(
+    tmp_path: Path,
+) -> None:
+    cfg = _cfg(tmp_path)
+    await init_control_plane(cfg)
+    acct, machine, backup = new_id("account"), new_id("machine"), new_id("backup")
+    name = os.urandom(32).hex()
+
+    async def machine_backups(use: ControlConfig) -> tuple[MachineBackups, object]:
+        trusted = await open_trusted_store(use, load_home_keys(use.home), None)
+        assert trusted.backups is not None
+        return MachineBackups(trusted.backups, records=trusted.store), trusted
+
+    backups, trusted = await machine_backups(cfg)
+    try:
+        await backups.put_segment(acct, machine, name, _one(b"sealed segment"))
+        await backups.put_manifest(acct, machine, backup, b"sealed manifest", [name])
+    finally:
+        await trusted.close()  # type: ignore[attr-defined]
+    seg = backups_prefix(acct, machine) + segment_key(name)
+    async with FolderStore(tmp_path / "store") as raw:
+        stored_segment = await raw.get(seg)
+
+    shutil.rmtree(cfg.home)
+    await adopt_control_plane(cfg)
+    backups, trusted = await machine_backups(cfg)
+    try:
+        # The manifest verifies under the new key (its names list too: prune keeps
+        # the segment); the segment was not rewritten.
+        assert await backups.get_manifest(acct, machine, backup) == b"sealed manifest"
+        assert (await backups.prune(acct, machine, 1)).segments == 0
+    finally:
+        await trusted.close()  # type: ignore[attr-defined]
+    async with FolderStore(tmp_path / "store") as raw:
+        assert await raw.get(seg) == stored_segment == b"sealed segment"
+    # A manifest planted after the adopt is refused like any forged record.
+    async with FolderStore(tmp_path / "store") as raw:
+        await raw.put(backups_prefix(acct, machine) + f"manifests/{new_id('backup')}.sealed", b"x")
+    backups, trusted = await machine_backups(cfg)
+    try:
+        newest = (await backups.list_manifests(acct, machine))[-1].backup_id
+        with pytest.raises(IntegrityError):
+            await backups.get_manifest(acct, machine, newest)
+    finally:
+        await trusted.close()  # type: ignore[attr-defined]

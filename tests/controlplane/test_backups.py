@@ -8,8 +8,17 @@ from collections.abc import AsyncIterator
 import pytest
 
 from controlplane.backups import BackupLimits, MachineBackups, backups_prefix
-from shared.errors import InvalidArgument, InvalidId, NotFound, PermissionDenied, TooLarge
+from shared.backup_target import manifest_key, names_key, segment_key
+from shared.errors import (
+    IntegrityError,
+    InvalidArgument,
+    InvalidId,
+    NotFound,
+    PermissionDenied,
+    TooLarge,
+)
 from shared.ids import new_id
+from shared.store.authenticated import MAC_HEADER, AuthenticatedStore
 from shared.store.memory import MemoryStore
 
 ACCT = new_id("account")
@@ -122,3 +131,38 @@ async def test_an_upload_that_outlasts_its_accounts_deletion_keeps_nothing() -> 
     # Another account's uploads go on.
     other = new_id("account")
     assert await backups.put_segment(other, machine, name, _chunks(b"x")) == 1
+
+
+async def test_manifests_are_macd_so_one_planted_or_moved_in_the_bucket_is_refused() -> None:
+    raw = MemoryStore()  # what write access to the bucket reaches
+    backups = MachineBackups(raw, records=AuthenticatedStore(raw, os.urandom(32)))
+    mine, sibling = new_id("machine"), new_id("machine")
+    name, kept = os.urandom(32).hex(), new_id("backup", now_ms=1000)
+    await backups.put_segment(ACCT, mine, name, _chunks(b"sealed segment"))
+    await backups.put_manifest(ACCT, mine, kept, b"sealed manifest", [name])
+    root = backups_prefix(ACCT, mine)
+    # The manifest and its names list carry the MAC; the segment is stored as sent.
+    assert (await raw.get(root + manifest_key(kept))).startswith(MAC_HEADER)
+    assert (await raw.get(root + names_key(kept))).startswith(MAC_HEADER)
+    assert await raw.get(root + segment_key(name)) == b"sealed segment"
+    assert await backups.get_manifest(ACCT, mine, kept) == b"sealed manifest"
+
+    # A newer backup planted without the key: listed (listings read nothing), but
+    # never handed out; nor a genuine manifest moved to another machine.
+    planted = new_id("backup", now_ms=2000)
+    await raw.put(root + manifest_key(planted), b"forged manifest")
+    await raw.put(root + names_key(planted), b"[]")
+    assert [m.backup_id for m in await backups.list_manifests(ACCT, mine)] == [kept, planted]
+    with pytest.raises(IntegrityError, match="carries no MAC"):
+        await backups.get_manifest(ACCT, mine, planted)
+    moved = backups_prefix(ACCT, sibling) + manifest_key(kept)
+    await raw.put(moved, await raw.get(root + manifest_key(kept)))
+    with pytest.raises(IntegrityError, match="MAC does not match"):
+        await backups.get_manifest(ACCT, sibling, kept)
+
+    # A kept backup whose names list does not verify: prune deletes nothing (it
+    # cannot tell which segments the kept backups need).
+    await raw.put(root + names_key(planted), b"[]")
+    assert (await backups.prune(ACCT, mine, 1)).manifests == ()
+    assert await backups.have_segments(ACCT, mine, [name]) == {name: 14}
+    assert await backups.get_manifest(ACCT, mine, kept) == b"sealed manifest"

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from controlplane.authz import Principal
+from controlplane.backups import MachineBackups
 from controlplane.bootstrap import init_control_plane
 from controlplane.cli import main
 from controlplane.config import ControlConfig
@@ -19,6 +20,7 @@ from controlplane.integrity import open_trusted_store
 from controlplane.keys import load_home_keys
 from controlplane.records import encode
 from controlplane.server import Services
+from shared.backup_target import manifest_key, names_key, segment_key
 from shared.ids import new_id
 from shared.store import FolderStore
 
@@ -181,3 +183,46 @@ async def test_fsck_an_account_delete_intent_without_tombstone_is_unfinished(
     assert [i.key async for i in store.list(f"accounts/{acct}/")] == [
         f"accounts/{acct}/account.json"
     ]
+
+
+async def test_fsck_refuses_a_planted_backup_manifest_and_leaves_segments_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _cfg(tmp_path)
+    await init_control_plane(cfg)
+    keys = load_home_keys(cfg.home)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        services = Services(cfg, trusted.store, keys)
+        acct = (await services.accounts.create(9, "n", None, "test")).account.account_id
+        machine = new_id("machine")
+        assert trusted.backups is not None
+        backups = MachineBackups(trusted.backups, records=trusted.store)
+        name = os.urandom(32).hex()
+        await backups.put_segment(acct, machine, name, _one(b"sealed segment"))
+        await backups.put_manifest(acct, machine, new_id("backup"), b"sealed manifest", [name])
+    finally:
+        await trusted.close()
+    code, report = await _fsck(cfg, capsys)
+    assert (code, report["findings"]) == (0, [])
+
+    # Bucket access alone: a planted manifest and names list, and a segment (segments
+    # are authenticated by the manifests that name them, not by a MAC).
+    root = f"accounts/{acct}/backups/{machine}/"
+    planted = new_id("backup")
+    async with FolderStore(tmp_path / "store") as raw:
+        await raw.put(root + manifest_key(planted), b"forged")
+        await raw.put(root + names_key(planted), b"[]")
+        await raw.put(root + segment_key("cd" * 32), b"anything")
+    code, report = await _fsck(cfg, capsys)
+    found = sorted((f["kind"], f["key"]) for f in report["findings"])
+    assert code == 1
+    assert found == sorted(
+        [("refused", root + manifest_key(planted)), ("refused", root + names_key(planted))]
+    )
+    code, report = await _fsck(cfg, capsys, "--repair")
+    assert code == 1 and not any(f["repaired"] for f in report["findings"])
+
+
+async def _one(data: bytes) -> Any:
+    yield data

@@ -4,11 +4,13 @@ The backup engine runs with :class:`machine.backup_link.ControlPlaneTarget`
 over a real mutual-TLS link: backup, list, verify, fetch, prune; a machine of
 another account sees nothing (NOT_FOUND, as for a missing machine); a machine
 of the same account may read (the replacement-box case); no plaintext lands in
-the bucket.
+the bucket; a backup planted in the bucket (sealed to the account's recovery
+key, but without the control plane's MAC) is refused.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import urllib.request
@@ -22,12 +24,13 @@ import pytest
 
 from controlplane.client import AdminClient
 from machine.backup import BackupEngine
+from machine.backup_format import BackupManifest, seal_manifest
 from machine.backup_link import ControlPlaneTarget
 from machine.link_client import LinkClient
 from shared.backup_target import MAX_LINK_MANIFEST
 from shared.crypto import BoxKeyPair
-from shared.errors import NotFound, TooLarge
-from shared.ids import new_id
+from shared.errors import IntegrityError, NotFound, TooLarge
+from shared.ids import id_time_ms, new_id
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from tests.conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY, _s3_client
 from tests.helpers.control_proc import ControlProc, control_plane
@@ -229,3 +232,49 @@ async def test_a_manifest_past_grpcs_default_limit_goes_up_and_comes_back(cp: Co
         with pytest.raises(TooLarge, match="manifest"):
             await target.put_manifest(new_id("backup"), b"x" * (MAX_LINK_MANIFEST + 1), [])
         assert [m.backup_id for m in await target.list_manifests()] == [backup_id]
+
+
+async def test_a_backup_planted_in_the_bucket_is_refused_and_the_genuine_one_restores(
+    cp: ControlProc, tmp_path: Path, moto_endpoint: str, s3_bucket: str
+) -> None:
+    alice = await _account(cp, 7101)
+    a_id, a_cert, a_key = await _machine(cp, alice)
+    recovery = BoxKeyPair.generate()
+    source = FakeSource(tmp_path, 2)
+    async with _link(cp, a_cert, a_key) as link:
+        engine = _engine(tmp_path, source, ControlPlaneTarget(link), a_id, recovery)
+        genuine = await engine.backup_now()
+
+    # Someone with the bucket's write credentials (not the control plane's keys) and
+    # the account's recovery public key plants a newer, well-formed backup.
+    root = f"cp/accounts/{alice}/backups/{a_id}/manifests/"
+    forged_id = new_id("backup", now_ms=id_time_ms(genuine.backup_id) + 1000)
+    forged = BackupManifest(forged_id, a_id, 0.0, os.urandom(32), ())
+    s3 = _s3_client(moto_endpoint)
+    s3.put_object(
+        Bucket=s3_bucket,
+        Key=f"{root}{forged_id}.sealed",
+        Body=seal_manifest(forged, [recovery.public_key]),
+    )
+    s3.put_object(Bucket=s3_bucket, Key=f"{root}{forged_id}.names", Body=b"[]")
+    refused_before = _metric(cp, "agents_cp_store_records_refused_total")
+
+    async with _link(cp, a_cert, a_key) as link:
+        engine = _engine(tmp_path / "again", source, ControlPlaneTarget(link), a_id, recovery)
+        listed = [info.backup_id for info, _ in await engine.list()]
+        assert listed == [genuine.backup_id, forged_id]  # listed: a listing reads nothing
+        with pytest.raises(IntegrityError, match="MAC"):  # DATA_LOSS over the link
+            await engine.fetch(forged_id, tmp_path / "forged", recovery)
+        assert not (tmp_path / "forged").exists() or not any((tmp_path / "forged").iterdir())
+        fetched = await engine.fetch(genuine.backup_id, tmp_path / "fetched", recovery)
+        assert {a: p.read_bytes() for a, p in fetched.agent_files.items()} == source.data
+    assert _metric(cp, "agents_cp_store_records_refused_total") > refused_before
+
+    # fsck (read-only, beside the running daemon) names both planted objects.
+    report = cp.cli("fsck", "--json")
+    assert report.code == 1, report.err
+    refused = {f["key"] for f in json.loads(report.out)["findings"] if f["kind"] == "refused"}
+    assert refused == {
+        f"accounts/{alice}/backups/{a_id}/manifests/{forged_id}.sealed",
+        f"accounts/{alice}/backups/{a_id}/manifests/{forged_id}.names",
+    }

@@ -27,6 +27,7 @@ import pytest
 
 from machine import identity
 from machine.app import open_machine
+from machine.backup_format import BackupManifest, seal_manifest
 from machine.backup_keys import load_backup_keys
 from machine.backup_link import ControlPlaneTarget
 from machine.backup_service import BackupService
@@ -34,6 +35,7 @@ from machine.config import MachineConfig
 from machine.link_client import LinkClient
 from machine.models import AgentState
 from shared.crypto import BoxKeyPair, encode_public_key
+from shared.ids import new_id
 from shared.recovery_key import write_recovery_key
 from tests.conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY, _s3_client
 from tests.helpers.control_proc import CliResult, ControlProc, control_plane
@@ -185,6 +187,18 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
     # The disk dies; its certificate and key survive only in our hands (a thief's).
     old_keys = identity.load_keys(old_dir)
     shutil.rmtree(old_dir)
+    # Someone with the bucket's write credentials plants a newer backup sealed to
+    # the account's recovery key: refused (no MAC), and the genuine one restores.
+    forged = new_id("backup")
+    s3 = _s3_client(moto_endpoint)
+    s3.put_object(
+        Bucket=s3_bucket,
+        Key=f"cp/accounts/{account_id}/backups/{machine_id}/manifests/{forged}.sealed",
+        Body=seal_manifest(
+            BackupManifest(forged, machine_id, time.time(), os.urandom(32), ()),
+            [recovery.public_key],
+        ),
+    )
 
     repair = _ok(cp.cli("machine", "repair", machine_id))
     argv = _printed_command(repair)
@@ -195,6 +209,7 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
     try:
         second.wait_for(f"restored {AGENTS} agents (archived) from backup {backup_id}")
         assert f"joined as machine {machine_id}" in second.output()
+        assert f"warning: backup {forged} was refused" in second.output()
     finally:
         second.stop()
 
@@ -222,7 +237,6 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
     assert again != backup_id
 
     # No plaintext in the bucket: every object, whole.
-    s3 = _s3_client(moto_endpoint)
     keys = [
         o["Key"]
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket)

@@ -12,10 +12,11 @@ from typing import Any, BinaryIO
 import pytest
 
 from machine.backup import AgentItem, BackupEngine, validate_keep
-from shared.backup_target import StoreTarget
+from machine.backup_link import newest_authentic
+from shared.backup_target import StoreTarget, manifest_key
 from shared.crypto import BoxKeyPair
 from shared.errors import IntegrityError, InvalidArgument, NotFound
-from shared.ids import new_id
+from shared.ids import id_time_ms, new_id
 from shared.store.folder import FolderStore
 
 MACHINE = new_id("machine")
@@ -352,3 +353,24 @@ async def test_an_attachment_whose_last_agent_was_erased_mid_backup_stays_out(
     assert sha not in {s.ref for s in manifest.segments}
     assert {s.ref for s in manifest.segments if s.kind == "agent"} == set(source.data)
     await engine.verify(made.backup_id)
+
+
+async def test_a_repair_passes_over_newer_manifests_that_do_not_open(
+    parts: dict[str, Any],
+) -> None:
+    engine, store, recovery = parts["engine"], parts["store"], parts["recovery"]
+    first = await engine.backup_now()
+    second = await engine.backup_now()
+    # Two newer "backups": garbage, and the second one's sealed manifest written
+    # again at a newer id (sealing binds the id: it does not open there).
+    stored = await store.get(manifest_key(second.backup_id))
+    later = [new_id("backup", now_ms=id_time_ms(second.backup_id) + n) for n in (1, 2)]
+    await store.put(manifest_key(later[0]), stored)
+    await store.put(manifest_key(later[1]), b"not a manifest")
+    listed = await StoreTarget(store).list_manifests()
+    assert [i.backup_id for i in listed] == [first.backup_id, second.backup_id, *later]
+    chosen, refused = await newest_authentic(engine, listed, recovery)
+    assert (chosen, refused) == (second.backup_id, [later[1], later[0]])
+    # None opens: one error naming how many there were and why the newest failed.
+    with pytest.raises(IntegrityError, match="none of the 2 backups"):
+        await newest_authentic(engine, listed[2:], recovery)
