@@ -345,7 +345,10 @@ async def backup_target(
     return target, f"folder {config.backups_dir}"
 
 
-def _backup_warnings(config: MachineConfig) -> tuple[str, ...]:
+def backup_warnings(config: MachineConfig, target: BackupTarget) -> tuple[str, ...]:
+    """What ``status`` warns of about where backups go."""
+    if isinstance(target, ControlPlaneTarget):
+        return ()  # off the machine: the folder is not used
     if same_device(config.backups_dir, config.data_dir):
         return (
             f"the backup folder {config.backups_dir} is on the same device as the data: "
@@ -374,7 +377,7 @@ async def _build_backups(
         keep=config.backup_keep,
         daily_at=parse_daily_time(config.backup_time),
         metrics=BackupMetrics(metrics.registry) if metrics is not None else None,
-        warnings=await asyncio.to_thread(_backup_warnings, config),
+        warnings=await asyncio.to_thread(backup_warnings, config, target),
         after_load=crash_after(config.crash_in_transfer_after, "agents loaded in a transfer"),
     )
     await asyncio.to_thread(service.sweep_stale)

@@ -72,6 +72,8 @@ logger = logging.getLogger(__name__)
 KEEP_MIN: Final = 1
 KEEP_MAX: Final = 10
 _CACHE_FILE: Final = "segment-cache.json"
+#: shared.crypto's reason when a sealed object names none of the opener's keys.
+_NOT_OURS: Final = "not sealed to this key"
 #: Agents read, hashed, compressed and encrypted at once (a machine has few cores).
 PARALLEL: Final = 3
 _READ: Final = SEGMENT_CHUNK
@@ -393,17 +395,23 @@ class BackupEngine:
 
     # -- reading -------------------------------------------------------------
 
-    async def list(self) -> list[tuple[ManifestInfo, BackupManifest | None]]:
-        """Every stored backup, oldest first, with its manifest when it opens."""
-        out: list[tuple[ManifestInfo, BackupManifest | None]] = []
+    async def list_described(self) -> list[tuple[ManifestInfo, BackupManifest | None, str]]:
+        """As :meth:`list`, with why each backup that does not open fails ("" when
+        it opens): ``another key``, or ``refused: <reason>`` (forged, altered)."""
+        out: list[tuple[ManifestInfo, BackupManifest | None, str]] = []
         for info in await self._target.list_manifests():
             try:
-                manifest = await self.open(info.backup_id)
+                out.append((info, await self.open(info.backup_id), ""))
             except IntegrityError as e:
                 logger.warning("backup %s does not open: %s", info.backup_id, e)
-                manifest = None
-            out.append((info, manifest))
+                reason = getattr(e, "reason", "") or e.message
+                problem = "another key" if reason == _NOT_OURS else f"refused: {reason}"
+                out.append((info, None, problem))
         return out
+
+    async def list(self) -> list[tuple[ManifestInfo, BackupManifest | None]]:
+        """Every stored backup, oldest first, with its manifest when it opens."""
+        return [(info, manifest) for info, manifest, _ in await self.list_described()]
 
     async def open(self, backup_id: str, keypair: BoxKeyPair | None = None) -> BackupManifest:
         """Open one manifest (with the machine's key, or a recovery key)."""

@@ -83,12 +83,19 @@ async def backup_now(ctx: Ctx) -> int:
     return show_record(ctx.out, b, lambda: ctx.out.lines(text, *([pruned] if pruned else [])))
 
 
+def _short(problem: str) -> str:
+    """Why a listed backup does not open, for a table cell (--json has it whole)."""
+    if problem.startswith("refused"):
+        return "refused: forged or altered"
+    return problem or "another key"
+
+
 async def backup_list(ctx: Ctx) -> int:
     """``backup list [--from DIR]``: newest first."""
     backups = await call(ctx, lambda c: c.list_backups(_from_dir(ctx.args)))
     rows = [
         [b.id, when(b.created_at), str(b.agents) if b.opens else "?",
-         str(b.segments) if b.opens else "?", "yes" if b.opens else "no (another key)"]
+         str(b.segments) if b.opens else "?", "yes" if b.opens else f"no ({_short(b.problem)})"]
         for b in backups
     ]  # fmt: skip
     columns = [Column("backup", whole=True), Column("created", whole=True), Column("agents")]

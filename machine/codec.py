@@ -235,14 +235,18 @@ def backup_result_to_pb(result: BackupResult) -> pb.Backup:
     )
 
 
-def backup_info_to_pb(info: ManifestInfo, manifest: BackupManifest | None) -> pb.Backup:
-    """A stored backup; ``manifest`` is None when it does not open with this machine's key."""
+def backup_info_to_pb(
+    info: ManifestInfo, manifest: BackupManifest | None, problem: str = ""
+) -> pb.Backup:
+    """A stored backup; ``manifest`` is None when it does not open with this machine's
+    key, and ``problem`` says why."""
     if manifest is None:
         return pb.Backup(
             id=info.backup_id,
             size_bytes=info.size,
             opens=False,
             created_at=from_seconds(_backup_time(info.backup_id)),
+            problem=problem,
         )
     return pb.Backup(
         id=info.backup_id,
@@ -531,6 +535,7 @@ def backup_view_to_pb(b: BackupView) -> pb.Backup:
         uploaded_segments=b.uploaded_segments,
         opens=b.opens,
         pruned=b.pruned,
+        problem=b.problem,
     )
 
 
@@ -546,6 +551,7 @@ def backup_view_from_pb(msg: pb.Backup) -> BackupView:
         uploaded_segments=msg.uploaded_segments,
         opens=msg.opens,
         pruned=tuple(msg.pruned),
+        problem=msg.problem,
     )
 
 

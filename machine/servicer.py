@@ -251,9 +251,9 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         self, request: pb.ListBackupsRequest, context: Ctx
     ) -> pb.ListBackupsResponse:
         async with self._m.backups_at(request.from_dir) as engine:
-            listed = await engine.list()
+            listed = await engine.list_described()
         return pb.ListBackupsResponse(
-            backups=[codec.backup_info_to_pb(info, manifest) for info, manifest in reversed(listed)]
+            backups=[codec.backup_info_to_pb(*described) for described in reversed(listed)]
         )
 
     async def VerifyBackup(

@@ -70,8 +70,9 @@ class SearchResult:
 class BackupView:
     """A backup just made, or one stored at the target.
 
-    ``opens`` is False for a backup sealed to another key: then only ``id``,
-    ``created_at`` and ``size_bytes`` are known.
+    ``opens`` is False for a backup that does not open with this machine's key:
+    then only ``id``, ``created_at`` and ``size_bytes`` are known, and
+    ``problem`` says why ("another key", or "refused: ..." when forged or altered).
     """
 
     id: str
@@ -83,6 +84,7 @@ class BackupView:
     uploaded_segments: int
     opens: bool
     pruned: tuple[str, ...]
+    problem: str = ""
 
 
 @dataclass(frozen=True)

@@ -374,3 +374,25 @@ async def test_a_repair_passes_over_newer_manifests_that_do_not_open(
     # None opens: one error naming how many there were and why the newest failed.
     with pytest.raises(IntegrityError, match="none of the 2 backups"):
         await newest_authentic(engine, listed[2:], recovery)
+
+
+async def test_a_listing_says_why_a_backup_does_not_open(parts: dict[str, Any]) -> None:
+    engine, store = parts["engine"], parts["store"]
+    made = await engine.backup_now()
+    planted = new_id("backup", now_ms=id_time_ms(made.backup_id) + 1)
+    await store.put(manifest_key(planted), b"not a manifest")
+    other = BackupEngine(
+        parts["source"],
+        StoreTarget(store),
+        machine_id=MACHINE,
+        naming_key=os.urandom(32),
+        recipients=[BoxKeyPair.generate().public_key],
+        keypair=BoxKeyPair.generate(),
+        work_dir=parts["tmp"] / "other",
+        keep=2,
+    )
+    described = [(i.backup_id, m is not None, p) for i, m, p in await engine.list_described()]
+    assert described[0] == (made.backup_id, True, "")
+    assert described[1][:2] == (planted, False) and described[1][2].startswith("refused: ")
+    theirs = [(m is None, p) for _, m, p in await other.list_described()]
+    assert theirs[0] == (True, "another key")  # a genuine backup, sealed to other keys

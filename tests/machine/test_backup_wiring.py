@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from machine.app import open_machine
+import grpc
+
+from machine.app import backup_warnings, open_machine
+from machine.backup_link import ControlPlaneTarget
 from machine.config import MachineConfig
+from machine.link_client import LinkClient
 from machine.metrics import MachineMetrics
+from shared.backup_target import StoreTarget
 from shared.metrics import new_registry
+from shared.store.folder import FolderStore
 
 
 def _config(root: Path, keep: int = 3) -> MachineConfig:
@@ -54,3 +60,17 @@ async def test_a_recovery_key_made_while_running_seals_later_backups(tmp_path: P
         made = await backups.backup_now()
         manifest = await backups.engine.open(made.backup_id, pair)
         assert manifest.backup_id == made.backup_id
+
+
+async def test_a_joined_machine_is_not_warned_about_a_backup_folder_it_does_not_use(
+    tmp_path: Path,
+) -> None:
+    cfg = _config(tmp_path / "d")
+    folder = StoreTarget(FolderStore(cfg.backups_dir))
+    assert any("same device" in w for w in backup_warnings(cfg, folder))
+    # Backups of a joined machine go to the control plane, off this disk.
+    client = LinkClient(grpc.aio.insecure_channel("127.0.0.1:1"))
+    try:
+        assert backup_warnings(cfg, ControlPlaneTarget(client)) == ()
+    finally:
+        await client.aclose()

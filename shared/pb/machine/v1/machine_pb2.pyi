@@ -1678,6 +1678,7 @@ class Backup(_message.Message):
     UPLOADED_SEGMENTS_FIELD_NUMBER: _builtins.int
     OPENS_FIELD_NUMBER: _builtins.int
     PRUNED_FIELD_NUMBER: _builtins.int
+    PROBLEM_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The backup's id ("bk_...")."""
     agents: _builtins.int
@@ -1694,6 +1695,10 @@ class Backup(_message.Message):
     """Segments encoded and sent (the others were reused; BackupNow only)."""
     opens: _builtins.bool
     """False when its manifest does not open with this machine's key (listings)."""
+    problem: _builtins.str
+    """Why it does not open (listings, opens false): "another key" (sealed to
+    keys this machine does not hold) or "refused: ..." (forged or altered).
+    """
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When it was taken."""
@@ -1714,10 +1719,11 @@ class Backup(_message.Message):
         uploaded_segments: _builtins.int = ...,
         opens: _builtins.bool = ...,
         pruned: _abc.Iterable[_builtins.str] | None = ...,
+        problem: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "created_at", b"created_at", "id", b"id", "opens", b"opens", "pruned", b"pruned", "segments", b"segments", "size_bytes", b"size_bytes", "uploaded_bytes", b"uploaded_bytes", "uploaded_segments", b"uploaded_segments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "created_at", b"created_at", "id", b"id", "opens", b"opens", "problem", b"problem", "pruned", b"pruned", "segments", b"segments", "size_bytes", b"size_bytes", "uploaded_bytes", b"uploaded_bytes", "uploaded_segments", b"uploaded_segments"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
