@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -39,6 +39,15 @@ __all__ = ["BackupMetrics", "BackupService", "BackupStatus", "RestoreCheck", "pa
 logger = logging.getLogger(__name__)
 
 _DURATIONS: Final = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600)
+#: A failed daily backup is tried again after this many seconds, doubling up
+#: to :data:`_RETRY_MAX` (never past the next daily run): a control plane or
+#: disk that is down at the daily time must not cost a whole day.
+_RETRY_FIRST: Final = 300.0
+_RETRY_MAX: Final = 3600.0
+#: Until the stored backups could be listed once (the target was down at
+#: start), they are listed again this often: the last success it shows (and
+#: BackupTooOld watches) must not stay at "never".
+_RELIST: Final = 60.0
 
 
 def parse_daily_time(text: str, field: str = "backup_time") -> dt.time:
@@ -144,10 +153,12 @@ class BackupService:
         daily_at: dt.time,
         metrics: BackupMetrics | None = None,
         clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         warnings: tuple[str, ...] = (),
         after_load: Callable[[], None] | None = None,
     ) -> None:
         self._db = db
+        self._sleep = sleep
         self._after_load = after_load  # a test's fault point (machine.transfer)
         self._target = target
         self.target_name = target_name
@@ -166,6 +177,7 @@ class BackupService:
         self._last_check: RestoreCheck | None = None
         self._last_id = ""
         self._last_bytes = 0
+        self._listed = False  # the stored backups were listed once (load_last)
         #: Called after a restore committed (wakes the search indexer).
         self.on_restored: Callable[[], None] | None = None
 
@@ -207,6 +219,7 @@ class BackupService:
             raise
         self._last, self._last_at = result, self._clock()
         self._last_id, self._last_bytes = result.backup_id, result.stored_bytes
+        self._listed = True  # nothing older can be newer than this one
         if self._metrics:
             self._metrics.backups.labels("ok").inc()
             self._metrics.last_success.set(self._last_at)
@@ -234,7 +247,11 @@ class BackupService:
     async def load_last(self) -> None:
         """Take the newest stored backup as the last success (at start: a restarted
         daemon must not look as if it never backed up, which fires BackupTooOld)."""
-        for info, manifest in reversed(await self.engine.list()):
+        listed = await self.engine.list()
+        if self._listed:
+            return  # a backup made meanwhile is the last one
+        self._listed = True
+        for info, manifest in reversed(listed):
             if manifest is not None:
                 self._last_at = manifest.created_at
                 self._last_id, self._last_bytes = info.backup_id, info.size
@@ -334,17 +351,42 @@ class BackupService:
         return candidate.timestamp()
 
     async def run_daily(self) -> None:
-        """Back up (then check) every day at ``daily_at``, until cancelled."""
+        """Back up (then check) every day at ``daily_at``, until cancelled.
+
+        A failed backup is tried again after 5 minutes, then 10, 20, up to an
+        hour apart, until one succeeds or the next daily run is due. Until the
+        stored backups were listed once, they are listed again every minute.
+        """
+        due = self.next_run()
+        retry = _RETRY_FIRST
         while True:
-            wait = max(0.0, self.next_run() - self._clock())
-            await asyncio.sleep(wait)
+            if not self._listed:
+                try:
+                    await self.load_last()
+                except AgentsError as e:
+                    logger.debug("stored backups still cannot be listed: %s", e)
+            wait = max(0.0, due - self._clock())
+            await self._sleep(wait if self._listed else min(wait, _RELIST))
+            if self._clock() < due:
+                continue
             try:
                 await self.backup_now()
-                await self.restore_check()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                logger.exception("the daily backup failed; the next one runs tomorrow")
+            except Exception as e:
+                due = min(self._clock() + retry, self.next_run())
+                logger.error(
+                    "the daily backup failed (%s); trying again at %s",
+                    e if isinstance(e, AgentsError) else repr(e),
+                    dt.datetime.fromtimestamp(due).astimezone().isoformat(timespec="seconds"),
+                )
+                retry = min(retry * 2, _RETRY_MAX)
+                continue
+            retry, due = _RETRY_FIRST, self.next_run()
+            try:
+                await self.restore_check()
+            except Exception:  # the backup stands; the check runs again tomorrow
+                logger.exception("the restore check could not run")
 
     def status(self) -> BackupStatus:
         warnings = list(self._warnings)

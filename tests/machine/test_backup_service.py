@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,8 @@ from machine.app import Machine, open_machine
 from machine.backup_keys import load_backup_keys, new_standalone_recovery_key
 from machine.backup_service import BackupMetrics, BackupService, parse_daily_time, same_device
 from machine.config import MachineConfig
-from shared.backup_target import StoreTarget
-from shared.errors import InvalidArgument, InvalidState
+from shared.backup_target import ManifestInfo, PruneResult, StoreTarget
+from shared.errors import InvalidArgument, InvalidState, TransientError
 from shared.store.folder import FolderStore
 
 
@@ -164,3 +165,101 @@ async def test_staging_left_by_a_killed_run_is_removed_at_start(tmp_path: Path) 
     async with open_machine(_config(tmp_path / "m")) as m:
         assert [p for p in stale if p.exists()] == []
         assert kept.read_text() == "{}"
+
+
+class _Flaky:
+    """A BackupTarget that is down (TransientError) while ``down`` is set."""
+
+    def __init__(self, inner: StoreTarget) -> None:
+        self.inner = inner
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise TransientError("target down")
+
+    async def have_segments(self, names: Iterable[str]) -> dict[str, int]:
+        self._check()
+        return await self.inner.have_segments(names)
+
+    async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
+        self._check()
+        await self.inner.put_segment(name, data)
+
+    async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
+        self._check()
+        await self.inner.put_manifest(backup_id, blob, names)
+
+    async def list_manifests(self) -> list[ManifestInfo]:
+        self._check()
+        return await self.inner.list_manifests()
+
+    async def get_manifest(self, backup_id: str) -> bytes:
+        self._check()
+        return await self.inner.get_manifest(backup_id)
+
+    async def get_segment(self, name: str) -> AsyncIterator[bytes]:
+        self._check()
+        async for chunk in self.inner.get_segment(name):
+            yield chunk
+
+    async def prune(self, keep: int) -> PruneResult:
+        self._check()
+        return await self.inner.prune(keep)
+
+
+class _Stop(Exception):
+    pass
+
+
+async def test_daily_backups_retry_a_failure_and_relist_until_the_target_answers(
+    tmp_path: Path,
+) -> None:
+    registry = CollectorRegistry()
+    async with open_machine(_config(tmp_path / "m")) as m:
+        await _agent(m, tmp_path, "hello")
+        earlier = await _service(m, tmp_path / "target", CollectorRegistry()).backup_now()
+        target = _Flaky(StoreTarget(FolderStore(tmp_path / "target")))
+        now = [dt.datetime(2026, 12, 2, 3, 0).timestamp()]  # local 03:00; daily at 03:30
+        waits: list[float] = []
+        # What the target does at each wait: down at start (a restarted daemon
+        # cannot list), up, down at the daily time (two failures), then up.
+        plan = [None, False, True, None, False]
+
+        async def sleep(seconds: float) -> None:
+            waits.append(seconds)
+            now[0] += seconds
+            if len(waits) > len(plan):
+                raise _Stop
+            if plan[len(waits) - 1] is not None:
+                target.down = bool(plan[len(waits) - 1])
+
+        service = BackupService(
+            m.db,
+            target,
+            target_name="flaky",
+            machine_id=m.ids.canonical,
+            keys=load_backup_keys(m.config.data_dir),
+            data_dir=m.config.data_dir,
+            attachments_dir=m.config.attachments_dir,
+            keep=3,
+            daily_at=dt.time(3, 30),
+            metrics=BackupMetrics(registry),
+            clock=lambda: now[0],
+            sleep=sleep,
+        )
+        target.down = True
+        with pytest.raises(TransientError):
+            await service.load_last()  # as at the daemon's start
+        assert service.status().last_backup_at is None
+        with pytest.raises(_Stop):
+            await service.run_daily()
+        # Listed again every minute until the target answered; then a wait to 03:30,
+        # a failure retried after 5 and 10 minutes, and the next day's time.
+        assert waits == [60, 60, 1680, 300, 600, 86400 - 900]
+        failed = registry.get_sample_value("agents_machine_backups_total", {"result": "failed"})
+        ok = registry.get_sample_value("agents_machine_backups_total", {"result": "ok"})
+        assert (failed, ok) == (2, 1)
+        status = service.status()
+        assert status.last_backup_id not in ("", earlier.backup_id)
+        assert status.last_check is not None and status.last_check.ok
