@@ -44,7 +44,7 @@ from shared.crypto import BoxKeyPair, encode_private_key
 from shared.errors import AgentsError, InvalidState, TransientError
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
-from shared.rpc import rpc_errors
+from shared.rpc import from_server, rpc_errors
 
 __all__ = ["MAX_MESSAGE", "DaemonNotRunning", "MachineClient"]
 
@@ -106,11 +106,17 @@ class MachineClient:
 
     @contextlib.asynccontextmanager
     async def _errors(self) -> AsyncIterator[None]:
-        """Domain errors for gRPC failures; an unavailable daemon is not running."""
+        """Domain errors for gRPC failures; an unavailable daemon is not running.
+
+        A TransientError the daemon itself answered with (the control plane or
+        the backup target is down) is passed on as it is: the daemon runs.
+        """
         try:
             async with rpc_errors():
                 yield
         except TransientError as e:
+            if from_server(e.__cause__):
+                raise
             raise DaemonNotRunning(self._cfg) from e
 
     async def _call(self, reply: Awaitable[_M], decode: Callable[[_M], _T]) -> _T:

@@ -36,6 +36,7 @@ __all__ = [
     "ErrorInterceptor",
     "HandlerInterceptor",
     "domain_error",
+    "from_server",
     "rewrap",
     "rpc_errors",
     "serve_health_and_reflection",
@@ -230,6 +231,17 @@ def _details_status(metadata: Iterable[tuple[str, Any]] | None) -> status_pb2.St
                 return None
             return status
     return None
+
+
+def from_server(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (a gRPC failure) carries a domain error a server raised, as
+    opposed to a failure of the call itself (no server answered, a deadline)."""
+    if not isinstance(exc, grpc.aio.AioRpcError):
+        return False
+    status = _details_status(exc.trailing_metadata())  # type: ignore[arg-type]
+    return status is not None and any(
+        d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR) for d in status.details
+    )
 
 
 def domain_error(exc: grpc.aio.AioRpcError) -> E.AgentsError:

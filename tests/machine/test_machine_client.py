@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -28,8 +29,9 @@ from machine.models import (
 )
 from machine.views import DaemonStatus, ScheduleView
 from shared.cli import message_dict
-from shared.errors import InvalidArgument, InvalidState, NotFound
+from shared.errors import InvalidArgument, InvalidState, NotFound, TransientError
 from shared.pb.machine.v1 import machine_pb2 as pb
+from shared.rpc import ErrorInterceptor
 
 T0 = 1_764_600_000.123456
 
@@ -220,3 +222,36 @@ async def test_no_daemon_is_daemon_not_running(tmp_path: Path) -> None:
         with pytest.raises(DaemonNotRunning) as down:
             await client.status()
     assert down.value.data_dir == cfg.data_dir
+
+
+async def test_a_daemon_that_answers_unavailable_is_running_and_says_why(
+    tmp_path: Path,
+) -> None:
+    # A daemon whose call failed on something it depends on (the control plane is
+    # down) answers UNAVAILABLE with the domain error: not "the daemon is not running".
+    cfg = MachineConfig(data_dir=tmp_path / "d").validate()
+    cfg.socket.parent.mkdir(parents=True)
+
+    async def status(request: bytes, context: Any) -> bytes:
+        raise TransientError("control plane 127.0.0.1:1: connection refused")
+
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    handler = grpc.method_handlers_generic_handler(
+        "shared.pb.machine.v1.MachineService",
+        {"Status": grpc.unary_unary_rpc_method_handler(status)},
+    )
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"unix://{cfg.socket}")
+    await server.start()
+    try:
+        async with MachineClient(cfg) as client:
+            with pytest.raises(TransientError, match="control plane") as down:
+                await client.status()
+        assert not isinstance(down.value, DaemonNotRunning)
+    finally:
+        await server.stop(None)
+    # Once nobody answers on the socket, it is the daemon that is not running.
+    cfg.socket.touch()  # as a killed daemon leaves it
+    async with MachineClient(cfg) as client:
+        with pytest.raises(DaemonNotRunning):
+            await client.status()
