@@ -338,7 +338,8 @@ async def backup_target(
                 cert_pem=keys.tls_cert_pem,
             )
             closing.append(client.aclose)
-            return ControlPlaneTarget(client), f"control plane {link.control_address}"
+            where = f"control plane {link.control_address}"
+            return ControlPlaneTarget(client, where=where), where
     target, folder = await folder_backup_target(config.backups_dir)
     closing.append(folder.close)
     await _record_backup_owner(folder, config.backups_dir, ids.canonical)

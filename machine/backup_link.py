@@ -31,9 +31,9 @@ from machine.transfer import DatabaseBackupSource, restore_fetched
 from shared.atomic import ensure_private_dir
 from shared.backup_target import MAX_LINK_MANIFEST, ManifestInfo, PruneResult
 from shared.crypto import BoxKeyPair
-from shared.errors import IntegrityError, InvalidArgument, TooLarge
+from shared.errors import AgentsError, IntegrityError, InvalidArgument, TooLarge, TransientError
 from shared.limits import LINK_MAX_MESSAGE
-from shared.rpc import domain_error
+from shared.rpc import domain_error, from_server
 
 __all__ = ["ControlPlaneTarget", "RepairRestore", "newest_authentic", "restore_newest"]
 
@@ -56,11 +56,21 @@ class ControlPlaneTarget:
         source: str = "",
         timeout: float = _CALL_TIMEOUT,
         transfer_timeout: float = _TRANSFER_TIMEOUT,
+        where: str = "control plane",
     ) -> None:
         self._client = client
+        self._where = where
         self._source = source
         self._timeout = timeout
         self._transfer = transfer_timeout
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> AgentsError:
+        """The domain error of a failed call; one that reached no control plane
+        says which one it tried (the CLI shows it as is)."""
+        err = domain_error(exc)
+        if isinstance(err, TransientError) and not from_server(exc):
+            return TransientError(f"{self._where}: unreachable ({err.message})")
+        return err
 
     async def have_segments(self, names: Iterable[str]) -> dict[str, int]:
         wanted = sorted(set(names))
@@ -70,7 +80,7 @@ class ControlPlaneTarget:
                 batch = wanted[i : i + _HAVE_BATCH]
                 out.update(await self._client.have_segments(batch, timeout=self._timeout))
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc) from exc
+            raise self._error(exc) from exc
         return out
 
     async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
@@ -78,7 +88,7 @@ class ControlPlaneTarget:
             # Size 0: the engine seals as it streams and does not know it yet.
             await self._client.put_segment(name, 0, data, timeout=self._transfer)
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc) from exc
+            raise self._error(exc) from exc
 
     async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
         names = list(names)
@@ -88,13 +98,13 @@ class ControlPlaneTarget:
         try:
             await self._client.put_manifest(backup_id, blob, names, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc) from exc
+            raise self._error(exc) from exc
 
     async def list_manifests(self) -> list[ManifestInfo]:
         try:
             entries = await self._client.list_backups(self._source, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc) from exc
+            raise self._error(exc) from exc
         # The link lists newest first; the target contract is oldest first.
         return sorted(
             (ManifestInfo(e.backup_id, e.manifest_size) for e in entries),
@@ -105,14 +115,14 @@ class ControlPlaneTarget:
         try:
             return await self._client.get_manifest(backup_id, self._source, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc) from exc
+            raise self._error(exc) from exc
 
     async def get_segment(self, name: str) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._client.get_segment(name, self._source, timeout=self._transfer):
                 yield chunk
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc) from exc
+            raise self._error(exc) from exc
 
     async def prune(self, keep: int) -> PruneResult:
         if self._source:
@@ -120,7 +130,7 @@ class ControlPlaneTarget:
         try:
             manifests, segments = await self._client.prune(keep, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc) from exc
+            raise self._error(exc) from exc
         return PruneResult(tuple(manifests), segments)
 
 
@@ -164,7 +174,7 @@ async def restore_newest(
         cert_pem=keys.tls_cert_pem,
     )
     async with contextlib.aclosing(client):
-        target = ControlPlaneTarget(client)
+        target = ControlPlaneTarget(client, where=f"control plane {link.control_address}")
         backups = await target.list_manifests()
         if not backups:
             return RepairRestore("")
