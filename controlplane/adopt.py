@@ -59,7 +59,7 @@ from controlplane.keys import check_home_empty, create_home_keys
 from controlplane.server import open_control_store
 from shared.atomic import fsync_dir, write_atomic
 from shared.errors import IntegrityError, InvalidArgument, InvalidState, NotFound
-from shared.store.authenticated import MAC_HEADER, seal, unseal
+from shared.store.authenticated import MAC_HEADER, seal, unseal, unverified_payload
 from shared.store.base import ObjectStore
 
 __all__ = ["AdoptResult", "adopt_control_plane"]
@@ -111,8 +111,7 @@ async def _re_mac(store: ObjectStore, mac_key: bytes) -> tuple[int, int]:
             continue  # already adopted (a resumed run)
         except IntegrityError:
             pass
-        payload = stored[stored.index(b"\n", len(MAC_HEADER)) + 1 :]
-        await store.put(key, seal(mac_key, key, payload))
+        await store.put(key, seal(mac_key, key, unverified_payload(stored)))
         adopted += 1
         if key.split("/")[2:3] == ["providers"]:
             providers += 1

@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, client=False)
     _daemon_flags(p)
     p.add_argument("--repair", action="store_true", help="fix what can be fixed (serve stopped)")
+    p.add_argument(
+        "--vouch-backups",
+        action="store_true",
+        help="with --repair: MAC backup manifests written without one (once, after upgrading)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
 
     acc = _verbs(sub, "account", "accounts")
@@ -462,7 +467,12 @@ async def _fsck(ctx: _Ctx) -> int:
             f"fsck: --repair needs serve stopped (pid {pid} runs)",
             "stop agents-control serve, then run fsck --repair again",
         )
-    report = await fsck_deployment(cfg, repair=args.repair)
+    if args.vouch_backups and not args.repair:
+        raise UsageError(
+            "fsck: --vouch-backups writes: give --repair too",
+            "agents-control fsck --repair --vouch-backups",
+        )
+    report = await fsck_deployment(cfg, repair=args.repair, vouch_backups=args.vouch_backups)
     if ctx.out.as_json:
         ctx.out.json(report.to_dict())
     else:

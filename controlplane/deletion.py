@@ -77,6 +77,7 @@ from shared.backup_target import MANIFESTS, NAMES_SUFFIX, is_segment_name, segme
 from shared.errors import AgentsError, IntegrityError, InvalidState, NotFound
 from shared.ids import is_valid_id, validate_id
 from shared.retry import retrying
+from shared.store.authenticated import unverified_payload
 from shared.store.base import DELETE_BATCH, ObjectStore, delete_keys
 from shared.timestamps import Clock, utc_now
 
@@ -447,7 +448,7 @@ class AccountSweep:
     ) -> None:
         self._store = store
         self._backups = backups
-        """Where the names lists are read (they are not MAC'd records)."""
+        """Where the names lists are read (raw: MAC'd, read without the record wrapper)."""
         self._account_id = validate_id("account", account_id, "account_id")
         self._page_size = page_size
         self._on_objects = on_objects
@@ -573,7 +574,9 @@ class AccountSweep:
         async for attempt in retrying("account.delete.names"):
             with attempt:
                 try:
-                    data = json.loads(await self._backups.get(key))
+                    # MAC'd (controlplane.backups); not verified: the names only
+                    # pick keys under this account's own prefix, all deleted anyway.
+                    data = json.loads(unverified_payload(await self._backups.get(key)))
                 except (NotFound, ValueError):
                     return []
         if not isinstance(data, list):

@@ -15,9 +15,12 @@ Read-only by default. What it looks for (the finding's kind), and what
 - ``mismatch``: a record whose content names other ids than its key. No repair.
 
 A machine's backup manifests and their names lists are MAC'd too (a planted
-backup would otherwise restore on a repair): one that does not verify is
-``refused``. Backup segments are not MAC'd (their manifest authenticates them)
-and are not read.
+backup would otherwise restore on a repair): one whose MAC does not match is
+``refused``; one with no MAC at all is ``unmacd_backup``: written by a control
+plane from before manifests were MAC'd, or planted. ``repair`` with
+``vouch_backups`` (the CLI's ``--repair --vouch-backups``, once after upgrading,
+on a store only this control plane wrote) MACs those; nothing else does. Backup
+segments are not MAC'd (their manifest authenticates them) and are not read.
 
 An account with a deletion tombstone (``accounts/<a>/deleting.json``) is a
 deletion in progress, not an inconsistency: its objects and the index entries
@@ -60,6 +63,7 @@ from controlplane.records import (
 from controlplane.server import Services
 from shared.errors import IntegrityError, NotFound, StoreUntrusted
 from shared.ids import is_valid_id
+from shared.store.authenticated import MAC_HEADER
 from shared.store.base import ObjectStore
 
 __all__ = ["Finding", "FsckReport", "fsck_deployment", "run_fsck", "serving_pid"]
@@ -88,7 +92,8 @@ class Finding:
     """One inconsistency."""
 
     kind: str
-    """deployment, unfinished, refused, orphan_index, missing_index or mismatch."""
+    """deployment, unfinished, refused, unmacd_backup, deleted_leftover,
+    orphan_index, missing_index or mismatch."""
     key: str
     """The object concerned."""
     detail: str
@@ -120,8 +125,17 @@ class FsckReport:
 
 
 class _Checker:
-    def __init__(self, store: ObjectStore, intents: Intents, repair: bool) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        intents: Intents,
+        repair: bool,
+        raw: ObjectStore | None = None,
+        vouch: bool = False,
+    ) -> None:
         self._store = store
+        self._raw = raw
+        self._vouch = vouch and repair
         self._intents = intents
         self._repair = repair
         self.findings: list[Finding] = []
@@ -150,7 +164,19 @@ class _Checker:
         except NotFound:
             pass  # deleted since the listing
         except IntegrityError as e:
-            self.add("refused", key, e.reason)
+            stored = await self._raw.get(key) if self._raw is not None else MAC_HEADER
+            if stored.startswith(MAC_HEADER):
+                self.add("refused", key, e.reason)
+                return
+            if self._vouch:
+                await self._store.put(key, stored)  # MAC'd as it is, by the operator's word
+            self.add(
+                "unmacd_backup",
+                key,
+                "written without a MAC (by a control plane before manifests were MAC'd, or"
+                " planted); vouch with --repair --vouch-backups",
+                self._vouch,
+            )
 
     async def fix_write(self, kind: str, key: str, data: dict[str, Any], detail: str) -> None:
         if self._repair:
@@ -173,7 +199,9 @@ def serving_pid(cfg: ControlConfig) -> int | None:
     return pid
 
 
-async def fsck_deployment(cfg: ControlConfig, *, repair: bool) -> FsckReport:
+async def fsck_deployment(
+    cfg: ControlConfig, *, repair: bool, vouch_backups: bool = False
+) -> FsckReport:
     """Open the configured store with the home's keys and run :func:`run_fsck`."""
     keys = load_home_keys(cfg.home)
     trusted = await open_trusted_store(cfg, keys, None)
@@ -184,12 +212,14 @@ async def fsck_deployment(cfg: ControlConfig, *, repair: bool) -> FsckReport:
             if await fence.hold_current():
                 trusted.set_fence(fence)
         services = Services(cfg, trusted.store, keys, trusted.backups)
-        return await run_fsck(trusted, services.intents, repair=repair)
+        return await run_fsck(trusted, services.intents, repair=repair, vouch_backups=vouch_backups)
     finally:
         await trusted.close()
 
 
-async def run_fsck(trusted: TrustedStore, intents: Intents, *, repair: bool) -> FsckReport:
+async def run_fsck(
+    trusted: TrustedStore, intents: Intents, *, repair: bool, vouch_backups: bool = False
+) -> FsckReport:
     """Check every object of the store (see the module doc); repair when asked."""
     store = trusted.store
     try:
@@ -197,7 +227,7 @@ async def run_fsck(trusted: TrustedStore, intents: Intents, *, repair: bool) -> 
         trusted.guard.check()
     except StoreUntrusted as e:
         return FsckReport(0, (Finding("deployment", DEPLOYMENT_KEY, e.message),))
-    c = _Checker(store, intents, repair)
+    c = _Checker(store, intents, repair, trusted.backups, vouch_backups)
     # Unfinished changes first: rolling them back removes most other findings.
     for intent in await intents.pending():
         if intent.kind == _DELETE_KIND and await _tombstoned(c, intent.fields):

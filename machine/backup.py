@@ -276,15 +276,16 @@ class BackupEngine:
             ensure_private_dir(self._work)
             now_ms = int(self._clock() * 1000)
             stored = await self._target.list_manifests()
-            if stored and id_time_ms(stored[-1].backup_id) >= now_ms:
+            newest = await self._newest_own(stored) if stored else None
+            if newest is not None and id_time_ms(newest) >= now_ms:
                 # The clock is behind the newest backup (it once ran ahead, or this box
                 # took over a machine whose clock did). An id from it would sort before
                 # the backups kept, and this backup's own prune would delete it.
                 logger.warning(
                     "backup: the clock is behind the newest backup %s; numbering after it",
-                    stored[-1].backup_id,
+                    newest,
                 )
-                now_ms = id_time_ms(stored[-1].backup_id) + 1
+                now_ms = id_time_ms(newest) + 1
             backup_id = new_id("backup", now_ms=now_ms)
             with tempfile.TemporaryDirectory(dir=self._work, prefix=".stage-") as stage:
                 result = await self._make(backup_id, Path(stage), progress)
@@ -292,6 +293,26 @@ class BackupEngine:
             return BackupResult(
                 **{**result.__dict__, "seconds": time.monotonic() - started, "pruned": pruned}
             )
+
+    async def _newest_own(self, stored: list[ManifestInfo]) -> str | None:
+        """The newest listed backup that opens with this machine's key, looked for
+        only when the newest listed id is ahead of the clock (rare: one read).
+
+        A listed id alone is not trusted to number the next backup: one planted
+        with a far-future time would push every later id past the end of the id
+        space. One that does not open (planted, forged, another key's) is passed.
+        """
+        now_ms = int(self._clock() * 1000)
+        if id_time_ms(stored[-1].backup_id) < now_ms:
+            return stored[-1].backup_id
+        for info in reversed(stored):
+            try:
+                await self.open(info.backup_id)
+            except IntegrityError as e:
+                logger.warning("backup %s is not this machine's: %s", info.backup_id, e)
+                continue
+            return info.backup_id
+        return None
 
     async def _make(self, backup_id: str, stage: Path, progress: Progress | None) -> BackupResult:
         cache = self._load_cache()

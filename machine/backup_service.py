@@ -365,6 +365,8 @@ class BackupService:
                     await self.load_last()
                 except AgentsError as e:
                     logger.debug("stored backups still cannot be listed: %s", e)
+                except Exception:  # the daily task must go on: tried again in a minute
+                    logger.exception("listing the stored backups failed")
             wait = max(0.0, due - self._clock())
             await self._sleep(wait if self._listed else min(wait, _RELIST))
             if self._clock() < due:
@@ -374,13 +376,16 @@ class BackupService:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                due = min(self._clock() + retry, self.next_run())
-                logger.error(
-                    "the daily backup failed (%s); trying again at %s",
-                    e if isinstance(e, AgentsError) else repr(e),
-                    dt.datetime.fromtimestamp(due).astimezone().isoformat(timespec="seconds"),
-                )
-                retry = min(retry * 2, _RETRY_MAX)
+                daily = self.next_run()
+                if self._clock() + retry < daily:
+                    due, retry = self._clock() + retry, min(retry * 2, _RETRY_MAX)
+                else:  # the next daily run comes first; its failures start over at 5 min
+                    due, retry = daily, _RETRY_FIRST
+                when = dt.datetime.fromtimestamp(due).astimezone().isoformat(timespec="seconds")
+                if isinstance(e, AgentsError):
+                    logger.error("the daily backup failed (%s); trying again at %s", e, when)
+                else:
+                    logger.exception("the daily backup failed; trying again at %s", when)
                 continue
             retry, due = _RETRY_FIRST, self.next_run()
             try:

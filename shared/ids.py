@@ -48,6 +48,10 @@ _PATTERNS: Final[dict[str, re.Pattern[str]]] = {
 _SHA256: Final = re.compile(r"\A[0-9a-f]{64}\Z")
 
 
+#: Ids carry their time in ten base-32 characters: milliseconds below 2**50.
+_MAX_MS: Final = 1 << 50
+
+
 def _encode(value: int, length: int) -> str:
     out = []
     for _ in range(length):
@@ -60,6 +64,9 @@ def new_id(kind: str, *, now_ms: int | None = None) -> str:
     """Return a fresh id of ``kind`` (a key of :data:`KINDS`)."""
     prefix = KINDS[kind]
     ms = int(time.time() * 1000) if now_ms is None else now_ms
+    if not 0 <= ms < _MAX_MS:
+        # Ten characters hold 50 bits: a time past them would wrap and sort first.
+        raise ValueError(f"id time {ms} ms is outside the ids' range")
     return f"{prefix}_{_encode(ms, 10)}{_encode(secrets.randbits(80), 16)}"
 
 

@@ -42,7 +42,14 @@ from shared.store.base import (
 )
 from shared.store.wrappers import StoreWrapper
 
-__all__ = ["MAC_HEADER", "MAX_AUTHENTICATED_BYTES", "AuthenticatedStore", "seal", "unseal"]
+__all__ = [
+    "MAC_HEADER",
+    "MAX_AUTHENTICATED_BYTES",
+    "AuthenticatedStore",
+    "seal",
+    "unseal",
+    "unverified_payload",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +83,16 @@ def unseal(mac_key: bytes, key: str, stored: bytes) -> bytes:
     if not hmac.compare_digest(given, _mac(mac_key, key, payload).encode()):
         raise IntegrityError(key, "MAC does not match (forged, altered or moved object)")
     return payload
+
+
+def unverified_payload(stored: bytes) -> bytes:
+    """The payload of a stored object, its MAC header (if any) cut off, NOT verified:
+    for a caller that trusts the object anyway (an adopt) or only deletes within
+    the object's own prefix by what it names (an account deletion)."""
+    if not stored.startswith(MAC_HEADER):
+        return stored
+    line_end = stored.find(b"\n", len(MAC_HEADER))
+    return stored[line_end + 1 :] if line_end >= 0 else b""
 
 
 class AuthenticatedStore(StoreWrapper):

@@ -14,7 +14,13 @@ from controlplane.accounts import AccountService
 from controlplane.audit import Auditor
 from controlplane.authz import CredentialService, Principal
 from controlplane.backups import backups_prefix
-from controlplane.deletion import PROGRESS_EVERY, AccountDeletion, DeletionHooks, _together
+from controlplane.deletion import (
+    PROGRESS_EVERY,
+    AccountDeletion,
+    AccountSweep,
+    DeletionHooks,
+    _together,
+)
 from controlplane.intents import INTENTS_PREFIX, Intents
 from controlplane.machines import MachineInfo, MachineRegistry
 from controlplane.pairing import Pairing
@@ -25,6 +31,7 @@ from shared.backup_target import names_key, segment_key
 from shared.errors import InvalidState, NotFound, PermissionDenied, StoreError, Unauthenticated
 from shared.ids import new_id
 from shared.store import MemoryStore, ObjectStore
+from shared.store.authenticated import seal
 from shared.store.base import delete_keys
 from shared.store.wrappers import StoreWrapper
 
@@ -543,3 +550,20 @@ async def test_steps_run_together_and_the_first_failure_cancels_the_rest() -> No
         await other.wait()
 
     await asyncio.wait_for(_together(step(first, second), step(second, first)), 5)
+
+
+async def test_named_segments_are_read_from_macd_names_lists() -> None:
+    """The control plane stores names lists MAC'd (controlplane.backups): the sweep
+    reads the names through the header and deletes those segments without a listing."""
+    raw = MemoryStore()
+    acct, machine = new_id("account"), new_id("machine")
+    root = backups_prefix(acct, machine)
+    names = [f"{i:064x}" for i in range(5)]
+    for name in names:
+        await raw.put(root + segment_key(name), b"sealed")
+    listed = root + names_key(new_id("backup"))
+    await raw.put(listed, seal(b"k" * 32, listed, json.dumps(names).encode()))
+    sweep = AccountSweep(raw, acct, backups=raw)
+    await sweep.named_segments([machine])
+    assert await _keys(raw) == [listed]  # the list goes with the listing step, after
+    assert sweep.deleted == len(names)

@@ -206,22 +206,47 @@ async def test_fsck_refuses_a_planted_backup_manifest_and_leaves_segments_alone(
     code, report = await _fsck(cfg, capsys)
     assert (code, report["findings"]) == (0, [])
 
-    # Bucket access alone: a planted manifest and names list, and a segment (segments
+    # Bucket access alone: a planted manifest and names list (no MAC at all, as a
+    # control plane before manifests were MAC'd wrote them too), a genuine manifest
+    # copied to another id (its MAC does not match there), and a segment (segments
     # are authenticated by the manifests that name them, not by a MAC).
     root = f"accounts/{acct}/backups/{machine}/"
-    planted = new_id("backup")
+    planted, moved = new_id("backup"), new_id("backup")
     async with FolderStore(tmp_path / "store") as raw:
         await raw.put(root + manifest_key(planted), b"forged")
         await raw.put(root + names_key(planted), b"[]")
+        genuine = [k async for k in raw.list(root + "manifests/") if k.key.endswith(".sealed")]
+        await raw.put(root + manifest_key(moved), await raw.get(genuine[0].key))
         await raw.put(root + segment_key("cd" * 32), b"anything")
     code, report = await _fsck(cfg, capsys)
     found = sorted((f["kind"], f["key"]) for f in report["findings"])
     assert code == 1
-    assert found == sorted(
-        [("refused", root + manifest_key(planted)), ("refused", root + names_key(planted))]
-    )
+    assert found == [
+        ("refused", root + manifest_key(moved)),
+        ("unmacd_backup", root + names_key(planted)),
+        ("unmacd_backup", root + manifest_key(planted)),
+    ]
     code, report = await _fsck(cfg, capsys, "--repair")
     assert code == 1 and not any(f["repaired"] for f in report["findings"])
+    assert await _main("fsck", "--home", str(cfg.home), "--vouch-backups") == 2
+    assert "give --repair too" in capsys.readouterr().err
+
+    # After an upgrade, on a store only this control plane wrote: the operator vouches
+    # for the MAC-less ones; one whose MAC does not match is never vouched for.
+    code, report = await _fsck(cfg, capsys, "--repair", "--vouch-backups")
+    repaired = sorted((f["kind"], f["repaired"]) for f in report["findings"])
+    assert repaired == [("refused", False), ("unmacd_backup", True), ("unmacd_backup", True)]
+    code, report = await _fsck(cfg, capsys)
+    assert [(f["kind"], f["key"]) for f in report["findings"]] == [
+        ("refused", root + manifest_key(moved))
+    ]
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        assert trusted.backups is not None
+        backups = MachineBackups(trusted.backups, records=trusted.store)
+        assert await backups.get_manifest(acct, machine, planted) == b"forged"
+    finally:
+        await trusted.close()
 
 
 async def _one(data: bytes) -> Any:

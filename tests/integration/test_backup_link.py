@@ -270,10 +270,11 @@ async def test_a_backup_planted_in_the_bucket_is_refused_and_the_genuine_one_res
         assert {a: p.read_bytes() for a, p in fetched.agent_files.items()} == source.data
     assert _metric(cp, "agents_cp_store_records_refused_total") > refused_before
 
-    # fsck (read-only, beside the running daemon) names both planted objects.
+    # fsck (read-only, beside the running daemon) names both planted objects (no MAC).
     report = cp.cli("fsck", "--json")
     assert report.code == 1, report.err
-    refused = {f["key"] for f in json.loads(report.out)["findings"] if f["kind"] == "refused"}
+    findings = json.loads(report.out)["findings"]
+    refused = {f["key"] for f in findings if f["kind"] == "unmacd_backup"}
     assert refused == {
         f"accounts/{alice}/backups/{a_id}/manifests/{forged_id}.sealed",
         f"accounts/{alice}/backups/{a_id}/manifests/{forged_id}.names",

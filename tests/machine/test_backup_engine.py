@@ -203,6 +203,22 @@ async def test_a_clock_behind_the_newest_backup_never_prunes_the_new_one(
     await engine.verify(third.backup_id)
 
 
+async def test_a_planted_far_future_backup_id_does_not_number_the_next_backups(
+    parts: dict[str, Any],
+) -> None:
+    engine, store = parts["engine"], parts["store"]
+    first = await engine.backup_now()
+    # The last id time there is (2**50 - 1 ms), planted without the keys: numbering
+    # after it would wrap every later id to the start of time.
+    planted = "bk_" + "z" * 10 + "0" * 16
+    await store.put(manifest_key(planted), b"planted")
+    second = await engine.backup_now()
+    assert first.backup_id < second.backup_id < planted
+    assert id_time_ms(second.backup_id) - id_time_ms(first.backup_id) < 3_600_000
+    with pytest.raises(ValueError, match="outside the ids' range"):
+        new_id("backup", now_ms=id_time_ms(planted) + 1)
+
+
 async def test_crash_mid_prune_leaves_kept_backups_restorable(
     parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

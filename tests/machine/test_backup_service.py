@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -212,6 +212,31 @@ class _Stop(Exception):
     pass
 
 
+def _timed_service(
+    m: Machine,
+    target: _Flaky,
+    now: list[float],
+    sleep: Callable[[float], Awaitable[None]],
+    registry: CollectorRegistry,
+) -> BackupService:
+    """A service daily at 03:30 on ``target``, on a clock at ``now[0]`` that only
+    ``sleep`` moves."""
+    return BackupService(
+        m.db,
+        target,
+        target_name="flaky",
+        machine_id=m.ids.canonical,
+        keys=load_backup_keys(m.config.data_dir),
+        data_dir=m.config.data_dir,
+        attachments_dir=m.config.attachments_dir,
+        keep=3,
+        daily_at=dt.time(3, 30),
+        metrics=BackupMetrics(registry),
+        clock=lambda: now[0],
+        sleep=sleep,
+    )
+
+
 async def test_daily_backups_retry_a_failure_and_relist_until_the_target_answers(
     tmp_path: Path,
 ) -> None:
@@ -234,20 +259,7 @@ async def test_daily_backups_retry_a_failure_and_relist_until_the_target_answers
             if plan[len(waits) - 1] is not None:
                 target.down = bool(plan[len(waits) - 1])
 
-        service = BackupService(
-            m.db,
-            target,
-            target_name="flaky",
-            machine_id=m.ids.canonical,
-            keys=load_backup_keys(m.config.data_dir),
-            data_dir=m.config.data_dir,
-            attachments_dir=m.config.attachments_dir,
-            keep=3,
-            daily_at=dt.time(3, 30),
-            metrics=BackupMetrics(registry),
-            clock=lambda: now[0],
-            sleep=sleep,
-        )
+        service = _timed_service(m, target, now, sleep, registry)
         target.down = True
         with pytest.raises(TransientError):
             await service.load_last()  # as at the daemon's start
@@ -263,3 +275,44 @@ async def test_daily_backups_retry_a_failure_and_relist_until_the_target_answers
         status = service.status()
         assert status.last_backup_id not in ("", earlier.backup_id)
         assert status.last_check is not None and status.last_check.ok
+
+
+async def test_a_day_of_failed_backups_starts_the_next_day_over_and_odd_errors_do_not_stop_it(
+    tmp_path: Path,
+) -> None:
+    async with open_machine(_config(tmp_path / "m")) as m:
+        target = _Flaky(StoreTarget(FolderStore(tmp_path / "target")))
+        now = [dt.datetime(2026, 12, 2, 3, 29).timestamp()]  # a minute before the daily time
+        waits: list[float] = []
+        calls = {"list": 0}
+
+        async def listing() -> list[ManifestInfo]:
+            calls["list"] += 1
+            if calls["list"] == 1:
+                raise RuntimeError("not an AgentsError")  # a bug below: logged, not fatal
+            return await StoreTarget(FolderStore(tmp_path / "target")).list_manifests()
+
+        async def no_writes(name: str, data: AsyncIterable[bytes]) -> None:
+            raise TransientError("disk gone")  # every backup fails, listing works
+
+        target.list_manifests = listing  # type: ignore[method-assign]
+        target.put_segment = no_writes  # type: ignore[method-assign]
+
+        async def sleep(seconds: float) -> None:
+            waits.append(seconds)
+            now[0] += seconds
+            if sum(waits) > 1.5 * 86400:
+                raise _Stop
+
+        service = _timed_service(m, target, now, sleep, CollectorRegistry())
+        await _agent(m, tmp_path, "something to back up")
+        with pytest.raises(_Stop):
+            await service.run_daily()
+    # The odd error cost a minute (listed again then); the backups fail all day:
+    # 5, 10, 20, 40 minutes, then hourly, until the next daily time, which starts
+    # over at 5 minutes.
+    assert waits[0] == 60 and calls["list"] >= 2
+    assert waits[1:6] == [300, 600, 1200, 2400, 3600]
+    last = next(i for i in range(6, len(waits)) if waits[i] != 3600)
+    assert sum(waits[: last + 1]) == 86400 + 60  # that wait ends at the next 03:30
+    assert waits[last + 1 : last + 3] == [300, 600], waits
