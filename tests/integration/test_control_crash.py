@@ -29,12 +29,19 @@ from controlplane.admin_types import JoinToken
 from controlplane.client import AdminClient
 from controlplane.config import load_config
 from controlplane.fsck import FsckReport, fsck_deployment
+from controlplane.integrity import marker_deployment_id
+from controlplane.keybundle import StoredBundle, open_bundle
+from controlplane.keys import HomeKeys, load_home_keys
+from shared import tls
+from shared.recovery_key import read_recovery_key
+from shared.store.authenticated import unverified_payload
 from tests.conftest import _s3_client
 from tests.helpers.control_proc import (
     CliResult,
     ControlProc,
     agents_control_exe,
     init_argv,
+    recovery_key_path,
     run_init,
     s3_env,
     start_serve,
@@ -365,3 +372,78 @@ def test_init_killed_before_its_marker_leaves_no_deployment(
     assert serve.returncode == 1 and "deployment.json is missing" in serve.stderr, serve.stderr
     again = run_init(tmp_path / "second", f"s3://{s3_bucket}/cp", env)
     assert again.operator.startswith("adm_")
+
+
+def _cas_home_and_bundle(cp: ControlProc, s3: Any, bucket: str) -> tuple[set[str], set[str]]:
+    """The CA hashes the home holds, and those the sealed key bundle in the bucket
+    holds (opened with the deployment's recovery key, as a restore would)."""
+
+    def hashes(keys: HomeKeys) -> set[str]:
+        return {tls.ca_hash(p.cert_pem) for p in (keys.ca, keys.next_ca) if p is not None}
+
+    def payload(key: str) -> bytes:
+        return unverified_payload(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+    deployment = marker_deployment_id(payload("cp/cp/deployment.json"))
+    envelope = StoredBundle.parse(payload("cp/cp/keys.sealed"))
+    recovery = read_recovery_key(recovery_key_path(cp.home))
+    bundle = open_bundle(envelope.sealed, recovery, deployment)
+    return hashes(load_home_keys(cp.home)), hashes(bundle.keys)
+
+
+def test_ca_rollover_killed_at_each_write_keeps_the_home_and_the_key_bundle_alike(
+    cp: ControlProc, proxy: CrashProxy, moto_endpoint: str, s3_bucket: str
+) -> None:
+    """A CA rollover writes the ``*-next`` files, then the sealed key bundle, then
+    swaps the key ring; retiring moves the deployment marker, renames the files,
+    then reseals. Killed around each store write, the restarted daemon serves, the
+    bundle holds exactly the CAs of the home (a restore from it would trust every
+    machine certificate the home signed), and fsck is clean."""
+    s3 = _s3_client(moto_endpoint)
+    old = cp.ca_hash
+
+    def restarted_alike() -> set[str]:
+        assert _crashed(cp, proxy), proxy.writes
+        home, bundle = _cas_home_and_bundle(cp, s3, s3_bucket)
+        assert home == bundle, proxy.writes
+        _assert_fsck_clean(cp)
+        return home
+
+    # Killed just before the bundle is written (the *-next files are in the home):
+    # serve's start reseals, and the rollover stands.
+    assert cp.process is not None
+    proxy.arm_before(cp.process.pid, "PUT", "cp/keys.sealed")
+    cp.cli("ca", "rollover")
+    started = restarted_alike()
+    assert old in started and len(started) == 2
+    state = _json(cp, "ca", "rollover")
+    assert state["state"] == "rolling" and state["old_ca_hash"] == old
+    new = str(state["ca_hash"])
+
+    # Retiring, killed after each of its writes in turn, run again each time.
+    points = 0
+    for n in range(1, MAX_WRITES):
+        assert cp.process is not None
+        proxy.arm(cp.process.pid, after=n)
+        res = cp.cli("ca", "rollover", "--retire-old", "--json")
+        if not proxy.crashed.is_set():
+            proxy.disarm()
+            assert res.code == 0, res.err
+            break
+        points += 1
+        after = restarted_alike()
+        assert after in ({old, new}, {new}), proxy.writes
+        if after == {new}:
+            break  # killed past its commit point (the home's renames): it is retired
+    assert points >= 2, points  # the marker, then the bundle
+    home, bundle = _cas_home_and_bundle(cp, s3, s3_bucket)
+    assert home == bundle == {new}
+
+    # A second rollover, killed right after its bundle was written (before the
+    # key ring swap): the restarted daemon is mid-rollover, bundle and home alike.
+    assert cp.process is not None
+    proxy.arm_after(cp.process.pid, "PUT", "cp/keys.sealed")
+    cp.cli("ca", "rollover")
+    again = restarted_alike()
+    assert new in again and len(again) == 2
+    assert _json(cp, "ca", "rollover")["state"] == "rolling"
