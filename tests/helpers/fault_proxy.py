@@ -5,7 +5,9 @@ store endpoint at ``proxy.url``; ``proxy.arm(pid, after=n)`` makes the proxy
 SIGKILL ``pid`` right after the server accepted the n-th object write (PUT or
 DELETE of a key outside ``_probe/``) counted from the arming, before the
 answer goes back: exactly "S3 took the write, then the process died".
-``proxy.writes`` lists the writes seen since arming (``"PUT key"``).
+``proxy.writes`` lists the writes seen since arming (``"PUT key"``);
+``proxy.seen(method, key_part)`` tells whether any request of that method on
+such a key arrived (a test's barrier: "the daemon got that far").
 ``proxy.arm_before(pid, "DELETE", "/queue/")`` instead kills ``pid`` when the
 first such write ARRIVES, and never forwards it: "the process died just
 before that write"; ``proxy.arm_after(pid, "PUT", "cp/deployment")`` once
@@ -42,6 +44,17 @@ class CrashProxy:
         self._after = 0
         self._before: tuple[int, str, str] | None = None
         self._after_match: tuple[int, str, str] | None = None
+        self._requests: list[tuple[str, str]] = []
+
+    def seen(self, method: str, key_part: str) -> bool:
+        """Whether a ``method`` request for a key containing ``key_part`` arrived."""
+        with self._lock:
+            return any(m == method and key_part in path for m, path in self._requests)
+
+    def saw(self, method: str, path: str) -> None:
+        """Record one request (the handler calls it for each)."""
+        with self._lock:
+            self._requests.append((method, unquote(urlsplit(path).path)))
 
     def arm(self, pid: int, after: int) -> None:
         """Kill ``pid`` once the ``after``-th write from now was accepted."""
@@ -136,6 +149,7 @@ def _handler(proxy: CrashProxy) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(length) if length else None
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _DROPPED}
             headers["Host"] = target.netloc
+            proxy.saw(self.command, self.path)
             if proxy.before_write(self.command, self.path):
                 self.close_connection = True
                 return  # the writer is dead before its write: none reaches S3

@@ -18,12 +18,13 @@ import re
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import boto3  # type: ignore[import-untyped]
+import grpc
 import pytest
 from botocore.config import Config
 
@@ -31,10 +32,12 @@ from controlplane.admin_types import NewJoinToken
 from controlplane.client import AdminClient
 from controlplane.integrity import record_mac_key
 from controlplane.keys import load_home_keys
+from machine.link_client import LinkClient
 from shared.errors import NotFound
 from shared.store.authenticated import seal
 from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve
 from tests.helpers.fault_proxy import CrashProxy, crash_proxy
+from tests.helpers.link_client import join
 from tests.helpers.poll import apoll_until
 from tests.helpers.store_records import read_json
 
@@ -258,3 +261,67 @@ async def test_delete_refusals_on_the_cli(cp: ControlProc) -> None:
     assert shown["state"] == "deleted" and shown["account_id"] == acct
     again = json.loads(cp.cli("account", "deletion", acct, "--json").out)
     assert again == shown
+
+
+async def test_uploads_that_outlast_the_deletion_keep_nothing_even_when_killed_midway(
+    cp: ControlProc, proxy: CrashProxy, s3: Any, s3_bucket: str
+) -> None:
+    """Segment uploads authorized before an account's deletion whose bytes arrive
+    after it finished: the control plane writes the segment, then looks for the
+    deletion and deletes what it wrote (PERMISSION_DENIED). Killed between that
+    write and that look, the object stays: ``fsck`` names it ``deleted_leftover``
+    and ``--repair`` removes it."""
+    async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=10) as admin:
+        gone = (await admin.create_account(303, "late")).account.account_id
+        token = await admin.create_token(gone)
+    machine_id, cert, key = await join(cp.public, cp.ca_pem, token.token_value)
+    names = ["ab" * 32, "cd" * 32]
+    gates = [asyncio.Event(), asyncio.Event()]
+
+    async def stream(gate: asyncio.Event) -> AsyncIterator[bytes]:
+        yield b"sealed bytes, "
+        await gate.wait()  # the rest arrives after the deletion
+        yield b"the rest"
+
+    client = LinkClient.mutual(cp.link, ca_pem=cp.ca_pem, key_pem=key, cert_pem=cert)
+    try:
+        uploads = [
+            asyncio.create_task(client.put_segment(n, 0, stream(g), timeout=60))
+            for n, g in zip(names, gates, strict=True)
+        ]
+        for name in names:  # authorized, and looking for the segment before storing it
+            await _until(lambda n=name: proxy.seen("HEAD", f"/segments/{n}"), "uploads under way")
+        async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=10) as admin:
+            await admin.delete_account(gone)
+
+            async def deleted() -> bool:
+                return (await admin.get_deletion(gone)).state == "deleted"
+
+            await _until(deleted, "deletion finished")
+        gates[0].set()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await uploads[0]
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert _keys(s3, s3_bucket, f"{PREFIX}accounts/{gone}/") == []
+        assert cp.process is not None
+        proxy.arm_after(cp.process.pid, "PUT", f"/segments/{names[1]}")
+        gates[1].set()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await uploads[1]  # the daemon died right after the segment's write
+        assert proxy.crashed.is_set()
+        cp.process.wait(timeout=10)
+    finally:
+        await client.aclose()
+    late = f"accounts/{gone}/backups/{machine_id}/segments/{names[1]}"
+    assert _keys(s3, s3_bucket, f"{PREFIX}accounts/{gone}/") == [PREFIX + late]
+
+    start_serve(cp)
+    found = cp.cli("fsck", "--json")
+    assert found.code == 1, found.err
+    findings = json.loads(found.out)["findings"]
+    assert [(f["kind"], f["key"]) for f in findings] == [("deleted_leftover", late)]
+    stop_serve(cp)
+    repaired = cp.cli("fsck", "--repair", "--json")
+    assert repaired.code == 0, repaired.err
+    assert _keys(s3, s3_bucket, f"{PREFIX}accounts/{gone}/") == []
+    assert cp.cli("fsck").code == 0
