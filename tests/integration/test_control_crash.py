@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ import pytest
 from controlplane.admin_types import JoinToken
 from controlplane.client import AdminClient
 from controlplane.config import load_config
+from controlplane.fencing import EPOCH_KEY, HOME_ID_FILE, read_home_id
 from controlplane.fsck import FsckReport, fsck_deployment
 from controlplane.integrity import marker_deployment_id
 from controlplane.keybundle import StoredBundle, open_bundle
@@ -50,6 +52,7 @@ from tests.helpers.control_proc import (
 from tests.helpers.fault_proxy import CrashProxy, crash_proxy
 from tests.helpers.link_client import connect_once, join
 from tests.helpers.poll import apoll_until
+from tests.helpers.store_records import read_json
 
 pytestmark = pytest.mark.integration
 
@@ -447,3 +450,38 @@ def test_ca_rollover_killed_at_each_write_keeps_the_home_and_the_key_bundle_alik
     again = restarted_alike()
     assert new in again and len(again) == 2
     assert _json(cp, "ca", "rollover")["state"] == "rolling"
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_home_from_before_fencing_killed_around_its_epoch_write_starts_next_time(
+    cp: ControlProc, proxy: CrashProxy, moto_endpoint: str, s3_bucket: str, when: str
+) -> None:
+    """A home made before fencing has no id and the store no epoch record: its first
+    ``serve`` writes the id, then the epoch record naming it. Killed just before or
+    just after that record's write, the next ``serve`` starts (it used to find an
+    epoch of a home without an id, and refuse itself as stale)."""
+    s3 = _s3_client(moto_endpoint)
+    stop_serve(cp)
+    (cp.home / HOME_ID_FILE).unlink()
+    s3.delete_object(Bucket=s3_bucket, Key=f"cp/{EPOCH_KEY}")
+    log = (cp.home.parent / "pre-fencing-serve.log").open("wb")
+    with log:
+        first = subprocess.Popen(
+            [str(agents_control_exe()), "serve", "--home", str(cp.home)],
+            env=cp.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    # Armed before the new process can reach the store (it imports and reads its
+    # config first); the kill is on the epoch record's write.
+    (proxy.arm_before if when == "before" else proxy.arm_after)(first.pid, "PUT", EPOCH_KEY)
+    assert first.wait(timeout=30) == -signal.SIGKILL
+    assert proxy.crashed.is_set()
+    home_id = read_home_id(cp.home)
+    assert home_id is not None  # the id came first
+    start_serve(cp)
+    assert read_home_id(cp.home) == home_id
+    epoch = read_json(s3.get_object(Bucket=s3_bucket, Key=f"cp/{EPOCH_KEY}")["Body"].read())
+    assert epoch["home_id"] == home_id, epoch
+    _ok(cp.cli("account", "list"))
+    _assert_fsck_clean(cp)
