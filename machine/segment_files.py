@@ -94,8 +94,10 @@ class SegmentFiles:
     @contextlib.contextmanager
     def _read(self, member: tarfile.TarInfo, name: str) -> Iterator[IO[bytes]]:
         expected = agent_path(self._agent_id, name)
-        if member.name != expected or not member.isreg():
+        if member.name != expected:
             raise self._refuse(f"holds {member.name!r} where {expected!r} belongs")
+        if not member.isreg():
+            raise self._refuse(f"holds {name} as {_kind(member)}, not as a regular file")
         if member.size > MAX_FILE_BYTES:
             raise self._refuse(f"claims {member.size} bytes for {name}")
         reader = self._tar.extractfile(member)
@@ -126,6 +128,21 @@ class SegmentFiles:
         extra = self._next_member()
         if extra is not None:
             raise self._refuse(f"holds an extra entry {extra.name!r}")
+
+
+def _kind(member: tarfile.TarInfo) -> str:
+    """What a tar entry that is not a regular file is, for an error."""
+    if member.issym():
+        return f"a symbolic link to {member.linkname!r}"
+    if member.islnk():
+        return f"a hard link to {member.linkname!r}"
+    if member.isdir():
+        return "a directory"
+    if member.isfifo():
+        return "a FIFO"
+    if member.isdev():
+        return "a device"
+    return f"an entry of type {member.type!r}"
 
 
 @contextlib.contextmanager

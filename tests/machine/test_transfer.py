@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -615,3 +616,86 @@ async def test_a_run_cancelled_before_it_started_exports_imports_and_restores(
         assert sorted(result.restored) == sorted([good, agent])
         assert await _export_files(c, [good, agent], tmp_path / "c.tar.gz") == before
         assert (await c.runs.get_run(never)).state.value == "cancelled"
+
+
+def _hostile_segment(kind: str, agent: str, outside: Path) -> bytes:
+    """An agent's segment plaintext: a tar that is not the agent's four files."""
+    record = f"agents/{agent}/record.json"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+
+        def add(info: tarfile.TarInfo, data: bytes = b"") -> None:
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data else None)
+
+        if kind == "dotdot":
+            add(tarfile.TarInfo("../" * 8 + str(outside).lstrip("/")), b"x")
+        elif kind == "absolute":
+            add(tarfile.TarInfo(str(outside)), b"x")
+        elif kind in ("symlink", "hardlink"):
+            info = tarfile.TarInfo(record)
+            info.type = tarfile.SYMTYPE if kind == "symlink" else tarfile.LNKTYPE
+            info.linkname = str(outside)
+            add(info)
+        elif kind in ("device", "fifo"):
+            info = tarfile.TarInfo(record)
+            info.type = tarfile.CHRTYPE if kind == "device" else tarfile.FIFOTYPE
+            add(info)
+        elif kind == "many":
+            for i in range(1000):
+                add(tarfile.TarInfo(f"agents/{agent}/junk-{i}"), b"{}")
+    if kind == "10 GB":
+        # Only the header: the entry claims 10 GB that never come.
+        info = tarfile.TarInfo(record)
+        info.size = 10 * 1024**3
+        return info.tobuf(format=tarfile.PAX_FORMAT)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("dotdot", "holds '../"),
+        ("absolute", "holds '/"),
+        ("symlink", "holds record.json as a symbolic link to '/"),
+        ("hardlink", "holds record.json as a hard link to '/"),
+        ("device", "holds record.json as a device"),
+        ("fifo", "holds record.json as a FIFO"),
+        ("10 GB", "claims 10737418240 bytes for record.json"),
+        ("many", "/junk-0' where"),
+    ],
+)
+async def test_a_hostile_tar_in_an_authentic_segment_is_refused_by_a_restore_and_writes_nothing(
+    tmp_path: Path, kind: str, says: str
+) -> None:
+    """A segment that authenticates (sealed with the backup's keys, named by its hash)
+    but whose plaintext is a hostile tar: the restore refuses it whole, clearly, and
+    writes nothing, in the machine or outside it."""
+    from tests.machine.test_backup_engine import FakeSource
+
+    outside = tmp_path / "outside" / "escape.txt"
+    source = FakeSource(tmp_path, 1)
+    agent = next(iter(source.data))
+    source.data[agent] = _hostile_segment(kind, agent, outside)
+    key = BoxKeyPair.generate()
+    engine = BackupEngine(
+        source,
+        StoreTarget(FolderStore(tmp_path / "target")),
+        machine_id=new_id("machine"),
+        naming_key=os.urandom(32),
+        recipients=[key.public_key],
+        keypair=key,
+        work_dir=tmp_path / "work",
+    )
+    made = await engine.backup_now()
+    async with open_machine(_config(tmp_path / "new")) as new:
+        fetched = await engine.fetch(made.backup_id, tmp_path / "stage", decode_agents=False)
+        with pytest.raises(IntegrityError, match=f"backup agent {agent}: segment") as refused:
+            await restore_fetched(
+                new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+            )
+        assert says in str(refused.value) and len(str(refused.value).splitlines()) == 1
+        assert await new.agents.list(include_archived=True) == []
+        assert list(new.config.attachments_dir.iterdir()) == []
+    assert not outside.parent.exists()
+    assert not list((tmp_path / "new").rglob("escape.txt"))
