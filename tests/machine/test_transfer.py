@@ -699,3 +699,83 @@ async def test_a_hostile_tar_in_an_authentic_segment_is_refused_by_a_restore_and
         assert list(new.config.attachments_dir.iterdir()) == []
     assert not outside.parent.exists()
     assert not list((tmp_path / "new").rglob("escape.txt"))
+
+
+def _frames(stored: bytes) -> list[bytes]:
+    """A sealed segment's frames (after its 24-byte header): 4-byte length, then data."""
+    out, pos = [], 24
+    while pos < len(stored):
+        n = int.from_bytes(stored[pos : pos + 4], "big")
+        out.append(stored[pos : pos + 4 + n])
+        pos += 4 + n
+    return out
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncate", "swap_chunks", "drop_chunk", "append", "another_backup"]
+)
+async def test_a_damaged_segment_is_refused_by_the_restore_as_it_loads(
+    tmp_path: Path, damage: str
+) -> None:
+    """Each way a stored segment can be cut, reordered or swapped is refused by the
+    restore that decodes as it loads (not only by verify), and nothing is kept."""
+    from tests.machine.test_backup_engine import FakeSource
+
+    def backed_up(where: str) -> tuple[BackupEngine, FakeSource]:
+        source = FakeSource(tmp_path / where, 1)
+        agent = next(iter(source.data))
+        source.data[agent] = os.urandom(3 * 1024 * 1024)  # several 1 MiB chunks
+        key = BoxKeyPair.generate()
+        engine = BackupEngine(
+            source,
+            StoreTarget(FolderStore(tmp_path / where / "target")),
+            machine_id=new_id("machine"),
+            naming_key=os.urandom(32),
+            recipients=[key.public_key],
+            keypair=key,
+            work_dir=tmp_path / where / "work",
+        )
+        return engine, source
+
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "theirs").mkdir()
+    engine, source = backed_up("ours")
+    made = await engine.backup_now()
+    async with open_machine(_config(tmp_path / "new")) as new:
+
+        async def restore(stage: str) -> None:
+            fetched = await engine.fetch(made.backup_id, tmp_path / stage, decode_agents=False)
+            if stage == "damaged":
+                ((_, stored),) = fetched.stored_agents.values()
+                stored.write_bytes(await damaged(stored.read_bytes()))
+            await restore_fetched(
+                new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+            )
+
+        async def damaged(blob: bytes) -> bytes:
+            frames = _frames(blob)
+            assert len(frames) >= 3
+            if damage == "truncate":
+                return blob[:-100]
+            if damage == "swap_chunks":
+                return blob[:24] + frames[1] + frames[0] + b"".join(frames[2:])
+            if damage == "drop_chunk":
+                return blob[:24] + frames[0] + b"".join(frames[2:])
+            if damage == "append":
+                return blob + b"x"
+            # A segment of another machine's backup, stored under this one's name.
+            other, _ = backed_up("theirs")
+            await other.backup_now()
+            theirs = FolderStore(tmp_path / "theirs" / "target")
+            listed = [i async for i in theirs.list("segments/")]
+            return await theirs.get(max(listed, key=lambda i: i.size).key)
+
+        # Undamaged, the segment authenticates and only then fails as a tar (it is
+        # random bytes): so a refusal below is the damage's, found by authentication.
+        with pytest.raises(IntegrityError, match="not a tar"):
+            await restore("pristine")
+        with pytest.raises(IntegrityError) as refused:
+            await restore("damaged")
+        assert "not a tar" not in str(refused.value)
+        assert await new.agents.list(include_archived=True) == []
+        assert list(new.config.attachments_dir.iterdir()) == []
