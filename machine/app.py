@@ -304,10 +304,12 @@ async def _record_backup_owner(folder_store: FolderStore, folder: Path, machine_
         await folder_store.put(_OWNER_KEY, json.dumps({"machine_id": machine_id}).encode())
 
 
-async def folder_backup_target(folder: Path) -> tuple[BackupTarget, FolderStore]:
+async def folder_backup_target(
+    folder: Path, after_delete: Callable[[], None] | None = None
+) -> tuple[BackupTarget, FolderStore]:
     """A backup target in ``folder`` (a stand-alone machine's, or a copied backup dir)."""
     store_ = await FolderStore.open(folder)
-    return FolderTarget(store_), store_
+    return FolderTarget(store_, after_delete=after_delete), store_
 
 
 async def backup_target(
@@ -340,7 +342,9 @@ async def backup_target(
             closing.append(client.aclose)
             where = f"control plane {link.control_address}"
             return ControlPlaneTarget(client, where=where), where
-    target, folder = await folder_backup_target(config.backups_dir)
+    target, folder = await folder_backup_target(
+        config.backups_dir, crash_after(config.crash_in_prune_after, "objects pruned")
+    )
     closing.append(folder.close)
     await _record_backup_owner(folder, config.backups_dir, ids.canonical)
     return target, f"folder {config.backups_dir}"

@@ -251,6 +251,10 @@ class MachineConfig:
     """Test only (``AGENTS_MACHINE_TEST_CRASH_IN_TRANSFER_AFTER_AGENTS``): once a
     restore or an import loaded this many agents inside its one transaction, the
     daemon SIGKILLs itself before the commit. 0 (the default): off."""
+    crash_in_prune_after: int = 0
+    """Test only (``AGENTS_MACHINE_TEST_CRASH_IN_PRUNE_AFTER_DELETES``): once a
+    prune of the folder target deleted this many objects, the daemon SIGKILLs
+    itself. 0 (the default): off."""
 
     @property
     def socket(self) -> Path:
@@ -335,6 +339,8 @@ class MachineConfig:
             raise ConfigError("crash_after_deliveries", "must not be negative")
         if self.crash_in_transfer_after < 0:
             raise ConfigError("crash_in_transfer_after", "must not be negative")
+        if self.crash_in_prune_after < 0:
+            raise ConfigError("crash_in_prune_after", "must not be negative")
         if self.backup_dir is not None and not self.backup_dir.is_absolute():
             raise ConfigError("backup_dir", f"must be an absolute path, got {self.backup_dir}")
         return self
@@ -417,6 +423,9 @@ class MachineConfig:
             ),
             crash_in_transfer_after=_test_crash_after(
                 env, "AGENTS_MACHINE_TEST_CRASH_IN_TRANSFER_AFTER_AGENTS", "crash_in_transfer_after"
+            ),
+            crash_in_prune_after=_test_crash_after(
+                env, "AGENTS_MACHINE_TEST_CRASH_IN_PRUNE_AFTER_DELETES", "crash_in_prune_after"
             ),
         )
         return cfg.validate()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable
 from typing import BinaryIO, Final
 
 from shared.backup_target import StoreTarget, segment_key
@@ -40,8 +40,14 @@ _GATHER: Final = 4 * 1024 * 1024
 class FolderTarget(StoreTarget):
     """A :class:`StoreTarget` over a folder, with batched segment durability."""
 
-    def __init__(self, store: FolderStore, prefix: str = "") -> None:
-        super().__init__(store, prefix)
+    def __init__(
+        self,
+        store: FolderStore,
+        prefix: str = "",
+        *,
+        after_delete: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(store, prefix, after_delete=after_delete)
         self._folder = store
         self._pending: list[PendingObject] = []
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import BinaryIO, Final, Protocol, runtime_checkable
 
@@ -170,11 +170,17 @@ class StoreTarget:
     """
 
     def __init__(
-        self, store: ObjectStore, prefix: str = "", *, records: ObjectStore | None = None
+        self,
+        store: ObjectStore,
+        prefix: str = "",
+        *,
+        records: ObjectStore | None = None,
+        after_delete: Callable[[], None] | None = None,
     ) -> None:
         if prefix and not prefix.endswith("/"):
             raise ValueError("a target prefix ends with '/'")
         self._store = store
+        self._after_delete = after_delete  # a test's fault point: after each prune delete
         # Manifests and names lists (see the module doc); listings and deletes
         # go to ``store``, which must hold the same objects.
         self._records = records or store
@@ -230,6 +236,11 @@ class StoreTarget:
         except NotFound:
             raise NotFound("segment", name[:16]) from None
 
+    async def _delete(self, key: str) -> None:
+        await self._store.delete(key)
+        if self._after_delete is not None:
+            self._after_delete()
+
     async def _names(self, backup_id: str) -> set[str] | None:
         try:
             data = json.loads(await self._records.get(self._key(names_key(backup_id))))
@@ -255,18 +266,18 @@ class StoreTarget:
         # Manifests first (then their lists): a crash after this leaves orphan
         # segments, never a kept manifest naming a deleted segment.
         for info in dropped:
-            await self._store.delete(self._key(manifest_key(info.backup_id)))
-            await self._store.delete(self._key(names_key(info.backup_id)))
+            await self._delete(self._key(manifest_key(info.backup_id)))
+            await self._delete(self._key(names_key(info.backup_id)))
         kept_ids = {i.backup_id for i in kept}
         # Prune runs after the owner's own backup, never beside one (the engine
         # holds one lock for both), so a names list without a kept manifest is debris.
         async for obj in self._store.list(self._key(MANIFESTS)):
             stem = obj.key[len(self._key(MANIFESTS)) :].removesuffix(NAMES_SUFFIX)
             if obj.key.endswith(NAMES_SUFFIX) and stem not in kept_ids:
-                await self._store.delete(obj.key)
+                await self._delete(obj.key)
         orphans = [n for n in await self._segment_names() if n not in named]
         for name in orphans:
-            await self._store.delete(self._key(segment_key(name)))
+            await self._delete(self._key(segment_key(name)))
         if dropped or orphans:
             logger.info("prune: %d backups, %d segments removed", len(dropped), len(orphans))
         return PruneResult(tuple(i.backup_id for i in dropped), len(orphans))

@@ -270,31 +270,63 @@ def test_sigkill_during_a_backup_leaves_kept_backups_whole(
         (newest,) = _backup_ids(data)
         assert newest != first
         _ok(run_cli(data, "backup", "verify", newest, timeout=300))
-        # Now kill it as the next backup's manifest lands: the prune of `newest` runs then.
-        _big_agents(proc.target, work, agents=10, prompt_bytes=500_000)
-        child = subprocess.Popen(
-            [str(AGENTS_MACHINE), "--data-dir", str(data), "backup", "now"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            poll_until(
-                lambda: len(list((data / "backups" / "manifests").glob("*.sealed"))) >= 2,
-                deadline=120,
-                step=0.002,
-                what="the next backup's manifest",
-            )
-            proc.kill()
-        finally:
-            child.wait(timeout=30)
+
+
+def test_sigkill_at_each_delete_of_a_prune_leaves_both_kept_backups_restorable(
+    tmp_path: Path, machine_proc: MakeProc
+) -> None:
+    """keep = 2: each new backup's prune deletes the oldest manifest, its names list,
+    then the segment only it named. The daemon SIGKILLs itself after the 1st, the 2nd,
+    then the 3rd of those deletes (a test hook, one backup each): every time both
+    kept backups verify, and in the end both restore on a new machine byte-equal."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    (data / "machine.toml").write_text("backup_keep = 2\n")
+    work, key_file = tmp_path / "work", tmp_path / "recovery.key"
+    proc = machine_proc()
+    contents: dict[str, dict[str, bytes]] = {}
+
+    def changed_then_exported(turn: int) -> dict[str, bytes]:
+        _ok(run_cli(data, "agent", "prompt", agents[0], f"turn {turn} changes agent 0"))
+        return _export_contents(data, agents, tmp_path / f"export-{turn}.tar.gz")
+
     with proc:
-        kept = _backup_ids(data)
-        assert 1 <= len(kept) <= 2  # the old one, the new one, or both (before prune)
-        for backup_id in kept:
-            _ok(run_cli(data, "backup", "verify", backup_id, timeout=300))
-        _ok(run_cli(data, "backup", "now", timeout=300))
-        (last,) = _backup_ids(data)
-        _ok(run_cli(data, "backup", "verify", last, timeout=300))
+        agents = _populate(data, work, agents=3)
+        key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
+        for turn in (1, 2):
+            now = changed_then_exported(turn)
+            _ok(run_cli(data, "backup", "now"))
+            contents[_backup_ids(data)[0]] = now
+    for deletes in (1, 2, 3):
+        with proc:
+            now = changed_then_exported(2 + deletes)
+        crashing = MachineProc(
+            data, env={"AGENTS_MACHINE_TEST_CRASH_IN_PRUNE_AFTER_DELETES": str(deletes)}
+        )
+        with crashing:
+            assert run_cli(data, "backup", "now", timeout=120).returncode != 0
+            assert crashing.proc is not None
+            assert crashing.proc.wait(timeout=30) == -signal.SIGKILL
+        assert f"killing the daemon after {deletes} objects pruned" in crashing.log()
+        with proc:
+            kept = _backup_ids(data)
+            assert len(kept) == 2 and kept[1] in contents, (kept, list(contents))
+            contents[kept[0]] = now  # made before the kill: its manifest is the commit
+            for backup_id in kept:
+                _ok(run_cli(data, "backup", "verify", backup_id, timeout=120))
+    copy = tmp_path / "backup-copy"
+    shutil.copytree(data / "backups", copy)
+    for backup_id in kept:
+        shutil.rmtree(data)
+        with proc:
+            _ok(
+                run_cli(
+                    data, "backup", "restore", backup_id, "--from", str(copy), "--recovery-key",
+                    str(key_file), timeout=120,
+                )
+            )  # fmt: skip
+            after = _export_contents(data, agents, tmp_path / f"after-{backup_id}.tar.gz")
+            assert after == contents[backup_id]
 
 
 def test_sigkill_during_a_restore_or_an_import_leaves_nothing_and_it_runs_again_whole(
