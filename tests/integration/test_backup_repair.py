@@ -1,23 +1,26 @@
 """Replacing a lost machine (issue 10's first two "must show" bullets), real processes.
 
 A real control plane on moto's S3 server; a real ``agents-machine join`` makes
-the machine; 50 agents with conversations, tool logs and attachments are made
-through the machine's own code paths (echo runtime); a sealed backup goes to the
-control plane through :class:`machine.backup_link.ControlPlaneTarget`. Then
+the machine and serves it; 50 agents with conversations, tool logs and
+attachments are made through that daemon's RPCs (echo runtime), and
+``agents-machine backup now`` sends a sealed backup to the control plane. Then
 the data folder is deleted, ``agents-control machine repair M`` prints a join
 command, and a real ``agents-machine join … --recovery-key FILE`` on a fresh
-folder takes over M's id and restores with only the account recovery key.
+folder takes over M's id, restores with only the account recovery key, and
+serves: its exports are byte-equal to the old ones, and its agents run again
+once unarchived.
 """
 
 from __future__ import annotations
 
-import datetime as dt
+import io
 import os
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,14 +29,10 @@ import grpc
 import pytest
 
 from machine import identity
-from machine.app import open_machine
 from machine.backup_format import BackupManifest, seal_manifest
-from machine.backup_keys import load_backup_keys
-from machine.backup_link import ControlPlaneTarget
-from machine.backup_service import BackupService
+from machine.client import MachineClient
 from machine.config import MachineConfig
-from machine.link_client import LinkClient
-from machine.models import AgentState
+from machine.models import AgentState, EventKind
 from shared.crypto import BoxKeyPair, encode_public_key
 from shared.ids import new_id
 from shared.recovery_key import write_recovery_key
@@ -41,7 +40,6 @@ from tests.conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY, _s3_client
 from tests.helpers.control_proc import CliResult, ControlProc, control_plane
 from tests.helpers.link_client import connect_once
 from tests.helpers.poll import poll_until
-from tests.machine.test_transfer import _export_files, _populate
 
 pytestmark = pytest.mark.integration
 
@@ -58,16 +56,6 @@ def cp(tmp_path: Path, moto_endpoint: str, s3_bucket: str) -> Iterator[ControlPr
     }
     with control_plane(tmp_path / "cp-home", f"s3://{s3_bucket}/cp", env) as proc:
         yield proc
-
-
-def _config(data_dir: Path) -> MachineConfig:
-    return MachineConfig(
-        data_dir=data_dir,
-        background_loops=False,
-        shutdown_grace_seconds=0,
-        attachment_limit=256 * 1024,
-        prompt_limit=4096,
-    ).validate()
 
 
 def _ok(result: CliResult) -> str:
@@ -117,34 +105,51 @@ class Joined:
                 self.proc.wait(timeout=15)
 
 
-async def _backup(data_dir: Path, work: Path) -> str:
-    """Back the machine up to the control plane, as the daemon's BackupService would."""
-    link = identity.load_link(data_dir)
-    keys = identity.load_keys(data_dir)
-    client = LinkClient.mutual(
-        link.control_address,
-        ca_pem=keys.ca_cert_pem,
-        key_pem=keys.tls_key_pem,
-        cert_pem=keys.tls_cert_pem,
+async def _populate(client: MachineClient, work: Path, agents: int) -> list[str]:
+    """Agents with an attachment, a conversation, a summary and a tool call each (echo
+    runtime), made through the running daemon's RPCs; then archived."""
+    ids = []
+    for i in range(agents):
+        agent = (await client.create_agent(f"agent-{i}", str(work))).id
+        ids.append(agent)
+        data = f"attachment {i} MARKER-ATT ".encode() * 500 + os.urandom(16)
+        rec = await client.upload_attachment(agent, f"f{i}.txt", len(data), [data])
+        async for _ in client.prompt(agent, f"MARKER-PROMPT {i} hello", [rec.sha256]):
+            pass
+        async for ev in client.prompt(agent, f"/tool ls MARKER-TOOL-{i}"):
+            if ev.kind is EventKind.PERMISSION_REQUEST:
+                await client.answer_permission(ev.run_id, ev.payload["request_id"], "allow_once")
+        await client.archive_agent(agent)
+    return ids
+
+
+async def _exported(client: MachineClient, agents: list[str]) -> dict[str, bytes]:
+    """The export's conversation, summaries, tool log and attachment files."""
+    blob = b"".join([chunk async for chunk in client.export(agents)])
+    out: dict[str, bytes] = {}
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
+        for member in tar:
+            f = tar.extractfile(member)
+            if f is not None and not member.name.endswith(("record.json", "manifest.json")):
+                out[member.name] = f.read()
+    return out
+
+
+def _client(data_dir: Path) -> MachineClient:
+    return MachineClient(MachineConfig(data_dir=data_dir).validate())
+
+
+def _cli(data_dir: Path, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    res = subprocess.run(
+        [str(MACHINE_EXE), "--data-dir", str(data_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
-    try:
-        async with open_machine(_config(data_dir)) as m:
-            service = BackupService(
-                m.db,
-                ControlPlaneTarget(client),
-                target_name="control plane",
-                machine_id=m.ids.canonical,
-                keys=load_backup_keys(data_dir),
-                data_dir=data_dir,
-                attachments_dir=m.config.attachments_dir,
-                keep=3,
-                daily_at=dt.time(3, 0),
-            )
-            made = await service.backup_now()
-            assert made.segments >= AGENTS
-            return made.backup_id
-    finally:
-        await client.aclose()
+    assert res.returncode == 0, res.stderr
+    return res.stdout
 
 
 async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
@@ -168,21 +173,26 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
     )
     account_id = next(w for w in account.split() if w.startswith("acct_"))
 
-    # A joined machine with 50 agents (conversations, tool logs, attachments).
+    # A joined machine (the join command serves once joined) with 50 agents:
+    # conversations, tool logs and attachments, made through its RPCs, then backed
+    # up by `agents-machine backup now`.
     old_dir = tmp_path / "old"
     argv = _printed_command(_ok(cp.cli("token", "create", "--account", account_id)))
     first = Joined(argv, old_dir, tmp_path / "old.log")
     try:
         first.wait_for("joined as machine")
+        first.wait_for("serving on")
+        machine_id = identity.load_link(old_dir).machine_id
+        async with _client(old_dir) as client:
+            agents = await _populate(client, tmp_path, AGENTS)
+            names = [(await client.get_agent(a)).name for a in agents]
+            before = await _exported(client, agents)
+        assert any(k.startswith("attachments/") for k in before)
+        made = _cli(old_dir, "backup", "now")
+        backup_id = next(w.rstrip(":") for w in made.split() if w.startswith("bk_"))
+        assert f"{2 * AGENTS} segments" in made, made  # each agent and its attachment
     finally:
         first.stop()
-    machine_id = identity.load_link(old_dir).machine_id
-    async with open_machine(_config(old_dir)) as old:
-        assert old.ids.canonical == machine_id
-        agents = await _populate(old, tmp_path, AGENTS)
-        names = [(await old.agents.get(a)).name for a in agents]
-        before = await _export_files(old, agents, tmp_path / "before.tar.gz")
-    backup_id = await _backup(old_dir, tmp_path / "work")
 
     # The disk dies; its certificate and key survive only in our hands (a thief's).
     old_keys = identity.load_keys(old_dir)
@@ -210,31 +220,31 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
         second.wait_for(f"restored {AGENTS} agents (archived) from backup {backup_id}")
         assert f"joined as machine {machine_id}" in second.output()
         assert f"warning: backup {forged} was refused" in second.output()
+        second.wait_for("serving on")
+
+        # The old box's certificate is refused now.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await connect_once(cp.link, cp.ca_pem, old_keys.tls_cert_pem, old_keys.tls_key_pem)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        async with _client(new_dir) as client:
+            after = await _exported(client, agents)
+            assert after.keys() == before.keys()
+            assert after == before, "conversations, summaries, tool logs and attachments"
+            for agent in agents:
+                rec = await client.get_agent(agent)
+                assert rec.state is AgentState.ARCHIVED and rec.local, rec
+            # Own and runnable after unarchive.
+            for agent in agents[::16]:
+                await client.unarchive_agent(agent)
+                kinds = [ev.kind.name async for ev in client.prompt(agent, "after the repair")]
+                assert kinds[-1] == "RUN_FINISHED", kinds
+        # The repaired machine backs up under its own naming key (a forged backup must
+        # not choose the keys of the next ones): every segment goes up once more.
+        again = _cli(new_dir, "backup", "now")
+        assert backup_id not in again and f"{2 * AGENTS} new" in again, again
     finally:
         second.stop()
-
-    # The old box's certificate is refused now.
-    with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await connect_once(cp.link, cp.ca_pem, old_keys.tls_cert_pem, old_keys.tls_key_pem)
-    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-
-    async with open_machine(_config(new_dir)) as new:
-        assert new.ids.canonical == machine_id
-        after = await _export_files(new, agents, tmp_path / "after.tar.gz")
-        assert after.keys() == before.keys()
-        assert after == before, "conversations, summaries, tool logs and attachments"
-        for agent in agents:
-            rec = await new.agents.get(agent)
-            assert rec.state is AgentState.ARCHIVED and rec.local, rec
-        # Own and runnable after unarchive.
-        await new.agents.unarchive(agents[7])
-        stream = await new.runs.prompt(agents[7], "after the repair")
-        kinds = [ev.kind.name async for ev in stream]
-        assert kinds[-1] == "RUN_FINISHED", kinds
-    # The repaired machine backs up under its own naming key (a forged backup must
-    # not choose the keys of the next ones).
-    again = await _backup(new_dir, tmp_path / "work2")
-    assert again != backup_id
 
     # No plaintext in the bucket: every object, whole.
     keys = [
