@@ -92,6 +92,7 @@ def test_the_required_alerts_exist() -> None:
     names = set(_alert_names())
     for required in (
         "AgentsBackupTooOld",
+        "AgentsRestoreCheckFailed",
         "AgentsMachineOffline",
         "AgentsPromptQueueBacklog",
         "AgentsErasureStuck",

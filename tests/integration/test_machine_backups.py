@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 import grpc
 
 from machine.cli_common import human
+from shared.ids import new_id
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc, run_cli
@@ -394,26 +396,57 @@ def test_hostile_imports_are_refused_and_import_nothing(
     tmp_path: Path, machine_proc: MakeProc
 ) -> None:
     data = tmp_path / "data"
-    link = tarfile.TarInfo("agents/x/record.json")
-    link.type = tarfile.SYMTYPE
-    link.linkname = "/etc/passwd"
-    manifest_v9 = json.dumps({"format_version": 9, "machine_id": "mc_x", "agents": []}).encode()
+    outside = tmp_path / "outside" / "escape.txt"
+
+    agent = new_id("agent")  # paths the export format has, so the entry's own check runs
+    record, conversation = f"agents/{agent}/record.json", f"agents/{agent}/conversation.jsonl"
+
+    def special(kind: bytes, linkname: str = "") -> tarfile.TarInfo:
+        info = tarfile.TarInfo(record)
+        info.type, info.linkname = kind, linkname
+        return info
+
+    claims_10_gb = tarfile.TarInfo(record)
+    claims_10_gb.size = 10 * 1024**3  # only the header: the bytes never come
+    manifest_v9 = json.dumps(
+        {"format": "agents-export", "format_version": 9, "machine_id": "mc_x", "agents": []}
+    ).encode()
     hostile = {
-        "dotdot": _tar_gz([(_file("../escape.txt"), b"out")]),
-        "absolute": _tar_gz([(_file("/tmp/escape.txt"), b"out")]),
-        "symlink": _tar_gz([(link, None)]),
+        "dotdot": _tar_gz([(_file("../" * 12 + str(outside).lstrip("/")), b"out")]),
+        "absolute": _tar_gz([(_file(str(outside)), b"out")]),
+        "symlink": _tar_gz([(special(tarfile.SYMTYPE, "/etc/passwd"), None)]),
+        "hardlink": _tar_gz([(special(tarfile.LNKTYPE, "/etc/passwd"), None)]),
+        "device": _tar_gz([(special(tarfile.CHRTYPE), None)]),
+        "fifo": _tar_gz([(special(tarfile.FIFOTYPE), None)]),
+        "10 GB": gzip.compress(claims_10_gb.tobuf()),
+        "bomb": _tar_gz([(_file(conversation), b"\0" * 64 * 1024**2)]),
         "version": _tar_gz([(_file("manifest.json"), manifest_v9)]),
-        "no-manifest": _tar_gz([(_file("agents/x/record.json"), b"{}")]),
+        "malformed": _tar_gz([(_file("manifest.json"), b"{not json")]),
+        "no-manifest": _tar_gz([(_file(record), b"{}")]),
         "not-a-tar": b"this is not an archive at all",
+    }
+    says = {
+        "dotdot": "path escapes the archive",
+        "absolute": "absolute path",
+        "symlink": "a symbolic link; only regular files",
+        "hardlink": "a hard link; only regular files",
+        "device": "a device; only regular files",
+        "fifo": "a FIFO; only regular files",
+        "10 GB": "10737418240",
+        "bomb": "ratio",
+        "version": "unknown format version 9",
+        "malformed": "manifest.json: not valid JSON",
+        "no-manifest": "manifest.json: missing",
+        "not-a-tar": "not a tar archive",
     }
     with machine_proc():
         for name, blob in hostile.items():
             path = tmp_path / f"{name}.tar.gz"
             path.write_bytes(blob)
             line = _refused(run_cli(data, "import", str(path)), 2)
-            assert "archive" in line or "manifest" in line, (name, line)
+            assert says[name] in line, (name, line)
         assert _agents(data) == []
-        assert not (tmp_path / "escape.txt").exists()
+        assert not outside.parent.exists() and not (tmp_path / "escape.txt").exists()
         assert list((data / "Incoming").iterdir()) == []
 
 
