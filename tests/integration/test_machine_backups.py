@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import io
 import json
@@ -16,10 +17,15 @@ from pathlib import Path
 
 import grpc
 
+from machine.backup_format import manifest_aad
 from machine.cli_common import human
+from shared.backup_target import manifest_key
+from shared.crypto import seal_bytes
 from shared.ids import new_id
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
+from shared.recovery_key import read_recovery_key
+from shared.store.folder import FolderStore
 from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc, run_cli
 from tests.helpers.poll import poll_until
 
@@ -140,6 +146,21 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
         )  # fmt: skip
         assert "not sealed to this key" in line
         assert _agents(data) == []
+        # A backup that is not there, and two sealed to the recovery key that are not
+        # manifests this version reads: each named, and nothing restored.
+        refused = {
+            new_id("backup"): (2, "not found"),
+            _plant_manifest(copy, key_file, b"{not json"): (1, "not valid JSON"),
+            _plant_manifest(copy, key_file, b'{"version": 2}'): (1, "unknown manifest version 2"),
+        }
+        for backup_id, (code, says) in refused.items():
+            line = _refused(
+                run_cli(data, "backup", "restore", backup_id, "--from", str(copy),
+                        "--recovery-key", str(key_file)),
+                code,
+            )  # fmt: skip
+            assert backup_id in line and says in line, line
+        assert _agents(data) == []
         restored = _ok(
             run_cli(
                 data, "backup", "restore", ids[0], "--from", str(copy), "--recovery-key",
@@ -163,6 +184,18 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
         proc.stop()
     # The private key never reaches the daemon's log.
     assert key not in proc.log()
+
+
+def _plant_manifest(folder: Path, key_file: Path, plain: bytes) -> str:
+    """A manifest sealed to the recovery key in a copied backup folder, holding
+    ``plain``; returns its backup id."""
+    store = FolderStore(folder)
+    owner = json.loads(asyncio.run(store.get("machine.json")))["machine_id"]
+    backup_id = new_id("backup")
+    public = read_recovery_key(key_file).public_key
+    sealed = seal_bytes(plain, [public], aad=manifest_aad(owner, backup_id))
+    asyncio.run(store.put(manifest_key(backup_id), sealed))
+    return backup_id
 
 
 def test_a_tampered_backup_is_refused_and_changes_nothing(
