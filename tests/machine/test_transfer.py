@@ -701,16 +701,6 @@ async def test_a_hostile_tar_in_an_authentic_segment_is_refused_by_a_restore_and
     assert not list((tmp_path / "new").rglob("escape.txt"))
 
 
-def _frames(stored: bytes) -> list[bytes]:
-    """A sealed segment's frames (after its 24-byte header): 4-byte length, then data."""
-    out, pos = [], 24
-    while pos < len(stored):
-        n = int.from_bytes(stored[pos : pos + 4], "big")
-        out.append(stored[pos : pos + 4 + n])
-        pos += 4 + n
-    return out
-
-
 @pytest.mark.parametrize(
     "damage", ["truncate", "swap_chunks", "drop_chunk", "append", "another_backup"]
 )
@@ -720,6 +710,7 @@ async def test_a_damaged_segment_is_refused_by_the_restore_as_it_loads(
     """Each way a stored segment can be cut, reordered or swapped is refused by the
     restore that decodes as it loads (not only by verify), and nothing is kept."""
     from tests.machine.test_backup_engine import FakeSource
+    from tests.machine.test_backup_format import _frames
 
     def backed_up(where: str) -> tuple[BackupEngine, FakeSource]:
         source = FakeSource(tmp_path / where, 1)
