@@ -33,7 +33,12 @@ from shared.crypto import (
 )
 from shared.errors import AgentsError, ConfigError, InvalidState
 
-__all__ = ["BackupKeys", "load_backup_keys", "new_standalone_recovery_key"]
+__all__ = [
+    "BackupKeys",
+    "has_standalone_recovery_key",
+    "load_backup_keys",
+    "new_standalone_recovery_key",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +104,11 @@ def load_backup_keys(data_dir: Path) -> BackupKeys:
         except ValueError:
             raise ConfigError("keys", f"{keys / _RECOVERY_PUB} is damaged") from None
     return BackupKeys(keypair, naming, recovery)
+
+
+def has_standalone_recovery_key(data_dir: Path) -> bool:
+    """Whether this stand-alone machine made its recovery key pair already."""
+    return (data_dir / "keys" / _RECOVERY_PUB).exists()
 
 
 def new_standalone_recovery_key(data_dir: Path) -> BoxKeyPair:

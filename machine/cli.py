@@ -164,7 +164,32 @@ async def _cmd_check(ctx: Ctx) -> int:
     return ExitCode.OK if ok else ExitCode.FAILED
 
 
-def _run_serve(cfg: MachineConfig) -> int:
+def _first_start_recovery_key(cfg: MachineConfig, prog: str) -> None:
+    """A stand-alone machine's first start in a terminal makes its recovery key pair
+    and prints the private half, once, with how to keep it.
+
+    Under a service manager (stdout not a terminal) nothing is made: the private
+    half would land in its journal, a log. ``status`` then warns, and
+    ``backup recovery-key`` makes one. A joined machine uses its account's key.
+    """
+    from machine import identity
+    from machine.backup_keys import has_standalone_recovery_key, new_standalone_recovery_key
+    from shared.crypto import encode_private_key
+
+    if not sys.stdout.isatty() or identity.is_joined(cfg.data_dir):
+        return
+    if has_standalone_recovery_key(cfg.data_dir):
+        return
+    pair = new_standalone_recovery_key(cfg.data_dir)
+    sys.stdout.write(
+        "This machine's recovery key (first start):\n"
+        f"{encode_private_key(pair.private_key)}\n"
+        + "".join(f"{line}\n" for line in backup.recovery_key_note(prog))
+    )
+    sys.stdout.flush()
+
+
+def _run_serve(cfg: MachineConfig, prog: str = PROG) -> int:
     from machine.daemon import serve
 
     logging.basicConfig(
@@ -174,14 +199,14 @@ def _run_serve(cfg: MachineConfig) -> int:
     )
     os.umask(0o077)  # everything the daemon creates is private to its user
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, first=lambda: _first_start_recovery_key(cfg, prog)))
     except (OSError, RuntimeError) as e:
         raise bind_error(e) or e from None
     return ExitCode.OK
 
 
 def _cmd_serve(ctx: Ctx) -> int:
-    return _run_serve(ctx.cfg)
+    return _run_serve(ctx.cfg, ctx.prog)
 
 
 def _cmd_join(ctx: Ctx) -> int:

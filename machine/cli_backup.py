@@ -147,15 +147,20 @@ async def backup_recovery_key(ctx: Ctx) -> int:
         ctx.out.json({"private_key": key.private_key, "public_key": key.public_key})
     else:
         ctx.out.lines(key.private_key)
-    ctx.out.note(
+    ctx.out.note(*recovery_key_note(ctx.prog))
+    return ExitCode.OK
+
+
+def recovery_key_note(prog: str) -> tuple[str, ...]:
+    """What a person is told beside a recovery key printed once: how to keep it."""
+    return (
         "This recovery key is shown once and not stored anywhere on this machine.",
         "Keep it offline (a password manager or paper), away from this disk: with it, "
         "backups restore on a new machine after this one is lost.",
         "Save it to a file and restore with "
-        f"`{ctx.prog} backup restore ID --from DIR --recovery-key FILE`.",
+        f"`{prog} backup restore ID --from DIR --recovery-key FILE`.",
         "Backups made from now on are sealed to it; `backup now` makes one.",
     )
-    return ExitCode.OK
 
 
 async def cmd_export(ctx: Ctx) -> int:

@@ -145,11 +145,14 @@ async def serve(
     *,
     ready: Callable[[ServeInfo], None] | None = None,
     stop: asyncio.Event | None = None,
+    first: Callable[[], None] | None = None,
 ) -> None:
     """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set).
 
     ``ready`` is called once the server accepts connections, with where it
-    listens. Signal handlers are installed only in the main thread.
+    listens; ``first`` once this process holds the data folder, before anything
+    opens (the CLI's first-start steps). Signal handlers are installed only in
+    the main thread.
     """
     config.validate()
     _return_large_buffers_to_the_os()
@@ -182,6 +185,8 @@ async def serve(
 
         ensure_private_dir(config.data_dir)
         with _data_dir_lock(config.data_dir):
+            if first is not None:
+                first()
             async with (
                 open_machine(config, metrics=metrics) as machine,
                 _metrics(config, metrics) as metrics_port,

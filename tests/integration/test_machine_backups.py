@@ -7,6 +7,8 @@ import gzip
 import io
 import json
 import os
+import pty
+import select
 import shutil
 import signal
 import stat
@@ -20,13 +22,13 @@ import grpc
 from machine.backup_format import manifest_aad
 from machine.cli_common import human
 from shared.backup_target import manifest_key
-from shared.crypto import seal_bytes
+from shared.crypto import BoxKeyPair, decode_private_key, decode_public_key, seal_bytes
 from shared.ids import new_id
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from shared.recovery_key import read_recovery_key
 from shared.store.folder import FolderStore
-from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc, run_cli
+from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc, machine_env, run_cli
 from tests.helpers.poll import poll_until
 
 MakeProc = Callable[..., MachineProc]
@@ -509,3 +511,63 @@ def test_export_then_import_on_another_daemon_skips_existing(
         assert len(_agents(b_data)) == 2
         assert list((b_data / "Incoming").iterdir()) == []
         b.stop()
+
+
+def _serve_in_a_terminal(data: Path, log: Path) -> str:
+    """Start ``agents-machine serve`` with its stdout on a pseudo-terminal (as a person
+    starts it), wait until it serves, stop it; return what it printed on stdout."""
+    main_fd, term_fd = pty.openpty()
+    with log.open("ab") as err:
+        proc = subprocess.Popen(
+            [str(AGENTS_MACHINE), "--data-dir", str(data), "serve"],
+            stdin=subprocess.DEVNULL,
+            stdout=term_fd,
+            stderr=err,
+            env=machine_env(),
+        )
+    os.close(term_fd)
+    printed = bytearray()
+    try:
+
+        def serving() -> bool:
+            while select.select([main_fd], [], [], 0)[0]:
+                try:
+                    chunk = os.read(main_fd, 65536)
+                except OSError:  # the terminal closed: the daemon exited
+                    break
+                printed.extend(chunk)
+            if proc.poll() is not None:
+                raise AssertionError(f"serve exited:\n{log.read_text()}")
+            return "serving on" in log.read_text(errors="replace")
+
+        poll_until(serving, deadline=30, what="the daemon serving")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        os.close(main_fd)
+    return printed.decode(errors="replace")
+
+
+def test_a_stand_alone_machines_first_start_in_a_terminal_prints_its_recovery_key_once(
+    tmp_path: Path,
+) -> None:
+    data, log = tmp_path / "data", tmp_path / "serve.log"
+    first = _serve_in_a_terminal(data, log)
+    keys = [w for w in first.split() if w.startswith("agsk1_")]
+    assert len(keys) == 1, first
+    assert "Keep it offline" in first and "--recovery-key FILE" in first
+    pair = BoxKeyPair.from_private(decode_private_key(keys[0]))
+    stored = (data / "keys" / "recovery.pub").read_text().strip()
+    assert decode_public_key(stored) == pair.public_key
+    assert keys[0] not in log.read_text()  # printed for the person, never logged
+    # Not again: the next start prints no key and keeps the one made.
+    again = _serve_in_a_terminal(data, log)
+    assert "agsk1_" not in again
+    assert (data / "keys" / "recovery.pub").read_text().strip() == stored
+    # A start that is not in a terminal (a service manager's) makes none: the key
+    # would land in its journal; status says how to make one.
+    other = tmp_path / "other"
+    proc = MachineProc(other)
+    with proc:
+        assert not (other / "keys" / "recovery.pub").exists()
+        assert "no recovery key" in _ok(run_cli(other, "status"))
