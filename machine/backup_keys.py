@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -111,11 +112,15 @@ def has_standalone_recovery_key(data_dir: Path) -> bool:
     return (data_dir / "keys" / _RECOVERY_PUB).exists()
 
 
-def new_standalone_recovery_key(data_dir: Path) -> BoxKeyPair:
+def new_standalone_recovery_key(
+    data_dir: Path, show: Callable[[BoxKeyPair], None] | None = None
+) -> BoxKeyPair:
     """Make a stand-alone machine's recovery key pair; keep only the public half.
 
-    The caller shows the private half to the person once. Refused when the
-    machine is joined (its account's key is used) or already has one.
+    The caller shows the private half to the person once: with ``show``,
+    before the public half is kept (a key that could not be shown is not used
+    to seal anything; ``show`` raising keeps nothing). Refused when the machine
+    is joined (its account's key is used) or already has one.
     """
     if is_joined(data_dir):
         raise InvalidState("recovery key", "a joined machine uses its account's recovery key")
@@ -125,5 +130,7 @@ def new_standalone_recovery_key(data_dir: Path) -> BoxKeyPair:
     if path.exists():
         raise InvalidState("recovery key", f"this machine has one already ({path})")
     pair = BoxKeyPair.generate()
+    if show is not None:
+        show(pair)
     write_atomic(path, (encode_public_key(pair.public_key) + "\n").encode())
     return pair

@@ -165,8 +165,9 @@ async def _cmd_check(ctx: Ctx) -> int:
 
 
 def _first_start_recovery_key(cfg: MachineConfig, prog: str) -> None:
-    """A stand-alone machine's first start in a terminal makes its recovery key pair
-    and prints the private half, once, with how to keep it.
+    """A stand-alone machine started in a terminal without a recovery key yet (its
+    first start, normally) makes its recovery key pair and prints the private
+    half, once, with how to keep it; the public half is kept only once printed.
 
     Under a service manager (stdout not a terminal) nothing is made: the private
     half would land in its journal, a log. ``status`` then warns, and
@@ -174,19 +175,22 @@ def _first_start_recovery_key(cfg: MachineConfig, prog: str) -> None:
     """
     from machine import identity
     from machine.backup_keys import has_standalone_recovery_key, new_standalone_recovery_key
-    from shared.crypto import encode_private_key
+    from shared.crypto import BoxKeyPair, encode_private_key
 
     if not sys.stdout.isatty() or identity.is_joined(cfg.data_dir):
         return
     if has_standalone_recovery_key(cfg.data_dir):
         return
-    pair = new_standalone_recovery_key(cfg.data_dir)
-    sys.stdout.write(
-        "This machine's recovery key (first start):\n"
-        f"{encode_private_key(pair.private_key)}\n"
-        + "".join(f"{line}\n" for line in backup.recovery_key_note(prog))
-    )
-    sys.stdout.flush()
+
+    def show(pair: BoxKeyPair) -> None:
+        sys.stdout.write(
+            "This machine's recovery key (first start):\n"
+            f"{encode_private_key(pair.private_key)}\n"
+            + "".join(f"{line}\n" for line in backup.recovery_key_note(prog))
+        )
+        sys.stdout.flush()
+
+    new_standalone_recovery_key(cfg.data_dir, show)
 
 
 def _run_serve(cfg: MachineConfig, prog: str = PROG) -> int:

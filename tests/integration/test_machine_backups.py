@@ -312,10 +312,11 @@ def test_sigkill_during_a_backup_leaves_kept_backups_whole(
 def test_sigkill_at_each_delete_of_a_prune_leaves_both_kept_backups_restorable(
     tmp_path: Path, machine_proc: MakeProc
 ) -> None:
-    """keep = 2: each new backup's prune deletes the oldest manifest, its names list,
+    """keep = 2: a new backup's prune deletes the oldest manifest, its names list,
     then the segment only it named. The daemon SIGKILLs itself after the 1st, the 2nd,
-    then the 3rd of those deletes (a test hook, one backup each): every time both
-    kept backups verify, and in the end both restore on a new machine byte-equal."""
+    then the 3rd of those deletes (a test hook, one round each, each after a whole
+    backup): every time both kept backups verify, and in the end both restore on a
+    new machine byte-equal."""
     data = tmp_path / "data"
     data.mkdir(mode=0o700)
     (data / "machine.toml").write_text("backup_keep = 2\n")
@@ -330,13 +331,19 @@ def test_sigkill_at_each_delete_of_a_prune_leaves_both_kept_backups_restorable(
     with proc:
         agents = _populate(data, work, agents=3)
         key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
-        for turn in (1, 2):
-            now = changed_then_exported(turn)
-            _ok(run_cli(data, "backup", "now"))
-            contents[_backup_ids(data)[0]] = now
+        now = changed_then_exported(1)
+        _ok(run_cli(data, "backup", "now"))
+        contents[_backup_ids(data)[0]] = now
     for deletes in (1, 2, 3):
         with proc:
-            now = changed_then_exported(2 + deletes)
+            # A whole backup and prune first (it clears what the last round's kill
+            # left), then a change: the next prune deletes the oldest manifest, its
+            # names list, then agent 0's segment that only that backup named.
+            now = changed_then_exported(10 * deletes)
+            _ok(run_cli(data, "backup", "now"))
+            contents[_backup_ids(data)[0]] = now
+            now = changed_then_exported(10 * deletes + 1)
+            segments = len(_segment_files(data / "backups"))
         crashing = MachineProc(
             data, env={"AGENTS_MACHINE_TEST_CRASH_IN_PRUNE_AFTER_DELETES": str(deletes)}
         )
@@ -345,6 +352,8 @@ def test_sigkill_at_each_delete_of_a_prune_leaves_both_kept_backups_restorable(
             assert crashing.proc is not None
             assert crashing.proc.wait(timeout=30) == -signal.SIGKILL
         assert f"killing the daemon after {deletes} objects pruned" in crashing.log()
+        # One new segment (agent 0's), less the orphan once the 3rd delete happened.
+        assert len(_segment_files(data / "backups")) == segments + 1 - (deletes == 3)
         with proc:
             kept = _backup_ids(data)
             assert len(kept) == 2 and kept[1] in contents, (kept, list(contents))
@@ -527,15 +536,21 @@ def _serve_in_a_terminal(data: Path, log: Path) -> str:
         )
     os.close(term_fd)
     printed = bytearray()
+
+    def drain() -> None:
+        while select.select([main_fd], [], [], 0)[0]:
+            try:
+                chunk = os.read(main_fd, 65536)
+            except OSError:  # the terminal closed: the daemon exited
+                return
+            if not chunk:
+                return
+            printed.extend(chunk)
+
     try:
 
         def serving() -> bool:
-            while select.select([main_fd], [], [], 0)[0]:
-                try:
-                    chunk = os.read(main_fd, 65536)
-                except OSError:  # the terminal closed: the daemon exited
-                    break
-                printed.extend(chunk)
+            drain()
             if proc.poll() is not None:
                 raise AssertionError(f"serve exited:\n{log.read_text()}")
             return "serving on" in log.read_text(errors="replace")
@@ -544,6 +559,7 @@ def _serve_in_a_terminal(data: Path, log: Path) -> str:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+        drain()  # whatever it wrote before it stopped
         os.close(main_fd)
     return printed.decode(errors="replace")
 
@@ -552,7 +568,7 @@ def test_a_stand_alone_machines_first_start_in_a_terminal_prints_its_recovery_ke
     tmp_path: Path,
 ) -> None:
     data, log = tmp_path / "data", tmp_path / "serve.log"
-    first = _serve_in_a_terminal(data, log)
+    first = _serve_in_a_terminal(data, log)  # each start logs to its own file
     keys = [w for w in first.split() if w.startswith("agsk1_")]
     assert len(keys) == 1, first
     assert "Keep it offline" in first and "--recovery-key FILE" in first
@@ -561,7 +577,7 @@ def test_a_stand_alone_machines_first_start_in_a_terminal_prints_its_recovery_ke
     assert decode_public_key(stored) == pair.public_key
     assert keys[0] not in log.read_text()  # printed for the person, never logged
     # Not again: the next start prints no key and keeps the one made.
-    again = _serve_in_a_terminal(data, log)
+    again = _serve_in_a_terminal(data, tmp_path / "serve-again.log")
     assert "agsk1_" not in again
     assert (data / "keys" / "recovery.pub").read_text().strip() == stored
     # A start that is not in a terminal (a service manager's) makes none: the key
