@@ -110,10 +110,11 @@ def _listing(path: Path) -> list[str]:
         "",
         "abc",
         "tok_123.secret",
-        f"{new_id('token')}",
-        f"{new_id('agent')}.{GOOD_SECRET}",
-        f"{new_id('token')}.short",
-        f"{new_id('token')}.{GOOD_SECRET}.x",
+        # Fixed ids: test ids must be the same in every collecting process (xdist).
+        "tok_" + "0" * 26,
+        f"ag_{'1' * 26}.{GOOD_SECRET}",
+        f"tok_{'2' * 26}.short",
+        f"tok_{'3' * 26}.{GOOD_SECRET}.x",
     ],
 )
 def test_token_shape_is_checked(token: str) -> None:
