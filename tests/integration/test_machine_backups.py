@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import pytest
 
 from machine.backup_format import manifest_aad
 from machine.cli_common import human
@@ -30,6 +31,8 @@ from shared.recovery_key import read_recovery_key
 from shared.store.folder import FolderStore
 from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc, machine_env, run_cli
 from tests.helpers.poll import poll_until
+
+pytestmark = pytest.mark.integration
 
 MakeProc = Callable[..., MachineProc]
 

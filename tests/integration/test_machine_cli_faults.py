@@ -20,6 +20,8 @@ import pytest
 
 from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc
 
+pytestmark = pytest.mark.integration
+
 AGENT_ID = re.compile(r"ag_[0-9a-z]{26}")
 
 
