@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Final
 
 from machine.export_format import AGENT_FILES, OPTIONAL_AGENT_FILES, agent_path
-from shared.archive import BoundedTarInfo
+from shared.archive import BoundedTarInfo, entry_kind
 from shared.errors import IntegrityError
 
 __all__ = ["MAX_FILE_BYTES", "SegmentFiles", "open_segment"]
@@ -97,7 +97,9 @@ class SegmentFiles:
         if member.name != expected:
             raise self._refuse(f"holds {member.name!r} where {expected!r} belongs")
         if not member.isreg():
-            raise self._refuse(f"holds {name} as {_kind(member)}, not as a regular file")
+            target = f" to {member.linkname!r}" if member.issym() or member.islnk() else ""
+            kind = entry_kind(member)
+            raise self._refuse(f"holds {name} as a {kind}{target}, not as a regular file")
         if member.size > MAX_FILE_BYTES:
             raise self._refuse(f"claims {member.size} bytes for {name}")
         reader = self._tar.extractfile(member)
@@ -128,21 +130,6 @@ class SegmentFiles:
         extra = self._next_member()
         if extra is not None:
             raise self._refuse(f"holds an extra entry {extra.name!r}")
-
-
-def _kind(member: tarfile.TarInfo) -> str:
-    """What a tar entry that is not a regular file is, for an error."""
-    if member.issym():
-        return f"a symbolic link to {member.linkname!r}"
-    if member.islnk():
-        return f"a hard link to {member.linkname!r}"
-    if member.isdir():
-        return "a directory"
-    if member.isfifo():
-        return "a FIFO"
-    if member.isdev():
-        return "a device"
-    return f"an entry of type {member.type!r}"
 
 
 @contextlib.contextmanager

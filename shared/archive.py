@@ -38,6 +38,7 @@ __all__ = [
     "MAX_EXTENDED_HEADER",
     "ArchiveLimits",
     "BoundedTarInfo",
+    "entry_kind",
     "extract_staged",
     "write_tar",
     "write_tar_gz",
@@ -164,7 +165,8 @@ def _check_path(name: str) -> str:
     return "/".join(parts)
 
 
-def _kind(member: tarfile.TarInfo) -> str:
+def entry_kind(member: tarfile.TarInfo) -> str:
+    """What a tar entry is, for an error: "file", "symbolic link", "device", ..."""
     if member.issym():
         return "symbolic link"
     if member.islnk():
@@ -240,7 +242,7 @@ def _extract(
                     if count > limits.max_entries:
                         raise _refuse(f"more than {limits.max_entries} entries")
                     path = _check_path(member.name)
-                    kind = _kind(member)
+                    kind = entry_kind(member)
                     if kind == "directory":
                         continue
                     if kind != "file":
