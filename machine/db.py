@@ -54,6 +54,8 @@ CommitObserver = Callable[[int, float], None]
 FaultObserver = Callable[[str], None]
 
 _MAX_BATCH = 512
+#: SQLite's own default: a commit that leaves this many WAL pages checkpoints.
+_AUTOCHECKPOINT = 1000
 
 
 @dataclass
@@ -62,6 +64,7 @@ class _Job:
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
     what: str
+    bulk: bool = False
 
 
 class _ReaderConnection(sqlite3.Connection):
@@ -281,10 +284,18 @@ class Database:
                 conn.close()
         self._wconn = self._reader.conn = None
 
-    async def write(self, fn: Callable[[sqlite3.Connection], T], *, what: str = "") -> T:
+    async def write(
+        self, fn: Callable[[sqlite3.Connection], T], *, what: str = "", bulk: bool = False
+    ) -> T:
         """Run ``fn(conn)`` in the writer thread inside a transaction; return its result
         once the transaction is committed (fsync'd). If ``fn`` raises, its changes are
         rolled back and the exception is re-raised here; other writes of the batch stand.
+
+        ``bulk`` (a restore or an import: hundreds of MB in one transaction): the
+        checkpoint that copies the transaction from the WAL into the database file
+        runs after the caller is answered, not inside its commit. The data is
+        durable at the commit either way (the WAL is fsync'd); the next write
+        waits for the checkpoint instead of this one.
 
         A full disk raises DiskFull, a damaged file DatabaseDamaged (and every later
         write too); ``what`` names the operation and its target in those errors.
@@ -299,7 +310,7 @@ class Database:
         with self._accepting_lock:
             if not self._accepting or self._writer is None or not self._writer.is_alive():
                 raise StoreError(f"write {self.path}: the database writer has stopped")
-            self._queue.put(_Job(fn, future, loop, what))
+            self._queue.put(_Job(fn, future, loop, what, bulk))
         return await future
 
     async def read(self, fn: Callable[[sqlite3.Connection], T], *, what: str = "") -> T:
@@ -449,6 +460,9 @@ class Database:
                 _settle(job, None, DatabaseDamaged(job.what, str(self.path), self.damaged))
             return
         outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        bulk = any(job.bulk for job in batch)
+        if bulk:
+            conn.execute("PRAGMA wal_autocheckpoint = 0")  # see write(bulk=True)
         try:
             conn.execute("BEGIN IMMEDIATE")
             for job in batch:
@@ -479,15 +493,29 @@ class Database:
                 failure = self._translated(e, job.what) or StoreError(f"write {self.path}: {e}")
                 _settle(job, None, failure)
             return
+        finally:
+            if bulk:
+                conn.execute(f"PRAGMA wal_autocheckpoint = {_AUTOCHECKPOINT}")
         elapsed = time.perf_counter() - start
         # Callers first: the data is committed whatever the observer does.
         for job, result, error in outcomes:
             _settle(job, result, error)
+        if bulk:
+            self._checkpoint_after_bulk(conn)
         if self._on_commit is not None:
             try:
                 self._on_commit(len(batch), elapsed)
             except Exception:
                 logger.exception("machine.db commit observer failed")
+
+    def _checkpoint_after_bulk(self, conn: sqlite3.Connection) -> None:
+        """Copy a bulk write's WAL frames into the database file (its callers have
+        their answer). A failure only leaves the WAL longer: the next commit's
+        automatic checkpoint tries again."""
+        try:
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error as e:
+            logger.warning("machine.db: checkpoint after a bulk write failed: %s", e)
 
     async def close(self) -> None:
         """Finish queued writes, stop the threads and close the connections."""

@@ -322,7 +322,8 @@ async def _commit(
                 store_erasures.add_erased(conn, agent_id, erased_at)
 
     if todo or erased_entries:
-        await db.write(commit, what=what)  # the commit point: every agent or none
+        # The commit point: every agent or none.
+        await db.write(commit, what=what, bulk=True)
     skipped_existing = tuple(sorted(a for a in folders if a in existing))
     skipped_erased = tuple(sorted(a for a in folders if a in erased and a not in existing))
     logger.info(

@@ -117,3 +117,34 @@ async def test_concurrent_appends_share_commits(tmp_path: Path) -> None:
         await db.close()
     assert sum(batches) == 320
     assert len(batches) < 320  # group commit: fewer commits than writes
+
+
+async def test_bulk_write_checkpoints_after_its_commit(tmp_path: Path) -> None:
+    """A bulk write (restore, import) commits without the automatic checkpoint in its
+    commit; the writer copies the WAL into the database file once the caller has its
+    answer, with no other write needed, and puts the automatic checkpoint back."""
+    path = tmp_path / "machine.db"
+    db = await Database.open(path)
+    try:
+        before = path.stat().st_size
+        value = "x" * 4000
+        seen: list[int] = []
+
+        def bulk(conn: sqlite3.Connection) -> None:
+            seen.append(conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
+            for i in range(2000):  # about 8 MB: far past the 1000 WAL pages that checkpoint
+                tables.set_setting(conn, f"k{i}", value)
+
+        await db.write(bulk, bulk=True)
+        assert seen == [0]  # no checkpoint inside the bulk commit
+        assert await db.read(lambda c: tables.get_setting(c, "k1999")) == value
+        grown = await apoll_until(
+            lambda: path.stat().st_size > before + 2000 * 4000 or None,
+            deadline=10,
+            what="the bulk write's pages copied into the database file",
+        )
+        assert grown
+        level = await db.write(lambda c: c.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
+        assert level == 1000
+    finally:
+        await db.close()
