@@ -234,6 +234,10 @@ def _child(argv: list[str]) -> None:
 def _timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, str, float]:
     """Run ``cmd``; return its seconds, its own peak RSS in MiB (wait4), its stdout and
     its CPU seconds."""
+    # Each step starts with nothing left to write back: otherwise a step pays for
+    # the previous step's writes (the kernel flushing them while it runs), and
+    # whichever tool runs first after a big write is the slower one.
+    os.sync()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         started = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
