@@ -500,13 +500,13 @@ class Database:
         # Callers first: the data is committed whatever the observer does.
         for job, result, error in outcomes:
             _settle(job, result, error)
-        if bulk:
-            self._checkpoint_after_bulk(conn)
         if self._on_commit is not None:
             try:
                 self._on_commit(len(batch), elapsed)
             except Exception:
                 logger.exception("machine.db commit observer failed")
+        if bulk:
+            self._checkpoint_after_bulk(conn)
 
     def _checkpoint_after_bulk(self, conn: sqlite3.Connection) -> None:
         """Copy a bulk write's WAL frames into the database file (its callers have
