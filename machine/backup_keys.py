@@ -37,6 +37,7 @@ from shared.errors import AgentsError, ConfigError, InvalidState
 __all__ = [
     "BackupKeys",
     "has_standalone_recovery_key",
+    "keep_standalone_recovery_key",
     "load_backup_keys",
     "new_standalone_recovery_key",
 ]
@@ -122,6 +123,25 @@ def new_standalone_recovery_key(
     to seal anything; ``show`` raising keeps nothing). Refused when the machine
     is joined (its account's key is used) or already has one.
     """
+    _may_make_recovery_key(data_dir)
+    pair = BoxKeyPair.generate()
+    if show is not None:
+        show(pair)
+    keep_standalone_recovery_key(data_dir, pair.public_key)
+    return pair
+
+
+def keep_standalone_recovery_key(data_dir: Path, public_key: bytes) -> None:
+    """Keep the public half of a recovery key pair the caller made and has shown
+    already (the CLI prints the private half before it asks the daemon, so a key
+    that could not be printed is never used). Refused as
+    :func:`new_standalone_recovery_key` is."""
+    path = _may_make_recovery_key(data_dir)
+    write_atomic(path, (encode_public_key(public_key) + "\n").encode())
+
+
+def _may_make_recovery_key(data_dir: Path) -> Path:
+    """Where the recovery public key goes; InvalidState when there must be none."""
     if is_joined(data_dir):
         raise InvalidState("recovery key", "a joined machine uses its account's recovery key")
     keys = data_dir / "keys"
@@ -129,8 +149,4 @@ def new_standalone_recovery_key(
     path = keys / _RECOVERY_PUB
     if path.exists():
         raise InvalidState("recovery key", f"this machine has one already ({path})")
-    pair = BoxKeyPair.generate()
-    if show is not None:
-        show(pair)
-    write_atomic(path, (encode_public_key(pair.public_key) + "\n").encode())
-    return pair
+    return path

@@ -25,7 +25,11 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from machine.backup import BackupEngine, BackupResult, Progress, VerifyResult
-from machine.backup_keys import BackupKeys, new_standalone_recovery_key
+from machine.backup_keys import (
+    BackupKeys,
+    keep_standalone_recovery_key,
+    new_standalone_recovery_key,
+)
 from machine.db import Database
 from machine.tables import erasures as store_erasures
 from machine.tables import export as store_export
@@ -202,9 +206,18 @@ class BackupService:
         The caller shows the private half once; only the public half is kept.
         """
         pair = new_standalone_recovery_key(self._data_dir)
-        self._keys = dataclasses.replace(self._keys, recovery_public_key=pair.public_key)
-        self.engine.seal_to(self._keys.recipients)
+        self._seal_to_recovery(pair.public_key)
         return pair
+
+    def keep_recovery_key(self, public_key: bytes) -> None:
+        """Seal later backups to the recovery key whose private half the caller
+        made and showed (see :func:`keep_standalone_recovery_key`)."""
+        keep_standalone_recovery_key(self._data_dir, public_key)
+        self._seal_to_recovery(public_key)
+
+    def _seal_to_recovery(self, public_key: bytes) -> None:
+        self._keys = dataclasses.replace(self._keys, recovery_public_key=public_key)
+        self.engine.seal_to(self._keys.recipients)
 
     # -- making and checking -------------------------------------------------
 

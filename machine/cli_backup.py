@@ -15,8 +15,8 @@ from machine.transfer import InResult
 from machine.views import BackupView
 from shared.atomic import open_atomic
 from shared.cli import Column, ExitCode, UsageError, message_dict, stdout_writable
-from shared.crypto import BoxKeyPair
-from shared.errors import TransientError
+from shared.crypto import BoxKeyPair, encode_private_key, encode_public_key
+from shared.errors import AgentsError, InvalidState, TransientError
 from shared.ids import validate_id
 from shared.recovery_key import read_recovery_key
 
@@ -142,11 +142,31 @@ async def backup_recovery_key(ctx: Ctx) -> int:
             "backup recovery-key: stdout is not writable, so the key it prints only once "
             "would be lost; nothing was made"
         )
-    key = await call(ctx, lambda c: c.create_recovery_key())
-    if ctx.out.as_json:
-        ctx.out.json({"private_key": key.private_key, "public_key": key.public_key})
-    else:
-        ctx.out.lines(key.private_key)
+    # The refusals the daemon would give, before a key is printed for nothing.
+    st = await call(ctx, lambda c: c.status())
+    if st.machine.joined:
+        raise InvalidState("recovery key", "a joined machine uses its account's recovery key")
+    if st.backup is not None and st.backup.recovery_key:
+        raise InvalidState("recovery key", "this machine has one already")
+    # Made here and printed (flushed) first; the daemon keeps only the public half,
+    # and only once the private half was written out: a stdout that fails on
+    # write (a full disk, /dev/full) leaves no key in use that nobody has.
+    pair = BoxKeyPair.generate()
+    private, public = encode_private_key(pair.private_key), encode_public_key(pair.public_key)
+    try:
+        if ctx.out.as_json:
+            ctx.out.json({"private_key": private, "public_key": public})
+        else:
+            ctx.out.lines(private)
+    except OSError as e:
+        raise AgentsError(
+            f"backup recovery-key: could not print the key ({e.strerror or e}); nothing was made"
+        ) from None
+    try:
+        await call(ctx, lambda c: c.create_recovery_key(public))
+    except BaseException:
+        ctx.out.note("The key printed above was NOT kept by the machine: discard it.")
+        raise
     ctx.out.note(*recovery_key_note(ctx.prog))
     return ExitCode.OK
 

@@ -321,9 +321,12 @@ class MachineClient:
         )
         return await self._call(self._rpc.Restore(request), codec.in_result_from_pb)
 
-    async def create_recovery_key(self) -> RecoveryKeyText:
-        """Make the machine's recovery key; its private half is in the reply only."""
-        reply = self._rpc.CreateRecoveryKey(pb.CreateRecoveryKeyRequest())
+    async def create_recovery_key(self, public_key: str = "") -> RecoveryKeyText:
+        """Make the machine's recovery key; its private half is in the reply only.
+
+        With ``public_key`` (agpk1_…), keep that one instead: the caller made the
+        pair and showed its private half (the reply's is then empty)."""
+        reply = self._rpc.CreateRecoveryKey(pb.CreateRecoveryKeyRequest(public_key=public_key))
         return await self._call(reply, lambda m: RecoveryKeyText(m.private_key, m.public_key))
 
     # ------------------------------------------------------------ export / import

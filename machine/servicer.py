@@ -22,7 +22,7 @@ from machine.handoff import read_chunks
 from machine.models import StoredEvent
 from machine.version import machine_version
 from machine.views import DaemonStatus
-from shared.crypto import encode_private_key, encode_public_key
+from shared.crypto import decode_public_key, encode_private_key, encode_public_key
 from shared.errors import AgentsError, InvalidArgument
 from shared.ids import validate_id
 from shared.pb.machine.v1 import machine_pb2 as pb
@@ -281,7 +281,15 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
     async def CreateRecoveryKey(
         self, request: pb.CreateRecoveryKeyRequest, context: Ctx
     ) -> pb.CreateRecoveryKeyResponse:
-        pair = self._m.require_backups().create_recovery_key()
+        backups = self._m.require_backups()
+        if request.public_key:
+            try:
+                public_key = decode_public_key(request.public_key)
+            except ValueError:
+                raise InvalidArgument("public_key", "not a recovery public key (agpk1_…)") from None
+            backups.keep_recovery_key(public_key)
+            return pb.CreateRecoveryKeyResponse(public_key=encode_public_key(public_key))
+        pair = backups.create_recovery_key()
         return pb.CreateRecoveryKeyResponse(
             private_key=encode_private_key(pair.private_key),
             public_key=encode_public_key(pair.public_key),

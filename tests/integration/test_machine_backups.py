@@ -105,8 +105,27 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
     key_file = tmp_path / "recovery.key"
     with machine_proc():
         agents = _populate(data, tmp_path / "work")
+        # A stdout that fails on write (a full disk): the key could not be shown,
+        # so none is kept and backups are not sealed to it.
+        with open("/dev/full", "w") as full:
+            lost = subprocess.run(
+                [str(AGENTS_MACHINE), "--data-dir", str(data), "backup", "recovery-key"],
+                stdout=full,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=machine_env(),
+                timeout=30,
+                check=False,
+            )
+        assert lost.returncode == 1 and "could not print the key" in lost.stderr
+        assert "Traceback" not in lost.stderr
+        assert "recovery key   none" in _ok(run_cli(data, "status"))
         key = _ok(run_cli(data, "backup", "recovery-key")).strip()
         assert key.startswith("agsk1_")
+        public = (data / "keys" / "recovery.pub").read_text().strip()
+        assert (
+            decode_public_key(public) == BoxKeyPair.from_private(decode_private_key(key)).public_key
+        )
         key_file.write_text(f"# test recovery key\n{key}\n")
         _refused(run_cli(data, "backup", "recovery-key"), 2, "has one already")
         out = _ok(run_cli(data, "backup", "now"))

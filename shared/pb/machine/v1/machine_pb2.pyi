@@ -1879,12 +1879,21 @@ class CreateRecoveryKeyRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    public_key: _builtins.str
+    """The public half (agpk1_...) of a pair the caller made and has shown
+    already (the CLI prints the private half before it asks, so a key that
+    could not be shown is never used). Empty: the daemon makes the pair and
+    answers with both halves.
+    """
     def __init__(
         self,
+        *,
+        public_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["public_key", b"public_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
