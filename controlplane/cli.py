@@ -38,6 +38,7 @@ from shared.cli import (
     ExitCode,
     Handler,
     Output,
+    StdoutError,
     UsageError,
     bind_error,
     bounded_int,
@@ -47,7 +48,7 @@ from shared.cli import (
     stdout_writable,
 )
 from shared.crypto import BoxKeyPair, decode_public_key, encode_private_key, encode_public_key
-from shared.errors import ConfigError
+from shared.errors import AgentsError, ConfigError
 from shared.recovery_key import read_recovery_key, write_recovery_key
 
 __all__ = ["build_parser", "main"]
@@ -386,11 +387,18 @@ async def _init(ctx: _Ctx) -> int:
         "^ operator credential (shown ONCE, stored only as a hash)",
     ]
     lines += _recovery_lines(result.recovery_private_key)
-    ctx.out.lines(
-        *lines,
-        f"control plane initialised in {ctx.cfg.home}",
-        f"CA hash: {result.ca_hash}",
-    )
+    try:
+        ctx.out.lines(
+            *lines,
+            f"control plane initialised in {ctx.cfg.home}",
+            f"CA hash: {result.ca_hash}",
+        )
+    except StdoutError as e:
+        raise AgentsError(
+            f"init: {e}: the control plane in {ctx.cfg.home} is made, but nobody has its"
+            " operator credential (shown only once); remove that folder and the store's"
+            " objects, then run init again with a working stdout"
+        ) from None
     return ExitCode.OK
 
 

@@ -14,7 +14,14 @@ from machine.client import MachineClient
 from machine.transfer import InResult
 from machine.views import BackupView
 from shared.atomic import open_atomic
-from shared.cli import Column, ExitCode, UsageError, message_dict, stdout_writable
+from shared.cli import (
+    Column,
+    ExitCode,
+    StdoutError,
+    UsageError,
+    message_dict,
+    stdout_writable,
+)
 from shared.crypto import BoxKeyPair, encode_private_key, encode_public_key
 from shared.errors import AgentsError, InvalidState, TransientError
 from shared.ids import validate_id
@@ -158,10 +165,8 @@ async def backup_recovery_key(ctx: Ctx) -> int:
             ctx.out.json({"private_key": private, "public_key": public})
         else:
             ctx.out.lines(private)
-    except OSError as e:
-        raise AgentsError(
-            f"backup recovery-key: could not print the key ({e.strerror or e}); nothing was made"
-        ) from None
+    except StdoutError as e:
+        raise AgentsError(f"backup recovery-key: {e}; nothing was made") from None
     try:
         await call(ctx, lambda c: c.create_recovery_key(public))
     except BaseException:

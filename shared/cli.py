@@ -426,6 +426,11 @@ def render_table(
     return lines
 
 
+class StdoutError(AgentsError):
+    """stdout refused a write (a full disk, an I/O error): what was to be shown
+    was not. A command that prints a secret once says what that leaves."""
+
+
 class Output:
     """The only writer of a CLI's stdout.
 
@@ -459,8 +464,13 @@ class Output:
         reply or a tool's output must not drive the terminal (escape sequences
         can retitle it, hide text or forge hyperlinks).
         """
-        self.stream.write(text.translate(_CONTROLS))
-        self.stream.flush()
+        try:
+            self.stream.write(text.translate(_CONTROLS))
+            self.stream.flush()
+        except BrokenPipeError:
+            raise  # the reader went away: run_main says so
+        except OSError as e:
+            raise StdoutError(f"could not write to stdout ({e.strerror or e})") from None
 
     def lines(self, *lines: str) -> None:
         """Write lines of text in one write."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 
@@ -140,3 +141,19 @@ def test_stdout_writable_sees_a_closed_pipe() -> None:
         assert stdout_writable(stream)
         os.close(r)
         assert not stdout_writable(stream)
+
+
+def test_a_stdout_that_fails_on_write_is_one_line_and_exit_1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    full = open("/dev/full", "w")  # noqa: SIM115  # closed below, its failing flush ignored
+    out = Output(False, full)
+
+    def body() -> int:
+        out.lines("a secret shown once")
+        return ExitCode.OK
+
+    assert run_main("p", body) == ExitCode.FAILED
+    with contextlib.suppress(OSError):
+        full.close()
+    assert capsys.readouterr().err == "p: could not write to stdout (No space left on device)\n"
