@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -42,7 +43,15 @@ from machine.streams import StreamLimits
 from shared.atomic import ensure_private_dir
 from shared.backup_folder import FolderTarget
 from shared.backup_target import BackupTarget
-from shared.errors import AgentsError, InvalidArgument, InvalidId, InvalidState, NotFound
+from shared.errors import (
+    AgentsError,
+    ConfigError,
+    IntegrityError,
+    InvalidArgument,
+    InvalidId,
+    InvalidState,
+    NotFound,
+)
 from shared.ids import new_id, validate_id
 from shared.store.folder import FolderStore
 
@@ -174,7 +183,11 @@ class Machine:
             return
         folder = Path(from_dir)
         if not folder.is_absolute() or not folder.is_dir():
-            raise InvalidArgument("from_dir", f"{from_dir[:200]!r} is not an existing folder")
+            raise InvalidArgument("--from", f"{from_dir[:200]!r} is not an existing folder")
+        # Looked at before the folder store opens it (which makes the folder
+        # private and sweeps stale temp files): a wrong folder is left as it was.
+        if not (folder / _OWNER_KEY).is_file():
+            raise InvalidArgument("--from", f"{folder} is not a backup folder (no {_OWNER_KEY})")
         target, folder_store = await folder_backup_target(folder)
         try:
             machine_id = await _read_backup_owner(folder_store, folder)
@@ -280,10 +293,37 @@ async def _read_backup_owner(folder_store: FolderStore, folder: Path) -> str:
         return validate_id("machine", record["machine_id"], "machine_id")
     except NotFound:
         raise InvalidArgument(
-            "from_dir", f"{folder} is not a backup folder (no {_OWNER_KEY})"
+            "--from", f"{folder} is not a backup folder (no {_OWNER_KEY})"
         ) from None
-    except (ValueError, KeyError, TypeError, InvalidId):
-        raise InvalidArgument("from_dir", f"{folder}/{_OWNER_KEY} is damaged") from None
+    except (ValueError, KeyError, TypeError, InvalidId, IntegrityError):
+        raise InvalidArgument("--from", f"{folder}/{_OWNER_KEY} is damaged") from None
+
+
+def check_backup_folder(folder: Path, data_dir: Path) -> None:
+    """Refuse a configured backup folder that is not one to make private and sweep:
+    a file, the data folder or a folder holding it, the keys folder (a copy of the
+    backups would carry the private keys), or a folder with other files in it."""
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError("backup_dir", f"{folder}: {why}")
+
+    where, data = folder.resolve(), data_dir.resolve()
+    if where.exists() and not where.is_dir():
+        raise refuse("not a folder")
+    if data.is_relative_to(where):
+        raise refuse("holds the data folder; give the backups a folder of their own")
+    if where.is_relative_to(data / "keys"):
+        raise refuse("inside the keys folder; a copy of the backups would carry the keys")
+    if where.is_dir() and not (where / _OWNER_KEY).is_file():
+        try:
+            with os.scandir(where) as entries:
+                other = next(iter(entries), None)
+        except OSError as e:
+            raise refuse(f"cannot be read ({e.strerror})") from None
+        if other is not None:
+            raise refuse(
+                f"not empty and not a backup folder (no {_OWNER_KEY}); give an empty or new folder"
+            )
 
 
 async def _record_backup_owner(folder_store: FolderStore, folder: Path, machine_id: str) -> None:
@@ -342,9 +382,15 @@ async def backup_target(
             closing.append(client.aclose)
             where = f"control plane {link.control_address}"
             return ControlPlaneTarget(client, where=where), where
-    target, folder = await folder_backup_target(
-        config.backups_dir, crash_after(config.crash_in_prune_after, "objects pruned")
-    )
+    await asyncio.to_thread(check_backup_folder, config.backups_dir, config.data_dir)
+    try:
+        target, folder = await folder_backup_target(
+            config.backups_dir, crash_after(config.crash_in_prune_after, "objects pruned")
+        )
+    except OSError as e:  # a parent that is a file, a read-only or virtual file system
+        raise ConfigError(
+            "backup_dir", f"{config.backups_dir}: cannot be made or opened ({e.strerror or e})"
+        ) from None
     closing.append(folder.close)
     await _record_backup_owner(folder, config.backups_dir, ids.canonical)
     return target, f"folder {config.backups_dir}"

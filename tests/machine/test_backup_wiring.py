@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import grpc
+import pytest
 
-from machine.app import backup_warnings, open_machine
+from machine.app import backup_warnings, check_backup_folder, open_machine
 from machine.backup_link import ControlPlaneTarget
 from machine.config import MachineConfig
 from machine.link_client import LinkClient
 from machine.metrics import MachineMetrics
 from shared.backup_target import StoreTarget
+from shared.errors import ConfigError, InvalidArgument
 from shared.metrics import new_registry
 from shared.store.folder import FolderStore
 
@@ -74,3 +78,61 @@ async def test_a_joined_machine_is_not_warned_about_a_backup_folder_it_does_not_
         assert backup_warnings(cfg, ControlPlaneTarget(client)) == ()
     finally:
         await client.aclose()
+
+
+def test_backup_folder_refusals_leave_the_folder_as_it_was(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "keys").mkdir(parents=True)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    (home / ".notes.tmp").write_text("someone's")  # a stale temp name: swept in a store
+    refusals = {
+        a_file: "not a folder",
+        data: "holds the data folder",
+        tmp_path: "holds the data folder",
+        data / "keys" / "b": "inside the keys folder",
+        home: "not empty and not a backup folder",
+    }
+    for folder, why in refusals.items():
+        with pytest.raises(ConfigError, match=why):
+            check_backup_folder(folder, data)
+    assert (home / ".notes.tmp").exists() and (home.stat().st_mode & 0o777) == 0o755
+    # Accepted: new, empty, or a backup folder already.
+    check_backup_folder(tmp_path / "new" / "backups", data)
+    check_backup_folder(data / "backups", data)
+    (tmp_path / "empty").mkdir()
+    check_backup_folder(tmp_path / "empty", data)
+    (home / "machine.json").write_text("{}")
+    check_backup_folder(home, data)
+
+
+async def test_from_a_folder_that_is_not_a_backup_folder_changes_nothing(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    (other / "sub").mkdir(parents=True, mode=0o755)
+    os.chmod(other, 0o755)
+    stale = other / "sub" / ".important.tmp"
+    stale.write_text("keep")
+    old = time.time() - 3 * 3600
+    os.utime(stale, (old, old))
+    async with open_machine(_config(tmp_path / "d")) as m:
+        with pytest.raises(InvalidArgument, match="not a backup folder"):
+            async with m.backups_at(str(other)):
+                pass
+    assert stale.exists() and (other.stat().st_mode & 0o777) == 0o755
+
+
+async def test_a_backup_folder_that_cannot_be_made_stops_the_start_with_its_reason(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "file").write_text("x")
+    cfg = MachineConfig(
+        data_dir=tmp_path / "d",
+        background_loops=False,
+        shutdown_grace_seconds=0,
+        backup_dir=tmp_path / "file" / "backups",
+    ).validate()
+    with pytest.raises(ConfigError, match="cannot be made or opened"):
+        async with open_machine(cfg):
+            pass
