@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 KEEP_MIN: Final = 1
 KEEP_MAX: Final = 10
 _CACHE_FILE: Final = "segment-cache.json"
+_DAMAGED_FILE: Final = "damaged-segments.json"
 #: shared.crypto's reason when a sealed object names none of the opener's keys.
 _NOT_OURS: Final = "not sealed to this key"
 #: Agents read, hashed, compressed and encrypted at once (a machine has few cores).
@@ -145,6 +146,7 @@ class BackupResult:
     plain_bytes: int
     seconds: float
     pruned: PruneResult | None = None
+    agents: int = 0
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,12 @@ def decode_checked(
     return total
 
 
+def _missing(name: str) -> IntegrityError:
+    """A segment a backup names that its target does not have: the backup does not
+    restore whole (an integrity failure, not a request for something unknown)."""
+    return IntegrityError(f"segment {name[:16]}", "missing from where the backup is stored")
+
+
 def _cleanup(folder: Path) -> None:
     for p in folder.iterdir():
         with contextlib.suppress(OSError):
@@ -239,7 +247,10 @@ class BackupEngine:
         work_dir: Path,
         keep: int = 3,
         clock: Callable[[], float] = time.time,
+        mend: bool = True,
     ) -> None:
+        """``mend``: a segment found damaged (verify, the restore check) is sent
+        again by the next backup (off for an engine reading another folder)."""
         self._source = source
         self._target = target
         self._machine_id = machine_id
@@ -250,6 +261,7 @@ class BackupEngine:
         self.keep = validate_keep(keep)
         self._clock = clock
         self._lock = asyncio.Lock()
+        self._mend = mend
 
     def seal_to(self, recipients: list[bytes]) -> None:
         """Seal later manifests to ``recipients`` (a recovery key was just made)."""
@@ -266,6 +278,28 @@ class BackupEngine:
 
     def _save_cache(self, cache: dict[str, dict[str, Any]]) -> None:
         write_atomic(self._work / _CACHE_FILE, json.dumps(cache, sort_keys=True).encode())
+
+    def _damaged(self) -> set[str]:
+        """Names of stored segments that failed to authenticate since the last backup.
+
+        A segment is reused by name while the target has it; one whose stored
+        bytes went bad would be reused, and named by every later backup, for
+        ever. The next backup makes these again and sends them over the bad ones.
+        """
+        try:
+            names = json.loads((self._work / _DAMAGED_FILE).read_bytes())
+        except (OSError, ValueError):
+            return set()
+        return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+
+    def _note_damaged(self, name: str) -> None:
+        if not self._mend:
+            return
+        names = self._damaged() | {name}
+        ensure_private_dir(self._work)
+        write_atomic(self._work / _DAMAGED_FILE, json.dumps(sorted(names)).encode())
+        logger.error("segment %s is damaged where it is stored; the next backup sends it again",
+                     name[:16])  # fmt: skip
 
     # -- making --------------------------------------------------------------
 
@@ -316,6 +350,7 @@ class BackupEngine:
 
     async def _make(self, backup_id: str, stage: Path, progress: Progress | None) -> BackupResult:
         cache = self._load_cache()
+        damaged = self._damaged()
         agents = await self._source.agents()
         attachments = await self._source.attachments()
         total = len(agents) + len(attachments)
@@ -348,7 +383,7 @@ class BackupEngine:
         have = await self._target.have_segments({ref.name for ref in cached}) if cached else {}
         refs: list[SegmentRef] = []
         for ref in cached:
-            if ref.name in have:
+            if ref.name in have and ref.name not in damaged:
                 refs.append(
                     SegmentRef(ref.name, ref.key, ref.kind, ref.ref, have[ref.name], ref.plain_size)
                 )
@@ -363,7 +398,7 @@ class BackupEngine:
         ) as maker:
             writer = SegmentWriter(
                 self._source.write_agent, self._target, naming_key=self._naming_key,
-                work_dir=stage, tick=tick, maker=maker,
+                work_dir=stage, tick=tick, maker=maker, replace=damaged,
             )  # fmt: skip
             written = await writer.write(todo_agents, todo_attachments)
         refs += written.refs
@@ -384,6 +419,10 @@ class BackupEngine:
         )
         blob = seal_manifest(manifest, self._recipients)
         await self._target.put_manifest(backup_id, blob, [r.name for r in refs])  # commit point
+        if damaged:
+            # Sent again if this backup names them; if not, only older backups
+            # do, and they go with those backups' prune.
+            (self._work / _DAMAGED_FILE).unlink(missing_ok=True)
         markers = {a.agent_id: a.marker for a in agents}
         self._save_cache(
             {
@@ -405,6 +444,7 @@ class BackupEngine:
             sum(r.size for r in refs) + len(blob),
             sum(r.plain_size for r in refs),
             0.0,
+            agents=sum(1 for r in refs if r.kind == "agent"),
         )
 
     def _cached_ref(self, hit: dict[str, Any], kind: str, ref: str) -> SegmentRef:
@@ -449,33 +489,42 @@ class BackupEngine:
         A small segment (as its manifest entry says) is held in memory; a larger
         one goes to a temp file first, so memory stays at one chunk.
         """
-        if ref.size <= _HOLD:
-            held = [chunk async for chunk in self._bounded(ref)]
-            return await asyncio.to_thread(decode_checked, ref, naming_key, iter(held), out)
-        # A name of its own: two verifies of one backup (the CLI's and the
-        # nightly check's) must not write into each other's copy.
-        fd, name = tempfile.mkstemp(dir=work, prefix=f".{ref.name[:16]}-", suffix=".download")
-        raw = Path(name)
         try:
-            with open(fd, "wb") as f:
-                async for chunk in self._bounded(ref):
-                    f.write(chunk)
-            stored = file_chunks(raw)
-            return await asyncio.to_thread(decode_checked, ref, naming_key, stored, out)
-        finally:
-            raw.unlink(missing_ok=True)
+            if ref.size <= _HOLD:
+                held = [chunk async for chunk in self._bounded(ref)]
+                return await asyncio.to_thread(decode_checked, ref, naming_key, iter(held), out)
+            # A name of its own: two verifies of one backup (the CLI's and the
+            # nightly check's) must not write into each other's copy.
+            fd, name = tempfile.mkstemp(dir=work, prefix=f".{ref.name[:16]}-", suffix=".download")
+            raw = Path(name)
+            try:
+                with open(fd, "wb") as f:
+                    async for chunk in self._bounded(ref):
+                        f.write(chunk)
+                stored = file_chunks(raw)
+                return await asyncio.to_thread(decode_checked, ref, naming_key, stored, out)
+            finally:
+                raw.unlink(missing_ok=True)
+        except IntegrityError:
+            if naming_key == self._naming_key:  # this machine's segment: it can send it again
+                self._note_damaged(ref.name)
+            raise
 
     async def _bounded(self, ref: SegmentRef) -> AsyncIterator[bytes]:
         """The stored bytes of ``ref``, refused past the size its manifest names (a
         target that sends more must not fill the disk or the memory first)."""
         size = 0
-        async for chunk in self._target.get_segment(ref.name):
-            size += len(chunk)
-            if size > ref.size:
-                raise IntegrityError(
-                    f"segment {ref.name[:16]}", f"longer than the {ref.size} bytes its backup names"
-                )
-            yield chunk
+        try:
+            async for chunk in self._target.get_segment(ref.name):
+                size += len(chunk)
+                if size > ref.size:
+                    raise IntegrityError(
+                        f"segment {ref.name[:16]}",
+                        f"longer than the {ref.size} bytes its backup names",
+                    )
+                yield chunk
+        except NotFound:
+            raise _missing(ref.name) from None
 
     async def _download(self, ref: SegmentRef, path: Path) -> None:
         """Store segment ``ref`` as it is stored (encrypted) at ``path``."""
@@ -520,7 +569,7 @@ class BackupEngine:
             stored = [r.name for r in manifest.segments if r.kind == "agent"]
             have = await self._target.have_segments(stored)
             if missing := [n for n in stored if n not in have]:
-                raise NotFound("segment", missing[0][:16])
+                raise _missing(missing[0])
 
         async def one(ref: SegmentRef) -> None:
             path = dest / f"{ref.kind}-{ref.ref}"

@@ -83,7 +83,11 @@ class ControlPlaneTarget:
             raise self._error(exc) from exc
         return out
 
-    async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
+    async def put_segment(
+        self, name: str, data: AsyncIterable[bytes], *, replace: bool = False
+    ) -> None:
+        # ``replace`` is not asked for: the control plane keeps a stored segment
+        # as it is (create-once), so a damaged one there stays damaged.
         try:
             # Size 0: the engine seals as it streams and does not know it yet.
             await self._client.put_segment(name, 0, data, timeout=self._transfer)

@@ -175,7 +175,7 @@ class BackupService:
         self.daily_at = daily_at
         self._warnings = warnings
         self._keep = keep
-        self.engine = self.engine_for(target, machine_id)
+        self.engine = self.engine_for(target, machine_id, mend=True)
         self._last: BackupResult | None = None
         self._last_at: float | None = None
         self._last_check: RestoreCheck | None = None
@@ -185,9 +185,12 @@ class BackupService:
         #: Called after a restore committed (wakes the search indexer).
         self.on_restored: Callable[[], None] | None = None
 
-    def engine_for(self, target: BackupTarget, machine_id: str) -> BackupEngine:
+    def engine_for(
+        self, target: BackupTarget, machine_id: str, *, mend: bool = False
+    ) -> BackupEngine:
         """An engine on ``target`` reading ``machine_id``'s backups (a copied backup
-        folder of another machine, for restore and verify)."""
+        folder of another machine, for restore and verify); ``mend``: the
+        machine's own engine (see :class:`BackupEngine`)."""
         return BackupEngine(
             DatabaseBackupSource(self._db, self._attachments, self._work),
             target,
@@ -198,6 +201,7 @@ class BackupService:
             work_dir=self._work,
             keep=self._keep,
             clock=self._clock,
+            mend=mend,
         )
 
     def create_recovery_key(self) -> BoxKeyPair:

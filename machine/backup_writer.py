@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO, Final, Protocol, TypeVar
@@ -164,13 +164,16 @@ class SegmentWriter:
         work_dir: Path,
         tick: Tick,
         maker: SegmentMaker | None = None,
+        replace: Set[str] = frozenset(),
     ) -> None:
+        """``replace``: names sent even when the target has them (stored damaged)."""
         self._write_agent = write_agent
         self._maker = maker
         self._target = target
         self._naming_key = naming_key
         self._work = work_dir
         self._tick = tick
+        self._replace = replace
         self._cpu = asyncio.Semaphore(PARALLEL if maker is None else maker.parallel)
         self._io = asyncio.Semaphore(UPLOADS)
         self._uploaded = 0
@@ -280,7 +283,7 @@ class SegmentWriter:
         async def send(item: _Item) -> SegmentRef:
             ref = item.ref
             assert ref is not None
-            if ref.name in have:
+            if ref.name in have and ref.name not in self._replace:
                 size = have[ref.name]
             else:
                 async with self._io:
@@ -295,7 +298,9 @@ class SegmentWriter:
 
     async def _upload(self, item: _Item, ref: SegmentRef) -> int:
         if isinstance(item.stored, bytes):
-            await self._target.put_segment(ref.name, _one(item.stored))
+            await self._target.put_segment(
+                ref.name, _one(item.stored), replace=ref.name in self._replace
+            )
             return len(item.stored)
         if item.stored is not None:
             stream = _spool_chunks(item.stored)
@@ -312,5 +317,5 @@ class SegmentWriter:
                 sent += len(chunk)
                 yield chunk
 
-        await self._target.put_segment(ref.name, counted())
+        await self._target.put_segment(ref.name, counted(), replace=ref.name in self._replace)
         return sent

@@ -87,7 +87,13 @@ async def backup_now(ctx: Ctx) -> int:
         f"{human(b.uploaded_bytes)} sent), {human(b.size_bytes)} stored"
     )
     pruned = f"pruned {', '.join(b.pruned)}" if b.pruned else ""
-    return show_record(ctx.out, b, lambda: ctx.out.lines(text, *([pruned] if pruned else [])))
+    show_record(ctx.out, b, lambda: ctx.out.lines(text, *([pruned] if pruned else [])))
+    if b.problem:
+        # Made and kept, but it would not restore whole: a person must know now,
+        # not at the next look at `status`.
+        ctx.out.note(f"{ctx.prog}: backup {b.id} is made, but {b.problem}")
+        return ExitCode.FAILED
+    return ExitCode.OK
 
 
 def _short(problem: str) -> str:

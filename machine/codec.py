@@ -221,10 +221,12 @@ def _backup_time(backup_id: str) -> float:
     return id_time_ms(backup_id) / 1000
 
 
-def backup_result_to_pb(result: BackupResult) -> pb.Backup:
-    """A backup just made."""
+def backup_result_to_pb(result: BackupResult, problem: str = "") -> pb.Backup:
+    """A backup just made; ``problem``: its restore check failed, and why."""
     return pb.Backup(
         id=result.backup_id,
+        agents=result.agents,
+        problem=problem,
         created_at=from_seconds(_backup_time(result.backup_id)),
         uploaded_bytes=result.uploaded_bytes,
         size_bytes=result.stored_bytes,

@@ -228,8 +228,9 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
 
         async def run() -> pb.Backup:
             result = await service.backup_now(progress)
-            await service.restore_check()
-            return codec.backup_result_to_pb(result)
+            check = await service.restore_check()
+            problem = "" if check.ok else f"its restore check failed: {check.problem}"
+            return codec.backup_result_to_pb(result, problem)
 
         task = asyncio.create_task(run())
         try:

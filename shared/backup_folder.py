@@ -80,8 +80,11 @@ class FolderTarget(StoreTarget):
                 continue
         return out
 
-    async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
+    async def put_segment(
+        self, name: str, data: AsyncIterable[bytes], *, replace: bool = False
+    ) -> None:
         """Write a segment; it is stored (durable and visible) at the next commit.
+        One stored already is kept (create-once), unless ``replace``.
 
         A segment that fits in :data:`_GATHER` (most of a backup's) is gathered
         first and written in one worker-thread call: a full backup writes
@@ -97,9 +100,12 @@ class FolderTarget(StoreTarget):
             if size > _GATHER:
                 break
         else:
-            self._pending.append(await asyncio.to_thread(self._write_whole, key, gathered))
+            obj = await asyncio.to_thread(self._write_whole, key, gathered)
+            obj.replace = replace
+            self._pending.append(obj)
             return
         obj = await asyncio.to_thread(self._folder.begin_unsynced, key)
+        obj.replace = replace
         try:
             await asyncio.to_thread(obj.write, b"".join(gathered))
             async for chunk in source:

@@ -124,8 +124,13 @@ class BackupTarget(Protocol):
         """Which of ``names`` are stored already, with their stored sizes."""
         ...
 
-    async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
-        """Store a segment; a segment already stored under ``name`` is kept as it is."""
+    async def put_segment(
+        self, name: str, data: AsyncIterable[bytes], *, replace: bool = False
+    ) -> None:
+        """Store a segment; a segment already stored under ``name`` is kept as it is,
+        unless ``replace`` (its stored copy was found damaged: it fails to
+        authenticate). A target that cannot replace keeps it (the control plane's
+        segments are create-once)."""
         ...
 
     async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
@@ -201,9 +206,12 @@ class StoreTarget:
                 out[name] = info.size
         return out
 
-    async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
+    async def put_segment(
+        self, name: str, data: AsyncIterable[bytes], *, replace: bool = False
+    ) -> None:
         try:
-            await self._store.put(self._key(segment_key(name)), data, if_none_match=True)
+            key = self._key(segment_key(name))
+            await self._store.put(key, data, if_none_match=not replace)
         except PreconditionFailed:
             # Same name, same content: the stored copy is as good as ours.
             logger.debug("segment %s already stored", name[:16])

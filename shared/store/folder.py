@@ -83,6 +83,9 @@ class PendingObject:
         self.size = 0
         #: Its bytes are durable already (closed with ``sync``): publish skips it.
         self.synced = False
+        #: Published over an object already stored under its key (one found
+        #: damaged), instead of kept create-once.
+        self.replace = False
 
     def write(self, chunk: bytes) -> None:
         """Append ``chunk`` (blocking)."""
@@ -220,8 +223,9 @@ class FolderStore(StoreBase):
 
         Each temp file is fsynced before any is renamed, so a key never names
         an object whose bytes a crash could lose; an object already stored under
-        its key is kept (create-once) and the temp file removed. Then each
-        folder is fsynced once.
+        its key is kept (create-once) and the temp file removed, unless the
+        object is to :attr:`~PendingObject.replace` it. Then each folder is
+        fsynced once.
         """
         for obj in pending:
             if obj.synced:
@@ -233,7 +237,7 @@ class FolderStore(StoreBase):
                 os.close(fd)
         folders: set[Path] = set()
         for obj in pending:
-            if obj.path.exists():
+            if obj.path.exists() and not obj.replace:
                 os.unlink(obj.temp)
             else:
                 os.replace(obj.temp, obj.path)

@@ -182,7 +182,9 @@ class _Flaky:
         self._check()
         return await self.inner.have_segments(names)
 
-    async def put_segment(self, name: str, data: AsyncIterable[bytes]) -> None:
+    async def put_segment(
+        self, name: str, data: AsyncIterable[bytes], *, replace: bool = False
+    ) -> None:
         self._check()
         await self.inner.put_segment(name, data)
 

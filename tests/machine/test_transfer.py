@@ -34,7 +34,7 @@ from machine.transfer import (
 from shared.backup_folder import FolderTarget
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
-from shared.errors import IntegrityError, InvalidArgument, NotFound
+from shared.errors import IntegrityError, InvalidArgument
 from shared.ids import new_id
 from shared.store.folder import FolderStore
 from tests.helpers.poll import apoll_until
@@ -301,7 +301,7 @@ async def test_restore_reads_a_folder_targets_segments_in_place_and_refuses_a_ta
         assert await new.agents.list(include_archived=True) == []
         # A segment gone from the target is named before anything is read.
         stored_file.unlink()
-        with pytest.raises(NotFound, match=last.name[:16]):
+        with pytest.raises(IntegrityError, match=f"{last.name[:16]}: missing"):
             await engine.fetch(made.backup_id, tmp_path / "stage2", decode_agents=False)
         stored_file.write_bytes(pristine)
         fetched = await engine.fetch(made.backup_id, tmp_path / "stage3", decode_agents=False)
