@@ -271,3 +271,26 @@ def test_hints_name_the_folder_in_use(daemon: MachineProc) -> None:
     assert res.returncode == 2
     hint = res.stderr.decode().splitlines()[1]
     assert hint == f"Try: agents-machine --data-dir {daemon.data_dir} agent list --all"
+
+
+def test_import_of_what_is_no_export_file_is_refused_before_anything_is_sent(
+    tmp_path: Path,
+) -> None:
+    """No daemon runs: each is refused by the CLI itself, at once (a device such
+    as /dev/zero never ends; the daemon would refuse an oversized one only
+    after receiving its limit)."""
+    big = tmp_path / "big.tar.gz"
+    with open(big, "wb") as f:
+        f.truncate(9 * 1024**3)  # sparse: no disk used
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cases = {
+        "/dev/zero": "is not a regular file",
+        str(fifo): "is not a regular file",
+        str(big): "larger than an import may be (8.0 GiB)",
+        "": "FILE is empty",
+        str(tmp_path): "is not a regular file",
+        str(tmp_path / "missing.tar.gz"): "cannot read",
+    }
+    for name, says in cases.items():
+        one_line_error(cli(tmp_path / "data", "import", name), says)
