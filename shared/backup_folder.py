@@ -23,8 +23,8 @@ import logging
 from collections.abc import AsyncIterable, Callable, Iterable
 from typing import BinaryIO, Final
 
-from shared.backup_target import StoreTarget, segment_key
-from shared.errors import NotFound
+from shared.backup_target import ManifestInfo, StoreTarget, segment_key
+from shared.errors import InvalidState, NotFound
 from shared.store.folder import FolderStore, PendingObject
 
 __all__ = ["FolderTarget"]
@@ -50,6 +50,23 @@ class FolderTarget(StoreTarget):
         super().__init__(store, prefix, after_delete=after_delete)
         self._folder = store
         self._pending: list[PendingObject] = []
+
+    def _present(self) -> None:
+        """InvalidState naming the folder when it is gone (moved, deleted, replaced by
+        a file): otherwise a listing reads as "no backups" and a write fails on a
+        missing parent with an error that names neither."""
+        root = self._folder.root
+        if not root.is_dir():
+            raise InvalidState(
+                f"backup folder {root}",
+                "gone (moved, deleted or replaced by a file); put it back, or set"
+                " backup_dir and restart the daemon",
+            )
+
+    async def list_manifests(self) -> list[ManifestInfo]:
+        """See :meth:`StoreTarget.list_manifests` (every backup and prune starts here)."""
+        await asyncio.to_thread(self._present)
+        return await super().list_manifests()
 
     async def have_segments(self, names: Iterable[str]) -> dict[str, int]:
         """See :meth:`StoreTarget.have_segments`; a few names are looked up one by one.
@@ -90,6 +107,13 @@ class FolderTarget(StoreTarget):
         first and written in one worker-thread call: a full backup writes
         thousands, and each hand-over to a thread costs more than its write.
         """
+        try:
+            await self._put_segment(name, data, replace)
+        except (FileNotFoundError, NotADirectoryError):
+            await asyncio.to_thread(self._present)  # the folder went mid-backup: say so
+            raise
+
+    async def _put_segment(self, name: str, data: AsyncIterable[bytes], replace: bool) -> None:
         key = self._key(segment_key(name))
         gathered: list[bytes] = []
         size = 0
@@ -142,5 +166,6 @@ class FolderTarget(StoreTarget):
 
     async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
         """Publish the segments, then store the manifest: the commit point."""
+        await asyncio.to_thread(self._present)
         await self.flush()
         await super().put_manifest(backup_id, blob, names)

@@ -9,8 +9,11 @@ import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
 from shared.backup_folder import FolderTarget
 from shared.backup_target import StoreTarget
+from shared.errors import InvalidState
 from shared.ids import new_id
 from shared.store.folder import FolderStore
 
@@ -98,3 +101,33 @@ async def test_a_crash_after_the_flush_leaves_whole_segments(tmp_path: Path) -> 
     for name in names:
         # get_segment checks the header's SHA-256 against the bytes read.
         assert len(await _read(target, name)) == 50_000
+
+
+async def test_a_folder_gone_is_named_not_listed_as_empty(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    name = os.urandom(32).hex()
+    await target.put_segment(name, _chunks(b"one"))
+    await target.put_manifest(new_id("backup"), b"sealed", [name])
+    root.rename(tmp_path / "moved")
+    with pytest.raises(InvalidState, match=f"backup folder {root}: gone"):
+        await target.list_manifests()
+    with pytest.raises(InvalidState, match="gone"):
+        await target.put_segment(os.urandom(32).hex(), _chunks(b"two"))
+    root.write_text("a file now")
+    with pytest.raises(InvalidState, match="gone"):
+        await target.put_manifest(new_id("backup"), b"sealed", [])
+    root.unlink()
+    (tmp_path / "moved").rename(root)
+    assert len(await target.list_manifests()) == 1
+
+
+async def test_a_segment_put_to_replace_is_written_over_the_stored_one(tmp_path: Path) -> None:
+    target = FolderTarget(FolderStore(tmp_path / "t"))
+    name = os.urandom(32).hex()
+    await target.put_segment(name, _chunks(b"bad"))
+    await target.put_manifest(new_id("backup"), b"sealed", [name])
+    await target.put_segment(name, _chunks(b"kept?"))
+    await target.put_segment(name, _chunks(b"good"), replace=True)
+    await target.put_manifest(new_id("backup"), b"sealed", [name])
+    assert await _read(target, name) == b"good"
