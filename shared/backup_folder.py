@@ -56,7 +56,7 @@ class FolderTarget(StoreTarget):
         a file): otherwise a listing reads as "no backups" and a write fails on a
         missing parent with an error that names neither."""
         root = self._folder.root
-        if not root.is_dir():
+        if self._folder.root_made and not root.is_dir():
             raise InvalidState(
                 f"backup folder {root}",
                 "gone (moved, deleted or replaced by a file); put it back, or set"

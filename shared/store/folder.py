@@ -138,6 +138,11 @@ class FolderStore(StoreBase):
         await asyncio.to_thread(store._ensure_root)
         return store
 
+    @property
+    def root_made(self) -> bool:
+        """Whether the root was made or found (opened, or written to) by this store."""
+        return self._root_ready
+
     async def __aenter__(self) -> FolderStore:
         await asyncio.to_thread(self._ensure_root)
         return self
