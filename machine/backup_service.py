@@ -15,6 +15,7 @@ import dataclasses
 import datetime as dt
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Awaitable, Callable
@@ -54,13 +55,17 @@ _RETRY_MAX: Final = 3600.0
 _RELIST: Final = 60.0
 
 
+_DAILY_TIME: Final = re.compile(r"([01]?[0-9]|2[0-3]):([0-5][0-9])", re.ASCII)
+
+
 def parse_daily_time(text: str, field: str = "backup_time") -> dt.time:
     """``HH:MM`` (24-hour, local time) for the daily backup."""
-    try:
-        hour, minute = (int(p) for p in text.split(":"))
-        return dt.time(hour, minute)
-    except ValueError:
-        raise InvalidArgument(field, f"{text[:16]!r} is not a time of day as HH:MM") from None
+    # ASCII digits, two for the minutes: int() would take "03:3", " 3:30" or other
+    # scripts' digits.
+    match = _DAILY_TIME.fullmatch(text)
+    if match is None:
+        raise InvalidArgument(field, f"{text[:16]!r} is not a time of day as HH:MM (00:00-23:59)")
+    return dt.time(int(match[1]), int(match[2]))
 
 
 class BackupMetrics:

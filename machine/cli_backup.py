@@ -47,15 +47,20 @@ _CHUNK = 256 * 1024
 
 def _recovery(args: argparse.Namespace) -> BoxKeyPair | None:
     """The key pair of ``--recovery-key FILE``, if given."""
-    if not getattr(args, "recovery_key", None):
+    given = getattr(args, "recovery_key", None)
+    if given is None:
         return None
-    return read_recovery_key(Path(args.recovery_key))
+    if not given:  # "$KEY" of an unset variable: never the machine's own key instead
+        raise UsageError("--recovery-key: empty; name the file that holds the key")
+    return read_recovery_key(Path(given))
 
 
 def _from_dir(args: argparse.Namespace) -> str:
     folder = getattr(args, "from_dir", None)
-    if not folder:
+    if folder is None:
         return ""
+    if not folder:  # "$DIR" of an unset variable: never the configured target instead
+        raise UsageError("--from: empty; name the backup folder")
     path = Path(folder).expanduser().absolute()
     if not path.is_dir():
         raise UsageError(f"--from: {folder} is not a folder")
@@ -108,7 +113,8 @@ def _short(problem: str) -> str:
 
 async def backup_list(ctx: Ctx) -> int:
     """``backup list [--from DIR]``: newest first."""
-    backups = await call(ctx, lambda c: c.list_backups(_from_dir(ctx.args)))
+    from_dir = _from_dir(ctx.args)
+    backups = await call(ctx, lambda c: c.list_backups(from_dir))
     rows = [
         [b.id, when(b.created_at), str(b.agents) if b.opens else "?",
          str(b.segments) if b.opens else "?", "yes" if b.opens else f"no ({_short(b.problem)})"]
@@ -206,6 +212,10 @@ async def cmd_export(ctx: Ctx) -> int:
         raise UsageError(
             "export: name agents (AGENT…) or --folder F", f"{ctx.prog} agent list --all"
         )
+    if args.output is not None and args.output in ("", "-"):
+        # Not stdout: an export holds whole conversations and is made private
+        # (0600) and whole or not at all, which a terminal or pipe is not.
+        raise UsageError(f"export: -o {args.output!r}: name the file to write (.tar.gz)")
     dest = Path(args.output or f"agents-export-{time.strftime('%Y%m%d-%H%M%S')}.tar.gz").absolute()
     if dest.exists():
         raise UsageError(f"export: {dest} exists; refusing to overwrite it")

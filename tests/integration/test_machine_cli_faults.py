@@ -294,3 +294,22 @@ def test_import_of_what_is_no_export_file_is_refused_before_anything_is_sent(
     }
     for name, says in cases.items():
         one_line_error(cli(tmp_path / "data", "import", name), says)
+
+
+def test_an_empty_option_value_is_refused_not_taken_as_not_given(tmp_path: Path) -> None:
+    """``--from "$DIR"`` with DIR unset must not read the configured target, nor an
+    empty ``--recovery-key`` fall back to the machine's own key; ``-o -`` is not
+    a file named "-"."""
+    data = tmp_path / "data"
+    backup = "bk_01m8v23psxnftfa8rbt9mkf1b3"
+    agent = "ag_01m8v0gjpnzxga8nkqt8mhhs1n"
+    cases = [
+        (("backup", "list", "--from", ""), "--from: empty"),
+        (("backup", "restore", backup, "--from", ""), "--from: empty"),
+        (("backup", "verify", backup, "--recovery-key", ""), "--recovery-key: empty"),
+        (("export", agent, "-o", "-"), "name the file to write"),
+        (("export", agent, "-o", ""), "name the file to write"),
+    ]
+    for args, says in cases:
+        one_line_error(cli(data, *args), says)
+    assert not list(tmp_path.glob("-")) and not (Path.cwd() / "-").exists()

@@ -134,7 +134,7 @@ def test_next_run_is_the_next_local_time_of_day(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("bad", ["25:00", "3", "x:y", ""])
+@pytest.mark.parametrize("bad", ["25:00", "3", "x:y", "", "03:3", " 3:30", "１２:００", "3:30:00"])
 def test_bad_daily_time(bad: str) -> None:
     with pytest.raises(InvalidArgument, match="backup_time"):
         parse_daily_time(bad)
@@ -318,3 +318,8 @@ async def test_a_day_of_failed_backups_starts_the_next_day_over_and_odd_errors_d
     last = next(i for i in range(6, len(waits)) if waits[i] != 3600)
     assert sum(waits[: last + 1]) == 86400 + 60  # that wait ends at the next 03:30
     assert waits[last + 1 : last + 3] == [300, 600], waits
+
+
+def test_daily_time_with_one_hour_digit() -> None:
+    assert parse_daily_time("3:30") == dt.time(3, 30)
+    assert parse_daily_time("23:59") == dt.time(23, 59)
