@@ -55,6 +55,7 @@ from shared.ids import id_time_ms, new_id
 __all__ = [
     "KEEP_MAX",
     "KEEP_MIN",
+    "NOT_OURS",
     "AgentItem",
     "BackupEngine",
     "BackupResult",
@@ -74,7 +75,8 @@ KEEP_MAX: Final = 10
 _CACHE_FILE: Final = "segment-cache.json"
 _DAMAGED_FILE: Final = "damaged-segments.json"
 #: shared.crypto's reason when a sealed object names none of the opener's keys.
-_NOT_OURS: Final = "not sealed to this key"
+#: Why a sealed manifest does not open with a key that is not one of its recipients.
+NOT_OURS: Final = "not sealed to this key"
 #: Agents read, hashed, compressed and encrypted at once (a machine has few cores).
 PARALLEL: Final = 3
 _READ: Final = SEGMENT_CHUNK
@@ -466,7 +468,7 @@ class BackupEngine:
             except IntegrityError as e:
                 logger.warning("backup %s does not open: %s", info.backup_id, e)
                 reason = getattr(e, "reason", "") or e.message
-                problem = "another key" if reason == _NOT_OURS else f"refused: {reason}"
+                problem = "another key" if reason == NOT_OURS else f"refused: {reason}"
                 out.append((info, None, problem))
         return out
 

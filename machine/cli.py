@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 from machine import cli_agents as agents
 from machine import cli_backup as backup
 from machine import cli_schedules as schedules
+from machine.backup import NOT_OURS
 from machine.backup_service import BackupStatus
 from machine.cli_common import PROG, Ctx, call, human, prog_of, show_record, when
 from machine.client import DaemonNotRunning
@@ -536,6 +537,8 @@ def _hint(err: BaseException, prog: str) -> str | None:
         return f"{prog} agent unarchive ID"
     if isinstance(err, ConfigError):
         return f"{PROG} serve --help"
+    if NOT_OURS in str(err):  # a backup of another machine's key (a lost one's)
+        return f"{prog} backup restore|verify ID --recovery-key FILE"
     return None
 
 

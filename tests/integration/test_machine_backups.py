@@ -157,7 +157,9 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
     with proc:
         # Without the recovery key, a new machine's own key does not open it; nor does
         # another recovery key.
-        _refused(run_cli(data, "backup", "restore", ids[0], "--from", str(copy)), 1)
+        own_key = run_cli(data, "backup", "restore", ids[0], "--from", str(copy))
+        _refused(own_key, 1, "not sealed to this key")
+        assert "Try: " in own_key.stderr and "--recovery-key FILE" in own_key.stderr
         assert "no (another key)" in _ok(run_cli(data, "backup", "list", "--from", str(copy)))
         listed = json.loads(_ok(run_cli(data, "--json", "backup", "list", "--from", str(copy))))
         assert [(b["opens"], b["problem"]) for b in listed["backups"]] == [(False, "another key")]
