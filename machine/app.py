@@ -12,11 +12,13 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from machine import identity, tables
 from machine.agents import AgentsService
@@ -301,29 +303,49 @@ async def _read_backup_owner(folder_store: FolderStore, folder: Path) -> str:
 
 def check_backup_folder(folder: Path, data_dir: Path) -> None:
     """Refuse a configured backup folder that is not one to make private and sweep:
-    a file, the data folder or a folder holding it, the keys folder (a copy of the
-    backups would carry the private keys), or a folder with other files in it."""
+    a file, the data folder or a folder holding it, one of the daemon's own
+    folders in it (``keys/``: a copy of the backups would carry the private keys),
+    or a folder with other files in it (a new disk's ``lost+found`` and what a
+    first start that stopped midway leaves, hidden temp and lock files, are not
+    others)."""
 
     def refuse(why: str) -> ConfigError:
         return ConfigError("backup_dir", f"{folder}: {why}")
 
-    where, data = folder.resolve(), data_dir.resolve()
-    if where.exists() and not where.is_dir():
-        raise refuse("not a folder")
-    if data.is_relative_to(where):
-        raise refuse("holds the data folder; give the backups a folder of their own")
-    if where.is_relative_to(data / "keys"):
-        raise refuse("inside the keys folder; a copy of the backups would carry the keys")
-    if where.is_dir() and not (where / _OWNER_KEY).is_file():
-        try:
+    try:
+        where, data = folder.resolve(), data_dir.resolve()
+        if where.exists() and not where.is_dir():
+            raise refuse("not a folder")
+        if data.is_relative_to(where):
+            raise refuse("holds the data folder; give the backups a folder of their own")
+        if where.is_relative_to(data / "keys"):
+            raise refuse("inside the keys folder; a copy of the backups would carry the keys")
+        if any(where.is_relative_to(data / own) for own in _DAEMON_FOLDERS):
+            raise refuse("one of the daemon's own folders; give the backups a folder of their own")
+        if where.is_dir() and not (where / _OWNER_KEY).is_file():
             with os.scandir(where) as entries:
-                other = next(iter(entries), None)
-        except OSError as e:
-            raise refuse(f"cannot be read ({e.strerror})") from None
-        if other is not None:
-            raise refuse(
-                f"not empty and not a backup folder (no {_OWNER_KEY}); give an empty or new folder"
-            )
+                others = [e.name for e in entries if not _ignorable(e.name)]
+            if others:
+                raise refuse(
+                    f"not empty and not a backup folder (no {_OWNER_KEY}); give an empty or"
+                    " new folder"
+                )
+    except OSError as e:
+        raise refuse(f"cannot be read ({e.strerror or e})") from None
+
+
+#: The daemon's own folders in the data folder, never a backup folder.
+_DAEMON_FOLDERS: Final = ("attachments", "backup-work", "Incoming", "Outgoing")
+
+
+def _ignorable(name: str) -> bool:
+    """In a would-be backup folder: a new file system's lost+found, or the store's
+    lock file and machine.json's temp file (a first start that stopped midway)."""
+    return name in ("lost+found", ".lock") or _OWNER_TEMP.fullmatch(name) is not None
+
+
+#: machine.json's temp file while it is written (shared.atomic's naming).
+_OWNER_TEMP: Final = re.compile(r"\.machine\.json\.[0-9a-f]{12}\.tmp")
 
 
 async def _record_backup_owner(folder_store: FolderStore, folder: Path, machine_id: str) -> None:

@@ -220,6 +220,13 @@ def decode_checked(
     return total
 
 
+def _stored_bound(plain_size: int) -> int:
+    """The most a segment of ``plain_size`` bytes can take stored: zstd's bound for
+    incompressible input, plus the encryption's header and per-chunk overhead."""
+    compressed = plain_size + plain_size // 128 + 4096
+    return compressed + (compressed // SEGMENT_CHUNK + 2) * 64 + 1024
+
+
 def _missing(name: str) -> IntegrityError:
     """A segment a backup names that its target does not have: the backup does not
     restore whole (an integrity failure, not a request for something unknown)."""
@@ -263,7 +270,7 @@ class BackupEngine:
         self.keep = validate_keep(keep)
         self._clock = clock
         self._lock = asyncio.Lock()
-        self._mend = mend
+        self._mend = mend and target.replaces_segments
 
     def seal_to(self, recipients: list[bytes]) -> None:
         """Seal later manifests to ``recipients`` (a recovery key was just made)."""
@@ -293,6 +300,13 @@ class BackupEngine:
         except (OSError, ValueError):
             return set()
         return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+
+    def _forget_damaged(self, names: set[str]) -> None:
+        left = self._damaged() - names
+        if left:
+            write_atomic(self._work / _DAMAGED_FILE, json.dumps(sorted(left)).encode())
+        else:
+            (self._work / _DAMAGED_FILE).unlink(missing_ok=True)
 
     def _note_damaged(self, name: str) -> None:
         if not self._mend:
@@ -423,8 +437,9 @@ class BackupEngine:
         await self._target.put_manifest(backup_id, blob, [r.name for r in refs])  # commit point
         if damaged:
             # Sent again if this backup names them; if not, only older backups
-            # do, and they go with those backups' prune.
-            (self._work / _DAMAGED_FILE).unlink(missing_ok=True)
+            # do, and they go with those backups' prune. A name a verify noted
+            # while this backup ran stays for the next one.
+            self._forget_damaged(damaged)
         markers = {a.agent_id: a.marker for a in agents}
         self._save_cache(
             {
@@ -516,10 +531,13 @@ class BackupEngine:
         """The stored bytes of ``ref``, refused past the size its manifest names (a
         target that sends more must not fill the disk or the memory first)."""
         size = 0
+        # The size the backup recorded, or more if the segment was made again
+        # since (mended: another zstd may have compressed it a little worse).
+        limit = max(ref.size, _stored_bound(ref.plain_size))
         try:
             async for chunk in self._target.get_segment(ref.name):
                 size += len(chunk)
-                if size > ref.size:
+                if size > limit:
                     raise IntegrityError(
                         f"segment {ref.name[:16]}",
                         f"longer than the {ref.size} bytes its backup names",

@@ -31,8 +31,9 @@ from shared.crypto import (
     decode_public_key,
     encode_private_key,
     encode_public_key,
+    seal_bytes,
 )
-from shared.errors import AgentsError, ConfigError, InvalidState
+from shared.errors import AgentsError, ConfigError, InvalidArgument, InvalidState
 
 __all__ = [
     "BackupKeys",
@@ -137,6 +138,10 @@ def keep_standalone_recovery_key(data_dir: Path, public_key: bytes) -> None:
     that could not be printed is never used). Refused as
     :func:`new_standalone_recovery_key` is."""
     path = _may_make_recovery_key(data_dir)
+    try:
+        seal_bytes(b"check", [public_key])  # every later backup is sealed to it
+    except InvalidArgument:
+        raise InvalidArgument("public_key", "not a usable X25519 public key") from None
     write_atomic(path, (encode_public_key(public_key) + "\n").encode())
 
 

@@ -49,6 +49,9 @@ _TRANSFER_TIMEOUT: Final = 3600.0
 class ControlPlaneTarget:
     """A :class:`~shared.backup_target.BackupTarget` kept by the control plane."""
 
+    #: The control plane keeps a stored segment as it is (create-once).
+    replaces_segments = False
+
     def __init__(
         self,
         client: LinkClient,

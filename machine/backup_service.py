@@ -281,22 +281,26 @@ class BackupService:
                     self._metrics.last_success.set(manifest.created_at)
                 return
 
-    async def restore_check(self) -> RestoreCheck:
-        """Open the newest backup, authenticate every chunk, compare with the live data.
+    async def restore_check(self, backup_id: str | None = None) -> RestoreCheck:
+        """Open a backup (``backup_id``: the one just made; else the newest listed),
+        authenticate every chunk, compare with the live data.
 
         Every agent the backup holds must still be on this machine (or have
-        been erased since); a backup that cannot be opened whole fails.
+        been erased since); a backup that cannot be opened whole fails. After a
+        backup its own id is checked: a newer one listed may not be this
+        machine's (planted, another key's).
         """
         started = time.monotonic()
         at = self._clock()
-        backups = await self.engine.list()
-        if not backups:
+        if backup_id is None:
+            backups = await self.engine.list()
+            backup_id = backups[-1][0].backup_id if backups else None
+        if backup_id is None:
             check = RestoreCheck(False, "", at, 0.0, "no backup to check")
         else:
-            info, _ = backups[-1]
             try:
-                verified: VerifyResult = await self.engine.verify(info.backup_id)
-                manifest = await self.engine.open(info.backup_id)
+                verified: VerifyResult = await self.engine.verify(backup_id)
+                manifest = await self.engine.open(backup_id)
                 agents = {s.ref for s in manifest.segments if s.kind == "agent"}
                 live = await self._db.read(
                     lambda c: (
@@ -311,9 +315,9 @@ class BackupService:
                     if missing
                     else ""
                 )
-                check = RestoreCheck(not missing, info.backup_id, at, verified.seconds, problem)
+                check = RestoreCheck(not missing, backup_id, at, verified.seconds, problem)
             except (IntegrityError, AgentsError) as e:
-                check = RestoreCheck(False, info.backup_id, at, time.monotonic() - started, str(e))
+                check = RestoreCheck(False, backup_id, at, time.monotonic() - started, str(e))
         self._last_check = check
         if self._metrics:
             self._metrics.check_ok.set(1 if check.ok else 0)
@@ -394,7 +398,7 @@ class BackupService:
             if self._clock() < due:
                 continue
             try:
-                await self.backup_now()
+                made = await self.backup_now()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -411,7 +415,7 @@ class BackupService:
                 continue
             retry, due = _RETRY_FIRST, self.next_run()
             try:
-                await self.restore_check()
+                await self.restore_check(made.backup_id)
             except Exception:  # the backup stands; the check runs again tomorrow
                 logger.exception("the restore check could not run")
 

@@ -26,7 +26,7 @@ from shared.cli import (
     stdout_writable,
 )
 from shared.crypto import BoxKeyPair, encode_private_key, encode_public_key
-from shared.errors import AgentsError, InvalidState, TransientError
+from shared.errors import AgentsError, InvalidArgument, InvalidState, TransientError
 from shared.ids import validate_id
 from shared.recovery_key import read_recovery_key
 
@@ -183,10 +183,23 @@ async def backup_recovery_key(ctx: Ctx) -> int:
     except StdoutError as e:
         raise AgentsError(f"backup recovery-key: {e}; nothing was made") from None
     try:
-        await call(ctx, lambda c: c.create_recovery_key(public))
-    except BaseException:
+        kept = await call(ctx, lambda c: c.create_recovery_key(public))
+    except (InvalidState, InvalidArgument):
         ctx.out.note("The key printed above was NOT kept by the machine: discard it.")
         raise
+    except BaseException:
+        ctx.out.note(
+            "The key printed above may have been kept: keep it until "
+            f"`{ctx.prog} status` shows whether the machine has a recovery key."
+        )
+        raise
+    if kept.public_key != public:
+        # A daemon older than this CLI makes a pair of its own (it does not know
+        # the field): the one in use is not the one printed.
+        raise AgentsError(
+            "backup recovery-key: the daemon kept a key other than the one printed"
+            " (is it older than this CLI? restart it); the printed key opens nothing"
+        )
     ctx.out.note(*recovery_key_note(ctx.prog))
     return ExitCode.OK
 

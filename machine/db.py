@@ -495,7 +495,8 @@ class Database:
             return
         finally:
             if bulk:
-                conn.execute(f"PRAGMA wal_autocheckpoint = {_AUTOCHECKPOINT}")
+                with contextlib.suppress(sqlite3.Error):  # the commit stands either way
+                    conn.execute(f"PRAGMA wal_autocheckpoint = {_AUTOCHECKPOINT}")
         elapsed = time.perf_counter() - start
         # Callers first: the data is committed whatever the observer does.
         for job, result, error in outcomes:

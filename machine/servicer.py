@@ -228,7 +228,7 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
 
         async def run() -> pb.Backup:
             result = await service.backup_now(progress)
-            check = await service.restore_check()
+            check = await service.restore_check(result.backup_id)
             problem = "" if check.ok else f"its restore check failed: {check.problem}"
             return codec.backup_result_to_pb(result, problem)
 
@@ -284,10 +284,8 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
     ) -> pb.CreateRecoveryKeyResponse:
         backups = self._m.require_backups()
         if request.public_key:
-            try:
-                public_key = decode_public_key(request.public_key)
-            except ValueError:
-                raise InvalidArgument("public_key", "not a recovery public key (agpk1_…)") from None
+            # InvalidArgument naming public_key when malformed or unusable.
+            public_key = decode_public_key(request.public_key)
             backups.keep_recovery_key(public_key)
             return pb.CreateRecoveryKeyResponse(public_key=encode_public_key(public_key))
         pair = backups.create_recovery_key()

@@ -120,6 +120,10 @@ class BackupTarget(Protocol):
     target that cannot open manifests (the control plane) can still prune.
     """
 
+    #: Whether ``put_segment(replace=True)`` writes over a stored segment (a
+    #: damaged one is then mended by the next backup).
+    replaces_segments: bool
+
     async def have_segments(self, names: Iterable[str]) -> dict[str, int]:
         """Which of ``names`` are stored already, with their stored sizes."""
         ...
@@ -173,6 +177,8 @@ class StoreTarget:
     names list without its manifest is debris of a crashed backup; prune
     removes it with the segments only it named.
     """
+
+    replaces_segments = True
 
     def __init__(
         self,

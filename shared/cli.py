@@ -271,6 +271,10 @@ def run_main(
         _report(prog, interrupted, None)
         return ExitCode.INTERRUPTED
     except (UsageError, AgentsError) as exc:
+        if isinstance(exc, StdoutError):
+            # What stdout refused stays buffered: the interpreter's last flush
+            # would fail again ("Exception ignored", exit 120).
+            _silence_stdout()
         code = exit_code_for(exc) or ExitCode.FAILED
         message = message_for(exc) or (exc.message if isinstance(exc, UsageError) else str(exc))
         hint = exc.hint if isinstance(exc, UsageError) else hint_for(exc)

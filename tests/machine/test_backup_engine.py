@@ -322,7 +322,9 @@ async def test_a_target_sending_more_than_a_segment_holds_is_refused(
     async def padded(name: str) -> AsyncIterator[bytes]:
         async for chunk in real(name):
             yield chunk
-        yield b"\0" * 1024  # a hostile or broken target: more than the manifest names
+        # A hostile or broken target: more than any segment of its plaintext size
+        # could take (a segment made again may be a little larger than recorded).
+        yield b"\0" * (4 * 1024 * 1024)
 
     monkeypatch.setattr(target, "get_segment", padded)
     with pytest.raises(IntegrityError, match="longer than the .* bytes its backup names"):

@@ -10,11 +10,17 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from machine.app import Machine, open_machine
-from machine.backup_keys import load_backup_keys, new_standalone_recovery_key
+from machine.backup_keys import (
+    keep_standalone_recovery_key,
+    load_backup_keys,
+    new_standalone_recovery_key,
+)
 from machine.backup_service import BackupMetrics, BackupService, parse_daily_time, same_device
 from machine.config import MachineConfig
 from shared.backup_target import ManifestInfo, PruneResult, StoreTarget
+from shared.crypto import BoxKeyPair
 from shared.errors import InvalidArgument, InvalidState, TransientError
+from shared.ids import id_time_ms, new_id
 from shared.store.folder import FolderStore
 
 
@@ -170,6 +176,8 @@ async def test_staging_left_by_a_killed_run_is_removed_at_start(tmp_path: Path) 
 class _Flaky:
     """A BackupTarget that is down (TransientError) while ``down`` is set."""
 
+    replaces_segments = True
+
     def __init__(self, inner: StoreTarget) -> None:
         self.inner = inner
         self.down = False
@@ -323,3 +331,28 @@ async def test_a_day_of_failed_backups_starts_the_next_day_over_and_odd_errors_d
 def test_daily_time_with_one_hour_digit() -> None:
     assert parse_daily_time("3:30") == dt.time(3, 30)
     assert parse_daily_time("23:59") == dt.time(23, 59)
+
+
+def test_an_unusable_recovery_public_key_is_not_kept(tmp_path: Path) -> None:
+    """All zeros (a low-order point): every later backup would fail to seal to it."""
+    data = tmp_path / "d"
+    data.mkdir()
+    with pytest.raises(InvalidArgument, match="public_key: not a usable X25519 public key"):
+        keep_standalone_recovery_key(data, bytes(32))
+    assert not (data / "keys" / "recovery.pub").exists()
+    keep_standalone_recovery_key(data, BoxKeyPair.generate().public_key)
+    assert load_backup_keys(data).recovery_public_key is not None
+
+
+async def test_the_check_after_a_backup_is_of_that_backup_not_a_newer_planted_one(
+    tmp_path: Path,
+) -> None:
+    async with open_machine(_config(tmp_path / "m")) as m:
+        await _agent(m, tmp_path, "hello")
+        service = _service(m, tmp_path / "target", CollectorRegistry())
+        made = await service.backup_now()
+        planted = new_id("backup", now_ms=id_time_ms(made.backup_id) + 3_600_000)
+        await StoreTarget(FolderStore(tmp_path / "target")).put_manifest(planted, b"junk", [])
+        assert not (await service.restore_check()).ok, "the newest listed does not open"
+        check = await service.restore_check(made.backup_id)
+        assert check.ok and check.backup_id == made.backup_id

@@ -93,6 +93,8 @@ def test_backup_folder_refusals_leave_the_folder_as_it_was(tmp_path: Path) -> No
         data: "holds the data folder",
         tmp_path: "holds the data folder",
         data / "keys" / "b": "inside the keys folder",
+        data / "attachments": "one of the daemon's own folders",
+        data / "backup-work" / "b": "one of the daemon's own folders",
         home: "not empty and not a backup folder",
     }
     for folder, why in refusals.items():
@@ -104,6 +106,12 @@ def test_backup_folder_refusals_leave_the_folder_as_it_was(tmp_path: Path) -> No
     check_backup_folder(data / "backups", data)
     (tmp_path / "empty").mkdir()
     check_backup_folder(tmp_path / "empty", data)
+    # A new disk's root, and a first start that stopped before writing machine.json.
+    disk = tmp_path / "disk"
+    (disk / "lost+found").mkdir(parents=True)
+    (disk / ".lock").write_text("")
+    (disk / ".machine.json.0123456789ab.tmp").write_text("{")
+    check_backup_folder(disk, data)
     (home / "machine.json").write_text("{}")
     check_backup_folder(home, data)
 
