@@ -23,8 +23,10 @@ import pytest
 from controlplane.drill import Drill
 from controlplane.fencing import EPOCH_KEY
 from controlplane.keys import load_home_keys
+from shared.errors import InvalidState
 from tests.helpers.control_proc import agents_control_exe, recovery_key_path, run_init, s3_env
 from tests.helpers.fault_proxy import crash_proxy
+from tests.helpers.poll import apoll_until
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +107,19 @@ async def test_restore_from_the_bucket_brings_every_machine_back_without_a_join(
         assert report.prompts_queued == 6 and report.prompts_delivered == 6, report
         assert {m.machine_id: drill.identity(m) for m in drill.machines} == before
         assert load_home_keys(drill.home) == keys
-        assert backup_id in drill.machine_cli(backed_up, "backup", "list", "--json")
+
+        # The backup link's channel reconnects on its own schedule (at most every
+        # few seconds, machine.link_client), not with the machine's link.
+        def listed_again() -> str | None:
+            try:
+                return drill.machine_cli(backed_up, "backup", "list", "--json")
+            except InvalidState:
+                return None
+
+        listing = await apoll_until(
+            listed_again, deadline=30, what="the backup listed again", step=0.5
+        )
+        assert backup_id in listing
         drill.machine_cli(backed_up, "backup", "verify", backup_id)
         print(f"\nDR on moto, {MACHINES} machines: {report.to_dict()}")
 
