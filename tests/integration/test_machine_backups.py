@@ -23,7 +23,13 @@ import pytest
 from machine.backup_format import manifest_aad
 from machine.cli_common import human
 from shared.backup_target import manifest_key
-from shared.crypto import BoxKeyPair, decode_private_key, decode_public_key, seal_bytes
+from shared.crypto import (
+    BoxKeyPair,
+    decode_private_key,
+    decode_public_key,
+    encode_public_key,
+    seal_bytes,
+)
 from shared.ids import new_id
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
@@ -103,8 +109,18 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
 ) -> None:
     data = tmp_path / "data"
     key_file = tmp_path / "recovery.key"
-    with machine_proc():
+    with machine_proc() as proc:
         agents = _populate(data, tmp_path / "work")
+        # A public key the caller made that is malformed or unusable: INVALID_ARGUMENT
+        # naming it, and none kept.
+        with grpc.insecure_channel(proc.target) as channel:
+            stub = pb_grpc.MachineServiceStub(channel)
+            for bad in ("agpk1_nonsense", "agsk1_" + "A" * 48, encode_public_key(bytes(32))):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.CreateRecoveryKey(pb.CreateRecoveryKeyRequest(public_key=bad))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "public_key" in (refused.value.details() or "")
+        assert not (data / "keys" / "recovery.pub").exists()
         # A stdout that fails on write (a full disk): the key could not be shown,
         # so none is kept and backups are not sealed to it.
         with open("/dev/full", "w") as full:
