@@ -148,9 +148,13 @@ class MachineBackups:
         name: str,
         data: AsyncIterable[bytes],
         declared: int | None = None,
+        *,
+        replace: bool = False,
     ) -> int:
         """Store a segment streamed by the machine; returns the bytes stored
-        (0 when a segment of that name is stored already: names are content hashes).
+        (0 when a segment of that name is stored already: names are content hashes),
+        unless ``replace``: the machine found the stored copy damaged and sends
+        it again. The new bytes take the old ones' place whole, or not at all.
 
         The stream must hold exactly ``declared`` bytes when given: a short or
         long stream raises inside the upload, so the store keeps nothing of it.
@@ -160,11 +164,12 @@ class MachineBackups:
         if declared is not None and declared > limit:
             raise TooLarge("segment", limit, declared)
         target = self.target(account_id, machine_id)
-        try:
-            await self._store.head(backups_prefix(account_id, machine_id) + segment_key(name))
-            return 0
-        except NotFound:
-            pass
+        if not replace:
+            try:
+                await self._store.head(backups_prefix(account_id, machine_id) + segment_key(name))
+                return 0
+            except NotFound:
+                pass
         size = 0
 
         async def bounded() -> AsyncIterator[bytes]:
@@ -177,7 +182,7 @@ class MachineBackups:
             if declared is not None and size != declared:
                 raise InvalidArgument("chunk", f"segment ended at {size} of {declared} bytes")
 
-        await target.put_segment(name, bounded())
+        await target.put_segment(name, bounded(), replace=replace)
         await self._unless_gone(
             account_id, [backups_prefix(account_id, machine_id) + segment_key(name)]
         )

@@ -238,7 +238,12 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
                 yield msg.chunk
 
         stored = await backups.put_segment(
-            account, machine, first.header.hash, chunks(), declared=first.header.size or None
+            account,
+            machine,
+            first.header.hash,
+            chunks(),
+            declared=first.header.size or None,
+            replace=first.header.replace,
         )
         if stored:
             self._metrics.backup_stored_bytes.labels("segment").inc(stored)

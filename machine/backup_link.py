@@ -49,8 +49,9 @@ _TRANSFER_TIMEOUT: Final = 3600.0
 class ControlPlaneTarget:
     """A :class:`~shared.backup_target.BackupTarget` kept by the control plane."""
 
-    #: The control plane keeps a stored segment as it is (create-once).
-    replaces_segments = False
+    #: The control plane writes over a stored segment when asked (PutSegment's
+    #: ``replace``): one found damaged there is mended by the next backup.
+    replaces_segments = True
 
     def __init__(
         self,
@@ -89,11 +90,9 @@ class ControlPlaneTarget:
     async def put_segment(
         self, name: str, data: AsyncIterable[bytes], *, replace: bool = False
     ) -> None:
-        # ``replace`` is not asked for: the control plane keeps a stored segment
-        # as it is (create-once), so a damaged one there stays damaged.
         try:
             # Size 0: the engine seals as it streams and does not know it yet.
-            await self._client.put_segment(name, 0, data, timeout=self._transfer)
+            await self._client.put_segment(name, 0, data, timeout=self._transfer, replace=replace)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
 

@@ -450,12 +450,20 @@ class LinkClient:
         return dict(zip(reply.present, reply.present_sizes, strict=False))
 
     async def put_segment(
-        self, name: str, size: int, data: AsyncIterable[bytes], *, timeout: float
+        self,
+        name: str,
+        size: int,
+        data: AsyncIterable[bytes],
+        *,
+        timeout: float,
+        replace: bool = False,
     ) -> int:
-        """Upload one sealed segment of ``size`` bytes; returns the bytes stored."""
+        """Upload one sealed segment of ``size`` bytes (over the stored one when
+        ``replace``: it was found damaged); returns the bytes stored."""
 
         async def messages() -> AsyncIterator[link_pb2.PutSegmentRequest]:
-            yield link_pb2.PutSegmentRequest(header=link_pb2.SegmentHeader(hash=name, size=size))
+            header = link_pb2.SegmentHeader(hash=name, size=size, replace=replace)
+            yield link_pb2.PutSegmentRequest(header=header)
             async for chunk in data:
                 yield link_pb2.PutSegmentRequest(chunk=chunk)
 

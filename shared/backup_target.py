@@ -133,8 +133,8 @@ class BackupTarget(Protocol):
     ) -> None:
         """Store a segment; a segment already stored under ``name`` is kept as it is,
         unless ``replace`` (its stored copy was found damaged: it fails to
-        authenticate). A target that cannot replace keeps it (the control plane's
-        segments are create-once)."""
+        authenticate). A target that cannot replace (``replaces_segments``
+        false) keeps it."""
         ...
 
     async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:

@@ -106,6 +106,27 @@ async def test_segment_stream_must_match_its_declared_size_and_is_stored_once() 
         await backups.have_segments(ACCT, machine, [name] * 10_001)
 
 
+async def test_replace_writes_over_a_stored_segment_whole_or_not_at_all() -> None:
+    """A machine that found its stored copy damaged sends it again with ``replace``:
+    the new bytes take its place; a failed upload leaves the old copy; another
+    machine's segment of the same name is not touched."""
+    store = MemoryStore()
+    backups = MachineBackups(store)
+    machine, other, name = new_id("machine"), new_id("machine"), os.urandom(32).hex()
+    key = backups_prefix(ACCT, machine) + segment_key(name)
+    assert await backups.put_segment(ACCT, machine, name, _chunks(b"damaged!")) == 8
+    assert await backups.put_segment(ACCT, other, name, _chunks(b"theirs")) == 6
+    assert await backups.put_segment(ACCT, machine, name, _chunks(b"good")) == 0
+    assert (await store.get(key)) == b"damaged!"
+    with pytest.raises(InvalidArgument):
+        await backups.put_segment(ACCT, machine, name, _chunks(b"short"), declared=9, replace=True)
+    assert (await store.get(key)) == b"damaged!"
+    assert await backups.put_segment(ACCT, machine, name, _chunks(b"go", b"od"), replace=True) == 4
+    assert (await store.get(key)) == b"good"
+    assert await backups.have_segments(ACCT, machine, [name]) == {name: 4}
+    assert await backups.have_segments(ACCT, other, [name]) == {name: 6}
+
+
 async def test_an_upload_that_outlasts_its_accounts_deletion_keeps_nothing() -> None:
     store = MemoryStore()
     deleting: set[str] = set()

@@ -279,3 +279,39 @@ async def test_a_backup_planted_in_the_bucket_is_refused_and_the_genuine_one_res
         f"accounts/{alice}/backups/{a_id}/manifests/{forged_id}.sealed",
         f"accounts/{alice}/backups/{a_id}/manifests/{forged_id}.names",
     }
+
+
+async def test_a_segment_damaged_in_the_bucket_is_mended_by_the_next_backup(
+    cp: ControlProc, tmp_path: Path, moto_endpoint: str, s3_bucket: str
+) -> None:
+    """A flipped byte in a segment the control plane keeps: verify fails naming it,
+    and the next backup sends that segment again over the bad copy (PutSegment
+    with ``replace``), so it and the older backup naming it restore again."""
+    account = await _account(cp, 7101)
+    machine_id, cert, key = await _machine(cp, account)
+    recovery = BoxKeyPair.generate()
+    source = FakeSource(tmp_path, 3)
+    s3 = _s3_client(moto_endpoint)
+    async with _link(cp, cert, key) as link:
+        engine = _engine(tmp_path, source, ControlPlaneTarget(link), machine_id, recovery)
+        first = await engine.backup_now()
+        segments = sorted(
+            o["Key"]
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket, Prefix="cp/")
+            for o in page.get("Contents", [])
+            if f"/backups/{machine_id}/segments/" in o["Key"]
+        )
+        assert len(segments) == first.segments
+        victim = segments[0]
+        data = bytearray(s3.get_object(Bucket=s3_bucket, Key=victim)["Body"].read())
+        data[len(data) // 2] ^= 1
+        s3.put_object(Bucket=s3_bucket, Key=victim, Body=bytes(data))
+        with pytest.raises(IntegrityError):
+            await engine.verify(first.backup_id, recovery)
+        second = await engine.backup_now()
+        assert second.uploaded == 1, "the damaged segment is sent again, nothing else"
+        still_damaged = s3.get_object(Bucket=s3_bucket, Key=victim)["Body"].read() == data
+        assert not still_damaged
+        for backup_id in (first.backup_id, second.backup_id):
+            await engine.verify(backup_id, recovery)
+        assert (await engine.backup_now()).uploaded == 0, "mended once, then reused"

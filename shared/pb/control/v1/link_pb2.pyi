@@ -654,21 +654,28 @@ class SegmentHeader(_message.Message):
 
     HASH_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
+    REPLACE_FIELD_NUMBER: _builtins.int
     hash: _builtins.str
     """The segment's keyed hash (64 lower-case hex chars)."""
     size: _builtins.int
     """Total size in bytes of the sealed segment; 0 when the sender streams it
     as it seals it and does not know yet (the size limit still applies).
     """
+    replace: _builtins.bool
+    """Write over a stored segment of this name. Segments are create-once
+    otherwise; the machine asks for this only when its stored copy failed to
+    authenticate (a damaged object), so that the backups naming it restore again.
+    """
     def __init__(
         self,
         *,
         hash: _builtins.str = ...,
         size: _builtins.int = ...,
+        replace: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hash", b"hash", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hash", b"hash", "replace", b"replace", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -680,7 +687,7 @@ class PutSegmentResponse(_message.Message):
 
     STORED_BYTES_FIELD_NUMBER: _builtins.int
     stored_bytes: _builtins.int
-    """Bytes stored (0 when the segment already existed)."""
+    """Bytes stored (0 when the segment already existed and replace was not set)."""
     def __init__(
         self,
         *,
