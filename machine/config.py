@@ -51,6 +51,8 @@ DEFAULT_BACKUP_KEEP = 3
 DEFAULT_BACKUP_TIME = "03:30"
 # Unix socket paths are limited to ~107 bytes on Linux (104 on macOS).
 _MAX_SOCKET_PATH = 100
+#: The longest shutdown grace accepted, in seconds.
+_MAX_GRACE = 3600.0
 
 
 def default_data_dir(env: Mapping[str, str], home: Path, platform: str | None = None) -> Path:
@@ -305,8 +307,13 @@ class MachineConfig:
             raise ConfigError("attachment_limit", "must be at least 1 byte")
         if not 1 <= self.event_retention_days <= 3650:
             raise ConfigError("event_retention_days", "must be between 1 and 3650")
-        if self.shutdown_grace_seconds < 0:
-            raise ConfigError("shutdown_grace_seconds", "must not be negative")
+        # Bounded (NaN fails the comparison too): the service manager kills the
+        # daemon after its own stop timeout anyway, and a day of grace is a typo.
+        if not 0 <= self.shutdown_grace_seconds <= _MAX_GRACE:
+            raise ConfigError(
+                "shutdown_grace_seconds",
+                f"must be 0 to {_MAX_GRACE:.0f} seconds, got {self.shutdown_grace_seconds!r}",
+            )
         if not 1 <= self.max_streams_per_client <= 100_000:
             raise ConfigError("max_streams_per_client", "must be 1 to 100000")
         if not 1 <= self.max_streams <= 100_000:

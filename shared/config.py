@@ -10,6 +10,8 @@ for each field.
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import tomllib
 from collections.abc import Callable, Mapping
@@ -55,7 +57,20 @@ def load_toml(path: Path | None, *, required: bool = False) -> dict[str, Any]:
 
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-               list: "a list"}  # fmt: skip
+               list: "a list", dict: "a table", datetime.datetime: "a date and time",
+               datetime.date: "a date", datetime.time: "a time of day"}  # fmt: skip
+
+
+def _as_toml(value: Any) -> str:
+    """``value`` as the file wrote it (a TOML time is 03:30:00, not datetime.time(3, 30))."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, int | float):
+        return repr(value)
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 def check_file(file: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]], path: Path) -> None:
@@ -78,7 +93,11 @@ def check_file(file: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]], 
             shown = [t for t in types if not (t is int and float in types)]
             wanted = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in shown)
             got = _TYPE_NAMES.get(type(value), type(value).__name__)
-            raise ConfigError(key, f"must be {wanted} in {path}, got {got}: {value!r}")
+            hint = ""
+            if str in types and not isinstance(value, str | list | dict):
+                hint = f' (TOML strings are in quotes: {key} = "…")'
+            as_written = _as_toml(value)
+            raise ConfigError(key, f"must be {wanted} in {path}, got {got}: {as_written}{hint}")
 
 
 def check_folder(path: Path, field: str) -> None:

@@ -50,6 +50,9 @@ def test_build_reads_file_and_env(tmp_path: Path) -> None:
         ("metrics_address", "10.0.0.1:9000"),
         ("prompt_limit", 0),
         ("event_retention_days", 0),
+        ("shutdown_grace_seconds", -1),
+        ("shutdown_grace_seconds", float("nan")),
+        ("shutdown_grace_seconds", 1e9),
     ],
 )
 def test_validate_names_the_bad_field(tmp_path: Path, field: str, value: object) -> None:
@@ -121,3 +124,27 @@ def test_backup_keep_from_env_is_checked(tmp_path: Path) -> None:
         MachineConfig.build(
             flags={"data_dir": str(tmp_path)}, env={"AGENTS_MACHINE_BACKUP_KEEP": "12"}, home=HOME
         )
+
+
+@pytest.mark.parametrize(
+    ("line", "shown"),
+    [
+        (
+            "backup_time = 03:30:00",
+            'a time of day: 03:30:00 (TOML strings are in quotes: backup_time = "…")',
+        ),
+        ("time_zone = 1979-05-27", "a date: 1979-05-27 (TOML strings are in quotes"),
+        ("backup_dir = true", "a boolean: true (TOML strings"),
+        ('backup_keep = "3"', 'an integer in FILE, got a string: "3"'),
+    ],
+)
+def test_a_value_of_the_wrong_toml_type_is_shown_as_the_file_wrote_it(
+    tmp_path: Path, line: str, shown: str
+) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "machine.toml").write_text(line + "\n")
+    with pytest.raises(ConfigError) as err:
+        MachineConfig.build(flags={"data_dir": str(data)}, env={}, home=HOME)
+    assert shown in str(err.value).replace(str(data / "machine.toml"), "FILE")
+    assert "datetime" not in str(err.value)
