@@ -441,7 +441,7 @@ async def _adopt(ctx: _Ctx) -> int:
 
 
 async def _restore(ctx: _Ctx) -> int:
-    recovery = read_recovery_key(Path(ctx.args.recovery_key))
+    recovery = read_recovery_key(Path(ctx.args.recovery_key), warn=ctx.out.note)
     result = await restore_home(ctx.cfg, recovery)
     data = {
         "home": str(result.home),

@@ -226,7 +226,9 @@ def _cmd_join(ctx: Ctx) -> int:
         args.data_dir = str(server_data_dir(ctx.home))
     cfg = ctx.cfg
     # Read before the join: a bad key file must not cost the one-time token.
-    recovery = read_recovery_key(Path(args.recovery_key)) if args.recovery_key else None
+    recovery = (
+        read_recovery_key(Path(args.recovery_key), warn=ctx.out.note) if args.recovery_key else None
+    )
     if identity.is_joined(cfg.data_dir):
         return _re_pair(ctx)
     result = _join(ctx)

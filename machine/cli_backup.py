@@ -45,14 +45,14 @@ logger = logging.getLogger(__name__)
 _CHUNK = 256 * 1024
 
 
-def _recovery(args: argparse.Namespace) -> BoxKeyPair | None:
+def _recovery(ctx: Ctx) -> BoxKeyPair | None:
     """The key pair of ``--recovery-key FILE``, if given."""
-    given = getattr(args, "recovery_key", None)
+    given = getattr(ctx.args, "recovery_key", None)
     if given is None:
         return None
     if not given:  # "$KEY" of an unset variable: never the machine's own key instead
         raise UsageError("--recovery-key: empty; name the file that holds the key")
-    return read_recovery_key(Path(given))
+    return read_recovery_key(Path(given), warn=ctx.out.note)
 
 
 def _from_dir(args: argparse.Namespace) -> str:
@@ -131,7 +131,7 @@ async def backup_list(ctx: Ctx) -> int:
 async def backup_verify(ctx: Ctx) -> int:
     """``backup verify ID``: open it and authenticate every segment."""
     args = ctx.args
-    from_dir, recovery = _from_dir(args), _recovery(args)
+    from_dir, recovery = _from_dir(args), _recovery(ctx)
     async with MachineClient(ctx.cfg) as client:
         with Bar(ctx.out, "verifying"):
             report = await client.verify_backup(
@@ -147,7 +147,7 @@ async def backup_verify(ctx: Ctx) -> int:
 async def backup_restore(ctx: Ctx) -> int:
     """``backup restore ID``: its agents arrive archived; existing ones are skipped."""
     args = ctx.args
-    from_dir, recovery = _from_dir(args), _recovery(args)
+    from_dir, recovery = _from_dir(args), _recovery(ctx)
     async with MachineClient(ctx.cfg) as client:
         with Bar(ctx.out, "restoring"):
             result = await client.restore(args.backup_id, from_dir=from_dir, recovery=recovery)

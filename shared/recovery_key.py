@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -59,11 +61,16 @@ def write_recovery_key(path: Path, keypair: BoxKeyPair, what: str) -> None:
     fsync_dir(path.parent if str(path.parent) else Path("."))
 
 
-def read_recovery_key(path: Path) -> BoxKeyPair:
-    """The key pair in the key file ``path``; InvalidArgument naming what is wrong."""
+def read_recovery_key(path: Path, warn: Callable[[str], None] | None = None) -> BoxKeyPair:
+    """The key pair in the key file ``path``; InvalidArgument naming what is wrong.
+
+    ``warn`` is told when other users may read the file (it is used, not
+    refused: it may be needed at the worst moment, on a box set up in haste).
+    """
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_FILE + 1)
+            mode = os.fstat(f.fileno()).st_mode
     except OSError as e:
         raise InvalidArgument("recovery_key", f"cannot read {path}: {e.strerror}") from None
     if len(raw) > MAX_FILE:
@@ -82,4 +89,9 @@ def read_recovery_key(path: Path) -> BoxKeyPair:
         private = decode_private_key(lines[0])
     except InvalidArgument as e:
         raise InvalidArgument("recovery_key", f"{path}: the key {e.reason}") from None
+    if warn is not None and stat.S_ISREG(mode) and mode & 0o077:
+        warn(
+            f"warning: {path} can be read by other users (mode {stat.S_IMODE(mode):04o});"
+            f" a recovery key opens every backup: chmod 600 {path}, keep it offline"
+        )
     return BoxKeyPair.from_private(private)

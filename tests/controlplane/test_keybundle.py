@@ -90,3 +90,16 @@ def test_mistyped_key_is_caught_and_not_echoed(tmp_path: Path) -> None:
 def test_missing_key_file(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="cannot read"):
         read_recovery_key(tmp_path / "absent.key")
+
+
+def test_a_key_file_other_users_can_read_is_used_with_a_warning(tmp_path: Path) -> None:
+    kp = BoxKeyPair.generate()
+    path = tmp_path / "recovery.key"
+    write_recovery_key(path, kp, "backups")
+    warned: list[str] = []
+    assert read_recovery_key(path, warn=warned.append) == kp
+    assert warned == [], "0600: nothing to say"
+    path.chmod(0o644)
+    assert read_recovery_key(path, warn=warned.append) == kp
+    assert len(warned) == 1 and "mode 0644" in warned[0] and f"chmod 600 {path}" in warned[0]
+    assert encode_private_key(kp.private_key) not in warned[0]
