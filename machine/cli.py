@@ -363,6 +363,28 @@ def _add_global_options(p: argparse.ArgumentParser, default: Any) -> None:
     p.add_argument("--json", action="store_true", default=default, help="print JSON for scripts")
 
 
+#: Verbs whose last positional takes every remaining word: words after an
+#: option (``agent prompt ID --attach F more words``) are still its own
+#: (argparse alone stops such a positional at the first option).
+_TRAILING_WORDS: dict[tuple[str, str | None], str] = {
+    ("agent", "prompt"): "text",
+    ("agent", "search"): "query",
+    ("export", None): "agents",
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed; UsageError for anything the verb does not take."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        field = _TRAILING_WORDS.get((args.command, args.verb))
+        if field is None or any(word.startswith("-") for word in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        setattr(args, field, [*(getattr(args, field) or []), *extra])
+    return args
+
+
 def _parser() -> CliParser:
     p = CliParser(prog=PROG, description="The machine agent: runs your AI coding agents.")
     _add_global_options(p, argparse.SUPPRESS)
@@ -554,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         # refused join logs one) would add a second. `serve` sets up real logging.
         logging.getLogger().addHandler(logging.NullHandler())
         check_argv(argv)
-        args = _parser().parse_args(argv)
+        args = parse_args(argv)
         parsed.append(args)
         ctx = Ctx(args, dict(os.environ), Output(as_json=args.json))
         if args.command not in (None, "serve", "join"):

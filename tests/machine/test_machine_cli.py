@@ -133,3 +133,37 @@ def test_not_found_points_at_its_own_listing(kind: str, listing: str) -> None:
     from shared.errors import NotFound
 
     assert _hint(NotFound(kind, "x_1"), "agents-machine") == f"agents-machine {listing}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "field", "words"),
+    [
+        (
+            ["agent", "prompt", "ag_1", "--attach", "f", "hello", "there"],
+            "text",
+            ["hello", "there"],
+        ),
+        (["agent", "prompt", "ag_1", "hi", "--attach", "f", "there"], "text", ["hi", "there"]),
+        (["agent", "search", "--limit", "3", "a", "b"], "query", ["a", "b"]),
+        (["agent", "search", "a", "--limit", "3", "b"], "query", ["a", "b"]),
+        (["export", "ag_1", "-o", "x.tar.gz", "ag_2"], "agents", ["ag_1", "ag_2"]),
+    ],
+)
+def test_words_after_an_option_still_belong_to_the_trailing_positional(
+    argv: list[str], field: str, words: list[str]
+) -> None:
+    from machine.cli import parse_args
+
+    assert getattr(parse_args(argv), field) == words
+
+
+def test_stray_words_and_unknown_options_are_still_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for argv in (
+        ["agent", "show", "ag_1", "extra"],
+        ["agent", "prompt", "ag_1", "--attach", "f", "--bogus"],
+    ):
+        code, out, err = run(capsys, "--data-dir", str(tmp_path), *argv)
+        assert code == 2 and out == ""
+        assert err.startswith("agents-machine: unrecognized arguments: "), err
