@@ -297,12 +297,18 @@ class FakeLinkClient:
             return await self._fake.backups.have_segments(account, me, list(names))
 
     async def put_segment(
-        self, name: str, size: int, data: AsyncIterable[bytes], *, timeout: float
+        self,
+        name: str,
+        size: int,
+        data: AsyncIterable[bytes],
+        *,
+        timeout: float,
+        replace: bool = False,
     ) -> int:
         account, me = await self._backups("put_segment")
         with _as_rpc_error():
             return await self._fake.backups.put_segment(
-                account, me, name, data, declared=size or None
+                account, me, name, data, declared=size or None, replace=replace
             )
 
     async def put_manifest(
