@@ -62,7 +62,7 @@ from shared.errors import (
 from shared.limits import LINK_MAX_MESSAGE
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
-from shared.rpc import ErrorInterceptor, serve_health_and_reflection
+from shared.rpc import NO_REUSEPORT, ErrorInterceptor, serve_health_and_reflection
 from shared.store import ObjectStore, StoreOptions, open_store
 
 __all__ = ["ControlPlane", "Services", "open_control_store", "run_daemon"]
@@ -255,6 +255,7 @@ class ControlPlane:
                 # Machines ping every 30 s to notice a vanished control plane
                 # (machine/link.py); the default floor would GOAWAY them.
                 ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+                NO_REUSEPORT,
             ],
         )
         self._server = server

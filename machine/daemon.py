@@ -36,7 +36,7 @@ from shared.call_metrics import CallsInterceptor
 from shared.errors import InvalidState
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
-from shared.rpc import ErrorInterceptor, serve_health_and_reflection
+from shared.rpc import NO_REUSEPORT, ErrorInterceptor, serve_health_and_reflection
 
 __all__ = ["ServeInfo", "serve"]
 
@@ -221,6 +221,7 @@ async def _serve_grpc(
             options=[
                 ("grpc.max_receive_message_length", max_message),
                 ("grpc.max_send_message_length", max_message),
+                NO_REUSEPORT,
             ],
         )
         pb_grpc.add_MachineServiceServicer_to_server(servicer, server)

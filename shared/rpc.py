@@ -20,7 +20,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, Final, NoReturn, TypeAlias
 
 import grpc
 import grpc.aio
@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from shared import errors as E
 
 __all__ = [
+    "NO_REUSEPORT",
     "STATUS_TABLE",
     "ErrorInterceptor",
     "HandlerInterceptor",
@@ -47,6 +48,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ERROR_DOMAIN = "agents.platform"
+#: A server option for every gRPC server here: gRPC sets SO_REUSEPORT on its
+#: listening sockets by default, so a second server on a port another one
+#: (with the option too) holds would start and take some of its connections.
+NO_REUSEPORT: Final = ("grpc.so_reuseport", 0)
 _DETAILS_KEY = "grpc-status-details-bin"
 
 #: Domain error class -> gRPC status. The most specific class wins (the error's

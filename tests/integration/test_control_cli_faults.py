@@ -256,11 +256,15 @@ def test_show_prints_a_record_or_json(cp: ControlProc, account: str) -> None:
     assert shown["account_id"] == account and shown["github_user_id"] == 77
 
 
-def test_a_port_in_use_is_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reuseport", [False, True])
+def test_a_port_in_use_is_one_line(tmp_path: Path, reuseport: bool) -> None:
+    """Also when the holder set SO_REUSEPORT, as gRPC servers do by default."""
     home = tmp_path / "home"
     run_init(home, str(tmp_path / "store"), {})
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
     with socket.socket() as busy:
+        if reuseport:
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]

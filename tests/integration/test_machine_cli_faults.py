@@ -251,11 +251,19 @@ def test_agent_text_cannot_drive_the_terminal(daemon: MachineProc, agent: str) -
 
 
 @pytest.mark.parametrize(
-    ("flag", "says"),
-    [("--tcp", "cannot listen on 127.0.0.1:"), ("--metrics", "cannot listen on a configured")],
+    ("flag", "says", "reuseport"),
+    [
+        ("--tcp", "cannot listen on 127.0.0.1:", False),
+        # As another gRPC server holds its port (gRPC's default): the daemon's
+        # own server must not share it (it would take some of its connections).
+        ("--tcp", "cannot listen on 127.0.0.1:", True),
+        ("--metrics", "cannot listen on a configured", False),
+    ],
 )
-def test_a_port_in_use_is_one_line(tmp_path: Path, flag: str, says: str) -> None:
+def test_a_port_in_use_is_one_line(tmp_path: Path, flag: str, says: str, reuseport: bool) -> None:
     with socket.socket() as busy:
+        if reuseport:
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
