@@ -255,6 +255,12 @@ def run_main(
     ``message_for`` may replace an error's message (None: ``str(exc)``).
     Exceptions that :data:`EXIT_FOR` does not know are not caught: they are bugs.
     """
+    if sys.stdout is None:
+        # Started with descriptor 1 closed (`cmd >&-`): a verb would fail at its
+        # first print, perhaps after making what it prints (a new id, lost).
+        if sys.stderr is not None:
+            _report(prog, "stdout is closed; nothing was done (redirect it: > /dev/null)", None)
+        return ExitCode.USAGE
     for stream in (sys.stdout, sys.stderr):
         # Names, prompts and replies are any Unicode: in a terminal whose locale
         # cannot show a character, print an escape rather than raise.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,30 @@ def test_stray_words_and_unknown_options_are_still_refused(
         code, out, err = run(capsys, "--data-dir", str(tmp_path), *argv)
         assert code == 2 and out == ""
         assert err.startswith("agents-machine: unrecognized arguments: "), err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["agents-machine", "--data-dir", "{tmp}/m", "agent", "create", "x", "--folder", "{tmp}"],
+        ["agents-control", "--home", "{tmp}/h", "account", "list"],
+    ],
+)
+def test_a_closed_stdout_is_refused_before_anything_is_done(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    """Started with descriptor 1 closed (``>&-``): one line, exit 2, and nothing made
+    (before, a verb made its object, then failed with a traceback at its print)."""
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).parent / argv[0]
+    args = [exe, *(a.format(tmp=tmp_path) for a in argv[1:])]
+    res = subprocess.run(
+        args, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(),
+        preexec_fn=lambda: os.close(1), timeout=60, check=False,
+    )  # fmt: skip
+    err = res.stderr.decode()
+    assert res.returncode == 2, err
+    assert err == f"{argv[0]}: stdout is closed; nothing was done (redirect it: > /dev/null)\n"
+    assert not (tmp_path / "m").exists() and not (tmp_path / "h").exists()
