@@ -7,6 +7,7 @@ power cut after the function returns loses nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -58,6 +59,8 @@ def ensure_private_dir(path: Path, mode: int = DIR_MODE) -> Path:
         except FileExistsError:
             continue  # made concurrently
         fsync_dir(folder.parent)
+    if not path.is_dir():  # a file there: never chmod what is not our folder
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
     os.chmod(path, mode)
     return path
 

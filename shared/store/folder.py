@@ -151,7 +151,10 @@ class FolderStore(StoreBase):
 
     def _ensure_root(self) -> None:
         if not self._root_ready:
-            ensure_private_dir(self.root)
+            try:
+                ensure_private_dir(self.root)
+            except (NotADirectoryError, FileExistsError):
+                raise InvalidArgument("store", f"{self.root} is not a folder") from None
             self._sweep_stale_temps()
             self._root_ready = True
 

@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import socket
+import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from shared.ids import new_id
-from tests.helpers.control_proc import ControlProc, agents_control_exe, control_plane, run_init
+from tests.helpers.control_proc import (
+    ControlProc,
+    agents_control_exe,
+    control_plane,
+    init_argv,
+    run_init,
+)
 from tests.helpers.machine_proc import AGENTS_MACHINE
 from tests.helpers.poll import poll_until
 
@@ -104,6 +111,23 @@ def test_init_prints_the_operator_credential_first(tmp_path: Path) -> None:
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert CREDENTIAL.fullmatch(res.stdout.strip()), res.stdout
+
+
+def test_init_on_a_store_that_is_a_file_is_refused_and_makes_no_home(tmp_path: Path) -> None:
+    """Before: a traceback, a half-made home (so init was refused for ever after)
+    and the file chmod'ed 0700."""
+    home, store = tmp_path / "home", tmp_path / "notes.txt"
+    store.write_text("mine")
+    store.chmod(0o644)
+    res = subprocess.run(
+        init_argv(home, str(store)),
+        env={k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == f"agents-control: store: {store} is not a folder\n"
+    assert not home.exists()
+    assert store.read_text() == "mine" and stat.S_IMODE(store.stat().st_mode) == 0o644
 
 
 def test_json_listings_have_one_shape(cp: ControlProc, account: str) -> None:

@@ -67,3 +67,12 @@ def test_create_new_never_replaces_a_file_made_meanwhile(tmp_path: Path) -> None
         target.write_bytes(b"theirs")
     assert target.read_bytes() == b"theirs"
     assert [p.name for p in tmp_path.iterdir()] == ["export.tar.gz"]
+
+
+def test_ensure_private_dir_refuses_a_file_and_leaves_its_mode(tmp_path: Path) -> None:
+    path = tmp_path / "file"
+    path.write_text("x")
+    path.chmod(0o644)
+    with pytest.raises(NotADirectoryError):
+        ensure_private_dir(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
