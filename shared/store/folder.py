@@ -151,10 +151,9 @@ class FolderStore(StoreBase):
 
     def _ensure_root(self) -> None:
         if not self._root_ready:
-            try:
-                ensure_private_dir(self.root)
-            except (NotADirectoryError, FileExistsError):
-                raise InvalidArgument("store", f"{self.root} is not a folder") from None
+            if self.root.exists() and not self.root.is_dir():
+                raise InvalidArgument("store", f"{self.root} is not a folder")
+            ensure_private_dir(self.root)
             self._sweep_stale_temps()
             self._root_ready = True
 
