@@ -695,9 +695,12 @@ def _prompt_text(args: argparse.Namespace) -> str:
         return str(args.text)
     try:
         return Path(args.file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise UsageError(f"prompt send: cannot read {args.file}: {reason}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"prompt send: {args.file} is not UTF-8 text (byte {e.start}); prompts are text"
+        ) from None
+    except OSError as e:
+        raise UsageError(f"prompt send: cannot read {args.file}: {e.strerror or e}") from None
 
 
 async def _prompt_send(ctx: _Ctx) -> int:

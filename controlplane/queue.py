@@ -266,8 +266,10 @@ class PromptQueue:
         does not run is refused first (controlplane.rosters)."""
         validate_id("agent", agent_id, "agent_id")
         size = len(text.encode("utf-8"))
-        if not text:
+        if not text.strip():
             raise InvalidArgument("text", "must not be empty")
+        if "\0" in text:  # as the machine refuses it: a prompt is text
+            raise InvalidArgument("text", "must not contain a NUL character")
         if size > self._limits.max_prompt_bytes:
             raise TooLarge("text", self._limits.max_prompt_bytes, size)
         if len(idempotency_key) > MAX_IDEMPOTENCY_KEY or not idempotency_key.isprintable():

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.errors import InvalidArgument
+from shared.errors import InvalidArgument, TooLarge
 
 __all__ = [
     "AgentRecord",
@@ -32,6 +32,19 @@ logger = logging.getLogger(__name__)
 
 #: Longest request or option id a runtime may issue (they have no fixed pattern).
 MAX_RUNTIME_REF = 200
+
+
+def check_prompt(text: str, limit: int) -> str:
+    """``text`` if it is a prompt this machine takes (from any caller: the CLI,
+    a schedule, the control plane); InvalidArgument or TooLarge naming ``prompt``."""
+    if not text.strip():
+        raise InvalidArgument("prompt", "must not be empty")
+    if "\0" in text:
+        raise InvalidArgument("prompt", "must not contain a NUL character")
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise TooLarge("prompt", limit, size)
+    return text
 
 
 def validate_runtime_ref(value: str, field: str) -> str:

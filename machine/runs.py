@@ -45,6 +45,7 @@ from machine.models import (
     RunRecord,
     RunState,
     StoredEvent,
+    check_prompt,
 )
 from machine.permissions import PermissionBroker
 from machine.recorder import EventRecorder, Usage, complete, event_payload
@@ -62,7 +63,7 @@ from machine.runtimes.base import (
     SessionStarted,
     UsageReport,
 )
-from shared.errors import InvalidArgument, InvalidState, NotFound, StoreError, TooLarge
+from shared.errors import InvalidArgument, InvalidState, NotFound, StoreError
 from shared.ids import new_id, validate_id
 
 __all__ = ["Delivered", "RunEngine"]
@@ -170,11 +171,7 @@ class RunEngine:
         """Validate and queue a prompt; return the run and the conversation's seq at
         that moment (the run's events all come after it)."""
         validate_id("agent", agent_id, "agent_id")
-        if not text.strip():
-            raise InvalidArgument("prompt", "must not be empty")
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if size > self.prompt_limit:
-            raise TooLarge("prompt", self.prompt_limit, size)
+        check_prompt(text, self.prompt_limit)
         if len(attachments) > _MAX_ATTACHMENTS:
             raise InvalidArgument("attachments", f"at most {_MAX_ATTACHMENTS} per prompt")
         if self._closing:
@@ -219,11 +216,7 @@ class RunEngine:
                 return existing, False, ""
             try:
                 validate_id("agent", agent_id, "agent_id")
-                size = len(text.encode("utf-8", "surrogatepass"))
-                if size > self.prompt_limit:
-                    raise TooLarge("prompt", self.prompt_limit, size)
-                if not text.strip():
-                    raise InvalidArgument("prompt", "must not be empty")
+                check_prompt(text, self.prompt_limit)
                 self._check_runnable(tables.get_agent(conn, agent_id, self.ids.own))
             except (InvalidArgument, InvalidState, NotFound) as e:
                 return None, False, str(e)

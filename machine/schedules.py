@@ -52,10 +52,11 @@ from machine.models import (
     RunRecord,
     ScheduleRecord,
     ScheduleRunRecord,
+    check_prompt,
 )
 from machine.recorder import complete
 from machine.runs import RunEngine
-from shared.errors import InvalidArgument, InvalidState, NotFound, TooLarge
+from shared.errors import InvalidArgument, InvalidState, NotFound
 from shared.ids import new_id, validate_id
 
 __all__ = ["MISSED_POLICIES", "Scheduler", "SchedulesService", "cron_expr"]
@@ -81,17 +82,6 @@ def cron_expr(cron: str, test_seconds: int) -> str:
     """The expression actually planned: with the test hook, a sixth (seconds) field,
     so ``* * * * *`` fires every ``test_seconds`` seconds."""
     return f"{cron} */{test_seconds}" if test_seconds else cron
-
-
-def _check_prompt(text: str, limit: int) -> str:
-    if not text.strip():
-        raise InvalidArgument("prompt", "must not be empty")
-    if "\0" in text:
-        raise InvalidArgument("prompt", "must not contain a NUL character")
-    size = len(text.encode("utf-8", "surrogatepass"))
-    if size > limit:
-        raise TooLarge("prompt", limit, size)
-    return text
 
 
 def _check_agent_schedulable(
@@ -152,7 +142,7 @@ class SchedulesService:
         missed = missed or "skip"
         if missed not in MISSED_POLICIES:
             raise InvalidArgument("missed", f"must be skip or once, got {missed[:20]!r}")
-        _check_prompt(prompt, self._prompt_limit)
+        check_prompt(prompt, self._prompt_limit)
         now = self._clock()
         record = ScheduleRecord(
             id=new_id("schedule"),
@@ -412,7 +402,7 @@ class Scheduler:
             try:
                 agent = tables.get_agent(conn, current.agent_id, self._ids.own)
                 self._engine.check_runnable(agent)
-                _check_prompt(current.prompt, limit)
+                check_prompt(current.prompt, limit)
             except (InvalidArgument, InvalidState, NotFound) as e:
                 row = replace(row, run_id="", result="refused", detail=str(e)[:500])
                 tables.insert_schedule_run(conn, row)

@@ -141,3 +141,21 @@ def test_every_option_is_documented() -> None:
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "cli-control.md").read_text()
     assert sorted(o for o in long_options(build_parser()) if o not in page) == []
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named_plainly(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = tmp_path / "prompt.bin"
+    bad.write_bytes(b"ok \xff\xfe")
+    code, out, lines = run(
+        capsys, "prompt", "send", "--home", str(tmp_path), "--address", "127.0.0.1:1",
+        "--credential", CREDENTIAL, "--machine", "mc_" + "0" * 26, "--agent", "ag_" + "0" * 26,
+        "--file", str(bad),
+    )  # fmt: skip
+    assert code == 2 and out == ""
+    assert (
+        lines[0]
+        == f"agents-control: prompt send: {bad} is not UTF-8 text (byte 3); prompts are text"
+    )
+    assert "codec" not in lines[0]

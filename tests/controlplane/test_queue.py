@@ -123,8 +123,9 @@ async def test_limits_and_bad_input_queue_nothing(w: World) -> None:
         await w.queue.send(tenant, other_m, agent, "hi")
     with pytest.raises(InvalidArgument, match="agent_id"):
         await w.queue.send(w.op, m, "nope", "hi")
-    with pytest.raises(InvalidArgument, match="text"):
-        await w.queue.send(w.op, m, agent, "")
+    for text in ("", " \n", "a\0b"):
+        with pytest.raises(InvalidArgument, match="text"):
+            await w.queue.send(w.op, m, agent, text)
     assert await w.queue.queued(w.op, m) == []
     assert await w.queue.queued(w.op, other_m) == []
     for i in range(3):

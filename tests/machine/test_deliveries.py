@@ -6,12 +6,15 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
 from machine.deliveries import DeliveryHandler
 from machine.link_client import Delivery
 from machine.models import RunState
 from shared.crypto import BoxKeyPair, prompt_aad, seal_bytes
+from shared.errors import InvalidArgument
 from shared.ids import new_id
 from tests.helpers.poll import apoll_until
 
@@ -59,6 +62,12 @@ async def test_refusals_are_acknowledged_with_a_reason(
     await machine_app.agents.archive(agent)
     archived = await handle(delivery(box, agent, "hi"))
     assert "archived" in archived.refused
+    await machine_app.agents.unarchive(agent)
+    nul = await handle(delivery(box, agent, "a\0b"))
+    assert "NUL" in nul.refused and not nul.run_id
+    with pytest.raises(InvalidArgument, match="NUL"):
+        await machine_app.runs.submit(agent, "a\0b")
+    await machine_app.agents.archive(agent)
     other = BoxKeyPair.generate()
     unreadable = await handle(delivery(other, agent, "hi"))
     assert "cannot open" in unreadable.refused
