@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import json
 import logging
+import os
 import sqlite3
 import time
 import unicodedata
@@ -52,7 +53,8 @@ def _validate_folder(folder: str) -> str:
         raise InvalidArgument("folder", f"must be an absolute path, got {folder!r}")
     if not path.is_dir():
         raise InvalidArgument("folder", f"{folder!r} is not an existing folder")
-    return str(path)
+    # Without "..", "." or a trailing slash: an export by folder finds it by that path.
+    return os.path.normpath(folder)
 
 
 def _parse_settings(settings_json: str) -> dict[str, Any]:

@@ -263,7 +263,10 @@ async def stream_events(
 async def agent_create(ctx: Ctx) -> int:
     """``agent create NAME``: print the new agent's id."""
     args = ctx.args
-    folder = str(Path(args.folder or os.getcwd()).absolute())
+    if args.folder == "":  # "$DIR" of an unset variable: never the current folder instead
+        raise UsageError("--folder: empty; name the agent's working folder")
+    # Normalised (no "..", no "."): export --folder finds it by that path.
+    folder = os.path.abspath(args.folder or os.getcwd())
     agent = await call(
         ctx,
         lambda c: c.create_agent(
@@ -309,6 +312,8 @@ async def agent_unarchive(ctx: Ctx) -> int:
 def _prompt_text(args: argparse.Namespace, limit: int) -> str:
     """The prompt from the arguments or stdin. A NUL byte is refused: prompts are
     text, and neither a terminal nor the conversation views can show one."""
+    if args.stdin and args.text:
+        raise UsageError("prompt: give the text or --stdin, not both")
     text = read_stdin_text("prompt", limit) if args.stdin else " ".join(args.text)
     if "\0" in text:
         where = text.index("\0")

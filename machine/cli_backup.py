@@ -220,7 +220,7 @@ async def cmd_export(ctx: Ctx) -> int:
     """``export AGENT… | --folder F``: write the .tar.gz whole, or nothing."""
     args = ctx.args
     ids = [validate_id("agent", a, "agent_id") for a in args.agents]
-    folder = str(Path(args.folder).expanduser().absolute()) if args.folder else ""
+    folder = os.path.abspath(os.path.expanduser(args.folder)) if args.folder else ""
     if not ids and not folder:
         raise UsageError(
             "export: name agents (AGENT…) or --folder F", f"{ctx.prog} agent list --all"

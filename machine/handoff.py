@@ -79,8 +79,9 @@ class Handoff:
         """
         ids = list(agent_ids)
         if folder:
+            where = os.path.normpath(folder)  # as agents are stored (machine.agents)
             ids += await self._db.read(
-                lambda c: store_export.agents_in_folder(c, folder), what="export folder"
+                lambda c: store_export.agents_in_folder(c, where), what="export folder"
             )
             if not ids:
                 raise InvalidArgument("folder", f"no agent works in {folder[:200]!r}")

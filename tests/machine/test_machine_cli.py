@@ -195,3 +195,26 @@ def test_a_closed_stdout_is_refused_before_anything_is_done(
     assert res.returncode == 2, err
     assert err == f"{argv[0]}: stdout is closed; nothing was done (redirect it: > /dev/null)\n"
     assert not (tmp_path / "m").exists() and not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["agent", "create", "x", "--folder", ""],
+            "--folder: empty; name the agent's working folder",
+        ),
+        (
+            ["agent", "prompt", "ag_01234567890123456789012345", "text", "--stdin"],
+            "prompt: give the text or --stdin, not both",
+        ),
+    ],
+)
+def test_input_that_would_be_silently_replaced_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], says: str
+) -> None:
+    """Refused by the CLI before any daemon is asked (none runs here): before, an
+    empty --folder became the current folder and the text beside --stdin was dropped."""
+    code, out, err = run(capsys, "--data-dir", str(tmp_path), *argv)
+    assert code == 2 and out == ""
+    assert err.splitlines()[0] == f"agents-machine: {says}"

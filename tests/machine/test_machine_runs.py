@@ -297,3 +297,20 @@ async def test_machine_log_is_pruned_after_retention(machine_app: Machine) -> No
         lambda c: c.execute("SELECT COUNT(*) FROM machine_log WHERE kind = 'test'").fetchone()[0]
     )
     assert left == 1
+
+
+async def test_a_folder_is_stored_normalised_and_exported_by_any_spelling(
+    machine_app: Machine, tmp_path: Path
+) -> None:
+    """``/p/../p/.`` and ``/p/`` are ``/p``: an export by folder finds the agent
+    by whichever spelling (before, one made with ``..`` was left out)."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    odd = f"{tmp_path}/proj/../proj/."
+    made = await machine_app.agents.create(name="n", folder=odd)
+    assert made.folder == str(project)
+    handoff = machine_app.require_handoff()
+    for spelling in (str(project), f"{project}/", odd):
+        path, manifest = await handoff.export([], spelling)
+        assert [a.agent_id for a in manifest.agents] == [made.id], spelling
+        path.unlink()
