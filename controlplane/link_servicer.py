@@ -164,7 +164,11 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             signing_public_key=request.machine.signing_public_key,
         )
         result = await self._pairing.join(
-            request.token, request.csr_pem, info, request.repair_machine_id
+            request.token,
+            request.csr_pem,
+            info,
+            request.repair_machine_id,
+            take_over=request.take_over,
         )
         return link_pb2.JoinResponse(
             certificate_pem=result.cert.cert_pem.decode(),

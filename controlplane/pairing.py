@@ -92,13 +92,20 @@ class Pairing:
         return self._keyring.keys.issuing_ca if self._keyring else self._fixed_ca
 
     async def join(
-        self, token_value: str, csr_pem: str, info: MachineInfo, repair_machine_id: str = ""
+        self,
+        token_value: str,
+        csr_pem: str,
+        info: MachineInfo,
+        repair_machine_id: str = "",
+        *,
+        take_over: bool = True,
     ) -> JoinResult:
         """Validate everything, use the token once, sign the CSR, write the machine.
 
         Input is checked before the token is used, so a malformed request does
         not burn a single-use token. ``repair_machine_id`` (a joined box
-        re-pairing) must be the machine the token repairs.
+        re-pairing) must be the machine the token repairs; a new box uses a
+        repair token only with ``take_over`` (see link.proto's JoinRequest).
         """
         clean = info.validate()
         tls.check_csr(csr_pem)
@@ -114,6 +121,14 @@ class Pairing:
                 f"this box is already joined as machine {repair_machine_id}: it re-pairs only "
                 f"with a repair token for it (`agents-control machine repair "
                 f"{repair_machine_id}`); the token was not used",
+            )
+        if token.repair_machine_id and not repair_machine_id and not take_over:
+            raise InvalidState(
+                "join",
+                f"this is a repair token: this box would take over machine "
+                f"{token.repair_machine_id} with none of its data; give --recovery-key FILE to "
+                "restore its newest backup (or --no-restore to take it over empty); "
+                "the token was not used",
             )
         if token.repair_machine_id:
             return await self._repair(token, csr_pem, clean)

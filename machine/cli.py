@@ -225,6 +225,8 @@ def _cmd_join(ctx: Ctx) -> int:
         # `join` installs a server: its folder is the server's, whatever else exists.
         args.data_dir = str(server_data_dir(ctx.home))
     cfg = ctx.cfg
+    if args.recovery_key and args.no_restore:
+        raise UsageError("join: --recovery-key restores the machine's backup; drop --no-restore")
     # Read before the join: a bad key file must not cost the one-time token.
     recovery = (
         read_recovery_key(Path(args.recovery_key), warn=ctx.out.note) if args.recovery_key else None
@@ -291,6 +293,9 @@ def _join(ctx: Ctx) -> JoinResult:
             token=args.token,
             ca_hash=args.ca_hash,
             name=args.name,
+            # A new box may take a machine over (a repair token) only when it
+            # restores its backup or its operator said so (link.proto).
+            take_over=bool(args.recovery_key) or args.no_restore,
         )
     )
 
@@ -416,6 +421,11 @@ def _parser() -> CliParser:
     j.add_argument(
         "--recovery-key",
         help="account recovery key FILE: after a repair join, restore the machine's newest backup",
+    )
+    j.add_argument(
+        "--no-restore",
+        action="store_true",
+        help="with a repair token on a new box: take the machine over empty, restoring nothing",
     )
 
     sub.add_parser("status", parents=[common], help="the daemon's health and counts")

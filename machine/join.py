@@ -293,6 +293,7 @@ async def join_control_plane(
     token: str,
     ca_hash: str,
     name: str | None,
+    take_over: bool = False,
     clock: Clock = utc_now,
     dial: JoinDialer = LinkClient.for_join,
 ) -> JoinResult:
@@ -311,6 +312,10 @@ async def join_control_plane(
     it); the machine keeps its id, its signing and box keys (queued prompts and
     backups are sealed to them) and its data, and takes a new TLS key,
     certificate, CA and link record (:func:`machine.identity.write_repair`).
+
+    A new box with a repair token takes that machine over only with
+    ``take_over`` (the caller restores its backup next, or was told to take it
+    over empty); without, the control plane refuses before using the token.
 
     ``dial`` opens the channel the token goes over, once the pin check passed
     (the real TLS client; tests pass a fake control plane's).
@@ -347,6 +352,7 @@ async def join_control_plane(
                     machine,
                     timeout=JOIN_TIMEOUT,
                     repair_machine_id=current.machine_id if current else "",
+                    take_over=take_over,
                 )
             except grpc.aio.AioRpcError as e:
                 if _connection_lost(e):

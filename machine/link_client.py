@@ -272,6 +272,7 @@ class JoinSession(Protocol):
         *,
         timeout: float,
         repair_machine_id: str = "",
+        take_over: bool = False,
     ) -> JoinReply:
         """Join with a one-time token."""
         ...
@@ -399,13 +400,16 @@ class LinkClient:
         *,
         timeout: float,
         repair_machine_id: str = "",
+        take_over: bool = False,
     ) -> JoinReply:
-        """Join with a one-time token and a certificate request (a re-pair names our id)."""
+        """Join with a one-time token and a certificate request (a re-pair names our
+        id; ``take_over``: a new box may take over a machine, see link.proto)."""
         reply = await self._stub.Join(
             link_pb2.JoinRequest(
                 token=token,
                 csr_pem=csr_pem,
                 repair_machine_id=repair_machine_id,
+                take_over=take_over,
                 machine=link_pb2.MachineInfo(
                     name=machine.name,
                     version=machine.version,

@@ -93,6 +93,21 @@ async def test_repair_takes_over_the_id_and_refuses_the_old_certificate(w: World
     assert [m.machine_id for m in await w.machines.list(w.op)] == [mc]
 
 
+async def test_a_new_box_takes_a_machine_over_only_when_it_says_so(w: World) -> None:
+    """A repair token on a new box without ``take_over`` (no --recovery-key, no
+    --no-restore) is refused before it is used: the machine and its old box stay
+    as they were, and the same token then works with ``take_over``."""
+    acct, mc, old_cert = await _joined(w)
+    made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))
+    csr = tls.build_csr(tls.new_tls_key()).decode()
+    with pytest.raises(InvalidState, match=f"take over machine {mc}.*--recovery-key FILE"):
+        await w.pairing.join(made.value, csr, MachineInfo("m", "0.1", "h"), take_over=False)
+    assert (await w.machines.authorize_peer(tls.identity_from_cert(old_cert))).machine_id == mc
+    assert await w.intents.pending() == []
+    new_id_, _ = await w.join(made.value)  # take_over (the default of the domain call)
+    assert new_id_ == mc
+
+
 async def test_repair_token_refusals(w: World) -> None:
     acct, mc, _ = await _joined(w)
     other = (await w.accounts.create(2, "u2", None, "t")).account.account_id

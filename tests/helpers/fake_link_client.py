@@ -269,6 +269,7 @@ class FakeLinkClient:
         *,
         timeout: float,
         repair_machine_id: str = "",
+        take_over: bool = False,
     ) -> JoinReply:
         return self._fake.join(self, token, csr_pem, machine, repair_machine_id)
 

@@ -23,6 +23,7 @@ async def join(public: str, ca_pem: bytes, token: str) -> tuple[str, bytes, byte
                 token=token,
                 csr_pem=tls.build_csr(key).decode(),
                 machine=link_pb2.MachineInfo(name="m", version="1", hostname="h"),
+                take_over=True,  # a repair token's tests take the machine over
             ),
             timeout=20,
         )

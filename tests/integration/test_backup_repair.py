@@ -213,6 +213,18 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
     repair = _ok(cp.cli("machine", "repair", machine_id))
     argv = _printed_command(repair)
     assert argv[-2:] == ["--recovery-key", "RECOVERY-KEY-FILE"]
+    # Without the key (nor --no-restore) the new box would take the machine over
+    # empty: refused before the token is used, and nothing is written.
+    bare = tmp_path / "bare"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    refused_join = subprocess.run(
+        [str(MACHINE_EXE), *argv[1:-2], "--data-dir", str(bare)],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+    assert refused_join.returncode == 2, refused_join.stderr
+    assert f"this box would take over machine {machine_id}" in refused_join.stderr
+    assert "the token was not used" in refused_join.stderr
+    assert not (bare / "keys").exists()
     argv[-1] = str(key_file)
     new_dir = tmp_path / "new"
     second = Joined(argv, new_dir, tmp_path / "new.log")

@@ -85,6 +85,7 @@ class JoinRequest(_message.Message):
     CSR_PEM_FIELD_NUMBER: _builtins.int
     MACHINE_FIELD_NUMBER: _builtins.int
     REPAIR_MACHINE_ID_FIELD_NUMBER: _builtins.int
+    TAKE_OVER_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     """The join token, "<tok_id>.<secret>", as printed by `agents-control token create`."""
     csr_pem: _builtins.str
@@ -95,6 +96,13 @@ class JoinRequest(_message.Message):
     """A re-pair: the id of the machine this box already is. The control plane
     refuses (FAILED_PRECONDITION, before the token is used) unless the token
     is a repair token for exactly this machine.
+    """
+    take_over: _builtins.bool
+    """A new box (no repair_machine_id) that may take over an existing machine:
+    its operator gave the recovery key (the join restores the machine's
+    backup) or asked to take it over empty. A repair token for a new box
+    without it is refused (FAILED_PRECONDITION, before the token is used):
+    taken over empty, the machine's next backups would push its kept ones out.
     """
     @_builtins.property
     def machine(self) -> Global___MachineInfo:
@@ -107,10 +115,11 @@ class JoinRequest(_message.Message):
         csr_pem: _builtins.str = ...,
         machine: Global___MachineInfo | None = ...,
         repair_machine_id: _builtins.str = ...,
+        take_over: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["machine", b"machine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem", "machine", b"machine", "repair_machine_id", b"repair_machine_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem", "machine", b"machine", "repair_machine_id", b"repair_machine_id", "take_over", b"take_over", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
