@@ -139,8 +139,8 @@ def _render_event(
     elif kind is EventKind.RUN_FINISHED:
         usage = p["usage"]
         out.lines(
-            f"[done] {p['stop_reason']}, {usage['input_tokens'] or 0} in / "
-            f"{usage['output_tokens'] or 0} out tokens, {p['duration_ms']} ms"
+            f"[done] {p['stop_reason']}, {_tokens(usage['input_tokens'])} in / "
+            f"{_tokens(usage['output_tokens'])} out tokens, {p['duration_ms']} ms"
         )
         return ExitCode.OK
     elif kind is EventKind.RUN_ERROR:
@@ -373,11 +373,16 @@ async def agent_answer(ctx: Ctx) -> int:
     return _show_run(ctx.out, run)
 
 
+def _tokens(count: int | None) -> str:
+    """A token count, or "?" when the runtime did not report it (unknown, not 0)."""
+    return "?" if count is None else str(count)
+
+
 async def agent_runs(ctx: Ctx) -> int:
     """``agent runs ID``: usage and time history."""
     runs = await call(ctx, lambda c: c.list_runs(ctx.args.id, limit=ctx.args.limit))
     rows = [
-        [r.id, r.state.value, f"{r.input_tokens or 0}/{r.output_tokens or 0}",
+        [r.id, r.state.value, f"{_tokens(r.input_tokens)}/{_tokens(r.output_tokens)}",
          str(r.duration_ms), r.prompt]
         for r in runs
     ]  # fmt: skip

@@ -78,6 +78,8 @@ def _show_schedule(out: Output, view: ScheduleView) -> int:
 async def schedule_add(ctx: Ctx) -> int:
     """``schedule add AGENT --cron C --text T|--file F``: print the new schedule's id."""
     args = ctx.args
+    if args.tz == "":  # "$TZ" unset: never the machine's zone instead, unasked
+        raise UsageError("--tz: empty; name an IANA zone (Europe/Berlin), or leave --tz out")
     text = _schedule_text(args)
     view = await call(
         ctx,

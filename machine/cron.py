@@ -190,10 +190,18 @@ def readable_cron(expr: str, field: str = "cron") -> str:
     return " ".join(parts)
 
 
+#: Names ZoneInfo opens that are not zones of their own.
+_NOT_ZONES: Final = frozenset({"localtime", "posixrules"})
+
+
 def validate_zone(name: str, field: str = "time_zone") -> ZoneInfo:
     """The IANA zone ``name`` (such as ``Europe/Berlin``), else InvalidArgument."""
     if not isinstance(name, str) or not name or len(name) > 64 or ".." in name:
         raise InvalidArgument(field, f"{str(name)[:64]!r} is not an IANA time zone")
+    if name in _NOT_ZONES:
+        # Files in the zone database that are not zones: "localtime" follows
+        # whatever the machine is set to, so a schedule would move with it.
+        raise InvalidArgument(field, f"{name!r} is not an IANA time zone (name one: Europe/Berlin)")
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):

@@ -189,6 +189,10 @@ def test_remembered_rule_does_not_say_waiting(daemon: MachineProc, agent: str) -
     assert second.returncode == 0, second.stderr
     assert "by a remembered rule" in out and "waiting for an answer" not in out, out
     assert "Try:" not in out
+    # A /tool run of the echo runtime reports no usage: unknown, shown "?", not 0.
+    assert "? in / ? out tokens" in out, out
+    runs = cli(daemon.data_dir, "agent", "runs", agent).stdout.decode()
+    assert re.search(r"\?/\?", runs) and " 0/0 " not in runs, runs
 
 
 def _home_with_server(tmp_path: Path) -> tuple[Path, Path]:
@@ -317,6 +321,10 @@ def test_an_empty_option_value_is_refused_not_taken_as_not_given(tmp_path: Path)
         (("backup", "verify", backup, "--recovery-key", ""), "--recovery-key: empty"),
         (("export", agent, "-o", "-"), "name the file to write"),
         (("export", agent, "-o", ""), "name the file to write"),
+        (
+            ("schedule", "add", agent, "--cron", "* * * * *", "--text", "x", "--tz", ""),
+            "--tz: empty",
+        ),
     ]
     for args, says in cases:
         one_line_error(cli(data, *args), says)
