@@ -78,6 +78,8 @@ class MachineStatus:
     runtimes: list[str]
     started_at: float
     schema_version: int
+    attachment_limit: int = 0
+    """The largest attachment taken, in bytes (0: not told, an older daemon)."""
 
 
 @dataclass
@@ -154,6 +156,7 @@ class Machine:
             runtimes=self.runtimes.names(),
             started_at=self.started_at,
             schema_version=self.db.schema_version,
+            attachment_limit=self.config.attachment_limit,
         )
 
     async def check_database(self) -> CheckResult:

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
+import functools
 import json
 import logging
 import math
 import os
+import stat
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import IO
 
 from machine.cli_common import PROG, Ctx, call, show, show_record, when, wire
 from machine.client import MAX_MESSAGE, MachineClient
@@ -321,15 +325,45 @@ def _prompt_text(args: argparse.Namespace, limit: int) -> str:
     return text
 
 
-async def _upload(client: MachineClient, agent_id: str, path: Path) -> str:
-    try:
-        size = path.stat().st_size
-        handle = path.open("rb")
-    except OSError as e:
-        raise UsageError(f"attach: cannot read {path}: {e.strerror}") from None
-    with handle:
-        chunks = iter(lambda: handle.read(_CHUNK), b"")
-        return (await client.upload_attachment(agent_id, path.name, size, chunks)).sha256
+_Attachment = tuple[Path, int, IO[bytes]]
+"""An ``--attach`` file: its path, size and open handle."""
+
+
+def _open_attachments(given: list[str], stack: contextlib.ExitStack) -> list[_Attachment]:
+    """Every ``--attach`` file open, each checked before any is sent: a regular
+    file (a device or FIFO never ends), readable; closed with ``stack``."""
+    opened: list[_Attachment] = []
+    for name in given:
+        if not name:
+            raise UsageError("--attach: empty; name the file to attach")
+        path = Path(name)
+        try:
+            # Looked at before opening: opening a FIFO waits for a writer.
+            if not stat.S_ISREG(path.stat().st_mode):
+                raise UsageError(f"attach: {path} is not a regular file")
+            handle = stack.enter_context(path.open("rb"))
+            size = os.fstat(handle.fileno()).st_size
+        except OSError as e:
+            raise UsageError(f"attach: cannot read {path}: {e.strerror or e}") from None
+        opened.append((path, size, handle))
+    return opened
+
+
+async def _upload_all(client: MachineClient, agent_id: str, files: list[_Attachment]) -> list[str]:
+    """Upload the opened files; a file over the daemon's limit is refused before
+    anything is sent (a refusal mid-upload can reach the client as gRPC's
+    INTERNAL "Internal error from Core", not the daemon's own answer)."""
+    if not files:
+        return []
+    limit = (await client.status()).machine.attachment_limit
+    for path, size, _ in files:
+        if limit and size > limit:
+            raise UsageError(f"attachment: {path} is larger than the limit of {limit} bytes")
+    shas = []
+    for path, size, handle in files:
+        chunks = iter(functools.partial(handle.read, _CHUNK), b"")
+        shas.append((await client.upload_attachment(agent_id, path.name, size, chunks)).sha256)
+    return shas
 
 
 async def agent_prompt(ctx: Ctx) -> int:
@@ -337,17 +371,20 @@ async def agent_prompt(ctx: Ctx) -> int:
     args = ctx.args
     # Read no more than one message can carry; the daemon applies its own limit.
     text = _prompt_text(args, MAX_MESSAGE)
-    async with MachineClient(ctx.cfg) as client:
-        shas = [await _upload(client, args.id, Path(p)) for p in args.attach or []]
-        # Ask inline only when a person is at the terminal (never for --stdin or scripts).
-        interactive = not args.stdin and sys.stdin.isatty() and sys.stdout.isatty()
-        return await stream_events(
-            ctx.out,
-            client.prompt(args.id, text, shas),
-            ask=ask_at_terminal if interactive else None,
-            client=client,
-            prog=ctx.prog,
-        )
+    with contextlib.ExitStack() as stack:
+        files = _open_attachments(args.attach or [], stack)
+        async with MachineClient(ctx.cfg) as client:
+            shas = await _upload_all(client, args.id, files)
+            stack.close()  # the files are sent: not held open while the run streams
+            # Ask inline only when a person is at the terminal (never for --stdin or scripts).
+            interactive = not args.stdin and sys.stdin.isatty() and sys.stdout.isatty()
+            return await stream_events(
+                ctx.out,
+                client.prompt(args.id, text, shas),
+                ask=ask_at_terminal if interactive else None,
+                client=client,
+                prog=ctx.prog,
+            )
 
 
 async def agent_replay(ctx: Ctx) -> int:

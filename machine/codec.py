@@ -612,6 +612,7 @@ def status_to_pb(st: DaemonStatus) -> pb.StatusResponse:
         started_at=from_seconds(m.started_at),
         schema_version=m.schema_version,
         backup=backup_status_to_pb(st.backup) if st.backup else None,
+        attachment_limit=m.attachment_limit,
     )
 
 
@@ -628,6 +629,7 @@ def status_from_pb(msg: pb.StatusResponse) -> DaemonStatus:
         runtimes=list(msg.runtimes),
         started_at=_time(msg, "started_at") or 0.0,
         schema_version=msg.schema_version,
+        attachment_limit=msg.attachment_limit,
     )
     backup = backup_status_from_pb(msg.backup) if msg.HasField("backup") else None
     return DaemonStatus(msg.version, machine, backup)

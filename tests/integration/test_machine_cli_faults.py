@@ -91,6 +91,34 @@ def test_nul_in_a_prompt_is_refused_and_nothing_runs(daemon: MachineProc, agent:
     assert json.loads(runs.stdout) == {"runs": []}
 
 
+def test_an_attachment_that_cannot_be_sent_whole_is_refused_before_anything_is_sent(
+    daemon: MachineProc, agent: str, tmp_path: Path
+) -> None:
+    """Over the daemon's limit (as ``status`` tells), a device or FIFO (never ends)
+    or an empty name: one line, exit 2, no run and no attachment stored. Before, a
+    refusal mid-upload often reached the CLI as gRPC's INTERNAL error."""
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(20 * 1024 * 1024 + 1)  # the default limit, plus one; sparse
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    small = tmp_path / "small.txt"
+    small.write_text("fine")
+    cases = [
+        ((str(big),), f"attachment: {big} is larger than the limit of 20971520 bytes"),
+        ((str(small), str(big)), "is larger than the limit"),  # the first is not sent either
+        (("/dev/zero",), "attach: /dev/zero is not a regular file"),
+        ((str(fifo),), f"attach: {fifo} is not a regular file"),
+        (("",), "--attach: empty"),
+    ]
+    for files, says in cases:
+        attach = [arg for name in files for arg in ("--attach", name)]
+        one_line_error(cli(daemon.data_dir, "agent", "prompt", agent, "hi", *attach), says)
+    assert not any((daemon.data_dir / "attachments").glob("*"))
+    runs = json.loads(cli(daemon.data_dir, "agent", "runs", agent, "--json").stdout)
+    assert runs["runs"] == []
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [

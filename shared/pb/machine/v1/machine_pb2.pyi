@@ -2389,6 +2389,7 @@ class StatusResponse(_message.Message):
     SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
     JOINED_FIELD_NUMBER: _builtins.int
     BACKUP_FIELD_NUMBER: _builtins.int
+    ATTACHMENT_LIMIT_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """The daemon's version."""
     data_dir: _builtins.str
@@ -2409,6 +2410,10 @@ class StatusResponse(_message.Message):
     """Database schema version."""
     joined: _builtins.bool
     """Whether this machine has joined a control plane."""
+    attachment_limit: _builtins.int
+    """The largest attachment this daemon takes, in bytes (a client refuses a
+    larger file before sending it).
+    """
     @_builtins.property
     def runtimes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Runtimes available on this machine."""
@@ -2436,10 +2441,11 @@ class StatusResponse(_message.Message):
         schema_version: _builtins.int = ...,
         joined: _builtins.bool = ...,
         backup: Global___BackupStatus | None = ...,
+        attachment_limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["backup", b"backup", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_agents", b"active_agents", "archived_agents", b"archived_agents", "backup", b"backup", "data_dir", b"data_dir", "joined", b"joined", "machine_id", b"machine_id", "open_runs", b"open_runs", "runtimes", b"runtimes", "schema_version", b"schema_version", "started_at", b"started_at", "version", b"version", "waiting_runs", b"waiting_runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_agents", b"active_agents", "archived_agents", b"archived_agents", "attachment_limit", b"attachment_limit", "backup", b"backup", "data_dir", b"data_dir", "joined", b"joined", "machine_id", b"machine_id", "open_runs", b"open_runs", "runtimes", b"runtimes", "schema_version", b"schema_version", "started_at", b"started_at", "version", b"version", "waiting_runs", b"waiting_runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
