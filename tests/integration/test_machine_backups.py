@@ -143,6 +143,7 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
             decode_public_key(public) == BoxKeyPair.from_private(decode_private_key(key)).public_key
         )
         key_file.write_text(f"# test recovery key\n{key}\n")
+        key_file.chmod(0o600)  # kept private, as its advice says
         _refused(run_cli(data, "backup", "recovery-key"), 2, "has one already")
         out = _ok(run_cli(data, "backup", "now"))
         ids = _backup_ids(data)
@@ -181,6 +182,7 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
         assert [(b["opens"], b["problem"]) for b in listed["backups"]] == [(False, "another key")]
         wrong = tmp_path / "wrong.key"
         wrong.write_text(_ok(run_cli(data, "backup", "recovery-key")))
+        wrong.chmod(0o600)  # kept private, as its advice says
         line = _refused(
             run_cli(data, "backup", "restore", ids[0], "--from", str(copy), "--recovery-key",
                     str(wrong)),
@@ -248,6 +250,7 @@ def test_a_tampered_backup_is_refused_and_changes_nothing(
     with machine_proc():
         _populate(data, tmp_path / "work", agents=2)
         key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
+        key_file.chmod(0o600)  # kept private, as its advice says
         _ok(run_cli(data, "backup", "now"))
         (backup_id,) = _backup_ids(data)
         segment = max(_segment_files(data / "backups"), key=lambda p: p.stat().st_size)
@@ -371,6 +374,7 @@ def test_sigkill_at_each_delete_of_a_prune_leaves_both_kept_backups_restorable(
     with proc:
         agents = _populate(data, work, agents=3)
         key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
+        key_file.chmod(0o600)  # kept private, as its advice says
         now = changed_then_exported(1)
         _ok(run_cli(data, "backup", "now"))
         contents[_backup_ids(data)[0]] = now
@@ -427,6 +431,7 @@ def test_sigkill_during_a_restore_or_an_import_leaves_nothing_and_it_runs_again_
         _big_agents(proc.target, work, agents=10, prompt_bytes=1_000_000, varied=True)
         agents = [str(a["id"]) for a in _agents(data)]
         key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
+        key_file.chmod(0o600)  # kept private, as its advice says
         _ok(run_cli(data, "backup", "now", timeout=120))
         (backup_id,) = _backup_ids(data)
         before = _export_contents(data, agents, tmp_path / "before.tar.gz")

@@ -264,7 +264,10 @@ async def test_bad_input_clear_status_cli_exit_2_nothing_written(
         (("agent", "prompt", old.id, "hi"), "the agent is archived"),
         (("agent", "prompt", foreign, "hi"), "origin is machine"),
         (("agent", "create", "n", "--runtime", "nope"), "runtime: unknown runtime"),
-        (("agent", "prompt", agent.id, "hi", "--attach", str(big)), "attachment: larger"),
+        (
+            ("agent", "prompt", agent.id, "hi", "--attach", str(big)),
+            f"attachment: {big} is larger than the limit of 4096 bytes",  # before sending
+        ),
         (("agent", "cancel", "../../etc"), "run_id: invalid run id"),
         (("agent", "answer", "run_nope", "req", "allow_once"), "run_id: invalid run id"),
         (("agent", "answer", "run_0000000000aaaaaaaaaaaaaaaa", "", "x"), "request_id: must be"),
