@@ -233,6 +233,8 @@ def _cmd_join(ctx: Ctx) -> int:
     )
     if identity.is_joined(cfg.data_dir):
         return _re_pair(ctx)
+    if args.as_new:
+        raise UsageError("join: --as-new is for a data folder that was joined; this one is not")
     result = _join(ctx)
     ctx.out.lines(f"joined as machine {result.machine_id} (account {result.account_id})")
     if recovery is not None:
@@ -258,7 +260,9 @@ def _cmd_join(ctx: Ctx) -> int:
 
 
 def _re_pair(ctx: Ctx) -> int:
-    """``join`` on a joined data folder: re-pair (machine.join), back up at once, serve."""
+    """``join`` on a joined data folder: re-pair (machine.join), or with ``--as-new``
+    join again as a new machine; back up at once, serve."""
+    from machine import identity
     from machine.daemon import hold_data_dir
     from machine.join import backup_after_repair
 
@@ -271,11 +275,18 @@ def _re_pair(ctx: Ctx) -> int:
     # Held from before the join to after the backup: a daemon serving this folder
     # (with the old certificate) is refused here, before the token is spent.
     with hold_data_dir(cfg.data_dir, "join (re-pair): stop the running agents-machine first"):
+        was = identity.load_link(cfg.data_dir).machine_id
         result = _join(ctx)
-        ctx.out.lines(
-            f"re-paired as machine {result.machine_id} (account {result.account_id}): "
-            "same id, agents and backups; new certificate"
-        )
+        if args.as_new:
+            ctx.out.lines(
+                f"joined again as the new machine {result.machine_id} (account "
+                f"{result.account_id}; was {was}): same agents, conversations and keys"
+            )
+        else:
+            ctx.out.lines(
+                f"re-paired as machine {result.machine_id} (account {result.account_id}): "
+                "same id, agents and backups; new certificate"
+            )
         backup_id = asyncio.run(backup_after_repair(cfg))
         ctx.out.lines(f"backup {backup_id} uploaded to the control plane")
     return _install_then_serve(ctx)
@@ -296,6 +307,7 @@ def _join(ctx: Ctx) -> JoinResult:
             # A new box may take a machine over (a repair token) only when it
             # restores its backup or its operator said so (link.proto).
             take_over=bool(args.recovery_key) or args.no_restore,
+            as_new=args.as_new,
         )
     )
 
@@ -421,6 +433,12 @@ def _parser() -> CliParser:
     j.add_argument(
         "--recovery-key",
         help="account recovery key FILE: after a repair join, restore the machine's newest backup",
+    )
+    j.add_argument(
+        "--as-new",
+        action="store_true",
+        help="a joined box whose machine was revoked or whose account was deleted: "
+        "join again as a new machine (a plain token), keeping its agents and data",
     )
     j.add_argument(
         "--no-restore",

@@ -294,6 +294,7 @@ async def join_control_plane(
     ca_hash: str,
     name: str | None,
     take_over: bool = False,
+    as_new: bool = False,
     clock: Clock = utc_now,
     dial: JoinDialer = LinkClient.for_join,
 ) -> JoinResult:
@@ -312,6 +313,12 @@ async def join_control_plane(
     it); the machine keeps its id, its signing and box keys (queued prompts and
     backups are sealed to them) and its data, and takes a new TLS key,
     certificate, CA and link record (:func:`machine.identity.write_repair`).
+
+    With ``as_new``, a joined ``data_dir`` whose machine is gone for good
+    (revoked, or its account deleted) joins again as a NEW machine with a plain
+    token: it keeps its signing and box keys and its data, and takes the new
+    id, TLS key, certificate and link record as a re-pair does; the old id
+    stays one of its own (machine.app), so its agents still run here.
 
     A new box with a repair token takes that machine over only with
     ``take_over`` (the caller restores its backup next, or was told to take it
@@ -351,7 +358,7 @@ async def join_control_plane(
                     keys.csr_pem().decode("ascii"),
                     machine,
                     timeout=JOIN_TIMEOUT,
-                    repair_machine_id=current.machine_id if current else "",
+                    repair_machine_id=current.machine_id if current and not as_new else "",
                     take_over=take_over,
                 )
             except grpc.aio.AioRpcError as e:
@@ -381,8 +388,14 @@ async def join_control_plane(
         cert_received_at=clock(),
     )
     if current is not None:
-        if (reply.machine_id, reply.account_id) != (current.machine_id, current.account_id):
-            raise IntegrityError("join", "the re-pair reply names another machine")
+        same = (reply.machine_id, reply.account_id) == (current.machine_id, current.account_id)
+        if same == as_new:
+            raise IntegrityError(
+                "join",
+                "the reply names the machine this box was"
+                if as_new
+                else "the re-pair reply names another machine",
+            )
         await asyncio.to_thread(
             identity.write_repair,
             data_dir,
@@ -391,6 +404,14 @@ async def join_control_plane(
             ca_cert_pem=ca_pem,
             link=link,
         )
+        if as_new:
+            logger.info(
+                "joined %s again as the new machine %s (was %s)",
+                link_address,
+                link.machine_id,
+                current.machine_id,
+            )
+            return JoinResult(link.machine_id, link.account_id, link_address)
         logger.info("re-paired with %s as machine %s", link_address, link.machine_id)
         return JoinResult(link.machine_id, link.account_id, link_address, repaired=True)
     # Only now, with the certificate in hand, does anything touch the disk.

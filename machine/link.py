@@ -293,9 +293,10 @@ class ControlLink:
             # The control plane will refuse it at the handshake until the
             # machine is paired again; keep trying (the clock may be wrong).
             logger.error(
-                "control link: the client certificate expired at %s; join this machine "
-                "again with a new token (agents-control token create)",
+                "control link: the client certificate expired at %s; re-pair this machine:"
+                " `agents-control machine repair %s`, then the join it prints, on this box",
                 self._link.cert_not_after.isoformat(),
+                self._link.machine_id,
             )
         logger.warning(
             "control link to %s failed (attempt %d), retrying in %.2fs: %s: %s",
@@ -334,8 +335,10 @@ class ControlLink:
         except _Stop as stop:
             self._final_reason = stop.reason
             logger.error(
-                "control link stopped for good: %s; this machine will not reconnect "
-                "(join it again with a new token: `agents-control token create`)",
+                "control link stopped for good: %s; this machine will not reconnect (to join"
+                " again as a new machine, keeping its agents: stop it, then `agents-machine"
+                " join ADDRESS --token T --ca-hash H --as-new` with a token from"
+                " `agents-control token create`)",
                 stop.reason,
             )
             await self._set_state(stop.state)

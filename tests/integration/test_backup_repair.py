@@ -14,6 +14,7 @@ once unarchived.
 from __future__ import annotations
 
 import io
+import json
 import os
 import shlex
 import shutil
@@ -298,3 +299,53 @@ def test_a_bad_recovery_key_file_is_refused_before_the_join(tmp_path: Path) -> N
     assert proc.returncode == 2, err
     assert "recovery_key" in err and len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err and not (tmp_path / "data" / "link.json").exists()
+
+
+async def test_a_revoked_box_joins_again_as_a_new_machine_keeping_its_agents(
+    cp: ControlProc, tmp_path: Path
+) -> None:
+    """Revoked (or its account deleted), a box's link stops for good and a re-pair
+    is refused: ``join --as-new`` with a plain token makes it a new machine with
+    the same data, and its agents still run (the old id stays one of its own)."""
+    account = _ok(cp.cli("account", "create", "--github-id", "9200", "--github-login", "dan"))
+    account_id = next(w for w in account.split() if w.startswith("acct_"))
+    data = tmp_path / "box"
+    argv = _printed_command(_ok(cp.cli("token", "create", "--account", account_id)))
+    first = Joined(argv, data, tmp_path / "first.log")
+    try:
+        first.wait_for("serving on")
+        old_id = identity.load_link(data).machine_id
+        async with _client(data) as client:
+            agent = (await client.create_agent("kept", str(tmp_path))).id
+            kinds = [ev.kind.name async for ev in client.prompt(agent, "before")]
+            assert kinds[-1] == "RUN_FINISHED", kinds
+        _ok(cp.cli("machine", "revoke", old_id))
+        first.wait_for("control link stopped for good")
+        assert "--as-new" in first.output()
+    finally:
+        first.stop()
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    fresh = argv[1:]  # `--as-new` on a folder that never joined: refused, token kept
+    not_joined = subprocess.run(
+        [str(MACHINE_EXE), *fresh, "--as-new", "--data-dir", str(tmp_path / "never")],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+    assert not_joined.returncode == 2, not_joined.stderr
+    assert "--as-new is for a data folder that was joined" in not_joined.stderr
+
+    again_argv = _printed_command(_ok(cp.cli("token", "create", "--account", account_id)))
+    second = Joined([*again_argv, "--as-new"], data, tmp_path / "second.log")
+    try:
+        second.wait_for("joined again as the new machine")
+        second.wait_for("serving on")
+        new_id_ = identity.load_link(data).machine_id
+        assert new_id_ != old_id and f"was {old_id}" in second.output()
+        async with _client(data) as client:
+            kinds = [ev.kind.name async for ev in client.prompt(agent, "after")]
+            assert kinds[-1] == "RUN_FINISHED", kinds
+            assert [a.id for a in await client.list_agents()] == [agent]
+        listed = json.loads(_ok(cp.cli("machine", "list", "--json")))["machines"]
+        assert {m["machine_id"] for m in listed} >= {new_id_}
+    finally:
+        second.stop()

@@ -848,7 +848,7 @@ async def test_expired_certificate_is_logged_while_retrying(
         async with _link(control, data_dir, registry, clock=clock) as link:
             await _until(lambda: "certificate expired" in caplog.text)
             assert link.state is not LinkState.STOPPED  # it keeps trying
-    assert "join this machine again" in caplog.text
+    assert "agents-control machine repair" in caplog.text
 
 
 async def test_renew_now_renews_at_once(control: FakeControlPlane, tmp_path: Path) -> None:
