@@ -186,6 +186,13 @@ class MachineBackups:
         await self._unless_gone(
             account_id, [backups_prefix(account_id, machine_id) + segment_key(name)]
         )
+        if replace:
+            # Not checkable here (the control plane cannot open segments): a trace
+            # of every overwrite, for the machine's own history only.
+            logger.warning(
+                "machine %s (account %s) replaced its stored segment %s (found damaged)",
+                machine_id, account_id, name[:16],
+            )  # fmt: skip
         return size
 
     async def list_manifests(self, account_id: str, machine_id: str) -> list[ManifestInfo]:

@@ -98,7 +98,7 @@ class Pairing:
         info: MachineInfo,
         repair_machine_id: str = "",
         *,
-        take_over: bool = True,
+        take_over: bool = False,
     ) -> JoinResult:
         """Validate everything, use the token once, sign the CSR, write the machine.
 
@@ -127,7 +127,8 @@ class Pairing:
                 "join",
                 f"this is a repair token: this box would take over machine "
                 f"{token.repair_machine_id} with none of its data; give --recovery-key FILE to "
-                "restore its newest backup (or --no-restore to take it over empty); "
+                "restore its newest backup (or --no-restore to take it over empty; an "
+                "agents-machine older than the control plane must be upgraded first); "
                 "the token was not used",
             )
         if token.repair_machine_id:

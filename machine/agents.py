@@ -54,7 +54,13 @@ def _validate_folder(folder: str) -> str:
     if not path.is_dir():
         raise InvalidArgument("folder", f"{folder!r} is not an existing folder")
     # Without "..", "." or a trailing slash: an export by folder finds it by that path.
-    return os.path.normpath(folder)
+    normal = os.path.normpath(folder)
+    if normal != folder and not os.path.samefile(folder, normal):
+        # "link/.." is the folder above the link's target, not above the link.
+        raise InvalidArgument(
+            "folder", f"{folder!r} has '..' after a symbolic link; give the folder's own path"
+        )
+    return normal
 
 
 def _parse_settings(settings_json: str) -> dict[str, Any]:

@@ -31,7 +31,14 @@ from machine.transfer import DatabaseBackupSource, restore_fetched
 from shared.atomic import ensure_private_dir
 from shared.backup_target import MAX_LINK_MANIFEST, ManifestInfo, PruneResult
 from shared.crypto import BoxKeyPair
-from shared.errors import AgentsError, IntegrityError, InvalidArgument, TooLarge, TransientError
+from shared.errors import (
+    AgentsError,
+    IntegrityError,
+    InvalidArgument,
+    StoreError,
+    TooLarge,
+    TransientError,
+)
 from shared.limits import LINK_MAX_MESSAGE
 from shared.rpc import domain_error, from_server
 
@@ -92,9 +99,18 @@ class ControlPlaneTarget:
     ) -> None:
         try:
             # Size 0: the engine seals as it streams and does not know it yet.
-            await self._client.put_segment(name, 0, data, timeout=self._transfer, replace=replace)
+            stored = await self._client.put_segment(
+                name, 0, data, timeout=self._transfer, replace=replace
+            )
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
+        if replace and stored == 0:
+            # A control plane that predates `replace` keeps the stored copy (and
+            # answers 0): the damaged segment must not be taken for mended.
+            raise StoreError(
+                f"{self._where}: kept its damaged copy of segment {name[:16]} (it does not"
+                " replace segments: upgrade agents-control); the backup was not made"
+            )
 
     async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
         names = list(names)

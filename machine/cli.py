@@ -227,12 +227,14 @@ def _cmd_join(ctx: Ctx) -> int:
     cfg = ctx.cfg
     if args.recovery_key and args.no_restore:
         raise UsageError("join: --recovery-key restores the machine's backup; drop --no-restore")
+    if args.recovery_key == "":  # "$KEY" of an unset variable: never "no key" instead
+        raise UsageError("--recovery-key: empty; name the file that holds the key")
+    if identity.is_joined(cfg.data_dir):
+        return _re_pair(ctx)  # refuses --recovery-key: it restores nothing there
     # Read before the join: a bad key file must not cost the one-time token.
     recovery = (
         read_recovery_key(Path(args.recovery_key), warn=ctx.out.note) if args.recovery_key else None
     )
-    if identity.is_joined(cfg.data_dir):
-        return _re_pair(ctx)
     if args.as_new:
         raise UsageError("join: --as-new is for a data folder that was joined; this one is not")
     result = _join(ctx)
@@ -267,20 +269,30 @@ def _re_pair(ctx: Ctx) -> int:
     from machine.join import backup_after_repair
 
     args, cfg = ctx.args, ctx.cfg
-    if args.recovery_key:
+    if args.recovery_key or args.no_restore:
         raise UsageError(
             "join: this data folder is already joined: its data is here, so a re-pair "
-            "restores nothing; drop --recovery-key"
+            "restores nothing; drop --recovery-key and --no-restore"
         )
     # Held from before the join to after the backup: a daemon serving this folder
     # (with the old certificate) is refused here, before the token is spent.
     with hold_data_dir(cfg.data_dir, "join (re-pair): stop the running agents-machine first"):
         was = identity.load_link(cfg.data_dir).machine_id
+        stopped = identity.stopped_reason(cfg.data_dir)
+        if args.as_new and stopped is None:
+            # A live machine given a second identity would run the same agents twice.
+            raise UsageError(
+                f"join --as-new: machine {was} has not been stopped for good by the control"
+                " plane (revoked, or its account deleted); a live machine re-pairs with a"
+                f" repair token (agents-control machine repair {was}). If it was revoked"
+                " while this daemon was down, start it once to find out"
+            )
         result = _join(ctx)
         if args.as_new:
             ctx.out.lines(
                 f"joined again as the new machine {result.machine_id} (account "
-                f"{result.account_id}; was {was}): same agents, conversations and keys"
+                f"{result.account_id}; was {was}, {stopped}): same agents, conversations"
+                " and keys"
             )
         else:
             ctx.out.lines(

@@ -11,13 +11,12 @@ import json
 import logging
 import math
 import os
-import stat
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import IO
 
-from machine.cli_common import PROG, Ctx, call, show, show_record, when, wire
+from machine.cli_common import PROG, Ctx, call, open_regular, show, show_record, when, wire
 from machine.client import MAX_MESSAGE, MachineClient
 from machine.models import (
     AgentRecord,
@@ -269,8 +268,8 @@ async def agent_create(ctx: Ctx) -> int:
     args = ctx.args
     if args.folder == "":  # "$DIR" of an unset variable: never the current folder instead
         raise UsageError("--folder: empty; name the agent's working folder")
-    # Normalised (no "..", no "."): export --folder finds it by that path.
-    folder = os.path.abspath(args.folder or os.getcwd())
+    # Made absolute only: the daemon normalises it (and refuses ".." after a link).
+    folder = os.path.join(os.getcwd(), args.folder or os.getcwd())
     agent = await call(
         ctx,
         lambda c: c.create_agent(
@@ -337,15 +336,8 @@ def _open_attachments(given: list[str], stack: contextlib.ExitStack) -> list[_At
         if not name:
             raise UsageError("--attach: empty; name the file to attach")
         path = Path(name)
-        try:
-            # Looked at before opening: opening a FIFO waits for a writer.
-            if not stat.S_ISREG(path.stat().st_mode):
-                raise UsageError(f"attach: {path} is not a regular file")
-            handle = stack.enter_context(path.open("rb"))
-            size = os.fstat(handle.fileno()).st_size
-        except OSError as e:
-            raise UsageError(f"attach: cannot read {path}: {e.strerror or e}") from None
-        opened.append((path, size, handle))
+        handle, size = open_regular(path, "attach")
+        opened.append((path, size, stack.enter_context(handle)))
     return opened
 
 

@@ -6,12 +6,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import stat
 import time
 from pathlib import Path
 
 from machine import codec
-from machine.cli_common import Bar, Ctx, call, human, show, show_record, when, wire
+from machine.cli_common import (
+    Bar,
+    Ctx,
+    call,
+    human,
+    open_regular,
+    show,
+    show_record,
+    when,
+    wire,
+)
 from machine.client import MachineClient
 from machine.handoff import MAX_IMPORT_BYTES
 from machine.transfer import InResult
@@ -256,22 +265,13 @@ async def cmd_import(ctx: Ctx) -> int:
     if not ctx.args.file:
         raise UsageError("import: FILE is empty; name an export (.tar.gz)")
     # Looked at here, before anything is sent: a device or a pipe never ends
-    # (/dev/zero; opening a FIFO would wait for a writer), and the daemon refuses
-    # an archive past its limit only once it has received that much.
-    try:
-        kind = path.stat().st_mode
-        handle = path.open("rb") if stat.S_ISREG(kind) else None
-    except OSError as e:
-        raise UsageError(f"import: cannot read {path}: {e.strerror}") from None
-    if handle is None:
-        raise UsageError(f"import: {path} is not a regular file (an export is a .tar.gz)")
+    # (/dev/zero), and the daemon refuses an archive past its limit only once
+    # it has received that much.
+    handle, size = open_regular(path, "import", " (an export is a .tar.gz)")
     with handle:
-        st = os.fstat(handle.fileno())
-        if not stat.S_ISREG(st.st_mode):  # swapped since the look above
-            raise UsageError(f"import: {path} is not a regular file (an export is a .tar.gz)")
-        if st.st_size > MAX_IMPORT_BYTES:
+        if size > MAX_IMPORT_BYTES:
             raise UsageError(
-                f"import: {path} is {human(st.st_size)}, larger than an import may be"
+                f"import: {path} is {human(size)}, larger than an import may be"
                 f" ({human(MAX_IMPORT_BYTES)})"
             )
         async with MachineClient(ctx.cfg) as client:

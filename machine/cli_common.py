@@ -10,18 +10,20 @@ import argparse
 import datetime as dt
 import logging
 import math
+import os
 import shlex
+import stat
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from machine import codec
 from machine.client import MachineClient
 from machine.config import MachineConfig
-from shared.cli import ExitCode, Output, message_dict
+from shared.cli import ExitCode, Output, UsageError, message_dict
 
 __all__ = [
     "PROG",
@@ -30,6 +32,7 @@ __all__ = [
     "build_config",
     "call",
     "human",
+    "open_regular",
     "prog_of",
     "show",
     "show_record",
@@ -171,3 +174,19 @@ class Bar:
             self._bar.update(
                 self._task, description=f"{self._what}: {stage}", completed=done, total=total
             )
+
+
+def open_regular(path: Path, what: str, kind: str = "") -> tuple[IO[bytes], int]:
+    """``path`` open for reading and its size, or UsageError naming ``what``: it
+    must be a regular file (a device or a pipe never ends). Opened without
+    blocking (opening a FIFO waits for a writer), then checked: what is checked
+    is what was opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as e:
+        raise UsageError(f"{what}: cannot read {path}: {e.strerror or e}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # a folder too (fdopen would refuse it)
+        os.close(fd)
+        raise UsageError(f"{what}: {path} is not a regular file{kind}")
+    return os.fdopen(fd, "rb"), info.st_size

@@ -53,7 +53,10 @@ __all__ = [
     "MachineKeys",
     "NewKeys",
     "check_not_joined",
+    "clear_stopped",
     "is_joined",
+    "mark_stopped",
+    "stopped_reason",
     "load_keys",
     "load_link",
     "save_certificate",
@@ -72,6 +75,9 @@ BOX_KEY: Final = "box.key"
 TLS_KEY: Final = "tls.key"
 TLS_CERT: Final = "tls.crt"
 CA_CERT: Final = "ca.crt"
+#: Written when the control plane stopped this machine's link for good (revoked,
+#: account deleted): what lets ``join --as-new`` give the folder a new machine.
+STOPPED_FILE: Final = "link-stopped.json"
 
 _FORMAT: Final = 1
 _STAGE_MARK: Final = ".join-"
@@ -190,6 +196,27 @@ class MachineKeys:
 def is_joined(data_dir: Path) -> bool:
     """True when ``data_dir`` holds a committed join (its ``link.json``)."""
     return (data_dir / LINK_FILE).is_file()
+
+
+def mark_stopped(data_dir: Path, reason: str, at: float) -> None:
+    """Record that the control plane stopped this machine for good, and why."""
+    doc = {"reason": reason[:500], "at": at}
+    write_atomic(data_dir / KEYS_DIR / STOPPED_FILE, json.dumps(doc).encode())
+
+
+def stopped_reason(data_dir: Path) -> str | None:
+    """Why the control plane stopped this machine for good, or None if it did not."""
+    try:
+        doc = json.loads((data_dir / KEYS_DIR / STOPPED_FILE).read_bytes()[:4096])
+    except (OSError, ValueError):
+        return None
+    reason = doc.get("reason") if isinstance(doc, dict) else None
+    return reason if isinstance(reason, str) and reason else "stopped"
+
+
+def clear_stopped(data_dir: Path) -> None:
+    """Forget a stop (the folder joined again, as a new machine or re-paired)."""
+    (data_dir / KEYS_DIR / STOPPED_FILE).unlink(missing_ok=True)
 
 
 def _signing_pem(key: ed25519.Ed25519PrivateKey) -> bytes:

@@ -359,7 +359,9 @@ async def join_control_plane(
                     machine,
                     timeout=JOIN_TIMEOUT,
                     repair_machine_id=current.machine_id if current and not as_new else "",
-                    take_over=take_over,
+                    # Only a new box takes a machine over: a joined one (a re-pair, or
+                    # --as-new) must never become another machine with its own data.
+                    take_over=take_over and current is None,
                 )
             except grpc.aio.AioRpcError as e:
                 if _connection_lost(e):
@@ -404,6 +406,7 @@ async def join_control_plane(
             ca_cert_pem=ca_pem,
             link=link,
         )
+        await asyncio.to_thread(identity.clear_stopped, data_dir)
         if as_new:
             logger.info(
                 "joined %s again as the new machine %s (was %s)",

@@ -294,7 +294,8 @@ class ControlLink:
             # machine is paired again; keep trying (the clock may be wrong).
             logger.error(
                 "control link: the client certificate expired at %s; re-pair this machine:"
-                " `agents-control machine repair %s`, then the join it prints, on this box",
+                " `agents-control machine repair %s`, then the join it prints, on this box"
+                " and without --recovery-key (its data is here)",
                 self._link.cert_not_after.isoformat(),
                 self._link.machine_id,
             )
@@ -341,6 +342,12 @@ class ControlLink:
                 " `agents-control token create`)",
                 stop.reason,
             )
+            try:
+                await asyncio.to_thread(
+                    identity.mark_stopped, self._data_dir, stop.reason, self._clock().timestamp()
+                )
+            except OSError as e:
+                logger.error("control link: cannot record the stop in the data folder: %s", e)
             await self._set_state(stop.state)
         except (InvalidState, IntegrityError) as e:
             logger.error("control link cannot start: %s", e)

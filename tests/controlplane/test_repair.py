@@ -54,7 +54,10 @@ class World:
 
     async def join(self, value: str) -> tuple[str, bytes]:
         res = await self.pairing.join(
-            value, tls.build_csr(tls.new_tls_key()).decode(), MachineInfo("m", "0.1", "h")
+            value,
+            tls.build_csr(tls.new_tls_key()).decode(),
+            MachineInfo("m", "0.1", "h"),
+            take_over=True,  # a new box that restores (or was told to take it over)
         )
         return res.machine.machine_id, res.cert.cert_pem
 
@@ -104,7 +107,7 @@ async def test_a_new_box_takes_a_machine_over_only_when_it_says_so(w: World) -> 
         await w.pairing.join(made.value, csr, MachineInfo("m", "0.1", "h"), take_over=False)
     assert (await w.machines.authorize_peer(tls.identity_from_cert(old_cert))).machine_id == mc
     assert await w.intents.pending() == []
-    new_id_, _ = await w.join(made.value)  # take_over (the default of the domain call)
+    new_id_, _ = await w.join(made.value)  # take_over
     assert new_id_ == mc
 
 

@@ -271,7 +271,7 @@ class FakeLinkClient:
         repair_machine_id: str = "",
         take_over: bool = False,
     ) -> JoinReply:
-        return self._fake.join(self, token, csr_pem, machine, repair_machine_id)
+        return self._fake.join(self, token, csr_pem, machine, repair_machine_id, take_over)
 
     async def renew(self, csr_pem: str, *, timeout: float) -> Renewed:
         peer = await self._mutual("renew")
@@ -468,6 +468,7 @@ class FakeControlPlane:
         csr_pem: str,
         machine: MachineInfo,
         repair_machine_id: str,
+        take_over: bool = False,
     ) -> JoinReply:
         if client.target != self.public_address:
             raise _unavailable(f"failed to connect to {client.target}")
@@ -483,6 +484,10 @@ class FakeControlPlane:
         if repair_machine_id and repair_machine_id != repairs:
             raise domain_rpc_error(
                 InvalidState("join", "this box is already joined; the token was not used")
+            )
+        if repairs and not repair_machine_id and not take_over:
+            raise domain_rpc_error(
+                InvalidState("join", "this is a repair token: this box would take over machine")
             )
         self.tokens.discard(token)
         self.joined.append(machine)

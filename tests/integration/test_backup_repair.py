@@ -306,7 +306,8 @@ async def test_a_revoked_box_joins_again_as_a_new_machine_keeping_its_agents(
 ) -> None:
     """Revoked (or its account deleted), a box's link stops for good and a re-pair
     is refused: ``join --as-new`` with a plain token makes it a new machine with
-    the same data, and its agents still run (the old id stays one of its own)."""
+    the same data, and its agents still run (the old id stays one of its own).
+    A live machine is refused (the same agents would run under two ids)."""
     account = _ok(cp.cli("account", "create", "--github-id", "9200", "--github-login", "dan"))
     account_id = next(w for w in account.split() if w.startswith("acct_"))
     data = tmp_path / "box"
@@ -319,20 +320,30 @@ async def test_a_revoked_box_joins_again_as_a_new_machine_keeping_its_agents(
             agent = (await client.create_agent("kept", str(tmp_path))).id
             kinds = [ev.kind.name async for ev in client.prompt(agent, "before")]
             assert kinds[-1] == "RUN_FINISHED", kinds
-        _ok(cp.cli("machine", "revoke", old_id))
-        first.wait_for("control link stopped for good")
-        assert "--as-new" in first.output()
     finally:
         first.stop()
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
-    fresh = argv[1:]  # `--as-new` on a folder that never joined: refused, token kept
-    not_joined = subprocess.run(
-        [str(MACHINE_EXE), *fresh, "--as-new", "--data-dir", str(tmp_path / "never")],
-        capture_output=True, text=True, timeout=60, env=env, check=False,
-    )  # fmt: skip
-    assert not_joined.returncode == 2, not_joined.stderr
-    assert "--as-new is for a data folder that was joined" in not_joined.stderr
+
+    def join(*extra: str, folder: Path = data) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(MACHINE_EXE), *argv[1:], *extra, "--data-dir", str(folder)],
+            capture_output=True, text=True, timeout=60, env=env, check=False,
+        )  # fmt: skip
+
+    live = join("--as-new")  # not revoked: refused before the token is used
+    assert live.returncode == 2 and "has not been stopped for good" in live.stderr, live.stderr
+    never = join("--as-new", folder=tmp_path / "never")
+    assert never.returncode == 2, never.stderr
+    assert "--as-new is for a data folder that was joined" in never.stderr
+
+    _ok(cp.cli("machine", "revoke", old_id))
+    serving = Joined(["agents-machine", "serve"], data, tmp_path / "serve.log")
+    try:
+        serving.wait_for("control link stopped for good")
+        assert "--as-new" in serving.output()
+    finally:
+        serving.stop()
 
     again_argv = _printed_command(_ok(cp.cli("token", "create", "--account", account_id)))
     second = Joined([*again_argv, "--as-new"], data, tmp_path / "second.log")

@@ -109,6 +109,7 @@ def test_an_attachment_that_cannot_be_sent_whole_is_refused_before_anything_is_s
         ((str(small), str(big)), "is larger than the limit"),  # the first is not sent either
         (("/dev/zero",), "attach: /dev/zero is not a regular file"),
         ((str(fifo),), f"attach: {fifo} is not a regular file"),
+        ((str(tmp_path),), f"attach: {tmp_path} is not a regular file"),
         (("",), "--attach: empty"),
     ]
     for files, says in cases:

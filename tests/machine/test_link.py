@@ -370,6 +370,33 @@ async def test_repair_token_re_pairs_a_joined_box_keeping_its_id_and_keys(
     assert not list(data_dir.rglob("*.new"))
 
 
+async def test_as_new_joins_a_joined_box_as_a_new_machine_and_never_takes_one_over(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    """``--as-new`` (even with ``--no-restore``, which asks for take_over) must not
+    let a repair token for another machine hand that machine to this box: the
+    control plane is never told take_over by a joined box. A plain token makes
+    it a new machine with the same box key."""
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    before = identity.load_link(data_dir)
+    held = identity.load_keys(data_dir)
+    identity.mark_stopped(data_dir, "machine revoked: by the test", 1.0)
+    other = new_id("machine")
+    token = control.new_token()
+    control.repairs[token] = other
+    with pytest.raises(InvalidState, match="would take over machine"):
+        await _join(control, data_dir, token=token, as_new=True, take_over=True)
+    assert token in control.tokens, "refused before it was used"
+    assert identity.load_link(data_dir) == before
+    result = await _join(control, data_dir, as_new=True, take_over=True)
+    assert not result.repaired and result.machine_id not in (before.machine_id, other)
+    assert identity.load_link(data_dir).machine_id == result.machine_id
+    assert identity.load_keys(data_dir).box.public_key == held.box.public_key
+    assert not list(data_dir.rglob("*.new"))
+    assert identity.stopped_reason(data_dir) is None, "a new machine: not stopped"
+
+
 async def test_join_during_a_ca_rollover_trusts_both_cas(
     control: FakeControlPlane, tmp_path: Path
 ) -> None:
@@ -572,6 +599,8 @@ async def test_revoked_notice_stops_the_link(control: FakeControlPlane, tmp_path
         control.send(stream, Revoked(reason="test says so"))
         await link.wait_for_state(LinkState.REVOKED, timeout=1)
         assert "test says so" in link.final_reason
+        # Recorded in the data folder: what lets `join --as-new` go on.
+        assert "test says so" in (identity.stopped_reason(data_dir) or "")
         # The background task is over: nothing will dial again.
         assert link._task is not None
         await asyncio.wait_for(asyncio.shield(link._task), 1)
@@ -613,6 +642,7 @@ async def test_unknown_machine_keeps_identity_and_retries_slowly(
         await _until(lambda: control.connects >= 2)
         assert link.state not in (LinkState.REVOKED, LinkState.STOPPED), link.final_reason
         assert link.final_reason == ""
+        assert identity.stopped_reason(data_dir) is None
         control.unknown.discard(machine_id)
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
     assert ControlLink.is_joined(data_dir)

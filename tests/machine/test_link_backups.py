@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import pytest
 
 from machine.backup_link import ControlPlaneTarget
 from machine.link_client import MachineInfo
 from shared import tls
-from shared.errors import NotFound, TransientError
+from shared.errors import NotFound, StoreError, TransientError
 from shared.ids import new_id
 from tests.helpers.fake_link_client import FakeControlPlane, FakeLinkClient, domain_rpc_error
 
@@ -133,3 +134,28 @@ async def test_link_errors_come_back_as_domain_errors(control: FakeControlPlane)
     # No control plane answered: the error says which one was tried.
     with pytest.raises(TransientError, match=r"^control plane 127\.0\.0\.1:7444: unreachable \("):
         await named.have_segments([_name()])
+
+
+class _OlderControlPlane:
+    """A link client whose control plane predates ``replace``: it keeps a stored
+    segment and answers 0 bytes stored, whatever the header asked."""
+
+    async def put_segment(
+        self, name: str, size: int, data: AsyncIterator[bytes], *, timeout: float,
+        replace: bool = False,
+    ) -> int:  # fmt: skip
+        async for _ in data:
+            pass
+        return 0
+
+
+async def test_a_segment_the_control_plane_did_not_replace_is_not_taken_for_mended() -> None:
+    target = ControlPlaneTarget(cast(Any, _OlderControlPlane()), where="control plane X")
+    name = os.urandom(32).hex()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"sealed"
+
+    await target.put_segment(name, chunks())  # create-once: 0 is "already there"
+    with pytest.raises(StoreError, match=f"kept its damaged copy of segment {name[:16]}"):
+        await target.put_segment(name, chunks(), replace=True)

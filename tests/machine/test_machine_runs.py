@@ -314,3 +314,17 @@ async def test_a_folder_is_stored_normalised_and_exported_by_any_spelling(
         path, manifest = await handoff.export([], spelling)
         assert [a.agent_id for a in manifest.agents] == [made.id], spelling
         path.unlink()
+
+
+async def test_a_folder_with_dotdot_after_a_symlink_is_refused(
+    machine_app: Machine, tmp_path: Path
+) -> None:
+    """``a/link/..`` is the folder above the link's target: collapsed by its
+    spelling it would name ``a``, a folder nobody checked."""
+    (tmp_path / "srv" / "x").mkdir(parents=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "link").symlink_to("../srv/x")
+    with pytest.raises(InvalidArgument, match="after a symbolic link") as err:
+        await machine_app.agents.create(name="n", folder=f"{tmp_path}/a/link/..")
+    assert err.value.field == "folder"
+    assert await machine_app.agents.list(include_archived=True) == []
