@@ -218,3 +218,27 @@ def test_input_that_would_be_silently_replaced_is_refused(
     code, out, err = run(capsys, "--data-dir", str(tmp_path), *argv)
     assert code == 2 and out == ""
     assert err.splitlines()[0] == f"agents-machine: {says}"
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--recovery-key", "k", "--no-restore"], "--recovery-key restores the machine's backup"),
+        (["--recovery-key", ""], "--recovery-key: empty"),
+        (["--as-new"], "--as-new is for a data folder that was joined"),
+    ],
+)
+def test_join_refuses_contradictory_or_empty_options_before_anything_is_sent(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, extra: list[str], says: str
+) -> None:
+    """No control plane listens at the address: each is refused first, and the
+    data folder is not made."""
+    data = tmp_path / "d"
+    token = "tok_01234567890123456789012345." + "s" * 43
+    code, out, err = run(
+        capsys, "--data-dir", str(data), "join", "127.0.0.1:9", "--token", token,
+        "--ca-hash", "sha256:" + "0" * 64, *extra,
+    )  # fmt: skip
+    assert code == 2 and out == ""
+    assert says in err.splitlines()[0], err
+    assert not (data / "keys").exists()
