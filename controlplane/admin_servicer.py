@@ -321,7 +321,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             p, request.machine_id, request.agent_id, request.text, request.idempotency_key
         )
         return admin_pb2.SendPromptResponse(
-            prompt_id=sent.prompt_id, state=sent.state, run_id=sent.run_id
+            prompt_id=sent.prompt_id, state=sent.state, run_id=sent.run_id, reason=sent.reason
         )
 
     async def ListPrompts(

@@ -213,9 +213,12 @@ class SentPrompt(_Reply):
 
     prompt_id: str
     state: str
-    """``queued``, ``delivered`` or ``acknowledged``."""
+    """``queued``, ``delivered`` or ``acknowledged``; for a key sent again after the
+    machine answered, ``acknowledged`` or ``refused``."""
     run_id: str
     """The machine's run id, once acknowledged; else empty."""
+    reason: str
+    """Why the machine refused it (state ``refused``); else empty."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -708,6 +708,14 @@ async def _prompt_send(ctx: _Ctx) -> int:
     text = _prompt_text(args)
     async with _client(ctx.cfg) as c:
         reply = await c.send_prompt(args.machine, args.agent, text, args.idempotency_key)
+    if reply.state == "refused":
+        # The machine refused it for good (an online machine answers at once; a
+        # key sent again answers the first outcome): nothing will run. Exit 2,
+        # as any refusal.
+        raise UsageError(
+            f"prompt send: prompt {reply.prompt_id} was refused by the machine:"
+            f" {reply.reason or 'no reason given'}"
+        )
     line = f"prompt {reply.prompt_id} {reply.state}"
     if reply.run_id:
         line += f" (run {reply.run_id})"

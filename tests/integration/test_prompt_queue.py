@@ -241,6 +241,19 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
             again = await client.send_prompt(machine_id, agents[0], texts[0], "k0")
             assert (again.prompt_id, again.state) == (first.split()[1], "acknowledged")
             assert again.run_id.startswith("run_")
+            # The online machine refuses a prompt for its archived agent: the CLI
+            # says why and exits 2, at the send and at a retried send alike.
+            for _ in range(2):
+                refused = cp.cli(
+                    "prompt", "send", "--machine", machine_id, "--agent", archived,
+                    "--text", "to an archived agent", "--idempotency-key", "k-archived",
+                )  # fmt: skip
+                assert refused.code == 2, refused.err
+                assert re.fullmatch(
+                    r"agents-control: prompt send: prompt pr_[0-9a-z]{26} was refused by the"
+                    r" machine: .*archived.*\n",
+                    refused.err,
+                ), refused.err
 
             # The control plane dies after delivering, before deleting the entry.
             assert cp.process is not None

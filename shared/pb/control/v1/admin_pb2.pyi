@@ -767,22 +767,28 @@ class SendPromptResponse(_message.Message):
     PROMPT_ID_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     prompt_id: _builtins.str
     """The prompt id ("pr_...")."""
     state: _builtins.str
-    """"queued", "delivered" or "acknowledged"."""
+    """"queued", "delivered" or "acknowledged"; for an idempotency key sent
+    again after the machine answered, "acknowledged" or "refused".
+    """
     run_id: _builtins.str
     """The machine's run id, once acknowledged."""
+    reason: _builtins.str
+    """Why the machine refused the prompt (state "refused"); else empty."""
     def __init__(
         self,
         *,
         prompt_id: _builtins.str = ...,
         state: _builtins.str = ...,
         run_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_id", b"prompt_id", "run_id", b"run_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_id", b"prompt_id", "reason", b"reason", "run_id", b"run_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
