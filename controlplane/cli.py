@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command tree."""
     root = CliParser(prog=PROG, description="The agents control plane.")
     root.set_defaults(verb=None)
+    # Also before the command (`agents-control --home H machine list`), as
+    # agents-machine takes --data-dir; each command takes it after itself too.
+    root.add_argument("--home", dest="root_home", help="control-plane home (AGENTS_CONTROL_HOME)")
     sub = root.add_subparsers(dest="cmd", parser_class=CliParser)
 
     p = sub.add_parser("init", help="make keys, config and the first operator credential")
@@ -854,6 +857,18 @@ def _message(exc: BaseException) -> str | None:
     return None
 
 
+def _merge_home(args: argparse.Namespace) -> None:
+    """``--home`` given before the command counts as given after it; twice, with
+    two different folders, is a usage error (which one was meant?)."""
+    before = getattr(args, "root_home", None)
+    if before is None:
+        return
+    after = getattr(args, "home", None)
+    if after is not None and after != before:
+        raise UsageError(f"--home given twice ({before} and {after}); give it once")
+    args.home = before
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``agents-control``."""
     argv = sys.argv[1:] if argv is None else argv
@@ -861,6 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         check_argv(argv)
         args = build_parser().parse_args(argv)
+        _merge_home(args)
         key = (args.cmd, args.verb)
         if key in COMMANDS and key in PRINTS_SECRET and not stdout_writable():
             raise UsageError(

@@ -243,20 +243,25 @@ async def stream_events(
             if ev.terminal:
                 code = ExitCode.OK if ev.kind is EventKind.RUN_FINISHED else ExitCode.FAILED
         return code if code is not None else ExitCode.OK
-    async for ev in _events_with_rule_answers(events):
-        got = _render_event(out, ev, state, prog)
-        code = got if got is not None else code
-        if ask is not None and client is not None and ev.kind is EventKind.PERMISSION_REQUEST:
-            # A person is at the terminal: answer here (the stream carries the rest).
-            req = _pending(ev)
-            chosen = await ask(req)
-            if chosen is not None:
-                option_id, remember = chosen
-                await client.answer_permission(
-                    ev.run_id, req.request_id, option_id, remember=remember
-                )
-    if state.get("mid_line"):
-        out.write("\n")
+    try:
+        async for ev in _events_with_rule_answers(events):
+            got = _render_event(out, ev, state, prog)
+            code = got if got is not None else code
+            if ask is not None and client is not None and ev.kind is EventKind.PERMISSION_REQUEST:
+                # A person is at the terminal: answer here (the stream carries the rest).
+                req = _pending(ev)
+                chosen = await ask(req)
+                if chosen is not None:
+                    option_id, remember = chosen
+                    await client.answer_permission(
+                        ev.run_id, req.request_id, option_id, remember=remember
+                    )
+    finally:
+        # Also when the stream breaks (the daemon stopped, Ctrl-C): the error
+        # line then starts on a line of its own, not after the last words.
+        if state.get("mid_line"):
+            with contextlib.suppress(OSError):
+                out.write("\n")
     return code if code is not None else ExitCode.OK
 
 

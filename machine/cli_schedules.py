@@ -116,7 +116,11 @@ async def schedule_resume(ctx: Ctx) -> int:
 async def schedule_delete(ctx: Ctx) -> int:
     """``schedule delete ID``."""
     await call(ctx, lambda c: c.delete_schedule(ctx.args.schedule_id))
-    return show(ctx.out, {}, lambda: ctx.out.lines(f"deleted {ctx.args.schedule_id}"))
+    return show(
+        ctx.out,
+        {"schedule_id": ctx.args.schedule_id, "deleted": True},
+        lambda: ctx.out.lines(f"deleted {ctx.args.schedule_id}"),
+    )
 
 
 async def schedule_runs(ctx: Ctx) -> int:

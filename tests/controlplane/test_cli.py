@@ -159,3 +159,26 @@ def test_a_prompt_file_that_is_not_utf8_is_named_plainly(
         == f"agents-control: prompt send: {bad} is not UTF-8 text (byte 3); prompts are text"
     )
     assert "codec" not in lines[0]
+
+
+def test_home_before_the_command_is_the_home(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "ca.pem").write_bytes(tls.make_ca().cert_pem)
+    argv = ["account", "list", "--address", "127.0.0.1:1", "--credential", CREDENTIAL]
+    # Found the CA in that home, so it got as far as dialling the address.
+    code, _, lines = run(capsys, "--home", str(tmp_path), *argv)
+    assert (code, lines) == (
+        1,
+        [
+            "agents-control: control plane not reachable at 127.0.0.1:1 "
+            "(is `agents-control serve` running?)"
+        ],
+    )
+    # The same folder on both sides is that folder; two folders are refused.
+    code, _, lines = run(capsys, "--home", str(tmp_path), *argv, "--home", str(tmp_path))
+    assert code == 1
+    other = tmp_path / "other"
+    code, _, lines = run(capsys, "--home", str(tmp_path), *argv, "--home", str(other))
+    assert code == 2
+    assert lines == [f"agents-control: --home given twice ({tmp_path} and {other}); give it once"]

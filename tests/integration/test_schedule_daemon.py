@@ -152,9 +152,16 @@ def test_schedule_fires_survive_sigkill_neither_lost_nor_repeated(
 
     cli_ok(data, "schedule", "pause", sid)
     assert rows(data, "SELECT state FROM schedules WHERE id = ?", sid) == [("paused",)]
-    with grpc.insecure_channel(proc.target) as channel:
-        pb_grpc.MachineServiceStub(channel).DeleteSchedule(
-            pb.DeleteScheduleRequest(schedule_id=sid)
-        )
+    deleted = json.loads(cli_ok(data, "--json", "schedule", "delete", sid))
+    assert deleted == {"schedule_id": sid, "deleted": True}
     assert fires(data, sid) == []
+    assert rows(data, "SELECT id FROM schedules WHERE id = ?", sid) == []
+    # Deleting it again: it is gone (NOT_FOUND, exit 2), and a malformed id is named.
+    assert sid in cli_refused(data, "schedule", "delete", sid)
+    with grpc.insecure_channel(proc.target) as channel:
+        with pytest.raises(grpc.RpcError) as gone:
+            pb_grpc.MachineServiceStub(channel).DeleteSchedule(
+                pb.DeleteScheduleRequest(schedule_id=sid)
+            )
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
     proc.stop()

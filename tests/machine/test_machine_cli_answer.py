@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,23 @@ async def test_prompt_stream_answers_inline_and_finishes(tmp_path: Path) -> None
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
+
+
+async def test_a_stream_that_breaks_mid_line_ends_the_line_before_the_error() -> None:
+    """The daemon goes away after a partial line: the error that follows on the
+    terminal starts on a line of its own."""
+    import io
+
+    from machine.models import EventKind, StoredEvent
+
+    run, agent = "run_0000000000aaaaaaaaaaaaaaaa", "ag_0000000000aaaaaaaaaaaaaaaa"
+
+    async def events() -> AsyncIterator[StoredEvent]:
+        yield StoredEvent(agent, 1, run, EventKind.RUN_STARTED, {"prompt": "hi"}, 0.0)
+        yield StoredEvent(agent, 2, run, EventKind.TEXT_DELTA, {"text": "half a"}, 0.0)
+        raise ConnectionError("the daemon stopped")
+
+    stream = io.StringIO()
+    with pytest.raises(ConnectionError):
+        await cli.stream_events(Output(as_json=False, stream=stream), events())
+    assert stream.getvalue() == f"[run {run}]\nhalf a\n"
