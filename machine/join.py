@@ -161,7 +161,15 @@ def _is_ca(cert: x509.Certificate) -> bool:
         return False
 
 
-def _fetch_chain_blocking(host: str, port: int, timeout: float) -> list[bytes]:
+#: Seconds a join waits, after its TLS handshake, to tell a hang-up from silence.
+_HANGUP_WAIT: Final = 2.0
+
+
+def _fetch_chain_blocking(host: str, port: int, timeout: float) -> tuple[list[bytes], bool]:
+    """The server's certificate chain (DER), and whether it closed the connection
+    at once after the handshake: the control plane's link port does, as it
+    wants a machine certificate this box does not have yet; its public port
+    (Join) sends its HTTP/2 settings first."""
     # A bare TLS handshake with verification off: we verify by the pin below,
     # and nothing but the ClientHello is sent before that.
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -179,9 +187,20 @@ def _fetch_chain_blocking(host: str, port: int, timeout: float) -> list[bytes]:
         getter = getattr(sslobj, "get_unverified_chain", None)
         if getter is None:
             leaf = sock.getpeercert(binary_form=True)
-            return [leaf] if leaf else []
-        chain = getter() or []
-        return [c.public_bytes(ssl._ssl.ENCODING_DER) for c in chain]  # type: ignore[attr-defined]
+            ders = [leaf] if leaf else []
+        else:
+            chain = getter() or []
+            ders = [c.public_bytes(ssl._ssl.ENCODING_DER) for c in chain]  # type: ignore[attr-defined]
+        # Briefly: a proxy in front of the public port may wait for the client
+        # to speak first; that silence is not a hang-up.
+        sock.settimeout(min(timeout, _HANGUP_WAIT))
+        try:
+            closed = sock.recv(1) == b""
+        except TimeoutError:
+            closed = False
+        except (OSError, ssl.SSLError):
+            closed = True  # an alert (TLS 1.3: "certificate required") or a reset
+        return ders, closed
 
 
 async def fetch_pinned_ca(
@@ -194,12 +213,14 @@ async def fetch_pinned_ca(
 ) -> bytes:
     """Return the PEM of the server's CA once it matches ``ca_hash``.
 
-    Raises TransientError when the server cannot be reached, and
+    Raises TransientError when the server cannot be reached,
     IntegrityError (field ``ca_hash``) when no certificate of the chain is a CA
-    with the pinned key or the server's certificate is not signed by it.
+    with the pinned key or the server's certificate is not signed by it, and
+    InvalidArgument (field ``address``) when it is the control plane's link
+    port (it hangs up on a client without a certificate).
     """
     try:
-        ders = await asyncio.wait_for(
+        ders, closed = await asyncio.wait_for(
             asyncio.to_thread(_fetch_chain_blocking, host, port, timeout), timeout + 1
         )
     except (OSError, TimeoutError, ssl.SSLError) as e:
@@ -231,6 +252,16 @@ async def fetch_pinned_ca(
         ) from None
     if not leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
         raise IntegrityError("ca_hash", f"the server certificate of {host}:{port} is not valid now")
+    if closed:
+        # Our control plane (the pin matched) hung up without a word: its link
+        # port. Sending the token there would fail as a lost connection, and
+        # "run it again" would never help.
+        raise InvalidArgument(
+            "address",
+            f"{host}:{port} is the control plane's link port (it wants a machine"
+            " certificate); join at its public port, as `agents-control token create`"
+            " prints it",
+        )
     return ca.public_bytes(serialization.Encoding.PEM)
 
 

@@ -305,6 +305,16 @@ async def test_join_refusals_write_nothing(
         tokens = await client.list_tokens(account_id)
         assert [t.uses for t in tokens] == [0]
 
+        # The link port instead of the public one: named, exit 2, before the token
+        # is sent (before: "connection lost, run it again", which never helps).
+        bad = list(argv)
+        bad[2] = cp.link
+        res = _run_join(bad, tmp_path / "link-port")
+        _assert_refused(res, tmp_path / "link-port", "is the control plane's link port")
+        assert res.returncode == 2, res.stderr
+        tokens = await client.list_tokens(account_id)
+        assert [t.uses for t in tokens] == [0]
+
         # Expired token: made expired in the store (the shortest TTL is a minute).
         argv = await _join_argv(client, account_id)
         token_id = argv[argv.index("--token") + 1].split(".")[0]
