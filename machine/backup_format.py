@@ -302,7 +302,7 @@ class BackupManifest:
         """Read an opened manifest; IntegrityError for anything malformed."""
         try:
             data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise IntegrityError(what, "not valid JSON") from None
         if not isinstance(data, dict):
             raise IntegrityError(what, "not a JSON object")

@@ -276,9 +276,13 @@ class BackupService:
         for info, manifest in reversed(listed):
             if manifest is not None:
                 self._last_at = manifest.created_at
-                self._last_id, self._last_bytes = info.backup_id, info.size
+                # As `backup list` counts it: the manifest and every segment it names
+                # (before: the manifest alone, after each restart).
+                stored = info.size + sum(s.size for s in manifest.segments)
+                self._last_id, self._last_bytes = info.backup_id, stored
                 if self._metrics:
                     self._metrics.last_success.set(manifest.created_at)
+                    self._metrics.stored_bytes.set(stored)
                 return
 
     async def restore_check(self, backup_id: str | None = None) -> RestoreCheck:

@@ -160,7 +160,26 @@ async def backup_restore(ctx: Ctx) -> int:
     async with MachineClient(ctx.cfg) as client:
         with Bar(ctx.out, "restoring"):
             result = await client.restore(args.backup_id, from_dir=from_dir, recovery=recovery)
-    head = f"restored {len(result.restored)} agents (archived; `agent unarchive ID` to run one)"
+        restored = set(result.restored)
+        # Only this machine's own agents may run once unarchived; another
+        # machine's (a backup restored onto a new stand-alone box) stay read-only.
+        own = 0
+        if restored and not ctx.out.as_json:
+            agents = await client.list_agents(include_archived=True)
+            own = sum(1 for a in agents if a.id in restored and a.local)
+    head = f"restored {len(restored)} agents"
+    foreign = len(restored) - own
+    if not restored:
+        pass
+    elif not foreign:
+        head += " (archived; `agent unarchive ID` to run one)"
+    elif not own:
+        head += " (archived, read-only: their origin is another machine)"
+    else:
+        head += (
+            f" (archived; {own} of this machine, `agent unarchive ID` to run one;"
+            f" {foreign} of another machine, read-only)"
+        )
     lines = _arrived(head, result)
     data = message_dict(codec.restore_result_to_pb(result)) if ctx.out.as_json else {}
     return show(ctx.out, data, lambda: ctx.out.lines(*lines))
@@ -170,8 +189,8 @@ async def backup_recovery_key(ctx: Ctx) -> int:
     """``backup recovery-key``: make the key; print its private half once."""
     if not stdout_writable():
         raise UsageError(
-            "backup recovery-key: stdout is not writable, so the key it prints only once "
-            "would be lost; nothing was made"
+            "backup recovery-key: stdout is closed, a pipe nobody reads or /dev/null, so the"
+            " key it prints only once would be lost; nothing was made"
         )
     # The refusals the daemon would give, before a key is printed for nothing.
     st = await call(ctx, lambda c: c.status())

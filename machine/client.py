@@ -46,7 +46,7 @@ from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from shared.rpc import from_server, rpc_errors
 
-__all__ = ["MAX_MESSAGE", "DaemonNotRunning", "MachineClient"]
+__all__ = ["MAX_MESSAGE", "DaemonNotRunning", "DaemonUnreachable", "MachineClient"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,10 @@ class DaemonNotRunning(AgentsError):
         self.data_dir = cfg.data_dir
 
 
+class DaemonUnreachable(AgentsError):
+    """The daemon's socket cannot be reached by this user (permissions)."""
+
+
 def _key_text(recovery: BoxKeyPair | None) -> str:
     # Sent over the local socket only; the daemon never logs it.
     return encode_private_key(recovery.private_key) if recovery is not None else ""
@@ -79,7 +83,14 @@ class MachineClient:
         self._stub: pb_grpc.MachineServiceAsyncStub | None = None
 
     async def __aenter__(self) -> MachineClient:
-        if not self._cfg.socket.exists():
+        try:
+            present = self._cfg.socket.exists()
+        except OSError as e:  # a folder on the way this user may not enter
+            raise DaemonUnreachable(
+                f"cannot reach the machine daemon at {self._cfg.socket}: {e.strerror or e}"
+                " (run this as the user the daemon runs as)"
+            ) from None
+        if not present:
             raise DaemonNotRunning(self._cfg)
         self._channel = grpc.aio.insecure_channel(
             f"unix://{self._cfg.socket}",

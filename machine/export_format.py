@@ -28,6 +28,7 @@ from typing import IO, Any, Final
 
 from shared.errors import InvalidArgument
 from shared.ids import is_valid_id
+from shared.timestamps import MAX_SECONDS
 
 __all__ = [
     "AGENT_FILES",
@@ -132,16 +133,25 @@ def _not_json(token: str) -> Any:
     raise ValueError(f"{token} is not JSON")
 
 
+def load_json(raw: bytes, what: str) -> Any:
+    """An archive's JSON document (a file, a line), refused naming ``what`` when it
+    is not UTF-8 JSON: NaN and Infinity are not JSON, and a document nested so
+    deep that the parser runs out of stack is refused, not a server fault."""
+    try:
+        # Decoded first: json.loads of bytes would guess the encoding.
+        return json.loads(raw.decode("utf-8"), parse_constant=_not_json)
+    except (ValueError, UnicodeDecodeError):
+        raise _bad(f"{what}: not valid JSON") from None
+    except RecursionError:
+        raise _bad(f"{what}: nested too deeply") from None
+
+
 def parse_jsonl_line(line: bytes, what: str, number: int) -> dict[str, Any]:
     """One line of a JSON Lines file (read with ``readline(MAX_LINE + 1)``) as an
     object; anything else is refused naming the line."""
     if len(line) > MAX_LINE:
         raise _bad(f"{what} line {number}: longer than {MAX_LINE} bytes")
-    try:
-        # Decoded first: json.loads of bytes would guess the encoding each line.
-        row = json.loads(line.decode("utf-8"), parse_constant=_not_json)
-    except (ValueError, UnicodeDecodeError):
-        raise _bad(f"{what} line {number}: not valid JSON") from None
+    row = load_json(line, f"{what} line {number}")
     if not isinstance(row, dict):
         raise _bad(f"{what} line {number}: not a JSON object")
     return row
@@ -190,10 +200,7 @@ class ExportManifest:
     @classmethod
     def parse(cls, raw: bytes) -> ExportManifest:
         """Read a manifest, refusing anything malformed or of an unknown version."""
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise _bad("manifest.json: not valid JSON") from None
+        data = load_json(raw, "manifest.json")
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise _bad(f"manifest.json: not an {FORMAT_NAME} manifest")
         version = data.get("format_version")
@@ -208,6 +215,8 @@ class ExportManifest:
         created = data.get("created_at")
         if not isinstance(created, int | float) or isinstance(created, bool):
             raise _bad("manifest.json: created_at missing or not a number")
+        if not 0 <= created <= MAX_SECONDS:
+            raise _bad("manifest.json: created_at is not a time (Unix seconds up to the year 9999)")
         rows = data.get("agents")
         if not isinstance(rows, list):
             raise _bad("manifest.json: agents missing or not a list")

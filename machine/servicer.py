@@ -47,8 +47,11 @@ async def _send_events(context: Ctx, events: AsyncIterator[StoredEvent]) -> None
     """
     async with contextlib.aclosing(events):  # type: ignore[type-var]
         async for ev in events:
+            # Outside the try: an event that cannot be encoded is a fault to
+            # report (the stream fails), not a client that went away.
+            message = codec.event_to_pb(ev)
             try:
-                await context.write(codec.event_to_pb(ev))
+                await context.write(message)
             except Exception as e:
                 # gRPC refuses writes on a call its client has closed (before the
                 # cancellation reaches this task): the stream is over, not broken.

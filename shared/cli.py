@@ -26,6 +26,7 @@ import os
 import re
 import select
 import shutil
+import stat
 import sys
 import unicodedata
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -306,7 +307,8 @@ def bind_error(exc: BaseException) -> ConfigError | None:
 
 
 def stdout_writable(stream: IO[str] | None = None) -> bool:
-    """False when stdout is closed or is a pipe whose reader has gone.
+    """False when stdout is closed, is a pipe whose reader has gone, or is
+    /dev/null (``> /dev/null``, the usual answer to a closed stdout).
 
     Checked before a command makes a secret it prints only once (a credential,
     a recovery key): better to refuse than to make one nobody can see.
@@ -319,9 +321,13 @@ def stdout_writable(stream: IO[str] | None = None) -> bool:
     except (OSError, ValueError):
         return True  # a stream in memory (tests capture output this way)
     try:
-        os.fstat(fd)
+        st = os.fstat(fd)
     except OSError:
         return False
+    if stat.S_ISCHR(st.st_mode):
+        with contextlib.suppress(OSError):
+            if st.st_rdev == os.stat(os.devnull).st_rdev:
+                return False
     poller = select.poll()
     poller.register(fd, select.POLLOUT)
     for _, events in poller.poll(0):

@@ -45,7 +45,11 @@ def load_toml(path: Path | None, *, required: bool = False) -> dict[str, Any]:
     """
     if path is None:
         return {}
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as e:  # a folder on the way this user may not enter
+        raise ConfigError(str(path), f"cannot read: {e.strerror or e}") from None
+    if not exists:
         if required:
             raise ConfigError("file", f"{path}: no such file")
         return {}

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
-from typing import TypeAlias, overload
+from typing import Final, TypeAlias, overload
 
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 __all__ = [
+    "MAX_SECONDS",
     "Clock",
     "field_datetime",
     "from_datetime",
@@ -23,6 +24,9 @@ __all__ = [
     "utc_now",
 ]
 
+
+#: 9999-12-31T23:59:59Z: the last second a Timestamp (and a datetime) carries.
+MAX_SECONDS: Final = 253_402_300_799
 
 Clock: TypeAlias = Callable[[], dt.datetime]
 """What modules that read the wall clock take (injected, so tests can move time)."""

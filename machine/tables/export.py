@@ -23,14 +23,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from pathlib import Path
 from typing import IO, Any, Final
 
-from machine.export_format import MAX_LINE, encode_jsonl, parse_jsonl_line, read_jsonl
+from machine.export_format import MAX_LINE, encode_jsonl, load_json, parse_jsonl_line, read_jsonl
 from machine.models import AgentState, EventKind
 from machine.tables import search_backlog
-from machine.tables.rows import archive_field, present
+from machine.tables.rows import archive_field, archive_time, present
 from machine.tables.runs import RUN_FIELDS
 from machine.tables.schedules import dump_schedules, load_schedules
 from shared.errors import InvalidArgument, NotFound
 from shared.ids import is_valid_id
+from shared.timestamps import MAX_SECONDS
 
 __all__ = [
     "AgentDump",
@@ -257,7 +258,7 @@ def _check_record(record: dict[str, Any], where: str) -> None:
     if not is_valid_id("machine", record["origin_machine"]):
         raise InvalidArgument("archive", f"{where}: origin_machine malformed")
     for key in ("created_at", "updated_at"):
-        archive_field(record, key, (int, float), where)
+        archive_time(record, key, where)
     archive_field(record, "last_seq", int, where)
     if not isinstance(record.get("attachments", []), list):
         raise InvalidArgument("archive", f"{where}: attachments must be a list")
@@ -354,10 +355,7 @@ def load_agent_files(
         raw = f.read(_MAX_RECORD + 1)
     if len(raw) > _MAX_RECORD:
         raise InvalidArgument("archive", f"{where}: longer than {_MAX_RECORD} bytes")
-    try:
-        record = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidArgument("archive", f"{where}: not valid JSON") from None
+    record = load_json(raw, where)
     if not isinstance(record, dict):
         raise InvalidArgument("archive", f"{where}: not a JSON object")
     _check_record(record, where)
@@ -399,6 +397,10 @@ def load_agent_files(
                         "archive", f"{conv} line {n}: bad kind or seq out of order"
                     )
                 last_seq = text_seq
+                # As json.loads reads the number: an int without fraction or exponent.
+                text_time = float(qtime) if frac or exp else int(qtime)
+                if not 0 <= text_time <= MAX_SECONDS:
+                    archive_time({"time": text_time}, "time", f"{conv} line {n}")
                 batch.append(
                     (
                         agent_id,
@@ -406,8 +408,7 @@ def load_agent_files(
                         qrun.decode(),
                         "TEXT_DELTA",
                         payload_json.decode(),
-                        # As json.loads reads the number: an int without fraction or exponent.
-                        float(qtime) if frac or exp else int(qtime),
+                        text_time,
                     )
                 )
                 if len(batch) >= _BATCH:
@@ -428,10 +429,12 @@ def load_agent_files(
                 and type(kind) is str
                 and type(payload) is dict
                 and type(time) in (int, float)
+                and 0 <= time <= MAX_SECONDS
             ):
                 where = f"{conv} line {n}"
                 for key, kinds_of in _EVENT_FIELDS:
                     archive_field(ev, key, kinds_of, where)
+                archive_time(ev, "time", where)
             if kind not in kinds or seq <= last_seq:
                 raise InvalidArgument("archive", f"{conv} line {n}: bad kind or seq out of order")
             last_seq = seq
@@ -533,7 +536,7 @@ def _insert_summary(
             archive_field(row, "run_id", str, where),
             agent_id,
             archive_field(row, "text", str, where),
-            archive_field(row, "created_at", (int, float), where),
+            archive_time(row, "created_at", where),
         ),
     )
 
@@ -552,8 +555,8 @@ def _insert_tool(conn: sqlite3.Connection, agent_id: str, row: dict[str, Any], w
             archive_field(row, "input_json", str, where),
             row.get("status"),
             row.get("output"),
-            archive_field(row, "started_at", (int, float), where),
-            row.get("ended_at"),
+            archive_time(row, "started_at", where),
+            archive_time(row, "ended_at", where, optional=True),
         ),
     )
 
@@ -566,7 +569,7 @@ def _insert_attachment_ref(
     sha = archive_field(ref, "sha256", str, where)
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         raise InvalidArgument("archive", f"{where}: attachment sha256 malformed")
-    created = archive_field(ref, "created_at", (int, float), where)
+    created = archive_time(ref, "created_at", where)
     conn.execute(
         "INSERT INTO attachments (sha256, size, created_at) VALUES (?, 0, ?)"
         " ON CONFLICT (sha256) DO NOTHING",

@@ -8,11 +8,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from shared.errors import InvalidArgument
+from shared.timestamps import MAX_SECONDS
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["archive_field", "from_row", "present"]
+__all__ = ["archive_field", "archive_time", "from_row", "present"]
 
 R = TypeVar("R", bound="DataclassInstance")
 
@@ -44,4 +45,18 @@ def archive_field(row: dict[str, Any], key: str, kind: type | tuple[type, ...], 
     value = row.get(key)
     if not isinstance(value, kind) or isinstance(value, bool):
         raise InvalidArgument("archive", f"{where}: {key} missing or of the wrong type")
+    return value
+
+
+def archive_time(row: dict[str, Any], key: str, where: str, *, optional: bool = False) -> Any:
+    """``row[key]`` of an archive's JSON line, checked to be a time: Unix seconds from
+    0 to :data:`~shared.timestamps.MAX_SECONDS` (``1e400`` reads as infinity, which no
+    listing could show). With ``optional``, None (or absent) passes as None."""
+    if optional and row.get(key) is None:
+        return None
+    value = archive_field(row, key, (int, float), where)
+    if not 0 <= value <= MAX_SECONDS:  # false for NaN too
+        raise InvalidArgument(
+            "archive", f"{where}: {key} is not a time (Unix seconds up to the year 9999)"
+        )
     return value

@@ -9,7 +9,7 @@ from typing import Any, Final
 
 from machine.cron import readable_cron, validate_zone
 from machine.models import ScheduleRecord, ScheduleRunRecord
-from machine.tables.rows import archive_field, from_row
+from machine.tables.rows import archive_field, archive_time, from_row
 from shared.errors import InvalidArgument, NotFound
 from shared.ids import is_valid_id
 
@@ -242,7 +242,7 @@ def load_schedules(
             raise InvalidArgument("archive", f"{where}: missed must be skip or once")
         last_fire = row.get("last_fire")
         if last_fire is not None:
-            last_fire = float(archive_field(row, "last_fire", (int, float), where))
+            last_fire = float(archive_time(row, "last_fire", where))
         runs = archive_field(row, "runs", list, where)
         if conn.execute("SELECT 1 FROM schedules WHERE id = ?", (schedule_id,)).fetchone():
             logger.info("%s: schedule %s is on this machine already; skipped", where, schedule_id)
@@ -257,8 +257,8 @@ def load_schedules(
                 prompt=prompt,
                 enabled=False,
                 missed=missed,
-                created_at=float(archive_field(row, "created_at", (int, float), where)),
-                updated_at=float(archive_field(row, "updated_at", (int, float), where)),
+                created_at=float(archive_time(row, "created_at", where)),
+                updated_at=float(archive_time(row, "updated_at", where)),
                 last_fire=last_fire,
             ),
         )
@@ -275,11 +275,11 @@ def load_schedules(
                     conn,
                     ScheduleRunRecord(
                         schedule_id=schedule_id,
-                        fire_time=float(archive_field(fire, "fire_time", (int, float), at)),
+                        fire_time=float(archive_time(fire, "fire_time", at)),
                         run_id=run_id,
                         result=result,
                         detail=archive_field(fire, "detail", str, at),
-                        recorded_at=float(archive_field(fire, "recorded_at", (int, float), at)),
+                        recorded_at=float(archive_time(fire, "recorded_at", at)),
                     ),
                 )
             except sqlite3.IntegrityError:

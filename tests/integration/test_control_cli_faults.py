@@ -84,7 +84,7 @@ def test_credential_is_not_made_when_stdout_is_closed(cp: ControlProc, account: 
     finally:
         os.close(w)
     assert proc.returncode == 2
-    _one_error_line(proc.stderr, "credential create: stdout is not writable")
+    _one_error_line(proc.stderr, "credential create: stdout is closed, a pipe nobody reads")
     assert _store_credentials(cp) == before  # nothing made, nothing lost
 
 

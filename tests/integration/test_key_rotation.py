@@ -291,7 +291,8 @@ async def test_adopt_killed_before_or_at_its_commit_point_is_run_again(
         argv = init_argv(cp.home, store, ["--adopt"])
 
         def killed_adopt(arm: Callable[[int], None]) -> None:
-            proc = subprocess.Popen(argv, env=cp.env, stdout=subprocess.DEVNULL)
+            # Not /dev/null: init prints a new credential once, and refuses that.
+            proc = subprocess.Popen(argv, env=cp.env, stdout=subprocess.PIPE)
             arm(proc.pid)
             proc.wait(timeout=60)
             assert proc.returncode == -signal.SIGKILL and proxy.crashed.is_set()

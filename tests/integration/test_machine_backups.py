@@ -409,12 +409,18 @@ def test_sigkill_at_each_delete_of_a_prune_leaves_both_kept_backups_restorable(
     for backup_id in kept:
         shutil.rmtree(data)
         with proc:
-            _ok(
+            said = _ok(
                 run_cli(
                     data, "backup", "restore", backup_id, "--from", str(copy), "--recovery-key",
                     str(key_file), timeout=120,
                 )
             )  # fmt: skip
+            # A new box: its agents are another machine's, never run (before, the
+            # line advised `agent unarchive`, which refuses them).
+            assert said.splitlines()[0] == (
+                f"restored {len(agents)} agents (archived, read-only: their origin is another"
+                " machine)"
+            ), said
             after = _export_contents(data, agents, tmp_path / f"after-{backup_id}.tar.gz")
             assert after == contents[backup_id]
 

@@ -247,6 +247,26 @@ def _timed_service(
     )
 
 
+async def test_a_restarted_daemon_shows_the_last_backups_whole_size(tmp_path: Path) -> None:
+    async with open_machine(_config(tmp_path / "m")) as m:
+        await _agent(m, tmp_path, "hello")
+        made = await _service(m, tmp_path / "target", CollectorRegistry()).backup_now()
+        registry = CollectorRegistry()
+        restarted = _service(m, tmp_path / "target", registry)
+        await restarted.load_last()
+        status = restarted.status()
+        # The manifest and its segments, as `backup list` counts them (before: the
+        # manifest's size alone, a few KiB, after every restart).
+        assert (status.last_backup_id, status.last_backup_bytes) == (
+            made.backup_id,
+            made.stored_bytes,
+        )
+        manifest = sum(p.stat().st_size for p in (tmp_path / "target").rglob("manifests/*"))
+        assert 0 < manifest < made.stored_bytes
+        stored = registry.get_sample_value("agents_machine_backup_stored_bytes")
+        assert stored == made.stored_bytes
+
+
 async def test_daily_backups_retry_a_failure_and_relist_until_the_target_answers(
     tmp_path: Path,
 ) -> None:

@@ -14,7 +14,7 @@ import pytest
 from machine import codec
 from machine.app import MachineStatus
 from machine.backup_service import BackupStatus, RestoreCheck
-from machine.client import DaemonNotRunning, MachineClient
+from machine.client import DaemonNotRunning, DaemonUnreachable, MachineClient
 from machine.config import MachineConfig
 from machine.daemon import ServeInfo, serve
 from machine.models import (
@@ -222,6 +222,21 @@ async def test_no_daemon_is_daemon_not_running(tmp_path: Path) -> None:
         with pytest.raises(DaemonNotRunning) as down:
             await client.status()
     assert down.value.data_dir == cfg.data_dir
+
+
+async def test_a_socket_this_user_cannot_reach_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = MachineConfig(data_dir=tmp_path / "d").validate()
+
+    def denied(self: Path, *args: object, **kwargs: object) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    # Tests run as root, whom permissions do not stop: the refusal is made here.
+    monkeypatch.setattr(Path, "exists", denied)
+    with pytest.raises(DaemonUnreachable, match="Permission denied .run this as the user"):
+        async with MachineClient(cfg):
+            pass
 
 
 async def test_a_daemon_that_answers_unavailable_is_running_and_says_why(

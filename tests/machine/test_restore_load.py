@@ -49,6 +49,28 @@ def _files(conversation: bytes) -> dict[str, bytes]:
         (b'{"kind":"TEXT_DELTA","payload":{},"run_id":"r","seq":1,"time":NaN}', "not valid JSON"),
         (b'{"kind":"TEXT_DELTA","payload":{},"run_id":"r","seq":1,"time":-Infinity}', "not valid"),
         (b'{"kind":"TEXT_DELTA","payload":{"x":Infinity},"run_id":"r","seq":1,"time":1}', "not"),
+        # Numbers that read as infinity, or past the year 9999, or before 1970: no
+        # listing or replay could show them (a Timestamp carries none of them).
+        (
+            b'{"kind":"TEXT_DELTA","payload":{"text": "x"},"run_id":"r","seq":1,"time":1.0e400}',
+            "time is not a time",
+        ),
+        (
+            b'{"kind":"TEXT_DELTA","payload":{"text": "x"},"run_id":"r","seq":1,"time":1e12}',
+            "time is not a time",
+        ),
+        (
+            b'{"kind":"TEXT_DELTA","payload":{"text": "x"},"run_id":"r","seq":1,"time":-1}',
+            "time is not a time",
+        ),
+        (
+            b'{"kind":"RUN_STARTED","payload":{"prompt":"p"},"run_id":"r","seq":1,"time":1e400}',
+            "time is not a time",
+        ),
+        (
+            b'{"kind":"TEXT_DELTA","payload":' + b"[" * 100_000 + b"]" * 100_000 + b',"seq":1}',
+            "nested too deeply",
+        ),
     ],
 )
 def test_a_malformed_event_line_is_refused_naming_it(line: bytes, problem: str) -> None:
@@ -93,7 +115,6 @@ _ODD_LINES = [
     b'{"kind":"TEXT_DELTA","payload":{"text":"compact"},"run_id":"r","seq":1,"time":2.5}',
     b'{"kind":"TEXT_DELTA","payload":{"text": "x", "more": 1},"run_id":"r","seq":1,"time":1}',
     b'{"kind":"TEXT_DELTA","payload":{"text": "x"},"run_id":"r\\u0031","seq":1,"time":1}',
-    b'{"kind":"TEXT_DELTA","payload":{"text": "x"},"run_id":"r","seq":1,"time":1.0e400}',
     b'{"kind":"TEXT_DELTA","payload":{"text": "\xc3\xa9 raw utf-8"},"run_id":"r","seq":1,"time":1}',
 ]
 
@@ -113,7 +134,7 @@ def _expected(line: bytes) -> tuple[str, str, int, float]:
             + when.encode()
             + b"}"
             for text in _TEXTS
-            for when in ("1764616000.125", "17", "1e+20", "-2.5E-3")
+            for when in ("1764616000.125", "17", "1e+9", "2.5E-3")
         ),
         *_ODD_LINES,
     ],
@@ -133,3 +154,43 @@ def test_text_lines_out_of_order_are_refused() -> None:
         _load(line % 2 + line % 2)
     with pytest.raises(InvalidArgument, match="conversation.jsonl line 2: bad kind or seq out"):
         _load(line % 3 + line % 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "problem"),
+    [
+        ("record.json", b'{"created_at": 1e400}', "created_at is not a time"),
+        ("record.json", b'{"updated_at": 1e12}', "updated_at is not a time"),
+        ("record.json", b"[" * 100_000 + b"]" * 100_000, "record.json: nested too deeply"),
+        ("summaries.jsonl", b'{"run_id":"r","text":"s","created_at":1e400}\n', "created_at is not"),
+        ("tools.jsonl", b'{"started_at":1e400}\n', "started_at is not a time"),
+        (
+            "tools.jsonl",
+            b'{"started_at":1,"ended_at":"soon"}\n',
+            "ended_at missing or of the wrong",
+        ),
+        ("tools.jsonl", b'{"started_at":1,"ended_at":1e400}\n', "ended_at is not a time"),
+        ("tools.jsonl", b'{"a":' + b"[" * 50_000 + b"]" * 50_000 + b"}\n", "nested too deeply"),
+    ],
+)
+def test_times_out_of_range_and_deep_nesting_are_refused_naming_them(
+    name: str, body: bytes, problem: str
+) -> None:
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    migrate(conn)
+    line = b'{"kind":"RUN_STARTED","payload":{"prompt":"p"},"run_id":"r","seq":1,"time":1}\n'
+    files = _files(line)
+    # Merged as text: json.loads would read 1e400 as infinity, which json.dumps
+    # writes as Infinity (refused as not JSON before the time is looked at).
+    if name == "record.json" and body.startswith(b"{"):
+        files[name] = files[name][:-1] + b", " + body[1:]
+    elif name == "tools.jsonl" and body.startswith(b'{"started'):
+        tool = {"run_id": "r", "call_id": "c", "title": "t", "tool_kind": "k", "input_json": "{}"}
+        files[name] = json.dumps(tool).encode()[:-1] + b", " + body[1:]
+    else:
+        files[name] = body
+    conn.execute("BEGIN")
+    with pytest.raises(InvalidArgument, match=problem):
+        load_agent_files(conn, "ag", lambda n: io.BytesIO(files[n]), runs={})
+    conn.execute("ROLLBACK")
+    assert conn.execute("SELECT COUNT(*) FROM agents").fetchone()[0] == 0

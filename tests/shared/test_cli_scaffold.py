@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import io
 import os
+import tempfile
 
 import pytest
 
@@ -141,6 +142,15 @@ def test_stdout_writable_sees_a_closed_pipe() -> None:
         assert stdout_writable(stream)
         os.close(r)
         assert not stdout_writable(stream)
+
+
+def test_stdout_writable_sees_dev_null() -> None:
+    # `> /dev/null` is what the closed-stdout message suggests: a secret printed
+    # there once is as lost as one never printed.
+    with open(os.devnull, "w") as stream:
+        assert not stdout_writable(stream)
+    with tempfile.TemporaryFile("w") as stream:
+        assert stdout_writable(stream)
 
 
 def test_a_stdout_that_fails_on_write_is_one_line_and_exit_1(

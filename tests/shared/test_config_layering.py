@@ -113,3 +113,16 @@ def test_split_hostport_port_zero_optional() -> None:
     with pytest.raises(ConfigError, match="between 1 and 65535"):
         split_hostport("h:0", "listen", allow_port_zero=False)
     assert split_hostport("h:1", "listen", allow_port_zero=False) == ("h", 1)
+
+
+def test_a_config_file_this_user_cannot_reach_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As for a data folder of another user: stat itself fails (tests run as root,
+    # whom permissions do not stop, so the refusal is made here).
+    def denied(self: Path, *args: object, **kwargs: object) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "exists", denied)
+    with pytest.raises(ConfigError, match="machine.toml: cannot read: Permission denied"):
+        load_toml(tmp_path / "machine.toml")
