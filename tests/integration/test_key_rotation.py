@@ -292,9 +292,9 @@ async def test_adopt_killed_before_or_at_its_commit_point_is_run_again(
 
         def killed_adopt(arm: Callable[[int], None]) -> None:
             # Not /dev/null: init prints a new credential once, and refuses that.
-            proc = subprocess.Popen(argv, env=cp.env, stdout=subprocess.PIPE)
-            arm(proc.pid)
-            proc.wait(timeout=60)
+            with subprocess.Popen(argv, env=cp.env, stdout=subprocess.PIPE) as proc:
+                arm(proc.pid)
+                proc.wait(timeout=60)
             assert proc.returncode == -signal.SIGKILL and proxy.crashed.is_set()
             assert not cp.home.exists()  # the home appears only after the commit point
 
