@@ -4,9 +4,12 @@ arriving as sealed backups or export files."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import shlex
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from machine import codec
@@ -35,7 +38,7 @@ from shared.cli import (
     stdout_writable,
 )
 from shared.crypto import BoxKeyPair, encode_private_key, encode_public_key
-from shared.errors import AgentsError, InvalidArgument, InvalidState, TransientError
+from shared.errors import AgentsError, InvalidArgument, InvalidState, NotFound, TransientError
 from shared.ids import validate_id
 from shared.recovery_key import read_recovery_key
 
@@ -74,6 +77,18 @@ def _from_dir(args: argparse.Namespace) -> str:
     if not path.is_dir():
         raise UsageError(f"--from: {folder} is not a folder")
     return str(path)
+
+
+@contextlib.contextmanager
+def _listing_from(ctx: Ctx, from_dir: str) -> Iterator[None]:
+    """A backup not found in ``--from DIR`` hints at that folder's listing (the
+    usual hint, ``backup list``, lists the machine's own target instead)."""
+    try:
+        yield
+    except NotFound as e:
+        if not from_dir:
+            raise
+        raise UsageError(str(e), f"{ctx.prog} backup list --from {shlex.quote(from_dir)}") from None
 
 
 def _arrived(head: str, result: InResult) -> list[str]:
@@ -142,7 +157,7 @@ async def backup_verify(ctx: Ctx) -> int:
     args = ctx.args
     from_dir, recovery = _from_dir(args), _recovery(ctx)
     async with MachineClient(ctx.cfg) as client:
-        with Bar(ctx.out, "verifying"):
+        with _listing_from(ctx, from_dir), Bar(ctx.out, "verifying"):
             report = await client.verify_backup(
                 args.backup_id, from_dir=from_dir, recovery=recovery
             )
@@ -158,7 +173,7 @@ async def backup_restore(ctx: Ctx) -> int:
     args = ctx.args
     from_dir, recovery = _from_dir(args), _recovery(ctx)
     async with MachineClient(ctx.cfg) as client:
-        with Bar(ctx.out, "restoring"):
+        with _listing_from(ctx, from_dir), Bar(ctx.out, "restoring"):
             result = await client.restore(args.backup_id, from_dir=from_dir, recovery=recovery)
         restored = set(result.restored)
         # Only this machine's own agents may run once unarchived; another
@@ -258,6 +273,8 @@ async def cmd_export(ctx: Ctx) -> int:
         # (0600) and whole or not at all, which a terminal or pipe is not.
         raise UsageError(f"export: -o {args.output!r}: name the file to write (.tar.gz)")
     dest = Path(args.output or f"agents-export-{time.strftime('%Y%m%d-%H%M%S')}.tar.gz").absolute()
+    if dest.is_dir():
+        raise UsageError(f"export: {dest} is a folder; -o names the file to write (.tar.gz)")
     if dest.exists():
         raise UsageError(f"export: {dest} exists; refusing to overwrite it")
     try:

@@ -486,8 +486,10 @@ class FolderStore(StoreBase):
                         size = os.fstat(f.fileno()).st_size - _HEADER_LEN
                 except FileNotFoundError:
                     continue  # deleted while we walked
-                except (InvalidArgument, IntegrityError):
-                    logger.warning("skipping a file that is not a store object")
+                except (InvalidArgument, IntegrityError) as e:
+                    # Named (repr: a file name may hold anything) so that an operator
+                    # can find a damaged object that listings no longer show.
+                    logger.warning("skipping %r: not a store object (%s)", name, e)
                     continue
                 yield ObjectInfo(name, size, etag)
 

@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import select
+import shlex
 import shutil
 import signal
 import stat
@@ -269,6 +270,15 @@ def test_a_tampered_backup_is_refused_and_changes_nothing(
         assert "segment" in line or "chunk" in line, line
         assert _agents(data) == []
         assert list((data / "attachments").iterdir()) == []
+        # An id that folder does not hold: the hint lists that folder, not this
+        # machine's own target.
+        missing = "bk_" + "0" * 26
+        for verb in ("verify", "restore"):
+            gone = run_cli(data, "backup", verb, missing, *from_copy)
+            assert gone.returncode == 2, gone.stderr
+            assert gone.stderr.splitlines()[-1].endswith(
+                f"backup list --from {shlex.quote(str(copy))}"
+            ), gone.stderr
 
 
 def test_keep_two_prunes_the_oldest(tmp_path: Path, machine_proc: MakeProc) -> None:

@@ -242,3 +242,16 @@ def test_join_refuses_contradictory_or_empty_options_before_anything_is_sent(
     assert code == 2 and out == ""
     assert says in err.splitlines()[0], err
     assert not (data / "keys").exists()
+
+
+def test_export_to_a_folder_says_it_is_a_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, err = run(
+        capsys, "--data-dir", str(tmp_path / "d"), "export",
+        "ag_0000000000aaaaaaaaaaaaaaaa", "-o", str(tmp_path),
+    )  # fmt: skip
+    assert (code, out) == (2, "")
+    assert err.splitlines()[0] == (
+        f"agents-machine: export: {tmp_path} is a folder; -o names the file to write (.tar.gz)"
+    )
