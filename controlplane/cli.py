@@ -693,11 +693,23 @@ async def _account_deletion(ctx: _Ctx) -> int:
         return _record(ctx, (await c.get_deletion(ctx.args.account_id)).to_json())
 
 
+#: The most a control plane takes as a prompt (``prompt_max_bytes`` is at most 4 MiB):
+#: a --file read stops one byte past it (``/dev/zero`` must not fill the memory).
+_PROMPT_FILE_MAX = 4 * 1024 * 1024
+
+
 def _prompt_text(args: argparse.Namespace) -> str:
     if args.text is not None:
         return str(args.text)
     try:
-        return Path(args.file).read_text(encoding="utf-8")
+        with open(args.file, "rb") as f:
+            raw = f.read(_PROMPT_FILE_MAX + 1)
+        if len(raw) > _PROMPT_FILE_MAX:
+            raise UsageError(
+                f"prompt send: {args.file} is larger than the 4 MiB a prompt may be at most"
+                " (the control plane's prompt_max_bytes, 1 MiB by default)"
+            )
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(
             f"prompt send: {args.file} is not UTF-8 text (byte {e.start}); prompts are text"
@@ -864,7 +876,7 @@ def _merge_home(args: argparse.Namespace) -> None:
     if before is None:
         return
     after = getattr(args, "home", None)
-    if after is not None and after != before:
+    if after is not None and os.path.abspath(after) != os.path.abspath(before):
         raise UsageError(f"--home given twice ({before} and {after}); give it once")
     args.home = before
 

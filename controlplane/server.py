@@ -9,11 +9,14 @@ client certificate optional): the public one without client certificates
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import fcntl
 import json
 import logging
 import os
 import signal
+from pathlib import Path
 from types import TracebackType
 from typing import Self
 
@@ -155,6 +158,8 @@ class ControlPlane:
         self._serve_info: dict[str, object] = {}
         self._keyring: KeyRing | None = None
         self._stopped = asyncio.Event()
+        self._home_lock: int | None = None
+        self._wrote_serve_info = False
         self.fence: Fence | None = None
         self.fenced: StoreFenced | None = None
         """Set when a newer control plane took the store over: the daemon stops."""
@@ -178,6 +183,9 @@ class ControlPlane:
     async def start(self) -> None:
         """Open the store, bind both listeners and /metrics, write serve.json."""
         cfg = self.cfg
+        # First: a second serve of this home would take the store's epoch (which
+        # fences the running one out) before failing to bind its ports.
+        self._home_lock = _lock_home(cfg.home)
         keys = load_home_keys(cfg.home)
         self._store = trusted = await open_trusted_store(cfg, keys, self.registry)
         # Refuse a store that is not this deployment's before anything is served.
@@ -348,6 +356,7 @@ class ControlPlane:
         self.request_stop()
 
     def _write_serve_info(self) -> None:
+        self._wrote_serve_info = True
         write_atomic(
             self.cfg.serve_path,
             json.dumps(self._serve_info, indent=2).encode() + b"\n",
@@ -408,10 +417,28 @@ class ControlPlane:
         if self._store is not None:
             store, self._store = self._store, None
             await store.close()
-        try:
-            self.cfg.serve_path.unlink()
-        except FileNotFoundError:
-            pass
+        if self._wrote_serve_info:  # never another serve's (one that failed to start)
+            self._wrote_serve_info = False
+            with contextlib.suppress(FileNotFoundError):
+                self.cfg.serve_path.unlink()
+        if self._home_lock is not None:
+            lock, self._home_lock = self._home_lock, None
+            os.close(lock)
+
+
+def _lock_home(home: Path) -> int:
+    """Hold ``home``'s serve lock (released when the process ends, however it
+    ends); InvalidState when another serve holds it."""
+    fd = os.open(home / "serve.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise InvalidState(
+            f"serve {home}",
+            "another agents-control serve is running on this home; stop it first",
+        ) from None
+    return fd
 
 
 async def _count_offline(

@@ -58,6 +58,8 @@ def load_toml(path: Path | None, *, required: bool = False) -> dict[str, Any]:
             return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(str(path), f"cannot read: {e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8
+        raise ConfigError(str(path), f"cannot read: not UTF-8 (byte {e.start})") from None
 
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",

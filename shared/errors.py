@@ -43,7 +43,8 @@ imports ``grpc``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import re
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     # Only the client side builds RpcError; domain code never imports grpc.
@@ -105,11 +106,20 @@ class InvalidArgument(AgentsError):
         self.reason = reason
 
 
+#: What follows the dot of a token or credential (base64url): never echoed.
+_SECRET_PART: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+
 class InvalidId(InvalidArgument):
     """An identifier does not match its strict pattern."""
 
     def __init__(self, kind: str, value: str, field: str | None = None) -> None:
         # Only a bounded prefix is kept: the value travels back in error details.
+        # No id holds a dot; a token or credential (``<id>.<secret>``) pasted where
+        # its id goes does: its secret part is never echoed (logs, terminals).
+        head, dot, tail = value.partition(".")
+        if dot and len(tail) >= 16 and _SECRET_PART.fullmatch(tail):
+            value = head + ".<hidden>"
         shown = value if len(value) <= 64 else value[:61] + "..."
         super().__init__(field or kind, f"invalid {kind} id {shown!r}")
         self.kind = kind

@@ -178,7 +178,25 @@ def test_home_before_the_command_is_the_home(
     # The same folder on both sides is that folder; two folders are refused.
     code, _, lines = run(capsys, "--home", str(tmp_path), *argv, "--home", str(tmp_path))
     assert code == 1
+    code, _, lines = run(capsys, "--home", str(tmp_path), *argv, "--home", f"{tmp_path}/")
+    assert code == 1  # the same folder, written another way
     other = tmp_path / "other"
     code, _, lines = run(capsys, "--home", str(tmp_path), *argv, "--home", str(other))
     assert code == 2
     assert lines == [f"agents-control: --home given twice ({tmp_path} and {other}); give it once"]
+
+
+def test_a_prompt_file_past_the_largest_limit_is_refused_without_reading_it_all(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # /dev/zero never ends: before, the whole "file" was read into memory.
+    code, out, lines = run(
+        capsys, "prompt", "send", "--home", str(tmp_path), "--address", "127.0.0.1:1",
+        "--credential", CREDENTIAL, "--machine", "mc_" + "0" * 26, "--agent",
+        "ag_" + "0" * 26, "--file", "/dev/zero",
+    )  # fmt: skip
+    assert (code, out) == (2, "")
+    assert lines[0] == (
+        "agents-control: prompt send: /dev/zero is larger than the 4 MiB a prompt may be"
+        " at most (the control plane's prompt_max_bytes, 1 MiB by default)"
+    )

@@ -184,6 +184,21 @@ def test_a_refusal_is_one_line(cp: ControlProc) -> None:
     _one_error_line(res.err, "not found")
 
 
+def test_a_second_serve_of_a_home_is_refused_and_leaves_the_first_running(
+    cp: ControlProc,
+) -> None:
+    # Before: it took the store's epoch, then failed to bind the ports in use: the
+    # running control plane was fenced out and stopped, and serve.json was gone.
+    serve_json = (cp.home / "serve.json").read_bytes()
+    res = cp.cli("serve", timeout=60)
+    assert res.code == 2, res.err
+    _one_error_line(res.err, "another agents-control serve is running on this home")
+    assert (cp.home / "serve.json").read_bytes() == serve_json
+    assert cp.process is not None and cp.process.poll() is None
+    listed = cp.cli("account", "list", "--json")
+    assert listed.code == 0, listed.err
+
+
 def test_a_refused_join_is_one_line(cp: ControlProc, tmp_path: Path) -> None:
     bogus = f"{new_id('token')}.{'A' * 43}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}

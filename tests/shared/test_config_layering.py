@@ -126,3 +126,10 @@ def test_a_config_file_this_user_cannot_reach_is_a_config_error(
     monkeypatch.setattr(Path, "exists", denied)
     with pytest.raises(ConfigError, match="machine.toml: cannot read: Permission denied"):
         load_toml(tmp_path / "machine.toml")
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_bytes(b'listen = "\xff"\n')
+    with pytest.raises(ConfigError, match="config.toml: cannot read: not UTF-8"):
+        load_toml(path)

@@ -69,3 +69,14 @@ def test_id_time_ms_reads_back_the_time_an_id_was_made_at() -> None:
 
     for ms in (0, 1, 1_800_000_000_123, 2**50 - 1):
         assert id_time_ms(new_id("backup", now_ms=ms)) == ms
+
+
+def test_a_secret_pasted_as_an_id_is_not_echoed() -> None:
+    from shared.errors import InvalidId
+    from shared.ids import validate_id
+
+    secret = "hyHIu4_uNgLf3up9vXWCCIOC7ZA_Bl0000000000000"
+    with pytest.raises(InvalidId) as bad:
+        validate_id("token", f"tok_{'0' * 26}.{secret}")
+    assert secret[:6] not in str(bad.value)
+    assert str(bad.value).endswith(f"invalid token id 'tok_{'0' * 26}.<hidden>'")

@@ -7,6 +7,7 @@ import hashlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -467,6 +468,50 @@ async def test_folder_store_sweeps_stale_temp_files(tmp_path: Path) -> None:
         os.utime(stale, (old, old))
         await store.delete("accounts/a1/account.json")
         assert not (root / "accounts").exists()
+
+
+async def test_folder_store_delete_does_not_scan_a_full_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deleting from a folder of many objects stops looking at its first object
+    (a whole scan per delete made deleting a big prefix quadratic: 20,000
+    objects took hours); a folder left with only a fresh temp file stays."""
+    import shared.store.folder as folder_mod
+
+    root = tmp_path / "root"
+    async with FolderStore(root) as store:
+        for i in range(200):
+            await store.put(f"big/o{i:03d}", b"x")
+        await store.put("lone/x", b"1")
+        looked: list[str] = []
+        real = os.scandir
+
+        def counting(path: Any) -> Any:
+            it = real(path)
+
+            class Counted:
+                def __enter__(self) -> Any:
+                    return self
+
+                def __exit__(self, *exc: object) -> None:
+                    it.close()
+
+                def __iter__(self) -> Any:
+                    for entry in it:
+                        looked.append(entry.name)
+                        yield entry
+
+            return Counted()
+
+        monkeypatch.setattr(folder_mod.os, "scandir", counting)
+        for i in range(100):
+            await store.delete(f"big/o{i:03d}")
+        assert len(looked) <= 100  # one entry looked at per delete, not 200
+        fresh = root / "lone" / ".x.0123456789ab.tmp"
+        fresh.write_bytes(b"partial")
+        await store.delete("lone/x")
+        assert fresh.exists()  # a write in progress elsewhere: its folder stays
+    assert [i.key async for i in FolderStore(root).list("big/")][:1] == ["big/o100"]
 
 
 async def test_folder_store_makes_new_folders_durable(
