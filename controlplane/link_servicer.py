@@ -169,6 +169,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             info,
             request.repair_machine_id,
             take_over=request.take_over,
+            recovery_public_key=request.recovery_public_key,
         )
         return link_pb2.JoinResponse(
             certificate_pem=result.cert.cert_pem.decode(),

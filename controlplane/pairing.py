@@ -99,13 +99,16 @@ class Pairing:
         repair_machine_id: str = "",
         *,
         take_over: bool = False,
+        recovery_public_key: bytes = b"",
     ) -> JoinResult:
         """Validate everything, use the token once, sign the CSR, write the machine.
 
         Input is checked before the token is used, so a malformed request does
         not burn a single-use token. ``repair_machine_id`` (a joined box
         re-pairing) must be the machine the token repairs; a new box uses a
-        repair token only with ``take_over`` (see link.proto's JoinRequest).
+        repair token only with ``take_over`` (see link.proto's JoinRequest), and
+        with ``recovery_public_key`` (the key it will restore with) only when that
+        is the account's.
         """
         clean = info.validate()
         tls.check_csr(csr_pem)
@@ -132,7 +135,7 @@ class Pairing:
                 "the token was not used",
             )
         if token.repair_machine_id:
-            return await self._repair(token, csr_pem, clean)
+            return await self._repair(token, csr_pem, clean, recovery_public_key)
         machine_id = self._machines.new_machine_id()
         # Held: committed by the machine's first connection, see the module doc.
         async with self._intents.change(
@@ -147,7 +150,9 @@ class Pairing:
                 token.account_id, token.token_id, csr_pem, clean, intent.intent_id, machine_id
             )
 
-    async def _repair(self, token: JoinToken, csr_pem: str, info: MachineInfo) -> JoinResult:
+    async def _repair(
+        self, token: JoinToken, csr_pem: str, info: MachineInfo, recovery_public_key: bytes
+    ) -> JoinResult:
         """A new box takes over the token's machine (see the module doc)."""
         assert self._intents is not None
         machine_id = validate_id("machine", token.repair_machine_id, "machine_id")
@@ -156,6 +161,13 @@ class Pairing:
             # The machine went (or was revoked) after the token was made.
             raise Unauthenticated("join: the machine this repair token names is gone or revoked")
         account = await self._accounts.require_active(token.account_id, "join")
+        if recovery_public_key and recovery_public_key != account.recovery_public_key:
+            raise InvalidState(
+                "join",
+                "the recovery key given is not the recovery key of this machine's account: "
+                "no backup of it would open; the token was not used and the machine keeps "
+                "its old box",
+            )
         async with self._intents.change(
             _JOIN,
             hold=True,

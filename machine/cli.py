@@ -237,7 +237,7 @@ def _cmd_join(ctx: Ctx) -> int:
     )
     if args.as_new:
         raise UsageError("join: --as-new is for a data folder that was joined; this one is not")
-    result = _join(ctx)
+    result = _join(ctx, recovery.public_key if recovery is not None else b"")
     ctx.out.lines(f"joined as machine {result.machine_id} (account {result.account_id})")
     if recovery is not None:
         done = asyncio.run(
@@ -304,8 +304,9 @@ def _re_pair(ctx: Ctx) -> int:
     return _install_then_serve(ctx)
 
 
-def _join(ctx: Ctx) -> JoinResult:
-    """Spend the join token: the control plane signs this folder's certificate."""
+def _join(ctx: Ctx, recovery_public_key: bytes = b"") -> JoinResult:
+    """Spend the join token: the control plane signs this folder's certificate
+    (a takeover only when ``recovery_public_key``, if given, is the account's)."""
     from machine.join import join_control_plane
 
     args = ctx.args
@@ -319,6 +320,7 @@ def _join(ctx: Ctx) -> JoinResult:
             # A new box may take a machine over (a repair token) only when it
             # restores its backup or its operator said so (link.proto).
             take_over=bool(args.recovery_key) or args.no_restore,
+            recovery_public_key=recovery_public_key,
             as_new=args.as_new,
         )
     )

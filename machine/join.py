@@ -325,6 +325,7 @@ async def join_control_plane(
     ca_hash: str,
     name: str | None,
     take_over: bool = False,
+    recovery_public_key: bytes = b"",
     as_new: bool = False,
     clock: Clock = utc_now,
     dial: JoinDialer = LinkClient.for_join,
@@ -354,6 +355,10 @@ async def join_control_plane(
     A new box with a repair token takes that machine over only with
     ``take_over`` (the caller restores its backup next, or was told to take it
     over empty); without, the control plane refuses before using the token.
+    ``recovery_public_key`` (the public half of the key it will restore with)
+    lets the control plane refuse a key that is not the account's before the
+    takeover; an older control plane ignores it, and the caller's check after
+    the join catches that key instead.
 
     ``dial`` opens the channel the token goes over, once the pin check passed
     (the real TLS client; tests pass a fake control plane's).
@@ -393,6 +398,7 @@ async def join_control_plane(
                     # Only a new box takes a machine over: a joined one (a re-pair, or
                     # --as-new) must never become another machine with its own data.
                     take_over=take_over and current is None,
+                    recovery_public_key=recovery_public_key if current is None else b"",
                 )
             except grpc.aio.AioRpcError as e:
                 if _connection_lost(e):

@@ -273,6 +273,7 @@ class JoinSession(Protocol):
         timeout: float,
         repair_machine_id: str = "",
         take_over: bool = False,
+        recovery_public_key: bytes = b"",
     ) -> JoinReply:
         """Join with a one-time token."""
         ...
@@ -401,15 +402,18 @@ class LinkClient:
         timeout: float,
         repair_machine_id: str = "",
         take_over: bool = False,
+        recovery_public_key: bytes = b"",
     ) -> JoinReply:
         """Join with a one-time token and a certificate request (a re-pair names our
-        id; ``take_over``: a new box may take over a machine, see link.proto)."""
+        id; ``take_over``: a new box may take over a machine, with the public half
+        of the recovery key it will restore with; see link.proto)."""
         reply = await self._stub.Join(
             link_pb2.JoinRequest(
                 token=token,
                 csr_pem=csr_pem,
                 repair_machine_id=repair_machine_id,
                 take_over=take_over,
+                recovery_public_key=recovery_public_key,
                 machine=link_pb2.MachineInfo(
                     name=machine.name,
                     version=machine.version,

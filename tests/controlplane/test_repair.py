@@ -15,6 +15,7 @@ from controlplane.pairing import Pairing
 from controlplane.presence import PresenceRegistry, RevokedNotice
 from controlplane.tokens import TokenService
 from shared import tls
+from shared.crypto import BoxKeyPair
 from shared.errors import InvalidState, NotFound, Unauthenticated
 from shared.store import MemoryStore
 
@@ -109,6 +110,31 @@ async def test_a_new_box_takes_a_machine_over_only_when_it_says_so(w: World) -> 
     assert await w.intents.pending() == []
     new_id_, _ = await w.join(made.value)  # take_over
     assert new_id_ == mc
+
+
+async def test_a_recovery_key_of_another_account_is_refused_before_the_takeover(
+    w: World,
+) -> None:
+    """The box says which recovery key it will restore with: not the account's,
+    the takeover would cut the old box off for a backup nobody can open. Refused
+    before the token is used; the account's own key then takes it over."""
+    acct, mc, old_cert = await _joined(w)
+    made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))
+    csr = tls.build_csr(tls.new_tls_key()).decode()
+    other_key = BoxKeyPair.generate().public_key
+    with pytest.raises(InvalidState, match="not the recovery key of this machine's account"):
+        await w.pairing.join(
+            made.value, csr, MachineInfo("m", "0.1", "h"), take_over=True,
+            recovery_public_key=other_key,
+        )  # fmt: skip
+    assert (await w.machines.authorize_peer(tls.identity_from_cert(old_cert))).machine_id == mc
+    assert await w.intents.pending() == []
+    account = await w.accounts.require_active(acct, "test")
+    res = await w.pairing.join(
+        made.value, csr, MachineInfo("m", "0.1", "h"), take_over=True,
+        recovery_public_key=account.recovery_public_key,
+    )  # fmt: skip
+    assert res.machine.machine_id == mc
 
 
 async def test_repair_token_refusals(w: World) -> None:

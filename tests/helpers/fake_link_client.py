@@ -270,8 +270,11 @@ class FakeLinkClient:
         timeout: float,
         repair_machine_id: str = "",
         take_over: bool = False,
+        recovery_public_key: bytes = b"",
     ) -> JoinReply:
-        return self._fake.join(self, token, csr_pem, machine, repair_machine_id, take_over)
+        return self._fake.join(
+            self, token, csr_pem, machine, repair_machine_id, take_over, recovery_public_key
+        )
 
     async def renew(self, csr_pem: str, *, timeout: float) -> Renewed:
         peer = await self._mutual("renew")
@@ -469,6 +472,7 @@ class FakeControlPlane:
         machine: MachineInfo,
         repair_machine_id: str,
         take_over: bool = False,
+        recovery_public_key: bytes = b"",
     ) -> JoinReply:
         if client.target != self.public_address:
             raise _unavailable(f"failed to connect to {client.target}")
@@ -488,6 +492,10 @@ class FakeControlPlane:
         if repairs and not repair_machine_id and not take_over:
             raise domain_rpc_error(
                 InvalidState("join", "this is a repair token: this box would take over machine")
+            )
+        if repairs and recovery_public_key and recovery_public_key != self.recovery.public_key:
+            raise domain_rpc_error(
+                InvalidState("join", "the recovery key given is not the recovery key of this")
             )
         self.tokens.discard(token)
         self.joined.append(machine)

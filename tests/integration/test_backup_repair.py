@@ -34,7 +34,7 @@ from machine.backup_format import BackupManifest, seal_manifest
 from machine.client import MachineClient
 from machine.config import MachineConfig
 from machine.models import AgentState, EventKind
-from shared.crypto import BoxKeyPair, encode_public_key
+from shared.crypto import BoxKeyPair, encode_private_key, encode_public_key
 from shared.ids import new_id
 from shared.recovery_key import write_recovery_key
 from tests.conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY, _s3_client
@@ -225,6 +225,19 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
     assert refused_join.returncode == 2, refused_join.stderr
     assert f"this box would take over machine {machine_id}" in refused_join.stderr
     assert "the token was not used" in refused_join.stderr
+    assert not (bare / "keys").exists()
+    # Another account's recovery key: refused before the takeover (before, the box
+    # took the machine over, cutting the old box off, then failed to restore).
+    wrong_key = tmp_path / "wrong.key"
+    wrong_key.write_text(encode_private_key(BoxKeyPair.generate().private_key) + "\n")
+    wrong_key.chmod(0o600)
+    wrong_join = subprocess.run(
+        [str(MACHINE_EXE), *argv[1:-1], str(wrong_key), "--data-dir", str(bare)],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+    assert wrong_join.returncode == 2, wrong_join.stderr
+    assert "not the recovery key of this machine's account" in wrong_join.stderr
+    assert "the token was not used" in wrong_join.stderr
     assert not (bare / "keys").exists()
     argv[-1] = str(key_file)
     new_dir = tmp_path / "new"

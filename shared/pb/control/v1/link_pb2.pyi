@@ -86,6 +86,7 @@ class JoinRequest(_message.Message):
     MACHINE_FIELD_NUMBER: _builtins.int
     REPAIR_MACHINE_ID_FIELD_NUMBER: _builtins.int
     TAKE_OVER_FIELD_NUMBER: _builtins.int
+    RECOVERY_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     """The join token, "<tok_id>.<secret>", as printed by `agents-control token create`."""
     csr_pem: _builtins.str
@@ -104,6 +105,12 @@ class JoinRequest(_message.Message):
     without it is refused (FAILED_PRECONDITION, before the token is used):
     taken over empty, the machine's next backups would push its kept ones out.
     """
+    recovery_public_key: _builtins.bytes
+    """With take_over by a box that restores: the public half of the recovery key
+    it holds (32 bytes). The control plane refuses (FAILED_PRECONDITION, before
+    the token is used) when it is not the account's: the takeover would cut the
+    old box off, and then no backup could be restored.
+    """
     @_builtins.property
     def machine(self) -> Global___MachineInfo:
         """Facts about the machine."""
@@ -116,10 +123,11 @@ class JoinRequest(_message.Message):
         machine: Global___MachineInfo | None = ...,
         repair_machine_id: _builtins.str = ...,
         take_over: _builtins.bool = ...,
+        recovery_public_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["machine", b"machine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem", "machine", b"machine", "repair_machine_id", b"repair_machine_id", "take_over", b"take_over", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem", "machine", b"machine", "recovery_public_key", b"recovery_public_key", "repair_machine_id", b"repair_machine_id", "take_over", b"take_over", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
