@@ -41,7 +41,13 @@ _MAX_NAME: Final = 64
 _MAX_VERSION: Final = 64
 _MAX_HOSTNAME: Final = 253
 
-RevokeHook = Callable[[str, str], Awaitable[None]]
+RevokeHook = Callable[[str, str, str], Awaitable[None]]
+"""Called with (account id, machine id, why) when a machine's certificate stops counting."""
+
+#: What a repaired machine's old box is told (not "revoked": the machine lives on).
+SUPERSEDED = "certificate superseded: a new box took this machine over (machine repair)"
+#: What a revoked machine is told.
+REVOKED = "machine revoked by an administrator"
 
 
 def validate_name(name: str, field: str = "name") -> str:
@@ -186,7 +192,9 @@ class MachineRegistry:
                 raise MachineRevoked("join: the machine to repair was revoked")
             return {
                 **d,
-                "name": info.name or d.get("name", ""),
+                # The machine's name is the operator's (a rename, or its first
+                # join): the new box takes over the machine, name and all.
+                "name": d.get("name") or info.name,
                 "hostname": info.hostname,
                 "version": info.version,
                 "cert_serial": cert.serial,
@@ -203,9 +211,9 @@ class MachineRegistry:
             self._store, machine_key(machine.account_id, machine.machine_id), change
         )
         await self._audit.record(token_id, "machine.repair", machine.machine_id, machine.account_id)
-        # The old box may still be connected: close its stream (it hears "revoked").
+        # The old box may still be connected: close its stream (it hears why).
         for hook in self._revoke_hooks:
-            await hook(machine.account_id, machine.machine_id)
+            await hook(machine.account_id, machine.machine_id, SUPERSEDED)
         logger.info("machine %s repaired: a new box took over its id", machine.machine_id)
         return Machine.from_dict(data)
 
@@ -308,7 +316,7 @@ class MachineRegistry:
             principal.credential_id, "machine.revoke", machine_id, machine.account_id
         )
         for hook in self._revoke_hooks:
-            await hook(machine.account_id, machine_id)
+            await hook(machine.account_id, machine_id, REVOKED)
         return Machine.from_dict(data)
 
     async def authorize_peer(self, peer: PeerIdentity) -> Machine:

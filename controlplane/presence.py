@@ -236,9 +236,12 @@ class PresenceRegistry:
             session.outbox.put_nowait(message)
         return len(sessions)
 
-    async def kick(self, account_id: str, machine_id: str) -> None:
-        """Close a revoked machine's link at once (a hook for MachineRegistry.revoke)."""
-        if self.notify(machine_id, RevokedNotice("machine revoked by an administrator")):
+    async def kick(
+        self, account_id: str, machine_id: str, reason: str = "machine revoked by an administrator"
+    ) -> None:
+        """Close a revoked (or repaired) machine's link at once, telling it ``reason``
+        (a hook for MachineRegistry.revoke and .repair)."""
+        if self.notify(machine_id, RevokedNotice(reason)):
             if self._sessions.pop(machine_id, None) is not None:
                 self._changed()
 

@@ -477,7 +477,11 @@ class ControlLink:
 
     def _check_notice(self, notice: ControlNotice) -> None:
         if isinstance(notice, Revoked):
-            raise _Stop(LinkState.REVOKED, f"machine revoked: {notice.reason or 'no reason'}")
+            reason = notice.reason or "no reason"
+            if reason.startswith("certificate superseded"):
+                # A repair: the machine lives on, on another box (not "revoked").
+                raise _Stop(LinkState.REVOKED, reason)
+            raise _Stop(LinkState.REVOKED, f"machine revoked: {reason}")
         if isinstance(notice, AccountDeleted):
             raise _Stop(LinkState.ACCOUNT_DELETED, "the account was deleted")
 

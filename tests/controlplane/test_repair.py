@@ -81,12 +81,18 @@ async def test_repair_takes_over_the_id_and_refuses_the_old_certificate(w: World
     presence = PresenceRegistry(w.store, clock=w.clock)
     w.machines.on_revoke(presence.kick)
     session = await presence.open(machine, "0.1", 0)
+    await w.machines.rename(w.op, mc, "build-box")
     made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))
     assert made.token.repair_machine_id == mc and made.token.max_uses == 1
     new_id_, new_cert = await w.join(made.value)
     assert new_id_ == mc
-    # The old box's live link is closed and its certificate refused.
-    assert isinstance(session.outbox.get_nowait(), RevokedNotice)
+    # The machine keeps the name its operator gave it (the new box sends its own).
+    assert (await w.machines.get(w.op, mc)).name == "build-box"
+    # The old box's live link is closed, told why (not "revoked": the machine
+    # lives on), and its certificate refused.
+    notice = session.outbox.get_nowait()
+    assert isinstance(notice, RevokedNotice)
+    assert notice.reason.startswith("certificate superseded: a new box took this machine over")
     with pytest.raises(Unauthenticated, match="superseded"):
         await w.machines.authorize_peer(tls.identity_from_cert(old_cert))
     got = await w.machines.authorize_peer(tls.identity_from_cert(new_cert))

@@ -607,6 +607,23 @@ async def test_revoked_notice_stops_the_link(control: FakeControlPlane, tmp_path
     assert control.connects == 1
 
 
+async def test_a_superseded_box_is_told_so_not_revoked(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    # A repair: a new box took this machine over. It lives on; this box stops.
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    why = "certificate superseded: a new box took this machine over (machine repair)"
+    async with _link(control, data_dir, CollectorRegistry()) as link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        stream = control.streams[0]
+        control.revoked.add(stream.machine_id)
+        control.send(stream, Revoked(reason=why))
+        await link.wait_for_state(LinkState.REVOKED, timeout=1)
+        assert link.final_reason.startswith(why)
+        assert "machine revoked" not in link.final_reason
+
+
 async def test_refused_handshake_stops_the_link(control: FakeControlPlane, tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
