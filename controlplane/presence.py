@@ -205,10 +205,17 @@ class PresenceRegistry:
         session is already forgotten and its successor writes for it)."""
         if self._sessions.get(session.machine_id) is not session:
             return
+        # Written before it is forgotten: a close cancelled during the write (the
+        # link's reader task, torn down as the link ends) leaves the session
+        # registered, so the link's own close writes it again. Forgotten first,
+        # a cancelled write was lost and last seen went back to the last
+        # periodic write.
+        await self._write(session, force=True)
+        if self._sessions.get(session.machine_id) is not session:
+            return  # replaced meanwhile (a reconnect): the successor writes for it
         del self._sessions[session.machine_id]
         self._changed()
         logger.info("machine %s offline", session.machine_id)
-        await self._write(session, force=True)
 
     def close_all(self, reason: CloseReason = CloseReason.SHUTDOWN) -> int:
         """Tell every live link to end (at shutdown, so draining does not wait on them).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from typing import Any
 
@@ -260,6 +261,39 @@ async def test_presence_writes_at_most_once_per_interval(w: World) -> None:
     assert len(puts) == 3
     status = await presence.status(machine)
     assert not status.online and status.agent_count == 6 and status.last_seen_at == w.clock.now
+
+
+async def test_a_close_cancelled_during_its_write_is_written_by_the_next_close(
+    w: World,
+) -> None:
+    """The link's reader closes the session and is cancelled as the link ends;
+    the link's own close then must still write last seen (before, the first
+    close had forgotten the session: the second returned, and last seen went
+    back to the last periodic write)."""
+    a = await w.account(1)
+    _, cert = await w.join(a)
+    machine = await w.machines.authorize_peer(tls.identity_from_cert(cert))
+    presence = PresenceRegistry(w.store, write_interval=60, clock=w.clock)
+    session = await presence.open(machine, "0.1", 1)
+    w.clock.now += dt.timedelta(seconds=45)
+    await presence.seen(session, 1)  # within the interval: not written
+    real_put = w.store.put
+    started = asyncio.Event()
+
+    async def stuck_put(key: str, data: Any, **kw: Any) -> str:
+        started.set()
+        await asyncio.Event().wait()  # until cancelled
+        raise AssertionError("unreachable")
+
+    w.store.put = stuck_put  # type: ignore[method-assign]
+    reader_close = asyncio.create_task(presence.close(session))
+    await started.wait()
+    reader_close.cancel()
+    await asyncio.gather(reader_close, return_exceptions=True)
+    w.store.put = real_put  # type: ignore[method-assign]
+    await presence.close(session)  # the link's own close, in its finally
+    status = await presence.status(machine)
+    assert not status.online and status.last_seen_at == w.clock.now
 
 
 def test_a_record_missing_fields_is_an_integrity_error_not_a_type_error() -> None:
