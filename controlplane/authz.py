@@ -127,6 +127,9 @@ class CredentialService:
         validate_id("account", account_id, "account_id")
         if not label or len(label) > 64 or not label.isprintable():
             raise InvalidArgument("label", "must be 1-64 printable characters")
+        # A missing account is NOT_FOUND (exit 2), as for token create; one being
+        # deleted stays PERMISSION_DENIED.
+        await self._accounts.get(account_id)
         await self._accounts.require_active(account_id, "credential create")
         made = await self._create(ACCOUNT, account_id, label)
         await self._audit.record(

@@ -31,6 +31,7 @@ from controlplane.drill import MAX_MACHINES, DrillReport, run_drill
 from controlplane.fsck import fsck_deployment, serving_pid
 from controlplane.keys import load_ca_cert
 from controlplane.server import run_daemon
+from controlplane.tokens import MAX_USES
 from shared.cli import (
     INT64_MAX,
     CliParser,
@@ -74,7 +75,7 @@ def _duration(text: str) -> int:
 
 
 UINT32_MAX = 2**32 - 1
-_uses = bounded_int(1, UINT32_MAX)
+_uses = bounded_int(1, MAX_USES)
 _drill_machines = bounded_int(1, MAX_MACHINES)
 _github_id = bounded_int(1, INT64_MAX)
 

@@ -68,7 +68,10 @@ def test_usage_error_is_one_line_and_a_hint(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--uses", "0"), ("--uses", "-3"), ("--uses", "two"), ("--ttl", "0"), ("--ttl", "0h")],
+    [
+        *(("--uses", v) for v in ("0", "-3", "two", "1001")),  # 1,000 at most, as served
+        *(("--ttl", v) for v in ("0", "0h")),
+    ],
 )
 def test_token_create_refuses_values_below_one(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str, value: str

@@ -179,6 +179,10 @@ async def test_cross_account_is_not_found(w: World) -> None:
         await w.tokens.list(pa, b)
     with pytest.raises(PermissionDenied):
         await w.creds.create_for_account(pa, a, "again")
+    # An account that does not exist is NOT_FOUND for the operator, as for tokens
+    # (before: PERMISSION_DENIED "account does not exist", exit 1).
+    with pytest.raises(NotFound):
+        await w.creds.create_for_account(w.op, "acct_" + "0" * 26, "nobody")
     # The operator's view is unchanged and B's machine was not touched.
     assert (await w.machines.get(w.op, mc_b)).name == "m"
 
