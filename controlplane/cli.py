@@ -281,6 +281,11 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "home store_url store_endpoint store_region listen link_listen metrics_listen "
         "advertise_host heartbeat_interval log_level address credential server_names"
     ).split()
+    for name in ("home", "address", "credential"):
+        # "$VAR" of an unset variable: never the default home, serve.json's
+        # address or the environment's credential instead.
+        if getattr(args, name, None) == "":
+            raise UsageError(f"--{name}: empty; give a value or leave the option out")
     return {n: getattr(args, n, None) for n in names}
 
 

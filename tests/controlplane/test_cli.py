@@ -164,6 +164,15 @@ def test_a_prompt_file_that_is_not_utf8_is_named_plainly(
     assert "codec" not in lines[0]
 
 
+@pytest.mark.parametrize("flag", ["--home", "--address", "--credential"])
+def test_an_empty_option_is_refused_not_taken_for_absent(
+    capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    code, out, lines = run(capsys, "account", "list", flag, "")
+    assert (code, out) == (2, "")
+    assert lines == [f"agents-control: {flag}: empty; give a value or leave the option out"]
+
+
 def test_home_before_the_command_is_the_home(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
