@@ -236,13 +236,6 @@ class PresenceRegistry:
         session.outbox.put_nowait(message)
         return True
 
-    def notify_all(self, message: Outgoing) -> int:
-        """Queue a message for every live link (a CA rollover's renew-now); how many."""
-        sessions = list(self._sessions.values())
-        for session in sessions:
-            session.outbox.put_nowait(message)
-        return len(sessions)
-
     async def kick(
         self, account_id: str, machine_id: str, reason: str = "machine revoked by an administrator"
     ) -> None:

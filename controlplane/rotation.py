@@ -186,7 +186,8 @@ class KeyRotation:
                 keys = self._ring.keys
             assert keys.next_ca is not None
             old_hash, new_hash = keys.ca_hash, tls.ca_hash(keys.next_ca.cert_pem)
-            pending = await self._pending(principal, new_hash)
+            waiting = await self._pending(principal, new_hash)
+            pending = len(waiting)
             if not retire_old:
                 if self._sealed is False:
                     await self._keys_changed()  # tried again, as a call again promises
@@ -198,7 +199,11 @@ class KeyRotation:
                         "(cp/keys.sealed) could not be written, so no machine was told to "
                         "renew; run it again once the store answers"
                     )
-                notified = self._presence.notify_all(RenewNowNotice(CA_ROLLOVER_REASON))
+                # Only the machines still on the old CA: one that renewed already
+                # (a rollover run again) would ask with the certificate its link
+                # opened with, be refused, and keep asking.
+                notice = RenewNowNotice(CA_ROLLOVER_REASON)
+                notified = sum(1 for m in waiting if self._presence.notify(m, notice))
                 return RolloverState(ROLLING, new_hash, old_hash, pending, notified)
             if pending:
                 raise InvalidState(
@@ -242,9 +247,10 @@ class KeyRotation:
         await self._audit.record(principal.credential_id, "keys.ca_retire", "ca")
         logger.warning("CA rollover finished: the old CA is retired; %s is the CA now", new_hash)
 
-    async def _pending(self, principal: Principal, new_hash: str) -> int:
+    async def _pending(self, principal: Principal, new_hash: str) -> list[str]:
+        """The machines (ids) whose certificate is not yet of the new CA."""
         machines = await self._machines.list(principal)
-        return sum(1 for m in machines if not m.revoked and m.cert_ca_hash != new_hash)
+        return [m.machine_id for m in machines if not m.revoked and m.cert_ca_hash != new_hash]
 
     def _counted(self, kind: str) -> _Counted:
         return _Counted(kind, self._on_result)

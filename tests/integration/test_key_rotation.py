@@ -182,6 +182,11 @@ async def test_ca_rollover_renews_online_and_offline_machines_then_retires(
     # The online machine renews at once under the new CA and trusts both.
     await _until(lambda: _issuer_hash(a.data_dir) == new_hash, 10, "a renewed")
     assert _trusted(a.data_dir) == {old_hash, new_hash}
+    # Run again (as its advice says): a, renewed, is not asked again (it would ask
+    # with the certificate its link opened with, be refused, and keep asking).
+    await _until(lambda: _json(cp, "ca", "rollover")["machines_pending"] == 1, 10, "a counted")
+    again = _json(cp, "ca", "rollover")
+    assert (again["machines_pending"], again["machines_notified"]) == (1, 0)
     # b still holds an old-CA certificate: retiring is refused, nothing changes.
     refused = cp.cli("ca", "rollover", "--retire-old")
     assert refused.code == 2 and "1 machine(s) still hold" in refused.err, refused
