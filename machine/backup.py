@@ -149,6 +149,8 @@ class BackupResult:
     seconds: float
     pruned: PruneResult | None = None
     agents: int = 0
+    created_at: float = 0.0
+    """The manifest's time (what a listing shows); 0 when unknown."""
 
 
 @dataclass(frozen=True)
@@ -462,6 +464,7 @@ class BackupEngine:
             sum(r.plain_size for r in refs),
             0.0,
             agents=sum(1 for r in refs if r.kind == "agent"),
+            created_at=manifest.created_at,
         )
 
     def _cached_ref(self, hit: dict[str, Any], kind: str, ref: str) -> SegmentRef:

@@ -227,7 +227,8 @@ def backup_result_to_pb(result: BackupResult, problem: str = "") -> pb.Backup:
         id=result.backup_id,
         agents=result.agents,
         problem=problem,
-        created_at=from_seconds(_backup_time(result.backup_id)),
+        # The manifest's time, as a listing shows it (the id's is a moment earlier).
+        created_at=from_seconds(result.created_at or _backup_time(result.backup_id)),
         uploaded_bytes=result.uploaded_bytes,
         size_bytes=result.stored_bytes,
         segments=result.segments,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from machine import codec
 from machine.app import Machine, open_machine
 from machine.backup_keys import (
     keep_standalone_recovery_key,
@@ -265,6 +266,11 @@ async def test_a_restarted_daemon_shows_the_last_backups_whole_size(tmp_path: Pa
         assert 0 < manifest < made.stored_bytes
         stored = registry.get_sample_value("agents_machine_backup_stored_bytes")
         assert stored == made.stored_bytes
+        # One time for one backup: `backup now` answers the manifest's, as the list.
+        ((info, manifest),) = await restarted.engine.list()
+        assert manifest is not None and made.created_at == manifest.created_at
+        now_pb = codec.backup_result_to_pb(made)
+        assert now_pb.created_at == codec.backup_info_to_pb(info, manifest).created_at
 
 
 async def test_daily_backups_retry_a_failure_and_relist_until_the_target_answers(
