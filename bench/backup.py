@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from machine import segment_workers
 from machine.db import Database
@@ -222,10 +222,41 @@ async def _phase_restore(data: Path, work: Path, target: Path, dest: Path) -> di
     return {"restored": len(result.restored), "seconds": seconds, "cpu": cpu, "indexed": indexed}
 
 
+#: The tables a restore fills, in an order their foreign keys accept.
+_RESTORED_TABLES: Final = ("agents", "runs", "events", "summaries", "tool_log")
+
+
+async def _phase_floor(data: Path, dest: Path) -> dict[str, Any]:
+    """What any restore into machine.db costs at the least, on this machine: the
+    rows a restore writes, copied by SQLite itself (no Python, no parsing, no
+    decryption) from the source database into an empty machine.db opened with
+    the daemon's settings (WAL, synchronous FULL), to the commit."""
+    from machine.db import _connect
+
+    dest.mkdir(mode=0o700)
+    await (await Database.open(dest / "machine.db")).close()  # the schema
+    conn = _connect(dest / "machine.db")
+    try:
+        conn.execute("ATTACH DATABASE ? AS src", (str(data / "machine.db"),))
+        os.sync()
+        started, cpu = time.monotonic(), _cpu()
+        conn.execute("BEGIN IMMEDIATE")
+        for table in _RESTORED_TABLES:
+            conn.execute(f"INSERT INTO main.{table} SELECT * FROM src.{table}")
+        conn.execute("COMMIT")
+        seconds, cpu = time.monotonic() - started, _cpu() - cpu
+        events = conn.execute("SELECT COUNT(*) FROM main.events").fetchone()[0]
+    finally:
+        conn.close()
+    return {"seconds": seconds, "cpu": cpu, "events": events}
+
+
 def _child(argv: list[str]) -> None:
     phase, data, work, target = argv[0], Path(argv[1]), Path(argv[2]), Path(argv[3])
     if phase == "backup":
         out = asyncio.run(_phase_backup(data, work, target))
+    elif phase == "floor":
+        out = asyncio.run(_phase_floor(data, target))
     else:
         out = asyncio.run(_phase_restore(data, work, target, Path(argv[4])))
     print(json.dumps(out))
@@ -338,6 +369,8 @@ def main() -> int:
                 [restic, "-r", str(repo), "restore", "latest", "-q", "--target", str(base / "rr")],
                 env,
             )
+        _, _, out, _ = _timed([*me, "floor", str(data), str(work), str(base / "floor")])
+        floor = json.loads(out)
 
         print(
             f"incremental: {uploaded} of {len(ids)} agent segments uploaded "
@@ -377,6 +410,14 @@ def main() -> int:
         print(
             f"restore, then searchable: {indexed:.2f} s (the daemon indexes restored"
             " conversations in the background; they read and list before that)"
+        )
+        theirs = results.get("restore", nothing)[0]
+        print(
+            f"restore floor: {floor['seconds']:.2f} s (CPU {floor['cpu']:.2f} s) = "
+            f"{floor['seconds'] / theirs:.2f}x restic's restore: SQLite alone copying the"
+            f" {floor['events']:,} events and the agents, runs, summaries and tool log"
+            " into an empty machine.db with the daemon's settings (WAL, synchronous FULL),"
+            " no parsing, no decryption; a restore into machine.db takes at least this"
         )
         if not restic:
             print("restic not found: `apt-get install restic` for the restic columns")
