@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -170,7 +170,12 @@ class RepairRestore:
 
 
 async def restore_newest(
-    data_dir: Path, db: Database, attachments_dir: Path, recovery: BoxKeyPair
+    data_dir: Path,
+    db: Database,
+    attachments_dir: Path,
+    recovery: BoxKeyPair,
+    *,
+    after_load: Callable[[], None] | None = None,
 ) -> RepairRestore:
     """Restore this joined machine's newest backup kept by the control plane.
 
@@ -219,7 +224,7 @@ async def restore_newest(
         try:
             fetched = await engine.fetch(newest, stage, recovery, decode_agents=False)
             result = await restore_fetched(
-                db, fetched, attachments_dir=attachments_dir, erased=set()
+                db, fetched, attachments_dir=attachments_dir, erased=set(), after_load=after_load
             )
         finally:
             await asyncio.to_thread(shutil.rmtree, stage, True)

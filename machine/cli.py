@@ -45,6 +45,7 @@ from shared.cli import (
     run_main,
 )
 from shared.errors import (
+    AgentsError,
     ConfigError,
     InvalidArgument,
     InvalidState,
@@ -54,6 +55,7 @@ from shared.ids import validate_id
 
 if TYPE_CHECKING:
     from machine.join import JoinResult
+    from shared.crypto import BoxKeyPair
 
 __all__ = ["main"]
 
@@ -176,7 +178,7 @@ def _first_start_recovery_key(cfg: MachineConfig, prog: str) -> None:
     """
     from machine import identity
     from machine.backup_keys import has_standalone_recovery_key, new_standalone_recovery_key
-    from shared.crypto import BoxKeyPair, encode_private_key
+    from shared.crypto import encode_private_key
 
     if not sys.stdout.isatty() or identity.is_joined(cfg.data_dir):
         return
@@ -217,7 +219,6 @@ def _cmd_serve(ctx: Ctx) -> int:
 def _cmd_join(ctx: Ctx) -> int:
     # Imported here: only `join` needs the join flow and the service installer.
     from machine import identity
-    from machine.join import restore_after_join
     from shared.recovery_key import read_recovery_key
 
     args = ctx.args
@@ -230,6 +231,8 @@ def _cmd_join(ctx: Ctx) -> int:
     if args.recovery_key == "":  # "$KEY" of an unset variable: never "no key" instead
         raise UsageError("--recovery-key: empty; name the file that holds the key")
     if identity.is_joined(cfg.data_dir):
+        if identity.restore_pending(cfg.data_dir):
+            return _finish_join_restore(ctx)
         return _re_pair(ctx)  # refuses --recovery-key: it restores nothing there
     # Read before the join: a bad key file must not cost the one-time token.
     recovery = (
@@ -240,24 +243,76 @@ def _cmd_join(ctx: Ctx) -> int:
     result = _join(ctx, recovery.public_key if recovery is not None else b"")
     ctx.out.lines(f"joined as machine {result.machine_id} (account {result.account_id})")
     if recovery is not None:
+        _restore_after_join(ctx, recovery)
+    return _install_then_serve(ctx)
+
+
+def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair) -> None:
+    """Restore the machine's newest backup after a repair join; say what came back."""
+    from machine.deliveries import crash_after
+    from machine.join import restore_after_join
+
+    cfg = ctx.cfg
+    try:
         done = asyncio.run(
             restore_after_join(
                 data_dir=cfg.data_dir,
                 db_path=cfg.db_path,
                 attachments_dir=cfg.attachments_dir,
                 recovery=recovery,
+                after_load=crash_after(cfg.crash_in_transfer_after, "agents loaded in a restore"),
             )
         )
-        for refused in done.refused:
-            ctx.out.lines(
-                f"warning: backup {refused} was refused (forged or altered in the store;"
-                " `agents-control fsck` names it): restoring the one before"
-            )
+    except AgentsError:
+        ctx.out.note(
+            "the machine is joined, its backup not restored yet: run the same join"
+            " command again to restore it (the token is not used again)"
+        )
+        raise
+    for refused in done.refused:
         ctx.out.lines(
-            f"restored {len(done.restored)} agents (archived) from backup {done.backup_id}"
-            if done.backup_id
-            else "the control plane keeps no backup of this machine: nothing to restore"
+            f"warning: backup {refused} was refused (forged or altered in the store;"
+            " `agents-control fsck` names it): restoring the one before"
         )
+    ctx.out.lines(
+        f"restored {len(done.restored)} agents (archived) from backup {done.backup_id}"
+        if done.backup_id
+        else "the control plane keeps no backup of this machine: nothing to restore"
+    )
+
+
+def _finish_join_restore(ctx: Ctx) -> int:
+    """``join`` again on a folder whose repair join committed and whose restore did
+    not (killed, or the control plane unreachable): restore now (``--recovery-key``)
+    or start without the backup (``--no-restore``); the token is not used again."""
+    from machine import identity
+    from machine.daemon import hold_data_dir
+    from shared.recovery_key import read_recovery_key
+
+    args, cfg = ctx.args, ctx.cfg
+    machine_id = identity.load_link(cfg.data_dir).machine_id
+    if args.as_new:
+        raise UsageError("join: --as-new is for a machine stopped for good; this one is not")
+    if not args.recovery_key and not args.no_restore:
+        raise UsageError(
+            f"join: {cfg.data_dir} joined as machine {machine_id}, and the restore of its"
+            " backup did not finish: run the join again with --recovery-key FILE to restore"
+            " it (the token is not used again), or with --no-restore to start without it"
+        )
+    with hold_data_dir(cfg.data_dir, "join: stop the running agents-machine first"):
+        if args.no_restore:
+            identity.clear_restore_pending(cfg.data_dir)
+            ctx.out.lines(
+                f"machine {machine_id} starts without its backup; the control plane keeps"
+                f" it (`{ctx.prog} backup list`, `backup restore ID --recovery-key FILE`)"
+            )
+        else:
+            recovery = read_recovery_key(Path(args.recovery_key), warn=ctx.out.note)
+            ctx.out.lines(
+                f"machine {machine_id} is joined already; restoring its backup"
+                " (the token is not used again)"
+            )
+            _restore_after_join(ctx, recovery)
     return _install_then_serve(ctx)
 
 

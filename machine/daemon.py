@@ -185,6 +185,15 @@ async def serve(
 
         ensure_private_dir(config.data_dir)
         with _data_dir_lock(config.data_dir):
+            if identity.restore_pending(config.data_dir):
+                # Empty, the machine would back up nothing and in time prune the
+                # backup still to restore (keep-newest retention).
+                raise InvalidState(
+                    f"serve {config.data_dir}",
+                    "this machine's repair join committed and the restore of its backup did"
+                    " not finish: run the same `agents-machine join` command again (the token"
+                    " is not used again), with --no-restore to start without the backup",
+                )
             if first is not None:
                 first()
             async with (

@@ -53,8 +53,11 @@ __all__ = [
     "MachineKeys",
     "NewKeys",
     "check_not_joined",
+    "clear_restore_pending",
     "clear_stopped",
     "is_joined",
+    "mark_restore_pending",
+    "restore_pending",
     "mark_stopped",
     "stopped_reason",
     "load_keys",
@@ -78,6 +81,11 @@ CA_CERT: Final = "ca.crt"
 #: Written when the control plane stopped this machine's link for good (revoked,
 #: account deleted): what lets ``join --as-new`` give the folder a new machine.
 STOPPED_FILE: Final = "link-stopped.json"
+#: Committed with the identity of a repair join that restores the machine's
+#: backup, removed once the restore committed: while it is there, the backup
+#: is still to come, and the daemon does not start (empty, it would back up
+#: nothing and, after ``backup_keep`` days, prune the backup to restore).
+RESTORE_PENDING_FILE: Final = "restore-pending.json"
 
 _FORMAT: Final = 1
 _STAGE_MARK: Final = ".join-"
@@ -217,6 +225,26 @@ def stopped_reason(data_dir: Path) -> str | None:
 def clear_stopped(data_dir: Path) -> None:
     """Forget a stop (the folder joined again, as a new machine or re-paired)."""
     (data_dir / KEYS_DIR / STOPPED_FILE).unlink(missing_ok=True)
+
+
+def mark_restore_pending(root: Path) -> None:
+    """Record, in the identity at ``root`` (a join's stage), that the machine's
+    backup is to be restored (see :data:`RESTORE_PENDING_FILE`)."""
+    keys_dir = ensure_private_dir(root / KEYS_DIR)
+    write_atomic(keys_dir / RESTORE_PENDING_FILE, b'{"restore": "newest backup"}\n')
+
+
+def restore_pending(data_dir: Path) -> bool:
+    """True while a repair join's restore has not committed."""
+    return (data_dir / KEYS_DIR / RESTORE_PENDING_FILE).exists()
+
+
+def clear_restore_pending(data_dir: Path) -> None:
+    """The repair join's restore committed (or its operator gave it up)."""
+    path = data_dir / KEYS_DIR / RESTORE_PENDING_FILE
+    if path.exists():
+        path.unlink()
+        fsync_dir(path.parent)
 
 
 def _signing_pem(key: ed25519.Ed25519PrivateKey) -> bytes:
@@ -407,6 +435,10 @@ def _commit(stage: Path, data_dir: Path) -> None:
     keys_dir = ensure_private_dir(data_dir / KEYS_DIR)
     for name in (SIGNING_KEY, BOX_KEY, TLS_KEY, TLS_CERT, CA_CERT):
         os.replace(stage / KEYS_DIR / name, keys_dir / name)
+    if (stage / KEYS_DIR / RESTORE_PENDING_FILE).exists():
+        os.replace(stage / KEYS_DIR / RESTORE_PENDING_FILE, keys_dir / RESTORE_PENDING_FILE)
+    else:  # an earlier identity's, removed by hand: not this join's
+        (keys_dir / RESTORE_PENDING_FILE).unlink(missing_ok=True)
     fsync_dir(keys_dir)
     os.replace(stage / LINK_FILE, data_dir / LINK_FILE)
     fsync_dir(data_dir)

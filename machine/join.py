@@ -31,6 +31,7 @@ import logging
 import re
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -359,6 +360,9 @@ async def join_control_plane(
     lets the control plane refuse a key that is not the account's before the
     takeover; an older control plane ignores it, and the caller's check after
     the join catches that key instead.
+    A new box given one also commits, with its identity, that the restore is
+    still to come (:func:`machine.identity.restore_pending`): the caller clears
+    it once the restore committed.
 
     ``dial`` opens the channel the token goes over, once the pin check passed
     (the real TLS client; tests pass a fake control plane's).
@@ -459,6 +463,11 @@ async def join_control_plane(
         await asyncio.to_thread(
             identity.write_identity, stage, keys, cert_pem=cert_pem, ca_cert_pem=ca_pem, link=link
         )
+        if recovery_public_key:
+            # The caller restores the machine's backup next: until that commits,
+            # the folder says so (a crash between the two is finished by running
+            # the join again, and the daemon does not start empty meanwhile).
+            await asyncio.to_thread(identity.mark_restore_pending, stage)
     logger.info(
         "joined %s as machine %s of account %s", link_address, link.machine_id, link.account_id
     )
@@ -488,12 +497,20 @@ async def backup_after_repair(config: MachineConfig) -> str:
 
 
 async def restore_after_join(
-    *, data_dir: Path, db_path: Path, attachments_dir: Path, recovery: BoxKeyPair
+    *,
+    data_dir: Path,
+    db_path: Path,
+    attachments_dir: Path,
+    recovery: BoxKeyPair,
+    after_load: Callable[[], None] | None = None,
 ) -> RepairRestore:
-    """After a repair join: restore the machine's newest backup from the control plane.
+    """After a repair join: restore the machine's newest backup from the control plane,
+    then clear the join's restore-pending mark (:func:`machine.identity.restore_pending`).
 
     The database is opened only for the restore (the daemon starts after it);
-    see :func:`machine.backup_link.restore_newest`.
+    see :func:`machine.backup_link.restore_newest`. Run again after a crash,
+    it restores what the first run did not commit. ``after_load`` is a test's
+    fault point (machine.transfer).
     """
     # Imported here: a plain join needs neither the database nor the backup code.
     from machine.backup_link import restore_newest
@@ -502,6 +519,8 @@ async def restore_after_join(
     ensure_private_dir(attachments_dir)
     db = await Database.open(db_path)
     try:
-        return await restore_newest(data_dir, db, attachments_dir, recovery)
+        done = await restore_newest(data_dir, db, attachments_dir, recovery, after_load=after_load)
     finally:
         await db.close()
+    await asyncio.to_thread(identity.clear_restore_pending, data_dir)
+    return done

@@ -13,12 +13,14 @@ once unarchived.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import shlex
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tarfile
@@ -241,11 +243,40 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
     assert not (bare / "keys").exists()
     argv[-1] = str(key_file)
     new_dir = tmp_path / "new"
+    # Killed in the middle of the restore (SIGKILL by a test fault point once 5
+    # agents are loaded, before the restore's commit): the box is joined and holds
+    # no agent; the daemon refuses to start empty (it would back up nothing and in
+    # time prune the backup); the same command run again finishes the restore.
+    killed = subprocess.run(
+        [str(MACHINE_EXE), *argv[1:], "--data-dir", str(new_dir)],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**env, "AGENTS_MACHINE_TEST_CRASH_IN_TRANSFER_AFTER_AGENTS": "5"},
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert f"joined as machine {machine_id}" in killed.stdout
+    assert identity.is_joined(new_dir) and identity.restore_pending(new_dir)
+    with contextlib.closing(sqlite3.connect(new_dir / "machine.db")) as db:
+        assert db.execute("SELECT COUNT(*) FROM agents").fetchone()[0] == 0
+    serve = subprocess.run(
+        [str(MACHINE_EXE), "serve", "--data-dir", str(new_dir)],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+    assert serve.returncode == 2, serve.stderr
+    assert "the restore of its backup did not finish" in serve.stderr
+    assert "run the same `agents-machine join` command again" in serve.stderr
+    keyless = subprocess.run(
+        [str(MACHINE_EXE), *argv[1:-2], "--data-dir", str(new_dir)],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+    assert keyless.returncode == 2, keyless.stderr
+    assert "--recovery-key FILE to restore it (the token is not used again)" in keyless.stderr
+    assert identity.restore_pending(new_dir)
     second = Joined(argv, new_dir, tmp_path / "new.log")
     try:
         second.wait_for(f"restored {AGENTS} agents (archived) from backup {backup_id}")
-        assert f"joined as machine {machine_id}" in second.output()
+        assert f"machine {machine_id} is joined already; restoring" in second.output()
         assert f"warning: backup {forged} was refused" in second.output()
+        assert not identity.restore_pending(new_dir)
         second.wait_for("serving on")
 
         # The old box's certificate is refused now.

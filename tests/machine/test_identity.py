@@ -101,6 +101,37 @@ def test_empty_existing_data_dir_is_replaced(ca: tls.CertKey, tmp_path: Path) ->
     assert _mode(data_dir) == 0o700
 
 
+@pytest.mark.parametrize("in_use", [False, True], ids=["new folder", "folder in use"])
+def test_restore_pending_is_committed_with_the_identity(
+    ca: tls.CertKey, tmp_path: Path, in_use: bool
+) -> None:
+    data_dir = tmp_path / "data"
+    if in_use:  # a stand-alone machine's folder: the files move in one by one
+        (data_dir / "keys").mkdir(parents=True, mode=0o700)
+        (data_dir / "machine.db").write_bytes(b"x")
+    keys, cert, link = _material(ca)
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+        identity.mark_restore_pending(stage)
+        assert not identity.restore_pending(data_dir)  # not before the commit
+    assert identity.is_joined(data_dir) and identity.restore_pending(data_dir)
+    identity.clear_restore_pending(data_dir)
+    assert not identity.restore_pending(data_dir)
+    identity.clear_restore_pending(data_dir)  # twice: nothing to do
+
+
+def test_a_join_without_restore_drops_an_earlier_identitys_mark(
+    ca: tls.CertKey, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    (data_dir / "keys").mkdir(parents=True, mode=0o700)
+    (data_dir / "keys" / identity.RESTORE_PENDING_FILE).write_text("{}")
+    keys, cert, link = _material(ca)
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+    assert identity.is_joined(data_dir) and not identity.restore_pending(data_dir)
+
+
 def test_already_joined_is_refused(ca: tls.CertKey, tmp_path: Path) -> None:
     keys, cert, link = _material(ca)
     data_dir = tmp_path / "data"

@@ -255,3 +255,65 @@ def test_export_to_a_folder_says_it_is_a_folder(
     assert err.splitlines()[0] == (
         f"agents-machine: export: {tmp_path} is a folder; -o names the file to write (.tar.gz)"
     )
+
+
+def _joined_with_restore_pending(data: Path) -> str:
+    """A data folder whose repair join committed and whose restore did not; its id."""
+    import datetime as dt
+
+    from machine import identity
+    from shared import tls
+    from shared.crypto import BoxKeyPair
+    from shared.ids import new_id
+
+    ca = tls.make_ca()
+    keys = identity.NewKeys.generate()
+    machine_id, account_id = new_id("machine"), new_id("account")
+    cert = tls.sign_client_csr(
+        ca, keys.csr_pem(), account_id=account_id, machine_id=machine_id,
+        lifetime=dt.timedelta(hours=1),
+    )  # fmt: skip
+    link = identity.LinkRecord(
+        control_address="127.0.0.1:9",
+        machine_id=machine_id,
+        account_id=account_id,
+        account_recovery_public_key=BoxKeyPair.generate().public_key,
+        heartbeat_interval=1.0,
+        cert_not_after=tls.cert_not_after(cert.cert_pem),
+        cert_received_at=dt.datetime.now(dt.UTC),
+    )
+    with identity.staged_join(data) as stage:
+        identity.write_identity(
+            stage, keys, cert_pem=cert.cert_pem, ca_cert_pem=ca.cert_pem, link=link
+        )
+        identity.mark_restore_pending(stage)
+    return machine_id
+
+
+def test_join_again_after_an_unfinished_restore_never_spends_the_token(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The join committed, its restore did not: the same command again restores
+    (integration: test_backup_repair), or with --no-restore starts without the
+    backup; without either it says what to do. No control plane listens here."""
+    from machine import cli, identity
+
+    data = tmp_path / "d"
+    machine_id = _joined_with_restore_pending(data)
+    join = ("--data-dir", str(data), "join", "127.0.0.1:9", "--token", "tok_x",
+            "--ca-hash", "sha256:" + "0" * 64)  # fmt: skip
+    code, out, err = run(capsys, *join)
+    assert (code, out) == (2, "")
+    assert f"joined as machine {machine_id}, and the restore of its backup did not" in err
+    assert "--recovery-key FILE to restore it (the token is not used again)" in err
+    assert identity.restore_pending(data)
+    code, out, err = run(capsys, *join, "--as-new")
+    assert code == 2 and "--as-new is for a machine stopped for good" in err
+    served: list[Path] = []
+    monkeypatch.setattr(
+        cli, "_install_then_serve", lambda ctx: served.append(ctx.cfg.data_dir) or 0
+    )
+    code, out, err = run(capsys, *join, "--no-restore")
+    assert code == 0, err
+    assert out.startswith(f"machine {machine_id} starts without its backup;")
+    assert not identity.restore_pending(data) and served == [data]
