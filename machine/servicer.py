@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -18,12 +18,13 @@ import grpc.aio
 
 from machine import codec
 from machine.app import Machine
+from machine.backup import NOT_OURS
 from machine.handoff import read_chunks
 from machine.models import StoredEvent
 from machine.version import machine_version
 from machine.views import DaemonStatus
-from shared.crypto import decode_public_key, encode_private_key, encode_public_key
-from shared.errors import AgentsError, InvalidArgument
+from shared.crypto import BoxKeyPair, decode_public_key, encode_private_key, encode_public_key
+from shared.errors import AgentsError, IntegrityError, InvalidArgument
 from shared.ids import validate_id
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
@@ -89,6 +90,23 @@ async def _write_quietly(context: Ctx, message: Any) -> None:
 
 def _backup_id(value: str) -> str:
     return validate_id("backup", value, "backup_id")
+
+
+@contextlib.contextmanager
+def _key_refused(recovery: BoxKeyPair | None) -> Iterator[None]:
+    """A backup not sealed to the key it was opened with is the caller's input (the
+    wrong key, or none for another machine's backup), not damage: INVALID_ARGUMENT."""
+    try:
+        yield
+    except IntegrityError as e:
+        if e.reason != NOT_OURS:
+            raise
+        detail = (
+            "the recovery key given is not the one of the machine or account that made it"
+            if recovery is not None
+            else "another machine made it: give its or its account's recovery key"
+        )
+        raise InvalidArgument("recovery_key", f"{e.what}: {NOT_OURS} ({detail})") from None
 
 
 class MachineServicer(pb_grpc.MachineServiceServicer):
@@ -265,7 +283,8 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
     ) -> pb.VerifyBackupResponse:
         recovery = codec.recovery_key_from_pb(request.recovery_private_key)
         async with self._m.backups_at(request.from_dir) as engine:
-            result = await engine.verify(_backup_id(request.backup_id), recovery)
+            with _key_refused(recovery):
+                result = await engine.verify(_backup_id(request.backup_id), recovery)
         return pb.VerifyBackupResponse(
             ok=True,
             segments=result.segments,
@@ -277,9 +296,10 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         recovery = codec.recovery_key_from_pb(request.recovery_private_key)
         service = self._m.require_backups()
         async with self._m.backups_at(request.from_dir) as engine:
-            result = await service.restore(
-                _backup_id(request.backup_id), recovery=recovery, engine=engine
-            )
+            with _key_refused(recovery):
+                result = await service.restore(
+                    _backup_id(request.backup_id), recovery=recovery, engine=engine
+                )
         return codec.restore_result_to_pb(result)
 
     async def CreateRecoveryKey(

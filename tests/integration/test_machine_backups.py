@@ -176,7 +176,7 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
         # Without the recovery key, a new machine's own key does not open it; nor does
         # another recovery key.
         own_key = run_cli(data, "backup", "restore", ids[0], "--from", str(copy))
-        _refused(own_key, 1, "not sealed to this key")
+        _refused(own_key, 2, "not sealed to this key", "another machine made it")
         assert "Try: " in own_key.stderr and "--recovery-key FILE" in own_key.stderr
         assert "no (another key)" in _ok(run_cli(data, "backup", "list", "--from", str(copy)))
         listed = json.loads(_ok(run_cli(data, "--json", "backup", "list", "--from", str(copy))))
@@ -187,9 +187,13 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
         line = _refused(
             run_cli(data, "backup", "restore", ids[0], "--from", str(copy), "--recovery-key",
                     str(wrong)),
-            1,
+            2,
         )  # fmt: skip
-        assert "not sealed to this key" in line
+        assert "not sealed to this key (the recovery key given is not the one" in line
+        verify = run_cli(
+            data, "backup", "verify", ids[0], "--from", str(copy), "--recovery-key", str(wrong)
+        )
+        assert "recovery_key:" in _refused(verify, 2, "not sealed to this key")
         assert _agents(data) == []
         # A backup that is not there, and two sealed to the recovery key that are not
         # manifests this version reads: each named, and nothing restored.
