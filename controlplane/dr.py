@@ -50,6 +50,7 @@ from shared.atomic import fsync_dir, write_atomic
 from shared.crypto import BoxKeyPair
 from shared.errors import IntegrityError, InvalidArgument, InvalidState, NotFound
 from shared.store.authenticated import MAC_HEADER, unseal
+from shared.store.url import parse_store_url
 
 __all__ = ["RestoreResult", "restore_home"]
 
@@ -102,6 +103,10 @@ async def restore_home(cfg: ControlConfig, recovery: BoxKeyPair) -> RestoreResul
         raise InvalidArgument("store", "required: give --store s3://bucket/prefix or a folder")
     home = cfg.home.absolute()
     check_home_empty(home)
+    folder = parse_store_url(cfg.store_url)
+    if isinstance(folder, Path) and not folder.is_dir():
+        # Opening a folder store makes the folder: a typo would leave an empty one.
+        raise InvalidArgument("store", f"{folder}: no such folder; restore reads an existing store")
     raw = await open_control_store(cfg, None)
     try:
         try:

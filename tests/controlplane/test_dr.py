@@ -127,6 +127,14 @@ async def test_restore_rebuilds_the_home_and_refuses_a_wrong_key(tmp_path: Path)
     assert (target.home / "config.toml").stat().st_mode & 0o777 == 0o600
 
 
+async def test_restore_from_a_folder_that_is_not_there_makes_nothing(tmp_path: Path) -> None:
+    """Before, opening the folder store made it (a typo left an empty folder behind)."""
+    target = _cfg(tmp_path, "restored")
+    with pytest.raises(InvalidArgument, match="store: .*/store: no such folder"):
+        await restore_home(target, BoxKeyPair.generate())
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 async def test_restore_cli_damaged_bundle_is_one_line_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
