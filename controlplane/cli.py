@@ -898,9 +898,8 @@ def main(argv: list[str] | None = None) -> int:
         key = (args.cmd, args.verb)
         if key in COMMANDS and key in PRINTS_SECRET and not stdout_writable():
             raise UsageError(
-                f"{' '.join(filter(None, key))}: stdout is closed, a pipe nobody reads,"
-                " /dev/null or /dev/full, so the secret it prints only once would be lost;"
-                " nothing was made"
+                f"{' '.join(filter(None, key))}: stdout is closed, a pipe nobody reads or"
+                " /dev/null, so the secret it prints only once would be lost; nothing was made"
             )
         # Library warnings (a refused call, a retry) would add a second line to the
         # one-line error of an admin verb; the daemon verbs log as configured.

@@ -204,8 +204,8 @@ async def backup_recovery_key(ctx: Ctx) -> int:
     """``backup recovery-key``: make the key; print its private half once."""
     if not stdout_writable():
         raise UsageError(
-            "backup recovery-key: stdout is closed, a pipe nobody reads, /dev/null or"
-            " /dev/full, so the key it prints only once would be lost; nothing was made"
+            "backup recovery-key: stdout is closed, a pipe nobody reads or /dev/null, so the"
+            " key it prints only once would be lost; nothing was made"
         )
     # The refusals the daemon would give, before a key is printed for nothing.
     st = await call(ctx, lambda c: c.status())

@@ -308,7 +308,7 @@ def bind_error(exc: BaseException) -> ConfigError | None:
 
 def stdout_writable(stream: IO[str] | None = None) -> bool:
     """False when stdout is closed, is a pipe whose reader has gone, or is
-    /dev/null (``> /dev/null``, the usual answer to a closed stdout) or /dev/full.
+    /dev/null (``> /dev/null``, the usual answer to a closed stdout).
 
     Checked before a command makes a secret it prints only once (a credential,
     a recovery key): better to refuse than to make one nobody can see.
@@ -325,11 +325,9 @@ def stdout_writable(stream: IO[str] | None = None) -> bool:
     except OSError:
         return False
     if stat.S_ISCHR(st.st_mode):
-        # /dev/full takes nothing either: each write fails (ENOSPC).
-        for sink in (os.devnull, "/dev/full"):
-            with contextlib.suppress(OSError):
-                if st.st_rdev == os.stat(sink).st_rdev:
-                    return False
+        with contextlib.suppress(OSError):
+            if st.st_rdev == os.stat(os.devnull).st_rdev:
+                return False
     poller = select.poll()
     poller.register(fd, select.POLLOUT)
     for _, events in poller.poll(0):
