@@ -42,6 +42,8 @@ _MAX_VERSION: Final = 64
 _MAX_HOSTNAME: Final = 253
 
 RevokeHook = Callable[[str, str, str], Awaitable[None]]
+ConfirmHook = Callable[[Machine, str], Awaitable[None]]
+"""Called with the machine and its join's intent id when the machine confirms its join."""
 """Called with (account id, machine id, why) when a machine's certificate stops counting."""
 
 #: What a repaired machine's old box is told (not "revoked": the machine lives on).
@@ -118,8 +120,14 @@ class MachineRegistry:
         self._clock = clock
         self._intents = intents if intents is not None else Intents(store, clock)
         self._revoke_hooks: list[RevokeHook] = []
+        self._confirm_hooks: list[ConfirmHook] = []
         # Revoked machine ids seen by this process: refused without a store read.
         self._revoked: set[str] = set()
+
+    def on_confirm(self, hook: ConfirmHook) -> None:
+        """Call ``hook(machine, join intent id)`` when a machine confirms its join,
+        before the confirmation is written (a crash in between calls it again)."""
+        self._confirm_hooks.append(hook)
 
     def on_revoke(self, hook: RevokeHook) -> None:
         """Call ``hook(account_id, machine_id)`` after a machine is revoked."""
@@ -267,6 +275,8 @@ class MachineRegistry:
         intent_id = machine.join_intent
         if not intent_id:
             return machine
+        for hook in self._confirm_hooks:
+            await hook(machine, intent_id)
 
         def change(d: dict[str, Any]) -> dict[str, Any] | None:
             if d.get("join_intent") != intent_id:

@@ -6,7 +6,11 @@ record is rewritten to name only that certificate, so the old box is refused
 from then on (:meth:`MachineRegistry.repair`, one write: the repair's commit
 point). An unconfirmed repair is not undone: bringing the old certificate back
 would re-admit the box the operator replaced; its roll-back gives the token use
-back (after the grace) so the operator can make a new repair token.
+back (after the grace), so that the same token repairs again when the reply
+never reached the box. A box that did get it and connects after the roll-back
+(killed before it first connected, then run again) still holds the machine:
+its confirmation counts the token use again (:meth:`Pairing._confirmed`), so
+one token never takes a machine over twice.
 
 A join writes three objects (the token's use, the machine's index entry, its
 record) under one ``join`` intent (:mod:`controlplane.intents`) that is HELD:
@@ -85,6 +89,7 @@ class Pairing:
         self._store = store
         if intents is not None:
             intents.register(_JOIN, self._roll_back_join)
+        machines.on_confirm(self._confirmed)
 
     @property
     def _ca(self) -> CertKey:
@@ -209,6 +214,12 @@ class Pairing:
             account.account_id, machine_id, info, cert, token_id, join_intent=intent_id
         )
         return JoinResult(machine, account, cert, self.ca_cert_pem)
+
+    async def _confirmed(self, machine: Machine, intent_id: str) -> None:
+        """A machine connected with its join's certificate: its token use counts,
+        also when an unconfirmed repair's roll-back gave it back meanwhile."""
+        if machine.token_id:
+            await self._tokens.take_again(machine.account_id, machine.token_id, intent_id)
 
     async def _roll_back_join(self, intent: Intent, age: float) -> bool:
         """Undo a join that was never confirmed (see the module doc); idempotent."""

@@ -240,6 +240,26 @@ class TokenService:
         except NotFound:
             return  # the token itself is gone: nothing to give back
 
+    async def take_again(self, account_id: str, token_id: str, intent_id: str) -> None:
+        """Count the use ``intent_id`` took again if it was given back (idempotent).
+
+        A box that connects with the certificate of a join whose use was given
+        back (a repair rolled back after its grace: its record stays) holds the
+        machine: the token must not take it over a second time.
+        """
+
+        def change(d: dict[str, Any]) -> dict[str, Any] | None:
+            used_by = [*d.get("used_by", [])]
+            if intent_id in used_by:
+                return None  # the use still counts (the usual case)
+            return {**d, "uses": int(d.get("uses", 0)) + 1, "used_by": [*used_by, intent_id]}
+
+        try:
+            await jsonstore.update(self._store, token_key(account_id, token_id), change)
+        except NotFound:
+            return  # the token itself is gone: nobody can use it again
+        logger.info("token %s: its use by join %s counts again", token_id, intent_id)
+
     def _check_usable(self, token: JoinToken) -> None:
         state = token.state(self._clock())
         if state == "revoked":

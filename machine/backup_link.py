@@ -46,6 +46,9 @@ __all__ = ["ControlPlaneTarget", "RepairRestore", "newest_authentic", "restore_n
 
 logger = logging.getLogger(__name__)
 
+#: A repair restore's staging folder in ``backup-work`` (+ the process id).
+_REPAIR_STAGE: Final = ".restore-repair-"
+
 #: Names per HaveSegments call (the control plane's bound, link.proto).
 _HAVE_BATCH: Final = 10_000
 #: Deadline of a small call; segment transfers get ``transfer_timeout``.
@@ -207,6 +210,12 @@ async def restore_newest(
             return RepairRestore("")
         work = data_dir / "backup-work"
         ensure_private_dir(work)
+        # A repair restore killed midway left its stage (downloaded segments and
+        # attachments): the join run again removes it (so does the daemon's start,
+        # BackupService.sweep_stale, as the name starts with ".restore-").
+        for stale in work.glob(f"{_REPAIR_STAGE}*"):
+            if stale.is_dir() and not stale.is_symlink():
+                await asyncio.to_thread(shutil.rmtree, stale, True)
         source = DatabaseBackupSource(db, attachments_dir, work)
         # Only fetch is used: the engine's own keys do not matter, the recovery key opens.
         engine = BackupEngine(
@@ -220,7 +229,7 @@ async def restore_newest(
             keep=1,
         )
         newest, refused = await newest_authentic(engine, backups, recovery)
-        stage = work / f".repair-{os.getpid()}"
+        stage = work / f"{_REPAIR_STAGE}{os.getpid()}"
         try:
             fetched = await engine.fetch(newest, stage, recovery, decode_agents=False)
             result = await restore_fetched(

@@ -141,7 +141,7 @@ class BackupStatus:
 
 
 #: Staging folders in the work folder: a backup's (BackupEngine.backup_now) and a
-#: restore's (BackupService.restore).
+#: restore's (BackupService.restore; a repair join's, machine.backup_link).
 _STALE_PREFIXES: Final = (".stage-", ".restore-")
 
 

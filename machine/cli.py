@@ -263,11 +263,12 @@ def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair) -> None:
                 after_load=crash_after(cfg.crash_in_transfer_after, "agents loaded in a restore"),
             )
         )
-    except AgentsError:
-        ctx.out.note(
-            "the machine is joined, its backup not restored yet: run the same join"
-            " command again to restore it (the token is not used again)"
-        )
+    except AgentsError as e:
+        if not isinstance(e, InvalidArgument):  # a bad key file says so itself
+            ctx.out.note(
+                "the machine is joined, its backup not restored yet: run the same join"
+                " command again to restore it (the token is not used again)"
+            )
         raise
     for refused in done.refused:
         ctx.out.lines(
@@ -325,9 +326,13 @@ def _re_pair(ctx: Ctx) -> int:
 
     args, cfg = ctx.args, ctx.cfg
     if args.recovery_key or args.no_restore:
+        # Typically the join command run again after it finished: nothing to do.
         raise UsageError(
-            "join: this data folder is already joined: its data is here, so a re-pair "
-            "restores nothing; drop --recovery-key and --no-restore"
+            f"join: this data folder is already joined as machine"
+            f" {identity.load_link(cfg.data_dir).machine_id} and holds its data: start it"
+            f" with `{PROG} --data-dir"
+            f" {shlex.quote(str(cfg.data_dir))} serve`; a re-pair takes a new repair token"
+            " and neither --recovery-key nor --no-restore"
         )
     # Held from before the join to after the backup: a daemon serving this folder
     # (with the old certificate) is refused here, before the token is spent.
@@ -644,6 +649,13 @@ _LISTING: Final = {
 
 def _hint(err: BaseException, prog: str) -> str | None:
     if isinstance(err, DaemonNotRunning):
+        from machine import identity
+
+        if identity.restore_pending(err.data_dir):  # serve refuses until it is done
+            return (
+                f"the same `{PROG} join … --recovery-key FILE` again: the restore after"
+                " this machine's repair join did not finish"
+            )
         # Name the folder: a bare `serve` could start a second, stand-alone machine.
         return f"{PROG} --data-dir {shlex.quote(str(err.data_dir))} serve"
     if isinstance(err, NotFound):
@@ -658,8 +670,9 @@ def _hint(err: BaseException, prog: str) -> str | None:
         return f"{prog} agent unarchive ID"
     if isinstance(err, ConfigError):
         return f"{PROG} serve --help"
-    if NOT_OURS in str(err):  # a backup of another machine's key (a lost one's)
-        return f"{prog} backup restore|verify ID --recovery-key FILE"
+    if NOT_OURS in str(err) and "another machine made it" in str(err):
+        # Opened without a recovery key: a backup of another machine's key (a lost one's).
+        return f"add --recovery-key FILE (`{prog} backup restore --help`)"
     return None
 
 

@@ -199,6 +199,29 @@ async def test_an_unconfirmed_repair_gives_its_use_back_but_never_readmits_the_o
     await restarted.machines.authorize_peer(tls.identity_from_cert(cert))
 
 
+async def test_a_box_connecting_after_its_repair_was_rolled_back_spends_the_token(
+    w: World,
+) -> None:
+    """The reply did reach the box, which was killed before it first connected and
+    ran again after the grace: it holds the machine, so its token use counts again
+    and the token cannot take the machine over a second time (before: it could)."""
+    _, mc, _ = await _joined(w)
+    made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))
+    _, cert = await w.join(made.value)
+    w.clock.now += dt.timedelta(seconds=GRACE * 2)
+    restarted = World(w.store, w.clock, w.ca)
+    assert await restarted.intents.recover() == 1
+    assert (await restarted.tokens.get(w.op, made.token.token_id)).uses == 0
+    assert (await restarted.machines.authorize_peer(tls.identity_from_cert(cert))).machine_id == mc
+    token = await restarted.tokens.get(w.op, made.token.token_id)
+    assert token.uses == 1 and token.state(w.clock()) == "used"
+    with pytest.raises(Unauthenticated, match="already used"):
+        await restarted.join(made.value)
+    # Connecting again changes nothing.
+    await restarted.machines.authorize_peer(tls.identity_from_cert(cert))
+    assert (await restarted.tokens.get(w.op, made.token.token_id)).uses == 1
+
+
 async def test_a_confirmed_repair_keeps_its_token_use_on_recovery(w: World) -> None:
     _, mc, _ = await _joined(w)
     made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))

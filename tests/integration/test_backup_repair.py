@@ -257,12 +257,19 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
     assert identity.is_joined(new_dir) and identity.restore_pending(new_dir)
     with contextlib.closing(sqlite3.connect(new_dir / "machine.db")) as db:
         assert db.execute("SELECT COUNT(*) FROM agents").fetchone()[0] == 0
+    # What it had downloaded (attachments decoded) stays until the join runs again.
+    assert [p.name[:16] for p in (new_dir / "backup-work").iterdir()] == [".restore-repair-"]
     serve = subprocess.run(
         [str(MACHINE_EXE), "serve", "--data-dir", str(new_dir)],
         capture_output=True, text=True, timeout=120, env=env, check=False,
     )  # fmt: skip
     assert serve.returncode == 2, serve.stderr
     assert "the restore of its backup did not finish" in serve.stderr
+    status = subprocess.run(
+        [str(MACHINE_EXE), "--data-dir", str(new_dir), "status"],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+    assert status.returncode == 1 and "Try: the same `agents-machine join" in status.stderr
     assert "run the same `agents-machine join` command again" in serve.stderr
     keyless = subprocess.run(
         [str(MACHINE_EXE), *argv[1:-2], "--data-dir", str(new_dir)],
@@ -277,6 +284,7 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
         assert f"machine {machine_id} is joined already; restoring" in second.output()
         assert f"warning: backup {forged} was refused" in second.output()
         assert not identity.restore_pending(new_dir)
+        assert list((new_dir / "backup-work").iterdir()) == []
         second.wait_for("serving on")
 
         # The old box's certificate is refused now.
