@@ -20,6 +20,7 @@ from controlplane.records import (
     utc_iso,
 )
 from shared.errors import (
+    AgentsError,
     AlreadyExists,
     IntegrityError,
     InvalidArgument,
@@ -42,9 +43,9 @@ _MAX_VERSION: Final = 64
 _MAX_HOSTNAME: Final = 253
 
 RevokeHook = Callable[[str, str, str], Awaitable[None]]
-ConfirmHook = Callable[[Machine, str], Awaitable[None]]
-"""Called with the machine and its join's intent id when the machine confirms its join."""
 """Called with (account id, machine id, why) when a machine's certificate stops counting."""
+ConfirmHook = Callable[[Machine, str], Awaitable[None]]
+"""Called with the machine and its join's intent id once the machine confirmed its join."""
 
 #: What a repaired machine's old box is told (not "revoked": the machine lives on).
 SUPERSEDED = "certificate superseded: a new box took this machine over (machine repair)"
@@ -125,8 +126,8 @@ class MachineRegistry:
         self._revoked: set[str] = set()
 
     def on_confirm(self, hook: ConfirmHook) -> None:
-        """Call ``hook(machine, join intent id)`` when a machine confirms its join,
-        before the confirmation is written (a crash in between calls it again)."""
+        """Call ``hook(machine, join intent id)`` once a machine's join is confirmed
+        (after the write; an error it raises is logged, the confirmation stands)."""
         self._confirm_hooks.append(hook)
 
     def on_revoke(self, hook: RevokeHook) -> None:
@@ -275,17 +276,28 @@ class MachineRegistry:
         intent_id = machine.join_intent
         if not intent_id:
             return machine
-        for hook in self._confirm_hooks:
-            await hook(machine, intent_id)
+        cleared = False
 
         def change(d: dict[str, Any]) -> dict[str, Any] | None:
+            nonlocal cleared
             if d.get("join_intent") != intent_id:
                 return None
+            cleared = True
             return {**d, "join_intent": ""}
 
         data = await jsonstore.update(
             self._store, machine_key(machine.account_id, machine.machine_id), change
         )
+        # After the write, and only by the call that made it: a record a roll-back
+        # deleted meanwhile never gets here. A crash before the hooks leaves the
+        # intent, whose roll-back finds the join confirmed (and calls them itself).
+        if cleared:
+            confirmed = Machine.from_dict(data)
+            for hook in self._confirm_hooks:
+                try:
+                    await hook(confirmed, intent_id)
+                except AgentsError as e:  # the confirmation stands
+                    logger.error("machine %s: after its join confirmed: %s", machine.machine_id, e)
         # The record no longer names the intent, so a crash here leaves an intent
         # whose roll-back finds the join confirmed and keeps it.
         await self._intents.commit_id(intent_id)

@@ -232,10 +232,17 @@ class Pairing:
             # Never undo a repair's record (see the module doc), only the token use.
             written = machine is not None and machine.token_id == tok
             if written and machine is not None and machine.join_intent != intent.intent_id:
-                return True  # confirmed: the new box connected
+                # Confirmed: the new box connected (the use counts, also when the
+                # confirming call stopped before it said so).
+                await self._tokens.take_again(acct, tok, intent.intent_id)
+                return True
             if written and age < self._confirm_grace:
                 return False  # the reply may be on its way: give the box time
             await self._tokens.give_back(acct, tok, intent.intent_id)
+            # The box may have connected while the use went back: counted again.
+            machine = await self._machines.load_any(acct, mc)
+            if machine is not None and machine.token_id == tok and not machine.join_intent:
+                await self._tokens.take_again(acct, tok, intent.intent_id)
             return True
         if machine is not None:
             if machine.join_intent != intent.intent_id or machine.revoked:

@@ -258,7 +258,8 @@ class TokenService:
             await jsonstore.update(self._store, token_key(account_id, token_id), change)
         except NotFound:
             return  # the token itself is gone: nobody can use it again
-        logger.info("token %s: its use by join %s counts again", token_id, intent_id)
+        except IntegrityError as e:  # a forged record: the token is refused anyway
+            logger.error("token %s: cannot count its use again: %s", token_id, e)
 
     def _check_usable(self, token: JoinToken) -> None:
         state = token.state(self._clock())

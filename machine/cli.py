@@ -243,12 +243,17 @@ def _cmd_join(ctx: Ctx) -> int:
     result = _join(ctx, recovery.public_key if recovery is not None else b"")
     ctx.out.lines(f"joined as machine {result.machine_id} (account {result.account_id})")
     if recovery is not None:
-        _restore_after_join(ctx, recovery)
+        from machine.daemon import hold_data_dir
+
+        # Held as a rerun holds it: two restores never share the folder.
+        with hold_data_dir(cfg.data_dir, "run the same join command again once it stopped"):
+            _restore_after_join(ctx, recovery, first=True)
     return _install_then_serve(ctx)
 
 
-def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair) -> None:
-    """Restore the machine's newest backup after a repair join; say what came back."""
+def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair, *, first: bool = False) -> None:
+    """Restore the machine's newest backup after a repair join; say what came back.
+    ``first``: right after the join (not its rerun)."""
     from machine.deliveries import crash_after
     from machine.join import restore_after_join
 
@@ -264,7 +269,15 @@ def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair) -> None:
             )
         )
     except AgentsError as e:
-        if not isinstance(e, InvalidArgument):  # a bad key file says so itself
+        if first:
+            # The key was read before the join: refused now, it is not the account's
+            # (a plain token, or a control plane too old to check it first).
+            ctx.out.note(
+                "the machine is joined, its backup not restored yet: run the same join"
+                " command again (with the account's recovery key) to restore it, or with"
+                " --no-restore to start without it; the token is not used again"
+            )
+        elif not isinstance(e, InvalidArgument):  # a wrong key file says so itself
             ctx.out.note(
                 "the machine is joined, its backup not restored yet: run the same join"
                 " command again to restore it (the token is not used again)"
@@ -305,7 +318,9 @@ def _finish_join_restore(ctx: Ctx) -> int:
             identity.clear_restore_pending(cfg.data_dir)
             ctx.out.lines(
                 f"machine {machine_id} starts without its backup; the control plane keeps"
-                f" it (`{ctx.prog} backup list`, `backup restore ID --recovery-key FILE`)"
+                " its backups until this machine's own push them out (the newest"
+                f" {cfg.backup_keep} are kept): restore one before with `{ctx.prog} backup"
+                " restore ID --recovery-key FILE` (`backup list`)"
             )
         else:
             recovery = read_recovery_key(Path(args.recovery_key), warn=ctx.out.note)

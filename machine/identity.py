@@ -235,8 +235,9 @@ def mark_restore_pending(root: Path) -> None:
 
 
 def restore_pending(data_dir: Path) -> bool:
-    """True while a repair join's restore has not committed."""
-    return (data_dir / KEYS_DIR / RESTORE_PENDING_FILE).exists()
+    """True while a repair join's restore has not committed (a mark without a
+    committed join, left by a join killed before its commit point, is not one)."""
+    return is_joined(data_dir) and (data_dir / KEYS_DIR / RESTORE_PENDING_FILE).exists()
 
 
 def clear_restore_pending(data_dir: Path) -> None:

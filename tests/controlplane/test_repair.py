@@ -222,6 +222,44 @@ async def test_a_box_connecting_after_its_repair_was_rolled_back_spends_the_toke
     assert (await restarted.tokens.get(w.op, made.token.token_id)).uses == 1
 
 
+async def test_a_box_connecting_while_its_repair_is_rolled_back_keeps_the_token_spent(
+    w: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The roll-back saw the repair unconfirmed; the box confirmed before the use
+    went back: the roll-back counts it again (one token, one takeover)."""
+    _, mc, _ = await _joined(w)
+    made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))
+    _, cert = await w.join(made.value)
+    w.clock.now += dt.timedelta(seconds=GRACE * 2)
+    restarted = World(w.store, w.clock, w.ca)
+    give_back = restarted.tokens.give_back
+
+    async def box_connects_first(*args: str) -> None:
+        await restarted.machines.authorize_peer(tls.identity_from_cert(cert))
+        await give_back(*args)
+
+    monkeypatch.setattr(restarted.tokens, "give_back", box_connects_first)
+    assert await restarted.intents.recover() == 1
+    assert (await restarted.tokens.get(w.op, made.token.token_id)).uses == 1
+    with pytest.raises(Unauthenticated, match="already used"):
+        await restarted.join(made.value)
+
+
+async def test_a_plain_join_confirmed_after_its_roll_back_gets_no_use_back(w: World) -> None:
+    """A connection read the machine just before the roll-back deleted it: its
+    confirmation fails and the token's use stays given back."""
+    acct = (await w.accounts.create(1, "u1", None, "t")).account.account_id
+    made = await w.tokens.create(w.op, acct)
+    mc, _ = await w.join(made.value)
+    stale = await w.machines.load_any(acct, mc)
+    assert stale is not None and stale.join_intent
+    w.clock.now += dt.timedelta(seconds=GRACE * 2)
+    assert await w.intents.recover() == 1
+    with pytest.raises(NotFound):
+        await w.machines.confirm(stale)
+    assert (await w.tokens.get(w.op, made.token.token_id)).uses == 0
+
+
 async def test_a_confirmed_repair_keeps_its_token_use_on_recovery(w: World) -> None:
     _, mc, _ = await _joined(w)
     made = await w.tokens.create_repair(w.op, await w.machines.get(w.op, mc))

@@ -126,6 +126,8 @@ def test_a_join_without_restore_drops_an_earlier_identitys_mark(
     data_dir = tmp_path / "data"
     (data_dir / "keys").mkdir(parents=True, mode=0o700)
     (data_dir / "keys" / identity.RESTORE_PENDING_FILE).write_text("{}")
+    # A join killed before its commit point (link.json) left it: not a pending restore.
+    assert not identity.restore_pending(data_dir)
     keys, cert, link = _material(ca)
     with identity.staged_join(data_dir) as stage:
         identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
