@@ -309,6 +309,12 @@ def test_join_again_after_an_unfinished_restore_never_spends_the_token(
     assert identity.restore_pending(data)
     code, out, err = run(capsys, *join, "--as-new")
     assert code == 2 and "--as-new is for a machine stopped for good" in err
+    garbage = tmp_path / "not-a-key"
+    garbage.write_text("nonsense\n")
+    garbage.chmod(0o600)
+    code, out, err = run(capsys, *join, "--recovery-key", str(garbage))
+    assert code == 2 and "recovery_key" in err.splitlines()[0], err
+    assert "Traceback" not in err and identity.restore_pending(data)
     served: list[Path] = []
     monkeypatch.setattr(
         cli, "_install_then_serve", lambda ctx: served.append(ctx.cfg.data_dir) or 0
