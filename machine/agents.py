@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from machine import tables
+from machine import restored, tables
 from machine.db import Database
 from machine.models import AgentRecord, AgentState, MachineIds, SearchHit
 from machine.runtimes import RuntimeRegistry
@@ -175,6 +175,7 @@ class AgentsService:
     async def unarchive(self, agent_id: str) -> AgentRecord:
         """Make an archived agent of this machine active again."""
         validate_id("agent", agent_id, "agent_id")
+        await restored.ensure_loaded(self._db, agent_id)  # a restored one runs on its history
         now = self._clock()
 
         def write(conn: sqlite3.Connection) -> AgentRecord:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from machine import identity, tables
+from machine import identity, restored, tables
 from machine.agents import AgentsService
 from machine.attachments import AttachmentStore, remove_partial_uploads
 from machine.backup import BackupEngine
@@ -584,9 +584,13 @@ async def open_machine(
             on_change=scheduler.changed,
             test_seconds=config.schedule_test_seconds,
         )
-        # Always on (not a timer but unfinished work): resumes a killed daemon's backlog.
+        # Always on (not a timer but unfinished work): resumes a killed daemon's backlog
+        # (restored histories to load, then to index); packs no history is in go first.
+        await restored.sweep_packs(db)
         machine.indexer = SearchIndexer(
-            db, registry=metrics.registry if metrics is not None else None
+            db,
+            registry=metrics.registry if metrics is not None else None,
+            after_load=crash_after(config.crash_in_history_load_after, "restored histories loaded"),
         )
         if machine.backups is not None:
             machine.backups.on_restored = machine.indexer.kick

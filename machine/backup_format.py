@@ -51,7 +51,10 @@ __all__ = [
     "BackupManifest",
     "SegmentRef",
     "SegmentCompressor",
+    "IterReader",
     "decode_segment",
+    "decompress_segment",
+    "decrypt_segment",
     "encode_segment",
     "encrypt_segment",
     "manifest_aad",
@@ -156,7 +159,7 @@ class SegmentCompressor:
         return self._hash.hexdigest()
 
 
-class _IterReader(io.RawIOBase):
+class IterReader(io.RawIOBase):
     """A file-like reader over an iterator of byte strings."""
 
     def __init__(self, chunks: Iterator[bytes]) -> None:
@@ -188,9 +191,24 @@ def decode_segment(
     wrong key or name, any tampering, truncation, a zstd stream that does not
     decode, or more than ``max_plain`` bytes of plaintext.
     """
+    return decompress_segment(
+        decrypt_segment(stored, name=name, key=key), name=name, max_plain=max_plain
+    )
+
+
+def decrypt_segment(stored: Iterable[bytes], *, name: str, key: bytes) -> Iterator[bytes]:
+    """Authenticate and decrypt a stored segment, yielding its compressed plaintext
+    (complete only when iteration ends without error)."""
+    return decrypt_chunks(key, stored, aad=_segment_aad(name), what=f"segment {name[:16]}")
+
+
+def decompress_segment(
+    compressed: Iterable[bytes], *, name: str, max_plain: int
+) -> Iterator[bytes]:
+    """Decompress a segment's compressed plaintext (:func:`decrypt_segment`),
+    refusing a stream that does not decode or passes ``max_plain`` bytes."""
     what = f"segment {name[:16]}"
-    plain = decrypt_chunks(key, stored, aad=_segment_aad(name), what=what)
-    reader = _IterReader(iter(plain))
+    reader = IterReader(iter(compressed))
     total = 0
     try:
         for piece in zstandard.ZstdDecompressor().read_to_iter(

@@ -253,6 +253,10 @@ class MachineConfig:
     """Test only (``AGENTS_MACHINE_TEST_CRASH_IN_TRANSFER_AFTER_AGENTS``): once a
     restore or an import loaded this many agents inside its one transaction, the
     daemon SIGKILLs itself before the commit. 0 (the default): off."""
+    crash_in_history_load_after: int = 0
+    """Test only (``AGENTS_MACHINE_TEST_CRASH_IN_HISTORY_LOAD_AFTER_AGENTS``): once
+    the background loader committed this many restored agents' histories, the
+    daemon SIGKILLs itself. 0 (the default): off."""
     crash_in_prune_after: int = 0
     """Test only (``AGENTS_MACHINE_TEST_CRASH_IN_PRUNE_AFTER_DELETES``): once a
     prune of the folder target deleted this many objects, the daemon SIGKILLs
@@ -430,6 +434,11 @@ class MachineConfig:
             ),
             crash_in_transfer_after=_test_crash_after(
                 env, "AGENTS_MACHINE_TEST_CRASH_IN_TRANSFER_AFTER_AGENTS", "crash_in_transfer_after"
+            ),
+            crash_in_history_load_after=_test_crash_after(
+                env,
+                "AGENTS_MACHINE_TEST_CRASH_IN_HISTORY_LOAD_AFTER_AGENTS",
+                "crash_in_history_load_after",
             ),
             crash_in_prune_after=_test_crash_after(
                 env, "AGENTS_MACHINE_TEST_CRASH_IN_PRUNE_AFTER_DELETES", "crash_in_prune_after"

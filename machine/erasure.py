@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from machine import tables
+from machine import restored, tables
 from machine.attachments import unnamed_attachment_files
 from machine.db import Database
 from machine.metrics import MachineMetrics
@@ -270,6 +270,9 @@ class ErasureService:
         agent = await self._db.read(lambda c: tables.get_agent(c, agent_id, own), what=what)
         if agent.state is AgentState.ACTIVE:
             raise InvalidState(what, "it is active; archive it first")
+        # A restored history still packed is loaded (to be erased with the rest),
+        # and its pack, holding the agent's plaintext, removed once all of it is.
+        await restored.ensure_loaded(self._db)
         await self._runs.release_runtime(agent_id)
         now = self._clock()
 

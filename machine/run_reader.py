@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterator
 
-from machine import tables
+from machine import restored, tables
 from machine.db import Database
 from machine.feed import FeedHub
 from machine.models import MachineIds, RunRecord, StoredEvent
@@ -90,11 +90,13 @@ class RunReader:
         await self._db.read(
             lambda c: tables.get_agent(c, agent_id, self._ids.own), what=f"replay agent {agent_id}"
         )
+        await restored.ensure_loaded(self._db, agent_id)
         return self.follow(agent_id, after_seq, follow=follow)
 
     async def get_run(self, run_id: str) -> RunRecord:
         """One run."""
         validate_id("run", run_id, "run_id")
+        await restored.ensure_loaded(self._db)  # a restored agent's run, maybe
         return await self._db.read(lambda c: tables.get_run(c, run_id), what=f"get run {run_id}")
 
     async def list_runs(self, agent_id: str, limit: int = 100) -> list[RunRecord]:
@@ -104,4 +106,5 @@ class RunReader:
             raise InvalidArgument("limit", "must be 0 to 1000")
         what = f"list runs of agent {agent_id}"
         await self._db.read(lambda c: tables.get_agent(c, agent_id, self._ids.own), what=what)
+        await restored.ensure_loaded(self._db, agent_id)
         return await self._db.read(lambda c: tables.list_runs(c, agent_id, limit or 100), what=what)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Final, cast
 
-from machine import tables
+from machine import restored, tables
 from machine.cron import (
     MissedPolicy,
     fires_between,
@@ -189,8 +189,10 @@ class SchedulesService:
     async def list(self, agent_id: str = "") -> builtins.list[ScheduleRecord]:
         """Schedules of one agent (NotFound for an unknown one), or all, oldest first."""
         if not agent_id:
+            await restored.ensure_loaded(self._db)  # restored schedules come with histories
             return await self._db.read(tables.list_schedules)
         validate_id("agent", agent_id, "agent_id")
+        await restored.ensure_loaded(self._db, agent_id)
 
         def read(conn: sqlite3.Connection) -> builtins.list[ScheduleRecord]:
             tables.get_agent(conn, agent_id, self._ids.own)

@@ -242,6 +242,22 @@ CREATE INDEX summaries_agent ON summaries (agent_id, run_id);
 CREATE INDEX tool_log_agent ON tool_log (agent_id, id);
 """
 
+# Restore speed: a restore commits each agent's record and leaves its history in
+# a pack file of authenticated segments, loaded afterwards agent by agent
+# (machine/tables/restore_pending.py); ``failed`` says why one did not load.
+_V4_RESTORE_PENDING = """
+CREATE TABLE restore_pending (
+    agent_id    TEXT PRIMARY KEY REFERENCES agents(id) ON DELETE CASCADE,
+    pack        TEXT NOT NULL,
+    pack_offset INTEGER NOT NULL,
+    pack_length INTEGER NOT NULL,
+    usage_json  TEXT NOT NULL,
+    queued_at   REAL NOT NULL,
+    failed      TEXT
+);
+CREATE INDEX restore_pending_pack ON restore_pending (pack);
+"""
+
 #: MIGRATIONS[i] upgrades version i to i + 1.
 MIGRATIONS: Final[tuple[str, ...]] = (
     _V1,
@@ -250,6 +266,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     _V4_ERASURE,
     _V4_SCHEDULES,
     _V4_BACKUP_SPEED,
+    _V4_RESTORE_PENDING,
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 

@@ -1,10 +1,12 @@
-"""The background search indexer: puts restored agents' conversations in the index.
+"""The background search indexer: loads restored agents' histories, then puts
+their conversations in the index.
 
-A restore commits the rows of every agent at once and queues each agent in
-the search backlog (``machine/tables/search_backlog.py``) in the same
-transaction; this task then indexes them a few megabytes of text per write
-transaction, so the restore itself is not held up by the full-text index
-(about half of its work), and other writes are never held up for long.
+A restore commits every agent's record at once, with its history packed
+(:mod:`machine.restored`), and queues each agent in the search backlog
+(``machine/tables/search_backlog.py``) in the same transaction; this task then
+loads the histories one agent per write transaction and indexes them a few
+megabytes of text per write transaction, so the restore itself is not held up
+by either, and other writes are never held up for long.
 
 Crash-safe by construction: the backlog is in the database, each batch's
 search rows and backlog removals commit together, and the task drains the
@@ -18,10 +20,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from machine import restored
 from machine.db import Database
 from machine.tables import search_backlog
 from shared.errors import AgentsError
@@ -40,8 +44,15 @@ RETRY_SECONDS: Final = 10.0
 class SearchIndexer:
     """Drains the search backlog; :meth:`run` is the daemon's background task."""
 
-    def __init__(self, db: Database, *, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        db: Database,
+        *,
+        registry: CollectorRegistry | None = None,
+        after_load: Callable[[], None] | None = None,
+    ) -> None:
         self._db = db
+        self._after_load = after_load  # a test's fault point
         self._wake = asyncio.Event()
         self._backlog: Gauge | None = None
         self._indexed: Counter | None = None
@@ -69,7 +80,16 @@ class SearchIndexer:
         return count
 
     async def drain(self) -> int:
-        """Index everything queued; return how many agents were indexed."""
+        """Load every restored history still packed, then index everything queued;
+        return how many agents were indexed."""
+        started = time.monotonic()
+        loaded = await restored.ensure_loaded(self._db, after_each=self._after_load)
+        if loaded:
+            logger.info(
+                "restored histories: %d agents loaded in %.1f s",
+                loaded,
+                time.monotonic() - started,
+            )
         total = 0
         started = time.monotonic()
         while True:

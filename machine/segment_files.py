@@ -133,12 +133,25 @@ class SegmentFiles:
 
 
 @contextlib.contextmanager
-def open_segment(source: Path | IO[bytes], agent_id: str) -> Iterator[SegmentFiles]:
+def open_segment(source: Path | IO[bytes] | bytes, agent_id: str) -> Iterator[SegmentFiles]:
     """Read the plaintext segment at ``source`` (an agent's export-format tar: a
-    path, or a binary file open for reading)."""
-    with open(source, "rb") if isinstance(source, Path) else contextlib.nullcontext(source) as f:
+    path, a binary file open for reading, or the whole of it in memory)."""
+    # In memory the tar reads its members in place (a stream's buffering, in
+    # Python, is most of the cost of walking a small segment).
+    in_memory = isinstance(source, bytes)
+    opened: contextlib.AbstractContextManager[IO[bytes]]
+    if isinstance(source, bytes):
+        opened = contextlib.nullcontext(io.BytesIO(source))
+    elif isinstance(source, Path):
+        opened = open(source, "rb")
+    else:
+        opened = contextlib.nullcontext(source)
+    with opened as f:
         try:
-            tar = tarfile.open(fileobj=f, mode="r|", tarinfo=BoundedTarInfo)
+            if in_memory:
+                tar = tarfile.open(fileobj=f, mode="r:", tarinfo=BoundedTarInfo)
+            else:
+                tar = tarfile.open(fileobj=f, mode="r|", tarinfo=BoundedTarInfo)
         except (tarfile.TarError, EOFError, OSError) as e:
             what = f"backup agent {agent_id}"
             raise IntegrityError(what, f"segment is not a tar ({e})") from None

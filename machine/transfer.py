@@ -29,14 +29,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Final
+from typing import Any, BinaryIO, Final
 
-from machine import segment_workers
+from machine import restored, segment_workers
 from machine.backup import (
     AgentItem,
     FetchedBackup,
     StoredSegment,
-    decode_checked,
     stored_chunks,
 )
 from machine.backup_format import SegmentRef
@@ -56,6 +55,7 @@ from machine.segment_files import open_segment
 from machine.segment_workers import SegmentWorkers, dump_agent_spooled
 from machine.tables import erasures as store_erasures
 from machine.tables import export as store_export
+from machine.tables import restore_pending, search_backlog
 from shared.archive import ArchiveLimits, extract_staged, write_tar, write_tar_gz
 from shared.atomic import ensure_private_dir, fsync_dir
 from shared.errors import IntegrityError, InvalidArgument
@@ -101,6 +101,7 @@ def _agent_files(folder: Path) -> list[str]:
 
 async def _dump(db: Database, agent_id: str, folder: Path) -> dict[str, Any]:
     ensure_private_dir(folder)
+    await restored.ensure_loaded(db, agent_id)
     return await db.read(
         lambda c: store_export.dump_agent(c, agent_id, folder), what=f"export agent {agent_id}"
     )
@@ -161,6 +162,8 @@ class DatabaseBackupSource:
         self._work = work_dir
 
     async def agents(self) -> list[AgentItem]:
+        # A backup holds whole agents: restored histories still packed load first.
+        await restored.ensure_loaded(self._db)
         rows = await self._db.read(store_export.agent_markers, what="backup list agents")
         return [AgentItem(a, m) for a, m in rows]
 
@@ -246,10 +249,12 @@ async def _commit(
     whole: bool = True,
     not_from: frozenset[str] = frozenset(),
     after_load: Callable[[], None] | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> InResult:
     """Skip existing and erased agents, then load the rest and place attachments in
     one transaction; ``load(conn, agent_id)`` loads one (default: from its folder),
     ``start`` is told which agents will be loaded, in order, before the first;
+    ``before_commit`` runs last inside the transaction (a restore's pack fsync);
     ``whole`` refuses an attachment a conversation names and the archive lacks
     (an export always holds them; a backup of a machine that lost one does not)."""
 
@@ -320,6 +325,8 @@ async def _commit(
         for agent_id, erased_at in entries:
             if agent_id not in here:
                 store_erasures.add_erased(conn, agent_id, erased_at)
+        if before_commit is not None:
+            before_commit()
 
     if todo or erased_entries:
         # The commit point: every agent or none.
@@ -384,15 +391,22 @@ async def restore_fetched(
 ) -> InResult:
     """Restore a fetched backup's agents (archived), skipping existing and erased ones.
 
-    Each agent's segment is read in place inside the one transaction; their
-    conversations go to the search index afterwards, in the background
-    (:mod:`machine.search_indexer`), queued in that same transaction.
+    Each stored agent segment is authenticated, checked and packed
+    (:mod:`machine.restored`), and its record committed in the one transaction
+    with where its history lies; histories are loaded into machine.db after the
+    commit (then indexed for search), or at once for an agent someone reads.
+    Segments fetched decoded (``fetch(decode_agents=True)``) are loaded whole.
     """
-    runs = store_export.usage_by_run(fetched.manifest.usage)
     queued_at = time.time() if now is None else now
+    usage = fetched.manifest.usage
+    runs = store_export.usage_by_run(usage)
+    usage_of: dict[str, list[dict[str, Any]]] = {}
+    for row in usage:
+        usage_of.setdefault(str(row.get("agent_id")), []).append(row)
+    pack = restored.PackWriter(restored.pack_dir(db), fetched.manifest.backup_id)
     ahead = _DecodeAhead(fetched.stored_agents, fetched.manifest.naming_key, fetched.folder)
 
-    def load_from(conn: Any, agent_id: str, segment: Path | IO[bytes]) -> str:
+    def load_whole(conn: Any, agent_id: str, segment: Path) -> str:
         with open_segment(segment, agent_id) as files:
             return store_export.load_agent_files(
                 conn,
@@ -406,14 +420,25 @@ async def restore_fetched(
 
     def load(conn: Any, agent_id: str) -> str:
         if agent_id not in fetched.stored_agents:
-            return load_from(conn, agent_id, fetched.agent_files[agent_id])
-        with ahead.take(agent_id) as plain:
-            return load_from(conn, agent_id, plain)
+            return load_whole(conn, agent_id, fetched.agent_files[agent_id])
+        with ahead.take(agent_id) as decoded:
+            record = store_export.parse_record(decoded.record, agent_id)
+            if record["agent_id"] != agent_id:
+                return str(record["agent_id"])  # refused by the caller
+            store_export.insert_record(conn, record, agent_id)
+            offset, length = pack.append(decoded.packed)
+        restore_pending.queue(
+            conn, agent_id, pack.name, offset, length, usage_of.get(agent_id, ()), queued_at
+        )
+        search_backlog.queue_for_index(conn, agent_id, queued_at)
+        return agent_id
 
     # Stored agents are read by ``load``, not from a folder: their value is unused.
     agents = {**fetched.agent_files, **dict.fromkeys(fetched.stored_agents, fetched.folder)}
+    committed = False
+    restored.note_restored(db)
     try:
-        return await _commit(
+        result = await _commit(
             db,
             agents,
             dict(fetched.attachment_files),
@@ -426,21 +451,43 @@ async def restore_fetched(
             start=ahead.start,
             whole=False,
             after_load=after_load,
+            before_commit=pack.sync,
         )
+        committed = True
+        return result
     finally:
+        restored.note_restored(db)
         await asyncio.to_thread(ahead.close)
+        if committed:
+            pack.close()
+        else:
+            pack.discard()
+
+
+@dataclass
+class _Decoded:
+    """An agent's segment, authenticated and checked: its compressed plaintext
+    (to pack) and its record."""
+
+    packed: _Spool
+    record: bytes
+
+    def __enter__(self) -> _Decoded:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.packed.close()
 
 
 class _DecodeAhead:
     """Decodes a restore's stored agent segments in worker threads, a few ahead of
-    the agent the writer thread is loading.
+    the agent the writer thread is packing.
 
     Decrypting, decompressing and hashing let go of the GIL, so they run on the
-    other core while the loader parses and inserts (most of a restore's time);
-    no plaintext goes to disk but a segment past :data:`_SPOOL`. A segment
-    is handed out only once authenticated whole and checked against its name
-    (:func:`~machine.backup.decode_checked`); a refused one raises in the
-    loader, and the restore's transaction rolls back.
+    other core while the writer packs and inserts records. A segment is handed
+    out only once authenticated whole, checked against its name and its tar
+    walked (:func:`machine.restored.decode_for_pack`); a refused one raises in
+    the writer, and the restore's transaction rolls back.
     """
 
     def __init__(
@@ -452,7 +499,7 @@ class _DecodeAhead:
         self._pool = ThreadPoolExecutor(max_workers=_DECODERS, thread_name_prefix="restore-decode")
         self._order: list[str] = []
         self._next = 0
-        self._futures: dict[str, Future[_Spool]] = {}
+        self._futures: dict[str, Future[_Decoded]] = {}
 
     def start(self, order: list[str]) -> None:
         """The agents to be taken, in order: start decoding the first ones."""
@@ -465,19 +512,18 @@ class _DecodeAhead:
             self._next += 1
             self._futures[agent_id] = self._pool.submit(self._decode, agent_id)
 
-    def _decode(self, agent_id: str) -> _Spool:
+    def _decode(self, agent_id: str) -> _Decoded:
         ref, stored = self._segments[agent_id]
         out = _spool(self._work)
         try:
-            decode_checked(ref, self._key, stored_chunks(stored), out)
-            out.seek(0)
+            record = restored.decode_for_pack(ref, self._key, stored_chunks(stored), out, agent_id)
         except BaseException:
             out.close()
             raise
-        return out
+        return _Decoded(out, record)
 
-    def take(self, agent_id: str) -> _Spool:
-        """The agent's plaintext segment (close it after reading)."""
+    def take(self, agent_id: str) -> _Decoded:
+        """The agent's checked segment (close it after packing)."""
         future = self._futures.pop(agent_id, None)
         self._fill()
         return future.result() if future is not None else self._decode(agent_id)
@@ -489,7 +535,7 @@ class _DecodeAhead:
         self._pool.shutdown(wait=True)
         for future in self._futures.values():
             if not future.cancelled() and future.exception() is None:
-                future.result().close()
+                future.result().packed.close()
         self._futures.clear()
 
 

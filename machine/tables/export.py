@@ -34,6 +34,7 @@ from shared.ids import is_valid_id
 from shared.timestamps import MAX_SECONDS
 
 __all__ = [
+    "MAX_RECORD",
     "AgentDump",
     "agent_markers",
     "agents_in_folder",
@@ -46,6 +47,9 @@ __all__ = [
     "OptionalFiles",
     "load_agent",
     "load_agent_files",
+    "load_history",
+    "insert_record",
+    "parse_record",
     "set_attachment_size",
     "usage_by_run",
     "usage_rows",
@@ -68,7 +72,7 @@ _INSERT_EVENT: Final = (
 #: Events inserted per executemany.
 _BATCH: Final = 500
 #: A record.json is a few hundred bytes plus its attachment list.
-_MAX_RECORD: Final = 16 * 1024 * 1024
+MAX_RECORD: Final = 16 * 1024 * 1024
 # The payload as live appends store it (json.dumps(payload, sort_keys=True)); one
 # encoder for all, since json.dumps builds a new one per call when given an option.
 _PAYLOAD: Final = json.JSONEncoder(sort_keys=True)
@@ -350,11 +354,21 @@ def load_agent_files(
     whose origin is in ``not_from`` is refused (an import: an agent claiming to
     be this machine's own would run here once unarchived).
     """
-    where = f"{label}/record.json"
     with files("record.json") as f:
-        raw = f.read(_MAX_RECORD + 1)
-    if len(raw) > _MAX_RECORD:
-        raise InvalidArgument("archive", f"{where}: longer than {_MAX_RECORD} bytes")
+        raw = f.read(MAX_RECORD + 1)
+    record = parse_record(raw, label, not_from=not_from)
+    agent_id = insert_record(conn, record, label)
+    load_history(conn, agent_id, label, files, runs=runs, optional=optional, index=index, now=now)
+    return agent_id
+
+
+def parse_record(
+    raw: bytes, label: str, *, not_from: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """An agent's ``record.json`` read and checked (see :func:`load_agent_files`)."""
+    where = f"{label}/record.json"
+    if len(raw) > MAX_RECORD:
+        raise InvalidArgument("archive", f"{where}: longer than {MAX_RECORD} bytes")
     record = load_json(raw, where)
     if not isinstance(record, dict):
         raise InvalidArgument("archive", f"{where}: not a JSON object")
@@ -365,10 +379,21 @@ def load_agent_files(
             f"{where}: its origin is this machine; an import brings other machines' agents"
             " (restore a backup to bring this machine's own back)",
         )
+    for ref in record.get("attachments", []):
+        _check_attachment_ref(ref, where)
+    return record
+
+
+def insert_record(conn: sqlite3.Connection, record: dict[str, Any], label: str) -> str:
+    """Insert an agent (archived) and its attachment references from its checked
+    record (:func:`parse_record`), in the caller's transaction; return its id.
+
+    ``last_seq`` is the record's until :func:`load_history` loads the conversation.
+    """
     agent_id = str(record["agent_id"])
     conn.execute(
         "INSERT INTO agents (id, name, folder, runtime, settings_json, state, origin_machine,"
-        " session_id, created_at, updated_at, last_seq) VALUES (?,?,?,?,'{}',?,?,NULL,?,?,0)",
+        " session_id, created_at, updated_at, last_seq) VALUES (?,?,?,?,'{}',?,?,NULL,?,?,?)",
         (
             agent_id,
             record["name"],
@@ -378,8 +403,28 @@ def load_agent_files(
             record["origin_machine"],
             record["created_at"],
             record["updated_at"],
+            record["last_seq"],
         ),
     )
+    for ref in record.get("attachments", []):
+        _insert_attachment_ref(conn, agent_id, ref, f"{label}/record.json")
+    return agent_id
+
+
+def load_history(
+    conn: sqlite3.Connection,
+    agent_id: str,
+    label: str,
+    files: AgentFiles,
+    *,
+    runs: Mapping[str, dict[str, Any]],
+    optional: OptionalFiles | None = None,
+    index: bool = True,
+    now: float = 0.0,
+) -> None:
+    """Insert the conversation, runs, summaries, tool log and schedules of
+    ``agent_id`` (inserted by :func:`insert_record`) from its export files after
+    ``record.json``, in the caller's transaction (see :func:`load_agent_files`)."""
     started: dict[str, dict[str, Any]] = {}
     ended: dict[str, tuple[str, dict[str, Any], float]] = {}
     last_seq = 0
@@ -465,8 +510,6 @@ def load_agent_files(
         for n, row in enumerate(read_jsonl(f, what), 1):
             _own_run(row, own, f"{what} line {n}")
             _insert_tool(conn, agent_id, row, f"{what} line {n}")
-    for ref in record.get("attachments", []):
-        _insert_attachment_ref(conn, agent_id, ref, where)
     if optional is not None:
         with optional("schedules.jsonl") as found:
             if found is not None:
@@ -476,7 +519,6 @@ def load_agent_files(
         search_backlog.index_agent(conn, agent_id)
     else:
         search_backlog.queue_for_index(conn, agent_id, now)
-    return agent_id
 
 
 def _load_runs(
@@ -561,14 +603,20 @@ def _insert_tool(conn: sqlite3.Connection, agent_id: str, row: dict[str, Any], w
     )
 
 
-def _insert_attachment_ref(
-    conn: sqlite3.Connection, agent_id: str, ref: object, where: str
-) -> None:
+def _check_attachment_ref(ref: object, where: str) -> None:
     if not isinstance(ref, dict):
         raise InvalidArgument("archive", f"{where}: an attachment entry is not an object")
     sha = archive_field(ref, "sha256", str, where)
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         raise InvalidArgument("archive", f"{where}: attachment sha256 malformed")
+    archive_time(ref, "created_at", where)
+
+
+def _insert_attachment_ref(
+    conn: sqlite3.Connection, agent_id: str, ref: dict[str, Any], where: str
+) -> None:
+    _check_attachment_ref(ref, where)
+    sha = str(ref["sha256"])
     created = archive_time(ref, "created_at", where)
     conn.execute(
         "INSERT INTO attachments (sha256, size, created_at) VALUES (?, 0, ?)"

@@ -120,8 +120,10 @@ def index_next(conn: sqlite3.Connection, budget: int = 4 * 1024 * 1024) -> list[
     done: list[str] = []
     chars = 0
     while chars < budget:
+        # An agent whose history is still packed is indexed once it is loaded.
         row = conn.execute(
-            "SELECT agent_id FROM search_backlog ORDER BY queued_at, agent_id LIMIT 1"
+            "SELECT agent_id FROM search_backlog WHERE agent_id NOT IN"
+            " (SELECT agent_id FROM restore_pending) ORDER BY queued_at, agent_id LIMIT 1"
         ).fetchone()
         if row is None:
             break

@@ -12,6 +12,7 @@ import select
 import shlex
 import shutil
 import signal
+import sqlite3
 import stat
 import subprocess
 import tarfile
@@ -481,6 +482,54 @@ def test_sigkill_during_a_restore_or_an_import_leaves_nothing_and_it_runs_again_
             _ok(run_cli(data, *verb, timeout=300))
             after = tmp_path / f"after-{verb[0]}.tar.gz"
             assert _export_contents(data, agents, after) == before
+
+
+def test_sigkill_while_a_restores_histories_load_resumes_at_the_next_start(
+    tmp_path: Path, machine_proc: MakeProc
+) -> None:
+    """A restore commits the agents with their histories packed; a daemon killed
+    while it loads them into machine.db (after its first transaction) loads the
+    rest at its next start, and every conversation comes back byte-equal."""
+    data = tmp_path / "data"
+    key_file = tmp_path / "recovery.key"
+    work = tmp_path / "work"
+    proc = machine_proc("--prompt-limit", "2MiB")
+    with proc:
+        _populate(data, work, agents=1)
+        # About 1 MB packed each: a few agents per load transaction.
+        _big_agents(proc.target, work, agents=10, prompt_bytes=1_000_000, varied=True)
+        agents = [str(a["id"]) for a in _agents(data)]
+        key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
+        key_file.chmod(0o600)
+        _ok(run_cli(data, "backup", "now", timeout=120))
+        (backup_id,) = _backup_ids(data)
+        before = _export_contents(data, agents, tmp_path / "before.tar.gz")
+    copy = tmp_path / "backup-copy"
+    shutil.copytree(data / "backups", copy)
+    shutil.rmtree(data)  # a new machine
+    crashing = MachineProc(
+        data, "--prompt-limit", "2MiB",
+        env={"AGENTS_MACHINE_TEST_CRASH_IN_HISTORY_LOAD_AFTER_AGENTS": "1"},
+    )  # fmt: skip
+    with crashing:
+        # Answered, or cut by the kill: either way the restore committed first.
+        run_cli(
+            data, "backup", "restore", backup_id, "--from", str(copy),
+            "--recovery-key", str(key_file), timeout=120,
+        )  # fmt: skip
+        assert crashing.proc is not None
+        assert crashing.proc.wait(timeout=60) == -signal.SIGKILL
+    assert "test fault: killing the daemon after 1 restored histories loaded" in crashing.log()
+    (pack,) = (data / "restored").iterdir()  # some histories still in it
+    with sqlite3.connect(f"file:{data / 'machine.db'}?mode=ro", uri=True) as db:
+        pending = db.execute("SELECT COUNT(*) FROM restore_pending").fetchone()[0]
+        listed = db.execute("SELECT COUNT(*) FROM agents").fetchone()[0]
+    assert 0 < pending < len(agents) and listed == len(agents)
+    with proc:
+        # The start resumes the load in the background: the pack goes once all is in.
+        poll_until(lambda: not pack.exists(), deadline=60, what="the restart loading the rest")
+        assert sorted(str(a["id"]) for a in _agents(data)) == sorted(agents)
+        assert _export_contents(data, agents, tmp_path / "after.tar.gz") == before
 
 
 def _tar_gz(entries: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:

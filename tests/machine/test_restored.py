@@ -1,0 +1,190 @@
+"""A restore's histories: packed at the commit, loaded after it, at once when read."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from machine import restored
+from machine.app import Machine, open_machine
+from machine.backup import BackupEngine
+from machine.export_format import agent_path
+from machine.models import AgentState
+from machine.tables import restore_pending
+from machine.transfer import DatabaseBackupSource, InResult, restore_fetched
+from shared.backup_target import StoreTarget
+from shared.crypto import BoxKeyPair
+from shared.errors import IntegrityError
+from shared.ids import new_id
+from shared.store.folder import FolderStore
+from tests.machine.test_backup_engine import FakeSource
+from tests.machine.test_transfer import _backed_up, _config, _export_files, _Old
+
+
+async def _pending(db: object) -> list[str]:
+    rows = await db.read(  # type: ignore[attr-defined]
+        lambda c: c.execute("SELECT agent_id FROM restore_pending ORDER BY agent_id").fetchall()
+    )
+    return [str(r[0]) for r in rows]
+
+
+async def _restore(old: _Old, new: Machine, stage: Path) -> InResult:
+    fetched = await old.engine.fetch(old.made.backup_id, stage, decode_agents=False)
+    return await restore_fetched(
+        new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+    )
+
+
+async def test_a_restore_commits_records_then_each_history_loads_when_read(
+    tmp_path: Path,
+) -> None:
+    old = await _backed_up(tmp_path, 3)
+    async with open_machine(_config(tmp_path / "new")) as new:
+        fetched = await old.engine.fetch(
+            old.made.backup_id, tmp_path / "stage", decode_agents=False
+        )
+        result = await restore_fetched(
+            new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        assert sorted(result.restored) == sorted(old.agents)
+        # Committed: every agent listed, archived, its history still packed.
+        listed = await new.agents.list(include_archived=True)
+        assert sorted(a.id for a in listed) == sorted(old.agents)
+        assert all(a.state is AgentState.ARCHIVED for a in listed)
+        assert await _pending(new.db) == sorted(old.agents)
+        (pack,) = restored.pack_dir(new.db).iterdir()
+        assert pack.stat().st_size > 0
+        events = await new.db.read(lambda c: c.execute("SELECT COUNT(*) FROM events").fetchone())
+        assert events[0] == 0
+        # Reading one agent loads that one, at once, and only it.
+        first = old.agents[0]
+        replayed = [ev async for ev in await new.runs.replay(first)]
+        assert replayed and replayed[-1].seq == (await new.agents.get(first)).last_seq
+        assert await _pending(new.db) == sorted(old.agents[1:])
+        assert pack.exists()
+        # Every other one, then the pack goes.
+        assert await restored.ensure_loaded(new.db) == 2
+        assert await _pending(new.db) == [] and not pack.exists()
+        assert await _export_files(new, old.agents, tmp_path / "after.tar.gz") == old.before
+        # Searchable once the indexer ran (after the load).
+        assert new.indexer is not None
+        await new.indexer.drain()
+        assert await new.agents.search("MARKER-TOOL-1")
+
+
+async def test_an_export_or_a_backup_loads_what_it_reads_first(tmp_path: Path) -> None:
+    old = await _backed_up(tmp_path, 2)
+    async with open_machine(_config(tmp_path / "new")) as new:
+        await _restore(old, new, tmp_path / "stage")
+        # Straight after the commit, nothing loaded yet: the export is whole.
+        assert await _export_files(new, old.agents, tmp_path / "after.tar.gz") == old.before
+        runs = await new.runs.list_runs(old.agents[1])
+        assert len(runs) == 2
+    async with open_machine(_config(tmp_path / "new2")) as new:
+        await _restore(old, new, tmp_path / "stage2")
+        assert len(await _pending(new.db)) == 2
+        # A backup lists its agents whole: every history loads first.
+        source = DatabaseBackupSource(new.db, new.config.attachments_dir, tmp_path / "work")
+        assert sorted(a.agent_id for a in await source.agents()) == sorted(old.agents)
+        assert await _pending(new.db) == []
+
+
+async def test_start_removes_packs_no_history_is_in(tmp_path: Path) -> None:
+    old = await _backed_up(tmp_path, 2)
+    async with open_machine(_config(tmp_path / "new")) as new:
+        await _restore(old, new, tmp_path / "stage")
+        (kept,) = restored.pack_dir(new.db).iterdir()
+        # A restore killed before its commit leaves a pack no row names.
+        orphan = restored.pack_dir(new.db) / "killed-1-00000000.pack"
+        orphan.write_bytes(b"plaintext of a restore that never committed")
+        assert await restored.sweep_packs(new.db) == 1
+        assert not orphan.exists() and kept.exists()
+
+
+def _segment(agent: str, conversation: bytes) -> bytes:
+    """An agent's segment plaintext: a well-formed tar whose record is sound."""
+    record = {
+        "agent_id": agent,
+        "name": "bad history",
+        "folder": "/tmp",
+        "runtime": "echo",
+        "origin_machine": new_id("machine"),
+        "created_at": 1.0,
+        "updated_at": 1.0,
+        "last_seq": 1,
+        "attachments": [],
+    }
+    files = {
+        "record.json": json.dumps(record).encode(),
+        "conversation.jsonl": conversation,
+        "summaries.jsonl": b"",
+        "tools.jsonl": b"",
+    }
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(agent_path(agent, name))
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+async def test_a_history_that_does_not_load_keeps_its_record_and_says_why(
+    tmp_path: Path,
+) -> None:
+    """An authentic segment (sealed with the backup's keys) whose conversation is
+    malformed: the restore commits (the tar and record are sound), the load
+    refuses that agent alone, clearly, and the others load."""
+    source = FakeSource(tmp_path, 2)
+    bad, good = list(source.data)
+    source.data[bad] = _segment(bad, b"this is not json\n")
+    event = {"seq": 1, "run_id": new_id("run"), "kind": "RUN_STARTED", "time": 1.0}
+    source.data[good] = _segment(good, json.dumps({**event, "payload": {}}).encode() + b"\n")
+    key = BoxKeyPair.generate()
+    engine = BackupEngine(
+        source,
+        StoreTarget(FolderStore(tmp_path / "target")),
+        machine_id=new_id("machine"),
+        naming_key=os.urandom(32),
+        recipients=[key.public_key],
+        keypair=key,
+        work_dir=tmp_path / "work",
+    )
+    made = await engine.backup_now()
+    async with open_machine(_config(tmp_path / "new")) as new:
+        fetched = await engine.fetch(made.backup_id, tmp_path / "stage", decode_agents=False)
+        result = await restore_fetched(
+            new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        assert sorted(result.restored) == sorted([bad, good])
+        assert await restored.ensure_loaded(new.db) == 1  # the good one
+        with pytest.raises(IntegrityError, match="its restored history did not load") as e:
+            await restored.ensure_loaded(new.db, bad)
+        assert "conversation.jsonl line 1" in str(e.value)
+        with pytest.raises(IntegrityError, match="did not load"):
+            await new.agents.unarchive(bad)
+        why = await new.db.read(lambda c: restore_pending.failed_reason(c, bad))
+        assert why is not None and "line 1" in why
+        assert [ev.seq async for ev in await new.runs.replay(good)] == [1]
+        # The pack stays while a history in it is kept for a person to look at.
+        assert list(restored.pack_dir(new.db).iterdir())
+
+
+async def test_an_agent_deleted_before_its_history_loaded_leaves_no_pack(tmp_path: Path) -> None:
+    old = await _backed_up(tmp_path, 2)
+    async with open_machine(_config(tmp_path / "new")) as new:
+        await _restore(old, new, tmp_path / "stage")
+        await new.require_erasure().delete(old.agents[0])
+        # The whole pack (it held the deleted agent's plaintext) is gone with the load.
+        assert list(restored.pack_dir(new.db).iterdir()) == []
+        assert await _pending(new.db) == []
+        kept = old.agents[1]
+        after = await _export_files(new, [kept], tmp_path / "after.tar.gz")
+        assert {k: v for k, v in after.items() if kept in k} == {
+            k: v for k, v in old.before.items() if kept in k
+        }
