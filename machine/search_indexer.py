@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from machine import restored
 from machine.db import Database
-from machine.tables import search_backlog
+from machine.tables import restore_pending, search_backlog
 from shared.errors import AgentsError
 
 __all__ = ["SearchIndexer"]
@@ -56,7 +56,14 @@ class SearchIndexer:
         self._wake = asyncio.Event()
         self._backlog: Gauge | None = None
         self._indexed: Counter | None = None
+        self._unloaded: Gauge | None = None
         if registry is not None:
+            self._unloaded = Gauge(
+                "agents_machine_restore_histories_pending_agents",
+                "Restored agents whose history is still packed, not loaded into machine.db"
+                " (those that did not load included).",
+                registry=registry,
+            )
             self._backlog = Gauge(
                 "agents_machine_search_backlog_agents",
                 "Restored agents whose conversations are not in the search index yet.",
@@ -77,13 +84,20 @@ class SearchIndexer:
         count = await self._db.read(search_backlog.backlog_count, what="search backlog")
         if self._backlog is not None:
             self._backlog.set(count)
+        await self._count_unloaded()
         return count
+
+    async def _count_unloaded(self) -> None:
+        if self._unloaded is not None:
+            unloaded = await self._db.read(restore_pending.pending_count, what="restored histories")
+            self._unloaded.set(unloaded)
 
     async def drain(self) -> int:
         """Load every restored history still packed, then index everything queued;
         return how many agents were indexed."""
         started = time.monotonic()
         loaded = await restored.ensure_loaded(self._db, after_each=self._after_load)
+        await self._count_unloaded()
         if loaded:
             logger.info(
                 "restored histories: %d agents loaded in %.1f s",

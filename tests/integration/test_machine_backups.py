@@ -476,8 +476,10 @@ def test_sigkill_during_a_restore_or_an_import_leaves_nothing_and_it_runs_again_
             assert crashing.proc.wait(timeout=30) == -signal.SIGKILL
         assert crashing.log().count("test fault: killing the daemon after 5 agents loaded") == n
         with proc:
-            # Nothing of it was committed, and the machine.db is sound.
+            # Nothing of it was committed, and the machine.db is sound; the
+            # restore's pack, written up to the kill, was removed at start.
             assert _agents(data) == []
+            assert not list(data.glob("restored/*.pack"))
             assert _ok(run_cli(data, "check", timeout=120)).strip().endswith("machine.db: ok")
             _ok(run_cli(data, *verb, timeout=300))
             after = tmp_path / f"after-{verb[0]}.tar.gz"

@@ -9,12 +9,14 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from machine import restored
 from machine.app import Machine, open_machine
 from machine.backup import BackupEngine
 from machine.export_format import agent_path
 from machine.models import AgentState
+from machine.search_indexer import SearchIndexer
 from machine.tables import restore_pending
 from machine.transfer import DatabaseBackupSource, InResult, restore_fetched
 from shared.backup_target import StoreTarget
@@ -67,13 +69,17 @@ async def test_a_restore_commits_records_then_each_history_loads_when_read(
         assert replayed and replayed[-1].seq == (await new.agents.get(first)).last_seq
         assert await _pending(new.db) == sorted(old.agents[1:])
         assert pack.exists()
-        # Every other one, then the pack goes.
-        assert await restored.ensure_loaded(new.db) == 2
+        # The daemon's indexer counts them, then loads every other one; the pack goes.
+        registry = CollectorRegistry()
+        indexer = SearchIndexer(new.db, registry=registry)
+        gauge = "agents_machine_restore_histories_pending_agents"
+        assert await indexer.pending() == 3  # not searchable yet, loaded or not
+        assert registry.get_sample_value(gauge) == 2
+        await indexer.drain()
+        assert registry.get_sample_value(gauge) == 0
         assert await _pending(new.db) == [] and not pack.exists()
         assert await _export_files(new, old.agents, tmp_path / "after.tar.gz") == old.before
         # Searchable once the indexer ran (after the load).
-        assert new.indexer is not None
-        await new.indexer.drain()
         assert await new.agents.search("MARKER-TOOL-1")
 
 
