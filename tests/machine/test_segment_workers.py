@@ -218,13 +218,16 @@ def test_a_segment_past_the_pipe_is_written_to_a_file_and_decodes(
     assert len(out.getvalue()) == answer["plain"] > 0
 
 
-def test_a_worker_process_does_not_load_grpc() -> None:
+def test_a_worker_process_does_not_load_grpc_nor_the_daemons_configuration() -> None:
     # Each worker is a process of its own: gRPC would add about 13 MiB and a
     # tenth of a second to every one (the backup format's readers import
-    # shared.limits, not shared.rpc).
+    # shared.limits, not shared.rpc); the daemon's configuration (imported by
+    # the machine package once) pulled in TLS, metrics and the backup service,
+    # a quarter of a second of CPU per worker.
+    heavy = ("grpc", "prometheus_client", "machine.config", "machine.backup_service")
     code = (
         "import sys, machine.segment_worker_main;"
-        " print(sorted(m for m in sys.modules if m.split('.')[0] == 'grpc'))"
+        f" print(sorted(m for m in {heavy!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
