@@ -304,6 +304,7 @@ class ErasureService:
 
         # The commit point: the agent is whole, or erased, listed and queued.
         orphans, queued = await self._db.write(write, what=what)
+        restored.forget_failed(self._db, agent_id)  # a restored history that did not load
         logger.info("agent %s erased (%d attachment file(s) to remove)", agent_id, len(orphans))
         if queued:
             self.queue.notify()

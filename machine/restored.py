@@ -45,15 +45,26 @@ from machine.tables import restore_pending
 from machine.tables.export import MAX_RECORD
 from shared.atomic import ensure_private_dir, fsync_dir
 from shared.crypto import KeyedHasher
-from shared.errors import IntegrityError, InvalidArgument
+from shared.errors import (
+    DatabaseDamaged,
+    DiskFull,
+    IntegrityError,
+    InvalidArgument,
+    StoreError,
+    TransientError,
+)
 
 __all__ = [
     "PACK_DIR",
     "PackWriter",
     "decode_for_pack",
     "ensure_loaded",
-    "note_restored",
+    "failed_pack",
+    "forget_failed",
+    "write_failed",
     "pack_dir",
+    "restore_ended",
+    "restore_started",
     "sweep_packs",
 ]
 
@@ -71,11 +82,13 @@ _BATCH_AGENTS: Final = 64
 _BATCH_BYTES: Final = 4 * 1024 * 1024
 
 # Databases known to hold no history still to load: the readers' fast path (no
-# query). Only a restore in this process adds some (:func:`note_restored`), and
-# bumps the database's generation so that a reader that looked before cannot
-# mark it loaded after.
+# query). Only a restore in this process adds some: while one runs no reader
+# marks the database loaded, and its end bumps the generation, so that a reader
+# that looked before its commit cannot mark it loaded after
+# (:func:`restore_started`, :func:`restore_ended`).
 _LOADED: weakref.WeakSet[Database] = weakref.WeakSet()
 _GENERATION: weakref.WeakKeyDictionary[Database, int] = weakref.WeakKeyDictionary()
+_RESTORING: weakref.WeakKeyDictionary[Database, int] = weakref.WeakKeyDictionary()
 
 
 def pack_dir(db: Database) -> Path:
@@ -203,9 +216,16 @@ class PackWriter:
                 (self._folder / self.name).unlink()
 
 
-def note_restored(db: Database) -> None:
-    """A restore is committing histories to load: readers must look again (call
-    it before the commit and after it)."""
+def restore_started(db: Database) -> None:
+    """A restore may commit histories to load: readers look until it ended."""
+    _RESTORING[db] = _RESTORING.get(db, 0) + 1
+    _LOADED.discard(db)
+
+
+def restore_ended(db: Database) -> None:
+    """The restore of :func:`restore_started` committed or gave up (call it once
+    its write is over either way)."""
+    _RESTORING[db] = _RESTORING.get(db, 1) - 1
     _GENERATION[db] = _GENERATION.get(db, 0) + 1
     _LOADED.discard(db)
 
@@ -237,8 +257,10 @@ def _open_packed(folder: Path, pending: restore_pending.Pending) -> Iterator[Seg
     what = f"restored agent {pending.agent_id}"
     try:
         f = open(folder / pending.pack, "rb")  # noqa: SIM115 - closed below
-    except OSError as e:
-        raise IntegrityError(what, f"its pack {pending.pack} cannot be read ({e})") from None
+    except FileNotFoundError:
+        raise IntegrityError(what, f"its pack {pending.pack} is gone") from None
+    except OSError as e:  # no file handle, a read error: tried again later
+        raise StoreError(f"read {what}: its pack {pending.pack}: {e}") from None
     with f:
         f.seek(pending.offset)
         compressed = io.BufferedReader(_Bounded(f, pending.length), _READ)
@@ -271,7 +293,7 @@ async def ensure_loaded(
         batch, failed, none_left = await db.read(
             functools.partial(_look, agent_id=agent_id, many=many), what="restored agents to load"
         )
-        if none_left and _GENERATION.get(db, 0) == generation:
+        if none_left and _GENERATION.get(db, 0) == generation and not _RESTORING.get(db):
             _LOADED.add(db)
         if failed is not None:
             raise IntegrityError(
@@ -287,21 +309,21 @@ async def ensure_loaded(
             freed = await db.write(
                 functools.partial(_load, batch=batch, folder=folder), what=what, bulk=True
             )
-        except (IntegrityError, InvalidArgument) as e:
+        except (DiskFull, DatabaseDamaged, StoreError, TransientError):
+            raise  # the machine's trouble, not the history's: tried again later
+        except Exception as e:
+            # The history's: malformed in some way its authentication cannot see.
             if len(batch) > 1:
                 one_by_one = len(batch)  # which one it is: one per transaction
                 continue
             logger.error("%s: its history does not load, kept as its record alone: %s", what, e)
-            mark = functools.partial(
-                restore_pending.mark_failed, agent_id=batch[0].agent_id, reason=str(e)
-            )
-            await db.write(mark, what=what)
+            fail = functools.partial(_fail, pending=batch[0], reason=str(e), folder=folder)
+            for pack in await db.write(fail, what=what):
+                _remove(folder, pack)
             continue
         loaded += len(batch)
         for pack in freed:
-            with contextlib.suppress(FileNotFoundError):
-                (folder / pack).unlink()
-            logger.info("restored histories of pack %s loaded; pack removed", pack)
+            _remove(folder, pack)
         if after_each is not None:
             after_each()
 
@@ -315,6 +337,60 @@ def _look(
     return batch, failed, none_left
 
 
+def _remove(folder: Path, pack: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (folder / pack).unlink()
+    logger.info("restored pack %s: no history to load is in it; removed", pack)
+
+
+def failed_pack(agent_id: str) -> str:
+    """The pack holding ``agent_id``'s history alone once it did not load."""
+    return f"failed-{agent_id}{_SUFFIX}"
+
+
+def _fail(
+    conn: sqlite3.Connection, pending: restore_pending.Pending, reason: str, folder: Path
+) -> set[str]:
+    """Mark ``pending`` failed, its history copied to a pack of its own (so that
+    the restore's pack, holding other agents' plaintext, goes once they load);
+    return the packs now unused. In the writer thread, inside the transaction."""
+    own = failed_pack(pending.agent_id)
+    if pending.pack != own:
+        temp = folder / f".{own}.tmp"
+        with open(folder / pending.pack, "rb") as src, open(temp, "wb") as dst:
+            src.seek(pending.offset)
+            left = pending.length
+            while left > 0 and (piece := src.read(min(_READ, left))):
+                dst.write(piece)
+                left -= len(piece)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(temp, folder / own)
+        fsync_dir(folder)
+    restore_pending.mark_failed(conn, pending.agent_id, reason, own, pending.length)
+    if pending.pack != own and not restore_pending.pack_in_use(conn, pending.pack):
+        return {pending.pack}
+    return set()
+
+
+def write_failed(folder: Path, pending: restore_pending.Pending, out: IO[bytes]) -> None:
+    """Write the plaintext segment of a history that did not load to ``out`` (a
+    backup keeps it as it came, rather than the record alone)."""
+    with open(folder / pending.pack, "rb") as f:
+        f.seek(pending.offset)
+        compressed = io.BufferedReader(_Bounded(f, pending.length), _READ)
+        with zstandard.ZstdDecompressor().stream_reader(compressed) as plain:
+            shutil.copyfileobj(plain, out, _READ)
+
+
+def forget_failed(db: Database, agent_id: str) -> None:
+    """``agent_id`` was deleted: remove its failed history's pack, if any."""
+    path = pack_dir(db) / failed_pack(agent_id)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+        logger.info("removed %s with its deleted agent", path.name)
+
+
 def _load(conn: sqlite3.Connection, batch: list[restore_pending.Pending], folder: Path) -> set[str]:
     try:
         return restore_pending.load(conn, batch, lambda p: _open_packed(folder, p))
@@ -326,7 +402,9 @@ def _load(conn: sqlite3.Connection, batch: list[restore_pending.Pending], folder
 
 async def sweep_packs(db: Database) -> int:
     """Remove packs no agent's history is in (a restore killed before its commit,
-    a loader killed before removing one); return how many. At start only."""
+    a loader killed before removing one); return how many. At start only: it
+    also lets the histories that did not load be tried once more."""
+    await db.write(restore_pending.retry_failed, what="restored histories to retry")
     folder = pack_dir(db)
     if not folder.is_dir():
         return 0

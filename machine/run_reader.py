@@ -14,7 +14,7 @@ from machine import restored, tables
 from machine.db import Database
 from machine.feed import FeedHub
 from machine.models import MachineIds, RunRecord, StoredEvent
-from shared.errors import InvalidArgument
+from shared.errors import InvalidArgument, NotFound
 from shared.ids import validate_id
 
 __all__ = ["RunReader"]
@@ -96,8 +96,14 @@ class RunReader:
     async def get_run(self, run_id: str) -> RunRecord:
         """One run."""
         validate_id("run", run_id, "run_id")
-        await restored.ensure_loaded(self._db)  # a restored agent's run, maybe
-        return await self._db.read(lambda c: tables.get_run(c, run_id), what=f"get run {run_id}")
+        what = f"get run {run_id}"
+        try:
+            return await self._db.read(lambda c: tables.get_run(c, run_id), what=what)
+        except NotFound:
+            # A restored agent's run, maybe, its history not loaded yet (a run of
+            # this machine's own is found at once: a cancel never waits for this).
+            await restored.ensure_loaded(self._db)
+        return await self._db.read(lambda c: tables.get_run(c, run_id), what=what)
 
     async def list_runs(self, agent_id: str, limit: int = 100) -> list[RunRecord]:
         """An agent's runs, newest first."""

@@ -121,8 +121,7 @@ class SearchIndexer:
                 total,
                 time.monotonic() - started,
             )
-        if self._backlog is not None:
-            self._backlog.set(0)
+        await self.pending()  # what is left: agents whose history did not load
         return total
 
     async def run(self) -> None:

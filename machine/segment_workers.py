@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final
 
+from machine import restored
 from machine.backup_format import (
     SEGMENT_CHUNK,
     SegmentCompressor,
@@ -35,6 +36,7 @@ from machine.backup_format import (
 )
 from machine.export_format import AGENT_FILES, OPTIONAL_AGENT_FILES, agent_path
 from machine.tables import export as store_export
+from machine.tables import restore_pending
 from machine.worker_pool import Answer, Handler, WorkerGone, WorkerPool, processes, serve
 from shared.archive import write_tar
 from shared.atomic import FILE_MODE
@@ -103,20 +105,27 @@ def _start(settings: dict[str, Any]) -> Handler:
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA busy_timeout = 30000")
     naming_key, work = bytes.fromhex(settings["naming_key"]), Path(settings["work"])
-    return lambda request: _make(conn, str(request["agent"]), naming_key, work)
+    packs = Path(settings["db"]).parent / restored.PACK_DIR
+    return lambda request: _make(conn, str(request["agent"]), naming_key, work, packs)
 
 
-def _make(conn: sqlite3.Connection, agent_id: str, naming_key: bytes, work: Path) -> Answer:
+def _make(
+    conn: sqlite3.Connection, agent_id: str, naming_key: bytes, work: Path, packs: Path
+) -> Answer:
     compressed = io.BytesIO()
     compressor = SegmentCompressor(naming_key, compressed)
     try:
         with contextlib.ExitStack() as stack:
             conn.execute("BEGIN")
             try:
-                entries = dump_agent_spooled(conn, agent_id, stack, work)
+                failed = restore_pending.failed_history(conn, agent_id)
+                entries = [] if failed else dump_agent_spooled(conn, agent_id, stack, work)
             finally:
                 conn.execute("COMMIT")
-            write_tar(compressor, entries)  # type: ignore[arg-type]
+            if failed is not None:  # kept as it came: a restored history that did not load
+                restored.write_failed(packs, failed, compressor)  # type: ignore[arg-type]
+            else:
+                write_tar(compressor, entries)  # type: ignore[arg-type]
         name = compressor.finish()
     except NotFound:
         return {"missing": agent_id}, b""

@@ -51,6 +51,7 @@ from machine.export_format import (
     file_sha256,
     verify_staged,
 )
+from machine.recorder import complete
 from machine.segment_files import open_segment
 from machine.segment_workers import SegmentWorkers, dump_agent_spooled
 from machine.tables import erasures as store_erasures
@@ -162,12 +163,22 @@ class DatabaseBackupSource:
         self._work = work_dir
 
     async def agents(self) -> list[AgentItem]:
-        # A backup holds whole agents: restored histories still packed load first.
-        await restored.ensure_loaded(self._db)
-        rows = await self._db.read(store_export.agent_markers, what="backup list agents")
-        return [AgentItem(a, m) for a, m in rows]
+        # A backup holds whole agents: restored histories still packed load first
+        # (again, should a restore commit more between the load and the listing).
+        while True:
+            await restored.ensure_loaded(self._db)
+            rows, unloaded = await self._db.read(_markers, what="backup list agents")
+            if not unloaded:
+                return [AgentItem(a, m) for a, m in rows]
 
     async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
+        failed = await self._db.read(
+            lambda c: restore_pending.failed_history(c, agent_id), what=f"back up {agent_id}"
+        )
+        if failed is not None:  # kept as it came: the history that did not load
+            folder = restored.pack_dir(self._db)
+            await asyncio.to_thread(restored.write_failed, folder, failed, out)
+            return
         ensure_private_dir(self._work)
         with contextlib.ExitStack() as stack:
             entries = await self._db.read(
@@ -205,6 +216,14 @@ class DatabaseBackupSource:
 
 
 # -- in ----------------------------------------------------------------------
+
+
+def _markers(conn: Any) -> tuple[list[tuple[str, str]], int]:
+    """Every agent's change marker, and how many restored histories are still to
+    load (not counting those that did not load), from one snapshot."""
+    rows = store_export.agent_markers(conn)
+    loadable = restore_pending.pending_count(conn) - restore_pending.failed_count(conn)
+    return rows, loadable
 
 
 def _place_attachment(src: Path, sha: str, attachments_dir: Path) -> int:
@@ -436,9 +455,12 @@ async def restore_fetched(
     # Stored agents are read by ``load``, not from a folder: their value is unused.
     agents = {**fetched.agent_files, **dict.fromkeys(fetched.stored_agents, fetched.folder)}
     committed = False
-    restored.note_restored(db)
-    try:
-        result = await _commit(
+    restored.restore_started(db)
+    # Once written, the transaction may commit whatever the caller does: a
+    # cancelled caller (a client gone, a daemon stopping) waits for its end, or
+    # the pack its rows name could be removed under them.
+    commit = asyncio.ensure_future(
+        _commit(
             db,
             agents,
             dict(fetched.attachment_files),
@@ -453,10 +475,16 @@ async def restore_fetched(
             after_load=after_load,
             before_commit=pack.sync,
         )
+    )
+    try:
+        result = await complete(commit)
         committed = True
         return result
     finally:
-        restored.note_restored(db)
+        committed = committed or (
+            commit.done() and not commit.cancelled() and commit.exception() is None
+        )
+        restored.restore_ended(db)
         await asyncio.to_thread(ahead.close)
         if committed:
             pack.close()

@@ -73,6 +73,8 @@ _INSERT_EVENT: Final = (
 _BATCH: Final = 500
 #: A record.json is a few hundred bytes plus its attachment list.
 MAX_RECORD: Final = 16 * 1024 * 1024
+#: The largest sequence number SQLite stores (a signed 64-bit integer).
+MAX_SEQ: Final = 2**63 - 1
 # The payload as live appends store it (json.dumps(payload, sort_keys=True)); one
 # encoder for all, since json.dumps builds a new one per call when given an option.
 _PAYLOAD: Final = json.JSONEncoder(sort_keys=True)
@@ -263,7 +265,8 @@ def _check_record(record: dict[str, Any], where: str) -> None:
         raise InvalidArgument("archive", f"{where}: origin_machine malformed")
     for key in ("created_at", "updated_at"):
         archive_time(record, key, where)
-    archive_field(record, "last_seq", int, where)
+    if not 0 <= archive_field(record, "last_seq", int, where) <= MAX_SEQ:
+        raise InvalidArgument("archive", f"{where}: last_seq out of range")
     if not isinstance(record.get("attachments", []), list):
         raise InvalidArgument("archive", f"{where}: attachments must be a list")
 
@@ -437,7 +440,7 @@ def load_history(
             if text is not None:
                 payload_json, qrun, qseq, qtime, frac, exp = text.groups()
                 text_seq = int(qseq)
-                if text_seq <= last_seq:
+                if text_seq <= last_seq or text_seq > MAX_SEQ:
                     raise InvalidArgument(
                         "archive", f"{conv} line {n}: bad kind or seq out of order"
                     )
@@ -480,7 +483,7 @@ def load_history(
                 for key, kinds_of in _EVENT_FIELDS:
                     archive_field(ev, key, kinds_of, where)
                 archive_time(ev, "time", where)
-            if kind not in kinds or seq <= last_seq:
+            if kind not in kinds or seq <= last_seq or seq > MAX_SEQ:
                 raise InvalidArgument("archive", f"{conv} line {n}: bad kind or seq out of order")
             last_seq = seq
             batch.append((agent_id, seq, run_id, kind, _stored_payload(payload), time))

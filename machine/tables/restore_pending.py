@@ -24,6 +24,8 @@ from machine.tables import export as store_export
 
 __all__ = [
     "Pending",
+    "failed_count",
+    "failed_history",
     "failed_reason",
     "load",
     "mark_failed",
@@ -32,6 +34,7 @@ __all__ = [
     "packs_in_use",
     "pending_count",
     "queue",
+    "retry_failed",
 ]
 
 
@@ -100,6 +103,12 @@ def next_pending(
     return out
 
 
+def failed_count(conn: sqlite3.Connection) -> int:
+    """How many histories did not load."""
+    row = conn.execute("SELECT COUNT(*) FROM restore_pending WHERE failed IS NOT NULL")
+    return int(row.fetchone()[0])
+
+
 def failed_reason(conn: sqlite3.Connection, agent_id: str) -> str | None:
     """Why ``agent_id``'s history did not load, or None."""
     row = conn.execute(
@@ -160,11 +169,32 @@ def _skip(f: IO[bytes]) -> None:
         pass
 
 
-def mark_failed(conn: sqlite3.Connection, agent_id: str, reason: str) -> None:
-    """Keep ``agent_id``'s row, and the agent its record alone, with why it failed."""
+def mark_failed(
+    conn: sqlite3.Connection, agent_id: str, reason: str, pack: str, length: int
+) -> None:
+    """Keep ``agent_id``'s row, now naming its history alone in ``pack`` (of
+    ``length`` bytes), and the agent its record alone, with why it failed."""
     conn.execute(
-        "UPDATE restore_pending SET failed = ? WHERE agent_id = ?", (reason[:2000], agent_id)
+        "UPDATE restore_pending SET failed = ?, pack = ?, pack_offset = 0, pack_length = ?"
+        " WHERE agent_id = ?",
+        (reason[:2000], pack, length, agent_id),
     )
+
+
+def failed_history(conn: sqlite3.Connection, agent_id: str) -> Pending | None:
+    """Where ``agent_id``'s history lies when it did not load, or None."""
+    row = conn.execute(
+        "SELECT agent_id, pack, pack_offset, pack_length FROM restore_pending"
+        " WHERE agent_id = ? AND failed IS NOT NULL",
+        (agent_id,),
+    ).fetchone()
+    return None if row is None else Pending(str(row[0]), str(row[1]), int(row[2]), int(row[3]))
+
+
+def retry_failed(conn: sqlite3.Connection) -> int:
+    """Let every history that did not load be tried again; return how many."""
+    cur = conn.execute("UPDATE restore_pending SET failed = NULL WHERE failed IS NOT NULL")
+    return cur.rowcount
 
 
 def pack_in_use(conn: sqlite3.Connection, pack: str) -> bool:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import tarfile
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -17,6 +20,7 @@ from machine.backup import BackupEngine
 from machine.export_format import agent_path
 from machine.models import AgentState
 from machine.search_indexer import SearchIndexer
+from machine.tables import export as store_export
 from machine.tables import restore_pending
 from machine.transfer import DatabaseBackupSource, InResult, restore_fetched
 from shared.backup_target import StoreTarget
@@ -140,27 +144,50 @@ def _segment(agent: str, conversation: bytes) -> bytes:
     return buf.getvalue()
 
 
-async def test_a_history_that_does_not_load_keeps_its_record_and_says_why(
-    tmp_path: Path,
-) -> None:
-    """An authentic segment (sealed with the backup's keys) whose conversation is
-    malformed: the restore commits (the tar and record are sound), the load
-    refuses that agent alone, clearly, and the others load."""
-    source = FakeSource(tmp_path, 2)
-    bad, good = list(source.data)
-    source.data[bad] = _segment(bad, b"this is not json\n")
-    event = {"seq": 1, "run_id": new_id("run"), "kind": "RUN_STARTED", "time": 1.0}
-    source.data[good] = _segment(good, json.dumps({**event, "payload": {}}).encode() + b"\n")
+def _engine(source: Any, target: Path, work: Path) -> tuple[BackupEngine, BoxKeyPair]:
     key = BoxKeyPair.generate()
     engine = BackupEngine(
         source,
-        StoreTarget(FolderStore(tmp_path / "target")),
+        StoreTarget(FolderStore(target)),
         machine_id=new_id("machine"),
         naming_key=os.urandom(32),
         recipients=[key.public_key],
         keypair=key,
-        work_dir=tmp_path / "work",
+        work_dir=work,
     )
+    return engine, key
+
+
+@pytest.mark.parametrize("damage", ["not json", "seq past 64 bits", "an error not ours"])
+async def test_a_history_that_does_not_load_keeps_its_record_and_says_why(
+    tmp_path: Path, damage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An authentic segment (sealed with the backup's keys) whose conversation is
+    malformed: the restore commits (the tar and record are sound), the load
+    refuses that agent alone, clearly, and the others load; the refused history
+    is kept on its own, backed up as it came, and goes with its agent."""
+    source = FakeSource(tmp_path, 2)
+    bad, good = sorted(source.data)
+    event = {"seq": 1, "run_id": new_id("run"), "kind": "RUN_STARTED", "time": 1.0}
+    line = json.dumps({**event, "payload": {}}).encode() + b"\n"
+    if damage == "not json":
+        source.data[bad] = _segment(bad, b"this is not json\n")
+    elif damage == "seq past 64 bits":
+        source.data[bad] = _segment(
+            bad, line.replace(b'"seq": 1', b'"seq": ' + str(2**70).encode())
+        )
+    else:
+        source.data[bad] = _segment(bad, line)
+        real = store_export.load_history
+
+        def load_history(conn: Any, agent_id: str, *args: Any, **kwargs: Any) -> None:
+            if agent_id == bad:
+                raise ValueError("an error no check of ours names")
+            real(conn, agent_id, *args, **kwargs)
+
+        monkeypatch.setattr(store_export, "load_history", load_history)
+    source.data[good] = _segment(good, line)
+    engine, _ = _engine(source, tmp_path / "target", tmp_path / "work")
     made = await engine.backup_now()
     async with open_machine(_config(tmp_path / "new")) as new:
         fetched = await engine.fetch(made.backup_id, tmp_path / "stage", decode_agents=False)
@@ -171,14 +198,64 @@ async def test_a_history_that_does_not_load_keeps_its_record_and_says_why(
         assert await restored.ensure_loaded(new.db) == 1  # the good one
         with pytest.raises(IntegrityError, match="its restored history did not load") as e:
             await restored.ensure_loaded(new.db, bad)
-        assert "conversation.jsonl line 1" in str(e.value)
+        says = {
+            "not json": "conversation.jsonl line 1",
+            "seq past 64 bits": "bad kind or seq",
+            "an error not ours": "an error no check of ours names",
+        }[damage]
+        assert says in str(e.value)
         with pytest.raises(IntegrityError, match="did not load"):
             await new.agents.unarchive(bad)
         why = await new.db.read(lambda c: restore_pending.failed_reason(c, bad))
-        assert why is not None and "line 1" in why
+        assert why is not None and says in why
         assert [ev.seq async for ev in await new.runs.replay(good)] == [1]
-        # The pack stays while a history in it is kept for a person to look at.
-        assert list(restored.pack_dir(new.db).iterdir())
+        # The refused history alone is kept; the restore's pack (the good agent's
+        # plaintext too) is gone.
+        packs = restored.pack_dir(new.db)
+        assert [p.name for p in packs.iterdir()] == [restored.failed_pack(bad)]
+        # A backup keeps it as it came (not the record alone): restored elsewhere,
+        # it is refused there for the same reason.
+        if damage != "an error not ours":
+            source2 = DatabaseBackupSource(new.db, new.config.attachments_dir, tmp_path / "w2")
+            engine2, _ = _engine(source2, tmp_path / "target2", tmp_path / "w2")
+            made2 = await engine2.backup_now()
+            async with open_machine(_config(tmp_path / "third")) as third:
+                fetched = await engine2.fetch(made2.backup_id, tmp_path / "s3", decode_agents=False)
+                await restore_fetched(
+                    third.db, fetched, attachments_dir=third.config.attachments_dir, erased=set()
+                )
+                with pytest.raises(IntegrityError, match=says):
+                    await restored.ensure_loaded(third.db, bad)
+        # Deleted, it takes its kept history with it.
+        await new.require_erasure().delete(bad)
+        assert list(packs.iterdir()) == []
+
+
+async def test_a_restore_cancelled_while_it_commits_keeps_what_it_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client gone or a daemon stopping while the restore's transaction commits:
+    the commit runs to its end, and the pack its rows name stays."""
+    old = await _backed_up(tmp_path, 2)
+    entered, release = threading.Event(), threading.Event()
+    real_sync = restored.PackWriter.sync
+
+    def sync(self: restored.PackWriter) -> None:
+        entered.set()
+        release.wait(30)
+        real_sync(self)
+
+    monkeypatch.setattr(restored.PackWriter, "sync", sync)
+    async with open_machine(_config(tmp_path / "new")) as new:
+        task = asyncio.ensure_future(_restore(old, new, tmp_path / "stage"))
+        assert await asyncio.to_thread(entered.wait, 30)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await _pending(new.db) == sorted(old.agents)
+        assert await restored.ensure_loaded(new.db) == 2
+        assert await _export_files(new, old.agents, tmp_path / "after.tar.gz") == old.before
 
 
 async def test_an_agent_deleted_before_its_history_loaded_leaves_no_pack(tmp_path: Path) -> None:

@@ -204,7 +204,9 @@ def test_a_segment_past_the_pipe_is_written_to_a_file_and_decodes(
     conn = sqlite3.connect(f"file:{one_agent.db_path}?mode=ro", uri=True, isolation_level=None)
     conn.row_factory = sqlite3.Row
     try:
-        answer, data = segment_workers._make(conn, one_agent.agent, NAMING_KEY, one_agent.stage)
+        answer, data = segment_workers._make(
+            conn, one_agent.agent, NAMING_KEY, one_agent.stage, one_agent.stage / "packs"
+        )
     finally:
         conn.close()
     assert data == b"" and "path" in answer
