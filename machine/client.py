@@ -58,11 +58,29 @@ _T = TypeVar("_T")
 
 
 class DaemonNotRunning(AgentsError):
-    """The daemon's socket does not answer."""
+    """The daemon's socket does not answer (``during_call``: it stopped answering
+    after the call reached it, so whether the call took effect is unknown)."""
 
-    def __init__(self, cfg: MachineConfig) -> None:
-        super().__init__(f"the machine daemon is not running (no answer on {cfg.socket})")
+    def __init__(self, cfg: MachineConfig, *, during_call: bool = False) -> None:
+        if during_call:
+            message = (
+                f"the machine daemon stopped answering during the call (on {cfg.socket});"
+                " whether it was done shows once the daemon runs again (its log says why"
+                " it stopped)"
+            )
+        else:
+            message = f"the machine daemon is not running (no answer on {cfg.socket})"
+        super().__init__(message)
         self.data_dir = cfg.data_dir
+        self.during_call = during_call
+
+
+def _never_connected(exc: BaseException | None) -> bool:
+    """Whether a failed call never reached a daemon (nothing listening), as opposed
+    to one whose daemon went away while it ran (the socket closed or reset)."""
+    if not isinstance(exc, grpc.aio.AioRpcError):
+        return True
+    return "failed to connect" in (exc.details() or "")
 
 
 class DaemonUnreachable(AgentsError):
@@ -128,7 +146,8 @@ class MachineClient:
         except TransientError as e:
             if from_server(e.__cause__):
                 raise
-            raise DaemonNotRunning(self._cfg) from e
+            during = not _never_connected(e.__cause__)
+            raise DaemonNotRunning(self._cfg, during_call=during) from e
 
     async def _call(self, reply: Awaitable[_M], decode: Callable[[_M], _T]) -> _T:
         """Await one unary call and decode its reply."""
