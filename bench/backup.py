@@ -6,8 +6,9 @@ peak resident memory can be read:
 
 - ours: a full backup to a folder target; a backup after 1 % of the agents
   changed; a restore of the newest backup into a new, empty machine (timed to
-  its commit; the search index the daemon then builds in the background is
-  timed on its own line);
+  its commit, every agent listed and its history packed; the loading of the
+  histories into machine.db and the search index, which the daemon does in
+  the background after it, are timed on their own line);
 - restic (Debian package): ``backup`` of the data folder, ``backup`` again
   after the same change, ``restore``;
 - ``tar | zstd -3`` of the data folder (one-off compression, no encryption).
