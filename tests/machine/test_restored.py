@@ -6,6 +6,8 @@ import asyncio
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
 import threading
 from pathlib import Path
@@ -17,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from machine import restored
 from machine.app import Machine, open_machine
 from machine.backup import BackupEngine
+from machine.db import Database
 from machine.export_format import agent_path
 from machine.models import AgentState
 from machine.search_indexer import SearchIndexer
@@ -28,6 +31,7 @@ from shared.crypto import BoxKeyPair
 from shared.errors import IntegrityError
 from shared.ids import new_id
 from shared.store.folder import FolderStore
+from tests.helpers.poll import apoll_until
 from tests.machine.test_backup_engine import FakeSource
 from tests.machine.test_transfer import _backed_up, _config, _export_files, _Old
 
@@ -271,3 +275,86 @@ async def test_an_agent_deleted_before_its_history_loaded_leaves_no_pack(tmp_pat
         assert {k: v for k, v in after.items() if kept in k} == {
             k: v for k, v in old.before.items() if kept in k
         }
+
+
+# A load in a child process that stops for ever once it made the refused history's
+# own pack (written, fsync'd, renamed), before the transaction naming it commits.
+_FAIL_CHILD = r"""
+import asyncio, sys, threading
+from pathlib import Path
+
+from machine import restored
+from machine.db import Database
+
+data = Path(sys.argv[1])
+
+
+def parked(folder):
+    threading.Event().wait()  # here until the test kills this process
+
+
+restored.fsync_dir = parked
+
+
+async def main():
+    db = await Database.open(data / "machine.db")
+    await restored.ensure_loaded(db)
+
+
+asyncio.run(main())
+"""
+
+
+async def test_a_load_killed_while_it_sets_a_refused_history_apart_keeps_the_old_state(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL between the refused history's own pack and the transaction naming it:
+    the next start removes that pack (no row names it), the rows still name the
+    restore's pack, and the load then does it all again."""
+    source = FakeSource(tmp_path, 2)
+    bad, good = sorted(source.data)
+    event = {"seq": 1, "run_id": new_id("run"), "kind": "RUN_STARTED", "time": 1.0}
+    line = json.dumps({**event, "payload": {}}).encode() + b"\n"
+    source.data[bad] = _segment(bad, b"this is not json\n")
+    source.data[good] = _segment(good, line)
+    engine, _ = _engine(source, tmp_path / "target", tmp_path / "work")
+    made = await engine.backup_now()
+    config = _config(tmp_path / "new")
+    async with open_machine(config) as new:
+        fetched = await engine.fetch(made.backup_id, tmp_path / "stage", decode_agents=False)
+        await restore_fetched(
+            new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        packs = restored.pack_dir(new.db)
+        (shared,) = packs.iterdir()
+    own = packs / restored.failed_pack(bad)
+    child = subprocess.Popen([sys.executable, "-c", _FAIL_CHILD, str(config.data_dir)])
+    try:
+
+        def set_apart() -> bool:
+            if child.poll() is not None:
+                raise AssertionError(f"the load ended ({child.returncode}) before the kill")
+            return own.exists()
+
+        await apoll_until(set_apart, deadline=60, what="the refused history's own pack")
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert own.exists() and shared.exists()
+    # What the daemon's start does first (before its indexer loads again).
+    db = await Database.open(config.db_path)
+    try:
+        assert await restored.sweep_packs(db) == 1
+        # The pack no row names is gone; nothing of the failure committed.
+        assert not own.exists() and shared.exists()
+        assert await db.read(lambda c: restore_pending.failed_reason(c, bad)) is None
+        assert await restored.ensure_loaded(db) == 1
+        assert [p.name for p in packs.iterdir()] == [own.name]
+        with pytest.raises(IntegrityError, match="conversation.jsonl line 1"):
+            await restored.ensure_loaded(db, bad)
+        events = await db.read(
+            lambda c: c.execute("SELECT seq FROM events WHERE agent_id = ?", (good,)).fetchall()
+        )
+        assert [e[0] for e in events] == [1]
+    finally:
+        await db.close()
