@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 from typing import Final
@@ -57,11 +58,16 @@ class SearchIndexer:
         self._backlog: Gauge | None = None
         self._indexed: Counter | None = None
         self._unloaded: Gauge | None = None
+        self._failed: Gauge | None = None
         if registry is not None:
             self._unloaded = Gauge(
                 "agents_machine_restore_histories_pending_agents",
-                "Restored agents whose history is still packed, not loaded into machine.db"
-                " (those that did not load included).",
+                "Restored agents whose history is still packed, to be loaded into machine.db.",
+                registry=registry,
+            )
+            self._failed = Gauge(
+                "agents_machine_restore_histories_failed_agents",
+                "Restored agents whose history did not load (each start tries again).",
                 registry=registry,
             )
             self._backlog = Gauge(
@@ -88,9 +94,16 @@ class SearchIndexer:
         return count
 
     async def _count_unloaded(self) -> None:
-        if self._unloaded is not None:
-            unloaded = await self._db.read(restore_pending.pending_count, what="restored histories")
-            self._unloaded.set(unloaded)
+        if self._unloaded is None or self._failed is None:
+            return
+
+        def counts(conn: sqlite3.Connection) -> tuple[int, int]:
+            failed = restore_pending.failed_count(conn)
+            return restore_pending.pending_count(conn) - failed, failed
+
+        unloaded, failed = await self._db.read(counts, what="restored histories")
+        self._unloaded.set(unloaded)
+        self._failed.set(failed)
 
     async def drain(self) -> int:
         """Load every restored history still packed, then index everything queued;
@@ -121,7 +134,7 @@ class SearchIndexer:
                 total,
                 time.monotonic() - started,
             )
-        await self.pending()  # what is left: agents whose history did not load
+        await self.pending()  # what is left: queued meanwhile (a failed history is not counted)
         return total
 
     async def run(self) -> None:

@@ -43,8 +43,13 @@ def queue_for_index(conn: sqlite3.Connection, agent_id: str, now: float) -> None
 
 
 def backlog_count(conn: sqlite3.Connection) -> int:
-    """How many agents are waiting to be indexed."""
-    row = conn.execute("SELECT COUNT(*) FROM search_backlog").fetchone()
+    """How many agents are waiting to be indexed: not those whose restored history
+    did not load (``restore_pending.failed``), which wait for no indexer; they are
+    counted as failed histories, and queued still in case a later start loads them."""
+    row = conn.execute(
+        "SELECT COUNT(*) FROM search_backlog WHERE agent_id NOT IN"
+        " (SELECT agent_id FROM restore_pending WHERE failed IS NOT NULL)"
+    ).fetchone()
     return int(row[0])
 
 

@@ -213,6 +213,15 @@ async def test_a_history_that_does_not_load_keeps_its_record_and_says_why(
         why = await new.db.read(lambda c: restore_pending.failed_reason(c, bad))
         assert why is not None and says in why
         assert [ev.seq async for ev in await new.runs.replay(good)] == [1]
+        # Counted as failed, not as waiting for the loader or the indexer: search
+        # does not say it is still indexing an agent it never will.
+        registry = CollectorRegistry()
+        indexer = SearchIndexer(new.db, registry=registry)
+        await indexer.drain()
+        assert await indexer.pending() == 0 and await new.agents.search_indexing() == 0
+        assert registry.get_sample_value("agents_machine_restore_histories_failed_agents") == 1
+        assert registry.get_sample_value("agents_machine_restore_histories_pending_agents") == 0
+        assert registry.get_sample_value("agents_machine_search_backlog_agents") == 0
         # The refused history alone is kept; the restore's pack (the good agent's
         # plaintext too) is gone.
         packs = restored.pack_dir(new.db)
