@@ -11,6 +11,7 @@ import shlex
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Final
 
 from machine import codec
 from machine.cli_common import (
@@ -28,7 +29,7 @@ from machine.client import MachineClient
 from machine.handoff import MAX_IMPORT_BYTES
 from machine.transfer import InResult
 from machine.views import BackupView
-from shared.atomic import open_atomic
+from shared.atomic import STALE_TEMP_SECONDS, open_atomic, sweep_tagged_temps
 from shared.cli import (
     Column,
     ExitCode,
@@ -277,11 +278,15 @@ async def cmd_export(ctx: Ctx) -> int:
         raise UsageError(f"export: {dest} is a folder; -o names the file to write (.tar.gz)")
     if dest.exists():
         raise UsageError(f"export: {dest} exists; refusing to overwrite it")
+    _sweep_unfinished_exports(ctx, dest.parent)
     try:
         async with MachineClient(ctx.cfg) as client:
             # Private (0600: conversations), whole at dest or absent, never over
             # a file that appeared meanwhile.
-            with Bar(ctx.out, "exporting"), open_atomic(dest, create_new=True) as f:
+            with (
+                Bar(ctx.out, "exporting"),
+                open_atomic(dest, create_new=True, tag=_EXPORT_TAG) as f,
+            ):
                 async for chunk in client.export(ids, folder):
                     f.write(chunk)
     except FileExistsError:
@@ -293,6 +298,29 @@ async def cmd_export(ctx: Ctx) -> int:
     else:
         ctx.out.lines(str(dest))
     return ExitCode.OK
+
+
+#: In the name of an export's temp file, so that a later export can tell an
+#: interrupted one's debris from anyone else's temp files in that folder.
+_EXPORT_TAG: Final = ".agents-export"
+
+
+def _sweep_unfinished_exports(ctx: Ctx, folder: Path) -> None:
+    """Remove what an export killed mid-way (SIGKILL, a power cut) left in ``folder``.
+
+    An interrupted export leaves a hidden temp file holding part of the
+    conversations; an export removes it only when untouched for an hour, so
+    that one still being written by another export is never taken.
+    """
+    try:
+        removed = sweep_tagged_temps(folder, _EXPORT_TAG)
+    except OSError:
+        return  # a folder we cannot list: writing there fails next, and says why
+    if removed:
+        ctx.out.note(
+            f"export: removed {len(removed)} unfinished export(s) left in {folder} by an"
+            f" interrupted export (untouched for over {int(STALE_TEMP_SECONDS // 60)} min)"
+        )
 
 
 async def cmd_import(ctx: Ctx) -> int:

@@ -10,7 +10,10 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import secrets
+import stat
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -20,6 +23,7 @@ __all__ = [
     "fsync_dir",
     "is_stale_temp",
     "open_atomic",
+    "sweep_tagged_temps",
     "write_atomic",
 ]
 
@@ -74,21 +78,47 @@ def is_stale_temp(name: str, mtime: float, now: float, age: float = STALE_TEMP_S
     return name.startswith(".") and name.endswith(".tmp") and now - mtime > age
 
 
-def _temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+def _temp_name(path: Path, tag: str = "") -> Path:
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}{tag}.tmp")
+
+
+def sweep_tagged_temps(folder: Path, tag: str, age: float = STALE_TEMP_SECONDS) -> list[Path]:
+    """Remove the temp files :func:`open_atomic` made with ``tag`` in ``folder`` that
+    a killed writer left: this user's regular files, untouched for ``age`` seconds
+    (a write in progress elsewhere is never one). Return those removed.
+
+    For folders that are not ours (a user's export destination): the tag tells
+    our debris from anyone else's ``.tmp`` files, which are never touched.
+    """
+    pattern = re.compile(rf"\A\..+\.[0-9a-f]{{12}}{re.escape(tag)}\.tmp\Z", re.DOTALL)
+    removed: list[Path] = []
+    now = time.time()
+    uid = os.getuid()
+    for entry in os.scandir(folder):
+        if not pattern.match(entry.name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid and now - st.st_mtime > age:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except FileNotFoundError:
+            continue  # removed meanwhile
+    return removed
 
 
 @contextlib.contextmanager
 def open_atomic(
-    path: Path, mode: int = FILE_MODE, *, create_new: bool = False
+    path: Path, mode: int = FILE_MODE, *, create_new: bool = False, tag: str = ""
 ) -> Iterator[BinaryIO]:
     """Yield a binary file that replaces ``path`` atomically when the block ends.
 
     If the block raises, the temp file is removed and ``path`` is untouched.
     With ``create_new``, an existing ``path`` is never replaced, even one made
-    while the block ran: FileExistsError, and the temp file is removed.
+    while the block ran: FileExistsError, and the temp file is removed. ``tag``
+    goes in the temp file's name (see :func:`sweep_tagged_temps`).
     """
-    tmp = _temp_name(path)
+    tmp = _temp_name(path, tag)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -613,6 +613,54 @@ def test_hostile_imports_are_refused_and_import_nothing(
         assert list((data / "Incoming").iterdir()) == []
 
 
+def test_an_export_sigkilled_mid_way_leaves_no_file_and_the_next_removes_its_debris(
+    tmp_path: Path, machine_proc: MakeProc
+) -> None:
+    """A CLI export killed while it writes: nothing at -o, only a hidden temp file
+    (part of the conversations, 0600); a later export into that folder removes it
+    once it is an hour old, says so on stderr, and writes its own file whole."""
+    data = tmp_path / "data"
+    out = tmp_path / "exports"
+    out.mkdir()
+    with machine_proc() as daemon:
+        agents = _populate(data, tmp_path / "work", agents=2)
+        dest = out / "killed.tar.gz"
+        # Held mid-way for certain: the daemon is stopped, so the CLI has made its
+        # temp file and waits for the export's first bytes when it is killed.
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            cli = subprocess.Popen(
+                [str(AGENTS_MACHINE), "--data-dir", str(data), "export", *agents, "-o", str(dest)],
+                env=machine_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+
+            def temps() -> list[Path]:
+                return [p for p in out.iterdir() if p.name.endswith(".agents-export.tmp")]
+
+            poll_until(lambda: len(temps()) == 1, deadline=30, what="the export's temp file")
+            cli.kill()
+            assert cli.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        (left,) = temps()
+        assert not dest.exists() and stat.S_IMODE(left.stat().st_mode) == 0o600
+        # A fresh one may be another export still writing: kept.
+        again = out / "again.tar.gz"
+        _ok(run_cli(data, "export", *agents, "-o", str(again)))
+        assert left.exists() and again.exists()
+        old = left.stat().st_mtime - 7200
+        os.utime(left, (old, old))
+        third = run_cli(data, "export", *agents, "-o", str(out / "third.tar.gz"))
+        assert third.returncode == 0, third.stderr
+        assert "removed 1 unfinished export(s)" in third.stderr
+        assert sorted(p.name for p in out.iterdir()) == ["again.tar.gz", "third.tar.gz"]
+        with tarfile.open(out / "third.tar.gz") as tar:
+            manifest = json.loads(tar.extractfile("manifest.json").read())  # type: ignore[union-attr]
+        assert sorted(a["agent_id"] for a in manifest["agents"]) == sorted(agents)
+
+
 def test_export_then_import_on_another_daemon_skips_existing(
     tmp_path: Path, machine_proc: MakeProc
 ) -> None:

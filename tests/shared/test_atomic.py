@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from shared.atomic import ensure_private_dir, open_atomic, write_atomic
+from shared.atomic import ensure_private_dir, open_atomic, sweep_tagged_temps, write_atomic
 
 
 def test_write_atomic_creates_private_file(tmp_path: Path) -> None:
@@ -76,3 +78,27 @@ def test_ensure_private_dir_refuses_a_file_and_leaves_its_mode(tmp_path: Path) -
     with pytest.raises(NotADirectoryError):
         ensure_private_dir(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_sweep_removes_only_old_temps_with_its_tag(tmp_path: Path) -> None:
+    """What a writer killed inside open_atomic(tag=...) left goes once it is old;
+    a fresh one (a write in progress) and other programs' temp files stay."""
+    dest = tmp_path / "out.tar.gz"
+    with pytest.raises(RuntimeError), open_atomic(dest, tag=".agents-export") as f:
+        f.write(b"part of it")
+        (left,) = [p for p in tmp_path.iterdir() if p.name.endswith(".agents-export.tmp")]
+        os.link(left, tmp_path / "kept")  # as a SIGKILL would leave it
+        raise RuntimeError("killed")
+    os.rename(tmp_path / "kept", left)
+    fresh = tmp_path / f".other.tar.gz.{'b' * 12}.agents-export.tmp"
+    fresh.write_bytes(b"being written")
+    others = [tmp_path / f".out.tar.gz.{'c' * 12}.tmp", tmp_path / "x.agents-export.tmp"]
+    for other in others:
+        other.write_bytes(b"not ours")
+    old = time.time() - 7200
+    for path in (left, *others):
+        os.utime(path, (old, old))
+    os.symlink(left, tmp_path / f".link.{'d' * 12}.agents-export.tmp")
+    assert sweep_tagged_temps(tmp_path, ".agents-export") == [left]
+    assert not left.exists() and fresh.exists() and all(o.exists() for o in others)
+    assert (tmp_path / f".link.{'d' * 12}.agents-export.tmp").is_symlink()
