@@ -293,6 +293,33 @@ def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair, *, first: bool = False) 
         if done.backup_id
         else "the control plane keeps no backup of this machine: nothing to restore"
     )
+    if done.backup_id:
+        _backup_after_restore(ctx)
+
+
+def _backup_after_restore(ctx: Ctx) -> None:
+    """Back up the restored machine at once, under this box's keys.
+
+    The machine's stored backups are sealed to the lost box's key: this box opens
+    them with the recovery key only, so until it made one of its own, its start,
+    `backup list` and the restore check find no backup of this machine (and
+    BackupTooOld would fire). A backup that fails here leaves the restore as it
+    is: the daemon's daily backup, or `backup now`, makes it.
+    """
+    from machine.join import backup_after_repair
+
+    try:
+        made = asyncio.run(backup_after_repair(ctx.cfg))
+    except AgentsError as e:
+        ctx.out.note(
+            f"warning: the first backup under this box's keys failed ({e.message}); the"
+            f" restored agents are in place: run `{ctx.prog} backup now` once the daemon runs"
+        )
+        return
+    ctx.out.lines(
+        f"backup {made.backup_id} uploaded to the control plane: {made.uploaded} new"
+        " segments, under this box's keys"
+    )
 
 
 def _finish_join_restore(ctx: Ctx) -> int:
@@ -374,8 +401,8 @@ def _re_pair(ctx: Ctx) -> int:
                 f"re-paired as machine {result.machine_id} (account {result.account_id}): "
                 "same id, agents and backups; new certificate"
             )
-        backup_id = asyncio.run(backup_after_repair(cfg))
-        ctx.out.lines(f"backup {backup_id} uploaded to the control plane")
+        made = asyncio.run(backup_after_repair(cfg))
+        ctx.out.lines(f"backup {made.backup_id} uploaded to the control plane")
     return _install_then_serve(ctx)
 
 

@@ -46,6 +46,7 @@ from machine.link_client import JoinDialer, JoinReply, LinkClient, MachineInfo
 from machine.version import machine_version
 
 if TYPE_CHECKING:
+    from machine.backup import BackupResult
     from machine.backup_link import RepairRestore
     from machine.config import MachineConfig
 from shared import tls
@@ -481,8 +482,9 @@ def _current_link(data_dir: Path) -> identity.LinkRecord | None:
     return identity.load_link(data_dir) if identity.is_joined(data_dir) else None
 
 
-async def backup_after_repair(config: MachineConfig) -> str:
-    """Upload a fresh backup to the control plane at once (after a re-pair); its id.
+async def backup_after_repair(config: MachineConfig) -> BackupResult:
+    """Upload a fresh backup to the control plane at once (after a re-pair, or the
+    restore of a repair join); what it stored.
 
     The caller holds the data folder (no daemon runs on it meanwhile).
     """
@@ -493,7 +495,7 @@ async def backup_after_repair(config: MachineConfig) -> str:
     async with open_machine(quiet) as machine:
         result = await machine.require_backups().backup_now()
     logger.info("re-paired: backup %s uploaded", result.backup_id)
-    return result.backup_id
+    return result
 
 
 async def restore_after_join(

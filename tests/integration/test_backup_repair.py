@@ -17,6 +17,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -284,7 +285,13 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
         assert f"machine {machine_id} is joined already; restoring" in second.output()
         assert f"warning: backup {forged} was refused" in second.output()
         assert not identity.restore_pending(new_dir)
-        assert list((new_dir / "backup-work").iterdir()) == []
+        # Backed up at once under this box's keys (the stored ones open with the
+        # recovery key only), every segment under its own naming key: a forged
+        # backup must not choose the keys of the next ones.
+        second.wait_for(f"{2 * AGENTS} new segments, under this box's keys")
+        # The restore's download is gone (the backup keeps its segment cache there).
+        work = [p.name for p in (new_dir / "backup-work").iterdir()]
+        assert not [name for name in work if name.startswith(".")], work
         second.wait_for("serving on")
 
         # The old box's certificate is refused now.
@@ -304,10 +311,15 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
                 await client.unarchive_agent(agent)
                 kinds = [ev.kind.name async for ev in client.prompt(agent, "after the repair")]
                 assert kinds[-1] == "RUN_FINISHED", kinds
-        # The repaired machine backs up under its own naming key (a forged backup must
-        # not choose the keys of the next ones): every segment goes up once more.
+        # Its own backup is listed and opens with this box's key (no recovery key).
+        found = re.search(r"backup (bk_[0-9a-z]+) uploaded to the control plane", second.output())
+        assert found, second.output()
+        listing = _cli(new_dir, "backup", "list")
+        assert re.search(rf"{found[1]} .* yes", listing), listing
+        _cli(new_dir, "backup", "verify", found[1])
+        # The next backup sends only what changed since (the agents run above).
         again = _cli(new_dir, "backup", "now")
-        assert backup_id not in again and f"{2 * AGENTS} new" in again, again
+        assert backup_id not in again and f"({len(agents[::16])} new, " in again, again
     finally:
         second.stop()
 
