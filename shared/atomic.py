@@ -94,16 +94,17 @@ def sweep_tagged_temps(folder: Path, tag: str, age: float = STALE_TEMP_SECONDS) 
     removed: list[Path] = []
     now = time.time()
     uid = os.getuid()
-    for entry in os.scandir(folder):
-        if not pattern.match(entry.name):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == uid and now - st.st_mtime > age:
-                os.unlink(entry.path)
-                removed.append(Path(entry.path))
-        except FileNotFoundError:
-            continue  # removed meanwhile
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if not pattern.match(entry.name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == uid and now - st.st_mtime > age:
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+            except FileNotFoundError:
+                continue  # removed meanwhile
     return removed
 
 
