@@ -494,7 +494,7 @@ async def backup_after_repair(config: MachineConfig) -> BackupResult:
     quiet = dataclasses.replace(config, background_loops=False)
     async with open_machine(quiet) as machine:
         result = await machine.require_backups().backup_now()
-    logger.info("re-paired: backup %s uploaded", result.backup_id)
+    logger.info("after the repair: backup %s uploaded", result.backup_id)
     return result
 
 

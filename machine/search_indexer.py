@@ -98,8 +98,7 @@ class SearchIndexer:
             return
 
         def counts(conn: sqlite3.Connection) -> tuple[int, int]:
-            failed = restore_pending.failed_count(conn)
-            return restore_pending.pending_count(conn) - failed, failed
+            return restore_pending.loadable_count(conn), restore_pending.failed_count(conn)
 
         unloaded, failed = await self._db.read(counts, what="restored histories")
         self._unloaded.set(unloaded)

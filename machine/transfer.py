@@ -222,8 +222,7 @@ def _markers(conn: Any) -> tuple[list[tuple[str, str]], int]:
     """Every agent's change marker, and how many restored histories are still to
     load (not counting those that did not load), from one snapshot."""
     rows = store_export.agent_markers(conn)
-    loadable = restore_pending.pending_count(conn) - restore_pending.failed_count(conn)
-    return rows, loadable
+    return rows, restore_pending.loadable_count(conn)
 
 
 def _place_attachment(src: Path, sha: str, attachments_dir: Path) -> int:

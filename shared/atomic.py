@@ -100,7 +100,8 @@ def sweep_tagged_temps(folder: Path, tag: str, age: float = STALE_TEMP_SECONDS) 
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == uid and now - st.st_mtime > age:
+                mine = stat.S_ISREG(st.st_mode) and st.st_uid == uid
+                if mine and is_stale_temp(entry.name, st.st_mtime, now, age):
                     os.unlink(entry.path)
                     removed.append(Path(entry.path))
             except FileNotFoundError:

@@ -27,6 +27,7 @@ __all__ = [
     "failed_count",
     "failed_history",
     "failed_reason",
+    "loadable_count",
     "load",
     "mark_failed",
     "next_pending",
@@ -69,6 +70,12 @@ def queue(
 def pending_count(conn: sqlite3.Connection) -> int:
     """How many agents' histories are still to load (failed ones included)."""
     return int(conn.execute("SELECT COUNT(*) FROM restore_pending").fetchone()[0])
+
+
+def loadable_count(conn: sqlite3.Connection) -> int:
+    """How many agents' histories are still to load, those that did not load left out."""
+    row = conn.execute("SELECT COUNT(*) FROM restore_pending WHERE failed IS NULL")
+    return int(row.fetchone()[0])
 
 
 def next_pending(

@@ -323,3 +323,27 @@ def test_join_again_after_an_unfinished_restore_never_spends_the_token(
     assert code == 0, err
     assert out.startswith(f"machine {machine_id} starts without its backup;")
     assert not identity.restore_pending(data) and served == [data]
+
+
+def test_a_backup_failing_after_a_repair_restore_warns_and_keeps_the_restore(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The backup a repair join makes after its restore fails (the control plane
+    gone meanwhile): one warning naming why and what to run; the join goes on."""
+    import argparse
+
+    from machine import cli, join
+    from machine.cli_common import Ctx
+    from shared.cli import Output
+    from shared.errors import TransientError
+
+    async def unreachable(config: object) -> None:
+        raise TransientError("control plane unreachable")
+
+    monkeypatch.setattr(join, "backup_after_repair", unreachable)
+    args = argparse.Namespace(data_dir=str(tmp_path / "d"))
+    cli._backup_after_restore(Ctx(args=args, env={}, out=Output(as_json=False)))
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "warning: the first backup under this box's keys failed" in err
+    assert "control plane unreachable" in err and "backup now` once the daemon runs" in err
