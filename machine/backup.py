@@ -47,7 +47,13 @@ from machine.backup_format import (
 )
 from machine.backup_writer import SegmentMaker, SegmentWriter
 from shared.atomic import ensure_private_dir, write_atomic
-from shared.backup_target import BackupTarget, LocalSegments, ManifestInfo, PruneResult
+from shared.backup_target import (
+    BackupTarget,
+    LocalSegments,
+    ManifestInfo,
+    PackTarget,
+    PruneResult,
+)
 from shared.crypto import BoxKeyPair, KeyedHasher
 from shared.errors import IntegrityError, InvalidArgument, NotFound
 from shared.ids import id_time_ms, new_id
@@ -111,10 +117,12 @@ class BackupSource(Protocol):
         ...
 
     def segment_maker(
-        self, *, naming_key: bytes, work_dir: Path, agents: int
+        self, *, naming_key: bytes, work_dir: Path, agents: int, pack_folder: Path | None = None
     ) -> contextlib.AbstractAsyncContextManager[SegmentMaker | None]:
         """Makers of whole segments for a backup that reads ``agents`` agents
-        (worker processes), or None: :meth:`write_agent` in this process."""
+        (worker processes), or None: :meth:`write_agent` in this process. With
+        ``pack_folder`` they may append segments to packs there (a
+        :class:`~shared.backup_target.PackTarget`'s)."""
         ...
 
     async def attachments(self) -> list[tuple[str, Path]]:
@@ -339,8 +347,14 @@ class BackupEngine:
                 )
                 now_ms = id_time_ms(newest) + 1
             backup_id = new_id("backup", now_ms=now_ms)
-            with tempfile.TemporaryDirectory(dir=self._work, prefix=".stage-") as stage:
-                result = await self._make(backup_id, Path(stage), progress)
+            try:
+                with tempfile.TemporaryDirectory(dir=self._work, prefix=".stage-") as stage:
+                    result = await self._make(backup_id, Path(stage), progress)
+            except BaseException:
+                if isinstance(self._target, PackTarget):
+                    # Its segments and packs would wait for a sweep at the next start.
+                    await asyncio.to_thread(self._target.discard_pending)
+                raise
             pruned = await self._target.prune(self.keep)
             return BackupResult(
                 **{**result.__dict__, "seconds": time.monotonic() - started, "pruned": pruned}
@@ -411,8 +425,13 @@ class BackupEngine:
                 todo_agents.append(ref.ref)  # the target lost it: read the agent again
             else:
                 todo_attachments.append((ref.ref, paths[ref.ref]))
+        packs = self._target if isinstance(self._target, PackTarget) else None
+        pack_folder = await asyncio.to_thread(packs.pack_folder) if packs else None
         async with self._source.segment_maker(
-            naming_key=self._naming_key, work_dir=stage, agents=len(todo_agents)
+            naming_key=self._naming_key,
+            work_dir=stage,
+            agents=len(todo_agents),
+            pack_folder=pack_folder,
         ) as maker:
             writer = SegmentWriter(
                 self._source.write_agent, self._target, naming_key=self._naming_key,

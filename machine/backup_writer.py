@@ -36,7 +36,8 @@ from machine.backup_format import (
     segment_key,
 )
 from machine.segment_workers import MadeSegment
-from shared.backup_target import BackupTarget
+from shared.backup_packs import PackedSegment
+from shared.backup_target import BackupTarget, PackTarget
 from shared.crypto import KeyedHasher
 from shared.errors import NotFound
 
@@ -98,6 +99,8 @@ class _Item:
     compressed: tempfile.SpooledTemporaryFile[bytes] | None = None
     stored: bytes | tempfile.SpooledTemporaryFile[bytes] | None = None
     """Made elsewhere, already as stored (SegmentMaker)."""
+    packed: PackedSegment | None = None
+    """Made elsewhere and appended to a pack in the target (SegmentMaker)."""
     gone: bool = False
     """An agent erased or deleted after the backup listed it: not in this backup."""
 
@@ -174,6 +177,7 @@ class SegmentWriter:
         self._work = work_dir
         self._tick = tick
         self._replace = replace
+        self._packs = target if isinstance(target, PackTarget) else None
         self._cpu = asyncio.Semaphore(PARALLEL if maker is None else maker.parallel)
         self._io = asyncio.Semaphore(UPLOADS)
         self._uploaded = 0
@@ -234,7 +238,9 @@ class SegmentWriter:
                     name, plain = made.name, made.plain_size
                     if isinstance(made.stored, bytes):
                         in_memory += len(made.stored)
-                    if isinstance(made.stored, bytes) and in_memory <= WINDOW_MEMORY:
+                    if made.packed is not None:
+                        item.packed = made.packed
+                    elif isinstance(made.stored, bytes) and in_memory <= WINDOW_MEMORY:
                         item.stored = made.stored  # kept as it came: no copy, no file
                     else:
                         item.stored = await asyncio.to_thread(self._take, made)
@@ -283,8 +289,17 @@ class SegmentWriter:
         async def send(item: _Item) -> SegmentRef:
             ref = item.ref
             assert ref is not None
-            if ref.name in have and ref.name not in self._replace:
+            stored = ref.name in have and ref.name not in self._replace
+            if item.packed is not None:
+                # Written already: the target only learns whether to keep it.
+                assert self._packs is not None
+                self._packs.add_packed(ref.name, item.packed, keep=not stored)
+            if stored:
                 size = have[ref.name]
+            elif item.packed is not None:
+                size = item.packed.size
+                self._uploaded += 1
+                self._uploaded_bytes += size
             else:
                 async with self._io:
                     size = await self._upload(item, ref)

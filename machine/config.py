@@ -259,8 +259,8 @@ class MachineConfig:
     daemon SIGKILLs itself. 0 (the default): off."""
     crash_in_prune_after: int = 0
     """Test only (``AGENTS_MACHINE_TEST_CRASH_IN_PRUNE_AFTER_DELETES``): once a
-    prune of the folder target deleted this many objects, the daemon SIGKILLs
-    itself. 0 (the default): off."""
+    prune of the folder target made this many steps (each object deleted, each
+    pack repacked), the daemon SIGKILLs itself. 0 (the default): off."""
 
     @property
     def socket(self) -> Path:

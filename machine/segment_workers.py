@@ -40,6 +40,7 @@ from machine.tables import restore_pending
 from machine.worker_pool import Answer, Handler, WorkerGone, WorkerPool, processes, serve
 from shared.archive import write_tar
 from shared.atomic import FILE_MODE
+from shared.backup_packs import PackedSegment, PackWriter
 from shared.errors import InvalidArgument, NotFound, StoreError
 
 __all__ = [
@@ -69,6 +70,8 @@ class MadeSegment:
     stored: bytes | Path
     """Its bytes as stored (compressed and encrypted under its key), or a file of
     them (in the stage folder) that the caller now owns and removes."""
+    packed: PackedSegment | None = None
+    """Where it was appended to a pack in the target instead (``stored`` is empty)."""
 
 
 def dump_agent_spooled(
@@ -99,18 +102,39 @@ def dump_agent_spooled(
 # -- in the worker process ---------------------------------------------------
 
 
-def _start(settings: dict[str, Any]) -> Handler:
-    uri = f"file:{urllib.parse.quote(settings['db'])}?mode=ro"
-    conn = sqlite3.connect(uri, uri=True, isolation_level=None)
-    conn.row_factory = sqlite3.Row
-    conn.execute("PRAGMA busy_timeout = 30000")
-    naming_key, work = bytes.fromhex(settings["naming_key"]), Path(settings["work"])
-    packs = Path(settings["db"]).parent / restored.PACK_DIR
-    return lambda request: _make(conn, str(request["agent"]), naming_key, work, packs)
+class _Maker:
+    """A worker's handler: makes the segment of each agent asked for."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        uri = f"file:{urllib.parse.quote(settings['db'])}?mode=ro"
+        self._conn = sqlite3.connect(uri, uri=True, isolation_level=None)
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA busy_timeout = 30000")
+        self._naming_key = bytes.fromhex(settings["naming_key"])
+        self._work = Path(settings["work"])
+        self._restored = Path(settings["db"]).parent / restored.PACK_DIR
+        folder = settings.get("packs")
+        self._packs = PackWriter(Path(folder)) if folder else None
+
+    def __call__(self, request: dict[str, Any]) -> Answer:
+        agent_id = str(request["agent"])
+        return _make(
+            self._conn, agent_id, self._naming_key, self._work, self._restored, self._packs
+        )
+
+    def close(self) -> None:
+        """Finish the pack being written: the daemon publishes it once we are gone."""
+        if self._packs is not None:
+            self._packs.close()
 
 
 def _make(
-    conn: sqlite3.Connection, agent_id: str, naming_key: bytes, work: Path, packs: Path
+    conn: sqlite3.Connection,
+    agent_id: str,
+    naming_key: bytes,
+    work: Path,
+    restored_dir: Path,
+    writer: PackWriter | None = None,
 ) -> Answer:
     compressed = io.BytesIO()
     compressor = SegmentCompressor(naming_key, compressed)
@@ -123,7 +147,7 @@ def _make(
             finally:
                 conn.execute("COMMIT")
             if failed is not None:  # kept as it came: a restored history that did not load
-                restored.write_failed(packs, failed, compressor)  # type: ignore[arg-type]
+                restored.write_failed(restored_dir, failed, compressor)  # type: ignore[arg-type]
             else:
                 write_tar(compressor, entries)  # type: ignore[arg-type]
         name = compressor.finish()
@@ -137,6 +161,9 @@ def _make(
     view = compressed.getbuffer()  # no copy of the compressed bytes
     pieces = (view[i : i + SEGMENT_CHUNK] for i in range(0, len(view), SEGMENT_CHUNK))
     stored = encrypt_segment(pieces, name=name, key=key)  # a chunk at a time
+    if writer is not None:
+        placed = writer.add(stored)
+        return {"name": name, "plain": compressor.plain_size, "packed": placed.to_json()}, b""
     # Encryption adds a header and 17 bytes a chunk: well inside the margin.
     if len(view) <= _IN_PIPE - 64 * 1024:
         return {"name": name, "plain": compressor.plain_size}, b"".join(stored)
@@ -150,7 +177,15 @@ def _make(
 
 def main() -> None:
     """Serve one backup's agents on stdin/stdout (see the module doc)."""
-    serve(_start)
+    makers: list[_Maker] = []
+
+    def start(settings: dict[str, Any]) -> Handler:
+        makers.append(_Maker(settings))
+        return makers[-1]
+
+    serve(start)
+    for maker in makers:  # the end of stdin: the daemon waits for us to exit
+        maker.close()
 
 
 # -- in the daemon -----------------------------------------------------------
@@ -165,8 +200,23 @@ def _drop(answer: dict[str, Any]) -> None:
 class SegmentWorkers:
     """Worker processes making agent segments; ``async with`` it, then call it."""
 
-    def __init__(self, db_path: Path, *, naming_key: bytes, work_dir: Path, count: int) -> None:
-        settings = {"db": str(db_path), "naming_key": naming_key.hex(), "work": str(work_dir)}
+    def __init__(
+        self,
+        db_path: Path,
+        *,
+        naming_key: bytes,
+        work_dir: Path,
+        count: int,
+        pack_folder: Path | None = None,
+    ) -> None:
+        """With ``pack_folder`` (a folder target's, see shared.backup_packs) the
+        workers append the segments to packs there, and answer where."""
+        settings = {
+            "db": str(db_path),
+            "naming_key": naming_key.hex(),
+            "work": str(work_dir),
+            "packs": str(pack_folder) if pack_folder else "",
+        }
         self._pool = WorkerPool("machine.segment_worker_main", settings, count=count, dropped=_drop)
         #: Agents to have in hand at once: one in each worker, one waiting each.
         self.parallel = 2 * count
@@ -190,5 +240,8 @@ class SegmentWorkers:
             raise InvalidArgument(*answer["refused"])
         if "failed" in answer:
             raise StoreError(f"back up agent {agent_id}: {answer['failed']}")
+        if "packed" in answer:
+            placed = PackedSegment.from_json(answer["packed"])
+            return MadeSegment(answer["name"], answer["plain"], b"", placed)
         stored = Path(answer["path"]) if "path" in answer else data
         return MadeSegment(answer["name"], answer["plain"], stored)

@@ -190,7 +190,7 @@ class DatabaseBackupSource:
             await asyncio.to_thread(write_tar, out, entries)
 
     def segment_maker(
-        self, *, naming_key: bytes, work_dir: Path, agents: int
+        self, *, naming_key: bytes, work_dir: Path, agents: int, pack_folder: Path | None = None
     ) -> contextlib.AbstractAsyncContextManager[SegmentWorkers | None]:
         if agents < segment_workers.MIN_AGENTS:
             return contextlib.nullcontext(None)
@@ -199,6 +199,7 @@ class DatabaseBackupSource:
             naming_key=naming_key,
             work_dir=work_dir,
             count=segment_workers.processes(),
+            pack_folder=pack_folder,
         )
 
     async def attachments(self) -> list[tuple[str, Path]]:

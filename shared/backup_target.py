@@ -30,8 +30,10 @@ import logging
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO, Final, Protocol, runtime_checkable
 
+from shared.backup_packs import PackedSegment
 from shared.errors import IntegrityError, NotFound, PreconditionFailed
 from shared.ids import is_valid_id, validate_id
 from shared.limits import LINK_MAX_MESSAGE
@@ -44,6 +46,7 @@ __all__ = [
     "MAX_LINK_MANIFEST",
     "ManifestInfo",
     "NAMES_SUFFIX",
+    "PackTarget",
     "PruneResult",
     "StoreTarget",
     "is_segment_name",
@@ -156,6 +159,24 @@ class BackupTarget(Protocol):
     async def prune(self, keep: int) -> PruneResult:
         """Keep the newest ``keep`` backups; delete older manifests, then every
         segment no kept backup names. A crash part-way leaves every kept backup whole."""
+        ...
+
+
+@runtime_checkable
+class PackTarget(Protocol):
+    """A target on this machine into which the segment workers write packs
+    (:class:`~shared.backup_folder.FolderTarget`; see shared.backup_packs)."""
+
+    def pack_folder(self) -> Path:
+        """Where the workers write this backup's packs (blocking)."""
+        ...
+
+    def add_packed(self, name: str, placed: PackedSegment, *, keep: bool) -> None:
+        """A segment a worker packed: stored at the commit if ``keep``."""
+        ...
+
+    def discard_pending(self) -> None:
+        """Drop what was written since the last commit (a failed backup; blocking)."""
         ...
 
 
@@ -289,12 +310,17 @@ class StoreTarget:
             stem = obj.key[len(self._key(MANIFESTS)) :].removesuffix(NAMES_SUFFIX)
             if obj.key.endswith(NAMES_SUFFIX) and stem not in kept_ids:
                 await self._delete(obj.key)
+        removed = await self._prune_segments(named)
+        if dropped or removed:
+            logger.info("prune: %d backups, %d segments removed", len(dropped), removed)
+        return PruneResult(tuple(i.backup_id for i in dropped), removed)
+
+    async def _prune_segments(self, named: set[str]) -> int:
+        """Delete every stored segment not in ``named``; how many went."""
         orphans = [n for n in await self._segment_names() if n not in named]
         for name in orphans:
             await self._delete(self._key(segment_key(name)))
-        if dropped or orphans:
-            logger.info("prune: %d backups, %d segments removed", len(dropped), len(orphans))
-        return PruneResult(tuple(i.backup_id for i in dropped), len(orphans))
+        return len(orphans)
 
     async def _segment_names(self) -> list[str]:
         out: list[str] = []

@@ -36,6 +36,11 @@ from shared.errors import (
     PreconditionFailed,
     StoreError,
 )
+from shared.object_file import HEADER_LEN as _HEADER_LEN
+from shared.object_file import UNFINISHED as _UNFINISHED
+from shared.object_file import PendingObject
+from shared.object_file import header as _header
+from shared.object_file import parse_header as _parse_header
 from shared.store.base import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -53,73 +58,10 @@ __all__ = ["FolderStore", "PendingObject"]
 
 logger = logging.getLogger(__name__)
 
-_MAGIC: Final = b"agents-object-v1 sha256:"
-_HEADER_LEN: Final = len(_MAGIC) + 64 + 1
 _WRITE_CHUNK: Final = 1024 * 1024
 _LOCK_NAME: Final = ".lock"
 # A concurrent delete may prune the folder a put just created; retry that often.
 _MKDIR_ATTEMPTS: Final = 5
-
-
-def _header(etag: str) -> bytes:
-    return _MAGIC + etag.encode("ascii") + b"\n"
-
-
-def _parse_header(raw: bytes, key: str) -> str:
-    if len(raw) != _HEADER_LEN or not raw.startswith(_MAGIC) or not raw.endswith(b"\n"):
-        raise IntegrityError(f"object {key}", "missing or damaged header")
-    return raw[len(_MAGIC) : -1].decode("ascii", "replace")
-
-
-class PendingObject:
-    """An object being written by :meth:`FolderStore.begin_unsynced` (not visible yet)."""
-
-    def __init__(self, key: str, path: Path, temp: Path, f: BinaryIO) -> None:
-        self.key = key
-        self.path = path
-        self.temp = temp
-        self._f: BinaryIO | None = f
-        self._hash = hashlib.sha256()
-        self.size = 0
-        #: Its bytes are durable already (closed with ``sync``): publish skips it.
-        self.synced = False
-        #: Published over an object already stored under its key (one found
-        #: damaged), instead of kept create-once.
-        self.replace = False
-
-    def write(self, chunk: bytes) -> None:
-        """Append ``chunk`` (blocking)."""
-        assert self._f is not None, "write after close"
-        self._hash.update(chunk)
-        self._f.write(chunk)
-        self.size += len(chunk)
-
-    def close(self, *, sync: bool = False) -> str:
-        """Finish the file (its header names the content's SHA-256); return the etag.
-
-        With ``sync`` its bytes are made durable now, in the caller's thread (a
-        writer of many objects overlaps their fsyncs with its other work,
-        instead of :meth:`FolderStore.publish` making them all at its end).
-        """
-        assert self._f is not None, "closed twice"
-        etag = self._hash.hexdigest()
-        self._f.seek(0)
-        self._f.write(_header(etag))
-        if sync:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self.synced = True
-        self._f.close()
-        self._f = None
-        return etag
-
-    def discard(self) -> None:
-        """Drop the unfinished or unpublished object (blocking)."""
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.temp)
 
 
 class FolderStore(StoreBase):
@@ -238,11 +180,15 @@ class FolderStore(StoreBase):
         path = self._path(key)
         if path.is_dir():
             raise InvalidArgument("key", f"{key!r} is a folder of other objects in a folder store")
-        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
-        f = open(tmp, "xb")  # noqa: SIM115 - closed by PendingObject.close
-        os.chmod(tmp, 0o600)
-        f.write(_header("0" * 64))
-        return PendingObject(key, path, tmp, f)
+        return PendingObject.create(key, path)
+
+    def make_folder(self, prefix: str) -> Path:
+        """The folder of the keys under ``prefix`` (ending in "/"), made if needed
+        (blocking): for writers of :meth:`PendingObject.create` objects."""
+        validate_prefix(prefix)
+        if not prefix.endswith("/"):
+            raise InvalidArgument("prefix", f"{prefix!r} does not end with '/'")
+        return self._make_parents(prefix + "x")
 
     def publish(self, pending: list[PendingObject]) -> None:
         """Make closed pending objects durable, then visible under their keys (blocking).
@@ -413,7 +359,7 @@ class FolderStore(StoreBase):
         manager, f = await self._open_temp(key)
         try:
             hasher = hashlib.sha256()
-            await asyncio.to_thread(f.write, _header("0" * 64))
+            await asyncio.to_thread(f.write, _header(_UNFINISHED))
             async for chunk in iter_chunks(data, _WRITE_CHUNK):
                 hasher.update(chunk)
                 await asyncio.to_thread(f.write, chunk)

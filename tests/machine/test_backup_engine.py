@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,8 +13,11 @@ from typing import Any, BinaryIO
 import pytest
 
 from machine.backup import AgentItem, BackupEngine, validate_keep
+from machine.backup_format import SegmentCompressor, encrypt_segment, segment_key
 from machine.backup_link import newest_authentic
+from machine.segment_workers import MadeSegment
 from shared.backup_folder import FolderTarget
+from shared.backup_packs import PackWriter
 from shared.backup_target import StoreTarget, manifest_key
 from shared.crypto import BoxKeyPair
 from shared.errors import IntegrityError, InvalidArgument, NotFound
@@ -52,7 +56,7 @@ class FakeSource:
         out.write(self.data[agent_id])
 
     def segment_maker(
-        self, *, naming_key: bytes, work_dir: Path, agents: int
+        self, *, naming_key: bytes, work_dir: Path, agents: int, pack_folder: Path | None = None
     ) -> contextlib.AbstractAsyncContextManager[None]:
         return contextlib.nullcontext(None)
 
@@ -456,3 +460,87 @@ async def test_a_segment_found_damaged_is_sent_again_by_the_next_backup(
     assert (await engine.backup_now()).uploaded == 0, "mended once, then reused again"
     with pytest.raises(NotFound):
         await engine.verify(first.backup_id)  # pruned (keep 2): not a damage left behind
+
+
+class PackingSource(FakeSource):
+    """A source whose segments are made as the segment workers make them for a
+    folder target: appended to a pack there, whatever the number of agents."""
+
+    def segment_maker(
+        self, *, naming_key: bytes, work_dir: Path, agents: int, pack_folder: Path | None = None
+    ) -> contextlib.AbstractAsyncContextManager[Any]:
+        assert pack_folder is not None, "a folder target hands the workers its packs folder"
+        return self._packing(naming_key, pack_folder)
+
+    @contextlib.asynccontextmanager
+    async def _packing(self, naming_key: bytes, folder: Path) -> AsyncIterator[Any]:
+        writer = PackWriter(folder, limit=600)
+        source = self
+
+        class Maker:
+            parallel = 2
+
+            async def __call__(self, agent_id: str) -> MadeSegment:
+                source.reads += 1
+                compressed = io.BytesIO()
+                compressor = SegmentCompressor(naming_key, compressed)
+                compressor.write(source.data[agent_id])
+                name = compressor.finish()
+                key = segment_key(naming_key, name)
+                placed = writer.add(encrypt_segment([compressed.getvalue()], name=name, key=key))
+                return MadeSegment(name, compressor.plain_size, b"", placed)
+
+        try:
+            yield Maker()
+        finally:
+            writer.close()
+
+
+async def test_packed_segments_restore_mend_and_prune(tmp_path: Path) -> None:
+    """A folder target's packs through the engine: byte-equal fetch, a flipped byte
+    in a pack refused then mended by the next backup, and a prune that repacks."""
+    source = PackingSource(tmp_path, 12)
+    root = tmp_path / "target"
+    recovery = BoxKeyPair.generate()
+    keypair = BoxKeyPair.generate()
+    engine = BackupEngine(
+        source,
+        FolderTarget(FolderStore(root)),
+        machine_id=MACHINE,
+        naming_key=os.urandom(32),
+        recipients=[keypair.public_key, recovery.public_key],
+        keypair=keypair,
+        work_dir=tmp_path / "work",
+        keep=2,
+        clock=Clock(),
+    )
+    first = await engine.backup_now()
+    assert (first.segments, first.uploaded) == (13, 13)
+    packs = sorted(p for p in (root / "packs").iterdir() if not p.name.endswith(".index"))
+    assert len(packs) > 1, "segments go into packs of a bounded size"
+    assert len(list((root / "segments").iterdir())) == 1, "the attachment, made in-process"
+    fetched = await engine.fetch(first.backup_id, tmp_path / "f", recovery)
+    assert {a: p.read_bytes() for a, p in fetched.agent_files.items()} == source.data
+    for blob in (p.read_bytes() for p in root.rglob("*") if p.is_file()):
+        assert b"SECRET-CONVERSATION" not in blob
+
+    data = bytearray(packs[0].read_bytes())
+    data[len(data) // 2] ^= 1
+    packs[0].write_bytes(bytes(data))
+    with pytest.raises(IntegrityError):
+        await engine.verify(first.backup_id)
+    second = await engine.backup_now()
+    assert second.uploaded == 1, "the damaged segment is sent again, into a new pack"
+    await engine.verify(second.backup_id)
+    await engine.verify(first.backup_id)  # the newer copy is the one read
+
+    source.change(next(iter(source.data)))
+    third = await engine.backup_now()
+    assert third.uploaded == 1 and third.pruned is not None
+    assert third.pruned.manifests == (first.backup_id,)
+    # Nothing named only by the first backup; the damaged pack was repacked away.
+    assert packs[0].exists() is False
+    for backup in (second, third):
+        await engine.verify(backup.backup_id)
+    again = await engine.fetch(third.backup_id, tmp_path / "g", recovery)
+    assert {a: p.read_bytes() for a, p in again.agent_files.items()} == source.data

@@ -1,0 +1,343 @@
+"""shared.backup_packs and a folder target's packs: written by workers, published at
+the commit, read by name, pruned (repacked) without ever losing a kept segment."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.backup_folder import FolderTarget
+from shared.backup_packs import (
+    INDEX_SUFFIX,
+    PackEntry,
+    PackWriter,
+    decode_index,
+    encode_index,
+    is_pack_id,
+    temp_pack_id,
+)
+from shared.errors import IntegrityError, NotFound
+from shared.ids import new_id
+from shared.object_file import HEADER_LEN
+from shared.store.folder import FolderStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _name() -> str:
+    return os.urandom(32).hex()
+
+
+def _packs(root: Path) -> list[str]:
+    """Published pack ids (a pack file with its index)."""
+    files = {p.name for p in (root / "packs").iterdir()}
+    return sorted(f for f in files if is_pack_id(f) and f + INDEX_SUFFIX in files)
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "packs").iterdir())
+
+
+async def _read(target: FolderTarget, name: str) -> bytes:
+    return b"".join([c async for c in target.get_segment(name)])
+
+
+async def _backup(
+    target: FolderTarget, segments: dict[str, bytes], *, limit: int = 1 << 20
+) -> list[str]:
+    """One backup whose segments a worker packs (as machine.segment_workers does)."""
+    writer = PackWriter(target.pack_folder(), limit=limit)
+    have = await target.have_segments(segments)
+    for name, data in segments.items():
+        placed = writer.add([data[:7], data[7:]])
+        target.add_packed(name, placed, keep=name not in have)
+    writer.close()
+    backup = new_id("backup")
+    await target.put_manifest(backup, b"sealed", list(segments))
+    return [backup]
+
+
+async def test_packed_segments_appear_at_the_commit_and_read_by_name(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    segments = {_name(): os.urandom(3000 + i) for i in range(5)}
+    writer = PackWriter(target.pack_folder(), limit=7000)
+    for name, data in segments.items():
+        target.add_packed(name, writer.add([data]), keep=True)
+    writer.close()
+    assert await target.have_segments(segments) == {}, "nothing is visible before the commit"
+    assert _packs(root) == []
+    await target.put_manifest(new_id("backup"), b"sealed", list(segments))
+    # A pack is closed at the segment that takes it past the limit: 3 + 2.
+    assert len(_packs(root)) == 2
+    assert len(_files(root)) == 4, "no temp file is left behind"
+    again = FolderTarget(FolderStore(root))  # another reader: a restore, a prune
+    assert await again.have_segments(segments) == {n: len(d) for n, d in segments.items()}
+    for name, data in segments.items():
+        assert await _read(again, name) == data
+        with again.segment_reader(name) as f:
+            assert f.read() == data
+    # Each pack is a folder store object (its header names its content's SHA-256).
+    listed = [i async for i in FolderStore(root).list("packs/")]
+    assert len(listed) == 4
+
+
+async def test_a_segment_not_kept_is_not_indexed_and_an_empty_pack_goes(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    kept, dropped = _name(), _name()
+    writer = PackWriter(target.pack_folder())
+    target.add_packed(kept, writer.add([b"k" * 100]), keep=True)
+    target.add_packed(dropped, writer.add([b"d" * 100]), keep=False)
+    other = PackWriter(target.pack_folder())
+    target.add_packed(_name(), other.add([b"x" * 10]), keep=False)
+    writer.close()
+    other.close()
+    await target.flush()
+    assert len(_packs(root)) == 1 and len(_files(root)) == 2, _files(root)
+    assert await target.have_segments([kept, dropped]) == {kept: 100}
+
+
+async def test_a_failed_backup_leaves_no_pack_behind(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    writer = PackWriter(target.pack_folder(), limit=150)
+    target.add_packed(_name(), writer.add([b"a" * 200]), keep=True)
+    writer.add([b"b" * 100])  # a segment whose answer never reached the daemon
+    writer.close()
+    assert len(_files(root)) == 2
+    target.discard_pending()
+    assert _files(root) == []
+    await target.flush()
+    assert _files(root) == []
+
+
+async def test_a_pack_its_worker_did_not_finish_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    writer = PackWriter(target.pack_folder())
+    target.add_packed(_name(), writer.add([b"a" * 200]), keep=True)
+    try:
+        with pytest.raises(IntegrityError, match="did not finish"):
+            await target.flush()
+    finally:
+        writer.discard()
+    assert _files(root) == []
+
+
+async def test_prune_keeps_whole_packs_deletes_dead_ones_and_repacks_the_rest(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    a = {_name(): os.urandom(500) for _ in range(3)}  # one pack, all kept
+    b = {_name(): os.urandom(500) for _ in range(3)}  # one pack, none kept
+    c = {_name(): os.urandom(500) for _ in range(3)}  # one pack, one kept
+    for group in (a, b, c):
+        await _backup(target, group)
+    assert len(_packs(root)) == 3
+    (keep_c,) = list(c)[:1]
+    named = set(a) | {keep_c}
+    removed = await target._prune_segments(named)
+    assert removed == 5
+    packs = _packs(root)
+    assert len(packs) == 2 and len(_files(root)) == 4, _files(root)
+    have = await FolderTarget(FolderStore(root)).have_segments([*a, *b, *c])
+    assert have == {n: 500 for n in named}
+    for name in named:
+        assert await _read(target, name) == (a | c)[name]
+    # The repacked pack holds exactly the kept segment.
+    assert os.stat(root / "packs" / packs[-1]).st_size == HEADER_LEN + 500
+    # Nothing left to do: a second prune changes nothing.
+    assert await target._prune_segments(named) == 0
+    assert _packs(root) == packs
+
+
+async def test_bytes_no_index_names_are_pruned_away(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    kept = _name()
+    writer = PackWriter(target.pack_folder())
+    target.add_packed(kept, writer.add([b"k" * 300]), keep=True)
+    target.add_packed(_name(), writer.add([b"s" * 300]), keep=False)  # stored already
+    writer.close()
+    await target.flush()
+    (pack,) = _packs(root)
+    assert os.stat(root / "packs" / pack).st_size == HEADER_LEN + 600
+    assert await target._prune_segments({kept}) == 0
+    (repacked,) = _packs(root)
+    assert repacked != pack and os.stat(root / "packs" / repacked).st_size == HEADER_LEN + 300
+    assert await _read(target, kept) == b"k" * 300
+
+
+async def test_two_copies_of_a_segment_the_newer_is_read_and_the_older_pruned(
+    tmp_path: Path,
+) -> None:
+    """As a crash between a repack's publish and its deletes leaves them, or a
+    segment sent again over a damaged copy."""
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    name = _name()
+    await _backup(target, {name: b"old copy"})
+    writer = PackWriter(target.pack_folder())
+    target.add_packed(name, writer.add([b"new copy"]), keep=True)  # replace=True
+    writer.close()
+    await target.flush()
+    assert len(_packs(root)) == 2
+    assert await _read(FolderTarget(FolderStore(root)), name) == b"new copy"
+    assert await target._prune_segments({name}) == 0
+    assert len(_packs(root)) == 1
+    assert await _read(FolderTarget(FolderStore(root)), name) == b"new copy"
+
+
+async def test_a_pack_without_its_index_is_never_read_and_pruned_as_debris(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    lone, orphan_index = _name(), _name()
+    await _backup(target, {lone: b"one"})
+    await _backup(target, {orphan_index: b"two"})
+    first, second = _packs(root)
+    (root / "packs" / (first + INDEX_SUFFIX)).unlink()  # a crash between a prune's deletes
+    (root / "packs" / second).unlink()  # damage: an index alone
+    fresh = FolderTarget(FolderStore(root))
+    assert await fresh.have_segments([lone, orphan_index]) == {}
+    with pytest.raises(NotFound):
+        await _read(fresh, lone)
+    assert await fresh._prune_segments({lone, orphan_index}) == 0
+    assert _files(root) == []
+
+
+async def test_an_index_that_does_not_read_leaves_its_pack_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    name = _name()
+    await _backup(target, {name: b"segment"})
+    (pack,) = _packs(root)
+    index = root / "packs" / (pack + INDEX_SUFFIX)
+    raw = index.read_bytes()
+    index.write_bytes(raw.replace(b'"version":1', b'"version":9'))
+    fresh = FolderTarget(FolderStore(root))
+    with caplog.at_level(logging.WARNING):
+        assert await fresh.have_segments([name]) == {}
+    assert f"backup pack {pack} left alone" in caplog.text and "unknown version" in caplog.text
+    assert await fresh._prune_segments(set()) == 0
+    assert (root / "packs" / pack).exists() and index.exists()
+
+
+def test_an_index_is_checked_against_its_pack() -> None:
+    pack = "0" * 32
+    name = _name()
+    good = encode_index(10, [PackEntry(name, 0, 4), PackEntry(_name(), 4, 6)])
+    assert [e.size for e in decode_index(good, pack, 10)] == [4, 6]
+
+    def index(**body: object) -> bytes:
+        return json.dumps({"version": 1, "size": 10, "segments": [], **body}).encode()
+
+    cases = {
+        b"not json": "not JSON",
+        index(version=2): "unknown version",
+        index(size=11): "names 11 bytes",
+        index(segments={}): "lists no segments",
+        index(segments=[["../x", 0, 4]]): "malformed entry",
+        index(segments=[[name, 0, True]]): "malformed entry",
+        index(segments=[[name, 8, 4]]): "outside the pack",
+        index(segments=[[name, 0, 0]]): "outside the pack",
+        index(segments=[[name, 0, 6], [name, 4, 2]]): "over another",
+        index(segments=[[name, -1, 2]]): "outside the pack",
+    }
+    for data, why in cases.items():
+        with pytest.raises(IntegrityError, match=why):
+            decode_index(data, pack, 10)
+
+
+def test_pack_ids_sort_by_age_and_temp_names_are_recognised(tmp_path: Path) -> None:
+    writer = PackWriter(tmp_path, limit=1)
+    first = writer.add([b"a"])
+    second = writer.add([b"b"])
+    assert first.pack < second.pack and is_pack_id(first.pack)
+    assert temp_pack_id(first.temp) == first.pack
+    assert temp_pack_id("." + first.pack + ".tmp") is None
+    assert temp_pack_id("../" + first.temp) is None
+
+
+_PRUNE = textwrap.dedent(
+    """
+    import asyncio, json, os, signal, sys
+    from shared.backup_folder import FolderTarget
+    from shared.store.folder import FolderStore
+
+    steps = 0
+
+    def step():
+        global steps
+        steps += 1
+        if steps == int(sys.argv[2]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    target = FolderTarget(FolderStore(sys.argv[1]), after_delete=step)
+    asyncio.run(target._prune_segments(set(json.loads(sys.argv[3]))))
+    """
+)
+
+
+@pytest.mark.parametrize("kill_after", [1, 2, 3, 4, 5])
+async def test_sigkill_at_each_step_of_a_pack_prune_loses_no_kept_segment(
+    tmp_path: Path, kill_after: int
+) -> None:
+    """Three packs: one all kept, one all dropped, one with one segment kept. The
+    prune deletes the second (index, pack), repacks the third (publish), then
+    deletes it (index, pack): a real process killed after each of those five steps
+    leaves every kept segment readable, and the next prune ends where one
+    uninterrupted prune does."""
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    groups = [{_name(): os.urandom(700 + i) for i in range(3)} for _ in range(3)]
+    for group in groups:
+        await _backup(target, group)
+    everything = groups[0] | groups[1] | groups[2]
+    named = set(groups[0]) | set(list(groups[2])[:1])
+    proc = subprocess.run(
+        [sys.executable, "-c", _PRUNE, str(root), str(kill_after), json.dumps(sorted(named))],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    after = FolderTarget(FolderStore(root))
+    have = await after.have_segments(everything)
+    assert named <= have.keys(), f"a kept segment lost after step {kill_after}"
+    for name in named:
+        assert await _read(after, name) == everything[name]
+    await after._prune_segments(named)
+    assert await FolderTarget(FolderStore(root)).have_segments(everything) == {
+        n: len(everything[n]) for n in named
+    }
+    assert len(_packs(root)) == 2 and len(_files(root)) == 4, _files(root)
+
+
+async def test_a_pruned_pack_temp_goes_once_stale(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    writer = PackWriter(target.pack_folder())
+    fresh = writer.add([b"a"])
+    writer.close()
+    other = PackWriter(target.pack_folder())
+    old = other.add([b"b"])
+    other.close()
+    hours_ago = time.time() - 7200
+    os.utime(root / "packs" / old.temp, (hours_ago, hours_ago))
+    await target._prune_segments(set())
+    assert _files(root) == [fresh.temp], "a backup killed an hour ago left it; a fresh one stays"
