@@ -35,6 +35,7 @@ from shared.backup_packs import (
     PACKS,
     PackedSegment,
     PackEntry,
+    PackWriter,
     decode_index,
     encode_index,
     is_pack_id,
@@ -122,6 +123,7 @@ class FolderTarget(StoreTarget):
         self._new_packs: dict[str, _NewPack] = {}
         # Pack ids from this one on are this backup's (see _sweep_new_temps).
         self._since = ""
+        self._own: PackWriter | None = None
         # Published packs as last read (see _scan), and the newest pack holding
         # each segment. Restore threads read these while others look up names.
         self._lock = threading.Lock()
@@ -210,12 +212,26 @@ class FolderTarget(StoreTarget):
         if keep:
             new.entries.append(PackEntry(name, placed.offset, placed.size))
 
+    def _pack_own(self, name: str, chunks: list[bytes]) -> None:
+        """Append a segment to this process's own pack (blocking; see _put_segment)."""
+        if self._own is None:
+            self._own = PackWriter(self.pack_folder())
+        self.add_packed(name, self._own.add(chunks), keep=True)
+
+    def _close_own(self) -> None:
+        own, self._own = self._own, None
+        if own is not None:
+            own.close()
+
     def discard_pending(self) -> None:
         """Drop every segment and pack written since the last commit (a backup that
         failed; blocking): none is named by a stored backup."""
         pending, self._pending = self._pending, []
         for obj in pending:
             obj.discard()
+        own, self._own = self._own, None
+        if own is not None:
+            own.discard()
         new, self._new_packs = self._new_packs, {}
         for pack in new.values():
             (self._packs_dir / pack.temp).unlink(missing_ok=True)
@@ -361,6 +377,12 @@ class FolderTarget(StoreTarget):
             raise
 
     async def _put_segment(self, name: str, data: AsyncIterable[bytes], replace: bool) -> None:
+        if replace and await asyncio.to_thread(self._packed, name) is not None:
+            # A packed copy is read before a segment file: the new copy must go
+            # into a pack, newer than the one it replaces.
+            chunks = [chunk async for chunk in data]
+            await asyncio.to_thread(self._pack_own, name, chunks)
+            return
         key = self._key(segment_key(name))
         gathered: list[bytes] = []
         size = 0
@@ -406,6 +428,7 @@ class FolderTarget(StoreTarget):
         """
         pending, self._pending = self._pending, []
         try:
+            await asyncio.to_thread(self._close_own)
             pending += await asyncio.to_thread(self._publish_packs)
         except BaseException:
             for obj in pending:

@@ -103,7 +103,10 @@ def _agents(data: Path) -> list[dict[str, object]]:
 
 
 def _segment_files(backups: Path) -> list[Path]:
-    return sorted(p for p in (backups / "segments").rglob("*") if p.is_file())
+    """Segment files, and packs with their indexes (temp files of either included)."""
+    return sorted(
+        p for folder in ("segments", "packs") for p in (backups / folder).rglob("*") if p.is_file()
+    )
 
 
 def test_restore_on_a_fresh_daemon_with_the_recovery_key(
@@ -342,7 +345,9 @@ def test_sigkill_during_a_backup_leaves_kept_backups_whole(
         _big_agents(proc.target, work, agents=4, prompt_bytes=200_000)
         _ok(run_cli(data, "backup", "now", timeout=120))
         (first,) = _backup_ids(data)
-        _big_agents(proc.target, work, agents=60, prompt_bytes=1_000_000)
+        # Enough agents that worker processes make the segments, into packs of a
+        # few MiB (prose-like text: a pack fills with a few agents).
+        _big_agents(proc.target, work, agents=60, prompt_bytes=1_000_000, varied=True)
         seen = len(_segment_files(data / "backups"))
         child = subprocess.Popen(
             [str(AGENTS_MACHINE), "--data-dir", str(data), "backup", "now"],
@@ -436,6 +441,85 @@ def test_sigkill_at_each_delete_of_a_prune_leaves_both_kept_backups_restorable(
                 f"restored {len(agents)} agents (archived, read-only: their origin is another"
                 " machine)"
             ), said
+            after = _export_contents(data, agents, tmp_path / f"after-{backup_id}.tar.gz")
+            assert after == contents[backup_id]
+
+
+def _prompt_each(target: str, agents: list[str], text: str) -> None:
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.MachineServiceStub(channel)
+        for agent in agents:
+            for _ in stub.Prompt(pb.PromptRequest(agent_id=agent, text=f"{text} {agent}")):
+                pass
+
+
+@pytest.mark.parametrize("steps", [3, 5])
+def test_sigkill_in_a_prune_that_repacks_leaves_both_kept_backups_restorable(
+    tmp_path: Path, machine_proc: MakeProc, steps: int
+) -> None:
+    """keep = 2, 40 agents: each backup changes 35 of them, so worker processes pack
+    the segments. The third backup's prune deletes the first backup's manifest and
+    names list, then copies the 5 segments still named out of the first pack into a
+    new one (step 3) and deletes the old pack's index and pack (steps 4, 5). The
+    daemon SIGKILLs itself after step 3 or 5 (a test hook): both kept backups
+    verify, the next backup's prune leaves no pack holding a dropped segment, and
+    both restore on a new machine byte-equal."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    (data / "machine.toml").write_text("backup_keep = 2\n")
+    work, key_file = tmp_path / "work", tmp_path / "recovery.key"
+    work.mkdir()
+    proc = machine_proc()
+    contents: dict[str, dict[str, bytes]] = {}
+    with proc:
+        _big_agents(proc.target, work, agents=40, prompt_bytes=4_000, varied=True)
+        agents = sorted(str(a["id"]) for a in _agents(data))
+        key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
+        key_file.chmod(0o600)  # kept private, as its advice says
+        for turn in (1, 2):
+            _prompt_each(proc.target, agents[:35], f"turn {turn}")
+            _ok(run_cli(data, "backup", "now", timeout=120))
+            contents[_backup_ids(data)[0]] = _export_contents(
+                data, agents, tmp_path / f"export-{turn}.tar.gz"
+            )
+        packs = sorted((data / "backups" / "packs").glob("*.index"))
+        assert packs, "the backups are packed"
+        _prompt_each(proc.target, agents[:35], "turn 3")
+        now = _export_contents(data, agents, tmp_path / "export-3.tar.gz")
+    crashing = MachineProc(
+        data, env={"AGENTS_MACHINE_TEST_CRASH_IN_PRUNE_AFTER_DELETES": str(steps)}
+    )
+    with crashing:
+        assert run_cli(data, "backup", "now", timeout=120).returncode != 0
+        assert crashing.proc is not None
+        assert crashing.proc.wait(timeout=30) == -signal.SIGKILL
+    assert f"killing the daemon after {steps} objects pruned" in crashing.log()
+    with proc:
+        kept = _backup_ids(data)  # newest first
+        assert len(kept) == 2 and kept[1] in contents, (kept, list(contents))
+        contents[kept[0]] = now  # made before the kill: its manifest is the commit
+        for backup_id in kept:
+            _ok(run_cli(data, "backup", "verify", backup_id, timeout=120))
+        _ok(run_cli(data, "backup", "now", timeout=120))  # its prune ends the last one's
+        kept = _backup_ids(data)
+        contents[kept[0]] = now
+        for backup_id in kept:
+            _ok(run_cli(data, "backup", "verify", backup_id, timeout=120))
+    # Of the first backup's packs, none is left; no pack without its index.
+    names = {p.name for p in (data / "backups" / "packs").iterdir()}
+    assert not {p.name for p in packs} & names
+    assert all((n + ".index" in names) for n in names if not n.endswith(".index")), names
+    copy = tmp_path / "backup-copy"
+    shutil.copytree(data / "backups", copy)
+    for backup_id in kept:
+        shutil.rmtree(data)
+        with proc:
+            _ok(
+                run_cli(
+                    data, "backup", "restore", backup_id, "--from", str(copy), "--recovery-key",
+                    str(key_file), timeout=120,
+                )
+            )  # fmt: skip
             after = _export_contents(data, agents, tmp_path / f"after-{backup_id}.tar.gz")
             assert after == contents[backup_id]
 

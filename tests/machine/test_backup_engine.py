@@ -464,12 +464,15 @@ async def test_a_segment_found_damaged_is_sent_again_by_the_next_backup(
 
 class PackingSource(FakeSource):
     """A source whose segments are made as the segment workers make them for a
-    folder target: appended to a pack there, whatever the number of agents."""
+    folder target, appended to a pack there, for a backup of 2 agents or more
+    (the real source: 32); of fewer, in the daemon's process."""
 
     def segment_maker(
         self, *, naming_key: bytes, work_dir: Path, agents: int, pack_folder: Path | None = None
     ) -> contextlib.AbstractAsyncContextManager[Any]:
         assert pack_folder is not None, "a folder target hands the workers its packs folder"
+        if agents < 2:
+            return contextlib.nullcontext(None)
         return self._packing(naming_key, pack_folder)
 
     @contextlib.asynccontextmanager
@@ -529,8 +532,10 @@ async def test_packed_segments_restore_mend_and_prune(tmp_path: Path) -> None:
     packs[0].write_bytes(bytes(data))
     with pytest.raises(IntegrityError):
         await engine.verify(first.backup_id)
+    packs_before = len(list((root / "packs").iterdir()))
     second = await engine.backup_now()
-    assert second.uploaded == 1, "the damaged segment is sent again, into a new pack"
+    assert second.uploaded == 1, "the damaged segment is sent again, in the daemon's process"
+    assert len(list((root / "packs").iterdir())) == packs_before + 2, "into a pack of its own"
     await engine.verify(second.backup_id)
     await engine.verify(first.backup_id)  # the newer copy is the one read
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -341,3 +342,27 @@ async def test_a_pruned_pack_temp_goes_once_stale(tmp_path: Path) -> None:
     os.utime(root / "packs" / old.temp, (hours_ago, hours_ago))
     await target._prune_segments(set())
     assert _files(root) == [fresh.temp], "a backup killed an hour ago left it; a fresh one stays"
+
+
+async def test_a_packed_segment_sent_again_over_a_damaged_copy_is_read_from_then_on(
+    tmp_path: Path,
+) -> None:
+    """The next backup sends a damaged segment again (``replace``), usually in the
+    daemon's process: it goes into a new pack, which is read before the old."""
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    name = _name()
+    await _backup(target, {name: b"damaged copy"})
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"good "
+        yield b"copy"
+
+    await target.put_segment(name, chunks(), replace=True)
+    await target.flush()
+    assert len(_packs(root)) == 2 and not (root / "segments").exists()
+    assert await _read(FolderTarget(FolderStore(root)), name) == b"good copy"
+    assert await target.have_segments([name]) == {name: 9}
+    await target._prune_segments({name})
+    assert len(_packs(root)) == 1
+    assert await _read(FolderTarget(FolderStore(root)), name) == b"good copy"
