@@ -157,8 +157,11 @@ class _Worker:
                 self.proc.kill()
         else:
             self._requests.close()  # the end of its stdin: it exits
-        await self.proc.wait()
+        code = await self.proc.wait()
         await asyncio.gather(self._reader, return_exceptions=True)
+        if not kill and code != 0:
+            # What it finished on the way out (a pack's fsync) may not have happened.
+            raise WorkerGone(f"a worker process exited with status {code}")
 
 
 class WorkerPool:

@@ -19,6 +19,7 @@ removes; no object under a segment's name can lose its bytes to a crash.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import logging
 import os
@@ -36,15 +37,16 @@ from shared.backup_packs import (
     PackedSegment,
     PackEntry,
     PackWriter,
+    debris_pack_id,
     decode_index,
     encode_index,
     is_pack_id,
     new_pack_id,
-    temp_pack_id,
+    newest_pack_id,
 )
 from shared.backup_target import ManifestInfo, StoreTarget, segment_key
 from shared.errors import IntegrityError, InvalidState, NotFound, StoreError
-from shared.object_file import HEADER_LEN, PendingObject
+from shared.object_file import HEADER_LEN, PendingObject, parse_header
 from shared.store.folder import FolderStore
 
 __all__ = ["FolderTarget"]
@@ -57,6 +59,8 @@ _LOOKUPS: Final = 512
 _GATHER: Final = 4 * 1024 * 1024
 #: Bytes of a packed segment read at once.
 _READ: Final = 1024 * 1024
+#: The largest pack index read (about 80 bytes a segment).
+_MAX_INDEX: Final = 64 * 1024 * 1024
 
 
 @dataclass
@@ -167,13 +171,18 @@ class FolderTarget(StoreTarget):
 
     def segment_reader(self, name: str) -> BinaryIO:
         """See :class:`~shared.backup_target.LocalSegments`."""
-        placed = self._packed(name)
-        if placed is not None:
+        for _ in range(2):
+            placed = self._packed(name)
+            if placed is None:
+                break
             pack, entry = placed
             try:
                 f = self._folder.open_blocking(self._key(PACKS + pack))
             except NotFound:
-                raise NotFound("segment", name[:16]) from None
+                # Repacked (by a prune, maybe another process's) since it was
+                # looked up: its kept segments are in a newer pack. Look again.
+                self._scan()
+                continue
             return cast(BinaryIO, _Slice(f, HEADER_LEN + entry.offset, entry.size))
         try:
             return self._folder.open_blocking(self._key(segment_key(name)))
@@ -200,7 +209,8 @@ class FolderTarget(StoreTarget):
         """The folder where segment workers write this backup's packs (made if
         needed; blocking). Hand each segment written there to :meth:`add_packed`."""
         self._present()
-        self._since = self._since or new_pack_id()
+        # Every pack made from now on has an id at or above this one's time.
+        self._since = self._since or new_pack_id(newest_pack_id(self._packs_dir))[:16] + "0" * 16
         return self._folder.make_folder(self._key(PACKS))
 
     def add_packed(self, name: str, placed: PackedSegment, *, keep: bool) -> None:
@@ -245,7 +255,11 @@ class FolderTarget(StoreTarget):
             return
         try:
             with os.scandir(self._packs_dir) as scan:
-                temps = [e.name for e in scan if (temp_pack_id(e.name) or "") >= since]
+                temps = [
+                    e.name
+                    for e in scan
+                    if (debris_pack_id(e.name) or "") >= since and e.is_file(follow_symlinks=False)
+                ]
         except (FileNotFoundError, NotADirectoryError):
             return
         for name in temps:
@@ -290,16 +304,22 @@ class FolderTarget(StoreTarget):
             except (IntegrityError, NotFound, OSError) as e:
                 logger.warning("backup pack %s left alone: %s", pack, e)
         with self._lock:
-            for pack in known - present:
-                del self._stored[pack]
+            gone = [p for p in known - present if self._stored.pop(p, None) is not None]
             self._stored.update(loaded)
-            if loaded or known - present:
+            if loaded or gone:
                 self._index_all()
 
     def _read_index(self, pack: str) -> _Stored:
+        """A pack's index, checked against its header's SHA-256: a flipped byte in
+        a name would otherwise hide that segment, and a prune would drop it."""
         size = os.stat(self._packs_dir / pack).st_size - HEADER_LEN
-        with self._folder.open_blocking(self._key(PACKS + pack + INDEX_SUFFIX)) as f:
-            data = f.read()
+        with open(self._packs_dir / (pack + INDEX_SUFFIX), "rb") as f:
+            etag = parse_header(f.read(HEADER_LEN), PACKS + pack + INDEX_SUFFIX)
+            data = f.read(_MAX_INDEX + 1)
+        if len(data) > _MAX_INDEX:
+            raise IntegrityError(f"backup pack {pack}", "index is too big")
+        if hashlib.sha256(data).hexdigest() != etag:
+            raise IntegrityError(f"backup pack {pack}", "index does not match its checksum")
         return _Stored(size, tuple(decode_index(data, pack, size)))
 
     def _index_all(self) -> None:
@@ -312,7 +332,8 @@ class FolderTarget(StoreTarget):
 
     def _publish_packs(self) -> list[PendingObject]:
         """The new packs with their indexes, ready to publish (blocking); packs
-        holding nothing kept are removed."""
+        holding nothing kept are removed. Each index is read back as a reader
+        will read it: a pack it does not fit fails the backup, not its restore."""
         new, self._new_packs = self._new_packs, {}
         out: list[PendingObject] = []
         if not new:
@@ -327,6 +348,7 @@ class FolderTarget(StoreTarget):
                 key = self._key(PACKS + pack)
                 out.append(PendingObject.adopt(key, self._packs_dir / pack, temp))
                 size = os.stat(temp).st_size - HEADER_LEN
+                decode_index(encode_index(size, made.entries), pack, size)
                 out.append(self._index_object(pack, size, made.entries))
         except BaseException:
             for obj in out:
@@ -335,7 +357,7 @@ class FolderTarget(StoreTarget):
                 (self._packs_dir / made.temp).unlink(missing_ok=True)
             self._sweep_new_temps()
             raise
-        self._sweep_new_temps(keep={made.temp for made in new.values()})
+        self._sweep_new_temps(keep={obj.temp.name for obj in out})
         return out
 
     def _index_object(self, pack: str, size: int, entries: list[PackEntry]) -> PendingObject:
@@ -426,32 +448,33 @@ class FolderTarget(StoreTarget):
         Each pack is published before its index (a crash between leaves a pack
         no scan reads), and every segment and pack before the manifest.
         """
+        count = await asyncio.to_thread(self._flush)
+        logger.debug("folder target: %d segments and packs made durable", count)
+
+    def _flush(self) -> int:
+        """:meth:`flush` in one worker-thread call, so that a cancelled flush still
+        publishes or removes everything it took (blocking)."""
         pending, self._pending = self._pending, []
         try:
-            await asyncio.to_thread(self._close_own)
-            pending += await asyncio.to_thread(self._publish_packs)
+            self._close_own()
+            pending += self._publish_packs()
+            if pending:
+                self._folder.publish(pending)
         except BaseException:
             for obj in pending:
-                await asyncio.to_thread(obj.discard)
+                obj.discard()
             raise
-        if not pending:
-            return
-        try:
-            await asyncio.to_thread(self._folder.publish, pending)
-        except BaseException:
-            for obj in pending:
-                await asyncio.to_thread(obj.discard)
-            raise
-        logger.debug("folder target: %d segments and packs made durable", len(pending))
+        return len(pending)
 
     async def _prune_segments(self, named: set[str]) -> int:
         """Segment files as :class:`StoreTarget` prunes them, then packs: a pack all of
         whose bytes are kept stays, one holding nothing kept goes, and the kept
         segments of any other are first copied to a new pack (see _prune_packs)."""
         removed = await super()._prune_segments(named)
-        return removed + await asyncio.to_thread(self._prune_packs, named)
+        files = set(await self._segment_names())
+        return removed + await asyncio.to_thread(self._prune_packs, named, files)
 
-    def _prune_packs(self, named: set[str]) -> int:
+    def _prune_packs(self, named: set[str], files: Set[str]) -> int:
         """Repack and delete packs (blocking). Every step leaves each kept segment in
         a published pack: a repack publishes its new pack and index before the old
         index goes, then the old pack; a crash between leaves two copies, and the
@@ -460,6 +483,17 @@ class FolderTarget(StoreTarget):
         with self._lock:
             stored = dict(self._stored)
             where = dict(self._where)
+        lost = named - where.keys() - files
+        if lost:
+            # A kept segment found nowhere: an index that did not read, or damage.
+            # Which bytes are whose is then uncertain: rewrite no pack.
+            logger.warning(
+                "prune: %d kept segments are in no pack nor file (%s…); packs left as they are",
+                len(lost),
+                min(lost)[:16],
+            )
+            self._remove_debris()
+            return 0
         removed = 0
         for pack in sorted(stored):
             held = stored[pack]
@@ -487,7 +521,7 @@ class FolderTarget(StoreTarget):
         except (FileNotFoundError, NotADirectoryError):
             return
         for name, mtime in sorted(files.items()):
-            if temp_pack_id(name) is not None:
+            if debris_pack_id(name) is not None:
                 if is_stale_temp(name, mtime, now):
                     (self._packs_dir / name).unlink(missing_ok=True)
                 continue
@@ -500,7 +534,7 @@ class FolderTarget(StoreTarget):
 
     def _repack(self, pack: str, kept: list[PackEntry]) -> None:
         """Copy ``kept`` of ``pack`` to a new pack, published with its index (blocking)."""
-        new = new_pack_id()
+        new = new_pack_id(newest_pack_id(self._packs_dir))
         obj = PendingObject.create(self._key(PACKS + new), self._packs_dir / new)
         entries: list[PackEntry] = []
         try:
@@ -518,7 +552,12 @@ class FolderTarget(StoreTarget):
         except BaseException:
             obj.discard()
             raise
-        self._folder.publish([obj, index])
+        try:
+            self._folder.publish([obj, index])
+        except BaseException:
+            obj.discard()
+            index.discard()
+            raise
         with self._lock:
             self._stored[new] = _Stored(obj.size, tuple(entries))
             self._index_all()

@@ -41,10 +41,12 @@ __all__ = [
     "PackEntry",
     "PackWriter",
     "PackedSegment",
+    "debris_pack_id",
     "decode_index",
     "encode_index",
     "is_pack_id",
     "new_pack_id",
+    "newest_pack_id",
     "temp_pack_id",
 ]
 
@@ -60,11 +62,36 @@ _PACK_ID: Final = re.compile(r"[0-9a-f]{32}")
 _SEGMENT_NAME: Final = re.compile(r"[0-9a-f]{64}")
 # A pack's temp file as PendingObject.create names it.
 _TEMP: Final = re.compile(r"\.([0-9a-f]{32})\.[0-9a-f]{12}\.tmp")
+# ... and an index's.
+_DEBRIS: Final = re.compile(r"\.([0-9a-f]{32})(?:\.index)?\.[0-9a-f]{12}\.tmp")
 
 
-def new_pack_id() -> str:
-    """A new pack id: the time (hex nanoseconds, so ids sort by age), then random."""
-    return f"{time.time_ns():016x}{os.urandom(8).hex()}"
+def new_pack_id(after: str = "") -> str:
+    """A new pack id: the time (hex nanoseconds, so ids sort by age), then random;
+    greater than ``after`` (a pack id) even when the clock stepped back."""
+    now = time.time_ns()
+    if after:
+        now = max(now, int(after[:16], 16) + 1)
+    return f"{now:016x}{os.urandom(8).hex()}"
+
+
+def newest_pack_id(folder: Path) -> str:
+    """The greatest pack id in ``folder`` (published or being written), or "" (blocking).
+
+    A new pack takes an id above it: of two packs holding one segment the
+    newer is read, so a pack made after the clock stepped back must still
+    sort after every pack already there.
+    """
+    newest = ""
+    try:
+        with os.scandir(folder) as scan:
+            for entry in scan:
+                pack = debris_pack_id(entry.name) or entry.name.removesuffix(INDEX_SUFFIX)
+                if is_pack_id(pack) and pack > newest:
+                    newest = pack
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return newest
 
 
 def is_pack_id(value: str) -> bool:
@@ -75,6 +102,12 @@ def is_pack_id(value: str) -> bool:
 def temp_pack_id(temp_name: str) -> str | None:
     """The pack id of a pack's temp file name, or None for any other name."""
     match = _TEMP.fullmatch(temp_name)
+    return match.group(1) if match else None
+
+
+def debris_pack_id(name: str) -> str | None:
+    """The pack id of a pack's or an index's temp file name, or None."""
+    match = _DEBRIS.fullmatch(name)
     return match.group(1) if match else None
 
 
@@ -126,7 +159,7 @@ class PackWriter:
     def add(self, chunks: Iterable[bytes]) -> PackedSegment:
         """Append one sealed segment; where it went."""
         if self._pack is None:
-            self._id = new_pack_id()
+            self._id = new_pack_id(max(self._id, newest_pack_id(self._folder)))
             self._pack = PendingObject.create(PACKS + self._id, self._folder / self._id)
         pack = self._pack
         offset = pack.size

@@ -99,8 +99,9 @@ class PendingObject:
 
     @classmethod
     def adopt(cls, key: str, path: Path, temp: Path) -> PendingObject:
-        """The object ``key`` that another process wrote and closed with ``sync`` at
-        ``temp`` (beside ``path``), ready for a folder store to publish (blocking).
+        """The object ``key`` that another process wrote and closed at ``temp``
+        (beside ``path``), ready for a folder store to publish, which fsyncs it
+        again (blocking): a finished header does not prove its writer's fsync ran.
 
         IntegrityError if its header is not finished: a writer that did not close it.
         """
@@ -112,9 +113,7 @@ class PendingObject:
             etag = UNFINISHED  # not even its header reached the file
         if etag == UNFINISHED:
             raise IntegrityError(f"object {key}", "its writer did not finish it")
-        obj = cls(key, path, temp, None)
-        obj.synced = True
-        return obj
+        return cls(key, path, temp, None)
 
     def discard(self) -> None:
         """Drop the unfinished or unpublished object (blocking)."""

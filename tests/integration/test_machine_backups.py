@@ -459,9 +459,11 @@ def test_sigkill_in_a_prune_that_repacks_leaves_both_kept_backups_restorable(
 ) -> None:
     """keep = 2, 40 agents: each backup changes 35 of them, so worker processes pack
     the segments. The third backup's prune deletes the first backup's manifest and
-    names list, then copies the 5 segments still named out of the first pack into a
-    new one (step 3) and deletes the old pack's index and pack (steps 4, 5). The
-    daemon SIGKILLs itself after step 3 or 5 (a test hook): both kept backups
+    names list (steps 1, 2), then goes through that backup's packs (one per
+    worker): a pack holding some of the 5 segments still named is copied without
+    the rest into a new pack (a step), then its index and itself are deleted (two
+    steps); a pack holding none is just deleted. The daemon SIGKILLs itself after
+    step 3 or 5 (a test hook; by step 5 a repack has happened): both kept backups
     verify, the next backup's prune leaves no pack holding a dropped segment, and
     both restore on a new machine byte-equal."""
     data = tmp_path / "data"
@@ -494,6 +496,8 @@ def test_sigkill_in_a_prune_that_repacks_leaves_both_kept_backups_restorable(
         assert crashing.proc is not None
         assert crashing.proc.wait(timeout=30) == -signal.SIGKILL
     assert f"killing the daemon after {steps} objects pruned" in crashing.log()
+    if steps == 5:
+        assert " kept in pack " in crashing.log(), "a pack was repacked before the kill"
     with proc:
         kept = _backup_ids(data)  # newest first
         assert len(kept) == 2 and kept[1] in contents, (kept, list(contents))

@@ -20,6 +20,7 @@ from machine.backup import BackupEngine, decode_checked
 from machine.backup_format import SegmentRef, segment_key
 from machine.segment_workers import SegmentWorkers
 from machine.transfer import DatabaseBackupSource, restore_fetched
+from shared.backup_folder import FolderTarget
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
 from shared.errors import NotFound, StoreError
@@ -101,6 +102,40 @@ async def test_workers_make_the_daemons_segments_and_they_restore_byte_equal(
         assert await _export_files(new, agents, tmp_path / "after.tar.gz") == before
 
 
+async def test_workers_pack_a_folder_targets_segments_and_they_restore_byte_equal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    machine_key, recovery = BoxKeyPair.generate(), BoxKeyPair.generate()
+    monkeypatch.setattr(segment_workers, "MIN_AGENTS", 1)
+    root = tmp_path / "t"
+    async with open_machine(_config(tmp_path / "old")) as old:
+        agents = await _populate(old, tmp_path, 4)
+        before = await _export_files(old, agents, tmp_path / "before.tar.gz")
+        engine = BackupEngine(
+            DatabaseBackupSource(old.db, old.config.attachments_dir, tmp_path / "w"),
+            FolderTarget(FolderStore(root)),
+            machine_id=new_id("machine"),
+            naming_key=NAMING_KEY,
+            recipients=[machine_key.public_key, recovery.public_key],
+            keypair=machine_key,
+            work_dir=tmp_path / "w",
+        )
+        made = await engine.backup_now()
+        assert made.uploaded == 4 + 4  # four agents, four attachments
+        assert not _worker_pids(), "the workers are gone once the backup is made"
+    packs = sorted(p.name for p in (root / "packs").iterdir())
+    assert packs and all(not p.startswith(".") for p in packs), "published, no temp left"
+    # The agents went into packs (each worker its own); attachments are files.
+    assert len(list((root / "segments").iterdir())) == 4
+    async with open_machine(_config(tmp_path / "new")) as new:
+        fetched = await engine.fetch(made.backup_id, tmp_path / "fetch", recovery)
+        result = await restore_fetched(
+            new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+        )
+        assert sorted(result.restored) == sorted(agents)
+        assert await _export_files(new, agents, tmp_path / "after.tar.gz") == before
+
+
 @dataclasses.dataclass
 class _OneAgent:
     db_path: Path
@@ -145,15 +180,18 @@ async def test_leaving_early_kills_the_workers_mid_agent(one_agent: _OneAgent) -
 
 
 async def test_a_worker_that_dies_fails_its_callers_rather_than_hang(one_agent: _OneAgent) -> None:
-    async with SegmentWorkers(
-        one_agent.db_path, naming_key=NAMING_KEY, work_dir=one_agent.stage, count=1
-    ) as workers:
-        (pid,) = await apoll_until(_worker_pids, deadline=10, what="the worker")
-        os.kill(pid, 9)
-        with pytest.raises(StoreError, match="worker process exited"):
-            await asyncio.wait_for(workers(one_agent.agent), 30)
-        with pytest.raises(StoreError, match="worker process exited"):
-            await asyncio.wait_for(workers(one_agent.agent), 30)  # and every call after
+    # And the pool's end says so too: what a worker does on its way out (a
+    # pack's fsync) is then not known to have happened.
+    with pytest.raises(StoreError, match="exited with status -9"):
+        async with SegmentWorkers(
+            one_agent.db_path, naming_key=NAMING_KEY, work_dir=one_agent.stage, count=1
+        ) as workers:
+            (pid,) = await apoll_until(_worker_pids, deadline=10, what="the worker")
+            os.kill(pid, 9)
+            with pytest.raises(StoreError, match="worker process exited"):
+                await asyncio.wait_for(workers(one_agent.agent), 30)
+            with pytest.raises(StoreError, match="worker process exited"):
+                await asyncio.wait_for(workers(one_agent.agent), 30)  # and every call after
     assert not _worker_pids()
 
 

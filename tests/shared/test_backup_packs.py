@@ -28,7 +28,7 @@ from shared.backup_packs import (
 )
 from shared.errors import IntegrityError, NotFound
 from shared.ids import new_id
-from shared.object_file import HEADER_LEN
+from shared.object_file import HEADER_LEN, PendingObject
 from shared.store.folder import FolderStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,23 +219,46 @@ async def test_a_pack_without_its_index_is_never_read_and_pruned_as_debris(
     assert _files(root) == []
 
 
-async def test_an_index_that_does_not_read_leaves_its_pack_alone(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("damage", ["flipped", "version"])
+async def test_an_index_that_does_not_read_leaves_every_pack_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
 ) -> None:
+    """A flipped hex digit of a name (the index is still valid JSON: its checksum
+    catches it), or an index of an unknown version (checksum right): the pack's
+    segments read as not stored, and a prune, missing a kept segment, rewrites
+    no pack, not even one it could otherwise drop bytes from."""
     root = tmp_path / "t"
     target = FolderTarget(FolderStore(root))
-    name = _name()
+    name, other = _name(), _name()
     await _backup(target, {name: b"segment"})
-    (pack,) = _packs(root)
+    writer = PackWriter(target.pack_folder())
+    target.add_packed(other, writer.add([b"other"]), keep=True)
+    target.add_packed(_name(), writer.add([b"not kept"]), keep=False)
+    writer.close()
+    await target.flush()
+    pack, second = _packs(root)
     index = root / "packs" / (pack + INDEX_SUFFIX)
     raw = index.read_bytes()
-    index.write_bytes(raw.replace(b'"version":1', b'"version":9'))
+    if damage == "flipped":
+        digit = raw.index(name[5].encode(), HEADER_LEN + raw[HEADER_LEN:].index(name.encode()) + 5)
+        index.write_bytes(
+            raw[:digit] + (b"0" if raw[digit : digit + 1] != b"0" else b"1") + raw[digit + 1 :]
+        )
+        why = "does not match its checksum"
+    else:
+        obj = PendingObject.create("packs/x", index)
+        obj.write(raw[HEADER_LEN:].replace(b'"version":1', b'"version":9'))
+        obj.close(sync=True)
+        os.replace(obj.temp, index)
+        why = "unknown version"
     fresh = FolderTarget(FolderStore(root))
     with caplog.at_level(logging.WARNING):
-        assert await fresh.have_segments([name]) == {}
-    assert f"backup pack {pack} left alone" in caplog.text and "unknown version" in caplog.text
-    assert await fresh._prune_segments(set()) == 0
-    assert (root / "packs" / pack).exists() and index.exists()
+        assert await fresh.have_segments([name, other]) == {other: 5}
+    assert f"backup pack {pack} left alone" in caplog.text and why in caplog.text
+    before = _files(root)
+    assert await fresh._prune_segments({name, other}) == 0
+    assert _files(root) == before, "no pack deleted nor rewritten"
+    assert "packs left as they are" in caplog.text
 
 
 def test_an_index_is_checked_against_its_pack() -> None:
@@ -366,3 +389,57 @@ async def test_a_packed_segment_sent_again_over_a_damaged_copy_is_read_from_then
     await target._prune_segments({name})
     assert len(_packs(root)) == 1
     assert await _read(FolderTarget(FolderStore(root)), name) == b"good copy"
+
+
+async def test_a_pack_made_after_the_clock_stepped_back_is_still_the_newer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment sent again over a damaged copy with the clock an hour behind the
+    pack holding that copy: the new pack's id still sorts after it, so the new copy
+    is read, and the prune keeps it rather than the damaged one."""
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    name = _name()
+    await _backup(target, {name: b"damaged copy"})
+    behind = time.time_ns() - 3600 * 10**9
+    monkeypatch.setattr(time, "time_ns", lambda: behind)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"good copy"
+
+    await target.put_segment(name, chunks(), replace=True)
+    await target.flush()
+    first, second = _packs(root)
+    assert int(second[:16], 16) == int(first[:16], 16) + 1
+    assert await _read(FolderTarget(FolderStore(root)), name) == b"good copy"
+    await target._prune_segments({name})
+    assert _packs(root) == [second]
+    assert await _read(FolderTarget(FolderStore(root)), name) == b"good copy"
+
+
+async def test_a_segment_repacked_by_another_reader_is_found_in_its_new_pack(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "t"
+    writer_side = FolderTarget(FolderStore(root))
+    kept, dropped = _name(), _name()
+    await _backup(writer_side, {kept: b"kept bytes", dropped: b"dropped"})
+    reader = FolderTarget(FolderStore(root))  # a restore with --from this folder
+    assert await reader.have_segments([kept]) == {kept: 10}  # its lookup, cached
+    await writer_side._prune_segments({kept})  # the daemon's prune repacks meanwhile
+    with reader.segment_reader(kept) as f:
+        assert f.read() == b"kept bytes"
+    assert await _read(reader, kept) == b"kept bytes"
+
+
+async def test_an_index_temp_left_by_a_kill_goes_once_stale(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    await _backup(target, {_name(): b"x"})
+    (pack,) = _packs(root)
+    temp = root / "packs" / f".{pack}.index.{'ab' * 6}.tmp"
+    temp.write_bytes(b"half an index")
+    hours_ago = time.time() - 7200
+    os.utime(temp, (hours_ago, hours_ago))
+    await target._prune_segments(set())
+    assert not temp.exists()
