@@ -14,6 +14,12 @@ Until the next :meth:`FolderTarget.put_manifest` (or :meth:`flush`) a segment
 put is not visible: a backup reads none of its own segments before its
 commit. A crash before it leaves only temp files, which the store's sweep
 removes; no object under a segment's name can lose its bytes to a crash.
+
+Segments made by worker processes go into packs instead
+(:mod:`shared.backup_packs`): the workers append them to pack files in
+``packs/``, and the commit publishes each pack, then its index. Readers look
+in packs first (the newest pack holding a name), then at segment files; a
+prune deletes or rewrites whole packs.
 """
 
 from __future__ import annotations
