@@ -211,7 +211,13 @@ class WorkerPool:
 
     async def _stop(self, *, kill: bool) -> None:
         workers, self._workers = self._workers, []
-        await asyncio.gather(*(w.stop(kill=kill) for w in workers))
+        # Every worker has ended before any failure is raised.
+        results = await asyncio.gather(
+            *(w.stop(kill=kill) for w in workers), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def request(self, message: dict[str, Any]) -> Answer:
         """Send ``message`` to the least busy worker; its answer."""

@@ -137,6 +137,14 @@ class FolderTarget(StoreTarget):
         # Published packs as last read (see _scan), and the newest pack holding
         # each segment. Restore threads read these while others look up names.
         self._lock = threading.Lock()
+        # One scan at a time, and none while a prune rewrites packs: a scan that
+        # listed the folder before another's change must not undo it.
+        self._scan_lock = threading.RLock()
+        # The daemon's own pack is written from several upload threads at once.
+        self._own_lock = threading.Lock()
+        # A flush and a discard never run together (a cancelled flush's thread
+        # goes on while the failed backup discards).
+        self._commit_lock = threading.Lock()
         self._stored: dict[str, _Stored] = {}
         self._where: dict[str, tuple[str, PackEntry]] = {}
 
@@ -215,8 +223,11 @@ class FolderTarget(StoreTarget):
         """The folder where segment workers write this backup's packs (made if
         needed; blocking). Hand each segment written there to :meth:`add_packed`."""
         self._present()
-        # Every pack made from now on has an id at or above this one's time.
-        self._since = self._since or new_pack_id(newest_pack_id(self._packs_dir))[:16] + "0" * 16
+        # Every pack made from now on has an id above every pack present, so at
+        # or above this one (ids compare as strings of equal length).
+        if not self._since:
+            newest = newest_pack_id(self._packs_dir)
+            self._since = f"{int(newest[:16], 16) + 1:016x}" + "0" * 16 if newest else "0" * 32
         return self._folder.make_folder(self._key(PACKS))
 
     def add_packed(self, name: str, placed: PackedSegment, *, keep: bool) -> None:
@@ -230,28 +241,31 @@ class FolderTarget(StoreTarget):
 
     def _pack_own(self, name: str, chunks: list[bytes]) -> None:
         """Append a segment to this process's own pack (blocking; see _put_segment)."""
-        if self._own is None:
-            self._own = PackWriter(self.pack_folder())
-        self.add_packed(name, self._own.add(chunks), keep=True)
+        with self._own_lock:
+            if self._own is None:
+                self._own = PackWriter(self.pack_folder())
+            self.add_packed(name, self._own.add(chunks), keep=True)
 
-    def _close_own(self) -> None:
-        own, self._own = self._own, None
-        if own is not None:
-            own.close()
+    def _close_own(self, *, discard: bool = False) -> None:
+        with self._own_lock:
+            own, self._own = self._own, None
+            if own is not None and discard:
+                own.discard()
+            elif own is not None:
+                own.close()
 
     def discard_pending(self) -> None:
         """Drop every segment and pack written since the last commit (a backup that
         failed; blocking): none is named by a stored backup."""
-        pending, self._pending = self._pending, []
-        for obj in pending:
-            obj.discard()
-        own, self._own = self._own, None
-        if own is not None:
-            own.discard()
-        new, self._new_packs = self._new_packs, {}
-        for pack in new.values():
-            (self._packs_dir / pack.temp).unlink(missing_ok=True)
-        self._sweep_new_temps()
+        with self._commit_lock:
+            pending, self._pending = self._pending, []
+            for obj in pending:
+                obj.discard()
+            self._close_own(discard=True)
+            new, self._new_packs = self._new_packs, {}
+            for pack in new.values():
+                (self._packs_dir / pack.temp).unlink(missing_ok=True)
+            self._sweep_new_temps()
 
     def _sweep_new_temps(self, keep: Set[str] = frozenset()) -> None:
         """Remove this backup's pack temp files but ``keep``: those no segment was
@@ -282,14 +296,19 @@ class FolderTarget(StoreTarget):
                 placed = self._where.get(name)
         return placed
 
-    def _scan(self) -> None:
-        """Read the indexes of packs published since the last scan (blocking).
+    def _scan(self) -> set[str]:
+        """Read the indexes of packs published since the last scan (blocking); the
+        packs listed with an index that did not read.
 
         A pack counts once both it and its index are there (a crash between the
         two renames, or between a prune's two deletes, leaves one alone: never
         read, and removed by the next prune). An index that does not read is
         logged and its pack left alone: its segments read as not stored.
         """
+        with self._scan_lock:
+            return self._scan_locked()
+
+    def _scan_locked(self) -> set[str]:
         try:
             with os.scandir(self._packs_dir) as scan:
                 files = {e.name for e in scan if e.is_file(follow_symlinks=False)}
@@ -314,6 +333,7 @@ class FolderTarget(StoreTarget):
             self._stored.update(loaded)
             if loaded or gone:
                 self._index_all()
+            return present - self._stored.keys()
 
     def _read_index(self, pack: str) -> _Stored:
         """A pack's index, checked against its header's SHA-256: a flipped byte in
@@ -460,17 +480,18 @@ class FolderTarget(StoreTarget):
     def _flush(self) -> int:
         """:meth:`flush` in one worker-thread call, so that a cancelled flush still
         publishes or removes everything it took (blocking)."""
-        pending, self._pending = self._pending, []
-        try:
-            self._close_own()
-            pending += self._publish_packs()
-            if pending:
-                self._folder.publish(pending)
-        except BaseException:
-            for obj in pending:
-                obj.discard()
-            raise
-        return len(pending)
+        with self._commit_lock:
+            pending, self._pending = self._pending, []
+            try:
+                self._close_own()
+                pending += self._publish_packs()
+                if pending:
+                    self._folder.publish(pending)
+            except BaseException:
+                for obj in pending:
+                    obj.discard()
+                raise
+            return len(pending)
 
     async def _prune_segments(self, named: set[str]) -> int:
         """Segment files as :class:`StoreTarget` prunes them, then packs: a pack all of
@@ -485,7 +506,19 @@ class FolderTarget(StoreTarget):
         a published pack: a repack publishes its new pack and index before the old
         index goes, then the old pack; a crash between leaves two copies, and the
         newer is the one read, so the next prune deletes the older whole."""
-        self._scan()
+        with self._scan_lock:
+            return self._prune_packs_locked(named, files)
+
+    def _prune_packs_locked(self, named: set[str], files: Set[str]) -> int:
+        unread = self._scan()
+        if unread:
+            # A newer copy of a kept segment may be in it: a repack could put an
+            # older (damaged) copy above that one. Rewrite no pack until it reads.
+            logger.warning(
+                "prune: the index of pack %s did not read; packs left as they are", min(unread)
+            )
+            self._remove_debris()
+            return 0
         with self._lock:
             stored = dict(self._stored)
             where = dict(self._where)

@@ -195,6 +195,20 @@ async def test_a_worker_that_dies_fails_its_callers_rather_than_hang(one_agent: 
     assert not _worker_pids()
 
 
+async def test_a_worker_gone_is_raised_once_every_worker_has_ended(one_agent: _OneAgent) -> None:
+    with pytest.raises(StoreError, match="exited with status -9"):
+        async with SegmentWorkers(
+            one_agent.db_path, naming_key=NAMING_KEY, work_dir=one_agent.stage, count=2
+        ):
+            pids = await apoll_until(
+                lambda: _worker_pids() if len(_worker_pids()) == 2 else None,
+                deadline=10,
+                what="both workers",
+            )
+            os.kill(min(pids), 9)
+    assert not _worker_pids(), "the other worker ended too before the failure was raised"
+
+
 _HOLDER = """
 import asyncio, sys
 from pathlib import Path

@@ -3,6 +3,7 @@ the commit, read by name, pruned (repacked) without ever losing a kept segment."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import pytest
 from shared.backup_folder import FolderTarget
 from shared.backup_packs import (
     INDEX_SUFFIX,
+    PackedSegment,
     PackEntry,
     PackWriter,
     decode_index,
@@ -443,3 +445,107 @@ async def test_an_index_temp_left_by_a_kill_goes_once_stale(tmp_path: Path) -> N
     os.utime(temp, (hours_ago, hours_ago))
     await target._prune_segments(set())
     assert not temp.exists()
+
+
+async def test_damaged_packed_segments_sent_again_at_once_all_go_into_the_own_pack(
+    tmp_path: Path,
+) -> None:
+    """A backup sends several segments again over damaged packed copies, in the
+    daemon's process, up to eight at a time (each in its own thread)."""
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    names = [_name() for _ in range(16)]
+    await _backup(target, {n: b"damaged " + n.encode() for n in names})
+
+    async def chunks(name: str) -> AsyncIterator[bytes]:
+        yield b"good "
+        yield name.encode()
+
+    await asyncio.gather(*(target.put_segment(n, chunks(n), replace=True) for n in names))
+    await target.flush()
+    fresh = FolderTarget(FolderStore(root))
+    for name in names:
+        assert await _read(fresh, name) == b"good " + name.encode()
+
+
+async def test_no_pack_is_rewritten_while_an_index_does_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A damaged copy in an old pack that also holds dropped segments, the good copy
+    sent again into a newer pack whose index fails to read for a moment (too many
+    open files, say): the prune must not copy the damaged one above the good one."""
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    x, dropped = _name(), _name()
+    await _backup(target, {x: b"damaged", dropped: b"dropped"})
+    writer = PackWriter(target.pack_folder())
+    target.add_packed(x, writer.add([b"good"]), keep=True)
+    writer.close()
+    await target.flush()
+    old, new = _packs(root)
+    real = FolderTarget._read_index
+
+    def failing(self: FolderTarget, pack: str) -> object:
+        if pack == new:
+            raise OSError(24, "Too many open files")
+        return real(self, pack)
+
+    pruner = FolderTarget(FolderStore(root))
+    monkeypatch.setattr(FolderTarget, "_read_index", failing)
+    assert await pruner._prune_segments({x}) == 0
+    assert _packs(root) == [old, new], "nothing rewritten"
+    monkeypatch.setattr(FolderTarget, "_read_index", real)
+    assert await pruner._prune_segments({x}) == 1
+    assert _packs(root) == [new]
+    assert await _read(FolderTarget(FolderStore(root)), x) == b"good"
+
+
+async def test_a_flush_removes_this_backups_unused_pack_temps_only(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    await _backup(target, {_name(): b"first"})
+    # A backup killed before its commit (a daemon since restarted: a new target).
+    earlier = PackWriter(FolderTarget(FolderStore(root)).pack_folder())
+    left = earlier.add([b"left by a kill"])
+    earlier.close()
+    ours = PackWriter(target.pack_folder())
+    unused = ours.add([b"answer lost"])  # written, never handed over
+    ours.close()
+    kept = PackWriter(target.pack_folder())
+    target.add_packed(_name(), kept.add([b"kept"]), keep=True)
+    kept.close()
+    assert unused.pack > left.pack
+    await target.flush()
+    temps = [n for n in _files(root) if n.endswith(".tmp")]
+    assert temps == [left.temp], "another backup's temp waits for the stale sweep"
+    assert len(_packs(root)) == 2
+
+
+def test_a_new_pack_sorts_after_packs_being_written(tmp_path: Path) -> None:
+    ahead = "ffff" + "0" * 28  # a temp of a pack made with the clock far ahead
+    (tmp_path / f".{ahead}.{'ab' * 6}.tmp").write_bytes(b"")
+    writer = PackWriter(tmp_path)
+    placed = writer.add([b"x"])
+    writer.close()
+    assert placed.pack > ahead
+
+
+async def test_a_pack_whose_index_would_not_read_fails_the_commit(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    target = FolderTarget(FolderStore(root))
+    writer = PackWriter(target.pack_folder())
+    placed = writer.add([b"twelve bytes"])
+    writer.close()
+    beyond = PackedSegment(placed.pack, placed.temp, placed.offset + 8, placed.size)
+    target.add_packed(_name(), beyond, keep=True)
+    with pytest.raises(IntegrityError, match="outside the pack"):
+        await target.flush()
+    assert _files(root) == []
+
+
+def test_a_pack_another_process_wrote_is_fsynced_again_when_published(tmp_path: Path) -> None:
+    obj = PendingObject.create("packs/x", tmp_path / "x")
+    obj.write(b"content")
+    obj.close(sync=True)
+    adopted = PendingObject.adopt("packs/x", tmp_path / "x", obj.temp)
+    assert adopted.synced is False, "publish fsyncs it: its writer's fsync is not proven"
