@@ -273,17 +273,8 @@ class FolderTarget(StoreTarget):
         since, self._since = self._since, ""
         if not since:
             return
-        try:
-            with os.scandir(self._packs_dir) as scan:
-                temps = [
-                    e.name
-                    for e in scan
-                    if (debris_pack_id(e.name) or "") >= since and e.is_file(follow_symlinks=False)
-                ]
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        for name in temps:
-            if name not in keep:
+        for name in self._pack_files():
+            if (debris_pack_id(name) or "") >= since and name not in keep:
                 (self._packs_dir / name).unlink(missing_ok=True)
 
     def _packed(self, name: str) -> tuple[str, PackEntry] | None:
@@ -309,11 +300,7 @@ class FolderTarget(StoreTarget):
             return self._scan_locked()
 
     def _scan_locked(self) -> set[str]:
-        try:
-            with os.scandir(self._packs_dir) as scan:
-                files = {e.name for e in scan if e.is_file(follow_symlinks=False)}
-        except (FileNotFoundError, NotADirectoryError):
-            files = set()
+        files = self._pack_files()
         present = {
             f.removesuffix(INDEX_SUFFIX)
             for f in files
@@ -546,11 +533,8 @@ class FolderTarget(StoreTarget):
         self._remove_debris()
         return removed
 
-    def _remove_debris(self) -> None:
-        """Remove what crashes left (blocking): a pack whose index went (or never
-        came), an index alone, and the temp files of a backup killed an hour ago or
-        more (the store's own sweep runs only when the daemon starts)."""
-        now = time.time()
+    def _pack_files(self) -> dict[str, float]:
+        """The regular files in the packs folder, with their mtimes (blocking)."""
         files: dict[str, float] = {}
         try:
             with os.scandir(self._packs_dir) as scan:
@@ -558,7 +542,15 @@ class FolderTarget(StoreTarget):
                     if e.is_file(follow_symlinks=False):
                         files[e.name] = e.stat(follow_symlinks=False).st_mtime
         except (FileNotFoundError, NotADirectoryError):
-            return
+            pass
+        return files
+
+    def _remove_debris(self) -> None:
+        """Remove what crashes left (blocking): a pack whose index went (or never
+        came), an index alone, and the temp files of a backup killed an hour ago or
+        more (the store's own sweep runs only when the daemon starts)."""
+        now = time.time()
+        files = self._pack_files()
         for name, mtime in sorted(files.items()):
             if debris_pack_id(name) is not None:
                 if is_stale_temp(name, mtime, now):

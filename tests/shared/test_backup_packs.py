@@ -549,3 +549,59 @@ def test_a_pack_another_process_wrote_is_fsynced_again_when_published(tmp_path: 
     obj.close(sync=True)
     adopted = PendingObject.adopt("packs/x", tmp_path / "x", obj.temp)
     assert adopted.synced is False, "publish fsyncs it: its writer's fsync is not proven"
+
+
+_FLUSH = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    from shared.backup_folder import FolderTarget
+    from shared.backup_packs import PackWriter
+    from shared.store.folder import FolderStore
+
+    renames = 0
+    real = os.replace
+
+    def replace(src, dst):
+        global renames
+        real(src, dst)
+        renames += 1
+        if renames == int(sys.argv[2]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def main():
+        target = FolderTarget(FolderStore(sys.argv[1]))
+        writer = PackWriter(target.pack_folder())
+        for name in sys.argv[3:]:
+            target.add_packed(name, writer.add([name.encode()]), keep=True)
+        writer.close()
+        os.replace = replace
+        await target.flush()
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("kill_after", [1, 2])
+async def test_sigkill_between_a_packs_renames_leaves_no_half_pack(
+    tmp_path: Path, kill_after: int
+) -> None:
+    """A real process killed after the pack's rename (its index still a temp file),
+    or after both (the manifest, the commit point, never written): either way no
+    backup names the pack, and the next prune leaves no pack behind."""
+    root = tmp_path / "t"
+    names = [_name(), _name()]
+    proc = subprocess.run(
+        [sys.executable, "-c", _FLUSH, str(root), str(kill_after), *names],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    target = FolderTarget(FolderStore(root))
+    have = await target.have_segments(names)
+    assert have == ({} if kill_after == 1 else {n: 64 for n in names}), (
+        "a pack counts with its index"
+    )
+    await target._prune_segments(set())
+    assert [f for f in _files(root) if not f.endswith(".tmp")] == []
