@@ -3,7 +3,7 @@
 Both sides make the same events durable on the same disk in the same run:
 
 - store: N concurrent appenders call ``tables.append_event`` through
-  :class:`machine.db.Database` (WAL, synchronous=FULL); group commit lets one
+  :class:`machine.storage.db.Database` (WAL, synchronous=FULL); group commit lets one
   fsync cover every append waiting at that moment;
 - raw: the same JSON bytes written to a file one event at a time, each
   followed by ``os.fsync`` (what "one fsync per event" costs).
@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import tables
-from machine.db import Database
 from machine.models import EventKind
+from machine.storage import tables
+from machine.storage.db import Database
 
 
 def payload(i: int) -> dict[str, str]:

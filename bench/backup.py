@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from machine import segment_workers
-from machine.db import Database
+from machine.backups import segment_workers
+from machine.storage.db import Database
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMING_KEY_FILE = "naming.key"
@@ -146,8 +146,8 @@ async def _change(data: Path, agents: list[str]) -> None:
 
 
 async def _engine(data: Path, work: Path, target: Path) -> Any:
-    from machine.backup import BackupEngine
-    from machine.transfer import DatabaseBackupSource
+    from machine.backups.engine import BackupEngine
+    from machine.backups.transfer import DatabaseBackupSource
     from shared.backup_folder import FolderTarget
     from shared.crypto import BoxKeyPair
     from shared.store.folder import FolderStore
@@ -188,7 +188,7 @@ async def _phase_backup(data: Path, work: Path, target: Path) -> dict[str, Any]:
         "uploaded": result.uploaded,
         "segments": result.segments,
         "seconds": seconds,
-        # Worker processes (machine.segment_workers) are counted in: their CPU,
+        # Worker processes (machine.backups.segment_workers) are counted in: their CPU,
         # and the peak RSS of the largest one (each runs beside this process).
         "cpu": cpu + workers.ru_utime + workers.ru_stime,
         "worker_rss_mib": workers.ru_maxrss // 1024,
@@ -199,9 +199,9 @@ async def _phase_backup(data: Path, work: Path, target: Path) -> dict[str, Any]:
 
 
 async def _phase_restore(data: Path, work: Path, target: Path, dest: Path) -> dict[str, Any]:
-    from machine import restored
-    from machine.search_indexer import SearchIndexer
-    from machine.transfer import restore_fetched
+    from machine.backups.transfer import restore_fetched
+    from machine.core.search_indexer import SearchIndexer
+    from machine.storage import restored
 
     db, engine, recovery = await _engine(data, work, target)
     await db.close()
@@ -244,7 +244,7 @@ async def _phase_floor(data: Path, dest: Path) -> dict[str, Any]:
     rows a restore writes, copied by SQLite itself (no Python, no parsing, no
     decryption) from the source database into an empty machine.db opened with
     the daemon's settings (WAL, synchronous FULL), to the commit."""
-    from machine.db import _connect
+    from machine.storage.db import _connect
 
     dest.mkdir(mode=0o700)
     await (await Database.open(dest / "machine.db")).close()  # the schema

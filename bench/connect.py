@@ -35,9 +35,9 @@ from typing import Any
 import psutil
 from prometheus_client import CollectorRegistry
 
-from controlplane.client import AdminClient
-from machine.join import join_control_plane
-from machine.link import ControlLink, LinkState
+from controlplane.cli.client import AdminClient
+from machine.link.connection import ControlLink, LinkState
+from machine.link.join import join_control_plane
 from tests.helpers.control_proc import run_init, start_serve, stop_serve
 from tests.helpers.poll import apoll_until
 

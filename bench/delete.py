@@ -55,11 +55,11 @@ import boto3  # type: ignore[import-untyped]
 from botocore.config import Config
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.backups import backups_prefix
-from controlplane.client import AdminClient
-from controlplane.integrity import record_mac_key
-from controlplane.keys import load_home_keys
-from controlplane.records import Machine, encode
+from controlplane.cli.client import AdminClient
+from controlplane.integrity.keys import load_home_keys
+from controlplane.integrity.records import Machine, encode
+from controlplane.integrity.trusted import record_mac_key
+from controlplane.machines.backups import backups_prefix
 from shared.backup_target import manifest_key, names_key, segment_key
 from shared.ids import new_id
 from shared.store.authenticated import seal

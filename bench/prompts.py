@@ -32,14 +32,14 @@ import time
 
 import boto3  # type: ignore[import-untyped]
 
-from controlplane.accounts import AccountService
-from controlplane.acks import AckBatcher
-from controlplane.audit import Auditor
-from controlplane.authz import Principal
-from controlplane.machines import MachineInfo, MachineRegistry
-from controlplane.pairing import Pairing
-from controlplane.queue import PromptQueue, QueueLimits
-from controlplane.tokens import TokenService
+from controlplane.access.accounts import AccountService
+from controlplane.access.principals import Principal
+from controlplane.access.tokens import TokenService
+from controlplane.integrity.audit import Auditor
+from controlplane.machines.pairing import Pairing
+from controlplane.machines.registry import MachineInfo, MachineRegistry
+from controlplane.queue.acks import AckBatcher
+from controlplane.queue.prompts import PromptQueue, QueueLimits
 from shared import tls
 from shared.crypto import BoxKeyPair
 from shared.ids import new_id

@@ -23,36 +23,28 @@ from typing import Self
 import grpc
 import grpc.aio
 from grpc_health.v1._async import HealthServicer
-from prometheus_client import CollectorRegistry
 
-from controlplane.accounts import AccountService
-from controlplane.admin_servicer import AdminServicer
-from controlplane.audit import Auditor
-from controlplane.authz import CredentialService
-from controlplane.backups import MachineBackups
+from controlplane.access.accounts import AccountService
+from controlplane.api.admin import AdminServicer
+from controlplane.api.link import LinkServicer
 from controlplane.config import ControlConfig, parse_hostport
-from controlplane.deletion import AccountDeletion, DeletionHooks
-from controlplane.delivery import PromptDelivery
-from controlplane.fencing import Fence, take_epoch
-from controlplane.integrity import (
-    DeploymentGuard,
-    TrustedStore,
-    open_trusted_store,
-)
-from controlplane.intents import Intents
-from controlplane.keybundle import reseal_key_bundle
-from controlplane.keys import HomeKeys, KeyRing, load_home_keys
-from controlplane.link_servicer import LinkServicer
-from controlplane.machines import MachineRegistry
+from controlplane.deletion.service import AccountDeletion, DeletionHooks
+from controlplane.integrity.intents import Intents
+from controlplane.integrity.keys import KeyRing, load_home_keys
+from controlplane.integrity.trusted import DeploymentGuard, TrustedStore, open_trusted_store
+from controlplane.machines.backups import MachineBackups
+from controlplane.machines.presence import PresenceRegistry
+from controlplane.machines.registry import MachineRegistry
+from controlplane.machines.rosters import AgentRosters
 from controlplane.metrics import ControlMetrics
-from controlplane.pairing import Pairing
-from controlplane.presence import PresenceRegistry
-from controlplane.queue import PromptQueue, QueueLimits
-from controlplane.rosters import AgentRosters
-from controlplane.rotation import KeyRotation
-from controlplane.starter import MachineStarter
-from controlplane.tokens import TokenService
-from controlplane.wake import ScheduleWaker
+from controlplane.queue.delivery import PromptDelivery
+from controlplane.queue.prompts import PromptQueue, QueueLimits
+from controlplane.queue.starter import MachineStarter
+from controlplane.queue.wake import ScheduleWaker
+from controlplane.recovery.fencing import Fence, take_epoch
+from controlplane.recovery.keybundle import reseal_key_bundle
+from controlplane.recovery.rotation import KeyRotation
+from controlplane.services import Services
 from shared.atomic import write_atomic
 from shared.call_metrics import CallsInterceptor
 from shared.errors import (
@@ -66,9 +58,8 @@ from shared.limits import LINK_MAX_MESSAGE
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
 from shared.rpc import NO_REUSEPORT, ErrorInterceptor, serve_health_and_reflection
-from shared.store import ObjectStore, StoreOptions, open_store
 
-__all__ = ["ControlPlane", "Services", "open_control_store", "run_daemon"]
+__all__ = ["ControlPlane", "run_daemon"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,61 +69,6 @@ OFFLINE_COUNT_INTERVAL = 60.0
 MAX_MESSAGE_BYTES = LINK_MAX_MESSAGE
 LINK_SERVICE = link_pb2.DESCRIPTOR.services_by_name["MachineLink"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
-
-
-async def open_control_store(cfg: ControlConfig, registry: CollectorRegistry | None) -> ObjectStore:
-    """Open the configured store (metrics under ``agents_cp_store_*``)."""
-    options = StoreOptions(
-        access_key=cfg.store_access_key,
-        secret_key=cfg.store_secret_key,
-        region=cfg.store_region,
-        endpoint_url=cfg.store_endpoint,
-    )
-    return await open_store(
-        cfg.store_url, options=options, namespace="agents_cp", registry=registry
-    )
-
-
-class Services:
-    """The domain objects of one daemon, built from a store and keys."""
-
-    def __init__(
-        self,
-        cfg: ControlConfig,
-        store: ObjectStore,
-        keys: HomeKeys,
-        backups: ObjectStore | None = None,
-    ) -> None:
-        # The live keys: rotation (controlplane.rotation) swaps them while serving.
-        self.keyring = KeyRing(keys)
-        self.auditor = Auditor(store)
-        # One intent log for every multi-object change (controlplane.intents).
-        self.intents = Intents(store)
-        self.accounts = AccountService(store, self.auditor, intents=self.intents)
-        self.credentials = CredentialService(store, self.accounts, self.auditor)
-        self.tokens = TokenService(
-            store,
-            self.accounts,
-            self.auditor,
-            default_ttl=cfg.token_ttl,
-            intents=self.intents,
-        )
-        self.machines = MachineRegistry(store, self.accounts, self.auditor, intents=self.intents)
-        self.pairing = Pairing(
-            self.tokens,
-            self.machines,
-            self.accounts,
-            keys.ca,
-            dt.timedelta(days=cfg.cert_lifetime_days),
-            intents=self.intents,
-            confirm_grace=cfg.join_confirm_grace,
-            store=store,
-            keyring=self.keyring,
-        )
-        # Account deletion reads the backups' names lists (controlplane.deletion).
-        self.deletion = AccountDeletion(
-            store, self.accounts, self.auditor, self.intents, backups=backups
-        )
 
 
 class ControlPlane:
@@ -261,7 +197,7 @@ class ControlPlane:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 # Machines ping every 30 s to notice a vanished control plane
-                # (machine/link.py); the default floor would GOAWAY them.
+                # (machine/link/connection.py); the default floor would GOAWAY them.
                 ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
                 NO_REUSEPORT,
             ],
@@ -270,7 +206,7 @@ class ControlPlane:
         # The chain carries the CA too: a joining machine checks it against the
         # pinned hash before it sends its token (kubeadm-style discovery).
         # Both are read from the key ring at each handshake, so a rotation reaches
-        # new connections without a restart (controlplane.rotation).
+        # new connections without a restart (controlplane.recovery.rotation).
         public_creds = _dynamic_credentials(services.keyring, client_auth=False)
         link_creds = _dynamic_credentials(services.keyring, client_auth=True)
         host, port = parse_hostport(cfg.listen, "listen")

@@ -1,11 +1,17 @@
-"""The machine daemon (`agents-machine`): agents, runs, runtimes, store and CLI.
+"""The machine daemon (`agents-machine`), one package (a room) per capability.
 
-Public entry points live in their modules: :func:`machine.daemon.serve`,
-:func:`machine.cli.main`, :class:`machine.config.MachineConfig`.
+Bottom to top: ``formats`` (export, sealed backups, cron), ``storage``
+(machine.db and its SQL), ``runtimes``, ``core`` (agents, runs, events),
+``schedules``, ``erasure`` (and retention), ``link`` (identity, join, live link),
+``backups`` (and export/import), ``api`` (the gRPC servicer), ``cli``. Entry
+modules beside them: ``app`` (the domain wired together), ``daemon`` (the gRPC
+server), ``config``, and the leaves every room may use: ``models``, ``metrics``,
+``version``. docs/architecture.md walks a prompt and a backup through them;
+tests/layout/test_import_rules.py keeps the import rules.
 
 Nothing is imported here eagerly: a backup's segment worker process imports
-``machine.segment_workers`` alone, and the configuration (with what it pulls
-in: gRPC stubs, TLS, metrics) cost each worker about 0.25 s of CPU at start.
+``machine.backups.segment_workers`` alone, and the configuration (with what it
+pulls in: gRPC stubs, TLS, metrics) cost each worker about 0.25 s of CPU at start.
 """
 
 from __future__ import annotations

@@ -20,28 +20,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from machine import identity, restored, tables
-from machine.agents import AgentsService
-from machine.attachments import AttachmentStore, remove_partial_uploads
-from machine.backup import BackupEngine
-from machine.backup_keys import BackupKeys, load_backup_keys
-from machine.backup_link import ControlPlaneTarget
-from machine.backup_service import BackupMetrics, BackupService, parse_daily_time, same_device
+from machine.backups.engine import BackupEngine
+from machine.backups.handoff import Handoff
+from machine.backups.keys import BackupKeys, load_backup_keys
+from machine.backups.link_target import ControlPlaneTarget
+from machine.backups.service import BackupMetrics, BackupService, parse_daily_time, same_device
 from machine.config import MachineConfig
-from machine.db import Database
-from machine.dbfaults import CheckResult
-from machine.deliveries import crash_after
-from machine.erasure import ErasureService
-from machine.handoff import Handoff
-from machine.link_client import AgentRoster, LinkClient
+from machine.core.agents import AgentsService
+from machine.core.attachments import AttachmentStore, remove_partial_uploads
+from machine.core.runs import RunEngine
+from machine.core.search_indexer import SearchIndexer
+from machine.core.streams import StreamLimits
+from machine.erasure.retention import Retention
+from machine.erasure.service import ErasureService
+from machine.link import identity
+from machine.link.client import AgentRoster, LinkClient
+from machine.link.deliveries import crash_after
 from machine.metrics import MachineMetrics
 from machine.models import AgentState, MachineIds
-from machine.retention import Retention
-from machine.runs import RunEngine
 from machine.runtimes import RuntimeRegistry, default_registry
-from machine.schedules import Scheduler, SchedulesService
-from machine.search_indexer import SearchIndexer
-from machine.streams import StreamLimits
+from machine.schedules.service import Scheduler, SchedulesService
+from machine.storage import restored, tables
+from machine.storage.db import Database
+from machine.storage.faults import CheckResult
 from shared.atomic import ensure_private_dir
 from shared.backup_folder import FolderTarget
 from shared.backup_target import BackupTarget

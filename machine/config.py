@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from machine.backup_service import parse_daily_time
-from machine.cron import validate_zone
+from machine.backups.service import parse_daily_time
+from machine.formats.cron import validate_zone
 from machine.runtimes.claude_files import default_claude_home, default_codex_home
 from shared.config import (
     Sources,

@@ -23,14 +23,14 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from machine import identity
+from machine.api.local_auth import TOKEN_FILE, BearerTokenInterceptor, load_or_create_token
+from machine.api.servicer import SERVICE_NAME, MachineServicer
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig, parse_hostport
-from machine.deliveries import DeliveryHandler, crash_after
-from machine.link import ControlLink
-from machine.local_auth import TOKEN_FILE, BearerTokenInterceptor, load_or_create_token
+from machine.link import identity
+from machine.link.connection import ControlLink
+from machine.link.deliveries import DeliveryHandler, crash_after
 from machine.metrics import MachineMetrics
-from machine.servicer import SERVICE_NAME, MachineServicer
 from machine.version import machine_version
 from shared.call_metrics import CallsInterceptor
 from shared.errors import InvalidState

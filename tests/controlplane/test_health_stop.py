@@ -8,7 +8,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.controlplane.test_security import control
+from tests.controlplane.access.test_security import control
 
 
 async def test_health_not_serving_at_start_of_graceful_stop(tmp_path: Path) -> None:

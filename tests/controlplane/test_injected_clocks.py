@@ -6,13 +6,13 @@ import datetime as dt
 import json
 from typing import Any
 
-from controlplane.accounts import AccountService
-from controlplane.admin_servicer import AdminServicer
-from controlplane.audit import Auditor
-from controlplane.authz import Principal
-from controlplane.fencing import EPOCH_KEY, Fence
-from controlplane.records import utc_iso
-from controlplane.tokens import TokenService
+from controlplane.access.accounts import AccountService
+from controlplane.access.principals import Principal
+from controlplane.access.tokens import TokenService
+from controlplane.api.admin import AdminServicer
+from controlplane.integrity.audit import Auditor
+from controlplane.integrity.records import utc_iso
+from controlplane.recovery.fencing import EPOCH_KEY, Fence
 from shared.pb.control.v1 import admin_pb2
 from shared.store import MemoryStore
 from tests.helpers.clock import FixedClock

@@ -225,7 +225,7 @@ def test_unit_is_hardened(name: str) -> None:
 
 
 def test_control_unit_runs_the_real_cli_and_leaves_time_to_drain() -> None:
-    from controlplane.cli import build_parser
+    from controlplane.cli.main import build_parser
 
     unit = _unit("agents-control.service")
     argv = shlex.split(_one(unit, "ExecStart"))
@@ -241,12 +241,12 @@ def test_control_unit_runs_the_real_cli_and_leaves_time_to_drain() -> None:
 
 
 def test_machine_unit_runs_the_real_cli_and_leaves_time_to_drain() -> None:
-    from machine import cli
+    from machine.cli import main as cli
 
     unit = _unit("agents-machine.service")
     argv = shlex.split(_one(unit, "ExecStart"))
     assert Path(argv[0]).name == "agents-machine"
-    # machine.cli exposes no public parser; its private one is the real command line.
+    # machine.cli.main exposes no public parser; its private one is the real command line.
     args = cli._parser().parse_args(argv[1:])
     assert args.command == "serve"
     assert args.data_dir.endswith("/.agents-server/root")

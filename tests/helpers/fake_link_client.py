@@ -40,8 +40,8 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-from controlplane.backups import MachineBackups
-from machine.link_client import (
+from controlplane.machines.backups import MachineBackups
+from machine.link.client import (
     AgentRoster,
     BackupEntry,
     ControlNotice,
@@ -283,7 +283,7 @@ class FakeLinkClient:
     def connect(self) -> FakeStream:
         return FakeStream(self._fake, self)
 
-    # Backups: the control plane's own domain (controlplane.backups) on a memory
+    # Backups: the control plane's own domain (controlplane.machines.backups) on a memory
     # store, its errors as the servicer's interceptor sends them.
 
     async def _backups(self, rpc: str, machine_id: str = "") -> tuple[str, str]:
@@ -483,7 +483,7 @@ class FakeControlPlane:
             raise scripted
         if token not in self.tokens:
             raise domain_rpc_error(Unauthenticated("join: token refused"))
-        # Like controlplane.pairing: a re-pair needs a repair token for that machine.
+        # Like controlplane.machines.pairing: a re-pair needs a repair token for that machine.
         repairs = self.repairs.get(token, "")
         if repair_machine_id and repair_machine_id != repairs:
             raise domain_rpc_error(

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from machine import tables
 from machine.app import Machine
 from machine.models import EventKind, RunRecord, RunState, StoredEvent
+from machine.storage import tables
 from tests.helpers.poll import apoll_until
 
 __all__ = ["RUN_DEADLINE", "break_appends", "read_until", "wait_for_state"]

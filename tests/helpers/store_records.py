@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from controlplane.integrity import record_mac_key
-from controlplane.keys import load_home_keys
+from controlplane.integrity.keys import load_home_keys
+from controlplane.integrity.trusted import record_mac_key
 from shared.store.authenticated import MAC_HEADER, seal
 
 __all__ = ["payload", "read_json", "sealed"]

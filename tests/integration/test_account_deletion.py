@@ -28,11 +28,11 @@ import grpc
 import pytest
 from botocore.config import Config
 
-from controlplane.admin_types import NewJoinToken
-from controlplane.client import AdminClient
-from controlplane.integrity import record_mac_key
-from controlplane.keys import load_home_keys
-from machine.link_client import LinkClient
+from controlplane.cli.admin_types import NewJoinToken
+from controlplane.cli.client import AdminClient
+from controlplane.integrity.keys import load_home_keys
+from controlplane.integrity.trusted import record_mac_key
+from machine.link.client import LinkClient
 from shared.errors import NotFound
 from shared.store.authenticated import seal
 from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, stop_serve

@@ -22,11 +22,11 @@ from typing import Any
 import grpc
 import pytest
 
-from controlplane.client import AdminClient
-from machine.backup import BackupEngine
-from machine.backup_format import BackupManifest, seal_manifest
-from machine.backup_link import ControlPlaneTarget
-from machine.link_client import LinkClient
+from controlplane.cli.client import AdminClient
+from machine.backups.engine import BackupEngine
+from machine.backups.link_target import ControlPlaneTarget
+from machine.formats.backup import BackupManifest, seal_manifest
+from machine.link.client import LinkClient
 from shared.backup_target import MAX_LINK_MANIFEST
 from shared.crypto import BoxKeyPair
 from shared.errors import IntegrityError, NotFound, TooLarge
@@ -35,7 +35,7 @@ from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from tests.conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY, _s3_client
 from tests.helpers.control_proc import ControlProc, control_plane
 from tests.helpers.link_client import connect_once, join
-from tests.machine.test_backup_engine import Clock, FakeSource
+from tests.machine.backups.test_backup_engine import Clock, FakeSource
 
 pytestmark = pytest.mark.integration
 

@@ -32,10 +32,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from machine import identity
-from machine.backup_format import BackupManifest, seal_manifest
-from machine.client import MachineClient
+from machine.cli.client import MachineClient
 from machine.config import MachineConfig
+from machine.formats.backup import BackupManifest, seal_manifest
+from machine.link import identity
 from machine.models import AgentState, EventKind
 from shared.crypto import BoxKeyPair, encode_private_key, encode_public_key
 from shared.ids import new_id

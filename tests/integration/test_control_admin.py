@@ -23,7 +23,7 @@ import grpc.aio
 import pytest
 from botocore.config import Config
 
-from controlplane.client import AdminClient
+from controlplane.cli.client import AdminClient
 from shared import tls
 from shared.errors import NotFound
 from shared.ids import new_id

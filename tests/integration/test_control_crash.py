@@ -26,14 +26,14 @@ import grpc
 import grpc.aio
 import pytest
 
-from controlplane.admin_types import JoinToken
-from controlplane.client import AdminClient
+from controlplane.cli.admin_types import JoinToken
+from controlplane.cli.client import AdminClient
 from controlplane.config import load_config
-from controlplane.fencing import EPOCH_KEY, HOME_ID_FILE, read_home_id
-from controlplane.fsck import FsckReport, fsck_deployment
-from controlplane.integrity import marker_deployment_id
-from controlplane.keybundle import StoredBundle, open_bundle
-from controlplane.keys import HomeKeys, load_home_keys
+from controlplane.integrity.keys import HomeKeys, load_home_keys
+from controlplane.integrity.trusted import marker_deployment_id
+from controlplane.recovery.fencing import EPOCH_KEY, HOME_ID_FILE, read_home_id
+from controlplane.recovery.fsck import FsckReport, fsck_deployment
+from controlplane.recovery.keybundle import StoredBundle, open_bundle
 from shared import tls
 from shared.recovery_key import read_recovery_key
 from shared.store.authenticated import unverified_payload

@@ -23,8 +23,8 @@ import grpc.aio
 import pytest
 from botocore.config import Config
 
-from controlplane.hashing import hash_secret, new_secret
-from controlplane.records import Credential, JoinToken, Machine, encode
+from controlplane.access.hashing import hash_secret, new_secret
+from controlplane.integrity.records import Credential, JoinToken, Machine, encode
 from shared.ids import new_id
 from tests.helpers.control_proc import CliResult, ControlProc, control_plane, s3_env
 from tests.helpers.link_client import join

@@ -20,9 +20,9 @@ from pathlib import Path
 import boto3  # type: ignore[import-untyped]
 import pytest
 
-from controlplane.drill import Drill
-from controlplane.fencing import EPOCH_KEY
-from controlplane.keys import load_home_keys
+from controlplane.cli.drill import Drill
+from controlplane.integrity.keys import load_home_keys
+from controlplane.recovery.fencing import EPOCH_KEY
 from shared.errors import InvalidState
 from tests.helpers.control_proc import agents_control_exe, recovery_key_path, run_init, s3_env
 from tests.helpers.fault_proxy import crash_proxy
@@ -109,7 +109,7 @@ async def test_restore_from_the_bucket_brings_every_machine_back_without_a_join(
         assert load_home_keys(drill.home) == keys
 
         # The backup link's channel reconnects on its own schedule (at most every
-        # few seconds, machine.link_client), not with the machine's link.
+        # few seconds, machine.link.client), not with the machine's link.
         def listed_again() -> str | None:
             try:
                 return drill.machine_cli(backed_up, "backup", "list", "--json")

@@ -32,9 +32,9 @@ import grpc.aio
 import pytest
 from botocore.config import Config
 
-from controlplane.admin_types import Machine
-from controlplane.client import AdminClient
-from machine import identity
+from controlplane.cli.admin_types import Machine
+from controlplane.cli.client import AdminClient
+from machine.link import identity
 from shared import tls
 from shared.pb.control.v1 import link_pb2, link_pb2_grpc
 from tests.helpers.control_proc import (

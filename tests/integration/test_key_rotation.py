@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.integrity import DEPLOYMENT_KEY
-from machine import identity
+from controlplane.integrity.trusted import DEPLOYMENT_KEY
+from machine.link import identity
 from shared import tls
 from tests.helpers.control_proc import (
     ControlProc,

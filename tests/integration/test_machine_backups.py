@@ -22,8 +22,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from machine.backup_format import manifest_aad
-from machine.cli_common import human
+from machine.cli.common import human
+from machine.formats.backup import manifest_aad
 from shared.backup_target import manifest_key
 from shared.crypto import (
     BoxKeyPair,

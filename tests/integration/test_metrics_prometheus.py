@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from machine import identity
+from machine.link import identity
 from shared.ids import KINDS
 from tests.helpers.control_proc import ControlProc, control_plane
 from tests.helpers.machine_proc import MachineProc, run_cli

@@ -26,7 +26,7 @@ import boto3  # type: ignore[import-untyped]
 import psutil
 import pytest
 
-from controlplane.client import AdminClient
+from controlplane.cli.client import AdminClient
 from shared.errors import (
     AgentsError,
     InvalidArgument,

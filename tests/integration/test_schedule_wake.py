@@ -24,8 +24,8 @@ from typing import Any
 import psutil
 import pytest
 
-from controlplane.admin_types import Machine
-from controlplane.client import AdminClient
+from controlplane.cli.admin_types import Machine
+from controlplane.cli.client import AdminClient
 from tests.helpers.control_proc import (
     ControlProc,
     join_new_account,

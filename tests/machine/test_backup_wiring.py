@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from machine.app import backup_warnings, check_backup_folder, open_machine
-from machine.backup_link import ControlPlaneTarget
+from machine.backups.link_target import ControlPlaneTarget
 from machine.config import MachineConfig
-from machine.link_client import LinkClient
+from machine.link.client import LinkClient
 from machine.metrics import MachineMetrics
 from shared.backup_target import StoreTarget
 from shared.errors import ConfigError, InvalidArgument

@@ -1,0 +1,277 @@
+"""Join tokens: short-lived, limited-use, stored as a hash, consumed with CAS."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import dataclass
+from typing import Any, Final
+
+from controlplane.access.accounts import AccountService
+from controlplane.access.hashing import hash_secret, new_secret, split_bearer, verify_secret
+from controlplane.access.principals import Principal
+from controlplane.config import MAX_TOKEN_TTL
+from controlplane.integrity import jsonstore
+from controlplane.integrity.audit import Auditor
+from controlplane.integrity.intents import Intent, Intents
+from controlplane.integrity.records import (
+    JoinToken,
+    Machine,
+    token_index_key,
+    token_key,
+    tokens_prefix,
+)
+from shared.errors import IntegrityError, InvalidArgument, InvalidState, NotFound, Unauthenticated
+from shared.ids import new_id, validate_id
+from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
+
+__all__ = ["MAX_USES", "NewToken", "TokenService"]
+
+logger = logging.getLogger(__name__)
+
+#: The most joins one token may allow.
+MAX_USES: Final = 1000
+_PURPOSE: Final = "token"
+_CREATE: Final = "token.create"
+
+
+@dataclass(frozen=True)
+class NewToken:
+    """A token just made: its record and the value shown once."""
+
+    token: JoinToken
+    value: str
+    """``tok_<id>.<secret>``; never stored."""
+
+
+_BAD_TOKEN = "join: unknown token or wrong secret"
+
+
+class TokenService:
+    """Join tokens of every account."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        accounts: AccountService,
+        auditor: Auditor,
+        *,
+        default_ttl: int = 3600,
+        clock: Clock = utc_now,
+        intents: Intents | None = None,
+    ) -> None:
+        self._store = store
+        self._accounts = accounts
+        self._audit = auditor
+        self._default_ttl = default_ttl
+        self._clock = clock
+        self._intents = intents if intents is not None else Intents(store, clock)
+        self._intents.register(_CREATE, self._roll_back_create)
+
+    async def create(
+        self,
+        principal: Principal,
+        account_id: str,
+        ttl_seconds: int = 0,
+        max_uses: int = 0,
+        *,
+        repair_machine_id: str = "",
+    ) -> NewToken:
+        """Make a token for ``account_id``: TTL default from config, at most 24 h.
+
+        ``ttl_seconds=0`` means the configured default and ``max_uses=0`` means
+        one use: proto3 cannot tell an unset field from 0, so 0 is "not given".
+        Negative values raise InvalidArgument naming the field.
+        """
+        validate_id("account", account_id, "account_id")
+        principal.visible_account(account_id, "account", account_id)
+        if ttl_seconds < 0:
+            raise InvalidArgument("ttl_seconds", "must not be negative (0 means the default)")
+        if max_uses < 0:
+            raise InvalidArgument("max_uses", "must not be negative (0 means one use)")
+        ttl = ttl_seconds if ttl_seconds > 0 else self._default_ttl
+        if not 1 <= ttl <= MAX_TOKEN_TTL:
+            raise InvalidArgument("ttl_seconds", f"must be between 1 and {MAX_TOKEN_TTL} seconds")
+        uses = max_uses if max_uses > 0 else 1
+        if not 1 <= uses <= MAX_USES:
+            raise InvalidArgument("max_uses", f"must be between 1 and {MAX_USES}")
+        try:
+            await self._accounts.get(account_id)
+        except NotFound:
+            raise NotFound("account", account_id) from None
+        await self._accounts.require_active(account_id, "token create")
+        now = self._clock()
+        token_id = new_id("token")
+        secret = new_secret()
+        token = JoinToken(
+            token_id=token_id,
+            account_id=account_id,
+            secret_hash=hash_secret(_PURPOSE, token_id, secret),
+            created_at=now,
+            expires_at=now + dt.timedelta(seconds=ttl),
+            max_uses=uses,
+            created_by=principal.credential_id,
+            repair_machine_id=repair_machine_id,
+        )
+        # Index and record under one intent (controlplane.integrity.intents); deleting it is the
+        # commit point, and the value is shown only after it.
+        async with self._intents.change(_CREATE, account_id=account_id, token_id=token_id):
+            await jsonstore.create(
+                self._store, token_index_key(token_id), {"account_id": account_id}
+            )
+            await jsonstore.create(self._store, token_key(account_id, token_id), token.to_dict())
+        await self._audit.record(principal.credential_id, "token.create", token_id, account_id)
+        return NewToken(token, f"{token_id}.{secret}")
+
+    async def create_repair(
+        self, principal: Principal, machine: Machine, ttl_seconds: int = 0
+    ) -> NewToken:
+        """A one-use token that re-pairs ``machine`` (already checked visible to
+        ``principal``): the box that joins with it takes over the machine's id and
+        the machine's old certificate is refused from then on (controlplane.machines.pairing)."""
+        if machine.revoked:
+            raise InvalidState(
+                "machine repair", f"machine {machine.machine_id} is revoked; join a new machine"
+            )
+        return await self.create(
+            principal, machine.account_id, ttl_seconds, 1, repair_machine_id=machine.machine_id
+        )
+
+    async def _roll_back_create(self, intent: Intent, age: float) -> bool:
+        """Undo a token create that never committed: the record, then its index entry."""
+        acct = validate_id("account", intent.fields.get("account_id", ""), "account_id")
+        tok = validate_id("token", intent.fields.get("token_id", ""), "token_id")
+        await self._store.delete(token_key(acct, tok))
+        await self._store.delete(token_index_key(tok))
+        return True
+
+    async def _owner(self, token_id: str) -> str:
+        data = await jsonstore.read(self._store, token_index_key(token_id))
+        return validate_id("account", str(data.get("account_id", "")), "account_id")
+
+    async def get(self, principal: Principal, token_id: str) -> JoinToken:
+        """One token; NotFound when missing or not visible to ``principal``."""
+        validate_id("token", token_id, "token_id")
+        try:
+            account_id = await self._owner(token_id)
+            principal.visible_account(account_id, "token", token_id)
+            data = await jsonstore.read(self._store, token_key(account_id, token_id))
+        except NotFound:
+            raise NotFound("token", token_id) from None
+        return JoinToken.from_dict(data)
+
+    async def list(self, principal: Principal, account_id: str = "") -> list[JoinToken]:
+        """Tokens of one account, or of every account for the operator; oldest first."""
+        out: list[JoinToken] = []
+        for acct in await self._accounts.scope_ids(principal, account_id):
+            records = await jsonstore.read_all(self._store, tokens_prefix(acct), "token")
+            out.extend(JoinToken.from_dict(d) for d in records)
+        return out
+
+    async def revoke(self, principal: Principal, token_id: str) -> JoinToken:
+        """Revoke a token (idempotent)."""
+        token = await self.get(principal, token_id)
+
+        def change(d: dict[str, Any]) -> dict[str, Any] | None:
+            if d.get("revoked"):
+                return None
+            return {**d, "revoked": True}
+
+        data = await jsonstore.update(self._store, token_key(token.account_id, token_id), change)
+        await self._audit.record(
+            principal.credential_id, "token.revoke", token_id, token.account_id
+        )
+        return JoinToken.from_dict(data)
+
+    async def consume(self, value: str, intent_id: str = "") -> JoinToken:
+        """:meth:`check` a presented token, then :meth:`use` it once."""
+        return await self.use(await self.check(value), intent_id)
+
+    async def check(self, value: str) -> JoinToken:
+        """The token ``value`` names, if its secret matches and it may be used (reads only).
+
+        Raises Unauthenticated ("join: token expired", ...) or PermissionDenied
+        when the account is deleted or being deleted. Never echoes the secret.
+        """
+        try:
+            token_id, secret = split_bearer(value, "token", "token")
+        except InvalidArgument:
+            raise Unauthenticated("join: malformed token (want tok_<id>.<secret>)") from None
+        try:
+            account_id = await self._owner(token_id)
+            key = token_key(account_id, token_id)
+            token = JoinToken.from_dict(await jsonstore.read(self._store, key))
+        except (NotFound, IntegrityError):
+            # A refused (forged) record answers like a missing one: it grants nothing.
+            raise Unauthenticated(_BAD_TOKEN) from None
+        if token.account_id != account_id or token.token_id != token_id:
+            raise Unauthenticated(_BAD_TOKEN)
+        if not verify_secret(_PURPOSE, token_id, secret, token.secret_hash):
+            # Same words as an unknown id: the answer must not tell which ids exist.
+            raise Unauthenticated(_BAD_TOKEN)
+        self._check_usable(token)
+        await self._accounts.require_active(account_id, "join")
+        return token
+
+    async def use(self, token: JoinToken, intent_id: str = "") -> JoinToken:
+        """Take one use (compare-and-swap); ``intent_id`` names the join taking it, so a
+        rolled-back join can give it back (:meth:`give_back`)."""
+
+        def change(d: dict[str, Any]) -> dict[str, Any]:
+            # Re-checked on every CAS attempt: a concurrent join may have used it up.
+            self._check_usable(JoinToken.from_dict(d))
+            used_by = [*d.get("used_by", [])]
+            if intent_id:
+                used_by.append(intent_id)
+            return {**d, "uses": int(d.get("uses", 0)) + 1, "used_by": used_by}
+
+        key = token_key(token.account_id, token.token_id)
+        used = JoinToken.from_dict(await jsonstore.update(self._store, key, change))
+        await self._audit.record(token.token_id, "token.use", token.token_id, token.account_id)
+        return used
+
+    async def give_back(self, account_id: str, token_id: str, intent_id: str) -> None:
+        """Return the use ``intent_id`` took, if it took one (idempotent)."""
+
+        def change(d: dict[str, Any]) -> dict[str, Any] | None:
+            used_by = [*d.get("used_by", [])]
+            if intent_id not in used_by:
+                return None
+            used_by.remove(intent_id)
+            return {**d, "uses": max(0, int(d.get("uses", 0)) - 1), "used_by": used_by}
+
+        try:
+            await jsonstore.update(self._store, token_key(account_id, token_id), change)
+        except NotFound:
+            return  # the token itself is gone: nothing to give back
+
+    async def take_again(self, account_id: str, token_id: str, intent_id: str) -> None:
+        """Count the use ``intent_id`` took again if it was given back (idempotent).
+
+        A box that connects with the certificate of a join whose use was given
+        back (a repair rolled back after its grace: its record stays) holds the
+        machine: the token must not take it over a second time.
+        """
+
+        def change(d: dict[str, Any]) -> dict[str, Any] | None:
+            used_by = [*d.get("used_by", [])]
+            if intent_id in used_by:
+                return None  # the use still counts (the usual case)
+            return {**d, "uses": int(d.get("uses", 0)) + 1, "used_by": [*used_by, intent_id]}
+
+        try:
+            await jsonstore.update(self._store, token_key(account_id, token_id), change)
+        except NotFound:
+            return  # the token itself is gone: nobody can use it again
+        except IntegrityError as e:  # a forged record: the token is refused anyway
+            logger.error("token %s: cannot count its use again: %s", token_id, e)
+
+    def _check_usable(self, token: JoinToken) -> None:
+        state = token.state(self._clock())
+        if state == "revoked":
+            raise Unauthenticated("join: token revoked")
+        if state == "used":
+            raise Unauthenticated("join: token already used")
+        if state == "expired":
+            raise Unauthenticated("join: token expired")

@@ -1,0 +1,321 @@
+"""Presence: the registry of live machine links, and last-seen bookkeeping.
+
+Each machine has at most one live :class:`Session` (a new Connect replaces the
+old one). Messages for a machine go into its session's outbox; the Connect
+handler sends them in order. "Last seen" is written to the store at most once
+per ``write_interval`` per machine while it is connected, and once more when
+its link ends, so presence costs O(machines / minute) writes whatever the
+heartbeat rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from controlplane.access.principals import Principal
+from controlplane.integrity.records import Machine, Presence, decode, encode, presence_key
+from shared.errors import AgentsError, IntegrityError, NotFound
+from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
+
+if TYPE_CHECKING:
+    from controlplane.machines.registry import MachineRegistry
+
+__all__ = [
+    "AccountDeletedNotice",
+    "CloseLink",
+    "DeliveryNotice",
+    "MachineStatus",
+    "Outgoing",
+    "PresenceRegistry",
+    "RenewNowNotice",
+    "RevokedNotice",
+    "Session",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RevokedNotice:
+    """Tell the machine it was revoked; the link closes after it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class AccountDeletedNotice:
+    """Tell the machine its account is being deleted; the link closes after it."""
+
+    account_id: str
+
+
+@dataclass(frozen=True)
+class RenewNowNotice:
+    """Ask the machine to renew its certificate."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeliveryNotice:
+    """A queued prompt for the machine (still sealed to its box key)."""
+
+    prompt_id: str
+    agent_id: str
+    sealed_prompt: bytes = field(repr=False)
+    created_at: dt.datetime
+
+
+class CloseReason(enum.Enum):
+    """Why a link ended without a notice; the value is the metrics label."""
+
+    CLOSED = "closed"
+    TIMEOUT = "timeout"
+    REPLACED = "replaced"
+    SHUTDOWN = "shutdown"
+    BROKEN = "broken"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class CloseLink:
+    """End the link without a notice (see :class:`CloseReason`)."""
+
+    reason: CloseReason
+
+
+Outgoing = RevokedNotice | AccountDeletedNotice | RenewNowNotice | DeliveryNotice | CloseLink
+#: Notices after which the link closes.
+TERMINAL = (RevokedNotice, AccountDeletedNotice, CloseLink)
+
+
+@dataclass
+class Session:
+    """One live link of one machine."""
+
+    machine_id: str
+    account_id: str
+    version: str
+    agent_count: int
+    connected_at: dt.datetime
+    last_seen_at: dt.datetime
+    outbox: asyncio.Queue[Outgoing] = field(default_factory=asyncio.Queue)
+    last_write: float = -1e18
+    """Monotonic time of the last last-seen write."""
+    next_fire_at: dt.datetime | None = None
+    """The soonest schedule fire time the machine reported, or None."""
+    fire_changed: bool = False
+    """``next_fire_at`` changed since the last write: the next one is not held back."""
+
+    async def next_outgoing(self) -> Outgoing:
+        """Wait for the next message for this machine."""
+        return await self.outbox.get()
+
+
+@dataclass(frozen=True)
+class MachineStatus:
+    """A machine as listings show it: the record plus what presence knows."""
+
+    machine: Machine
+    online: bool
+    last_seen_at: dt.datetime | None
+    version: str
+    agent_count: int
+    next_fire_at: dt.datetime | None = None
+    """The soonest schedule fire time it reported (kept after it went offline)."""
+
+
+class PresenceRegistry:
+    """Live sessions by machine id; one instance per daemon."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        write_interval: float = 60.0,
+        clock: Clock = utc_now,
+        monotonic: Callable[[], float] = time.monotonic,
+        on_change: Callable[[int], None] | None = None,
+    ) -> None:
+        self._store = store
+        self._write_interval = write_interval
+        self._clock = clock
+        self._monotonic = monotonic
+        self._on_change = on_change
+        self._sessions: dict[str, Session] = {}
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(len(self._sessions))
+
+    @property
+    def online_count(self) -> int:
+        """How many machines have a live link."""
+        return len(self._sessions)
+
+    def session(self, machine_id: str) -> Session | None:
+        """The machine's live session, if any."""
+        return self._sessions.get(machine_id)
+
+    async def open(self, machine: Machine, version: str, agent_count: int) -> Session:
+        """Register a new link; an older link of the same machine is told to close."""
+        now = self._clock()
+        session = Session(
+            machine_id=machine.machine_id,
+            account_id=machine.account_id,
+            version=version,
+            agent_count=agent_count,
+            connected_at=now,
+            last_seen_at=now,
+        )
+        old = self._sessions.get(machine.machine_id)
+        if old is not None:
+            old.outbox.put_nowait(CloseLink(CloseReason.REPLACED))
+        self._sessions[machine.machine_id] = session
+        self._changed()
+        await self._write(session, force=True)
+        logger.info("machine %s online", machine.machine_id)
+        return session
+
+    async def seen(self, session: Session, agent_count: int | None = None) -> None:
+        """A heartbeat (or any message) arrived: update, and write at most once per interval."""
+        session.last_seen_at = self._clock()
+        if agent_count is not None:
+            session.agent_count = agent_count
+        await self._write(session, force=False)
+
+    def fire_reported(self, session: Session, next_fire_at: dt.datetime | None) -> None:
+        """A heartbeat said when the machine's next schedule fires: a change is written
+        with the next :meth:`seen` (not held back), so a machine that stops right
+        after leaves its next fire time in the store to be woken for."""
+        if next_fire_at != session.next_fire_at:
+            session.next_fire_at = next_fire_at
+            session.fire_changed = True
+
+    async def close(self, session: Session) -> None:
+        """The link ended: forget it and write last seen (idempotent; a replaced
+        session is already forgotten and its successor writes for it)."""
+        if self._sessions.get(session.machine_id) is not session:
+            return
+        # Written before it is forgotten: a close cancelled during the write (the
+        # link's reader task, torn down as the link ends) leaves the session
+        # registered, so the link's own close writes it again. Forgotten first,
+        # a cancelled write was lost and last seen went back to the last
+        # periodic write.
+        await self._write(session, force=True)
+        if self._sessions.get(session.machine_id) is not session:
+            return  # replaced meanwhile (a reconnect): the successor writes for it
+        del self._sessions[session.machine_id]
+        self._changed()
+        logger.info("machine %s offline", session.machine_id)
+
+    def close_all(self, reason: CloseReason = CloseReason.SHUTDOWN) -> int:
+        """Tell every live link to end (at shutdown, so draining does not wait on them).
+
+        Machines reconnect with backoff, to this daemon's successor.
+        Returns how many links were told.
+        """
+        sessions = list(self._sessions.values())
+        for session in sessions:
+            session.outbox.put_nowait(CloseLink(reason))
+        return len(sessions)
+
+    def notify(self, machine_id: str, message: Outgoing) -> bool:
+        """Queue a message for the machine's live link; False when it is offline."""
+        session = self._sessions.get(machine_id)
+        if session is None:
+            return False
+        session.outbox.put_nowait(message)
+        return True
+
+    async def kick(
+        self, account_id: str, machine_id: str, reason: str = "machine revoked by an administrator"
+    ) -> None:
+        """Close a revoked (or repaired) machine's link at once, telling it ``reason``
+        (a hook for MachineRegistry.revoke and .repair)."""
+        if self.notify(machine_id, RevokedNotice(reason)):
+            if self._sessions.pop(machine_id, None) is not None:
+                self._changed()
+
+    def close_account(self, account_id: str) -> int:
+        """Tell every live link of ``account_id`` that the account is being deleted.
+
+        Each link sends ``account_deleted`` and ends; returns how many were told.
+        """
+        sessions = [s for s in self._sessions.values() if s.account_id == account_id]
+        for session in sessions:
+            session.outbox.put_nowait(AccountDeletedNotice(account_id))
+            self._sessions.pop(session.machine_id, None)
+        if sessions:
+            self._changed()
+        return len(sessions)
+
+    async def _write(self, session: Session, *, force: bool) -> None:
+        now = self._monotonic()
+        if (
+            not force
+            and not session.fire_changed
+            and now - session.last_write < self._write_interval
+        ):
+            return
+        session.last_write = now
+        session.fire_changed = False
+        record = Presence(
+            machine_id=session.machine_id,
+            last_seen_at=session.last_seen_at,
+            version=session.version,
+            agent_count=session.agent_count,
+            next_fire_at=session.next_fire_at,
+        )
+        try:
+            await self._store.put(
+                presence_key(session.account_id, session.machine_id), encode(record)
+            )
+        except AgentsError as e:
+            # Presence is advisory: a failed write must not end the link.
+            logger.warning("presence %s: cannot write last seen: %s", session.machine_id, e)
+
+    async def count_offline(self, machines: MachineRegistry) -> int:
+        """Machines known to the store, not revoked, without a live link here.
+
+        Providers only start machines, never stop them on purpose, so every
+        such machine counts. One listing of every account's machines.
+        """
+        everyone = Principal("control-plane", "operator")
+        known = await machines.list(everyone)
+        return sum(1 for m in known if not m.revoked and m.machine_id not in self._sessions)
+
+    async def status(self, machine: Machine) -> MachineStatus:
+        """The machine's listing view: live session first, else its stored last seen."""
+        live = self._sessions.get(machine.machine_id)
+        if live is not None:
+            return MachineStatus(
+                machine,
+                True,
+                live.last_seen_at,
+                live.version,
+                live.agent_count,
+                live.next_fire_at,
+            )
+        try:
+            data = await self._store.get(presence_key(machine.account_id, machine.machine_id))
+        except (NotFound, IntegrityError):
+            # Missing, or refused (forged): either way nothing is known about it.
+            return MachineStatus(machine, False, None, machine.version, 0)
+        rec = Presence.from_dict(decode(data, "presence"))
+        return MachineStatus(
+            machine,
+            False,
+            rec.last_seen_at,
+            rec.version or machine.version,
+            rec.agent_count,
+            rec.next_fire_at,
+        )

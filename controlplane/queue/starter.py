@@ -1,0 +1,199 @@
+"""Starting stopped machines through their providers when a prompt waits for them.
+
+``machine provider set`` stores a machine's provider settings, credentials
+included, as ONE object ``accounts/<a>/providers/<m>.sealed`` (its put is the
+commit point): sealed (``shared.crypto.seal_bytes``) to a box key derived from
+the home's ``secrets.key``, bound to its key, and MAC'd like every record. No
+listing, log or metric shows a secret; listings show ``public()`` settings.
+
+A queued prompt asks the machine's provider to start it, at most once per
+``debounce`` seconds per machine; the machine is "starting" from then until it
+connects (or the window ends). A provider that refuses (bad credentials, no
+such instance) is counted and its message kept for ``prompt list``; it never
+fails the send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+from controlplane.access.principals import Principal
+from controlplane.integrity.audit import Auditor
+from controlplane.integrity.records import Machine
+from controlplane.machines.registry import MachineRegistry
+from controlplane.queue.providers import MachineProvider, open_provider, parse_settings
+from shared.crypto import BoxKeyPair, open_bytes, seal_bytes
+from shared.errors import AgentsError, IntegrityError, InvalidArgument, NotFound
+from shared.ids import validate_id
+from shared.store.base import ObjectStore
+
+__all__ = ["DEBOUNCE", "MachineStarter", "provider_key"]
+
+logger = logging.getLogger(__name__)
+
+#: Least seconds between two start requests for one machine.
+DEBOUNCE: Final = 60.0
+_BOX_INFO: Final = b"agents-cp provider settings v1"
+_MAX_SETTINGS: Final = 16 * 1024
+
+
+def provider_key(account_id: str, machine_id: str) -> str:
+    """Key of a machine's sealed provider settings."""
+    acct = validate_id("account", account_id, "account_id")
+    return f"accounts/{acct}/providers/{validate_id('machine', machine_id, 'machine_id')}.sealed"
+
+
+class MachineStarter:
+    """Provider settings and start requests; one instance per daemon."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        machines: MachineRegistry,
+        auditor: Auditor,
+        secrets_key: bytes,
+        *,
+        log_dir: Path,
+        debounce: float = DEBOUNCE,
+        on_result: Callable[[str], None] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._machines = machines
+        self._audit = auditor
+        self._box = BoxKeyPair.from_private(
+            hmac.new(secrets_key, _BOX_INFO, hashlib.sha256).digest()
+        )
+        self._log_dir = log_dir
+        self._debounce = debounce
+        self._on_result = on_result
+        self._monotonic = monotonic
+        self._providers: dict[str, MachineProvider] = {}
+        self._asked: dict[str, float] = {}
+        self._starting: set[str] = set()
+        self._errors: dict[str, str] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def set(
+        self, principal: Principal, machine_id: str, name: str, settings_json: str
+    ) -> Machine:
+        """Store (or with an empty ``name``, remove) a machine's provider."""
+        machine = await self._machines.get(principal, machine_id)
+        key = provider_key(machine.account_id, machine_id)
+        if not name:
+            await self._store.delete(key)
+        else:
+            if len(settings_json) > _MAX_SETTINGS:
+                raise InvalidArgument("settings_json", f"longer than {_MAX_SETTINGS} characters")
+            try:
+                data = json.loads(settings_json or "{}")
+            except ValueError:
+                raise InvalidArgument("settings_json", "not valid JSON") from None
+            settings = parse_settings(name, data)
+            if name == "local":
+                # It runs a command on the control plane's own host.
+                principal.require_operator("machine provider set local")
+            plain = json.dumps({"provider": name, "settings": settings.stored()}).encode()
+            # THE COMMIT POINT: the one put of the sealed settings.
+            await self._store.put(key, seal_bytes(plain, [self._box.public_key], aad=key.encode()))
+        old = self._providers.pop(machine_id, None)
+        if old is not None:
+            await old.close()
+        self._errors.pop(machine_id, None)
+        self._asked.pop(machine_id, None)  # new settings may be tried at once
+        await self._audit.record(
+            principal.credential_id, "machine.provider", machine_id, machine.account_id
+        )
+        return machine
+
+    async def _provider(self, account_id: str, machine_id: str) -> MachineProvider | None:
+        provider = self._providers.get(machine_id)
+        if provider is not None:
+            return provider
+        key = provider_key(account_id, machine_id)
+        try:
+            plain = open_bytes(await self._store.get(key), self._box, aad=key.encode())
+        except NotFound:
+            return None
+        data = json.loads(plain)
+        settings = parse_settings(str(data["provider"]), data["settings"])
+        provider = open_provider(settings, log_dir=self._log_dir / machine_id)
+        self._providers[machine_id] = provider
+        return provider
+
+    def request(self, account_id: str, machine_id: str) -> None:
+        """A prompt waits for this offline machine: ask its provider (debounced)."""
+        self.try_request(account_id, machine_id)
+
+    def try_request(self, account_id: str, machine_id: str) -> bool:
+        """As :meth:`request` (a schedule is due); whether a request was made now."""
+        now = self._monotonic()
+        last = self._asked.get(machine_id)
+        if last is not None and now - last < self._debounce:
+            return False
+        self._asked[machine_id] = now
+        task = asyncio.create_task(self._start(account_id, machine_id), name=f"start-{machine_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def has_provider(self, account_id: str, machine_id: str) -> bool:
+        """Whether a provider is set for the machine (an unreadable one counts: a
+        start then reports what is wrong with it)."""
+        try:
+            return await self._provider(account_id, machine_id) is not None
+        except (AgentsError, IntegrityError, KeyError, ValueError):
+            return True
+
+    async def _start(self, account_id: str, machine_id: str) -> None:
+        try:
+            provider = await self._provider(account_id, machine_id)
+            if provider is None:
+                # No provider: the prompt waits for the machine to come by itself,
+                # and the window does not hold back a provider set later.
+                self._asked.pop(machine_id, None)
+                return
+            status = await provider.start()
+        except (AgentsError, IntegrityError, KeyError, ValueError) as e:
+            self._errors[machine_id] = str(e)
+            self._count("error")
+            logger.warning("machine %s: provider start failed: %s", machine_id, e)
+            return
+        self._errors.pop(machine_id, None)
+        self._starting.add(machine_id)
+        self._count("ok")
+        logger.info("machine %s: provider asked to start it (%s)", machine_id, status.state)
+
+    def _count(self, result: str) -> None:
+        if self._on_result is not None:
+            self._on_result(result)
+
+    def connected(self, machine_id: str) -> None:
+        """The machine connected: no longer starting, and a later prompt may start it again."""
+        self._starting.discard(machine_id)
+        self._asked.pop(machine_id, None)
+
+    def starting(self, machine_id: str) -> bool:
+        """Asked to start and not connected yet."""
+        return machine_id in self._starting
+
+    def last_error(self, machine_id: str) -> str:
+        """The provider's last refusal for this machine, or ""."""
+        return self._errors.get(machine_id, "")
+
+    async def close(self) -> None:
+        """Stop start requests in flight; started machines keep running."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for provider in self._providers.values():
+            await provider.close()
+        self._providers.clear()

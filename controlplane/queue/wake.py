@@ -1,0 +1,87 @@
+"""Waking stopped machines for their schedules.
+
+A joined machine reports the soonest fire time of its schedules with every
+heartbeat; presence keeps it, also once the machine is offline. Every
+``interval`` this checks the offline machines: one whose next fire time is
+less than ``lead`` away (or past) gets its provider asked to start it, through
+:class:`~controlplane.starter.MachineStarter` (debounced per machine, the same
+path a queued prompt takes). A machine without a provider is never woken;
+``machine list`` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Callable
+
+from controlplane.access.principals import Principal
+from controlplane.machines.presence import MachineStatus, PresenceRegistry
+from controlplane.machines.registry import MachineRegistry
+from controlplane.queue.starter import MachineStarter
+from shared.timestamps import Clock, utc_now
+
+__all__ = ["ScheduleWaker"]
+
+logger = logging.getLogger(__name__)
+
+
+class ScheduleWaker:
+    """Asks providers to start offline machines shortly before a schedule fires."""
+
+    def __init__(
+        self,
+        machines: MachineRegistry,
+        presence: PresenceRegistry,
+        starter: MachineStarter,
+        *,
+        lead: float,
+        interval: float,
+        clock: Clock = utc_now,
+        on_wake: Callable[[], None] | None = None,
+    ) -> None:
+        self._machines = machines
+        self._presence = presence
+        self._starter = starter
+        self._lead = dt.timedelta(seconds=lead)
+        self._interval = interval
+        self._clock = clock
+        self._on_wake = on_wake
+
+    def wake_at(self, status: MachineStatus) -> dt.datetime | None:
+        """When the machine is to be started for its next fire (None: nothing comes)."""
+        if status.next_fire_at is None:
+            return None
+        return status.next_fire_at - self._lead
+
+    async def check(self) -> list[str]:
+        """Ask for every offline machine whose wake time has come; return their ids."""
+        everyone = Principal("control-plane", "operator")
+        now = self._clock()
+        woken: list[str] = []
+        for machine in await self._machines.list(everyone):
+            if machine.revoked or self._presence.session(machine.machine_id) is not None:
+                continue
+            at = self.wake_at(await self._presence.status(machine))
+            if at is None or at > now:
+                continue
+            if not await self._starter.has_provider(machine.account_id, machine.machine_id):
+                continue
+            if self._starter.try_request(machine.account_id, machine.machine_id):
+                logger.info(
+                    "machine %s: a schedule fires soon; asking its provider", machine.machine_id
+                )
+                woken.append(machine.machine_id)
+                if self._on_wake is not None:
+                    self._on_wake()
+        return woken
+
+    async def run(self) -> None:
+        """Check every ``interval`` seconds until cancelled."""
+        while True:
+            try:
+                await self.check()
+            except Exception:
+                logger.exception("checking machines to wake for their schedules failed")
+            await asyncio.sleep(self._interval)  # a period, not synchronisation

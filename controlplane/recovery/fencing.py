@@ -1,0 +1,299 @@
+"""Fencing: one control-plane process writes to a deployment's store at a time.
+
+``cp/epoch.json`` (MAC'd like every object) names the current *epoch* and the
+*home* that owns the deployment. Every home has an id (``instance.json`` in the
+home, made by ``init``, ``restore`` or the first ``serve``):
+
+- ``serve`` takes the next epoch at start (a compare-and-swap: previous + 1)
+  if the record names its own home; a record naming another home means this
+  home was superseded (a restore elsewhere) and ``serve`` refuses to start,
+  having written nothing.
+- ``restore`` takes the next epoch for the new home (:meth:`Fence.acquire`
+  with ``take_over``), so the old home can never serve again.
+- Before every write (:class:`controlplane.integrity.GuardedStore` calls
+  :meth:`Fence.check`) the process HEADs the record: an etag other than the
+  one it wrote means a newer process took over. From then on every write is
+  refused (:class:`~shared.errors.StoreFenced`) and ``on_fenced`` asks the
+  daemon to stop.
+
+A record that vanished, does not verify, or went *back* to an older epoch (a
+store rolled back from a snapshot) is not a newer owner: writes are refused
+as untrusted while it lasts, but the process does not stop.
+
+The check is one HEAD per write; concurrent writers share one in-flight HEAD.
+The window between that HEAD and the write itself remains (S3 has no
+multi-object transaction): a stale process can land at most the writes it had
+already checked, and it stops on its next check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from controlplane.integrity.records import utc_iso
+from shared.atomic import write_atomic
+from shared.errors import (
+    IntegrityError,
+    InvalidState,
+    NotFound,
+    PreconditionFailed,
+    StoreFenced,
+    StoreUntrusted,
+)
+from shared.store.base import ObjectStore
+from shared.timestamps import Clock, utc_now
+
+__all__ = [
+    "EPOCH_KEY",
+    "HOME_ID_FILE",
+    "Epoch",
+    "Fence",
+    "new_home_id",
+    "read_home_id",
+    "take_epoch",
+    "write_home_id",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The fencing record (relative to the deployment prefix).
+EPOCH_KEY: Final = "cp/epoch.json"
+#: The home's id, in the home folder.
+HOME_ID_FILE: Final = "instance.json"
+#: Compare-and-swap attempts at taking an epoch before giving up.
+_ACQUIRE_ATTEMPTS: Final = 5
+
+
+def new_home_id() -> str:
+    """A fresh random home id."""
+    return secrets.token_hex(16)
+
+
+def read_home_id(home: Path) -> str | None:
+    """The home's id, None when the home has none yet (made before fencing)."""
+    try:
+        data = json.loads((home / HOME_ID_FILE).read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise InvalidState(f"home {home}", f"{HOME_ID_FILE} is unreadable: {e}") from None
+    ident = data.get("home_id") if isinstance(data, dict) else None
+    if not isinstance(ident, str) or not ident:
+        raise InvalidState(f"home {home}", f"{HOME_ID_FILE} names no home_id")
+    return ident
+
+
+def write_home_id(home: Path, home_id: str) -> None:
+    """Record ``home_id`` in ``home`` (0600, atomic)."""
+    write_atomic(home / HOME_ID_FILE, json.dumps({"home_id": home_id}).encode() + b"\n", 0o600)
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """The content of ``cp/epoch.json``."""
+
+    epoch: int
+    home_id: str
+    started_at: str
+    host: str
+    pid: int
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.__dict__, sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Epoch:
+        """IntegrityError for a record that is not one."""
+        try:
+            data = json.loads(raw)
+            epoch = cls(
+                int(data["epoch"]),
+                str(data["home_id"]),
+                str(data.get("started_at", "")),
+                str(data.get("host", "")),
+                int(data.get("pid", 0)),
+            )
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+            raise IntegrityError(EPOCH_KEY, "not an epoch record") from None
+        if epoch.epoch < 1 or not epoch.home_id:
+            raise IntegrityError(EPOCH_KEY, "not an epoch record")
+        return epoch
+
+
+class Fence:
+    """This process's epoch, and the check before every write (see the module doc)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        home_id: str,
+        where: str,
+        on_fenced: Callable[[StoreFenced], None] | None = None,
+        clock: Clock = utc_now,
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._home_id = home_id
+        self._where = where
+        self._on_fenced = on_fenced
+        self._etag = ""
+        self.epoch = 0
+        self.problem: StoreFenced | None = None
+        self._inflight: asyncio.Task[None] | None = None
+
+    @property
+    def home_id(self) -> str:
+        """The home this fence writes for."""
+        return self._home_id
+
+    def _fenced(self, current: Epoch) -> StoreFenced:
+        return StoreFenced(
+            f"store {self._where}: fenced out: epoch {current.epoch} of {EPOCH_KEY} belongs "
+            f"to another control plane (started {current.started_at or '?'} on "
+            f"{current.host or '?'}, e.g. a restored one); this one "
+            f"(epoch {self.epoch or 'none'}) writes nothing more and stops"
+        )
+
+    async def _read(self) -> tuple[str, Epoch] | None:
+        try:
+            etag = (await self._store.head(EPOCH_KEY)).etag
+            return etag, Epoch.parse(await self._store.get(EPOCH_KEY))
+        except NotFound:
+            return None
+
+    async def acquire(self, *, take_over: bool = False) -> int:
+        """Take the next epoch (previous + 1) for this home; return it.
+
+        StoreFenced, writing nothing, when the record names another home and
+        ``take_over`` is False (this home was superseded).
+        """
+        for _ in range(_ACQUIRE_ATTEMPTS):
+            found = await self._read()
+            previous = found[1] if found is not None else None
+            if previous is not None and previous.home_id != self._home_id and not take_over:
+                raise self._fenced(previous)
+            mine = Epoch(
+                (previous.epoch if previous is not None else 0) + 1,
+                self._home_id,
+                utc_iso(self._clock()),
+                socket.gethostname(),
+                os.getpid(),
+            )
+            try:
+                if found is None:
+                    etag = await self._store.put(EPOCH_KEY, mine.to_json(), if_none_match=True)
+                else:
+                    etag = await self._store.put(EPOCH_KEY, mine.to_json(), if_match=found[0])
+            except PreconditionFailed:
+                continue  # another process took one at the same moment: look again
+            self._etag, self.epoch, self.problem = etag, mine.epoch, None
+            logger.info("%s: epoch %d taken", EPOCH_KEY, mine.epoch)
+            return mine.epoch
+        raise InvalidState(
+            "epoch", f"{EPOCH_KEY} keeps changing; is another control plane starting?"
+        )
+
+    async def hold_current(self) -> int:
+        """Write under the current epoch without taking a new one (``fsck --repair``,
+        run while ``serve`` is stopped): StoreFenced when another home owns it.
+        Returns the epoch (0: no record yet, nothing to check against)."""
+        found = await self._read()
+        if found is None:
+            return 0
+        etag, current = found
+        if current.home_id != self._home_id:
+            raise self._fenced(current)
+        self._etag, self.epoch = etag, current.epoch
+        return current.epoch
+
+    async def check(self) -> None:
+        """Raise unless this process still holds the current epoch (one shared HEAD)."""
+        if self.problem is not None:
+            raise self.problem
+        task = self._inflight
+        if task is None:
+            task = self._inflight = asyncio.ensure_future(self._check_now())
+            task.add_done_callback(self._clear_inflight)
+        await asyncio.shield(task)
+
+    def _clear_inflight(self, task: asyncio.Task[None]) -> None:
+        if self._inflight is task:
+            self._inflight = None
+        if not task.cancelled():
+            task.exception()  # retrieved: each waiter sees it through the shield
+
+    async def _check_now(self) -> None:
+        try:
+            etag = (await self._store.head(EPOCH_KEY)).etag
+        except NotFound:
+            raise StoreUntrusted(
+                f"store {self._where}: {EPOCH_KEY} is missing; refusing to write"
+            ) from None
+        if etag == self._etag:
+            return
+        try:
+            current = Epoch.parse(await self._store.get(EPOCH_KEY))
+        except NotFound:
+            raise StoreUntrusted(
+                f"store {self._where}: {EPOCH_KEY} is missing; refusing to write"
+            ) from None
+        except IntegrityError:
+            raise StoreUntrusted(
+                f"store {self._where}: {EPOCH_KEY} does not verify; refusing to write"
+            ) from None
+        if current.epoch > self.epoch or (
+            current.epoch == self.epoch and current.home_id != self._home_id
+        ):
+            problem = self._fenced(current)
+            if self.problem is None:
+                self.problem = problem
+                logger.error("%s", problem)
+                if self._on_fenced is not None:
+                    self._on_fenced(problem)
+            raise problem
+        raise StoreUntrusted(
+            f"store {self._where}: {EPOCH_KEY} went back to epoch {current.epoch} "
+            f"(ours is {self.epoch}): the store was rolled back; refusing to write"
+        )
+
+
+async def take_epoch(
+    home: Path,
+    store: ObjectStore,
+    where: str,
+    on_fenced: Callable[[StoreFenced], None] | None = None,
+) -> Fence:
+    """``serve``'s start: the home's fence with the next epoch taken.
+
+    A home made before fencing gets an id now, but only when the store has no
+    epoch record yet (otherwise another home owns the deployment).
+    StoreFenced, having written nothing, when this home was superseded.
+    """
+    home_id = read_home_id(home)
+    made = home_id is None
+    fence = Fence(store, home_id or new_home_id(), where, on_fenced)
+    if made:
+        try:
+            await store.head(EPOCH_KEY)
+        except NotFound:
+            pass
+        else:
+            raise StoreFenced(
+                f"store {where}: fenced out: {EPOCH_KEY} names another control plane's "
+                f"home and {home} has no {HOME_ID_FILE}; this home is stale"
+            )
+        # The id first, then the epoch record naming it: killed between the two,
+        # the next start has its id and takes the epoch. The other way round it
+        # found an epoch of a home without an id, and refused itself as stale.
+        write_home_id(home, fence.home_id)
+    await fence.acquire()
+    return fence

@@ -1,0 +1,355 @@
+"""``agents-control fsck``: find (and with ``repair``, fix) inconsistencies in the store.
+
+Read-only by default. What it looks for (the finding's kind), and what
+``repair`` does:
+
+- ``deployment``: ``cp/deployment.json`` missing, forged or another
+  deployment's. No repair: nothing else is checked (see docs/security.md).
+- ``unfinished``: an intent record, a multi-object change that did not commit
+  (:mod:`controlplane.integrity.intents`). Repair rolls it back with its resolver.
+- ``refused``: an object whose MAC does not verify (forged or altered). No
+  repair: an operator looks at it.
+- ``orphan_index``: an index entry whose record is missing. Repair deletes it.
+- ``missing_index``: a record whose index entry is missing or points
+  elsewhere. Repair writes it.
+- ``mismatch``: a record whose content names other ids than its key. No repair.
+
+A machine's backup manifests and their names lists are MAC'd too (a planted
+backup would otherwise restore on a repair): one whose MAC does not match is
+``refused``; one with no MAC at all is ``unmacd_backup``: written by a control
+plane from before manifests were MAC'd, or planted. ``repair`` with
+``vouch_backups`` (the CLI's ``--repair --vouch-backups``, once after upgrading,
+on a store only this control plane wrote) MACs those; nothing else does. Backup
+segments are not MAC'd (their manifest authenticates them) and are not read.
+
+An account with a deletion tombstone (``accounts/<a>/deleting.json``) is a
+deletion in progress, not an inconsistency: its objects and the index entries
+naming it are not checked (the deletion removes entries before the records
+they point to), and the report lists it under ``deleting``. Repair finishes
+the deletion, as a restarted ``serve`` would (:mod:`controlplane.deletion.service`).
+
+Repair runs the same roll-back code as ``serve`` does at start, so run it with
+the daemon stopped (the CLI refuses ``--repair`` while ``serve`` runs): a live
+daemon's in-flight change would look unfinished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+from controlplane.config import ControlConfig
+from controlplane.integrity import jsonstore
+from controlplane.integrity.intents import INTENTS_PREFIX, Intents, intent_key
+from controlplane.integrity.keys import load_home_keys
+from controlplane.integrity.records import (
+    account_index_key,
+    account_key,
+    deleted_key,
+    deleting_key,
+    encode,
+    github_index_key,
+    machine_index_key,
+    machine_key,
+    token_index_key,
+    token_key,
+)
+from controlplane.integrity.trusted import DEPLOYMENT_KEY, TrustedStore, open_trusted_store
+from controlplane.recovery.fencing import Fence, read_home_id
+from controlplane.services import Services
+from shared.errors import IntegrityError, NotFound, StoreUntrusted
+from shared.ids import is_valid_id
+from shared.store.authenticated import MAC_HEADER
+from shared.store.base import ObjectStore
+
+__all__ = ["Finding", "FsckReport", "fsck_deployment", "run_fsck", "serving_pid"]
+
+logger = logging.getLogger(__name__)
+
+_ID = r"[0-9a-z]{26}"
+_ACCOUNT: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/account\.json\Z")
+_MACHINE: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/machines/(mc_{_ID})\.json\Z")
+_TOKEN: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/tokens/(tok_{_ID})\.json\Z")
+_IDX_ACCOUNT: Final = re.compile(rf"\Aindex/accounts/(acct_{_ID})\.json\Z")
+_IDX_GITHUB: Final = re.compile(r"\Aindex/github/([0-9]{1,16})\.json\Z")
+_IDX_MACHINE: Final = re.compile(rf"\Aindex/machines/(mc_{_ID})\.json\Z")
+_IDX_TOKEN: Final = re.compile(rf"\Aindex/tokens/(tok_{_ID})\.json\Z")
+_TOMBSTONE: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/deleting\.json\Z")
+_IN_ACCOUNT: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/")
+_DELETED: Final = re.compile(rf"\Adeleted/(acct_{_ID})\.json\Z")
+_BACKUP_RECORD: Final = re.compile(
+    rf"\Aaccounts/acct_{_ID}/backups/mc_{_ID}/manifests/[^/]+\.(?:sealed|names)\Z"
+)
+_DELETE_KIND: Final = "account.delete"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One inconsistency."""
+
+    kind: str
+    """deployment, unfinished, refused, unmacd_backup, deleted_leftover,
+    orphan_index, missing_index or mismatch."""
+    key: str
+    """The object concerned."""
+    detail: str
+    repaired: bool = False
+
+
+@dataclass(frozen=True)
+class FsckReport:
+    """What one run found."""
+
+    objects: int
+    findings: tuple[Finding, ...]
+    deleting: tuple[str, ...] = ()
+    """Accounts whose deletion is in progress (tombstoned)."""
+
+    @property
+    def clean(self) -> bool:
+        """Nothing found, or everything found was repaired."""
+        return all(f.repaired for f in self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` form."""
+        return {
+            "objects": self.objects,
+            "clean": self.clean,
+            "findings": [asdict(f) for f in self.findings],
+            "deleting": list(self.deleting),
+        }
+
+
+class _Checker:
+    def __init__(
+        self,
+        store: ObjectStore,
+        intents: Intents,
+        repair: bool,
+        raw: ObjectStore | None = None,
+        vouch: bool = False,
+    ) -> None:
+        self._store = store
+        self._raw = raw
+        self._vouch = vouch and repair
+        self._intents = intents
+        self._repair = repair
+        self.findings: list[Finding] = []
+        self._records: dict[str, dict[str, Any] | None] = {}
+        self.deleting: frozenset[str] = frozenset()
+
+    def add(self, kind: str, key: str, detail: str, repaired: bool = False) -> None:
+        self.findings.append(Finding(kind, key, detail, repaired))
+
+    async def read(self, key: str) -> dict[str, Any] | None:
+        """The record at ``key``; None when missing; a refused one is reported once."""
+        if key not in self._records:
+            try:
+                self._records[key] = await jsonstore.read(self._store, key)
+            except NotFound:
+                self._records[key] = None
+            except IntegrityError as e:
+                self._records[key] = None
+                self.add("refused", key, e.reason)
+        return self._records[key]
+
+    async def verify(self, key: str) -> None:
+        """Read an object that is not JSON (a backup manifest) to check its MAC."""
+        try:
+            await self._store.get(key)
+        except NotFound:
+            pass  # deleted since the listing
+        except IntegrityError as e:
+            stored = await self._raw.get(key) if self._raw is not None else MAC_HEADER
+            if stored.startswith(MAC_HEADER):
+                self.add("refused", key, e.reason)
+                return
+            if self._vouch:
+                await self._store.put(key, stored)  # MAC'd as it is, by the operator's word
+            self.add(
+                "unmacd_backup",
+                key,
+                "written without a MAC (by a control plane before manifests were MAC'd, or"
+                " planted); vouch with --repair --vouch-backups",
+                self._vouch,
+            )
+
+    async def fix_write(self, kind: str, key: str, data: dict[str, Any], detail: str) -> None:
+        if self._repair:
+            await self._store.put(key, encode(data))
+        self.add(kind, key, detail, self._repair)
+
+    async def fix_delete(self, kind: str, key: str, detail: str) -> None:
+        if self._repair:
+            await self._store.delete(key)
+        self.add(kind, key, detail, self._repair)
+
+
+def serving_pid(cfg: ControlConfig) -> int | None:
+    """The pid of a live ``serve`` of this home, if one runs (from serve.json)."""
+    try:
+        pid = int(json.loads(cfg.serve_path.read_text())["pid"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid
+
+
+async def fsck_deployment(
+    cfg: ControlConfig, *, repair: bool, vouch_backups: bool = False
+) -> FsckReport:
+    """Open the configured store with the home's keys and run :func:`run_fsck`."""
+    keys = load_home_keys(cfg.home)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        if repair:
+            # A superseded home (a restore elsewhere) must not repair anything.
+            fence = Fence(trusted.authenticated, read_home_id(cfg.home) or "", trusted.where)
+            if await fence.hold_current():
+                trusted.set_fence(fence)
+        services = Services(cfg, trusted.store, keys, trusted.backups)
+        return await run_fsck(trusted, services.intents, repair=repair, vouch_backups=vouch_backups)
+    finally:
+        await trusted.close()
+
+
+async def run_fsck(
+    trusted: TrustedStore, intents: Intents, *, repair: bool, vouch_backups: bool = False
+) -> FsckReport:
+    """Check every object of the store (see the module doc); repair when asked."""
+    store = trusted.store
+    try:
+        await trusted.guard.verify()
+        trusted.guard.check()
+    except StoreUntrusted as e:
+        return FsckReport(0, (Finding("deployment", DEPLOYMENT_KEY, e.message),))
+    c = _Checker(store, intents, repair, trusted.backups, vouch_backups)
+    # Unfinished changes first: rolling them back removes most other findings.
+    for intent in await intents.pending():
+        if intent.kind == _DELETE_KIND and await _tombstoned(c, intent.fields):
+            if repair:
+                await intents.resolve(intent)  # finishes the deletion
+            continue  # a deletion in progress: reported through its tombstone below
+        key = intent_key(intent.intent_id)
+        detail = f"{intent.kind} started {intent.started_at} did not commit"
+        done = repair and await intents.resolve(intent)
+        if repair and not done:
+            detail += " (waiting: the machine may still connect)"
+        c.add("unfinished", key, detail, done)
+    keys = [info.key async for info in store.list("")]
+    # Only an authentic tombstone counts (a forged one is reported as refused).
+    tombstoned = [m.group(1) for key in keys if (m := _TOMBSTONE.match(key))]
+    c.deleting = frozenset(
+        [a for a in tombstoned if await c.read(f"accounts/{a}/deleting.json") is not None]
+    )
+    # A finished deletion (only an authentic marker counts) leaves nothing under
+    # the account: anything there landed after its last sweep (a write already
+    # under way, then a crash before it looked for the deletion).
+    finished = {m.group(1) for key in keys if (m := _DELETED.match(key))}
+    finished = {a for a in finished - c.deleting if await c.read(deleted_key(a)) is not None}
+    for key in keys:
+        if (m := _IN_ACCOUNT.match(key)) and m.group(1) in c.deleting:
+            continue
+        if m and m.group(1) in finished:
+            await c.fix_delete("deleted_leftover", key, "left under a deleted account")
+            continue
+        if key.startswith(INTENTS_PREFIX):
+            if not repair:
+                await c.read(key)  # a forged intent is reported, never resolved
+            continue
+        if key != DEPLOYMENT_KEY and not key.startswith("_probe/"):
+            await _check_key(c, key)
+    return FsckReport(len(keys), tuple(c.findings), tuple(sorted(c.deleting)))
+
+
+async def _tombstoned(c: _Checker, fields: dict[str, str]) -> bool:
+    """Whether the account an ``account.delete`` intent names carries its tombstone
+    (without one the intent is an ordinary unfinished change: repair drops it)."""
+    acct = fields.get("account_id", "")
+    return is_valid_id("account", acct) and await c.read(deleting_key(acct)) is not None
+
+
+async def _check_key(c: _Checker, key: str) -> None:
+    if m := _ACCOUNT.match(key):
+        acct = m.group(1)
+        data = await c.read(key)
+        if data is None:
+            return
+        if data.get("account_id") != acct:
+            c.add("mismatch", key, "names another account id")
+            return
+        if await c.read(account_index_key(acct)) is None:
+            await c.fix_write("missing_index", account_index_key(acct), {}, f"{acct} unlisted")
+        gid = int(data.get("github_user_id", 0) or 0)
+        if gid > 0:
+            owner = await c.read(github_index_key(gid))
+            if owner is None:
+                await c.fix_write(
+                    "missing_index",
+                    github_index_key(gid),
+                    {"account_id": acct},
+                    f"GitHub user {gid} -> {acct} missing",
+                )
+    elif m := _IDX_ACCOUNT.match(key):
+        if m.group(1) in c.deleting:
+            return
+        if await c.read(key) is not None and await c.read(account_key(m.group(1))) is None:
+            await c.fix_delete("orphan_index", key, f"account {m.group(1)} does not exist")
+    elif m := _IDX_GITHUB.match(key):
+        entry = await c.read(key)
+        acct = str((entry or {}).get("account_id", ""))
+        if entry is None or acct in c.deleting:
+            return
+        account = await c.read(account_key(acct)) if acct.startswith("acct_") else None
+        if account is None:
+            await c.fix_delete("orphan_index", key, f"account {acct or '?'} does not exist")
+    elif m := _MACHINE.match(key):
+        await _check_owned(c, key, "machine", *m.groups())
+    elif m := _IDX_MACHINE.match(key):
+        await _check_index(c, key, "machine", m.group(1))
+    elif m := _TOKEN.match(key):
+        await _check_owned(c, key, "token", *m.groups())
+    elif m := _IDX_TOKEN.match(key):
+        await _check_index(c, key, "token", m.group(1))
+    elif _BACKUP_RECORD.match(key):
+        await c.verify(key)
+    elif key.endswith(".json"):
+        # Everything else (credentials, presence, audit, tombstones) must still verify.
+        await c.read(key)
+
+
+#: kind -> (its record's key, its index entry's key), for records owned by an account.
+_OWNED: Final = {
+    "machine": (machine_key, machine_index_key),
+    "token": (token_key, token_index_key),
+}
+
+
+async def _check_owned(c: _Checker, key: str, kind: str, acct: str, ident: str) -> None:
+    """A machine or token record: its ids match its key, its index entry points back."""
+    data = await c.read(key)
+    if data is None:
+        return
+    if data.get(f"{kind}_id") != ident or data.get("account_id") != acct:
+        c.add("mismatch", key, f"names another {kind} or account id")
+        return
+    index_key = _OWNED[kind][1](ident)
+    entry = await c.read(index_key)
+    if entry is None or entry.get("account_id") != acct:
+        await c.fix_write("missing_index", index_key, {"account_id": acct}, f"{ident} -> {acct}")
+
+
+async def _check_index(c: _Checker, key: str, kind: str, ident: str) -> None:
+    """A machine or token index entry: the record it names exists."""
+    entry = await c.read(key)
+    if entry is None:
+        return
+    acct = str(entry.get("account_id", ""))
+    if acct in c.deleting:
+        return
+    if not acct.startswith("acct_") or await c.read(_OWNED[kind][0](acct, ident)) is None:
+        await c.fix_delete("orphan_index", key, f"{kind} {ident} has no record")

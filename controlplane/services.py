@@ -1,0 +1,63 @@
+"""The control plane's domain objects over one store: what the daemon serves and
+what ``fsck`` checks, built the same way for both.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from controlplane.access.accounts import AccountService
+from controlplane.access.authz import CredentialService
+from controlplane.access.tokens import TokenService
+from controlplane.config import ControlConfig
+from controlplane.deletion.service import AccountDeletion
+from controlplane.integrity.audit import Auditor
+from controlplane.integrity.intents import Intents
+from controlplane.integrity.keys import HomeKeys, KeyRing
+from controlplane.machines.pairing import Pairing
+from controlplane.machines.registry import MachineRegistry
+from shared.store import ObjectStore
+
+__all__ = ["Services"]
+
+
+class Services:
+    """The domain objects of one daemon, built from a store and keys."""
+
+    def __init__(
+        self,
+        cfg: ControlConfig,
+        store: ObjectStore,
+        keys: HomeKeys,
+        backups: ObjectStore | None = None,
+    ) -> None:
+        # The live keys: rotation (controlplane.recovery.rotation) swaps them while serving.
+        self.keyring = KeyRing(keys)
+        self.auditor = Auditor(store)
+        # One intent log for every multi-object change (controlplane.integrity.intents).
+        self.intents = Intents(store)
+        self.accounts = AccountService(store, self.auditor, intents=self.intents)
+        self.credentials = CredentialService(store, self.accounts, self.auditor)
+        self.tokens = TokenService(
+            store,
+            self.accounts,
+            self.auditor,
+            default_ttl=cfg.token_ttl,
+            intents=self.intents,
+        )
+        self.machines = MachineRegistry(store, self.accounts, self.auditor, intents=self.intents)
+        self.pairing = Pairing(
+            self.tokens,
+            self.machines,
+            self.accounts,
+            keys.ca,
+            dt.timedelta(days=cfg.cert_lifetime_days),
+            intents=self.intents,
+            confirm_grace=cfg.join_confirm_grace,
+            store=store,
+            keyring=self.keyring,
+        )
+        # Account deletion reads the backups' names lists (controlplane.deletion.service).
+        self.deletion = AccountDeletion(
+            store, self.accounts, self.auditor, self.intents, backups=backups
+        )

@@ -1,0 +1,664 @@
+"""The backup engine: make, list, verify, fetch and prune sealed backups.
+
+It reads the machine's data through a :class:`BackupSource` and writes to a
+:class:`~shared.backup_target.BackupTarget`; it knows nothing of SQL or of
+where the target is. The format is :mod:`machine.formats.backup`.
+
+Making a backup (one commit point: the manifest)::
+
+    1. each agent's history -> plaintext (a deterministic tar) -> name (keyed hash)
+    2. ask the target which names it has; encode and upload only the others
+    3. seal the manifest and put it with its segment names   <- commit point
+    4. prune (by the target, from the names lists, so a control plane that
+       cannot open manifests can do it): delete manifests beyond the newest
+       ``keep``, then every segment that no kept backup names
+
+A crash before 3 leaves segments no manifest names (the next prune removes
+them); a crash during 4 has deleted only manifests that were not kept, or
+segments no kept manifest names, so every kept backup stays restorable.
+
+An agent whose change marker and segment are the same as in the last backup
+is not read again: its segment is reused as it is (the *cache*).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, BinaryIO, Final, Protocol
+
+from machine.backups.writer import SegmentMaker, SegmentWriter
+from machine.formats.backup import (
+    SEGMENT_CHUNK,
+    BackupManifest,
+    SegmentRef,
+    decode_segment,
+    open_manifest,
+    seal_manifest,
+    segment_key,
+)
+from shared.atomic import ensure_private_dir, write_atomic
+from shared.backup_target import (
+    BackupTarget,
+    LocalSegments,
+    ManifestInfo,
+    PackTarget,
+    PruneResult,
+)
+from shared.crypto import BoxKeyPair, KeyedHasher
+from shared.errors import IntegrityError, InvalidArgument, NotFound
+from shared.ids import id_time_ms, new_id
+
+__all__ = [
+    "KEEP_MAX",
+    "KEEP_MIN",
+    "NOT_OURS",
+    "AgentItem",
+    "BackupEngine",
+    "BackupResult",
+    "BackupSource",
+    "FetchedBackup",
+    "PruneResult",
+    "VerifyResult",
+    "decode_checked",
+    "file_chunks",
+    "validate_keep",
+]
+
+logger = logging.getLogger(__name__)
+
+KEEP_MIN: Final = 1
+KEEP_MAX: Final = 10
+_CACHE_FILE: Final = "segment-cache.json"
+_DAMAGED_FILE: Final = "damaged-segments.json"
+#: shared.crypto's reason when a sealed object names none of the opener's keys.
+#: Why a sealed manifest does not open with a key that is not one of its recipients.
+NOT_OURS: Final = "not sealed to this key"
+#: Agents read, hashed, compressed and encrypted at once (a machine has few cores).
+PARALLEL: Final = 3
+_READ: Final = SEGMENT_CHUNK
+#: A fetched segment up to this size is decoded from memory, not a temp file.
+_HOLD: Final = 4 * 1024 * 1024
+
+
+def validate_keep(keep: object, field: str = "backup_keep") -> int:
+    """How many backups to keep: a whole number from 1 to 10."""
+    if not isinstance(keep, int) or isinstance(keep, bool) or not KEEP_MIN <= keep <= KEEP_MAX:
+        raise InvalidArgument(field, f"must be a whole number from {KEEP_MIN} to {KEEP_MAX}")
+    return keep
+
+
+@dataclass(frozen=True)
+class AgentItem:
+    """One agent to back up, and a marker that changes whenever its history does."""
+
+    agent_id: str
+    marker: str
+
+
+class BackupSource(Protocol):
+    """What a backup reads from the machine (the database-backed one is in the store layer)."""
+
+    async def agents(self) -> list[AgentItem]:
+        """Every agent to back up."""
+        ...
+
+    async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
+        """Write the agent's plaintext segment (export-format tar) to ``out``."""
+        ...
+
+    def segment_maker(
+        self, *, naming_key: bytes, work_dir: Path, agents: int, pack_folder: Path | None = None
+    ) -> contextlib.AbstractAsyncContextManager[SegmentMaker | None]:
+        """Makers of whole segments for a backup that reads ``agents`` agents
+        (worker processes), or None: :meth:`write_agent` in this process. With
+        ``pack_folder`` they may append segments to packs there (a
+        :class:`~shared.backup_target.PackTarget`'s)."""
+        ...
+
+    async def attachments(self) -> list[tuple[str, Path]]:
+        """(sha256, file) of every attachment some agent names."""
+        ...
+
+    async def usage(self) -> list[dict[str, Any]]:
+        """The usage and time history, one row per run."""
+        ...
+
+    async def erased(self) -> list[dict[str, Any]]:
+        """The erased list."""
+        ...
+
+    async def settings(self) -> dict[str, str]:
+        """Settings that are not secrets."""
+        ...
+
+
+@dataclass(frozen=True)
+class BackupResult:
+    """What one backup did."""
+
+    backup_id: str
+    segments: int
+    uploaded: int
+    """Segments encoded and sent (the others were reused)."""
+    uploaded_bytes: int
+    stored_bytes: int
+    """Stored size of every segment the backup names, plus its manifest."""
+    plain_bytes: int
+    seconds: float
+    pruned: PruneResult | None = None
+    agents: int = 0
+    created_at: float = 0.0
+    """The manifest's time (what a listing shows); 0 when unknown."""
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """A backup opened and every segment authenticated."""
+
+    backup_id: str
+    segments: int
+    plain_bytes: int
+    seconds: float
+
+
+@dataclass
+class FetchedBackup:
+    """A backup downloaded and decrypted into a staging folder."""
+
+    manifest: BackupManifest
+    folder: Path
+    agent_files: dict[str, Path] = field(default_factory=dict)
+    """agent id -> its plaintext segment (an export-format tar)."""
+    attachment_files: dict[str, Path] = field(default_factory=dict)
+    """sha256 -> the attachment's bytes."""
+    stored_agents: dict[str, tuple[SegmentRef, StoredSegment]] = field(default_factory=dict)
+    """agent id -> its segment as stored (still encrypted), when fetched with
+    ``decode_agents=False``: whoever reads it decodes it (:func:`decode_checked`
+    of :func:`stored_chunks`)."""
+
+
+StoredSegment = Path | Callable[[], BinaryIO]
+"""A stored segment: a downloaded copy, or an opener of it where it is stored
+(a folder target's file, read in place)."""
+
+
+def stored_chunks(source: StoredSegment) -> Iterator[bytes]:
+    """The bytes of a stored segment in stored-chunk sized pieces."""
+    if isinstance(source, Path):
+        yield from file_chunks(source)
+        return
+    with source() as f:
+        while chunk := f.read(_READ):
+            yield chunk
+
+
+Progress = Callable[[str, int, int], None]
+"""progress(stage, done, total): called as segments are handled."""
+
+
+def file_chunks(path: Path) -> Iterator[bytes]:
+    """The bytes of the file at ``path`` in stored-chunk sized pieces."""
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ):
+            yield chunk
+
+
+def decode_checked(
+    ref: SegmentRef, naming_key: bytes, stored: Iterable[bytes], out: IO[bytes] | None
+) -> int:
+    """Authenticate and decode segment ``ref`` from its ``stored`` bytes into ``out``;
+    check its size and name; return its size (blocking: call it in a worker thread)."""
+    h = KeyedHasher(naming_key)
+    total = 0
+    for piece in decode_segment(stored, name=ref.name, key=ref.key, max_plain=ref.plain_size):
+        h.update(piece)
+        total += len(piece)
+        if out is not None:
+            out.write(piece)
+    if total != ref.plain_size or h.hexdigest() != ref.name:
+        raise IntegrityError(f"segment {ref.name[:16]}", "content does not match its name")
+    return total
+
+
+def _stored_bound(plain_size: int) -> int:
+    """The most a segment of ``plain_size`` bytes can take stored: zstd's bound for
+    incompressible input, plus the encryption's header and per-chunk overhead."""
+    compressed = plain_size + plain_size // 128 + 4096
+    return compressed + (compressed // SEGMENT_CHUNK + 2) * 64 + 1024
+
+
+def _missing(name: str) -> IntegrityError:
+    """A segment a backup names that its target does not have: the backup does not
+    restore whole (an integrity failure, not a request for something unknown)."""
+    return IntegrityError(f"segment {name[:16]}", "missing from where the backup is stored")
+
+
+def _cleanup(folder: Path) -> None:
+    for p in folder.iterdir():
+        with contextlib.suppress(OSError):
+            p.unlink()
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
+
+
+class BackupEngine:
+    """Makes and reads one machine's backups on one target."""
+
+    def __init__(
+        self,
+        source: BackupSource,
+        target: BackupTarget,
+        *,
+        machine_id: str,
+        naming_key: bytes,
+        recipients: list[bytes],
+        keypair: BoxKeyPair,
+        work_dir: Path,
+        keep: int = 3,
+        clock: Callable[[], float] = time.time,
+        mend: bool = True,
+    ) -> None:
+        """``mend``: a segment found damaged (verify, the restore check) is sent
+        again by the next backup (off for an engine reading another folder)."""
+        self._source = source
+        self._target = target
+        self._machine_id = machine_id
+        self._naming_key = naming_key
+        self._recipients = recipients
+        self._keypair = keypair
+        self._work = work_dir
+        self.keep = validate_keep(keep)
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._mend = mend and target.replaces_segments
+
+    def seal_to(self, recipients: list[bytes]) -> None:
+        """Seal later manifests to ``recipients`` (a recovery key was just made)."""
+        self._recipients = list(recipients)
+
+    # -- cache ---------------------------------------------------------------
+
+    def _load_cache(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads((self._work / _CACHE_FILE).read_bytes())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _save_cache(self, cache: dict[str, dict[str, Any]]) -> None:
+        write_atomic(self._work / _CACHE_FILE, json.dumps(cache, sort_keys=True).encode())
+
+    def _damaged(self) -> set[str]:
+        """Names of stored segments that failed to authenticate since the last backup.
+
+        A segment is reused by name while the target has it; one whose stored
+        bytes went bad would be reused, and named by every later backup, for
+        ever. The next backup makes these again and sends them over the bad ones.
+        """
+        try:
+            names = json.loads((self._work / _DAMAGED_FILE).read_bytes())
+        except (OSError, ValueError):
+            return set()
+        return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+
+    def _forget_damaged(self, names: set[str]) -> None:
+        left = self._damaged() - names
+        if left:
+            write_atomic(self._work / _DAMAGED_FILE, json.dumps(sorted(left)).encode())
+        else:
+            (self._work / _DAMAGED_FILE).unlink(missing_ok=True)
+
+    def _note_damaged(self, name: str) -> None:
+        if not self._mend:
+            return
+        names = self._damaged() | {name}
+        ensure_private_dir(self._work)
+        write_atomic(self._work / _DAMAGED_FILE, json.dumps(sorted(names)).encode())
+        logger.error("segment %s is damaged where it is stored; the next backup sends it again",
+                     name[:16])  # fmt: skip
+
+    # -- making --------------------------------------------------------------
+
+    async def backup_now(self, progress: Progress | None = None) -> BackupResult:
+        """Make one backup, then prune; one at a time."""
+        async with self._lock:
+            started = time.monotonic()
+            ensure_private_dir(self._work)
+            now_ms = int(self._clock() * 1000)
+            stored = await self._target.list_manifests()
+            newest = await self._newest_own(stored) if stored else None
+            if newest is not None and id_time_ms(newest) >= now_ms:
+                # The clock is behind the newest backup (it once ran ahead, or this box
+                # took over a machine whose clock did). An id from it would sort before
+                # the backups kept, and this backup's own prune would delete it.
+                logger.warning(
+                    "backup: the clock is behind the newest backup %s; numbering after it",
+                    newest,
+                )
+                now_ms = id_time_ms(newest) + 1
+            backup_id = new_id("backup", now_ms=now_ms)
+            try:
+                with tempfile.TemporaryDirectory(dir=self._work, prefix=".stage-") as stage:
+                    result = await self._make(backup_id, Path(stage), progress)
+            except BaseException:
+                if isinstance(self._target, PackTarget):
+                    # Its segments and packs would wait for a sweep at the next start.
+                    await asyncio.to_thread(self._target.discard_pending)
+                raise
+            pruned = await self._target.prune(self.keep)
+            return BackupResult(
+                **{**result.__dict__, "seconds": time.monotonic() - started, "pruned": pruned}
+            )
+
+    async def _newest_own(self, stored: list[ManifestInfo]) -> str | None:
+        """The newest listed backup that opens with this machine's key, looked for
+        only when the newest listed id is ahead of the clock (rare: one read).
+
+        A listed id alone is not trusted to number the next backup: one planted
+        with a far-future time would push every later id past the end of the id
+        space. One that does not open (planted, forged, another key's) is passed.
+        """
+        now_ms = int(self._clock() * 1000)
+        if id_time_ms(stored[-1].backup_id) < now_ms:
+            return stored[-1].backup_id
+        for info in reversed(stored):
+            try:
+                await self.open(info.backup_id)
+            except IntegrityError as e:
+                logger.warning("backup %s is not this machine's: %s", info.backup_id, e)
+                continue
+            return info.backup_id
+        return None
+
+    async def _make(self, backup_id: str, stage: Path, progress: Progress | None) -> BackupResult:
+        cache = self._load_cache()
+        damaged = self._damaged()
+        agents = await self._source.agents()
+        attachments = await self._source.attachments()
+        total = len(agents) + len(attachments)
+        counts = {"read": 0, "upload": 0}
+
+        def tick(stage_name: str) -> None:
+            counts[stage_name] += 1
+            if progress:
+                progress(stage_name, counts[stage_name], total)
+
+        # An agent whose change marker is the one of the last backup, and an
+        # attachment (content-addressed) backed up before, reuse their segment
+        # as it is, if the target still has it.
+        cached: list[SegmentRef] = []
+        todo_agents: list[str] = []
+        for agent in agents:
+            hit = cache.get(agent.agent_id)
+            if hit and hit.get("marker") == agent.marker and isinstance(hit.get("name"), str):
+                cached.append(self._cached_ref(hit, "agent", agent.agent_id))
+            else:
+                todo_agents.append(agent.agent_id)
+        todo_attachments: list[tuple[str, Path]] = []
+        paths = dict(attachments)
+        for sha, path in attachments:
+            hit = cache.get(f"attachment:{sha}")
+            if hit and isinstance(hit.get("name"), str):
+                cached.append(self._cached_ref(hit, "attachment", sha))
+            else:
+                todo_attachments.append((sha, path))
+        have = await self._target.have_segments({ref.name for ref in cached}) if cached else {}
+        refs: list[SegmentRef] = []
+        for ref in cached:
+            if ref.name in have and ref.name not in damaged:
+                refs.append(
+                    SegmentRef(ref.name, ref.key, ref.kind, ref.ref, have[ref.name], ref.plain_size)
+                )
+                tick("read")
+                tick("upload")
+            elif ref.kind == "agent":
+                todo_agents.append(ref.ref)  # the target lost it: read the agent again
+            else:
+                todo_attachments.append((ref.ref, paths[ref.ref]))
+        packs = self._target if isinstance(self._target, PackTarget) else None
+        pack_folder = await asyncio.to_thread(packs.pack_folder) if packs else None
+        async with self._source.segment_maker(
+            naming_key=self._naming_key,
+            work_dir=stage,
+            agents=len(todo_agents),
+            pack_folder=pack_folder,
+        ) as maker:
+            writer = SegmentWriter(
+                self._source.write_agent, self._target, naming_key=self._naming_key,
+                work_dir=stage, tick=tick, maker=maker, replace=damaged,
+            )  # fmt: skip
+            written = await writer.write(todo_agents, todo_attachments)
+        refs += written.refs
+        # An attachment no agent names any more (its last one was erased while
+        # this backup ran) stays out of the manifest; a prune removes its segment.
+        still = {sha for sha, _ in await self._source.attachments()}
+        refs = [r for r in refs if r.kind != "attachment" or r.ref in still]
+        uploaded, uploaded_bytes = written.uploaded, written.uploaded_bytes
+        manifest = BackupManifest(
+            backup_id,
+            self._machine_id,
+            self._clock(),
+            self._naming_key,
+            tuple(refs),
+            tuple(await self._source.usage()),
+            tuple(await self._source.erased()),
+            await self._source.settings(),
+        )
+        blob = seal_manifest(manifest, self._recipients)
+        await self._target.put_manifest(backup_id, blob, [r.name for r in refs])  # commit point
+        if damaged:
+            # Sent again if this backup names them; if not, only older backups
+            # do, and they go with those backups' prune. A name a verify noted
+            # while this backup ran stays for the next one.
+            self._forget_damaged(damaged)
+        markers = {a.agent_id: a.marker for a in agents}
+        self._save_cache(
+            {
+                (r.ref if r.kind == "agent" else f"attachment:{r.ref}"): {
+                    "marker": markers.get(r.ref, ""),
+                    "name": r.name,
+                    "size": r.size,
+                    "plain_size": r.plain_size,
+                }
+                for r in refs
+            }
+        )
+        logger.info("backup %s: %d segments, %d uploaded", backup_id, len(refs), uploaded)
+        return BackupResult(
+            backup_id,
+            len(refs),
+            uploaded,
+            uploaded_bytes,
+            sum(r.size for r in refs) + len(blob),
+            sum(r.plain_size for r in refs),
+            0.0,
+            agents=sum(1 for r in refs if r.kind == "agent"),
+            created_at=manifest.created_at,
+        )
+
+    def _cached_ref(self, hit: dict[str, Any], kind: str, ref: str) -> SegmentRef:
+        name = str(hit["name"])
+        size = int(hit.get("size", 0)) if kind == "agent" else 0
+        return SegmentRef(
+            name, segment_key(self._naming_key, name), kind, ref, size, int(hit["plain_size"])
+        )
+
+    # -- reading -------------------------------------------------------------
+
+    async def list_described(self) -> list[tuple[ManifestInfo, BackupManifest | None, str]]:
+        """As :meth:`list`, with why each backup that does not open fails ("" when
+        it opens): ``another key``, or ``refused: <reason>`` (forged, altered)."""
+        out: list[tuple[ManifestInfo, BackupManifest | None, str]] = []
+        for info in await self._target.list_manifests():
+            try:
+                out.append((info, await self.open(info.backup_id), ""))
+            except IntegrityError as e:
+                logger.warning("backup %s does not open: %s", info.backup_id, e)
+                reason = getattr(e, "reason", "") or e.message
+                problem = "another key" if reason == NOT_OURS else f"refused: {reason}"
+                out.append((info, None, problem))
+        return out
+
+    async def list(self) -> list[tuple[ManifestInfo, BackupManifest | None]]:
+        """Every stored backup, oldest first, with its manifest when it opens."""
+        return [(info, manifest) for info, manifest, _ in await self.list_described()]
+
+    async def open(self, backup_id: str, keypair: BoxKeyPair | None = None) -> BackupManifest:
+        """Open one manifest (with the machine's key, or a recovery key)."""
+        blob = await self._target.get_manifest(backup_id)
+        return open_manifest(
+            blob, keypair or self._keypair, machine_id=self._machine_id, backup_id=backup_id
+        )
+
+    async def _segment_to(
+        self, ref: SegmentRef, naming_key: bytes, work: Path, out: BinaryIO | None
+    ) -> int:
+        """Download, authenticate and decode one segment; check its name; return its size.
+
+        A small segment (as its manifest entry says) is held in memory; a larger
+        one goes to a temp file first, so memory stays at one chunk.
+        """
+        try:
+            if ref.size <= _HOLD:
+                held = [chunk async for chunk in self._bounded(ref)]
+                return await asyncio.to_thread(decode_checked, ref, naming_key, iter(held), out)
+            # A name of its own: two verifies of one backup (the CLI's and the
+            # nightly check's) must not write into each other's copy.
+            fd, name = tempfile.mkstemp(dir=work, prefix=f".{ref.name[:16]}-", suffix=".download")
+            raw = Path(name)
+            try:
+                with open(fd, "wb") as f:
+                    async for chunk in self._bounded(ref):
+                        f.write(chunk)
+                stored = file_chunks(raw)
+                return await asyncio.to_thread(decode_checked, ref, naming_key, stored, out)
+            finally:
+                raw.unlink(missing_ok=True)
+        except IntegrityError:
+            if naming_key == self._naming_key:  # this machine's segment: it can send it again
+                self._note_damaged(ref.name)
+            raise
+
+    async def _bounded(self, ref: SegmentRef) -> AsyncIterator[bytes]:
+        """The stored bytes of ``ref``, refused past the size its manifest names (a
+        target that sends more must not fill the disk or the memory first)."""
+        size = 0
+        # The size the backup recorded, or more if the segment was made again
+        # since (mended: another zstd may have compressed it a little worse).
+        limit = max(ref.size, _stored_bound(ref.plain_size))
+        try:
+            async for chunk in self._target.get_segment(ref.name):
+                size += len(chunk)
+                if size > limit:
+                    raise IntegrityError(
+                        f"segment {ref.name[:16]}",
+                        f"longer than the {ref.size} bytes its backup names",
+                    )
+                yield chunk
+        except NotFound:
+            raise _missing(ref.name) from None
+
+    async def _download(self, ref: SegmentRef, path: Path) -> None:
+        """Store segment ``ref`` as it is stored (encrypted) at ``path``."""
+        with open(path, "wb") as f:
+            async for chunk in self._bounded(ref):
+                f.write(chunk)
+
+    async def verify(self, backup_id: str, keypair: BoxKeyPair | None = None) -> VerifyResult:
+        """Open a backup and authenticate every segment (nothing is written)."""
+        started = time.monotonic()
+        manifest = await self.open(backup_id, keypair)
+        ensure_private_dir(self._work)
+        plain = 0
+        for ref in manifest.segments:
+            plain += await self._segment_to(ref, manifest.naming_key, self._work, None)
+        return VerifyResult(backup_id, len(manifest.segments), plain, time.monotonic() - started)
+
+    async def fetch(
+        self,
+        backup_id: str,
+        dest: Path,
+        keypair: BoxKeyPair | None = None,
+        *,
+        decode_agents: bool = True,
+    ) -> FetchedBackup:
+        """Download and decode a whole backup into the new folder ``dest`` (staging).
+
+        With ``decode_agents=False`` the agents' segments are only downloaded
+        (:attr:`FetchedBackup.stored_agents`): a restore then decodes them while
+        it loads the ones before, on another core, and writes no plaintext. From
+        a target on this machine (:class:`~shared.backup_target.LocalSegments`)
+        they are not even copied: the restore reads them where they are (a
+        segment gone meanwhile fails the restore, which then commits nothing).
+        """
+        manifest = await self.open(backup_id, keypair)
+        ensure_private_dir(dest)
+        fetched = FetchedBackup(manifest, dest)
+        sem = asyncio.Semaphore(PARALLEL)
+
+        local = self._target if isinstance(self._target, LocalSegments) else None
+        if local is not None and not decode_agents:
+            stored = [r.name for r in manifest.segments if r.kind == "agent"]
+            have = await self._target.have_segments(stored)
+            if missing := [n for n in stored if n not in have]:
+                raise _missing(missing[0])
+
+        async def one(ref: SegmentRef) -> None:
+            path = dest / f"{ref.kind}-{ref.ref}"
+            if ref.kind == "agent" and not decode_agents and local is not None:
+                fetched.stored_agents[ref.ref] = (
+                    ref,
+                    functools.partial(local.segment_reader, ref.name),
+                )
+                return
+            if ref.kind == "agent" and not decode_agents:
+                async with sem:
+                    await self._download(ref, path)
+                fetched.stored_agents[ref.ref] = (ref, path)
+                return
+            async with sem:
+                with open(path, "wb") as out:
+                    await self._segment_to(ref, manifest.naming_key, dest, out)
+            if ref.kind == "agent":
+                fetched.agent_files[ref.ref] = path
+            else:
+                fetched.attachment_files[ref.ref] = path
+
+        failed: list[BaseException] = []
+
+        async def guarded(ref: SegmentRef) -> None:
+            if failed:
+                return  # one segment failed: the fetch fails, fetch no more
+            try:
+                await one(ref)
+            except Exception as e:
+                failed.append(e)
+
+        try:
+            # A few segments at once: downloading, decrypting and decompressing
+            # release the GIL. Those in flight when one fails end normally (their
+            # downloads close their streams), then the first failure is raised.
+            await asyncio.gather(*(guarded(ref) for ref in manifest.segments))
+            if failed:
+                raise failed[0]
+        except BaseException:
+            _cleanup(dest)
+            raise
+        return fetched
+
+    # -- pruning -------------------------------------------------------------
+
+    async def prune(self) -> PruneResult:
+        """Keep the newest ``keep`` backups; delete the rest and unreferenced segments."""
+        async with self._lock:
+            return await self._target.prune(self.keep)

@@ -1,0 +1,192 @@
+"""What every ``agents-machine`` command module shares: the handler context, the
+one way a handler calls the daemon, and the output helpers.
+
+Only the CLI modules (``machine.cli.main`` and ``machine.cli_*``) print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import logging
+import math
+import os
+import shlex
+import stat
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+from machine.api import codec
+from machine.cli.client import MachineClient
+from machine.config import MachineConfig
+from shared.cli import ExitCode, Output, UsageError, message_dict
+
+__all__ = [
+    "PROG",
+    "Bar",
+    "Ctx",
+    "build_config",
+    "call",
+    "human",
+    "open_regular",
+    "prog_of",
+    "show",
+    "show_record",
+    "when",
+    "wire",
+]
+
+logger = logging.getLogger(__name__)
+
+PROG = "agents-machine"
+
+_T = TypeVar("_T")
+
+
+def build_config(args: argparse.Namespace, env: dict[str, str], home: Path) -> MachineConfig:
+    """The daemon's config from the parsed flags, the environment and the file."""
+    flags = {
+        "data_dir": args.data_dir,
+        "socket_path": getattr(args, "socket", None),
+        "tcp_address": getattr(args, "tcp", None),
+        "metrics_address": getattr(args, "metrics", None),
+        "prompt_limit": getattr(args, "prompt_limit", None),
+        "attachment_limit": getattr(args, "attachment_limit", None),
+        "background_loops": False if getattr(args, "no_background", False) else None,
+        "shutdown_grace_seconds": getattr(args, "grace", None),
+    }
+    config_file = getattr(args, "config", None)
+    return MachineConfig.build(
+        flags=flags,
+        env=env,
+        home=home,
+        config_file=Path(config_file) if config_file else None,
+    )
+
+
+def prog_of(args: argparse.Namespace | None) -> str:
+    """The command as typed so far: with ``--data-dir``/``--socket`` when given,
+    so a suggested command reaches the same daemon."""
+    words = [PROG]
+    for flag, value in (("--data-dir", getattr(args, "data_dir", None)),
+                        ("--socket", getattr(args, "socket", None))):  # fmt: skip
+        if value:
+            words += [flag, shlex.quote(str(value))]
+    return " ".join(words)
+
+
+@dataclass
+class Ctx:
+    """What every handler gets: the parsed arguments, the environment, the output."""
+
+    args: argparse.Namespace
+    env: dict[str, str]
+    out: Output
+    home: Path = field(default_factory=Path.home)
+
+    @property
+    def prog(self) -> str:
+        """The command to suggest (see :func:`prog_of`)."""
+        return prog_of(self.args)
+
+    @cached_property
+    def cfg(self) -> MachineConfig:
+        """The config, built on first use (``join`` picks its data folder first)."""
+        return build_config(self.args, self.env, self.home)
+
+
+async def call(ctx: Ctx, rpc: Callable[[MachineClient], Awaitable[_T]]) -> _T:
+    """Dial the daemon, make one call, hang up: what most verbs do."""
+    async with MachineClient(ctx.cfg) as client:
+        return await rpc(client)
+
+
+def wire(record: object) -> dict[str, Any]:
+    """A record the client returned, as the JSON the daemon's reply makes."""
+    return message_dict(codec.message_of(record))
+
+
+def show(out: Output, data: dict[str, Any], text: Callable[[], None]) -> int:
+    """Print ``data`` for --json, else call ``text``; exit 0."""
+    if out.as_json:
+        out.json(data)
+    else:
+        text()
+    return ExitCode.OK
+
+
+def show_record(out: Output, record: object, text: Callable[[], None]) -> int:
+    """:func:`show` for one record: its reply's JSON, or ``text``."""
+    return show(out, wire(record) if out.as_json else {}, text)
+
+
+def when(seconds: float | None) -> str:
+    """Local time to the second, or "-" when not set."""
+    if seconds is None or math.floor(seconds) == 0:
+        return "-"
+    # Whole seconds, as the wire's Timestamp.seconds: rounding could show the next one.
+    return (
+        dt.datetime.fromtimestamp(math.floor(seconds), dt.UTC)
+        .astimezone()
+        .strftime("%Y-%m-%d %H:%M:%S")
+    )
+
+
+def human(size: int) -> str:
+    """A size in B, KiB, MiB or GiB."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
+
+
+class Bar:
+    """A rich progress bar on a terminal (stderr), nothing otherwise (scripts, --json)."""
+
+    def __init__(self, out: Output, what: str) -> None:
+        self._bar: Any = None
+        self._task: Any = None
+        self._what = what
+        if not out.as_json and sys.stderr.isatty():
+            from rich.progress import Progress  # imported late: only on a terminal
+
+            self._bar = Progress(transient=True)
+
+    def __enter__(self) -> Bar:
+        if self._bar is not None:
+            self._bar.start()
+            self._task = self._bar.add_task(self._what, total=None)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        """Show ``done`` of ``total`` in ``stage``."""
+        if self._bar is not None:
+            self._bar.update(
+                self._task, description=f"{self._what}: {stage}", completed=done, total=total
+            )
+
+
+def open_regular(path: Path, what: str, kind: str = "") -> tuple[IO[bytes], int]:
+    """``path`` open for reading and its size, or UsageError naming ``what``: it
+    must be a regular file (a device or a pipe never ends). Opened without
+    blocking (opening a FIFO waits for a writer), then checked: what is checked
+    is what was opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as e:
+        raise UsageError(f"{what}: cannot read {path}: {e.strerror or e}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # a folder too (fdopen would refuse it)
+        os.close(fd)
+        raise UsageError(f"{what}: {path} is not a regular file{kind}")
+    return os.fdopen(fd, "rb"), info.st_size

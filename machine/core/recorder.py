@@ -1,0 +1,254 @@
+"""The event recorder: every event of a run is committed, then published.
+
+It appends a run's events (and the state changes that go with them) in one
+transaction each, publishes them to the :class:`~machine.feed.FeedHub` once
+committed, and writes a run's last event: RUN_FINISHED or RUN_ERROR with the
+run's end state. A write whose caller is cancelled still commits and is still
+published (see :func:`complete`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from machine.core.feed import FeedHub
+from machine.metrics import MachineMetrics
+from machine.models import EventKind, RunErrorCode, RunRecord, RunState, StoredEvent
+from machine.runtimes.base import RunOutcome, RuntimeEvent, TextDelta, ToolCall, ToolResult
+from machine.storage import tables
+from machine.storage.db import Database
+
+__all__ = ["OUTCOME", "EventRecorder", "Usage", "complete", "event_payload"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+OUTCOME = {
+    RunErrorCode.RUN_INTERRUPTED: RunState.INTERRUPTED,
+    RunErrorCode.CANCELLED: RunState.CANCELLED,
+    RunErrorCode.RUNTIME_FAILED: RunState.FAILED,
+    RunErrorCode.RUNTIME_UNAVAILABLE: RunState.FAILED,
+    RunErrorCode.STORAGE_FAILED: RunState.FAILED,
+}
+"""The end state of a run that ends with each RUN_ERROR code."""
+
+
+@dataclass
+class Usage:
+    """Tokens a run has used so far; None until the runtime reports usage
+    (unknown is not 0 tokens)."""
+
+    input_tokens: int | None
+    output_tokens: int | None
+
+    @classmethod
+    def of(cls, run: RunRecord) -> Usage:
+        """The usage already stored for ``run``."""
+        return cls(run.input_tokens, run.output_tokens)
+
+    def add(self, input_tokens: int, output_tokens: int) -> None:
+        """Count a usage report of the runtime."""
+        self.input_tokens = (self.input_tokens or 0) + input_tokens
+        self.output_tokens = (self.output_tokens or 0) + output_tokens
+
+    def applied(self, run: RunRecord) -> RunRecord:
+        """``run`` carrying this usage."""
+        return replace(run, input_tokens=self.input_tokens, output_tokens=self.output_tokens)
+
+    def payload(self) -> dict[str, int]:
+        """The reported counts, as RUN_FINISHED carries them."""
+        pairs = (("input_tokens", self.input_tokens), ("output_tokens", self.output_tokens))
+        return {key: value for key, value in pairs if value is not None}
+
+
+def event_payload(ev: RuntimeEvent) -> tuple[EventKind, dict[str, Any]] | None:
+    """The stored kind and payload of a runtime event, or None for one not stored."""
+    if isinstance(ev, TextDelta):
+        return EventKind.TEXT_DELTA, {"text": ev.text}
+    if isinstance(ev, ToolCall):
+        return EventKind.TOOL_CALL, {
+            "call_id": ev.call_id,
+            "title": ev.title,
+            "tool_kind": ev.kind,
+            "input_json": ev.input_json,
+        }
+    if isinstance(ev, ToolResult):
+        return EventKind.TOOL_RESULT, {
+            "call_id": ev.call_id,
+            "status": ev.status,
+            "output": ev.output,
+        }
+    return None
+
+
+async def complete(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even if the caller is cancelled meanwhile.
+
+    For a database write and its in-memory follow-up: once the write may have
+    committed, the follow-up (publishing, waking waiters, spawning) must run,
+    or the store and the engine disagree. A cancelled caller still sees
+    CancelledError, after the work is done.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+        except BaseException:
+            break
+    if cancelled:
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("work of a cancelled caller failed: %r", task.exception())
+        raise asyncio.CancelledError()
+    return task.result()
+
+
+class EventRecorder:
+    """Appends, publishes and ends runs' event streams."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        metrics: MachineMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._db = db
+        self._metrics = metrics
+        self._clock = clock
+        self.feeds = FeedHub()
+
+    async def append(
+        self, run: RunRecord, fn: Callable[[sqlite3.Connection], StoredEvent]
+    ) -> StoredEvent:
+        """Commit a write that stores one event of ``run``, then publish it."""
+        events, _ = await self.append_many(run, lambda c: ([fn(c)], None))
+        return events[0]
+
+    async def append_many(
+        self, run: RunRecord, fn: Callable[[sqlite3.Connection], tuple[list[StoredEvent], T]]
+    ) -> tuple[list[StoredEvent], T]:
+        """Commit a write that stores events of ``run``, then publish them. If the caller
+        is cancelled meanwhile the write still commits; its events are still published."""
+        start = time.perf_counter()
+        what = f"store run {run.id} of agent {run.agent_id}"
+        task = asyncio.ensure_future(self._db.write(fn, what=what))
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                try:
+                    result = await task
+                except Exception:
+                    raise asyncio.CancelledError() from None
+                self.publish(result[0])
+            raise
+        self.publish(result[0])
+        if self._metrics is not None:
+            self._metrics.append_seconds.observe(time.perf_counter() - start)
+        return result
+
+    def publish(self, events: list[StoredEvent]) -> None:
+        """Hand committed events to their followers."""
+        if self._metrics is not None:
+            for ev in events:
+                self._metrics.events_appended.labels(ev.kind.value).inc()
+        self.feeds.publish(events)
+
+    async def record(self, run: RunRecord, kind: EventKind, payload: dict[str, Any]) -> None:
+        """Store and publish one event of a running run."""
+        now = self._clock()
+        await self.append(
+            run, lambda c: tables.append_event(c, run.agent_id, run.id, kind, payload, now)
+        )
+
+    async def finish(
+        self, run: RunRecord, outcome: RunOutcome, started: float, usage: Usage
+    ) -> None:
+        """End ``run`` with RUN_FINISHED."""
+        now = self._clock()
+        duration = max(0, int((now - started) * 1000))
+        payload = {
+            "stop_reason": outcome.stop_reason,
+            "usage": usage.payload(),
+            "duration_ms": duration,
+        }
+
+        def write(conn: sqlite3.Connection) -> StoredEvent:
+            ev = tables.append_event(
+                conn, run.agent_id, run.id, EventKind.RUN_FINISHED, payload, now
+            )
+            tables.set_run_state(
+                conn,
+                run.id,
+                RunState.FINISHED,
+                finished_at=now,
+                duration_ms=duration,
+                input_tokens=usage.input_tokens,
+                output_tokens=usage.output_tokens,
+                stop_reason=outcome.stop_reason,
+            )
+            return ev
+
+        await self.append(run, write)
+        self.count_end(RunState.FINISHED)
+
+    async def end(
+        self, run: RunRecord, code: RunErrorCode, message: str, started: float | None
+    ) -> None:
+        """End ``run`` (carrying its usage) with RUN_ERROR ``code``."""
+        now = self._clock()
+        await self.append(run, lambda c: self.end_sync(c, run, code, message, now, started))
+        self.count_end(OUTCOME[code])
+
+    def end_sync(
+        self,
+        conn: sqlite3.Connection,
+        run: RunRecord,
+        code: RunErrorCode,
+        message: str,
+        now: float,
+        started: float | None,
+        active_until: float | None = None,
+    ) -> StoredEvent:
+        """Store a run's RUN_ERROR and end state. Its duration runs from ``started``
+        (default: when it started) to ``active_until`` (default: ``now``)."""
+        started = started or run.started_at
+        end = now if active_until is None else min(now, active_until)
+        duration = max(0, int((end - started) * 1000)) if started else 0
+        ev = tables.append_event(
+            conn,
+            run.agent_id,
+            run.id,
+            EventKind.RUN_ERROR,
+            {"code": code.value, "message": message},
+            now,
+        )
+        tables.set_run_state(
+            conn,
+            run.id,
+            OUTCOME[code],
+            finished_at=now,
+            duration_ms=duration,
+            error_code=code.value,
+            input_tokens=run.input_tokens,
+            output_tokens=run.output_tokens,
+        )
+        tables.cancel_pending_permissions(conn, run.id)
+        return ev
+
+    def count_end(self, state: RunState) -> None:
+        """Count a run that ended in ``state`` (the runs_finished metric)."""
+        if self._metrics is not None:
+            self._metrics.runs_finished.labels(state.value).inc()

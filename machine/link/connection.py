@@ -1,0 +1,651 @@
+"""The machine's live link to its control plane.
+
+:class:`ControlLink` is an async context manager. While it is open, one
+background task keeps a ``Connect`` stream to the control plane's mutual-TLS
+listener: it sends ``hello``, waits for ``welcome``, then sends a heartbeat
+every interval the welcome names, hands deliveries to ``on_delivery`` and
+acknowledges each once that returns (the callback stores it durably); a
+delivery the callback fails to store ends the stream (see ``_deliver``), so
+no later prompt is stored before it. The ids
+of the machine's agents (``roster``: ids and active/archived, never names) go
+after the welcome, then with any heartbeat that finds them changed, and once
+more before a clean goodbye: the control plane refuses prompts for unknown or
+archived agents from it while the machine is offline.
+
+Reconnect policy: a failed attempt is retried forever with exponential backoff
+and full jitter (``backoff_initial`` doubling up to ``backoff_max`` seconds),
+so a thousand machines that lose the control plane at once come back spread
+out. The cap is low (2 s, :data:`RECONNECT_CAP`): a restored control plane
+must have every machine back within 5 s of listening again (docs/runbooks/
+disaster-recovery.md), and a failed dial to a control plane that is down is a
+refused TCP connection, cheap for both sides; with full jitter a fleet still
+arrives spread over the cap, about one attempt per machine a second.
+A stream that was up for a while and then dropped is retried at once
+(a restarted control plane is usually back by then; if not, the jittered
+backoff spreads the fleet). The link stops for good (and logs an ERROR) only
+when the control plane says ``revoked`` or ``account_deleted``, or refuses the
+stream as revoked (:class:`~shared.errors.MachineRevoked`) or with
+PERMISSION_DENIED (account deleted). Any other refusal ("unknown machine",
+"certificate superseded": a control plane whose store is being restored may
+say so) keeps the machine's identity and retries every ``refused_retry``
+seconds (jittered), so it comes back by itself once the control plane knows
+it again.
+
+Renewal: once less than ``renew_fraction`` of the certificate's lifetime is
+left (timed from when we received it), or when the control plane says
+``renew_now``, the link sends a CSR for the same TLS key to
+``RenewCertificate`` and replaces ``keys/tls.crt`` atomically. The live stream
+keeps going; the next connection uses the new certificate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+
+import grpc
+import grpc.aio
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from tenacity import RetryCallState
+
+from machine.link import identity
+from machine.link.client import (
+    AccountDeleted,
+    AgentRoster,
+    ControlNotice,
+    ControlStream,
+    Delivery,
+    DeliveryAck,
+    LinkClient,
+    LinkDialer,
+    LinkSession,
+    RenewNow,
+    Revoked,
+    Welcome,
+)
+from shared import tls
+from shared.errors import (
+    AgentsError,
+    IntegrityError,
+    InvalidArgument,
+    InvalidState,
+    MachineRevoked,
+    PermissionDenied,
+    TransientError,
+    Unauthenticated,
+)
+from shared.retry import reconnecting
+from shared.rpc import domain_error
+from shared.timestamps import Clock, utc_now
+
+__all__ = ["RECONNECT_CAP", "ControlLink", "Delivery", "LinkState"]
+
+logger = logging.getLogger(__name__)
+
+_UINT32_MAX: Final = 2**32 - 1
+
+
+class LinkState(enum.Enum):
+    """Where the link is."""
+
+    STARTING = "starting"
+    CONNECTING = "connecting"
+    CONNECTED = "connected"
+    BACKING_OFF = "backing_off"
+    REVOKED = "revoked"
+    """The control plane revoked this machine (or refused its certificate): no retry."""
+    ACCOUNT_DELETED = "account_deleted"
+    """The owning account was deleted: no retry."""
+    STOPPED = "stopped"
+
+
+#: Longest wait between two reconnect attempts (seconds; see the module doc).
+RECONNECT_CAP: Final = 2.0
+_FINAL: Final = frozenset({LinkState.REVOKED, LinkState.ACCOUNT_DELETED, LinkState.STOPPED})
+
+
+class _Refused(Exception):
+    """The control plane refused this machine, but not for good: retry slowly."""
+
+
+class _Stop(Exception):
+    """The control plane told us to stop for good."""
+
+    def __init__(self, state: LinkState, reason: str) -> None:
+        super().__init__(reason)
+        self.state = state
+        self.reason = reason
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.connected = Gauge(
+            "agents_machine_link_connected",
+            "1 while the Connect stream to the control plane is up.",
+            registry=registry,
+        )
+        self.reconnects = Counter(
+            "agents_machine_link_reconnects",
+            "Connection attempts after the first one.",
+            registry=registry,
+        )
+        self.heartbeats = Counter(
+            "agents_machine_link_heartbeats",
+            "Heartbeats sent on the Connect stream.",
+            registry=registry,
+        )
+        self.renewals = Counter(
+            "agents_machine_link_renewals",
+            "Client certificate renewals, by outcome (ok, error).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.deliveries = Counter(
+            "agents_machine_link_deliveries",
+            "Deliveries received and acknowledged.",
+            registry=registry,
+        )
+
+
+def _is_transient(exc: BaseException) -> bool:
+    return not isinstance(
+        exc, _Stop | _Refused | asyncio.CancelledError | InvalidState | IntegrityError
+    )
+
+
+class ControlLink:
+    """Keeps this machine connected to its control plane (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        data_dir: Path,
+        agent_count: Callable[[], Awaitable[int]],
+        version: str,
+        on_delivery: Callable[[Delivery], Awaitable[DeliveryAck | None]] | None = None,
+        next_fire: Callable[[], float | None] = lambda: None,
+        roster: Callable[[], Awaitable[AgentRoster]] | None = None,
+        registry: CollectorRegistry | None = None,
+        renew_fraction: float = 1 / 3,
+        backoff_initial: float = 0.5,
+        backoff_max: float = RECONNECT_CAP,
+        handshake_timeout: float = 10.0,
+        stable_after: float = 10.0,
+        refused_retry: float = 300.0,
+        clock: Clock = utc_now,
+        dial: LinkDialer = LinkClient.mutual,
+    ) -> None:
+        if not 0 < renew_fraction < 1:
+            raise InvalidArgument("renew_fraction", "must be between 0 and 1")
+        if not 0 < backoff_initial <= backoff_max:
+            raise InvalidArgument("backoff_initial", "must be > 0 and <= backoff_max")
+        self._data_dir = data_dir
+        self._agent_count = agent_count
+        self._version = version
+        self._on_delivery = on_delivery
+        # The soonest schedule fire: sent with hello and heartbeats so the
+        # control plane can wake this machine for it once it is stopped.
+        self._next_fire = next_fire
+        self._roster = roster
+        self._sent_roster: AgentRoster | None = None
+        self._renew_fraction = renew_fraction
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._handshake_timeout = handshake_timeout
+        self._stable_after = stable_after
+        self._refused_retry = refused_retry
+        self._clock = clock
+        # Opens each connection: the real mutual-TLS client, or a test's fake.
+        self._dial = dial
+        self._metrics = _Metrics(registry if registry is not None else CollectorRegistry())
+        self._state = LinkState.STARTING
+        self._state_changed = asyncio.Condition()
+        self._stop = asyncio.Event()
+        self._renew_now = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._attempts = 0
+        self._last_agent_count = 0
+        self._link: identity.LinkRecord | None = None
+        self._final_reason = ""
+
+    # ------------------------------------------------------------------ public
+
+    @staticmethod
+    def is_joined(data_dir: Path) -> bool:
+        """True when ``data_dir`` holds a committed join."""
+        return identity.is_joined(data_dir)
+
+    @property
+    def state(self) -> LinkState:
+        """The link's current state."""
+        return self._state
+
+    @property
+    def connected(self) -> bool:
+        """True while the Connect stream is up (welcome received)."""
+        return self._state is LinkState.CONNECTED
+
+    @property
+    def final_reason(self) -> str:
+        """Why the link stopped for good (revoked / account deleted), else empty."""
+        return self._final_reason
+
+    async def wait_for_state(self, *states: LinkState, timeout: float) -> LinkState:
+        """Wait until the state is one of ``states``; TimeoutError after ``timeout``."""
+        async with asyncio.timeout(timeout), self._state_changed:
+            await self._state_changed.wait_for(lambda: self._state in states)
+        return self._state
+
+    async def __aenter__(self) -> ControlLink:
+        self._link = await asyncio.to_thread(identity.load_link, self._data_dir)
+        self._task = asyncio.create_task(self._run(), name="control-link")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Close the stream cleanly (half-close, then wait briefly) and stop the task."""
+        self._stop.set()
+        task, self._task = self._task, None
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._state not in _FINAL:
+            await self._set_state(LinkState.STOPPED)
+
+    # ---------------------------------------------------------------- the loop
+
+    async def _set_state(self, state: LinkState) -> None:
+        async with self._state_changed:
+            self._state = state
+            self._metrics.connected.set(1 if state is LinkState.CONNECTED else 0)
+            self._state_changed.notify_all()
+
+    async def _interruptible_sleep(self, seconds: float) -> None:
+        # tenacity's sleep hook: a close() wakes the backoff at once.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    async def _before_sleep(self, state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        wait = state.next_action.sleep if state.next_action is not None else 0.0
+        if self._link is not None and self._cert_expired():
+            # The control plane will refuse it at the handshake until the
+            # machine is paired again; keep trying (the clock may be wrong).
+            logger.error(
+                "control link: the client certificate expired at %s; re-pair this machine:"
+                " `agents-control machine repair %s`, then the join it prints, on this box"
+                " and without --recovery-key (its data is here)",
+                self._link.cert_not_after.isoformat(),
+                self._link.machine_id,
+            )
+        logger.warning(
+            "control link to %s failed (attempt %d), retrying in %.2fs: %s: %s",
+            self._link.control_address if self._link else "?",
+            state.attempt_number,
+            wait,
+            type(error).__name__,
+            error,
+        )
+        await self._set_state(LinkState.BACKING_OFF)
+
+    def _cert_expired(self) -> bool:
+        return self._link is not None and self._link.cert_not_after <= self._clock()
+
+    async def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                retrying = reconnecting(
+                    retry_on=_is_transient,
+                    initial=self._backoff_initial,
+                    max_delay=self._backoff_max,
+                    before_sleep=self._before_sleep,
+                    sleep=self._interruptible_sleep,
+                )
+                try:
+                    async for attempt in retrying:
+                        with attempt:
+                            await self._session()
+                except _Refused as refused:
+                    # Keep the identity: only an explicit revoke or account deletion is final.
+                    wait = self._refused_retry * (0.5 + random.random() / 2)
+                    logger.warning("%s; trying again in %.0fs", refused, wait)
+                    await self._set_state(LinkState.BACKING_OFF)
+                    await self._interruptible_sleep(wait)
+                # A long-lived stream ended: try again at once (see the module doc).
+        except _Stop as stop:
+            self._final_reason = stop.reason
+            logger.error(
+                "control link stopped for good: %s; this machine will not reconnect (to join"
+                " again as a new machine, keeping its agents: stop it, then `agents-machine"
+                " join ADDRESS --token T --ca-hash H --as-new` with a token from"
+                " `agents-control token create`)",
+                stop.reason,
+            )
+            try:
+                await asyncio.to_thread(
+                    identity.mark_stopped, self._data_dir, stop.reason, self._clock().timestamp()
+                )
+            except OSError as e:
+                logger.error("control link: cannot record the stop in the data folder: %s", e)
+            await self._set_state(stop.state)
+        except (InvalidState, IntegrityError) as e:
+            logger.error("control link cannot start: %s", e)
+            await self._set_state(LinkState.STOPPED)
+        finally:
+            if self._state is LinkState.CONNECTED:
+                await self._set_state(LinkState.STOPPED)
+
+    async def _session(self) -> None:
+        """One connection. Returns after a stable stream ended; raises otherwise."""
+        if self._stop.is_set():
+            return
+        if self._attempts:
+            self._metrics.reconnects.inc()
+        self._attempts += 1
+        await self._set_state(LinkState.CONNECTING)
+        link = await asyncio.to_thread(identity.load_link, self._data_dir)
+        keys = await asyncio.to_thread(identity.load_keys, self._data_dir)
+        self._link = link
+        client = self._dial(
+            link.control_address,
+            ca_pem=keys.ca_cert_pem,
+            key_pem=keys.tls_key_pem,
+            cert_pem=keys.tls_cert_pem,
+        )
+        stream = client.connect()
+        started = time.monotonic()
+        try:
+            await self._converse(stream, client, keys)
+        except grpc.aio.AioRpcError as e:
+            err = self._map_error(e)
+            stable = time.monotonic() - started >= self._stable_after
+            if not (stable and self._state is LinkState.CONNECTED and _is_transient(err)):
+                raise err from None
+            # A stream that was up for a while broke (a control plane killed or
+            # restarted): retry at once, like after a clean close.
+            logger.warning("control link: the stream broke (%s); reconnecting", err)
+            return
+        finally:
+            stream.cancel()
+            await client.aclose()
+            if self._state is LinkState.CONNECTED:
+                await self._set_state(LinkState.CONNECTING)
+        if self._stop.is_set():
+            return
+        if time.monotonic() - started < self._stable_after:
+            # A stream that keeps dying young must back off like a failed dial.
+            raise TransientError("control link: the stream closed soon after it opened")
+        logger.warning("control link: the control plane closed the stream; reconnecting")
+
+    def _map_error(self, e: grpc.aio.AioRpcError) -> Exception:
+        err = domain_error(e)
+        if isinstance(err, PermissionDenied):
+            # The control plane's answer for an account deleted or being deleted.
+            return _Stop(LinkState.ACCOUNT_DELETED, f"the control plane refused the account: {err}")
+        if isinstance(err, MachineRevoked) or (
+            # A control plane without the error detail says it in words.
+            isinstance(err, Unauthenticated) and "machine revoked" in err.message
+        ):
+            return _Stop(LinkState.REVOKED, f"the control plane refused this machine: {err}")
+        if isinstance(err, Unauthenticated):
+            return _Refused(f"control link: the control plane refused this machine: {err}")
+        return err
+
+    async def _converse(
+        self, stream: ControlStream, client: LinkSession, keys: identity.MachineKeys
+    ) -> None:
+        await stream.hello(self._version, await self._count_agents(), self._next_fire())
+        first = await asyncio.wait_for(stream.read(), self._handshake_timeout)
+        if first is None:
+            # A refusal arrives as an AioRpcError from read(); EOF is a clean close.
+            raise TransientError("control link: stream closed before welcome")
+        self._check_notice(first)
+        if not isinstance(first, Welcome):
+            raise TransientError(f"control link: expected welcome, got {_kind(first)}")
+        interval = first.heartbeat_interval or self._link_interval()
+        logger.info(
+            "control link up: %s as %s, heartbeat every %.3fs",
+            self._link.control_address if self._link else "?",
+            first.machine_id,
+            interval,
+        )
+        await self._set_state(LinkState.CONNECTED)
+        self._sent_roster = None  # each stream starts with the whole roster
+        await self._send_roster(stream)
+
+        reader = asyncio.create_task(self._read_loop(stream), name="link-read")
+        helpers = [
+            asyncio.create_task(self._heartbeat_loop(stream, interval), name="link-heartbeat"),
+            asyncio.create_task(self._renew_loop(client, keys), name="link-renew"),
+        ]
+        stopper = asyncio.create_task(self._stop.wait(), name="link-stop")
+        tasks: list[asyncio.Task[Any]] = [reader, *helpers, stopper]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if stopper in done and not reader.done():
+                for t in helpers:
+                    t.cancel()
+                await asyncio.gather(*helpers, return_exceptions=True)
+                # Changes since the last heartbeat, so the control plane refuses
+                # prompts for agents deleted or archived just before we stopped.
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    await self._send_roster(stream)
+                await self._half_close(stream, reader)
+        finally:
+            # Cancelling a task blocked in read() cancels the whole RPC,
+            # so the reader goes last, after the goodbye above.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # The reader's failure first: it carries the control plane's answer
+        # (a refusal, a revocation) when a write failed on the same ended stream.
+        for t in sorted(done, key=lambda t: t is not reader):
+            if not t.cancelled() and (exc := t.exception()) is not None:
+                raise exc
+
+    async def _half_close(self, stream: ControlStream, reader: asyncio.Task[None]) -> None:
+        # A clean goodbye: end our side so the control plane sees the machine
+        # leave at once rather than after missed heartbeats, then give it a
+        # moment to end the stream.
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            await stream.done_writing()
+        await asyncio.wait({reader}, timeout=1.0)
+
+    def _link_interval(self) -> float:
+        return self._link.heartbeat_interval if self._link else 10.0
+
+    def _check_notice(self, notice: ControlNotice) -> None:
+        if isinstance(notice, Revoked):
+            reason = notice.reason or "no reason"
+            if reason.startswith("certificate superseded"):
+                # A repair: the machine lives on, on another box (not "revoked").
+                raise _Stop(LinkState.REVOKED, reason)
+            raise _Stop(LinkState.REVOKED, f"machine revoked: {reason}")
+        if isinstance(notice, AccountDeleted):
+            raise _Stop(LinkState.ACCOUNT_DELETED, "the account was deleted")
+
+    async def _read_loop(self, stream: ControlStream) -> None:
+        while True:
+            notice = await stream.read()
+            if notice is None:
+                # read() raises AioRpcError for a failed stream: EOF means a clean close.
+                return
+            self._check_notice(notice)
+            if isinstance(notice, RenewNow):
+                logger.info("control plane asks for renewal: %s", notice.reason)
+                self._renew_now.set()
+            elif isinstance(notice, Delivery):
+                await self._deliver(notice, stream)
+            else:
+                logger.debug("control link: ignoring %s", _kind(notice))
+
+    async def _deliver(self, delivery: Delivery, stream: ControlStream) -> None:
+        if self._on_delivery is None:
+            logger.warning("delivery %s dropped: this daemon takes no deliveries", delivery.id)
+            return
+        try:
+            answer = await self._on_delivery(delivery)
+        except AgentsError as e:
+            # Not stored, so not acknowledged. Reading on would store, acknowledge
+            # and run the prompts sent after it before it: end the stream instead
+            # (whatever the error, so a damaged database is retried too). The
+            # control plane forgets what was in flight and, once this link is
+            # back after its backoff, delivers again from this prompt, in order.
+            raise TransientError(
+                f"control link: delivery {delivery.id} not stored ({e}); reconnecting"
+                " to have it delivered again before any later prompt"
+            ) from e
+        await stream.ack(delivery.id, answer)
+        self._metrics.deliveries.inc()
+
+    async def _count_agents(self) -> int:
+        try:
+            count = int(await self._agent_count())
+        except Exception:  # a heartbeat must not die with the counter
+            logger.exception("agent count failed; sending the last known value")
+            return self._last_agent_count
+        self._last_agent_count = max(0, min(count, _UINT32_MAX))
+        return self._last_agent_count
+
+    async def _heartbeat_loop(self, stream: ControlStream, interval: float) -> None:
+        # Ticks are scheduled on a fixed grid so a slow send does not drift the beat.
+        next_at = time.monotonic() + interval
+        while True:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at = max(next_at + interval, time.monotonic())
+            count = await self._count_agents()
+            await stream.heartbeat(count, self._next_fire())
+            self._metrics.heartbeats.inc()
+            await self._send_roster(stream)
+
+    async def _send_roster(self, stream: ControlStream) -> None:
+        """Send the agent roster when it changed since the last one sent on ``stream``."""
+        if self._roster is None:
+            return
+        try:
+            roster = await self._roster()
+        except Exception:  # the link must not die with the roster query
+            logger.exception("agent roster failed; not sent")
+            return
+        if roster != self._sent_roster:
+            await stream.roster(roster)
+            self._sent_roster = roster
+
+    # ---------------------------------------------------------------- renewal
+
+    def _renew_in(self, keys: identity.MachineKeys) -> float:
+        """Seconds until renewal is due (<= 0: due now)."""
+        cert = tls.load_cert(keys.tls_cert_pem)
+        link = self._link
+        start = cert.not_valid_before_utc
+        if link is not None and link.cert_received_at > start:
+            # Certificates are back-dated for clock skew; the lifetime that
+            # counts is the one we actually hold the certificate for.
+            start = link.cert_received_at
+        end = cert.not_valid_after_utc
+        renew_at = end - (end - start) * self._renew_fraction
+        return (renew_at - self._clock()).total_seconds()
+
+    async def _renew_loop(self, client: LinkSession, keys: identity.MachineKeys) -> None:
+        failures = 0
+        asked = False  # a RenewNow not honoured yet: retried after a backoff, not when due
+        while True:
+            delay = self._renew_in(keys)
+            if failures:
+                backoff = min(self._backoff_max, self._backoff_initial * 2**failures)
+                delay = backoff if asked else max(delay, backoff)
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._renew_now.wait(), delay)
+            asked = asked or self._renew_now.is_set()
+            self._renew_now.clear()
+            try:
+                keys = await self._renew(client, keys)
+                failures = 0
+                asked = False
+            except grpc.aio.AioRpcError as e:
+                err = self._map_error(e)
+                if isinstance(err, _Stop):
+                    raise err from None
+                failures += 1
+                self._metrics.renewals.labels("error").inc()
+                logger.warning("certificate renewal failed: %s", err)
+            except AgentsError as e:
+                failures += 1
+                self._metrics.renewals.labels("error").inc()
+                logger.warning("certificate renewal failed: %s", e)
+
+    async def _renew(self, client: LinkSession, keys: identity.MachineKeys) -> identity.MachineKeys:
+        key = tls.load_private_key(keys.tls_key_pem)
+        csr = tls.build_csr(key).decode("ascii")
+        reply = await client.renew(csr, timeout=self._handshake_timeout)
+        cert_pem = reply.certificate_pem.encode("ascii", "replace")
+        ca_pem = (
+            reply.ca_certificate_pem.encode("ascii", "replace")
+            if reply.ca_certificate_pem
+            else keys.ca_cert_pem
+        )
+        link = self._link
+        if link is None:
+            raise IntegrityError("renewal", "no link record to renew the certificate of")
+        try:
+            tls.check_client_cert(
+                cert_pem,
+                ca_pem,
+                public_key=key.public_key(),
+                account_id=link.account_id,
+                machine_id=link.machine_id,
+            )
+        except InvalidArgument as e:
+            raise IntegrityError("renewal", f"bad certificate in the reply: {e}") from None
+        self._link = await asyncio.to_thread(
+            functools.partial(
+                identity.save_certificate,
+                self._data_dir,
+                cert_pem,
+                ca_pem,
+                link,
+                received_at=self._clock(),
+            )
+        )
+        self._metrics.renewals.labels("ok").inc()
+        logger.info("client certificate renewed; valid until %s", self._link.cert_not_after)
+        return identity.MachineKeys(
+            signing_key=keys.signing_key,
+            box=keys.box,
+            tls_key_pem=keys.tls_key_pem,
+            tls_cert_pem=cert_pem,
+            ca_cert_pem=ca_pem,
+        )
+
+
+def _kind(notice: ControlNotice) -> str:
+    """The message kind as link.proto names it (for logs and errors)."""
+    return getattr(notice, "kind", None) or {
+        Welcome: "welcome",
+        Revoked: "revoked",
+        AccountDeleted: "account_deleted",
+        RenewNow: "renew_now",
+        Delivery: "delivery",
+    }.get(type(notice), type(notice).__name__)

@@ -1,0 +1,308 @@
+"""Domain unit tests over MemoryStore: accounts, tokens, authz, machines, presence."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+import pytest
+
+from controlplane.access.accounts import AccountService
+from controlplane.access.authz import CredentialService
+from controlplane.access.principals import Principal
+from controlplane.access.tokens import TokenService
+from controlplane.integrity.audit import Auditor
+from controlplane.integrity.records import Machine, deleting_key
+from controlplane.machines.pairing import Pairing
+from controlplane.machines.presence import PresenceRegistry, RevokedNotice
+from controlplane.machines.registry import MachineInfo, MachineRegistry
+from shared import tls
+from shared.errors import (
+    AlreadyExists,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
+from shared.ids import new_id
+from shared.store import MemoryStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+
+class World:
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+        self.clock = Clock()
+        audit = Auditor(self.store, self.clock)
+        self.accounts = AccountService(self.store, audit, self.clock)
+        self.creds = CredentialService(self.store, self.accounts, audit, self.clock)
+        self.tokens = TokenService(self.store, self.accounts, audit, clock=self.clock)
+        self.machines = MachineRegistry(self.store, self.accounts, audit, self.clock)
+        self.ca = tls.make_ca()
+        self.pairing = Pairing(
+            self.tokens, self.machines, self.accounts, self.ca, dt.timedelta(days=30)
+        )
+        self.op = Principal("adm_" + "0" * 26, "operator")
+
+    async def account(self, gh: int) -> str:
+        return (await self.accounts.create(gh, f"u{gh}", None, "test")).account.account_id
+
+    async def join(self, account_id: str, **token_args: Any) -> tuple[str, bytes]:
+        made = await self.tokens.create(self.op, account_id, **token_args)
+        key = tls.new_tls_key()
+        res = await self.pairing.join(
+            made.value, tls.build_csr(key).decode(), MachineInfo("m", "0.1", "h")
+        )
+        return res.machine.machine_id, res.cert.cert_pem
+
+
+@pytest.fixture
+def w() -> World:
+    return World()
+
+
+async def test_account_create_once_per_github_user(w: World) -> None:
+    made = await w.accounts.create(7, "octo", None, "t")
+    assert made.recovery_private_key is not None and len(made.account.recovery_public_key) == 32
+    with pytest.raises(AlreadyExists):
+        await w.accounts.create(7, "other", None, "t")
+    with pytest.raises(InvalidArgument, match="github_login"):
+        await w.accounts.create(8, "bad login!", None, "t")
+    given = await w.accounts.create(9, "nine", b"\x01" * 32, "t")
+    assert given.recovery_private_key is None
+    # Listed in id order; two ids made in the same millisecond order by their random part.
+    assert [a.account_id for a in await w.accounts.list()] == sorted(
+        [made.account.account_id, given.account.account_id]
+    )
+    raw = b"".join([await w.store.get(i.key) async for i in w.store.list("")])
+    assert made.recovery_private_key.hex().encode() not in raw
+
+
+async def test_token_lifecycle(w: World) -> None:
+    acct = await w.account(1)
+    with pytest.raises(InvalidArgument, match="ttl_seconds"):
+        await w.tokens.create(w.op, acct, ttl_seconds=24 * 3600 + 1)
+    made = await w.tokens.create(w.op, acct)
+    assert made.token.expires_at - made.token.created_at == dt.timedelta(hours=1)
+    tok_id, secret = made.value.split(".")
+    with pytest.raises(Unauthenticated, match="unknown token or wrong secret"):
+        await w.tokens.consume(f"{tok_id}.{'A' * 43}")
+    with pytest.raises(Unauthenticated, match="malformed"):
+        await w.tokens.consume("nonsense")
+    used = await w.tokens.consume(made.value)
+    assert used.uses == 1
+    with pytest.raises(Unauthenticated, match="already used"):
+        await w.tokens.consume(made.value)
+    late = await w.tokens.create(w.op, acct, ttl_seconds=60, max_uses=3)
+    w.clock.now += dt.timedelta(seconds=61)
+    with pytest.raises(Unauthenticated, match="token expired"):
+        await w.tokens.consume(late.value)
+    revoked = await w.tokens.create(w.op, acct)
+    await w.tokens.revoke(w.op, revoked.token.token_id)
+    with pytest.raises(Unauthenticated, match="token revoked"):
+        await w.tokens.consume(revoked.value)
+    stored = b"".join([await w.store.get(i.key) async for i in w.store.list("")])
+    assert secret.encode() not in stored
+
+
+async def test_token_zero_means_default_and_negative_is_refused(w: World) -> None:
+    acct = await w.account(1)
+    # proto3 cannot tell "not set" from 0, so 0 is "use the default" (1 h, 1 use).
+    made = await w.tokens.create(w.op, acct, ttl_seconds=0, max_uses=0)
+    assert made.token.expires_at - made.token.created_at == dt.timedelta(hours=1)
+    assert made.token.max_uses == 1
+    with pytest.raises(InvalidArgument, match="ttl_seconds: must not be negative") as ttl:
+        await w.tokens.create(w.op, acct, ttl_seconds=-1)
+    assert ttl.value.field == "ttl_seconds"
+    with pytest.raises(InvalidArgument, match="max_uses: must not be negative") as uses:
+        await w.tokens.create(w.op, acct, max_uses=-5)
+    assert uses.value.field == "max_uses"
+    assert len(await w.tokens.list(w.op, acct)) == 1  # nothing made by the refusals
+
+
+async def test_token_of_deleting_account_refused(w: World) -> None:
+    acct = await w.account(1)
+    made = await w.tokens.create(w.op, acct)
+    await w.store.put(deleting_key(acct), b"{}")
+    with pytest.raises(PermissionDenied, match="being deleted"):
+        await w.tokens.consume(made.value)
+    with pytest.raises(PermissionDenied):
+        await w.tokens.create(w.op, acct)
+
+
+async def test_multi_use_token_counts_uses(w: World) -> None:
+    acct = await w.account(1)
+    made = await w.tokens.create(w.op, acct, max_uses=2)
+    await w.tokens.consume(made.value)
+    await w.tokens.consume(made.value)
+    with pytest.raises(Unauthenticated):
+        await w.tokens.consume(made.value)
+
+
+async def test_bad_csr_does_not_burn_token(w: World) -> None:
+    acct = await w.account(1)
+    made = await w.tokens.create(w.op, acct)
+    with pytest.raises(InvalidArgument, match="csr_pem"):
+        await w.pairing.join(made.value, "not a csr", MachineInfo("m", "1", "h"))
+    assert (await w.tokens.consume(made.value)).uses == 1
+
+
+async def test_cross_account_is_not_found(w: World) -> None:
+    a, b = await w.account(1), await w.account(2)
+    mc_a, _ = await w.join(a)
+    mc_b, _ = await w.join(b)
+    admin_a = (await w.creds.create_for_account(w.op, a, "a")).value
+    pa = await w.creds.authenticate(admin_a)
+    assert pa.account_id == a and not pa.is_operator
+    assert [m.machine_id for m in await w.machines.list(pa)] == [mc_a]
+    assert {m.machine_id for m in await w.machines.list(w.op)} == {mc_a, mc_b}
+    missing = new_id("machine")
+    for call in (
+        lambda mid: w.machines.get(pa, mid),
+        lambda mid: w.machines.rename(pa, mid, "x"),
+        lambda mid: w.machines.revoke(pa, mid),
+    ):
+        with pytest.raises(NotFound) as other:
+            await call(mc_b)
+        with pytest.raises(NotFound) as absent:
+            await call(missing)
+        assert str(other.value).replace(mc_b, "X") == str(absent.value).replace(missing, "X")
+    with pytest.raises(NotFound):
+        await w.tokens.list(pa, b)
+    with pytest.raises(PermissionDenied):
+        await w.creds.create_for_account(pa, a, "again")
+    # An account that does not exist is NOT_FOUND for the operator, as for tokens
+    # (before: PERMISSION_DENIED "account does not exist", exit 1).
+    with pytest.raises(NotFound):
+        await w.creds.create_for_account(w.op, "acct_" + "0" * 26, "nobody")
+    # The operator's view is unchanged and B's machine was not touched.
+    assert (await w.machines.get(w.op, mc_b)).name == "m"
+
+
+async def test_credential_checks(w: World) -> None:
+    a = await w.account(1)
+    made = await w.creds.create_for_account(w.op, a, "a")
+    cid, _ = made.value.split(".")
+    for bad, reason in [
+        (None, "no credential"),
+        ("x", "malformed"),
+        (f"{cid}.{'B' * 43}", "unknown credential or wrong secret"),
+        (f"{new_id('credential')}.{'B' * 43}", "unknown credential or wrong secret"),
+    ]:
+        with pytest.raises(Unauthenticated, match=reason):
+            await w.creds.authenticate(bad)
+    await w.store.put(deleting_key(a), b"{}")
+    with pytest.raises(PermissionDenied):
+        await w.creds.authenticate(made.value)
+
+
+async def test_revoked_machine_refused_and_kicked(w: World) -> None:
+    a = await w.account(1)
+    mc, cert = await w.join(a)
+    peer = tls.identity_from_cert(cert)
+    machine = await w.machines.authorize_peer(peer)
+    presence = PresenceRegistry(w.store, clock=w.clock)
+    w.machines.on_revoke(presence.kick)
+    session = await presence.open(machine, "0.1", 2)
+    assert presence.online_count == 1
+    await w.machines.revoke(w.op, mc)
+    assert isinstance(session.outbox.get_nowait(), RevokedNotice)
+    assert presence.online_count == 0
+    with pytest.raises(Unauthenticated, match="revoked"):
+        await w.machines.authorize_peer(peer)
+    # A fresh service (another process) reads the revocation from the store.
+    fresh = MachineRegistry(w.store, w.accounts, Auditor(w.store))
+    with pytest.raises(Unauthenticated, match="revoked"):
+        await fresh.authorize_peer(peer)
+
+
+async def test_renewal_supersedes_old_serials(w: World) -> None:
+    a = await w.account(1)
+    mc, cert1 = await w.join(a)
+    machine = await w.machines.authorize_peer(tls.identity_from_cert(cert1))
+    cert2 = await w.pairing.renew(machine, tls.build_csr(tls.new_tls_key()).decode())
+    machine = await w.machines.authorize_peer(tls.identity_from_cert(cert2.cert_pem))
+    await w.machines.authorize_peer(tls.identity_from_cert(cert1))  # previous: still valid
+    await w.pairing.renew(machine, tls.build_csr(tls.new_tls_key()).decode())
+    with pytest.raises(Unauthenticated, match="superseded"):
+        await w.machines.authorize_peer(tls.identity_from_cert(cert1))
+
+
+async def test_presence_writes_at_most_once_per_interval(w: World) -> None:
+    a = await w.account(1)
+    mc, cert = await w.join(a)
+    machine = await w.machines.authorize_peer(tls.identity_from_cert(cert))
+    ticks = [0.0]
+    presence = PresenceRegistry(
+        w.store, write_interval=60, clock=w.clock, monotonic=lambda: ticks[0]
+    )
+    puts: list[str] = []
+    real_put = w.store.put
+
+    async def counting_put(key: str, data: Any, **kw: Any) -> str:
+        if "/presence/" in key:
+            puts.append(key)
+        return await real_put(key, data, **kw)
+
+    w.store.put = counting_put  # type: ignore[method-assign]
+    session = await presence.open(machine, "0.1", 1)
+    for i in range(30):
+        ticks[0] = i * 1.0
+        await presence.seen(session, 5)
+    assert len(puts) == 1
+    ticks[0] = 61.0
+    await presence.seen(session, 6)
+    assert len(puts) == 2
+    await presence.close(session)
+    assert len(puts) == 3
+    status = await presence.status(machine)
+    assert not status.online and status.agent_count == 6 and status.last_seen_at == w.clock.now
+
+
+async def test_a_close_cancelled_during_its_write_is_written_by_the_next_close(
+    w: World,
+) -> None:
+    """The link's reader closes the session and is cancelled as the link ends;
+    the link's own close then must still write last seen (before, the first
+    close had forgotten the session: the second returned, and last seen went
+    back to the last periodic write)."""
+    a = await w.account(1)
+    _, cert = await w.join(a)
+    machine = await w.machines.authorize_peer(tls.identity_from_cert(cert))
+    presence = PresenceRegistry(w.store, write_interval=60, clock=w.clock)
+    session = await presence.open(machine, "0.1", 1)
+    w.clock.now += dt.timedelta(seconds=45)
+    await presence.seen(session, 1)  # within the interval: not written
+    real_put = w.store.put
+    started = asyncio.Event()
+
+    async def stuck_put(key: str, data: Any, **kw: Any) -> str:
+        started.set()
+        await asyncio.Event().wait()  # until cancelled
+        raise AssertionError("unreachable")
+
+    w.store.put = stuck_put  # type: ignore[method-assign]
+    reader_close = asyncio.create_task(presence.close(session))
+    await started.wait()
+    reader_close.cancel()
+    await asyncio.gather(reader_close, return_exceptions=True)
+    w.store.put = real_put  # type: ignore[method-assign]
+    await presence.close(session)  # the link's own close, in its finally
+    status = await presence.status(machine)
+    assert not status.online and status.last_seen_at == w.clock.now
+
+
+def test_a_record_missing_fields_is_an_integrity_error_not_a_type_error() -> None:
+    # MAC'd records are ours, but one of another version (or a bug) may lack
+    # fields: every reader gets a clear IntegrityError naming the record.
+    with pytest.raises(IntegrityError, match=r"machine record: malformed: .*machine_id"):
+        Machine.from_dict({"name": "m"})

@@ -1,0 +1,85 @@
+"""The intent-record pattern: what recovery rolls back, and what it must never touch."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from controlplane.integrity.intents import Intent, Intents
+from shared.store import MemoryStore
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+class Clock:
+    def __init__(self, now: dt.datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+
+def _intents(store: MemoryStore, clock: Clock, rolled: list[str], verdict: bool = True) -> Intents:
+    intents = Intents(store, clock)
+
+    async def resolver(intent: Intent, age: float) -> bool:
+        rolled.append(intent.intent_id)
+        return verdict
+
+    intents.register("demo", resolver)
+    return intents
+
+
+async def test_recover_rolls_back_only_what_an_earlier_run_left() -> None:
+    store, rolled = MemoryStore(), []  # type: list[str]
+    crashed = _intents(store, Clock(T0), rolled)
+    left = await crashed.begin("demo", thing="a")  # the process dies here
+    clock = Clock(T0 + dt.timedelta(seconds=5))
+    now = _intents(store, clock, rolled)
+    # A change in flight in this process, and one committed while recover was
+    # looking (a stale listing): neither is rolled back.
+    async with now.change("demo", thing="b"):
+        stale = [i for i in await now.pending() if i.fields["thing"] == "b"]
+        assert await now.recover() == 1
+    assert rolled == [left.intent_id]
+
+    async def stale_listing() -> list[Intent]:
+        return stale
+
+    now.pending = stale_listing  # type: ignore[method-assign]
+    assert await now.recover() == 0
+    assert rolled == [left.intent_id]
+
+
+async def test_a_held_change_is_resolved_when_its_resolver_agrees() -> None:
+    store, rolled = MemoryStore(), []  # type: list[str]
+    intents = _intents(store, Clock(T0), rolled, verdict=False)
+    async with intents.change("demo", hold=True, thing="c") as held:
+        pass
+    assert [i.intent_id for i in await intents.pending()] == [held.intent_id]
+    assert await intents.recover() == 0  # the resolver says wait
+    assert rolled == [held.intent_id]
+    await intents.commit(held)
+    assert await intents.pending() == []
+
+
+async def test_an_error_inside_the_change_rolls_it_back_at_once() -> None:
+    store, rolled = MemoryStore(), []  # type: list[str]
+    intents = _intents(store, Clock(T0), rolled)
+    try:
+        async with intents.change("demo", thing="d") as failed:
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    assert rolled == [failed.intent_id]
+    assert await intents.pending() == []
+
+
+async def test_an_earlier_run_whose_clock_ran_ahead_is_still_recovered() -> None:
+    store, rolled = MemoryStore(), []  # type: list[str]
+    # The last process's clock was an hour ahead (then NTP stepped it back, or
+    # the control plane was restored onto another host).
+    crashed = _intents(store, Clock(T0 + dt.timedelta(hours=1)), rolled)
+    left = await crashed.begin("demo", thing="a")  # the process dies here
+    now = _intents(store, Clock(T0), rolled)
+    assert await now.recover() == 1
+    assert rolled == [left.intent_id]

@@ -1,0 +1,90 @@
+"""ScheduleWaker with in-process fakes: who is woken for a schedule, and when."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from controlplane.integrity.records import Machine
+from controlplane.machines.presence import MachineStatus
+from controlplane.queue.wake import ScheduleWaker
+from shared.ids import new_id
+
+NOW = dt.datetime(2026, 6, 1, 12, tzinfo=dt.UTC)
+
+
+def _machine(revoked: bool = False) -> Machine:
+    return Machine(
+        machine_id=new_id("machine"),
+        account_id=new_id("account"),
+        name="m",
+        hostname="h",
+        version="1",
+        joined_at=NOW,
+        cert_serial="01",
+        cert_not_after=NOW + dt.timedelta(days=30),
+        revoked=revoked,
+    )
+
+
+class _Machines:
+    def __init__(self, machines: list[Machine]) -> None:
+        self.machines = machines
+
+    async def list(self, principal: Any, account_id: str = "") -> list[Machine]:
+        return self.machines
+
+
+class _Presence:
+    def __init__(self, fires: dict[str, dt.datetime | None], online: set[str]) -> None:
+        self.fires = fires
+        self.online = online
+
+    def session(self, machine_id: str) -> object | None:
+        return object() if machine_id in self.online else None
+
+    async def status(self, m: Machine) -> MachineStatus:
+        return MachineStatus(m, False, NOW, "1", 1, self.fires.get(m.machine_id))
+
+
+class _Starter:
+    def __init__(self, providers: set[str]) -> None:
+        self.providers = providers
+        self.asked: list[str] = []
+
+    async def has_provider(self, account_id: str, machine_id: str) -> bool:
+        return machine_id in self.providers
+
+    def try_request(self, account_id: str, machine_id: str) -> bool:
+        self.asked.append(machine_id)
+        return True
+
+
+async def test_wakes_only_offline_machines_with_a_provider_and_a_fire_due() -> None:
+    due, later, online, no_provider, none = (_machine() for _ in range(5))
+    revoked = _machine(revoked=True)
+    everyone = [due, later, online, no_provider, none, revoked]
+    fires = {
+        due.machine_id: NOW + dt.timedelta(seconds=60),  # within the 120 s lead
+        later.machine_id: NOW + dt.timedelta(seconds=600),
+        online.machine_id: NOW + dt.timedelta(seconds=10),
+        no_provider.machine_id: NOW + dt.timedelta(seconds=10),
+        none.machine_id: None,
+        revoked.machine_id: NOW,
+    }
+    starter = _Starter({m.machine_id for m in everyone if m is not no_provider})
+    wakes: list[int] = []
+    waker = ScheduleWaker(
+        _Machines(everyone),  # type: ignore[arg-type]
+        _Presence(fires, {online.machine_id}),  # type: ignore[arg-type]
+        starter,  # type: ignore[arg-type]
+        lead=120,
+        interval=1,
+        clock=lambda: NOW,
+        on_wake=lambda: wakes.append(1),
+    )
+    assert await waker.check() == [due.machine_id]
+    assert starter.asked == [due.machine_id] and len(wakes) == 1
+    status = MachineStatus(later, False, NOW, "1", 1, fires[later.machine_id])
+    assert waker.wake_at(status) == NOW + dt.timedelta(seconds=480)
+    assert waker.wake_at(MachineStatus(none, False, NOW, "1", 1, None)) is None

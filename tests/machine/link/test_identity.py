@@ -1,0 +1,212 @@
+"""The machine's identity files: modes, atomic staging, loading and damage."""
+
+from __future__ import annotations
+
+import datetime as dt
+import stat
+from pathlib import Path
+
+import pytest
+
+from machine.link import identity
+from shared import tls
+from shared.crypto import BoxKeyPair
+from shared.errors import IntegrityError, InvalidArgument, InvalidState
+from shared.ids import new_id
+
+
+@pytest.fixture(scope="module")
+def ca() -> tls.CertKey:
+    return tls.make_ca()
+
+
+def _record(cert_pem: bytes, **kw: object) -> identity.LinkRecord:
+    args: dict[str, object] = {
+        "control_address": "127.0.0.1:7444",
+        "machine_id": new_id("machine"),
+        "account_id": new_id("account"),
+        "account_recovery_public_key": BoxKeyPair.generate().public_key,
+        "heartbeat_interval": 0.25,
+        "cert_not_after": tls.cert_not_after(cert_pem),
+        "cert_received_at": dt.datetime.now(dt.UTC),
+    }
+    args.update(kw)
+    return identity.LinkRecord(**args)  # type: ignore[arg-type]
+
+
+def _material(ca: tls.CertKey) -> tuple[identity.NewKeys, bytes, identity.LinkRecord]:
+    keys = identity.NewKeys.generate()
+    machine_id, account_id = new_id("machine"), new_id("account")
+    cert = tls.sign_client_csr(
+        ca,
+        keys.csr_pem(),
+        account_id=account_id,
+        machine_id=machine_id,
+        lifetime=dt.timedelta(hours=1),
+    )
+    link = _record(cert.cert_pem, machine_id=machine_id, account_id=account_id)
+    return keys, cert.cert_pem, link
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_staged_join_commits_private_files(ca: tls.CertKey, tmp_path: Path) -> None:
+    keys, cert, link = _material(ca)
+    data_dir = tmp_path / "root" / "data"
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+        assert not data_dir.exists()  # nothing visible until the block ends
+    assert identity.is_joined(data_dir)
+    assert _mode(data_dir) == 0o700
+    assert _mode(data_dir / "keys") == 0o700
+    for f in (data_dir / "keys").iterdir():
+        assert _mode(f) == 0o600, f.name
+    assert _mode(data_dir / identity.LINK_FILE) == 0o600
+    assert sorted(p.name for p in data_dir.parent.iterdir()) == ["data"]
+    assert identity.load_link(data_dir) == link
+    loaded = identity.load_keys(data_dir)
+    assert loaded.box.public_key == keys.box.public_key
+    assert loaded.tls_cert_pem == cert
+    assert loaded.ca_cert_pem == ca.cert_pem
+
+
+def test_failed_stage_leaves_nothing(ca: tls.CertKey, tmp_path: Path) -> None:
+    keys, cert, link = _material(ca)
+    data_dir = tmp_path / "data"
+    with pytest.raises(RuntimeError), identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+        raise RuntimeError("join refused")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_stage_is_swept(ca: tls.CertKey, tmp_path: Path) -> None:
+    stale = tmp_path / ".data.join-abcdef"
+    stale.mkdir()
+    (stale / "junk").write_text("x")
+    keys, cert, link = _material(ca)
+    with identity.staged_join(tmp_path / "data") as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_empty_existing_data_dir_is_replaced(ca: tls.CertKey, tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir(mode=0o755)
+    keys, cert, link = _material(ca)
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+    assert identity.is_joined(data_dir)
+    assert _mode(data_dir) == 0o700
+
+
+@pytest.mark.parametrize("in_use", [False, True], ids=["new folder", "folder in use"])
+def test_restore_pending_is_committed_with_the_identity(
+    ca: tls.CertKey, tmp_path: Path, in_use: bool
+) -> None:
+    data_dir = tmp_path / "data"
+    if in_use:  # a stand-alone machine's folder: the files move in one by one
+        (data_dir / "keys").mkdir(parents=True, mode=0o700)
+        (data_dir / "machine.db").write_bytes(b"x")
+    keys, cert, link = _material(ca)
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+        identity.mark_restore_pending(stage)
+        assert not identity.restore_pending(data_dir)  # not before the commit
+    assert identity.is_joined(data_dir) and identity.restore_pending(data_dir)
+    identity.clear_restore_pending(data_dir)
+    assert not identity.restore_pending(data_dir)
+    identity.clear_restore_pending(data_dir)  # twice: nothing to do
+
+
+def test_a_join_without_restore_drops_an_earlier_identitys_mark(
+    ca: tls.CertKey, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    (data_dir / "keys").mkdir(parents=True, mode=0o700)
+    (data_dir / "keys" / identity.RESTORE_PENDING_FILE).write_text("{}")
+    # A join killed before its commit point (link.json) left it: not a pending restore.
+    assert not identity.restore_pending(data_dir)
+    keys, cert, link = _material(ca)
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+    assert identity.is_joined(data_dir) and not identity.restore_pending(data_dir)
+
+
+def test_already_joined_is_refused(ca: tls.CertKey, tmp_path: Path) -> None:
+    keys, cert, link = _material(ca)
+    data_dir = tmp_path / "data"
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+    with pytest.raises(InvalidState) as info, identity.staged_join(data_dir):
+        pass
+    assert info.value.what == "data_dir"
+    assert link.machine_id in str(info.value)
+
+
+def test_link_record_round_trip_and_checks(ca: tls.CertKey) -> None:
+    _, cert, link = _material(ca)
+    assert identity.LinkRecord.from_json(link.to_json()) == link
+    with pytest.raises(InvalidArgument):
+        _record(cert, machine_id="mc_bad")
+    with pytest.raises(InvalidArgument):
+        _record(cert, heartbeat_interval=0)
+    with pytest.raises(InvalidArgument):
+        _record(cert, account_recovery_public_key=b"short")
+    for bad in (b"", b"[]", b'{"format": 2}', b'{"format": 1}', b"\xff"):
+        with pytest.raises(IntegrityError):
+            identity.LinkRecord.from_json(bad)
+
+
+def test_not_joined(tmp_path: Path) -> None:
+    assert not identity.is_joined(tmp_path)
+    with pytest.raises(InvalidState):
+        identity.load_link(tmp_path)
+    with pytest.raises(InvalidState):
+        identity.load_keys(tmp_path)
+
+
+def test_damaged_key_is_reported_without_its_bytes(ca: tls.CertKey, tmp_path: Path) -> None:
+    keys, cert, link = _material(ca)
+    data_dir = tmp_path / "data"
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+    box = data_dir / "keys" / identity.BOX_KEY
+    secret_text = box.read_text().strip()
+    box.write_text(secret_text[:-3] + "AAA\n")
+    with pytest.raises(IntegrityError) as info:
+        identity.load_keys(data_dir)
+    assert secret_text[6:20] not in str(info.value)
+
+
+def test_repr_hides_keys(ca: tls.CertKey, tmp_path: Path) -> None:
+    keys, cert, link = _material(ca)
+    assert "PRIVATE" not in repr(keys)
+    data_dir = tmp_path / "data"
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+    loaded = identity.load_keys(data_dir)
+    assert "PRIVATE" not in repr(loaded)
+    assert "agsk1_" not in repr(loaded)
+
+
+def test_save_certificate_replaces_cert_and_record(ca: tls.CertKey, tmp_path: Path) -> None:
+    keys, cert, link = _material(ca)
+    data_dir = tmp_path / "data"
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+    newer = tls.sign_client_csr(
+        ca,
+        keys.csr_pem(),
+        account_id=link.account_id,
+        machine_id=link.machine_id,
+        lifetime=dt.timedelta(hours=2),
+    )
+    updated = identity.save_certificate(data_dir, newer.cert_pem, ca.cert_pem, link)
+    assert identity.load_keys(data_dir).tls_cert_pem == newer.cert_pem
+    assert identity.load_link(data_dir) == updated
+    assert updated.cert_not_after == newer.not_after
+    assert updated.machine_id == link.machine_id
+    assert _mode(data_dir / "keys" / identity.TLS_CERT) == 0o600
+    assert [p.name for p in (data_dir / "keys").iterdir() if p.name.startswith(".")] == []
