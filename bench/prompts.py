@@ -12,7 +12,7 @@ It starts one moto S3 server and, in this process, measures:
     to one machine through the control plane's store stack (MAC'd store,
     retries, metrics): seal + one LIST + one conditional PUT each;
 (c) drain: ``pending`` (LIST + one GET each, 8 at once) and the deletes of
-    the acknowledged entries through :class:`~controlplane.acks.AckBatcher`
+    the acknowledged entries through :class:`~controlplane.queue.acks.AckBatcher`
     (acknowledgements arriving one by one; those that arrive while a delete
     is in flight share the next DeleteObjects), as a connect drains it.
 

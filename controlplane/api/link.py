@@ -1,7 +1,7 @@
 """gRPC MachineLink servicer: thin translation between messages and domain calls.
 
 Connect decodes the machine's messages into :mod:`controlplane.machines.links` dataclasses,
-lets :class:`~controlplane.links.LinkSessions` run the link, and encodes its notices.
+lets :class:`~controlplane.machines.links.LinkSessions` run the link, and encodes its notices.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each type mirrors one reply message of ``shared/pb/control/v1/admin.proto``
 field for field, under the proto field names: ``from_pb`` reads each field
 from the message field of its name (unset timestamps become None, nested
-replies their own types), so :class:`~controlplane.client.AdminClient` is the
+replies their own types), so :class:`~controlplane.cli.client.AdminClient` is the
 only place that sees those messages and its callers never see protobuf. A
 field added to the proto and not here (or the other way round) fails the unit
 tests, not a user.

@@ -1,62 +1,46 @@
-"""``agents-control``: the control-plane daemon and its admin verbs.
+"""``agents-control``: the entry point, the parser and the COMMANDS table.
 
-Only this module prints and picks exit codes (through :mod:`shared.cli`):
-0 success, 1 failure, 2 bad input or a refused request (one line, maybe a
-hint). The environment is read only through :func:`controlplane.config.load_config`.
+Only the modules of ``controlplane.cli`` print and pick exit codes (through
+:mod:`shared.cli`): 0 success, 1 failure, 2 bad input or a refused request
+(one line, maybe a hint). The environment is read only through
+:func:`controlplane.config.load_config`. This module parses and dispatches;
+the verbs are in :mod:`controlplane.cli.deployment` (init, serve),
+:mod:`controlplane.cli.recovery` (recovery-key, restore, drill, fsck, cert,
+ca), :mod:`controlplane.cli.accounts` (account, token, credential) and
+:mod:`controlplane.cli.machines` (machine, prompt).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import dataclasses
-import json
 import logging
 import os
 import re
 import sys
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from controlplane.access.tokens import MAX_USES
-from controlplane.cli.admin_types import Account, Machine, NewJoinToken, rfc3339
-from controlplane.cli.client import AdminClient, ControlPlaneUnreachable
-from controlplane.cli.drill import MAX_MACHINES, DrillReport, run_drill
-from controlplane.config import ControlConfig, load_config
-from controlplane.integrity.keys import load_ca_cert
-from controlplane.recovery.adopt import adopt_control_plane
-from controlplane.recovery.bootstrap import init_control_plane
-from controlplane.recovery.fsck import fsck_deployment, serving_pid
-from controlplane.recovery.restore import restore_home
-from controlplane.server import run_daemon
+from controlplane.cli import accounts, deployment, machines, recovery
+from controlplane.cli.client import ControlPlaneUnreachable
+from controlplane.cli.common import PROG, Ctx
+from controlplane.cli.drill import MAX_MACHINES
+from controlplane.config import load_config
 from shared.cli import (
     INT64_MAX,
     CliParser,
-    Column,
-    ExitCode,
     Handler,
     Output,
-    StdoutError,
     UsageError,
-    bind_error,
     bounded_int,
     check_argv,
     dispatch,
     run_main,
     stdout_writable,
 )
-from shared.crypto import BoxKeyPair, decode_public_key, encode_private_key, encode_public_key
-from shared.errors import AgentsError, ConfigError
-from shared.recovery_key import read_recovery_key, write_recovery_key
 
 __all__ = ["build_parser", "main"]
 
 logger = logging.getLogger(__name__)
-
-PROG = "agents-control"
 
 
 def _duration(text: str) -> int:
@@ -295,567 +279,33 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def _address(cfg: ControlConfig) -> str:
-    if cfg.address:
-        return cfg.address
-    try:
-        info = json.loads(cfg.serve_path.read_text())
-        return str(info["public"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError(
-            "address", f"no --address and no running daemon found ({cfg.serve_path})"
-        ) from None
-
-
-def _client(cfg: ControlConfig) -> AdminClient:
-    if not cfg.credential:
-        raise ConfigError("credential", "give --credential or set AGENTS_CONTROL_CREDENTIAL")
-    return AdminClient(_address(cfg), load_ca_cert(cfg.home), cfg.credential)
-
-
-def _account_view(a: Account) -> dict[str, Any]:
-    """An account as printed: its recovery public key as ``agpk1_…`` ("" when not a key)."""
-    raw = a.recovery_public_key
-    return {**a.to_json(), "recovery_public_key": encode_public_key(raw) if len(raw) == 32 else ""}
-
-
-def _join_command(reply: NewJoinToken) -> str:
-    return (
-        f"agents-machine join {reply.join_address} --token {reply.token_value} "
-        f"--ca-hash {reply.ca_hash}"
-    )
-
-
-@dataclass
-class _Ctx:
-    """What every handler gets: the arguments, the config, the output."""
-
-    args: argparse.Namespace
-    cfg: ControlConfig
-    out: Output
-
-
-def _emit(ctx: _Ctx, data: dict[str, Any], *text: str) -> int:
-    """``data`` as JSON with --json, else the lines ``text``."""
-    if ctx.out.as_json or not text:
-        ctx.out.json(data)
-    else:
-        ctx.out.lines(*text)
-    return ExitCode.OK
-
-
-def _once(ctx: _Ctx, data: dict[str, Any], line: str, note: str) -> int:
-    """What is shown once: ``data`` as JSON with --json, else ``line`` alone on stdout
-    (so ``$(…)`` gets just that) and ``note``, what it is, on stderr."""
-    _emit(ctx, data, line)
-    if not ctx.out.as_json:
-        ctx.out.note(note)
-    return ExitCode.OK
-
-
-def _record(ctx: _Ctx, data: dict[str, Any]) -> int:
-    """One record: JSON with --json, else ``field  value`` lines."""
-    if ctx.out.as_json:
-        ctx.out.json(data)
-    else:
-        ctx.out.detail((key, "-" if value is None else str(value)) for key, value in data.items())
-    return ExitCode.OK
-
-
-def _listing(
-    ctx: _Ctx, key: str, items: list[dict[str, Any]], columns: list[Column], rows: list[list[str]]
-) -> int:
-    if ctx.out.as_json:
-        ctx.out.json({key: items})
-    else:
-        ctx.out.table(columns, rows)
-    return ExitCode.OK
-
-
-def _recovery_lines(private: bytes | None) -> list[str]:
-    """The recovery private key init/adopt made, with what to do with it (shown once)."""
-    if private is None:
-        return []
-    return [
-        encode_private_key(private),
-        "^ recovery private key (shown ONCE, never stored): save it to a file kept "
-        "OFFLINE; `agents-control restore` needs it to rebuild this control plane",
-    ]
-
-
-async def _init(ctx: _Ctx) -> int:
-    if ctx.args.adopt:
-        return await _adopt(ctx)
-    given = ctx.args.recovery_public_key
-    public = decode_public_key(given) if given else None
-    result = await init_control_plane(ctx.cfg, public)
-    # The credential first, in one write: a reader that keeps only the first line
-    # (`| head -1`) still gets the one thing that is never shown again.
-    lines = [
-        result.operator_credential,
-        "^ operator credential (shown ONCE, stored only as a hash)",
-    ]
-    lines += _recovery_lines(result.recovery_private_key)
-    try:
-        ctx.out.lines(
-            *lines,
-            f"control plane initialised in {ctx.cfg.home}",
-            f"CA hash: {result.ca_hash}",
-        )
-    except StdoutError as e:
-        raise AgentsError(
-            f"init: {e}: the control plane in {ctx.cfg.home} is made, but nobody has its"
-            " operator credential (shown only once); remove that folder and the store's"
-            " objects, then run init again with a working stdout"
-        ) from None
-    return ExitCode.OK
-
-
-async def _recovery_key_new(ctx: _Ctx) -> int:
-    pair = BoxKeyPair.generate()
-    out = Path(ctx.args.out)
-    write_recovery_key(out, pair, "the control plane's key bundle (agents-control restore)")
-    public = encode_public_key(pair.public_key)
-    return _once(
-        ctx,
-        {"public_key": public, "private_key_file": str(out)},
-        public,
-        f"private key written to {out} (0600): keep it offline; give the public key "
-        "above to `agents-control init --recovery-public-key`",
-    )
-
-
-async def _adopt(ctx: _Ctx) -> int:
-    given = ctx.args.recovery_public_key
-    adopted = await adopt_control_plane(ctx.cfg, decode_public_key(given) if given else None)
-    # As for init: the credential first, on a line of its own.
-    ctx.out.lines(
-        adopted.operator_credential,
-        "^ operator credential (shown ONCE, stored only as a hash)",
-        *_recovery_lines(adopted.recovery_private_key),
-        f"store adopted with new keys in {ctx.cfg.home} "
-        f"({adopted.objects_adopted} objects re-authenticated)",
-        f"CA hash: {adopted.ca_hash}",
-    )
-    ctx.out.note(
-        f"machines must re-pair: `{PROG} machine repair MACHINE` for each, then run the "
-        "printed join command on that machine (it keeps its id, agents and backups)"
-    )
-    if adopted.provider_secrets_lost:
-        ctx.out.note(
-            f"{adopted.provider_secrets_lost} machine provider setting(s) were sealed with the "
-            f"lost key: set them again (`{PROG} machine provider set`)"
-        )
-    return ExitCode.OK
-
-
-async def _restore(ctx: _Ctx) -> int:
-    recovery = read_recovery_key(Path(ctx.args.recovery_key), warn=ctx.out.note)
-    result = await restore_home(ctx.cfg, recovery)
-    data = {
-        "home": str(result.home),
-        "deployment_id": result.deployment_id,
-        "ca_hash": result.ca_hash,
-        "epoch": result.epoch,
-    }
-    return _emit(
-        ctx,
-        data,
-        f"restored {result.home} (deployment {result.deployment_id}, epoch {result.epoch})",
-        f"CA hash: {result.ca_hash} (unchanged: machines reconnect with their certificates)",
-        f"next: agents-control serve --home {result.home}",
-    )
-
-
-async def _serve(ctx: _Ctx) -> int:
-    try:
-        await run_daemon(ctx.cfg)
-    except (OSError, RuntimeError) as e:
-        raise bind_error(e) or e from None
-    return ExitCode.OK
-
-
-async def _fsck(ctx: _Ctx) -> int:
-    """Exit 0 when clean (or all repaired), 1 when something is left, 2 for bad usage."""
-    args, cfg = ctx.args, ctx.cfg
-    pid = serving_pid(cfg) if args.repair else None
-    if pid is not None:
-        raise UsageError(
-            f"fsck: --repair needs serve stopped (pid {pid} runs)",
-            "stop agents-control serve, then run fsck --repair again",
-        )
-    if args.vouch_backups and not args.repair:
-        raise UsageError(
-            "fsck: --vouch-backups writes: give --repair too",
-            "agents-control fsck --repair --vouch-backups",
-        )
-    report = await fsck_deployment(cfg, repair=args.repair, vouch_backups=args.vouch_backups)
-    if ctx.out.as_json:
-        ctx.out.json(report.to_dict())
-    else:
-        ctx.out.lines(
-            *(
-                f"{f.kind} {f.key}: {f.detail}" + (" [repaired]" if f.repaired else "")
-                for f in report.findings
-            )
-        )
-        ctx.out.lines(
-            *(f"deleting {acct}: account deletion in progress" for acct in report.deleting)
-        )
-        state = "clean" if report.clean else f"{len(report.findings)} finding(s)"
-        ctx.out.lines(f"checked {report.objects} objects: {state}")
-    return ExitCode.OK if report.clean else ExitCode.FAILED
-
-
-async def _account_create(ctx: _Ctx) -> int:
-    args = ctx.args
-    public = decode_public_key(args.recovery_public_key) if args.recovery_public_key else b""
-    async with _client(ctx.cfg) as c:
-        reply = await c.create_account(args.github_id, args.github_login, public)
-    acct = _account_view(reply.account)
-    private = reply.recovery_private_key
-    if ctx.out.as_json:
-        if private:
-            acct["recovery_private_key"] = encode_private_key(private)
-        return _emit(ctx, acct)
-    lines = [
-        f"account {acct['account_id']} created for {acct['github_login']}",
-        f"recovery public key: {acct['recovery_public_key']}",
-    ]
-    if private:
-        lines = [
-            encode_private_key(private),
-            "^ recovery private key (shown ONCE, never stored; keep it offline)",
-            *lines,
-        ]
-    ctx.out.lines(*lines)
-    return ExitCode.OK
-
-
-async def _account_show(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        return _record(ctx, _account_view(await c.get_account(ctx.args.account_id)))
-
-
-async def _account_list(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        accounts = await c.list_accounts()
-    rows = [
-        [
-            a.account_id,
-            a.github_login,
-            str(a.github_user_id),
-            rfc3339(a.signed_up_at) or "",
-            a.state,
-        ]
-        for a in accounts
-    ]
-    columns = [Column("account", whole=True), Column("login"), Column("github id", whole=True)]
-    views = [_account_view(a) for a in accounts]
-    return _listing(ctx, "accounts", views, [*columns, Column("signed up"), Column("state")], rows)
-
-
-async def _token_create(ctx: _Ctx) -> int:
-    args = ctx.args
-    # No --ttl: send 0, which the control plane reads as its configured default.
-    ttl = 0 if args.ttl is None else args.ttl
-    async with _client(ctx.cfg) as c:
-        reply = await c.create_token(args.account, ttl, args.uses)
-    token = reply.token
-    return _join_once(
-        ctx,
-        reply,
-        _join_command(reply),
-        f"token {token.token_id} for {token.account_id}, expires {rfc3339(token.expires_at)}, "
-        f"uses {token.max_uses}: run the command above on the machine (shown once)",
-    )
-
-
-def _join_once(ctx: _Ctx, reply: NewJoinToken, command: str, note: str) -> int:
-    """A new token's join ``command`` (shown once), with the reply under --json."""
-    return _once(ctx, {**reply.to_json(), "join_command": command}, command, note)
-
-
-async def _token_list(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        tokens = await c.list_tokens(ctx.args.account)
-    rows = [
-        [t.token_id, t.account_id, t.state, f"{t.uses}/{t.max_uses}", rfc3339(t.expires_at) or ""]
-        for t in tokens
-    ]
-    columns = [Column("token", whole=True), Column("account", whole=True), Column("state")]
-    more = [Column("uses"), Column("expires")]
-    return _listing(ctx, "tokens", [t.to_json() for t in tokens], [*columns, *more], rows)
-
-
-async def _token_revoke(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        reply = await c.revoke_token(ctx.args.token_id)
-    return _emit(ctx, reply.to_json(), f"token {reply.token_id} revoked")
-
-
-def _wake(m: Machine) -> str:
-    """When a schedule of the machine wakes it (through its provider), or why not."""
-    if m.next_fire_at is None:
-        return "-"
-    if not m.has_provider:
-        return "no provider set"
-    return rfc3339(m.next_wake_at) or "-"
-
-
-async def _machine_list(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        machines = await c.list_machines(ctx.args.account)
-    rows = [
-        [
-            m.machine_id,
-            m.name,
-            m.account_id,
-            m.presence,
-            rfc3339(m.last_seen_at) or "-",
-            m.version,
-            str(m.agent_count),
-            _wake(m),
-        ]
-        for m in machines
-    ]
-    columns = [Column("machine", whole=True), Column("name"), Column("account", whole=True)]
-    more = [Column("status"), Column("last seen"), Column("version"), Column("agents")]
-    more.append(Column("next wake"))
-    return _listing(ctx, "machines", [m.to_json() for m in machines], [*columns, *more], rows)
-
-
-async def _machine_show(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        return _record(ctx, (await c.get_machine(ctx.args.machine_id)).to_json())
-
-
-async def _machine_rename(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        reply = await c.rename_machine(ctx.args.machine_id, ctx.args.name)
-    return _emit(ctx, reply.to_json(), f"machine {reply.machine_id} renamed to {reply.name}")
-
-
-async def _machine_revoke(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        reply = await c.revoke_machine(ctx.args.machine_id)
-    return _emit(ctx, reply.to_json(), f"machine {reply.machine_id} revoked")
-
-
-async def _machine_repair(ctx: _Ctx) -> int:
-    ttl = 0 if ctx.args.ttl is None else ctx.args.ttl
-    async with _client(ctx.cfg) as c:
-        reply = await c.create_repair_token(ctx.args.machine_id, ttl)
-    # The new box restores the machine's newest backup with the account's recovery key.
-    command = _join_command(reply) + " --recovery-key RECOVERY-KEY-FILE"
-    return _join_once(
-        ctx,
-        reply,
-        command,
-        f"repair token {reply.token.token_id} for machine {ctx.args.machine_id}, expires "
-        f"{rfc3339(reply.token.expires_at)}: run the command above on the NEW machine "
-        "(shown once); the old machine's certificate is refused once it joins",
-    )
-
-
-async def _machine_provider(ctx: _Ctx) -> int:
-    args = ctx.args
-    if args.action == "set" and not args.provider:
-        raise UsageError("machine provider set: name a provider (local or ec2)")
-    name = args.provider if args.action == "set" else ""
-    async with _client(ctx.cfg) as c:
-        reply = await c.set_provider(args.machine_id, name, args.settings)
-    what = f"provider {name} set" if name else "provider cleared"
-    return _emit(ctx, reply.to_json(), f"machine {reply.machine_id}: {what}")
-
-
-async def _credential_create(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        reply = await c.create_credential(ctx.args.account, ctx.args.label)
-    return _once(
-        ctx,
-        reply.to_json(),
-        reply.credential,
-        f"credential {reply.credential_id} for {reply.account_id} "
-        "(shown ONCE, stored only as a hash)",
-    )
-
-
-#: Seconds between two progress reads of ``account delete --wait``.
-_DELETION_POLL = 0.5
-
-
-async def _account_delete(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        deletion = await c.delete_account(ctx.args.account_id)
-        while ctx.args.wait and deletion.state != "deleted":
-            await asyncio.sleep(_DELETION_POLL)  # the daemon does the work; we only watch
-            deletion = await c.get_deletion(ctx.args.account_id)
-    return _record(ctx, deletion.to_json())
-
-
-async def _account_deletion(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        return _record(ctx, (await c.get_deletion(ctx.args.account_id)).to_json())
-
-
-#: The most a control plane takes as a prompt (``prompt_max_bytes`` is at most 4 MiB):
-#: a --file read stops one byte past it (``/dev/zero`` must not fill the memory).
-_PROMPT_FILE_MAX = 4 * 1024 * 1024
-
-
-def _prompt_text(args: argparse.Namespace) -> str:
-    if args.text is not None:
-        return str(args.text)
-    try:
-        with open(args.file, "rb") as f:
-            raw = f.read(_PROMPT_FILE_MAX + 1)
-        if len(raw) > _PROMPT_FILE_MAX:
-            raise UsageError(
-                f"prompt send: {args.file} is larger than the 4 MiB a prompt may be at most"
-                " (the control plane's prompt_max_bytes, 1 MiB by default)"
-            )
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(
-            f"prompt send: {args.file} is not UTF-8 text (byte {e.start}); prompts are text"
-        ) from None
-    except OSError as e:
-        raise UsageError(f"prompt send: cannot read {args.file}: {e.strerror or e}") from None
-
-
-async def _prompt_send(ctx: _Ctx) -> int:
-    args = ctx.args
-    text = _prompt_text(args)
-    async with _client(ctx.cfg) as c:
-        reply = await c.send_prompt(args.machine, args.agent, text, args.idempotency_key)
-    if reply.state == "refused":
-        # The machine refused it for good (an online machine answers at once; a
-        # key sent again answers the first outcome): nothing will run. Exit 2,
-        # as any refusal.
-        raise UsageError(
-            f"prompt send: prompt {reply.prompt_id} was refused by the machine:"
-            f" {reply.reason or 'no reason given'}"
-        )
-    line = f"prompt {reply.prompt_id} {reply.state}"
-    if reply.run_id:
-        line += f" (run {reply.run_id})"
-    return _emit(ctx, reply.to_json(), line)
-
-
-async def _prompt_list(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        reply = await c.list_prompts(ctx.args.machine)
-    if ctx.out.as_json:
-        ctx.out.json(reply.to_json())
-        return ExitCode.OK
-    rows = [
-        [
-            p.prompt_id,
-            p.agent_id,
-            p.state + (f": {p.reason}" if p.reason else ""),
-            p.run_id or "-",
-            f"{p.age_seconds}s",
-            str(p.size),
-        ]
-        for p in reply.prompts
-    ]
-    columns = [Column("prompt", whole=True), Column("agent", whole=True), Column("state")]
-    more = [Column("run", whole=True), Column("age"), Column("size")]
-    ctx.out.table([*columns, *more], rows)
-    if reply.provider_error:
-        ctx.out.note(f"provider: {reply.provider_error}")
-    return ExitCode.OK
-
-
-def _drill_text(r: DrillReport) -> list[str]:
-    return [
-        f"drill: {r.machines} machines, {r.stopped} stopped with {r.prompts_queued} "
-        "prompts queued; control plane SIGKILLed and its home deleted",
-        f"restore:            {r.restore_seconds:.2f} s",
-        f"serving again:      {r.listening_seconds:.2f} s from the start of the restore",
-        f"every machine back: {r.connected_seconds:.2f} s from the start of the restore "
-        "(target < 5 s; the reference product's drill: 26 s for one machine)",
-        f"prompts delivered:  {r.prompts_delivered}/{r.prompts_queued} "
-        f"({r.delivered_seconds:.2f} s)",
-        f"lost: {r.prompts_lost}  re-paired: {r.repaired}  not connected: {r.not_connected}",
-        "result: " + ("OK" if r.ok else "FAILED"),
-    ]
-
-
-async def _drill(ctx: _Ctx) -> int:
-    """Exit 0 when nothing was lost or paired again, 1 otherwise."""
-    args = ctx.args
-    env = dict(os.environ)  # the daemons it starts read their settings from it
-    with contextlib.ExitStack() as stack:
-        if args.workdir:
-            workdir = Path(args.workdir)
-        else:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agents-drill-")))
-        report = await run_drill(
-            workdir,
-            machines=args.machines,
-            env=env,
-            store_url=args.store_url or "",
-            store_endpoint=args.store_endpoint or "",
-        )
-    _emit(ctx, report.to_dict(), *_drill_text(report))
-    return ExitCode.OK if report.ok else ExitCode.FAILED
-
-
-async def _cert_rotate_server(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        rotated = await c.rotate_server_certificate()
-    data = {"serial": rotated.serial, "not_after": rotated.not_after.isoformat()}
-    return _emit(
-        ctx,
-        data,
-        f"server certificate rotated: serial {rotated.serial}, valid until {data['not_after']}",
-    )
-
-
-async def _ca_rollover(ctx: _Ctx) -> int:
-    async with _client(ctx.cfg) as c:
-        r = await c.rollover_ca(retire_old=ctx.args.retire_old)
-    data = dataclasses.asdict(r)
-    if r.state == "retired":
-        text = f"old CA {r.old_ca_hash} retired; the CA is now {r.ca_hash}"
-    else:
-        text = (
-            f"CA rollover in progress: new CA {r.ca_hash} (old {r.old_ca_hash} still trusted); "
-            f"{r.machines_pending} machine(s) still to renew, {r.machines_notified} told now; "
-            f"retire with `{PROG} ca rollover --retire-old` once none is left"
-        )
-    return _emit(ctx, data, text)
-
-
 #: (command, verb) -> handler; a command without verbs has verb None.
 COMMANDS: dict[tuple[str, str | None], Handler] = {
-    ("init", None): _init,
-    ("serve", None): _serve,
-    ("fsck", None): _fsck,
-    ("recovery-key", "new"): _recovery_key_new,
-    ("restore", None): _restore,
-    ("drill", None): _drill,
-    ("account", "create"): _account_create,
-    ("account", "show"): _account_show,
-    ("account", "list"): _account_list,
-    ("account", "delete"): _account_delete,
-    ("account", "deletion"): _account_deletion,
-    ("token", "create"): _token_create,
-    ("token", "list"): _token_list,
-    ("token", "revoke"): _token_revoke,
-    ("machine", "list"): _machine_list,
-    ("machine", "show"): _machine_show,
-    ("machine", "rename"): _machine_rename,
-    ("machine", "revoke"): _machine_revoke,
-    ("machine", "repair"): _machine_repair,
-    ("machine", "provider"): _machine_provider,
-    ("credential", "create"): _credential_create,
-    ("prompt", "send"): _prompt_send,
-    ("prompt", "list"): _prompt_list,
-    ("cert", "rotate-server"): _cert_rotate_server,
-    ("ca", "rollover"): _ca_rollover,
+    ("init", None): deployment.cmd_init,
+    ("serve", None): deployment.cmd_serve,
+    ("fsck", None): recovery.cmd_fsck,
+    ("recovery-key", "new"): recovery.recovery_key_new,
+    ("restore", None): recovery.cmd_restore,
+    ("drill", None): recovery.cmd_drill,
+    ("account", "create"): accounts.account_create,
+    ("account", "show"): accounts.account_show,
+    ("account", "list"): accounts.account_list,
+    ("account", "delete"): accounts.account_delete,
+    ("account", "deletion"): accounts.account_deletion,
+    ("token", "create"): accounts.token_create,
+    ("token", "list"): accounts.token_list,
+    ("token", "revoke"): accounts.token_revoke,
+    ("machine", "list"): machines.machine_list,
+    ("machine", "show"): machines.machine_show,
+    ("machine", "rename"): machines.machine_rename,
+    ("machine", "revoke"): machines.machine_revoke,
+    ("machine", "repair"): machines.machine_repair,
+    ("machine", "provider"): machines.machine_provider,
+    ("credential", "create"): accounts.credential_create,
+    ("prompt", "send"): machines.prompt_send,
+    ("prompt", "list"): machines.prompt_list,
+    ("cert", "rotate-server"): recovery.cert_rotate_server,
+    ("ca", "rollover"): recovery.ca_rollover,
 }
 
 #: Commands that print a secret once (it is stored only as a hash, or not at all):
@@ -910,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         # (and to real warnings), not the store's progress lines.
         level = {"serve": cfg.log_level, "init": "WARNING"}.get(args.cmd, "CRITICAL")
         _setup_logging(level)
-        ctx = _Ctx(args, cfg, Output(as_json=bool(getattr(args, "json", False))))
+        ctx = Ctx(args, cfg, Output(as_json=bool(getattr(args, "json", False))))
         return dispatch(COMMANDS, PROG, args.cmd, args.verb, ctx)
 
     return run_main(PROG, body, message_for=_message)

@@ -38,7 +38,7 @@ afterwards its ids are simply unknown, and ``deleted/<a>.json`` tells "deleted
 at T by X" apart from "never existed". A backup upload authorized before the
 tombstone can outlast the last sweep: the backups domain looks for the
 tombstone or ``deleted/<a>.json`` after each segment or manifest it writes and
-deletes what it wrote (:class:`controlplane.backups.MachineBackups`). Machines
+deletes what it wrote (:class:`controlplane.machines.backups.MachineBackups`). Machines
 themselves are not touched: they are told ``account_deleted``, stop
 reconnecting and keep their data.
 """

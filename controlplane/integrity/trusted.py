@@ -81,7 +81,7 @@ logger = logging.getLogger(__name__)
 #: Marks a store as holding this control plane (MAC'd, names the CA).
 DEPLOYMENT_KEY: Final = "cp/deployment.json"
 #: Seconds one store call may take, retries included. The admin CLI waits 30 s
-#: (controlplane.client.AdminClient) and one admin call makes a few store calls
+#: (controlplane.cli.client.AdminClient) and one admin call makes a few store calls
 #: in a row, so a frozen store must answer well within that.
 STORE_CALL_DEADLINE: Final = 5.0
 _MAC_INFO: Final = b"agents.control.record-mac.v1"
@@ -241,7 +241,7 @@ class DeploymentGuard:
 
 
 class WriteFence(Protocol):
-    """What :class:`GuardedStore` asks before each write (controlplane.fencing.Fence)."""
+    """What :class:`GuardedStore` asks before each write (controlplane.recovery.fencing.Fence)."""
 
     async def check(self) -> None:
         """Raise unless this process may still write."""

@@ -15,7 +15,7 @@ async iterator of its decoded messages, and yields the notices to send it:
 5. :class:`Welcome`, then a renew-now notice when the certificate is due, then
    whatever the presence registry queues for the machine. The link ends on a
    revoked / account-deleted notice (after a short linger so the machine can
-   read it), on a :class:`~controlplane.presence.CloseLink`, after three silent
+   read it), on a :class:`~controlplane.machines.presence.CloseLink`, after three silent
    heartbeat intervals, or once the certificate it connected with has expired.
 
 Outcomes are counted in ``agents_cp_connects_total{outcome}`` and

@@ -1,6 +1,6 @@
 """Prompt delivery: from the queue in the store to a machine's Connect stream.
 
-Every prompt is written to the queue first (:class:`~controlplane.queue.PromptQueue`,
+Every prompt is written to the queue first (:class:`~controlplane.queue.prompts.PromptQueue`,
 its one create-once put is the commit point); delivery only reads the queue:
 
 - When a machine connects, and after each send to a connected machine, the
@@ -10,7 +10,7 @@ its one create-once put is the commit point); delivery only reads the queue:
   deliveries one after another and so runs each agent's prompts in order.
 - The entry is deleted only after the machine's acknowledgement (it stored the
   prompt durably, deduplicated by prompt id), in batches with the other
-  acknowledgements that arrive meanwhile (:class:`~controlplane.acks.AckBatcher`).
+  acknowledgements that arrive meanwhile (:class:`~controlplane.queue.acks.AckBatcher`).
   A control plane killed between the delivery and the delete delivers the
   entry again on the next connect and the machine answers the same run id; a
   machine killed before its ack gets it again too. Neither loses nor runs a prompt twice.

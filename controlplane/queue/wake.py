@@ -4,7 +4,7 @@ A joined machine reports the soonest fire time of its schedules with every
 heartbeat; presence keeps it, also once the machine is offline. Every
 ``interval`` this checks the offline machines: one whose next fire time is
 less than ``lead`` away (or past) gets its provider asked to start it, through
-:class:`~controlplane.starter.MachineStarter` (debounced per machine, the same
+:class:`~controlplane.queue.starter.MachineStarter` (debounced per machine, the same
 path a queued prompt takes). A machine without a provider is never woken;
 ``machine list`` says so.
 """

@@ -10,7 +10,7 @@ home, made by ``init``, ``restore`` or the first ``serve``):
   having written nothing.
 - ``restore`` takes the next epoch for the new home (:meth:`Fence.acquire`
   with ``take_over``), so the old home can never serve again.
-- Before every write (:class:`controlplane.integrity.GuardedStore` calls
+- Before every write (:class:`controlplane.integrity.trusted.GuardedStore` calls
   :meth:`Fence.check`) the process HEADs the record: an etag other than the
   one it wrote means a newer process took over. From then on every write is
   refused (:class:`~shared.errors.StoreFenced`) and ``on_fenced`` asks the

@@ -2,7 +2,7 @@
 
 **Server certificate** (:meth:`KeyRotation.rotate_server`): a new key and
 certificate under the same CA, swapped into the home (controlplane.integrity.keys) and
-into the live :class:`~controlplane.keys.KeyRing`; the TLS listeners read the
+into the live :class:`~controlplane.integrity.keys.KeyRing`; the TLS listeners read the
 ring at each handshake, so new connections get the new certificate and
 machines, which pin the CA, notice nothing.
 

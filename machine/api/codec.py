@@ -648,7 +648,7 @@ def check_from_pb(msg: pb.CheckDatabaseResponse) -> DatabaseCheck:
 
 
 def message_of(record: object) -> Message:
-    """The wire message of a record :class:`machine.client.MachineClient` returned
+    """The wire message of a record :class:`machine.cli.client.MachineClient` returned
     (what the CLI prints for --json, so its JSON is the daemon's reply)."""
     for cls, encode in _ENCODERS:
         if isinstance(record, cls):

@@ -1,6 +1,6 @@
 """Replies of the machine daemon that no domain record carries whole.
 
-:class:`machine.client.MachineClient` returns domain records where one holds
+:class:`machine.cli.client.MachineClient` returns domain records where one holds
 the whole reply (an agent, a run, an event) and these small views where the
 wire form joins several records or keeps numbers the domain does not (a
 backup's size on the target, a verify's duration in milliseconds).

@@ -2,7 +2,7 @@
 
 :class:`ControlPlaneTarget` turns the :class:`~shared.backup_target.BackupTarget`
 calls of the backup engine into the MachineLink backup RPCs (through
-:class:`~machine.link_client.LinkClient`, the one module that speaks the link).
+:class:`~machine.link.client.LinkClient`, the one module that speaks the link).
 The control plane takes this machine's identity from its client certificate;
 ``source`` names another machine of the same account to READ from (a
 replacement box restoring a lost machine's backups before it took over the id).

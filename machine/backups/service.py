@@ -1,6 +1,6 @@
 """The machine's backups as a service: when they run, where they go, what is reported.
 
-:class:`BackupService` owns one :class:`~machine.backup.BackupEngine` on the
+:class:`BackupService` owns one :class:`~machine.backups.engine.BackupEngine` on the
 machine's target (a folder for a stand-alone machine, the control plane for a
 joined one), runs it daily at a configured local time, runs a restore check
 (open the newest backup, authenticate every chunk, compare it with the live

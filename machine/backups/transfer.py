@@ -151,7 +151,7 @@ def _spool(folder: Path) -> _Spool:
 
 
 class DatabaseBackupSource:
-    """The machine's data as a :class:`~machine.backup.BackupSource`."""
+    """The machine's data as a :class:`~machine.backups.engine.BackupSource`."""
 
     def __init__(self, db: Database, attachments_dir: Path, work_dir: Path) -> None:
         self._db = db
@@ -510,7 +510,7 @@ class _DecodeAhead:
     Decrypting, decompressing and hashing let go of the GIL, so they run on the
     other core while the writer packs and inserts records. A segment is handed
     out only once authenticated whole, checked against its name and its tar
-    walked (:func:`machine.restored.decode_for_pack`); a refused one raises in
+    walked (:func:`machine.storage.restored.decode_for_pack`); a refused one raises in
     the writer, and the restore's transaction rolls back.
     """
 

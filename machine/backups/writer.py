@@ -2,7 +2,7 @@
 
 For each agent whose segment must be made, its history is dumped (the
 database reader), written as a tar straight into a
-:class:`~machine.backup_format.SegmentCompressor` (a worker thread) that
+:class:`~machine.formats.backup.SegmentCompressor` (a worker thread) that
 names and compresses it in the same pass; only the compressed bytes are
 kept (in memory, or an unnamed temp file past a bound), and once the target
 said which names it lacks, those are encrypted under their keys and sent.
@@ -68,7 +68,7 @@ class AgentWriter(Protocol):
 
 
 class SegmentMaker(Protocol):
-    """Makes whole agent segments elsewhere (machine.segment_workers.SegmentWorkers)."""
+    """Makes whole agent segments elsewhere (machine.backups.segment_workers.SegmentWorkers)."""
 
     parallel: int
     """Agents to have in hand at once."""

@@ -53,10 +53,10 @@ async def restore_after_join(
     after_load: Callable[[], None] | None = None,
 ) -> RepairRestore:
     """After a repair join: restore the machine's newest backup from the control plane,
-    then clear the join's restore-pending mark (:func:`machine.identity.restore_pending`).
+    then clear the join's restore-pending mark (:func:`machine.link.identity.restore_pending`).
 
     The database is opened only for the restore (the daemon starts after it);
-    see :func:`machine.backup_link.restore_newest`. Run again after a crash,
+    see :func:`machine.backups.link_target.restore_newest`. Run again after a crash,
     it restores what the first run did not commit. ``after_load`` is a test's
     fault point (machine.backups.transfer).
     """

@@ -1,7 +1,7 @@
 """What every ``agents-machine`` command module shares: the handler context, the
 one way a handler calls the daemon, and the output helpers.
 
-Only the CLI modules (``machine.cli.main`` and ``machine.cli_*``) print.
+Only the modules of ``machine.cli`` print.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The event recorder: every event of a run is committed, then published.
 
 It appends a run's events (and the state changes that go with them) in one
-transaction each, publishes them to the :class:`~machine.feed.FeedHub` once
+transaction each, publishes them to the :class:`~machine.core.feed.FeedHub` once
 committed, and writes a run's last event: RUN_FINISHED or RUN_ERROR with the
 run's end state. A write whose caller is cancelled still commits and is still
 published (see :func:`complete`).

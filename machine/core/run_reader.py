@@ -1,7 +1,7 @@
 """Reading runs and their events: a replay from the database, then live ones.
 
 Events are read back in seq order, from the in-memory
-:class:`~machine.feed.FeedHub` ring when it still holds them and from the
+:class:`~machine.core.feed.FeedHub` ring when it still holds them and from the
 database otherwise, so a follower never misses one and never sees one twice.
 """
 

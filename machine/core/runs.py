@@ -3,7 +3,7 @@
 Rules it keeps:
 
 - Every event is committed (fsync'd) before anyone sees it: readers follow the
-  database, helped by the in-memory :class:`~machine.feed.FeedHub`.
+  database, helped by the in-memory :class:`~machine.core.feed.FeedHub`.
 - One run at a time per agent; later prompts queue in arrival order. A run
   paused on a permission request keeps its agent busy (also across restarts).
 - The run belongs to the daemon, not to the caller's stream: a reader going
@@ -274,7 +274,7 @@ class RunEngine:
     def follow(
         self, agent_id: str, after_seq: int, *, follow: bool, run_id: str | None = None
     ) -> AsyncIterator[StoredEvent]:
-        """See :meth:`RunReader.follow <machine.run_reader.RunReader.follow>`."""
+        """See :meth:`RunReader.follow <machine.core.run_reader.RunReader.follow>`."""
         return self._reader.follow(agent_id, after_seq, follow=follow, run_id=run_id)
 
     async def replay(

@@ -37,7 +37,7 @@ _IN_MEMORY: Final = 8 * 1024 * 1024
 class SegmentFiles:
     """Opens the agent's files one after the other, in :data:`AGENT_FILES` order.
 
-    Pass :meth:`open` to ``machine.tables.export.load_agent_files``. Any other
+    Pass :meth:`open` to ``machine.storage.tables.export.load_agent_files``. Any other
     entry, order, kind or size is an IntegrityError naming the agent.
     """
 

@@ -3,11 +3,23 @@
 ``identity`` (keys, certificate and link record in the data folder), ``join``
 (pin the CA, trade a one-time token for a certificate), ``client`` (the one
 client of the control plane's MachineLink service), ``connection`` (the live
-Connect stream: hello, heartbeats, renewals, CA rollovers) and ``deliveries``
-(prompts the control plane delivers: stored once, then acknowledged).
+Connect stream and its reconnect loop), ``states`` (the link's states and the
+refusals that stop or slow it), ``heartbeats`` (hello, heartbeats and the
+agent roster on the stream), ``renewal`` (certificate renewal and CA
+rollovers while the stream is up) and ``deliveries`` (prompts the control
+plane delivers: stored once, then acknowledged).
 
 May import: ``machine.core`` (deliveries start runs), ``machine.storage``, the
 leaves, ``shared``. Never backups (they use the link, not the reverse) or the CLI.
 """
 
-__all__ = ["client", "connection", "deliveries", "identity", "join"]
+__all__ = [
+    "client",
+    "connection",
+    "deliveries",
+    "heartbeats",
+    "identity",
+    "join",
+    "renewal",
+    "states",
+]

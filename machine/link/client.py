@@ -238,7 +238,7 @@ class ControlStream(Protocol):
 
 
 class LinkSession(Protocol):
-    """What :class:`~machine.link.ControlLink` needs of a mutual-TLS channel."""
+    """What :class:`~machine.link.connection.ControlLink` needs of a mutual-TLS channel."""
 
     def connect(self) -> ControlStream:
         """Open the Connect stream."""
@@ -262,7 +262,7 @@ class LinkDialer(Protocol):
 
 
 class JoinSession(Protocol):
-    """What :func:`~machine.join.join_control_plane` needs of a join channel."""
+    """What :func:`~machine.link.join.join_control_plane` needs of a join channel."""
 
     async def join(
         self,

@@ -10,7 +10,8 @@ no later prompt is stored before it. The ids
 of the machine's agents (``roster``: ids and active/archived, never names) go
 after the welcome, then with any heartbeat that finds them changed, and once
 more before a clean goodbye: the control plane refuses prompts for unknown or
-archived agents from it while the machine is offline.
+archived agents from it while the machine is offline (all that is
+:mod:`machine.link.heartbeats`).
 
 Reconnect policy: a failed attempt is retried forever with exponential backoff
 and full jitter (``backoff_initial`` doubling up to ``backoff_max`` seconds),
@@ -31,19 +32,17 @@ say so) keeps the machine's identity and retries every ``refused_retry``
 seconds (jittered), so it comes back by itself once the control plane knows
 it again.
 
-Renewal: once less than ``renew_fraction`` of the certificate's lifetime is
-left (timed from when we received it), or when the control plane says
-``renew_now``, the link sends a CSR for the same TLS key to
-``RenewCertificate`` and replaces ``keys/tls.crt`` atomically. The live stream
-keeps going; the next connection uses the new certificate.
+Renewal: while a stream is up, :mod:`machine.link.renewal` renews the
+client certificate when it is due or the control plane says ``renew_now``;
+the live stream keeps going and the next connection uses the new
+certificate. :mod:`machine.link.states` holds the link's states and reads the
+control plane's refusals (which are final, which are retried).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import functools
 import logging
 import random
 import time
@@ -72,58 +71,27 @@ from machine.link.client import (
     Revoked,
     Welcome,
 )
-from shared import tls
-from shared.errors import (
-    AgentsError,
-    IntegrityError,
-    InvalidArgument,
-    InvalidState,
-    MachineRevoked,
-    PermissionDenied,
-    TransientError,
-    Unauthenticated,
+from machine.link.heartbeats import Heartbeats
+from machine.link.renewal import CertificateRenewal
+from machine.link.states import (
+    FINAL_STATES,
+    LinkRefused,
+    LinkState,
+    LinkStopped,
+    check_notice,
+    is_transient,
+    map_error,
 )
+from shared.errors import AgentsError, IntegrityError, InvalidArgument, InvalidState, TransientError
 from shared.retry import reconnecting
-from shared.rpc import domain_error
 from shared.timestamps import Clock, utc_now
 
 __all__ = ["RECONNECT_CAP", "ControlLink", "Delivery", "LinkState"]
 
 logger = logging.getLogger(__name__)
 
-_UINT32_MAX: Final = 2**32 - 1
-
-
-class LinkState(enum.Enum):
-    """Where the link is."""
-
-    STARTING = "starting"
-    CONNECTING = "connecting"
-    CONNECTED = "connected"
-    BACKING_OFF = "backing_off"
-    REVOKED = "revoked"
-    """The control plane revoked this machine (or refused its certificate): no retry."""
-    ACCOUNT_DELETED = "account_deleted"
-    """The owning account was deleted: no retry."""
-    STOPPED = "stopped"
-
-
 #: Longest wait between two reconnect attempts (seconds; see the module doc).
 RECONNECT_CAP: Final = 2.0
-_FINAL: Final = frozenset({LinkState.REVOKED, LinkState.ACCOUNT_DELETED, LinkState.STOPPED})
-
-
-class _Refused(Exception):
-    """The control plane refused this machine, but not for good: retry slowly."""
-
-
-class _Stop(Exception):
-    """The control plane told us to stop for good."""
-
-    def __init__(self, state: LinkState, reason: str) -> None:
-        super().__init__(reason)
-        self.state = state
-        self.reason = reason
 
 
 class _Metrics:
@@ -156,12 +124,6 @@ class _Metrics:
         )
 
 
-def _is_transient(exc: BaseException) -> bool:
-    return not isinstance(
-        exc, _Stop | _Refused | asyncio.CancelledError | InvalidState | IntegrityError
-    )
-
-
 class ControlLink:
     """Keeps this machine connected to its control plane (see the module docstring)."""
 
@@ -189,15 +151,8 @@ class ControlLink:
         if not 0 < backoff_initial <= backoff_max:
             raise InvalidArgument("backoff_initial", "must be > 0 and <= backoff_max")
         self._data_dir = data_dir
-        self._agent_count = agent_count
         self._version = version
         self._on_delivery = on_delivery
-        # The soonest schedule fire: sent with hello and heartbeats so the
-        # control plane can wake this machine for it once it is stopped.
-        self._next_fire = next_fire
-        self._roster = roster
-        self._sent_roster: AgentRoster | None = None
-        self._renew_fraction = renew_fraction
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
         self._handshake_timeout = handshake_timeout
@@ -207,13 +162,29 @@ class ControlLink:
         # Opens each connection: the real mutual-TLS client, or a test's fake.
         self._dial = dial
         self._metrics = _Metrics(registry if registry is not None else CollectorRegistry())
+        # The soonest schedule fire (next_fire) goes with hello and heartbeats
+        # so the control plane can wake this machine for it once it is stopped.
+        self._heartbeats = Heartbeats(
+            agent_count=agent_count,
+            next_fire=next_fire,
+            roster=roster,
+            heartbeats=self._metrics.heartbeats,
+        )
+        self._renewal = CertificateRenewal(
+            data_dir=data_dir,
+            renew_fraction=renew_fraction,
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            timeout=handshake_timeout,
+            clock=clock,
+            renewals=self._metrics.renewals,
+            on_renewed=self._renewed,
+        )
         self._state = LinkState.STARTING
         self._state_changed = asyncio.Condition()
         self._stop = asyncio.Event()
-        self._renew_now = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._attempts = 0
-        self._last_agent_count = 0
         self._link: identity.LinkRecord | None = None
         self._final_reason = ""
 
@@ -270,7 +241,7 @@ class ControlLink:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._state not in _FINAL:
+        if self._state not in FINAL_STATES:
             await self._set_state(LinkState.STOPPED)
 
     # ---------------------------------------------------------------- the loop
@@ -316,7 +287,7 @@ class ControlLink:
         try:
             while not self._stop.is_set():
                 retrying = reconnecting(
-                    retry_on=_is_transient,
+                    retry_on=is_transient,
                     initial=self._backoff_initial,
                     max_delay=self._backoff_max,
                     before_sleep=self._before_sleep,
@@ -326,14 +297,14 @@ class ControlLink:
                     async for attempt in retrying:
                         with attempt:
                             await self._session()
-                except _Refused as refused:
+                except LinkRefused as refused:
                     # Keep the identity: only an explicit revoke or account deletion is final.
                     wait = self._refused_retry * (0.5 + random.random() / 2)
                     logger.warning("%s; trying again in %.0fs", refused, wait)
                     await self._set_state(LinkState.BACKING_OFF)
                     await self._interruptible_sleep(wait)
                 # A long-lived stream ended: try again at once (see the module doc).
-        except _Stop as stop:
+        except LinkStopped as stop:
             self._final_reason = stop.reason
             logger.error(
                 "control link stopped for good: %s; this machine will not reconnect (to join"
@@ -378,9 +349,9 @@ class ControlLink:
         try:
             await self._converse(stream, client, keys)
         except grpc.aio.AioRpcError as e:
-            err = self._map_error(e)
+            err = map_error(e)
             stable = time.monotonic() - started >= self._stable_after
-            if not (stable and self._state is LinkState.CONNECTED and _is_transient(err)):
+            if not (stable and self._state is LinkState.CONNECTED and is_transient(err)):
                 raise err from None
             # A stream that was up for a while broke (a control plane killed or
             # restarted): retry at once, like after a clean close.
@@ -398,29 +369,15 @@ class ControlLink:
             raise TransientError("control link: the stream closed soon after it opened")
         logger.warning("control link: the control plane closed the stream; reconnecting")
 
-    def _map_error(self, e: grpc.aio.AioRpcError) -> Exception:
-        err = domain_error(e)
-        if isinstance(err, PermissionDenied):
-            # The control plane's answer for an account deleted or being deleted.
-            return _Stop(LinkState.ACCOUNT_DELETED, f"the control plane refused the account: {err}")
-        if isinstance(err, MachineRevoked) or (
-            # A control plane without the error detail says it in words.
-            isinstance(err, Unauthenticated) and "machine revoked" in err.message
-        ):
-            return _Stop(LinkState.REVOKED, f"the control plane refused this machine: {err}")
-        if isinstance(err, Unauthenticated):
-            return _Refused(f"control link: the control plane refused this machine: {err}")
-        return err
-
     async def _converse(
         self, stream: ControlStream, client: LinkSession, keys: identity.MachineKeys
     ) -> None:
-        await stream.hello(self._version, await self._count_agents(), self._next_fire())
+        await self._heartbeats.hello(stream, self._version)
         first = await asyncio.wait_for(stream.read(), self._handshake_timeout)
         if first is None:
             # A refusal arrives as an AioRpcError from read(); EOF is a clean close.
             raise TransientError("control link: stream closed before welcome")
-        self._check_notice(first)
+        check_notice(first)
         if not isinstance(first, Welcome):
             raise TransientError(f"control link: expected welcome, got {_kind(first)}")
         interval = first.heartbeat_interval or self._link_interval()
@@ -431,13 +388,12 @@ class ControlLink:
             interval,
         )
         await self._set_state(LinkState.CONNECTED)
-        self._sent_roster = None  # each stream starts with the whole roster
-        await self._send_roster(stream)
+        await self._heartbeats.welcomed(stream)
 
         reader = asyncio.create_task(self._read_loop(stream), name="link-read")
         helpers = [
-            asyncio.create_task(self._heartbeat_loop(stream, interval), name="link-heartbeat"),
-            asyncio.create_task(self._renew_loop(client, keys), name="link-renew"),
+            asyncio.create_task(self._heartbeats.run(stream, interval), name="link-heartbeat"),
+            asyncio.create_task(self._renewal.run(client, keys, self._link), name="link-renew"),
         ]
         stopper = asyncio.create_task(self._stop.wait(), name="link-stop")
         tasks: list[asyncio.Task[Any]] = [reader, *helpers, stopper]
@@ -450,7 +406,7 @@ class ControlLink:
                 # Changes since the last heartbeat, so the control plane refuses
                 # prompts for agents deleted or archived just before we stopped.
                 with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                    await self._send_roster(stream)
+                    await self._heartbeats.send_roster(stream)
                 await self._half_close(stream, reader)
         finally:
             # Cancelling a task blocked in read() cancels the whole RPC,
@@ -475,26 +431,16 @@ class ControlLink:
     def _link_interval(self) -> float:
         return self._link.heartbeat_interval if self._link else 10.0
 
-    def _check_notice(self, notice: ControlNotice) -> None:
-        if isinstance(notice, Revoked):
-            reason = notice.reason or "no reason"
-            if reason.startswith("certificate superseded"):
-                # A repair: the machine lives on, on another box (not "revoked").
-                raise _Stop(LinkState.REVOKED, reason)
-            raise _Stop(LinkState.REVOKED, f"machine revoked: {reason}")
-        if isinstance(notice, AccountDeleted):
-            raise _Stop(LinkState.ACCOUNT_DELETED, "the account was deleted")
-
     async def _read_loop(self, stream: ControlStream) -> None:
         while True:
             notice = await stream.read()
             if notice is None:
                 # read() raises AioRpcError for a failed stream: EOF means a clean close.
                 return
-            self._check_notice(notice)
+            check_notice(notice)
             if isinstance(notice, RenewNow):
                 logger.info("control plane asks for renewal: %s", notice.reason)
-                self._renew_now.set()
+                self._renewal.request()
             elif isinstance(notice, Delivery):
                 await self._deliver(notice, stream)
             else:
@@ -519,125 +465,9 @@ class ControlLink:
         await stream.ack(delivery.id, answer)
         self._metrics.deliveries.inc()
 
-    async def _count_agents(self) -> int:
-        try:
-            count = int(await self._agent_count())
-        except Exception:  # a heartbeat must not die with the counter
-            logger.exception("agent count failed; sending the last known value")
-            return self._last_agent_count
-        self._last_agent_count = max(0, min(count, _UINT32_MAX))
-        return self._last_agent_count
-
-    async def _heartbeat_loop(self, stream: ControlStream, interval: float) -> None:
-        # Ticks are scheduled on a fixed grid so a slow send does not drift the beat.
-        next_at = time.monotonic() + interval
-        while True:
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            next_at = max(next_at + interval, time.monotonic())
-            count = await self._count_agents()
-            await stream.heartbeat(count, self._next_fire())
-            self._metrics.heartbeats.inc()
-            await self._send_roster(stream)
-
-    async def _send_roster(self, stream: ControlStream) -> None:
-        """Send the agent roster when it changed since the last one sent on ``stream``."""
-        if self._roster is None:
-            return
-        try:
-            roster = await self._roster()
-        except Exception:  # the link must not die with the roster query
-            logger.exception("agent roster failed; not sent")
-            return
-        if roster != self._sent_roster:
-            await stream.roster(roster)
-            self._sent_roster = roster
-
-    # ---------------------------------------------------------------- renewal
-
-    def _renew_in(self, keys: identity.MachineKeys) -> float:
-        """Seconds until renewal is due (<= 0: due now)."""
-        cert = tls.load_cert(keys.tls_cert_pem)
-        link = self._link
-        start = cert.not_valid_before_utc
-        if link is not None and link.cert_received_at > start:
-            # Certificates are back-dated for clock skew; the lifetime that
-            # counts is the one we actually hold the certificate for.
-            start = link.cert_received_at
-        end = cert.not_valid_after_utc
-        renew_at = end - (end - start) * self._renew_fraction
-        return (renew_at - self._clock()).total_seconds()
-
-    async def _renew_loop(self, client: LinkSession, keys: identity.MachineKeys) -> None:
-        failures = 0
-        asked = False  # a RenewNow not honoured yet: retried after a backoff, not when due
-        while True:
-            delay = self._renew_in(keys)
-            if failures:
-                backoff = min(self._backoff_max, self._backoff_initial * 2**failures)
-                delay = backoff if asked else max(delay, backoff)
-            if delay > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._renew_now.wait(), delay)
-            asked = asked or self._renew_now.is_set()
-            self._renew_now.clear()
-            try:
-                keys = await self._renew(client, keys)
-                failures = 0
-                asked = False
-            except grpc.aio.AioRpcError as e:
-                err = self._map_error(e)
-                if isinstance(err, _Stop):
-                    raise err from None
-                failures += 1
-                self._metrics.renewals.labels("error").inc()
-                logger.warning("certificate renewal failed: %s", err)
-            except AgentsError as e:
-                failures += 1
-                self._metrics.renewals.labels("error").inc()
-                logger.warning("certificate renewal failed: %s", e)
-
-    async def _renew(self, client: LinkSession, keys: identity.MachineKeys) -> identity.MachineKeys:
-        key = tls.load_private_key(keys.tls_key_pem)
-        csr = tls.build_csr(key).decode("ascii")
-        reply = await client.renew(csr, timeout=self._handshake_timeout)
-        cert_pem = reply.certificate_pem.encode("ascii", "replace")
-        ca_pem = (
-            reply.ca_certificate_pem.encode("ascii", "replace")
-            if reply.ca_certificate_pem
-            else keys.ca_cert_pem
-        )
-        link = self._link
-        if link is None:
-            raise IntegrityError("renewal", "no link record to renew the certificate of")
-        try:
-            tls.check_client_cert(
-                cert_pem,
-                ca_pem,
-                public_key=key.public_key(),
-                account_id=link.account_id,
-                machine_id=link.machine_id,
-            )
-        except InvalidArgument as e:
-            raise IntegrityError("renewal", f"bad certificate in the reply: {e}") from None
-        self._link = await asyncio.to_thread(
-            functools.partial(
-                identity.save_certificate,
-                self._data_dir,
-                cert_pem,
-                ca_pem,
-                link,
-                received_at=self._clock(),
-            )
-        )
-        self._metrics.renewals.labels("ok").inc()
-        logger.info("client certificate renewed; valid until %s", self._link.cert_not_after)
-        return identity.MachineKeys(
-            signing_key=keys.signing_key,
-            box=keys.box,
-            tls_key_pem=keys.tls_key_pem,
-            tls_cert_pem=cert_pem,
-            ca_cert_pem=ca_pem,
-        )
+    def _renewed(self, link: identity.LinkRecord) -> None:
+        # The renewal saved a new certificate: the record in use from now on.
+        self._link = link
 
 
 def _kind(notice: ControlNotice) -> str:

@@ -3,7 +3,7 @@
 A delivery carries the prompt sealed to this machine's box key and bound to
 its prompt id and agent (:func:`shared.crypto.prompt_aad`). It is opened here,
 stored as a queued run deduplicated by prompt id
-(:meth:`machine.runs.RunEngine.accept_delivery`) and only then acknowledged:
+(:meth:`machine.core.runs.RunEngine.accept_delivery`) and only then acknowledged:
 a crash before the commit means no ack, so the control plane delivers it
 again; a crash after it means the redelivery finds the run and starts nothing.
 """

@@ -335,7 +335,7 @@ async def join_control_plane(
     token for this very machine (the control plane checks that before using
     it); the machine keeps its id, its signing and box keys (queued prompts and
     backups are sealed to them) and its data, and takes a new TLS key,
-    certificate, CA and link record (:func:`machine.identity.write_repair`).
+    certificate, CA and link record (:func:`machine.link.identity.write_repair`).
 
     With ``as_new``, a joined ``data_dir`` whose machine is gone for good
     (revoked, or its account deleted) joins again as a NEW machine with a plain
@@ -351,7 +351,7 @@ async def join_control_plane(
     takeover; an older control plane ignores it, and the caller's check after
     the join catches that key instead.
     A new box given one also commits, with its identity, that the restore is
-    still to come (:func:`machine.identity.restore_pending`): the caller clears
+    still to come (:func:`machine.link.identity.restore_pending`): the caller clears
     it once the restore committed.
 
     ``dial`` opens the channel the token goes over, once the pin check passed

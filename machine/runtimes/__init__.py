@@ -3,7 +3,9 @@
 A runtime kind is a pair of functions: ``validate_settings(settings) -> dict``
 (raises InvalidArgument naming ``settings_json``) used when an agent is created,
 and ``create_runtime(*, agent_id, folder, settings) -> Runtime`` used when the
-agent first runs: ``echo`` (built in, the default) and ``acp``.
+agent first runs: ``echo`` (built in, the default) and ``acp``. The ``acp``
+runtime is the package ``acp/`` (imported on first use); ``claude_files`` finds
+the CLIs' session files it deletes.
 
 May import: ``machine.models``, ``shared``; the rest of the machine drives a
 runtime through ``base.Runtime`` and never the reverse.

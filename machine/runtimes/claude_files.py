@@ -54,7 +54,7 @@ def default_claude_home(env: Mapping[str, str], home: Path) -> Path:
     """Claude Code's config folder: ``CLAUDE_CONFIG_DIR`` if set, else ``home/.claude``.
 
     For the daemon's config module, which is the one place that reads the
-    environment; pass the result to :class:`machine.runtimes.acp.AcpRuntime`.
+    environment; pass the result to :class:`machine.runtimes.acp.runtime.AcpRuntime`.
     """
     value = env.get("CLAUDE_CONFIG_DIR", "")
     return Path(value) if value else home / ".claude"

@@ -7,7 +7,7 @@ Every object it writes is stored as one header line and the caller's bytes::
 
 The MAC covers a domain tag, the object's KEY and the payload, under a key that
 is never in the store (the caller supplies it; the control plane derives it
-from its home's secrets key, see :func:`controlplane.integrity.record_mac_key`).
+from its home's secrets key, see :func:`controlplane.integrity.trusted.record_mac_key`).
 So someone who can write to the bucket but has no file from the home cannot
 make an object the wrapper accepts, nor move a genuine object to another key
 (an index entry copied to another id, a credential renamed). What a MAC cannot

@@ -2,8 +2,8 @@
 
 :class:`FakeControlPlane` stands where the real ``MachineLink`` service would,
 without gRPC or sockets: ``fake.for_join`` is a
-:class:`~machine.link_client.JoinDialer` and ``fake.mutual`` a
-:class:`~machine.link_client.LinkDialer`, so ``join_control_plane(dial=...)``
+:class:`~machine.link.client.JoinDialer` and ``fake.mutual`` a
+:class:`~machine.link.client.LinkDialer`, so ``join_control_plane(dial=...)``
 and ``ControlLink(dial=...)`` talk to it directly. It behaves like the real
 service where the machine's logic depends on it:
 
@@ -20,7 +20,7 @@ is scriptable: ``fail(rpc, error)`` queues a failure for the next call of an
 RPC, ``send``/``drop`` push notices or a broken stream to a live Connect,
 ``down`` refuses every mutual-TLS call like a stopped control plane. The
 backup RPCs run the control plane's own backup domain
-(:class:`controlplane.backups.MachineBackups`) on a memory store.
+(:class:`controlplane.machines.backups.MachineBackups`) on a memory store.
 
 The pin check before a join is a real TLS handshake, so join tests serve
 :func:`serve_pin_check` (a bare TLS listener presenting the server chain).
@@ -410,13 +410,13 @@ class FakeControlPlane:
     # -------------------------------------------------------------- dialers
 
     def for_join(self, target: str, ca_pem: bytes) -> FakeLinkClient:
-        """A :class:`~machine.link_client.JoinDialer`."""
+        """A :class:`~machine.link.client.JoinDialer`."""
         return FakeLinkClient(self, target, ca_pem)
 
     def mutual(
         self, target: str, *, ca_pem: bytes, key_pem: bytes, cert_pem: bytes
     ) -> FakeLinkClient:
-        """A :class:`~machine.link_client.LinkDialer`."""
+        """A :class:`~machine.link.client.LinkDialer`."""
         return FakeLinkClient(self, target, ca_pem, cert_pem, key_pem)
 
     async def _exists(self, account_id: str, machine_id: str) -> bool:

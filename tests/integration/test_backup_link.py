@@ -1,6 +1,6 @@
 """Backups of joined machines kept by a real control plane on moto's S3 server.
 
-The backup engine runs with :class:`machine.backup_link.ControlPlaneTarget`
+The backup engine runs with :class:`machine.backups.link_target.ControlPlaneTarget`
 over a real mutual-TLS link: backup, list, verify, fetch, prune; a machine of
 another account sees nothing (NOT_FOUND, as for a missing machine); a machine
 of the same account may read (the replacement-box case); no plaintext lands in

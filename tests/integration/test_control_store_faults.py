@@ -42,7 +42,7 @@ from tests.helpers.poll import apoll_until
 pytestmark = pytest.mark.integration
 
 HEARTBEAT = 0.3
-#: controlplane.integrity.STORE_CALL_DEADLINE, plus the CLI's own start-up.
+#: controlplane.integrity.trusted.STORE_CALL_DEADLINE, plus the CLI's own start-up.
 ANSWER_WITHIN = 9.0
 BUCKET = "faults"
 

@@ -134,7 +134,7 @@ def load(
     transaction; return the packs that hold no agent's history now.
 
     ``open_segment(pending)`` is a context manager giving the agent's
-    :class:`~machine.segment_files.SegmentFiles`. Raises what a load raises
+    :class:`~machine.formats.segment_files.SegmentFiles`. Raises what a load raises
     (the caller's transaction rolls back; see :func:`mark_failed`).
     """
     packs = set()

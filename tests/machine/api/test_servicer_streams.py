@@ -1,4 +1,4 @@
-"""machine.servicer._send_events: a client gone ends a stream quietly; a fault does not."""
+"""machine.api.servicer._send_events: a client gone ends a stream quietly; a fault does not."""
 
 from __future__ import annotations
 

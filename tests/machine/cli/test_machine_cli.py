@@ -296,7 +296,7 @@ def test_join_again_after_an_unfinished_restore_never_spends_the_token(
     """The join committed, its restore did not: the same command again restores
     (integration: test_backup_repair), or with --no-restore starts without the
     backup; without either it says what to do. No control plane listens here."""
-    from machine.cli import main as cli
+    from machine.cli import joining
     from machine.link import identity
 
     data = tmp_path / "d"
@@ -318,7 +318,7 @@ def test_join_again_after_an_unfinished_restore_never_spends_the_token(
     assert "Traceback" not in err and identity.restore_pending(data)
     served: list[Path] = []
     monkeypatch.setattr(
-        cli, "_install_then_serve", lambda ctx: served.append(ctx.cfg.data_dir) or 0
+        joining, "_install_then_serve", lambda ctx: served.append(ctx.cfg.data_dir) or 0
     )
     code, out, err = run(capsys, *join, "--no-restore")
     assert code == 0, err
@@ -333,8 +333,7 @@ def test_a_backup_failing_after_a_repair_restore_warns_and_keeps_the_restore(
     gone meanwhile): one warning naming why and what to run; the join goes on."""
     import argparse
 
-    from machine.cli import after_join
-    from machine.cli import main as cli
+    from machine.cli import after_join, joining
     from machine.cli.common import Ctx
     from shared.cli import Output
     from shared.errors import TransientError
@@ -344,7 +343,7 @@ def test_a_backup_failing_after_a_repair_restore_warns_and_keeps_the_restore(
 
     monkeypatch.setattr(after_join, "backup_after_repair", unreachable)
     args = argparse.Namespace(data_dir=str(tmp_path / "d"))
-    cli._backup_after_restore(Ctx(args=args, env={}, out=Output(as_json=False)))
+    joining._backup_after_restore(Ctx(args=args, env={}, out=Output(as_json=False)))
     out, err = capsys.readouterr()
     assert out == ""
     assert "warning: the first backup under this box's keys failed" in err

@@ -942,7 +942,15 @@ def test_link_options_are_checked(ca: tls.CertKey, tmp_path: Path) -> None:
 
 def test_no_os_environ_here() -> None:
     # The house rule: only config modules read the environment.
-    for mod in ("link/connection", "link/join", "link/identity", "cli/service_unit"):
+    for mod in (
+        "link/connection",
+        "link/heartbeats",
+        "link/renewal",
+        "link/states",
+        "link/join",
+        "link/identity",
+        "cli/service_unit",
+    ):
         text = (Path(__file__).parents[3] / "machine" / f"{mod}.py").read_text()
         assert "os.environ" not in text, mod
         assert "print(" not in text, mod

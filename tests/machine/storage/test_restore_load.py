@@ -1,4 +1,4 @@
-"""machine.tables.export.load_agent_files: the fast event loop still names what is wrong."""
+"""machine.storage.tables.export.load_agent_files: the fast event loop still names what is wrong."""
 
 from __future__ import annotations
 
