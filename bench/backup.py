@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from machine.backups import segment_workers
+from machine.backups.workers import segment_workers
 from machine.storage.db import Database
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ async def _change(data: Path, agents: list[str]) -> None:
 
 async def _engine(data: Path, work: Path, target: Path) -> Any:
     from machine.backups.engine import BackupEngine
-    from machine.backups.transfer import DatabaseBackupSource
+    from machine.backups.source import DatabaseBackupSource
     from shared.backup_folder import FolderTarget
     from shared.crypto import BoxKeyPair
     from shared.store.folder import FolderStore
@@ -188,7 +188,7 @@ async def _phase_backup(data: Path, work: Path, target: Path) -> dict[str, Any]:
         "uploaded": result.uploaded,
         "segments": result.segments,
         "seconds": seconds,
-        # Worker processes (machine.backups.segment_workers) are counted in: their CPU,
+        # Worker processes (machine.backups.workers.segment_workers) are counted in: their CPU,
         # and the peak RSS of the largest one (each runs beside this process).
         "cpu": cpu + workers.ru_utime + workers.ru_stime,
         "worker_rss_mib": workers.ru_maxrss // 1024,
@@ -199,7 +199,7 @@ async def _phase_backup(data: Path, work: Path, target: Path) -> dict[str, Any]:
 
 
 async def _phase_restore(data: Path, work: Path, target: Path, dest: Path) -> dict[str, Any]:
-    from machine.backups.transfer import restore_fetched
+    from machine.backups.restore import restore_fetched
     from machine.core.search_indexer import SearchIndexer
     from machine.storage import restored
 

@@ -10,7 +10,7 @@ server), ``config``, and the leaves every room may use: ``models``, ``metrics``,
 tests/layout/test_import_rules.py keeps the import rules.
 
 Nothing is imported here eagerly: a backup's segment worker process imports
-``machine.backups.segment_workers`` alone, and the configuration (with what it
+``machine.backups.workers.segment_workers`` alone, and the configuration (with what it
 pulls in: gRPC stubs, TLS, metrics) cost each worker about 0.25 s of CPU at start.
 """
 

@@ -2,29 +2,26 @@
 
 :func:`open_machine` is the one place that builds them, as an async context
 manager, so the daemon, tests and benchmarks share the same construction and
-shutdown order.
+shutdown order. The pieces it is built from live in their rooms: the machine's
+ids in :mod:`machine.link.machine_ids`, the backup service and its target in
+:mod:`machine.backups.wiring` (the backup folder in :mod:`machine.backups.targets.folder`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
-import re
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Final
 
 from machine.backups.engine import BackupEngine
 from machine.backups.handoff import Handoff
-from machine.backups.keys import BackupKeys, load_backup_keys
-from machine.backups.link_target import ControlPlaneTarget
-from machine.backups.service import BackupMetrics, BackupService, parse_daily_time, same_device
+from machine.backups.service import BackupService
+from machine.backups.targets.folder import open_backup_folder
+from machine.backups.wiring import backup_times, build_backups
 from machine.config import MachineConfig
 from machine.core.agents import AgentsService
 from machine.core.attachments import AttachmentStore, remove_partial_uploads
@@ -33,9 +30,9 @@ from machine.core.search_indexer import SearchIndexer
 from machine.core.streams import StreamLimits
 from machine.erasure.retention import Retention
 from machine.erasure.service import ErasureService
-from machine.link import identity
-from machine.link.client import AgentRoster, LinkClient
+from machine.link.client import AgentRoster
 from machine.link.deliveries import crash_after
+from machine.link.machine_ids import joined_id, machine_ids
 from machine.metrics import MachineMetrics
 from machine.models import AgentState, MachineIds
 from machine.runtimes import RuntimeRegistry, default_registry
@@ -44,21 +41,9 @@ from machine.storage import restored, tables
 from machine.storage.db import Database
 from machine.storage.faults import CheckResult
 from shared.atomic import ensure_private_dir
-from shared.backup_folder import FolderTarget
-from shared.backup_target import BackupTarget
-from shared.errors import (
-    AgentsError,
-    ConfigError,
-    IntegrityError,
-    InvalidArgument,
-    InvalidId,
-    InvalidState,
-    NotFound,
-)
-from shared.ids import new_id, validate_id
-from shared.store.folder import FolderStore
+from shared.errors import InvalidState
 
-__all__ = ["Machine", "MachineStatus", "backup_target", "folder_backup_target", "open_machine"]
+__all__ = ["Machine", "MachineStatus", "open_machine"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,19 +172,8 @@ class Machine:
         if not from_dir:
             yield service.engine
             return
-        folder = Path(from_dir)
-        if not folder.is_absolute() or not folder.is_dir():
-            raise InvalidArgument("--from", f"{from_dir[:200]!r} is not an existing folder")
-        # Looked at before the folder store opens it (which makes the folder
-        # private and sweeps stale temp files): a wrong folder is left as it was.
-        if not (folder / _OWNER_KEY).is_file():
-            raise InvalidArgument("--from", f"{folder} is not a backup folder (no {_OWNER_KEY})")
-        target, folder_store = await folder_backup_target(folder)
-        try:
-            machine_id = await _read_backup_owner(folder_store, folder)
+        async with open_backup_folder(from_dir) as (target, machine_id):
             yield service.engine_for(target, machine_id)
-        finally:
-            await folder_store.close()
 
     def require_erasure(self) -> ErasureService:
         """Agent erasure (always built by :func:`open_machine`)."""
@@ -213,57 +187,6 @@ class Machine:
             return (await self.retention.sweep()).log_entries
         cutoff = time.time() - self.config.event_retention_days * 86400
         return await self.db.write(lambda c: tables.prune_log(c, cutoff))
-
-
-# Settings keys: the id made with the database (never changes), every id this
-# machine has had (JSON list, oldest first), and the last id a control plane gave.
-_LOCAL_ID = "machine_id"
-_OWN_IDS = "own_machine_ids"
-_JOINED_ID = "joined_machine_id"
-
-
-def _joined_id(data_dir: Path) -> tuple[bool, str | None]:
-    """(joined, the control plane's id for us) from ``link.json``.
-
-    A damaged ``link.json`` still means joined; its id is then unknown here
-    and the one recorded at an earlier start is used (see _machine_ids).
-    """
-    if not identity.is_joined(data_dir):
-        return False, None
-    try:
-        return True, identity.load_link(data_dir).machine_id
-    except AgentsError as e:
-        logger.error("cannot read the control-plane link record: %s", e)
-        return True, None
-
-
-def _machine_ids(conn: sqlite3.Connection, joined: bool, link_id: str | None) -> MachineIds:
-    """Record ids first seen now and return who this machine is.
-
-    The id made with the database stays one of this machine's own ids for
-    ever, so agents created before a join still run after it.
-    """
-    local = tables.get_setting(conn, _LOCAL_ID)
-    if local is None:
-        local = new_id("machine")
-        tables.set_setting(conn, _LOCAL_ID, local)
-    raw = tables.get_setting(conn, _OWN_IDS)
-    own: list[str] = [str(i) for i in json.loads(raw)] if raw else [local]
-    if local not in own:
-        own.insert(0, local)
-    if link_id is not None:
-        if link_id not in own:
-            logger.info("machine id %s (given at join) recorded as this machine's", link_id)
-            own.append(link_id)
-        if tables.get_setting(conn, _JOINED_ID) != link_id:
-            tables.set_setting(conn, _JOINED_ID, link_id)
-    encoded = json.dumps(own)
-    if raw != encoded:
-        tables.set_setting(conn, _OWN_IDS, encoded)
-    canonical = local
-    if joined:
-        canonical = link_id or tables.get_setting(conn, _JOINED_ID) or local
-    return MachineIds(canonical=canonical, own=frozenset(own), joined=joined)
 
 
 async def _check_loop(machine: Machine) -> None:
@@ -287,189 +210,6 @@ async def _prune_loop(machine: Machine) -> None:
         except Exception:
             logger.exception("pruning the machine log failed")
         await asyncio.sleep(_PRUNE_EVERY)
-
-
-#: In a backup folder: whose backups it holds (manifests are sealed with that id).
-_OWNER_KEY = "machine.json"
-
-
-async def _read_backup_owner(folder_store: FolderStore, folder: Path) -> str:
-    try:
-        record = json.loads(await folder_store.get(_OWNER_KEY))
-        return validate_id("machine", record["machine_id"], "machine_id")
-    except NotFound:
-        raise InvalidArgument(
-            "--from", f"{folder} is not a backup folder (no {_OWNER_KEY})"
-        ) from None
-    except (ValueError, KeyError, TypeError, InvalidId, IntegrityError):
-        raise InvalidArgument("--from", f"{folder}/{_OWNER_KEY} is damaged") from None
-
-
-def check_backup_folder(folder: Path, data_dir: Path) -> None:
-    """Refuse a configured backup folder that is not one to make private and sweep:
-    a file, the data folder or a folder holding it, one of the daemon's own
-    folders in it (``keys/``: a copy of the backups would carry the private keys),
-    or a folder with other files in it (a new disk's ``lost+found`` and what a
-    first start that stopped midway leaves, hidden temp and lock files, are not
-    others)."""
-
-    def refuse(why: str) -> ConfigError:
-        return ConfigError("backup_dir", f"{folder}: {why}")
-
-    try:
-        where, data = folder.resolve(), data_dir.resolve()
-        if where.exists() and not where.is_dir():
-            raise refuse("not a folder")
-        if data.is_relative_to(where):
-            raise refuse("holds the data folder; give the backups a folder of their own")
-        if where.is_relative_to(data / "keys"):
-            raise refuse("inside the keys folder; a copy of the backups would carry the keys")
-        if any(where.is_relative_to(data / own) for own in _DAEMON_FOLDERS):
-            raise refuse("one of the daemon's own folders; give the backups a folder of their own")
-        if where.is_dir() and not (where / _OWNER_KEY).is_file():
-            with os.scandir(where) as entries:
-                others = [e.name for e in entries if not _ignorable(e.name)]
-            if others:
-                raise refuse(
-                    f"not empty and not a backup folder (no {_OWNER_KEY}); give an empty or"
-                    " new folder"
-                )
-    except OSError as e:
-        raise refuse(f"cannot be read ({e.strerror or e})") from None
-
-
-#: The daemon's own folders in the data folder, never a backup folder.
-_DAEMON_FOLDERS: Final = ("attachments", "backup-work", "Incoming", "Outgoing")
-
-
-def _ignorable(name: str) -> bool:
-    """In a would-be backup folder: a new file system's lost+found, or the store's
-    lock file and machine.json's temp file (a first start that stopped midway)."""
-    return name in ("lost+found", ".lock") or _OWNER_TEMP.fullmatch(name) is not None
-
-
-#: machine.json's temp file while it is written (shared.atomic's naming).
-_OWNER_TEMP: Final = re.compile(r"\.machine\.json\.[0-9a-f]{12}\.tmp")
-
-
-async def _record_backup_owner(folder_store: FolderStore, folder: Path, machine_id: str) -> None:
-    """Name the machine whose backups ``folder`` holds, so a copy restores elsewhere."""
-    try:
-        owner = await _read_backup_owner(folder_store, folder)
-    except InvalidArgument:
-        owner = ""
-    if owner and owner != machine_id:
-        logger.warning(
-            "backup folder %s holds machine %s's backups; this machine is %s",
-            folder,
-            owner,
-            machine_id,
-        )
-        return
-    if not owner:
-        await folder_store.put(_OWNER_KEY, json.dumps({"machine_id": machine_id}).encode())
-
-
-async def folder_backup_target(
-    folder: Path, after_delete: Callable[[], None] | None = None
-) -> tuple[BackupTarget, FolderStore]:
-    """A backup target in ``folder`` (a stand-alone machine's, or a copied backup dir)."""
-    store_ = await FolderStore.open(folder)
-    return FolderTarget(store_, after_delete=after_delete), store_
-
-
-async def backup_target(
-    config: MachineConfig, ids: MachineIds, closing: list[Callable[[], Awaitable[None]]]
-) -> tuple[BackupTarget, str]:
-    """The machine's backup target and a name for ``status``; what to close goes to ``closing``.
-
-    Stand-alone: the folder ``config.backups_dir``. Joined: the control plane
-    (``ControlPlaneTarget`` over a mutual-TLS link client), which keeps the
-    sealed backups in its store without being able to open them. The one
-    place that chooses the target.
-    """
-    if ids.joined:
-        try:
-            link = await asyncio.to_thread(identity.load_link, config.data_dir)
-            keys = await asyncio.to_thread(identity.load_keys, config.data_dir)
-        except AgentsError as e:
-            logger.warning(
-                "joined, but the link record cannot be read (%s): backing up to %s",
-                e,
-                config.backups_dir,
-            )
-        else:
-            client = LinkClient.mutual(
-                link.control_address,
-                ca_pem=keys.ca_cert_pem,
-                key_pem=keys.tls_key_pem,
-                cert_pem=keys.tls_cert_pem,
-            )
-            closing.append(client.aclose)
-            where = f"control plane {link.control_address}"
-            return ControlPlaneTarget(client, where=where), where
-    await asyncio.to_thread(check_backup_folder, config.backups_dir, config.data_dir)
-    try:
-        target, folder = await folder_backup_target(
-            config.backups_dir, crash_after(config.crash_in_prune_after, "objects pruned")
-        )
-    except OSError as e:  # a parent that is a file, a read-only or virtual file system
-        raise ConfigError(
-            "backup_dir", f"{config.backups_dir}: cannot be made or opened ({e.strerror or e})"
-        ) from None
-    closing.append(folder.close)
-    await _record_backup_owner(folder, config.backups_dir, ids.canonical)
-    return target, f"folder {config.backups_dir}"
-
-
-def backup_warnings(config: MachineConfig, target: BackupTarget) -> tuple[str, ...]:
-    """What ``status`` warns of about where backups go."""
-    if isinstance(target, ControlPlaneTarget):
-        return ()  # off the machine: the folder is not used
-    if same_device(config.backups_dir, config.data_dir):
-        return (
-            f"the backup folder {config.backups_dir} is on the same device as the data: "
-            "a failed disk loses both (set backup_dir to another disk)",
-        )
-    return ()
-
-
-async def _build_backups(
-    config: MachineConfig,
-    db: Database,
-    ids: MachineIds,
-    metrics: MachineMetrics | None,
-    closing: list[Callable[[], Awaitable[None]]],
-) -> BackupService:
-    keys: BackupKeys = await asyncio.to_thread(load_backup_keys, config.data_dir)
-    target, name = await backup_target(config, ids, closing)
-    service = BackupService(
-        db,
-        target,
-        target_name=name,
-        machine_id=ids.canonical,
-        keys=keys,
-        data_dir=config.data_dir,
-        attachments_dir=config.attachments_dir,
-        keep=config.backup_keep,
-        daily_at=parse_daily_time(config.backup_time),
-        metrics=BackupMetrics(metrics.registry) if metrics is not None else None,
-        warnings=await asyncio.to_thread(backup_warnings, config, target),
-        after_load=crash_after(config.crash_in_transfer_after, "agents loaded in a transfer"),
-    )
-    await asyncio.to_thread(service.sweep_stale)
-    try:
-        await service.load_last()
-    except AgentsError as e:
-        logger.warning("cannot list the stored backups at start: %s", e)
-    return service
-
-
-def _backup_times(service: BackupService) -> Callable[[], Awaitable[list[float]]]:
-    async def times() -> list[float]:
-        return [m.created_at for _, m in await service.engine.list() if m is not None]
-
-    return times
 
 
 @contextlib.asynccontextmanager
@@ -504,8 +244,8 @@ async def open_machine(
     closing: list[Callable[[], Awaitable[None]]] = []
     engine: RunEngine | None = None
     try:
-        joined, link_id = await asyncio.to_thread(_joined_id, config.data_dir)
-        ids = await db.write(lambda c: _machine_ids(c, joined, link_id))
+        joined, link_id = await asyncio.to_thread(joined_id, config.data_dir)
+        ids = await db.write(lambda c: machine_ids(c, joined, link_id))
         registry = runtimes or default_registry(
             claude_home=config.claude_home, codex_home=config.codex_home
         )
@@ -530,7 +270,7 @@ async def open_machine(
             incoming=config.incoming_dir,
             clock=clock,
         )
-        backups = await _build_backups(config, db, ids, metrics, closing)
+        backups = await build_backups(config, db, ids, metrics, closing)
         erasure = ErasureService(
             db,
             ids=ids,
@@ -538,7 +278,7 @@ async def open_machine(
             registry=registry,
             attachments_dir=config.attachments_dir,
             metrics=metrics,
-            backup_times=_backup_times(backups),
+            backup_times=backup_times(backups),
             clock=clock,
         )
         retention = Retention(

@@ -2,7 +2,7 @@
 
 A full backup of a thousand agents made a thousand segment files, and
 creating, syncing and renaming them was the largest cost left in the
-daemon's process. The segment worker processes (machine.backups.segment_workers)
+daemon's process. The segment worker processes (machine.backups.workers.segment_workers)
 instead append the segments they make to a pack, one open pack each, and the
 target publishes a pack with its index at the backup's commit. Layout inside
 a folder target, beside ``segments/`` (segments written one by one, which

@@ -3,7 +3,7 @@
 Each object is one file: a fixed-size header holding the SHA-256 of the
 content (its etag), then the content. Kept apart from :mod:`shared.store`
 (whose package loads the metrics and the S3 client) so that a worker process
-writing objects for the daemon (machine.backups.segment_workers) imports only this.
+writing objects for the daemon (machine.backups.workers.segment_workers) imports only this.
 """
 
 from __future__ import annotations

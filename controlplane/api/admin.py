@@ -14,7 +14,8 @@ from controlplane.access.accounts import AccountService
 from controlplane.access.authz import CredentialService
 from controlplane.access.principals import Principal
 from controlplane.access.tokens import TokenService
-from controlplane.deletion.service import AccountDeletion, Deletion
+from controlplane.deletion.service import AccountDeletion
+from controlplane.deletion.tombstone import Deletion
 from controlplane.integrity.records import Account, JoinToken, Machine
 from controlplane.machines.presence import MachineStatus, PresenceRegistry
 from controlplane.machines.registry import MachineRegistry

@@ -19,8 +19,8 @@ import grpc.aio
 from machine.api import codec
 from machine.api.views import DaemonStatus
 from machine.app import Machine
-from machine.backups.engine import NOT_OURS
 from machine.backups.handoff import read_chunks
+from machine.backups.reader import NOT_OURS
 from machine.models import StoredEvent
 from machine.version import machine_version
 from shared.crypto import BoxKeyPair, decode_public_key, encode_private_key, encode_public_key

@@ -1,12 +1,17 @@
 """Backups and transfer: agents leaving the machine and coming back.
 
-``engine`` (make, list, verify, fetch, prune sealed backups over a target),
-``writer`` (encoding and sending new segments), ``segment_workers``,
-``segment_worker_main`` and ``worker_pool`` (segments made in worker processes),
-``keys`` (the keys backups are sealed and named with), ``service`` (when backups
-run, where they go, what is reported), ``link_target`` (a joined server's
-backups kept by the control plane), ``transfer`` (export, import, the backup
-source, restore) and ``handoff`` (``Outgoing/`` and ``Incoming/``).
+``engine`` (make and prune sealed backups over a target), ``reader`` (list,
+open, verify and fetch them), ``source`` (what a backup reads: the contract and
+the machine's database as one), ``writer`` (encoding and sending new segments),
+``workers/`` (segments made in worker processes: ``segment_workers``, their
+entry point ``segment_worker_main``, the process ``pool``), ``keys`` (the keys
+backups are sealed and named with), ``service`` (when backups run, where they
+go, what is reported), ``wiring`` (the target chosen and the service built from
+the machine's settings), ``targets/`` (``folder``: the stand-alone backup
+folder, checked, its owner named, a copied one opened; ``control_plane``: a
+joined server's backups kept by the control plane), ``transfer`` (export,
+import and the commit every arrival goes through), ``restore`` (a fetched
+backup's agents committed) and ``handoff`` (``Outgoing/`` and ``Incoming/``).
 
 May import: ``machine.core``, ``machine.storage``, ``machine.formats``,
 ``machine.link`` (the link client and identity), the leaves, ``shared``.
@@ -17,11 +22,13 @@ __all__ = [
     "engine",
     "handoff",
     "keys",
-    "link_target",
-    "segment_worker_main",
-    "segment_workers",
+    "reader",
+    "restore",
     "service",
+    "source",
+    "targets",
     "transfer",
-    "worker_pool",
+    "wiring",
+    "workers",
     "writer",
 ]

@@ -1,8 +1,9 @@
-"""The backup engine: make, list, verify, fetch and prune sealed backups.
+"""The backup engine: make and prune sealed backups (and read them, through
+:class:`~machine.backups.reader.BackupReader`).
 
-It reads the machine's data through a :class:`BackupSource` and writes to a
-:class:`~shared.backup_target.BackupTarget`; it knows nothing of SQL or of
-where the target is. The format is :mod:`machine.formats.backup`.
+It reads the machine's data through a :class:`~machine.backups.source.BackupSource`
+and writes to a :class:`~shared.backup_target.BackupTarget`; it knows nothing of
+SQL or of where the target is. The format is :mod:`machine.formats.backup`.
 
 Making a backup (one commit point: the manifest)::
 
@@ -24,53 +25,32 @@ is not read again: its segment is reused as it is (the *cache*).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import json
 import logging
-import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Final, Protocol
+from typing import Any, Final
 
-from machine.backups.writer import SegmentMaker, SegmentWriter
-from machine.formats.backup import (
-    SEGMENT_CHUNK,
-    BackupManifest,
-    SegmentRef,
-    decode_segment,
-    open_manifest,
-    seal_manifest,
-    segment_key,
-)
+from machine.backups.reader import BackupReader, FetchedBackup, VerifyResult
+from machine.backups.source import BackupSource
+from machine.backups.writer import SegmentWriter
+from machine.formats.backup import BackupManifest, SegmentRef, seal_manifest, segment_key
 from shared.atomic import ensure_private_dir, write_atomic
-from shared.backup_target import (
-    BackupTarget,
-    LocalSegments,
-    ManifestInfo,
-    PackTarget,
-    PruneResult,
-)
-from shared.crypto import BoxKeyPair, KeyedHasher
-from shared.errors import IntegrityError, InvalidArgument, NotFound
+from shared.backup_target import BackupTarget, ManifestInfo, PackTarget, PruneResult
+from shared.crypto import BoxKeyPair
+from shared.errors import IntegrityError, InvalidArgument
 from shared.ids import id_time_ms, new_id
 
 __all__ = [
     "KEEP_MAX",
     "KEEP_MIN",
-    "NOT_OURS",
-    "AgentItem",
     "BackupEngine",
     "BackupResult",
-    "BackupSource",
-    "FetchedBackup",
+    "Progress",
     "PruneResult",
-    "VerifyResult",
-    "decode_checked",
-    "file_chunks",
     "validate_keep",
 ]
 
@@ -80,14 +60,6 @@ KEEP_MIN: Final = 1
 KEEP_MAX: Final = 10
 _CACHE_FILE: Final = "segment-cache.json"
 _DAMAGED_FILE: Final = "damaged-segments.json"
-#: shared.crypto's reason when a sealed object names none of the opener's keys.
-#: Why a sealed manifest does not open with a key that is not one of its recipients.
-NOT_OURS: Final = "not sealed to this key"
-#: Agents read, hashed, compressed and encrypted at once (a machine has few cores).
-PARALLEL: Final = 3
-_READ: Final = SEGMENT_CHUNK
-#: A fetched segment up to this size is decoded from memory, not a temp file.
-_HOLD: Final = 4 * 1024 * 1024
 
 
 def validate_keep(keep: object, field: str = "backup_keep") -> int:
@@ -95,51 +67,6 @@ def validate_keep(keep: object, field: str = "backup_keep") -> int:
     if not isinstance(keep, int) or isinstance(keep, bool) or not KEEP_MIN <= keep <= KEEP_MAX:
         raise InvalidArgument(field, f"must be a whole number from {KEEP_MIN} to {KEEP_MAX}")
     return keep
-
-
-@dataclass(frozen=True)
-class AgentItem:
-    """One agent to back up, and a marker that changes whenever its history does."""
-
-    agent_id: str
-    marker: str
-
-
-class BackupSource(Protocol):
-    """What a backup reads from the machine (the database-backed one is in the store layer)."""
-
-    async def agents(self) -> list[AgentItem]:
-        """Every agent to back up."""
-        ...
-
-    async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
-        """Write the agent's plaintext segment (export-format tar) to ``out``."""
-        ...
-
-    def segment_maker(
-        self, *, naming_key: bytes, work_dir: Path, agents: int, pack_folder: Path | None = None
-    ) -> contextlib.AbstractAsyncContextManager[SegmentMaker | None]:
-        """Makers of whole segments for a backup that reads ``agents`` agents
-        (worker processes), or None: :meth:`write_agent` in this process. With
-        ``pack_folder`` they may append segments to packs there (a
-        :class:`~shared.backup_target.PackTarget`'s)."""
-        ...
-
-    async def attachments(self) -> list[tuple[str, Path]]:
-        """(sha256, file) of every attachment some agent names."""
-        ...
-
-    async def usage(self) -> list[dict[str, Any]]:
-        """The usage and time history, one row per run."""
-        ...
-
-    async def erased(self) -> list[dict[str, Any]]:
-        """The erased list."""
-        ...
-
-    async def settings(self) -> dict[str, str]:
-        """Settings that are not secrets."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -161,94 +88,8 @@ class BackupResult:
     """The manifest's time (what a listing shows); 0 when unknown."""
 
 
-@dataclass(frozen=True)
-class VerifyResult:
-    """A backup opened and every segment authenticated."""
-
-    backup_id: str
-    segments: int
-    plain_bytes: int
-    seconds: float
-
-
-@dataclass
-class FetchedBackup:
-    """A backup downloaded and decrypted into a staging folder."""
-
-    manifest: BackupManifest
-    folder: Path
-    agent_files: dict[str, Path] = field(default_factory=dict)
-    """agent id -> its plaintext segment (an export-format tar)."""
-    attachment_files: dict[str, Path] = field(default_factory=dict)
-    """sha256 -> the attachment's bytes."""
-    stored_agents: dict[str, tuple[SegmentRef, StoredSegment]] = field(default_factory=dict)
-    """agent id -> its segment as stored (still encrypted), when fetched with
-    ``decode_agents=False``: whoever reads it decodes it (:func:`decode_checked`
-    of :func:`stored_chunks`)."""
-
-
-StoredSegment = Path | Callable[[], BinaryIO]
-"""A stored segment: a downloaded copy, or an opener of it where it is stored
-(a folder target's file, read in place)."""
-
-
-def stored_chunks(source: StoredSegment) -> Iterator[bytes]:
-    """The bytes of a stored segment in stored-chunk sized pieces."""
-    if isinstance(source, Path):
-        yield from file_chunks(source)
-        return
-    with source() as f:
-        while chunk := f.read(_READ):
-            yield chunk
-
-
 Progress = Callable[[str, int, int], None]
 """progress(stage, done, total): called as segments are handled."""
-
-
-def file_chunks(path: Path) -> Iterator[bytes]:
-    """The bytes of the file at ``path`` in stored-chunk sized pieces."""
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ):
-            yield chunk
-
-
-def decode_checked(
-    ref: SegmentRef, naming_key: bytes, stored: Iterable[bytes], out: IO[bytes] | None
-) -> int:
-    """Authenticate and decode segment ``ref`` from its ``stored`` bytes into ``out``;
-    check its size and name; return its size (blocking: call it in a worker thread)."""
-    h = KeyedHasher(naming_key)
-    total = 0
-    for piece in decode_segment(stored, name=ref.name, key=ref.key, max_plain=ref.plain_size):
-        h.update(piece)
-        total += len(piece)
-        if out is not None:
-            out.write(piece)
-    if total != ref.plain_size or h.hexdigest() != ref.name:
-        raise IntegrityError(f"segment {ref.name[:16]}", "content does not match its name")
-    return total
-
-
-def _stored_bound(plain_size: int) -> int:
-    """The most a segment of ``plain_size`` bytes can take stored: zstd's bound for
-    incompressible input, plus the encryption's header and per-chunk overhead."""
-    compressed = plain_size + plain_size // 128 + 4096
-    return compressed + (compressed // SEGMENT_CHUNK + 2) * 64 + 1024
-
-
-def _missing(name: str) -> IntegrityError:
-    """A segment a backup names that its target does not have: the backup does not
-    restore whole (an integrity failure, not a request for something unknown)."""
-    return IntegrityError(f"segment {name[:16]}", "missing from where the backup is stored")
-
-
-def _cleanup(folder: Path) -> None:
-    for p in folder.iterdir():
-        with contextlib.suppress(OSError):
-            p.unlink()
-    with contextlib.suppress(OSError):
-        os.rmdir(folder)
 
 
 class BackupEngine:
@@ -275,12 +116,19 @@ class BackupEngine:
         self._machine_id = machine_id
         self._naming_key = naming_key
         self._recipients = recipients
-        self._keypair = keypair
         self._work = work_dir
         self.keep = validate_keep(keep)
         self._clock = clock
         self._lock = asyncio.Lock()
         self._mend = mend and target.replaces_segments
+        self._reader = BackupReader(
+            target,
+            machine_id=machine_id,
+            naming_key=naming_key,
+            keypair=keypair,
+            work_dir=work_dir,
+            on_damaged=self._note_damaged,
+        )
 
     def seal_to(self, recipients: list[bytes]) -> None:
         """Seal later manifests to ``recipients`` (a recovery key was just made)."""
@@ -493,96 +341,24 @@ class BackupEngine:
             name, segment_key(self._naming_key, name), kind, ref, size, int(hit["plain_size"])
         )
 
-    # -- reading -------------------------------------------------------------
+    # -- reading (machine.backups.reader) -------------------------------------
 
     async def list_described(self) -> list[tuple[ManifestInfo, BackupManifest | None, str]]:
-        """As :meth:`list`, with why each backup that does not open fails ("" when
-        it opens): ``another key``, or ``refused: <reason>`` (forged, altered)."""
-        out: list[tuple[ManifestInfo, BackupManifest | None, str]] = []
-        for info in await self._target.list_manifests():
-            try:
-                out.append((info, await self.open(info.backup_id), ""))
-            except IntegrityError as e:
-                logger.warning("backup %s does not open: %s", info.backup_id, e)
-                reason = getattr(e, "reason", "") or e.message
-                problem = "another key" if reason == NOT_OURS else f"refused: {reason}"
-                out.append((info, None, problem))
-        return out
+        """Every stored backup, oldest first, with its manifest when it opens and why
+        not when it does not (:meth:`BackupReader.list_described`)."""
+        return await self._reader.list_described()
 
     async def list(self) -> list[tuple[ManifestInfo, BackupManifest | None]]:
         """Every stored backup, oldest first, with its manifest when it opens."""
-        return [(info, manifest) for info, manifest, _ in await self.list_described()]
+        return await self._reader.list()
 
     async def open(self, backup_id: str, keypair: BoxKeyPair | None = None) -> BackupManifest:
         """Open one manifest (with the machine's key, or a recovery key)."""
-        blob = await self._target.get_manifest(backup_id)
-        return open_manifest(
-            blob, keypair or self._keypair, machine_id=self._machine_id, backup_id=backup_id
-        )
-
-    async def _segment_to(
-        self, ref: SegmentRef, naming_key: bytes, work: Path, out: BinaryIO | None
-    ) -> int:
-        """Download, authenticate and decode one segment; check its name; return its size.
-
-        A small segment (as its manifest entry says) is held in memory; a larger
-        one goes to a temp file first, so memory stays at one chunk.
-        """
-        try:
-            if ref.size <= _HOLD:
-                held = [chunk async for chunk in self._bounded(ref)]
-                return await asyncio.to_thread(decode_checked, ref, naming_key, iter(held), out)
-            # A name of its own: two verifies of one backup (the CLI's and the
-            # nightly check's) must not write into each other's copy.
-            fd, name = tempfile.mkstemp(dir=work, prefix=f".{ref.name[:16]}-", suffix=".download")
-            raw = Path(name)
-            try:
-                with open(fd, "wb") as f:
-                    async for chunk in self._bounded(ref):
-                        f.write(chunk)
-                stored = file_chunks(raw)
-                return await asyncio.to_thread(decode_checked, ref, naming_key, stored, out)
-            finally:
-                raw.unlink(missing_ok=True)
-        except IntegrityError:
-            if naming_key == self._naming_key:  # this machine's segment: it can send it again
-                self._note_damaged(ref.name)
-            raise
-
-    async def _bounded(self, ref: SegmentRef) -> AsyncIterator[bytes]:
-        """The stored bytes of ``ref``, refused past the size its manifest names (a
-        target that sends more must not fill the disk or the memory first)."""
-        size = 0
-        # The size the backup recorded, or more if the segment was made again
-        # since (mended: another zstd may have compressed it a little worse).
-        limit = max(ref.size, _stored_bound(ref.plain_size))
-        try:
-            async for chunk in self._target.get_segment(ref.name):
-                size += len(chunk)
-                if size > limit:
-                    raise IntegrityError(
-                        f"segment {ref.name[:16]}",
-                        f"longer than the {ref.size} bytes its backup names",
-                    )
-                yield chunk
-        except NotFound:
-            raise _missing(ref.name) from None
-
-    async def _download(self, ref: SegmentRef, path: Path) -> None:
-        """Store segment ``ref`` as it is stored (encrypted) at ``path``."""
-        with open(path, "wb") as f:
-            async for chunk in self._bounded(ref):
-                f.write(chunk)
+        return await self._reader.open(backup_id, keypair)
 
     async def verify(self, backup_id: str, keypair: BoxKeyPair | None = None) -> VerifyResult:
-        """Open a backup and authenticate every segment (nothing is written)."""
-        started = time.monotonic()
-        manifest = await self.open(backup_id, keypair)
-        ensure_private_dir(self._work)
-        plain = 0
-        for ref in manifest.segments:
-            plain += await self._segment_to(ref, manifest.naming_key, self._work, None)
-        return VerifyResult(backup_id, len(manifest.segments), plain, time.monotonic() - started)
+        """Open a backup and authenticate every segment (:meth:`BackupReader.verify`)."""
+        return await self._reader.verify(backup_id, keypair)
 
     async def fetch(
         self,
@@ -592,69 +368,9 @@ class BackupEngine:
         *,
         decode_agents: bool = True,
     ) -> FetchedBackup:
-        """Download and decode a whole backup into the new folder ``dest`` (staging).
-
-        With ``decode_agents=False`` the agents' segments are only downloaded
-        (:attr:`FetchedBackup.stored_agents`): a restore then decodes them while
-        it loads the ones before, on another core, and writes no plaintext. From
-        a target on this machine (:class:`~shared.backup_target.LocalSegments`)
-        they are not even copied: the restore reads them where they are (a
-        segment gone meanwhile fails the restore, which then commits nothing).
-        """
-        manifest = await self.open(backup_id, keypair)
-        ensure_private_dir(dest)
-        fetched = FetchedBackup(manifest, dest)
-        sem = asyncio.Semaphore(PARALLEL)
-
-        local = self._target if isinstance(self._target, LocalSegments) else None
-        if local is not None and not decode_agents:
-            stored = [r.name for r in manifest.segments if r.kind == "agent"]
-            have = await self._target.have_segments(stored)
-            if missing := [n for n in stored if n not in have]:
-                raise _missing(missing[0])
-
-        async def one(ref: SegmentRef) -> None:
-            path = dest / f"{ref.kind}-{ref.ref}"
-            if ref.kind == "agent" and not decode_agents and local is not None:
-                fetched.stored_agents[ref.ref] = (
-                    ref,
-                    functools.partial(local.segment_reader, ref.name),
-                )
-                return
-            if ref.kind == "agent" and not decode_agents:
-                async with sem:
-                    await self._download(ref, path)
-                fetched.stored_agents[ref.ref] = (ref, path)
-                return
-            async with sem:
-                with open(path, "wb") as out:
-                    await self._segment_to(ref, manifest.naming_key, dest, out)
-            if ref.kind == "agent":
-                fetched.agent_files[ref.ref] = path
-            else:
-                fetched.attachment_files[ref.ref] = path
-
-        failed: list[BaseException] = []
-
-        async def guarded(ref: SegmentRef) -> None:
-            if failed:
-                return  # one segment failed: the fetch fails, fetch no more
-            try:
-                await one(ref)
-            except Exception as e:
-                failed.append(e)
-
-        try:
-            # A few segments at once: downloading, decrypting and decompressing
-            # release the GIL. Those in flight when one fails end normally (their
-            # downloads close their streams), then the first failure is raised.
-            await asyncio.gather(*(guarded(ref) for ref in manifest.segments))
-            if failed:
-                raise failed[0]
-        except BaseException:
-            _cleanup(dest)
-            raise
-        return fetched
+        """Download and decode a whole backup into the new folder ``dest``
+        (:meth:`BackupReader.fetch`)."""
+        return await self._reader.fetch(backup_id, dest, keypair, decode_agents=decode_agents)
 
     # -- pruning -------------------------------------------------------------
 

@@ -25,13 +25,16 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from machine.backups.engine import BackupEngine, BackupResult, Progress, VerifyResult
+from machine.backups.engine import BackupEngine, BackupResult, Progress
 from machine.backups.keys import (
     BackupKeys,
     keep_standalone_recovery_key,
     new_standalone_recovery_key,
 )
-from machine.backups.transfer import DatabaseBackupSource, InResult, restore_fetched
+from machine.backups.reader import VerifyResult
+from machine.backups.restore import restore_fetched
+from machine.backups.source import DatabaseBackupSource
+from machine.backups.transfer import InResult
 from machine.storage.db import Database
 from machine.storage.tables import erasures as store_erasures
 from machine.storage.tables import export as store_export
@@ -141,7 +144,7 @@ class BackupStatus:
 
 
 #: Staging folders in the work folder: a backup's (BackupEngine.backup_now) and a
-#: restore's (BackupService.restore; a repair join's, machine.backups.link_target).
+#: restore's (BackupService.restore; a repair join's, machine.backups.targets.control_plane).
 _STALE_PREFIXES: Final = (".stage-", ".restore-")
 
 

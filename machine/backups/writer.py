@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO, Final, Protocol, TypeVar
 
-from machine.backups.segment_workers import MadeSegment
+from machine.backups.workers.segment_workers import MadeSegment
 from machine.formats.backup import (
     SEGMENT_CHUNK,
     SegmentCompressor,
@@ -68,7 +68,7 @@ class AgentWriter(Protocol):
 
 
 class SegmentMaker(Protocol):
-    """Makes whole agent segments elsewhere (machine.backups.segment_workers.SegmentWorkers)."""
+    """Makes whole agent segments elsewhere (workers.segment_workers.SegmentWorkers)."""
 
     parallel: int
     """Agents to have in hand at once."""

@@ -20,7 +20,7 @@ from shared.crypto import BoxKeyPair
 
 if TYPE_CHECKING:
     from machine.backups.engine import BackupResult
-    from machine.backups.link_target import RepairRestore
+    from machine.backups.targets.control_plane import RepairRestore
     from machine.config import MachineConfig
 
 __all__ = ["backup_after_repair", "restore_after_join"]
@@ -56,12 +56,12 @@ async def restore_after_join(
     then clear the join's restore-pending mark (:func:`machine.link.identity.restore_pending`).
 
     The database is opened only for the restore (the daemon starts after it);
-    see :func:`machine.backups.link_target.restore_newest`. Run again after a crash,
+    see :func:`machine.backups.targets.control_plane.restore_newest`. Run again after a crash,
     it restores what the first run did not commit. ``after_load`` is a test's
     fault point (machine.backups.transfer).
     """
     # Imported here: a plain join needs neither the database nor the backup code.
-    from machine.backups.link_target import restore_newest
+    from machine.backups.targets.control_plane import restore_newest
     from machine.storage.db import Database
 
     ensure_private_dir(attachments_dir)

@@ -19,7 +19,7 @@ import shlex
 import sys
 from typing import Any, Final
 
-from machine.backups.engine import NOT_OURS
+from machine.backups.reader import NOT_OURS
 from machine.cli import agents, backup, daemon_verbs, joining, schedules
 from machine.cli.client import DaemonNotRunning
 from machine.cli.common import PROG, Ctx, prog_of

@@ -1,8 +1,9 @@
 """The control-plane link: the machine's identity, its join, and its live link.
 
-``identity`` (keys, certificate and link record in the data folder), ``join``
-(pin the CA, trade a one-time token for a certificate), ``client`` (the one
-client of the control plane's MachineLink service), ``connection`` (the live
+``identity`` (keys, certificate and link record in the data folder),
+``machine_ids`` (the machine's own ids and the joined one, kept in machine.db),
+``join`` (pin the CA, trade a one-time token for a certificate), ``client`` (the
+one client of the control plane's MachineLink service), ``connection`` (the live
 Connect stream and its reconnect loop), ``states`` (the link's states and the
 refusals that stop or slow it), ``heartbeats`` (hello, heartbeats and the
 agent roster on the stream), ``renewal`` (certificate renewal and CA
@@ -20,6 +21,7 @@ __all__ = [
     "heartbeats",
     "identity",
     "join",
+    "machine_ids",
     "renewal",
     "states",
 ]

@@ -341,7 +341,7 @@ async def join_control_plane(
     (revoked, or its account deleted) joins again as a NEW machine with a plain
     token: it keeps its signing and box keys and its data, and takes the new
     id, TLS key, certificate and link record as a re-pair does; the old id
-    stays one of its own (machine.app), so its agents still run here.
+    stays one of its own (machine.link.machine_ids), so its agents still run here.
 
     A new box with a repair token takes that machine over only with
     ``take_over`` (the caller restores its backup next, or was told to take it

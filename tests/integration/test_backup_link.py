@@ -1,6 +1,6 @@
 """Backups of joined machines kept by a real control plane on moto's S3 server.
 
-The backup engine runs with :class:`machine.backups.link_target.ControlPlaneTarget`
+The backup engine runs with :class:`machine.backups.targets.control_plane.ControlPlaneTarget`
 over a real mutual-TLS link: backup, list, verify, fetch, prune; a machine of
 another account sees nothing (NOT_FOUND, as for a missing machine); a machine
 of the same account may read (the replacement-box case); no plaintext lands in
@@ -24,7 +24,7 @@ import pytest
 
 from controlplane.cli.client import AdminClient
 from machine.backups.engine import BackupEngine
-from machine.backups.link_target import ControlPlaneTarget
+from machine.backups.targets.control_plane import ControlPlaneTarget
 from machine.formats.backup import BackupManifest, seal_manifest
 from machine.link.client import LinkClient
 from shared.backup_target import MAX_LINK_MANIFEST

@@ -25,63 +25,43 @@ DAEMONS = ("machine", "controlplane")
 _MACHINE_LEAVES = {"machine.models", "machine.metrics", "machine.version"}
 _CONTROL_LEAVES = {"controlplane.config", "controlplane.metrics"}
 
+# machine: storage at the bottom, the conversation core on it, then the
+# capabilities that use the core, then the API, the entry modules and the CLI.
+_M_LOW = {"machine.storage", "machine.formats", *_MACHINE_LEAVES}
+_M_ROOMS = {
+    *_M_LOW,
+    "machine.runtimes",
+    "machine.core",
+    "machine.schedules",
+    "machine.erasure",
+    "machine.link",
+    "machine.backups",
+}
+# controlplane: the trusted store at the bottom, then accounts, machines, the
+# queue and deletion, recovery over them, the servicers, the daemon, the CLI.
+_C_LOW = {"controlplane.integrity", *_CONTROL_LEAVES}
+_C_DOMAIN = {*_C_LOW, "controlplane.access", "controlplane.machines"}
+_C_ROOMS = {
+    *_C_DOMAIN,
+    "controlplane.queue",
+    "controlplane.deletion",
+    "controlplane.recovery",
+}
+
 ALLOWED: dict[str, set[str]] = {
-    # machine: storage at the bottom, the conversation core on it, then the
-    # capabilities that use the core, then the API, the entry modules and the CLI.
     "machine": {"machine.config", "machine.version"},
-    "machine.models": set(),
-    "machine.metrics": set(),
-    "machine.version": set(),
+    **{leaf: set() for leaf in _MACHINE_LEAVES},
     "machine.formats": set(),
     "machine.storage": {"machine.formats", "machine.models"},
     "machine.runtimes": {"machine.models"},
-    "machine.core": {
-        "machine.storage",
-        "machine.formats",
-        "machine.runtimes",
-        *_MACHINE_LEAVES,
-    },
-    "machine.schedules": {"machine.core", "machine.storage", "machine.formats", *_MACHINE_LEAVES},
-    "machine.erasure": {
-        "machine.core",
-        "machine.storage",
-        "machine.formats",
-        "machine.runtimes",
-        *_MACHINE_LEAVES,
-    },
+    "machine.core": _M_LOW | {"machine.runtimes"},
+    "machine.schedules": _M_LOW | {"machine.core"},
+    "machine.erasure": _M_LOW | {"machine.core", "machine.runtimes"},
     "machine.link": {"machine.core", "machine.storage", *_MACHINE_LEAVES},
-    "machine.backups": {
-        "machine.core",
-        "machine.storage",
-        "machine.formats",
-        "machine.link",
-        *_MACHINE_LEAVES,
-    },
+    "machine.backups": _M_LOW | {"machine.core", "machine.link"},
     "machine.config": {"machine.formats", "machine.runtimes", "machine.backups"},
-    "machine.app": {
-        "machine.config",
-        "machine.core",
-        "machine.storage",
-        "machine.formats",
-        "machine.runtimes",
-        "machine.schedules",
-        "machine.erasure",
-        "machine.link",
-        "machine.backups",
-        *_MACHINE_LEAVES,
-    },
-    "machine.api": {
-        "machine.app",
-        "machine.config",
-        "machine.core",
-        "machine.storage",
-        "machine.formats",
-        "machine.schedules",
-        "machine.erasure",
-        "machine.link",
-        "machine.backups",
-        *_MACHINE_LEAVES,
-    },
+    "machine.app": _M_ROOMS | {"machine.config"},
+    "machine.api": (_M_ROOMS - {"machine.runtimes"}) | {"machine.app", "machine.config"},
     "machine.daemon": {
         "machine.app",
         "machine.api",
@@ -90,87 +70,20 @@ ALLOWED: dict[str, set[str]] = {
         *_MACHINE_LEAVES,
     },
     # The CLI sits on top: it may use every room; nothing imports it.
-    "machine.cli": {
-        "machine.app",
-        "machine.api",
-        "machine.config",
-        "machine.daemon",
-        "machine.core",
-        "machine.storage",
-        "machine.formats",
-        "machine.runtimes",
-        "machine.schedules",
-        "machine.erasure",
-        "machine.link",
-        "machine.backups",
-        *_MACHINE_LEAVES,
-    },
-    # controlplane: the trusted store at the bottom, then accounts, machines,
-    # the queue and deletion, recovery over them, the servicers, the daemon, the CLI.
+    "machine.cli": _M_ROOMS | {"machine.app", "machine.api", "machine.config", "machine.daemon"},
     "controlplane": set(),
-    "controlplane.config": set(),
-    "controlplane.metrics": set(),
-    "controlplane.integrity": {*_CONTROL_LEAVES},
-    "controlplane.access": {"controlplane.integrity", *_CONTROL_LEAVES},
-    "controlplane.machines": {"controlplane.access", "controlplane.integrity", *_CONTROL_LEAVES},
-    "controlplane.queue": {
-        "controlplane.machines",
-        "controlplane.access",
-        "controlplane.integrity",
-        *_CONTROL_LEAVES,
-    },
-    "controlplane.deletion": {
-        "controlplane.machines",
-        "controlplane.access",
-        "controlplane.integrity",
-        *_CONTROL_LEAVES,
-    },
-    "controlplane.services": {
-        "controlplane.deletion",
-        "controlplane.machines",
-        "controlplane.access",
-        "controlplane.integrity",
-        *_CONTROL_LEAVES,
-    },
-    "controlplane.recovery": {
-        "controlplane.services",
-        "controlplane.machines",
-        "controlplane.access",
-        "controlplane.integrity",
-        *_CONTROL_LEAVES,
-    },
-    "controlplane.api": {
-        "controlplane.recovery",
-        "controlplane.deletion",
-        "controlplane.queue",
-        "controlplane.machines",
-        "controlplane.access",
-        "controlplane.integrity",
-        *_CONTROL_LEAVES,
-    },
-    "controlplane.server": {
-        "controlplane.api",
-        "controlplane.services",
-        "controlplane.recovery",
-        "controlplane.deletion",
-        "controlplane.queue",
-        "controlplane.machines",
-        "controlplane.access",
-        "controlplane.integrity",
-        *_CONTROL_LEAVES,
-    },
-    "controlplane.cli": {
-        "controlplane.server",
-        "controlplane.services",
-        "controlplane.api",
-        "controlplane.recovery",
-        "controlplane.deletion",
-        "controlplane.queue",
-        "controlplane.machines",
-        "controlplane.access",
-        "controlplane.integrity",
-        *_CONTROL_LEAVES,
-    },
+    **{leaf: set() for leaf in _CONTROL_LEAVES},
+    "controlplane.integrity": set(_CONTROL_LEAVES),
+    "controlplane.access": _C_LOW,
+    "controlplane.machines": _C_LOW | {"controlplane.access"},
+    "controlplane.queue": _C_DOMAIN,
+    "controlplane.deletion": _C_DOMAIN,
+    "controlplane.services": _C_DOMAIN | {"controlplane.deletion"},
+    "controlplane.recovery": _C_DOMAIN | {"controlplane.services"},
+    "controlplane.api": _C_ROOMS,
+    "controlplane.server": _C_ROOMS | {"controlplane.api", "controlplane.services"},
+    "controlplane.cli": _C_ROOMS
+    | {"controlplane.api", "controlplane.services", "controlplane.server"},
 }
 
 

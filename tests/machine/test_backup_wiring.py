@@ -9,8 +9,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from machine.app import backup_warnings, check_backup_folder, open_machine
-from machine.backups.link_target import ControlPlaneTarget
+from machine.app import open_machine
+from machine.backups.targets.control_plane import ControlPlaneTarget
+from machine.backups.targets.folder import check_backup_folder
+from machine.backups.wiring import backup_warnings
 from machine.config import MachineConfig
 from machine.link.client import LinkClient
 from machine.metrics import MachineMetrics

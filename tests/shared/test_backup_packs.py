@@ -57,7 +57,7 @@ async def _read(target: FolderTarget, name: str) -> bytes:
 async def _backup(
     target: FolderTarget, segments: dict[str, bytes], *, limit: int = 1 << 20
 ) -> list[str]:
-    """One backup whose segments a worker packs (as machine.backups.segment_workers does)."""
+    """One backup whose segments a worker packs (as machine.backups.workers does)."""
     writer = PackWriter(target.pack_folder(), limit=limit)
     have = await target.have_segments(segments)
     for name, data in segments.items():

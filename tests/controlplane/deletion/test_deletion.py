@@ -13,13 +13,8 @@ from controlplane.access.accounts import AccountService
 from controlplane.access.authz import CredentialService
 from controlplane.access.principals import Principal
 from controlplane.access.tokens import TokenService
-from controlplane.deletion.service import (
-    PROGRESS_EVERY,
-    AccountDeletion,
-    AccountSweep,
-    DeletionHooks,
-    _together,
-)
+from controlplane.deletion.service import AccountDeletion, DeletionHooks, _together
+from controlplane.deletion.sweep import PROGRESS_EVERY, AccountSweep
 from controlplane.integrity import jsonstore
 from controlplane.integrity.audit import Auditor
 from controlplane.integrity.intents import INTENTS_PREFIX, Intents

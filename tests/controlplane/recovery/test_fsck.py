@@ -13,7 +13,7 @@ import pytest
 from controlplane.access.principals import Principal
 from controlplane.cli.main import main
 from controlplane.config import ControlConfig
-from controlplane.deletion.service import AccountSweep
+from controlplane.deletion.sweep import AccountSweep
 from controlplane.integrity.keys import load_home_keys
 from controlplane.integrity.records import encode
 from controlplane.integrity.trusted import open_trusted_store

@@ -12,9 +12,10 @@ from typing import Any, BinaryIO
 
 import pytest
 
-from machine.backups.engine import AgentItem, BackupEngine, validate_keep
-from machine.backups.link_target import newest_authentic
-from machine.backups.segment_workers import MadeSegment
+from machine.backups.engine import BackupEngine, validate_keep
+from machine.backups.source import AgentItem
+from machine.backups.targets.control_plane import newest_authentic
+from machine.backups.workers.segment_workers import MadeSegment
 from machine.formats.backup import SegmentCompressor, encrypt_segment, segment_key
 from shared.backup_folder import FolderTarget
 from shared.backup_packs import PackWriter

@@ -1,7 +1,7 @@
 """ControlPlaneTarget (backups kept by the control plane) over the fake link client.
 
 The fake runs the control plane's own backup domain on a memory store, so
-these check what machine/backups/link_target.py adds: the batching, the order of the
+these check what machine/backups/targets/control_plane.py adds: the batching, the order of the
 listing, reading another machine's backups, and gRPC errors as domain errors.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import pytest
 
-from machine.backups.link_target import ControlPlaneTarget
+from machine.backups.targets.control_plane import ControlPlaneTarget
 from machine.link.client import MachineInfo
 from shared import tls
 from shared.errors import NotFound, StoreError, TransientError

@@ -8,12 +8,9 @@ from pathlib import Path
 
 from machine.app import Machine, open_machine
 from machine.backups.engine import BackupEngine
-from machine.backups.transfer import (
-    DatabaseBackupSource,
-    export_agents,
-    import_archive,
-    restore_fetched,
-)
+from machine.backups.restore import restore_fetched
+from machine.backups.source import DatabaseBackupSource
+from machine.backups.transfer import export_agents, import_archive
 from machine.config import MachineConfig
 from machine.models import RunState
 from machine.schedules.service import SchedulesService

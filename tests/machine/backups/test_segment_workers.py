@@ -1,4 +1,4 @@
-"""machine.backups.segment_workers: agent segments made in worker processes, real ones."""
+"""machine.backups.workers.segment_workers: agent segments made in worker processes, real ones."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 
 from machine.app import open_machine
-from machine.backups import segment_workers
-from machine.backups.engine import BackupEngine, decode_checked
-from machine.backups.segment_workers import SegmentWorkers
-from machine.backups.transfer import DatabaseBackupSource, restore_fetched
+from machine.backups.engine import BackupEngine
+from machine.backups.reader import decode_checked
+from machine.backups.restore import restore_fetched
+from machine.backups.source import DatabaseBackupSource
+from machine.backups.workers import segment_workers
+from machine.backups.workers.segment_workers import SegmentWorkers
 from machine.formats.backup import SegmentRef, segment_key
 from shared.backup_folder import FolderTarget
 from shared.backup_target import StoreTarget
@@ -212,7 +214,7 @@ async def test_a_worker_gone_is_raised_once_every_worker_has_ended(one_agent: _O
 _HOLDER = """
 import asyncio, sys
 from pathlib import Path
-from machine.backups.segment_workers import SegmentWorkers
+from machine.backups.workers.segment_workers import SegmentWorkers
 
 async def main():
     stage = Path(sys.argv[1])
@@ -280,7 +282,7 @@ def test_a_worker_process_does_not_load_grpc_nor_the_daemons_configuration() -> 
     # a quarter of a second of CPU per worker.
     heavy = ("grpc", "prometheus_client", "machine.config", "machine.backups.service")
     code = (
-        "import sys, machine.backups.segment_worker_main;"
+        "import sys, machine.backups.workers.segment_worker_main;"
         f" print(sorted(m for m in {heavy!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

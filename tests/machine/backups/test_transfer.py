@@ -22,13 +22,9 @@ import pytest
 from machine.app import Machine, open_machine
 from machine.backups import transfer
 from machine.backups.engine import BackupEngine, BackupResult
-from machine.backups.transfer import (
-    DatabaseBackupSource,
-    InResult,
-    export_agents,
-    import_archive,
-    restore_fetched,
-)
+from machine.backups.restore import restore_fetched
+from machine.backups.source import DatabaseBackupSource
+from machine.backups.transfer import InResult, export_agents, import_archive
 from machine.config import MachineConfig
 from machine.models import AgentState, EventKind
 from shared.backup_folder import FolderTarget
@@ -320,6 +316,8 @@ from pathlib import Path
 
 import machine.backups.transfer as transfer
 from machine.backups.engine import BackupEngine, BackupResult
+from machine.backups.restore import restore_fetched
+from machine.backups.source import DatabaseBackupSource
 from machine.storage.db import Database
 from shared.backup_folder import FolderTarget
 from shared.backup_target import StoreTarget
@@ -342,14 +340,14 @@ transfer._place_attachment = placed_then_stop
 async def main():
     keypair = BoxKeyPair.from_private(bytes.fromhex(key))
     db = await Database.open(data / "machine.db")
-    source = transfer.DatabaseBackupSource(db, data / "attachments", data / "work")
+    source = DatabaseBackupSource(db, data / "attachments", data / "work")
     engine = BackupEngine(
         source, StoreTarget(FolderStore(Path(target))), machine_id=machine_id,
         naming_key=bytes(32), recipients=[keypair.public_key], keypair=keypair,
         work_dir=data / "work",
     )
     fetched = await engine.fetch(backup_id, data / "stage", decode_agents=False)
-    await transfer.restore_fetched(
+    await restore_fetched(
         db, fetched, attachments_dir=data / "attachments", erased=set()
     )
 
@@ -549,7 +547,7 @@ async def test_an_agent_erased_while_an_import_was_staged_is_not_brought_back(
                 )
             con.close()
 
-        result = await transfer._commit(
+        result = await transfer.commit_staged(
             b.db,
             {a: stage / "agents" / a for a in agents},
             {p.name: p for p in (stage / "attachments").iterdir()},

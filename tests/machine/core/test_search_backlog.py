@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 from machine.app import Machine, open_machine
-from machine.backups.engine import BackupEngine, FetchedBackup
-from machine.backups.transfer import DatabaseBackupSource, restore_fetched
+from machine.backups.engine import BackupEngine
+from machine.backups.reader import FetchedBackup
+from machine.backups.restore import restore_fetched
+from machine.backups.source import DatabaseBackupSource
 from machine.config import MachineConfig
 from machine.models import EventKind
 from shared.backup_target import StoreTarget

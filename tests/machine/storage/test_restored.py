@@ -18,7 +18,9 @@ from prometheus_client import CollectorRegistry
 
 from machine.app import Machine, open_machine
 from machine.backups.engine import BackupEngine
-from machine.backups.transfer import DatabaseBackupSource, InResult, restore_fetched
+from machine.backups.restore import restore_fetched
+from machine.backups.source import DatabaseBackupSource
+from machine.backups.transfer import InResult
 from machine.core.search_indexer import SearchIndexer
 from machine.formats.export import agent_path
 from machine.models import AgentState

@@ -2,9 +2,9 @@
 
 Making an agent's segment is a database dump (Python), a tar, a keyed hash and
 zstd: in the daemon's process the dump trades the interpreter lock with the
-threads that compress and send on every row (see :mod:`machine.backups.worker_pool`).
+threads that compress and send on every row (see :mod:`machine.backups.workers.pool`).
 For a backup of :data:`MIN_AGENTS` agents or more, worker processes (entry
-point :mod:`machine.backups.segment_worker_main`) each open the database read-only and
+point :mod:`machine.backups.workers.segment_worker_main`) each open the database read-only and
 make whole segments: one read transaction per agent, as the in-process path
 does, and the same bytes (:func:`dump_agent_spooled` is both's), compressed and
 encrypted under the segment's key; the daemon sends them as they are.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final
 
-from machine.backups.worker_pool import Answer, Handler, WorkerGone, WorkerPool, processes, serve
+from machine.backups.workers.pool import Answer, Handler, WorkerGone, WorkerPool, processes, serve
 from machine.formats.backup import SEGMENT_CHUNK, SegmentCompressor, encrypt_segment, segment_key
 from machine.formats.export import AGENT_FILES, OPTIONAL_AGENT_FILES, agent_path
 from machine.storage import restored
@@ -213,7 +213,7 @@ class SegmentWorkers:
             "packs": str(pack_folder) if pack_folder else "",
         }
         self._pool = WorkerPool(
-            "machine.backups.segment_worker_main", settings, count=count, dropped=_drop
+            "machine.backups.workers.segment_worker_main", settings, count=count, dropped=_drop
         )
         #: Agents to have in hand at once: one in each worker, one waiting each.
         self.parallel = 2 * count

@@ -24,7 +24,8 @@ from typing import Final
 import grpc.aio
 
 from machine.backups.engine import BackupEngine
-from machine.backups.transfer import DatabaseBackupSource, restore_fetched
+from machine.backups.restore import restore_fetched
+from machine.backups.source import DatabaseBackupSource
 from machine.link import identity
 from machine.link.client import LinkClient
 from machine.storage.db import Database
@@ -188,7 +189,7 @@ async def restore_newest(
     key proves nothing about who sealed it (anyone holding the public key can),
     and a forged one must not choose the keys of this machine's next backups.
     The next backup uploads every segment once, under the box's own key.
-    The restore commits whole or not at all (machine.backups.transfer); running it
+    The restore commits whole or not at all (machine.backups.restore); running it
     again skips the agents already restored.
     """
     link = await asyncio.to_thread(identity.load_link, data_dir)
