@@ -57,7 +57,12 @@ from shared.errors import (
 from shared.limits import LINK_MAX_MESSAGE
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
-from shared.rpc import NO_REUSEPORT, ErrorInterceptor, serve_health_and_reflection
+from shared.rpc import (
+    NO_REUSEPORT,
+    ErrorInterceptor,
+    check_can_listen,
+    serve_health_and_reflection,
+)
 
 __all__ = ["ControlPlane", "run_daemon"]
 
@@ -117,12 +122,23 @@ class ControlPlane:
         await self.stop(5)
 
     async def start(self) -> None:
-        """Open the store, bind both listeners and /metrics, write serve.json."""
+        """Bind both listeners and /metrics, then open the store and take the epoch,
+        then serve and write serve.json.
+
+        Bind first, fence second: a start that cannot bind (ports in use, e.g. a
+        copied home started by mistake beside the live one) fails before it has
+        touched the store, so the live control plane keeps its epoch. Taking the
+        epoch is the last step that can refuse the start for the store's sake.
+        """
         cfg = self.cfg
-        # First: a second serve of this home would take the store's epoch (which
-        # fences the running one out) before failing to bind its ports.
+        # A second serve of this very home folder stops here, before anything else.
         self._home_lock = _lock_home(cfg.home)
         keys = load_home_keys(cfg.home)
+        keyring = KeyRing(keys)
+        server = self._bind(keyring)
+        if cfg.metrics_listen:
+            mhost, mport = parse_hostport(cfg.metrics_listen, "metrics_listen")
+            self._metrics_server = start_metrics_server(self.registry, mhost, mport)
         self._store = trusted = await open_trusted_store(cfg, keys, self.registry)
         # Refuse a store that is not this deployment's before anything is served.
         await trusted.guard.verify()
@@ -133,7 +149,7 @@ class ControlPlane:
         trusted.set_fence(self.fence)
         self.metrics.epoch.set(self.fence.epoch)
         self.metrics.key_bundle_sealed.set(1 if await _reseal(cfg, trusted) else 0)
-        services = Services(cfg, trusted.store, keys, trusted.backups)
+        services = Services(cfg, trusted.store, keys, trusted.backups, keyring=keyring)
         presence = PresenceRegistry(
             trusted.store,
             write_interval=cfg.presence_write_interval,
@@ -187,32 +203,8 @@ class ControlPlane:
             prompt_queue, presence, on_queued=starter.request, on_connected=starter.connected
         )
 
-        server = grpc.aio.server(
-            # Counting first: it wraps the error mapping and so sees the final code.
-            interceptors=[
-                CallsInterceptor(self.metrics.call_counters(ADMIN_SERVICE, LINK_SERVICE)),
-                ErrorInterceptor(),
-            ],
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                # Machines ping every 30 s to notice a vanished control plane
-                # (machine/link/connection.py); the default floor would GOAWAY them.
-                ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
-                NO_REUSEPORT,
-            ],
-        )
-        self._server = server
-        # The chain carries the CA too: a joining machine checks it against the
-        # pinned hash before it sends its token (kubeadm-style discovery).
-        # Both are read from the key ring at each handshake, so a rotation reaches
-        # new connections without a restart (controlplane.recovery.rotation).
-        public_creds = _dynamic_credentials(services.keyring, client_auth=False)
-        link_creds = _dynamic_credentials(services.keyring, client_auth=True)
-        host, port = parse_hostport(cfg.listen, "listen")
-        self.public_port = server.add_secure_port(f"{_bracket(host)}:{port}", public_creds)
-        lhost, lport = parse_hostport(cfg.link_listen, "link_listen")
-        self.link_port = server.add_secure_port(f"{_bracket(lhost)}:{lport}", link_creds)
+        host, _ = parse_hostport(cfg.listen, "listen")
+        lhost, _ = parse_hostport(cfg.link_listen, "link_listen")
         advertise = cfg.advertise_host or host
         if advertise in ("0.0.0.0", "::"):
             logger.warning("listening on all interfaces; set advertise_host for join commands")
@@ -268,10 +260,9 @@ class ControlPlane:
             name="store-self-check",
         )
         metrics_addr = ""
-        if cfg.metrics_listen:
-            mhost, mport = parse_hostport(cfg.metrics_listen, "metrics_listen")
-            self._metrics_server = start_metrics_server(self.registry, mhost, mport)
-            metrics_addr = f"{_bracket(mhost)}:{self._metrics_server.port}"
+        if self._metrics_server is not None:
+            metrics = self._metrics_server
+            metrics_addr = f"{_bracket(metrics.host)}:{metrics.port}"
         info = {
             "pid": os.getpid(),
             "public": f"{_bracket(host)}:{self.public_port}",
@@ -286,6 +277,40 @@ class ControlPlane:
         logger.info(
             "serving: public %s, link %s, metrics %s", info["public"], info["link"], metrics_addr
         )
+
+    def _bind(self, keyring: KeyRing) -> grpc.aio.Server:
+        """The gRPC server with both listeners bound (not started yet): RuntimeError
+        (gRPC's "failed to bind") when a port is in use."""
+        cfg = self.cfg
+        server = grpc.aio.server(
+            # Counting first: it wraps the error mapping and so sees the final code.
+            interceptors=[
+                CallsInterceptor(self.metrics.call_counters(ADMIN_SERVICE, LINK_SERVICE)),
+                ErrorInterceptor(),
+            ],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # Machines ping every 30 s to notice a vanished control plane
+                # (machine/link/connection.py); the default floor would GOAWAY them.
+                ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+                NO_REUSEPORT,
+            ],
+        )
+        self._server = server
+        # The chain carries the CA too: a joining machine checks it against the
+        # pinned hash before it sends its token (kubeadm-style discovery).
+        # Both are read from the key ring at each handshake, so a rotation reaches
+        # new connections without a restart (controlplane.recovery.rotation).
+        public_creds = _dynamic_credentials(keyring, client_auth=False)
+        link_creds = _dynamic_credentials(keyring, client_auth=True)
+        host, port = parse_hostport(cfg.listen, "listen")
+        lhost, lport = parse_hostport(cfg.link_listen, "link_listen")
+        check_can_listen(host, port, "listen")
+        check_can_listen(lhost, lport, "link_listen")
+        self.public_port = server.add_secure_port(f"{_bracket(host)}:{port}", public_creds)
+        self.link_port = server.add_secure_port(f"{_bracket(lhost)}:{lport}", link_creds)
+        return server
 
     def _fenced(self, problem: StoreFenced) -> None:
         self.fenced = problem

@@ -30,9 +30,11 @@ class Services:
         store: ObjectStore,
         keys: HomeKeys,
         backups: ObjectStore | None = None,
+        keyring: KeyRing | None = None,
     ) -> None:
-        # The live keys: rotation (controlplane.recovery.rotation) swaps them while serving.
-        self.keyring = KeyRing(keys)
+        # The live keys: rotation (controlplane.recovery.rotation) swaps them while
+        # serving. The daemon passes the ring its listeners were bound with.
+        self.keyring = keyring if keyring is not None else KeyRing(keys)
         self.auditor = Auditor(store)
         # One intent log for every multi-object change (controlplane.integrity.intents).
         self.intents = Intents(store)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Final, NoReturn, TypeAlias
 
@@ -32,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from shared import errors as E
 
 __all__ = [
+    "check_can_listen",
     "NO_REUSEPORT",
     "STATUS_TABLE",
     "ErrorInterceptor",
@@ -52,6 +54,31 @@ ERROR_DOMAIN = "agents.platform"
 #: listening sockets by default, so a second server on a port another one
 #: (with the option too) holds would start and take some of its connections.
 NO_REUSEPORT: Final = ("grpc.so_reuseport", 0)
+
+
+def check_can_listen(host: str, port: int, field: str) -> None:
+    """ConfigError naming ``field`` when ``host:port`` cannot be listened on now.
+
+    gRPC's own failure to bind writes a line from its C core to stderr before it
+    raises, so a daemon checks its fixed ports first and a refused start stays
+    one line. gRPC's bind right after remains the real test (a port taken in
+    between still fails the start, only less quietly). Port 0 always passes.
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            # As gRPC binds: a port in TIME_WAIT is free, a listening one is not.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        # The same words as gRPC's own refusal (shared.cli.bind_error).
+        reason = f"cannot listen on {where}: in use, or not this host's"
+        raise E.ConfigError(field, reason) from None
+
+
 _DETAILS_KEY = "grpc-status-details-bin"
 
 #: Domain error class -> gRPC status. The most specific class wins (the error's

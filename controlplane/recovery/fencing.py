@@ -5,7 +5,8 @@
 home, made by ``init``, ``restore`` or the first ``serve``):
 
 - ``serve`` takes the next epoch at start (a compare-and-swap: previous + 1)
-  if the record names its own home; a record naming another home means this
+  if the record names its own home, after it has bound its listeners (a start
+  that cannot serve must not fence out the one that does); a record naming another home means this
   home was superseded (a restore elsewhere) and ``serve`` refuses to start,
   having written nothing.
 - ``restore`` takes the next epoch for the new home (:meth:`Fence.acquire`

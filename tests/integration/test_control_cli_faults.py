@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import stat
 import subprocess
@@ -197,6 +198,28 @@ def test_a_second_serve_of_a_home_is_refused_and_leaves_the_first_running(
     assert cp.process is not None and cp.process.poll() is None
     listed = cp.cli("account", "list", "--json")
     assert listed.code == 0, listed.err
+
+
+def test_a_copied_home_whose_ports_are_taken_leaves_the_live_one_serving(
+    cp: ControlProc, tmp_path: Path
+) -> None:
+    # Before: the copy took the store's next epoch, then failed to bind: the live
+    # control plane was fenced out by a start that never served.
+    (epoch_file,) = (cp.home.parent / "store").rglob("epoch.json*")
+    epoch_before = epoch_file.read_bytes()
+    copy = tmp_path / "copied-home"
+    shutil.copytree(cp.home, copy, ignore=shutil.ignore_patterns("serve.json"))
+    res = subprocess.run(
+        [str(agents_control_exe()), "serve", "--home", str(copy), "--listen", cp.public],
+        env=cp.env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    _one_error_line(res.stderr, cp.public)
+    assert epoch_file.read_bytes() == epoch_before
+    assert cp.process is not None and cp.process.poll() is None
+    made = cp.cli("account", "create", "--github-id", "7301", "--github-login", "copy-check")
+    assert made.code == 0, made.err
+    assert cp.process.poll() is None
 
 
 def test_a_refused_join_is_one_line(cp: ControlProc, tmp_path: Path) -> None:
