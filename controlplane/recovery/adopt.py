@@ -157,7 +157,8 @@ async def adopt_control_plane(
     write_recovery_public_key(stage, public)
     trusted = await open_trusted_store(cfg, keys, None)
     try:
-        epoch = await Fence(trusted.authenticated, home_id, trusted.where).acquire(take_over=True)
+        fence = Fence(trusted.authenticated, home_id, trusted.where, home=stage)
+        epoch = await fence.acquire(take_over=True)
         store = trusted.store
         auditor = Auditor(store)
         made = await CredentialService(

@@ -21,6 +21,19 @@ A record that vanished, does not verify, or went *back* to an older epoch (a
 store rolled back from a snapshot) is not a newer owner: writes are refused
 as untrusted while it lasts, but the process does not stop.
 
+The fence never goes backwards. The home remembers, in ``instance.json``
+beside its id, the highest epoch it held (written after each epoch it takes)
+and whether it was superseded (written when it saw a record naming another
+home). A start then refuses, writing nothing, when the record is missing or
+names this home at an older epoch than it held (deleted, or an older copy
+put back: an alarm, never a fresh start), and a superseded home never starts
+again. A restore or ``init --adopt`` (the only ways to take over) first
+creates ``cp/superseded/<old home id>`` (create-only) for the home it takes
+over, and a start looks for its own: so a home that was down during the
+restore, started against an older copy of its own record put back by a
+bucket writer, still refuses. A writer who may also delete can remove that
+marker; against that writer S3 Object Lock is the answer (docs/security.md).
+
 The check is one HEAD per write; concurrent writers share one in-flight HEAD.
 The window between that HEAD and the write itself remains (S3 has no
 multi-object transaction): a stale process can land at most the writes it had
@@ -30,6 +43,8 @@ already checked, and it stops on its next check.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -56,20 +71,27 @@ from shared.timestamps import Clock, utc_now
 __all__ = [
     "EPOCH_KEY",
     "HOME_ID_FILE",
+    "SUPERSEDED_PREFIX",
     "Epoch",
     "Fence",
+    "HomeState",
     "new_home_id",
     "read_home_id",
+    "read_home_state",
+    "superseded_key",
     "take_epoch",
     "write_home_id",
+    "write_home_state",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: The fencing record (relative to the deployment prefix).
 EPOCH_KEY: Final = "cp/epoch.json"
-#: The home's id, in the home folder.
+#: The home's id and fencing state, in the home folder.
 HOME_ID_FILE: Final = "instance.json"
+#: Create-only markers of homes a restore or adopt took the deployment from.
+SUPERSEDED_PREFIX: Final = "cp/superseded/"
 #: Compare-and-swap attempts at taking an epoch before giving up.
 _ACQUIRE_ATTEMPTS: Final = 5
 
@@ -79,8 +101,19 @@ def new_home_id() -> str:
     return secrets.token_hex(16)
 
 
-def read_home_id(home: Path) -> str | None:
-    """The home's id, None when the home has none yet (made before fencing)."""
+@dataclass(frozen=True)
+class HomeState:
+    """What a home remembers of the deployment's fence (``instance.json``)."""
+
+    home_id: str
+    epoch: int = 0
+    """The highest epoch this home held (0: none yet)."""
+    superseded: str = ""
+    """Why this home may never serve again ("" while it may)."""
+
+
+def read_home_state(home: Path) -> HomeState | None:
+    """The home's fencing state, None when the home has no id yet (made before fencing)."""
     try:
         data = json.loads((home / HOME_ID_FILE).read_bytes())
     except FileNotFoundError:
@@ -90,12 +123,32 @@ def read_home_id(home: Path) -> str | None:
     ident = data.get("home_id") if isinstance(data, dict) else None
     if not isinstance(ident, str) or not ident:
         raise InvalidState(f"home {home}", f"{HOME_ID_FILE} names no home_id")
-    return ident
+    epoch, superseded = data.get("epoch", 0), data.get("superseded", "")
+    if not isinstance(epoch, int) or epoch < 0 or not isinstance(superseded, str):
+        raise InvalidState(f"home {home}", f"{HOME_ID_FILE} is not a home's fencing state")
+    return HomeState(ident, epoch, superseded)
+
+
+def read_home_id(home: Path) -> str | None:
+    """The home's id, None when the home has none yet (made before fencing)."""
+    state = read_home_state(home)
+    return state.home_id if state is not None else None
+
+
+def write_home_state(home: Path, state: HomeState) -> None:
+    """Record ``state`` in ``home`` (0600, atomic)."""
+    data = {"home_id": state.home_id, "epoch": state.epoch, "superseded": state.superseded}
+    write_atomic(home / HOME_ID_FILE, json.dumps(data).encode() + b"\n", 0o600)
 
 
 def write_home_id(home: Path, home_id: str) -> None:
-    """Record ``home_id`` in ``home`` (0600, atomic)."""
-    write_atomic(home / HOME_ID_FILE, json.dumps({"home_id": home_id}).encode() + b"\n", 0o600)
+    """Record a new home's id in ``home`` (it has held no epoch yet)."""
+    write_home_state(home, HomeState(home_id))
+
+
+def superseded_key(home_id: str) -> str:
+    """The create-only marker a take-over leaves for the home it supersedes."""
+    return f"{SUPERSEDED_PREFIX}{home_id}"
 
 
 @dataclass(frozen=True)
@@ -140,8 +193,12 @@ class Fence:
         where: str,
         on_fenced: Callable[[StoreFenced], None] | None = None,
         clock: Clock = utc_now,
+        home: Path | None = None,
     ) -> None:
         self._store = store
+        # Where this home remembers its fencing state (None: a fence of no home,
+        # e.g. a test's); see the module doc.
+        self._home = home
         self._clock = clock
         self._home_id = home_id
         self._where = where
@@ -171,17 +228,97 @@ class Fence:
         except NotFound:
             return None
 
+    def _state(self) -> HomeState:
+        state = read_home_state(self._home) if self._home is not None else None
+        if state is None or state.home_id != self._home_id:
+            return HomeState(self._home_id)
+        return state
+
+    def _remember(self, state: HomeState) -> None:
+        if self._home is not None:
+            write_home_state(self._home, state)
+
+    def _superseded(self, why: str) -> StoreFenced:
+        return StoreFenced(
+            f"store {self._where}: fenced out: this home was superseded ({why}); it never "
+            "serves this deployment again (restore or init --adopt make a home that does)"
+        )
+
+    def _mark_superseded(self, why: str) -> None:
+        state = self._state()
+        if not state.superseded:
+            self._remember(dataclasses.replace(state, superseded=why))
+
+    async def _check_not_superseded(self) -> None:
+        state = self._state()
+        if state.superseded:
+            raise self._superseded(state.superseded)
+        key = superseded_key(self._home_id)
+        try:
+            # Read, not HEAD: the MAC shows a take-over wrote it; a forged one
+            # (write access alone) must not stop a live home for good.
+            await self._store.get(key)
+        except NotFound:
+            return
+        except IntegrityError:
+            logger.warning("%s does not verify: ignored (a forgery, not a take-over)", key)
+            return
+        why = f"{key} names it"
+        self._mark_superseded(why)
+        raise self._superseded(why)
+
+    def _refuse_going_back(self, previous: Epoch | None) -> None:
+        """StoreUntrusted when the record is older than what this home held."""
+        held = self._state().epoch
+        if previous is None and held:
+            raise StoreUntrusted(
+                f"store {self._where}: {EPOCH_KEY} is missing, but this home held epoch "
+                f"{held}: the record was deleted or the store rolled back; refusing to start "
+                "(an alarm, not a fresh start)"
+            )
+        if previous is not None and previous.home_id == self._home_id and previous.epoch < held:
+            raise StoreUntrusted(
+                f"store {self._where}: {EPOCH_KEY} went back to epoch {previous.epoch}, but "
+                f"this home held epoch {held}: an older copy was put back or the store "
+                "rolled back; refusing to start"
+            )
+
     async def acquire(self, *, take_over: bool = False) -> int:
         """Take the next epoch (previous + 1) for this home; return it.
 
         StoreFenced, writing nothing, when the record names another home and
-        ``take_over`` is False (this home was superseded).
+        ``take_over`` is False, or this home was superseded; StoreUntrusted,
+        writing nothing, when the record is missing or older than the epoch
+        this home held. With ``take_over`` (restore, adopt), the home the record
+        names is marked superseded (create-only) before the epoch is taken.
         """
+        if not take_over:
+            await self._check_not_superseded()
         for _ in range(_ACQUIRE_ATTEMPTS):
             found = await self._read()
             previous = found[1] if found is not None else None
             if previous is not None and previous.home_id != self._home_id and not take_over:
+                if previous.epoch < self._state().epoch:
+                    # An older record of another home put back: a rollback to
+                    # refuse, not a newer owner to give the deployment up to.
+                    raise StoreUntrusted(
+                        f"store {self._where}: {EPOCH_KEY} names another home at epoch "
+                        f"{previous.epoch}, older than epoch {self._state().epoch} this home "
+                        "held: an older copy was put back; refusing to start"
+                    )
+                self._mark_superseded(f"{EPOCH_KEY} names home {previous.home_id[:8]}…")
                 raise self._fenced(previous)
+            if not take_over:
+                self._refuse_going_back(previous)
+            elif previous is not None and previous.home_id != self._home_id:
+                # Before the epoch: the old home must never start again, also if a
+                # bucket writer puts its own older record back (module doc).
+                with contextlib.suppress(PreconditionFailed):  # there already
+                    await self._store.put(
+                        superseded_key(previous.home_id),
+                        json.dumps({"by": self._home_id, "at": utc_iso(self._clock())}).encode(),
+                        if_none_match=True,
+                    )
             mine = Epoch(
                 (previous.epoch if previous is not None else 0) + 1,
                 self._home_id,
@@ -197,6 +334,9 @@ class Fence:
             except PreconditionFailed:
                 continue  # another process took one at the same moment: look again
             self._etag, self.epoch, self.problem = etag, mine.epoch, None
+            # After the record: remembered too early, a failed write would make the
+            # next start take its own record for a rolled-back one.
+            self._remember(dataclasses.replace(self._state(), epoch=mine.epoch))
             logger.info("%s: epoch %d taken", EPOCH_KEY, mine.epoch)
             return mine.epoch
         raise InvalidState(
@@ -207,7 +347,9 @@ class Fence:
         """Write under the current epoch without taking a new one (``fsck --repair``,
         run while ``serve`` is stopped): StoreFenced when another home owns it.
         Returns the epoch (0: no record yet, nothing to check against)."""
+        await self._check_not_superseded()
         found = await self._read()
+        self._refuse_going_back(found[1] if found is not None else None)
         if found is None:
             return 0
         etag, current = found
@@ -255,6 +397,8 @@ class Fence:
             current.epoch == self.epoch and current.home_id != self._home_id
         ):
             problem = self._fenced(current)
+            if current.home_id != self._home_id:
+                self._mark_superseded(f"{EPOCH_KEY} named home {current.home_id[:8]}…")
             if self.problem is None:
                 self.problem = problem
                 logger.error("%s", problem)
@@ -281,7 +425,7 @@ async def take_epoch(
     """
     home_id = read_home_id(home)
     made = home_id is None
-    fence = Fence(store, home_id or new_home_id(), where, on_fenced)
+    fence = Fence(store, home_id or new_home_id(), where, on_fenced, home=home)
     if made:
         try:
             await store.head(EPOCH_KEY)

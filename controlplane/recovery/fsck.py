@@ -208,7 +208,8 @@ async def fsck_deployment(
     try:
         if repair:
             # A superseded home (a restore elsewhere) must not repair anything.
-            fence = Fence(trusted.authenticated, read_home_id(cfg.home) or "", trusted.where)
+            home_id = read_home_id(cfg.home) or ""
+            fence = Fence(trusted.authenticated, home_id, trusted.where, home=cfg.home)
             if await fence.hold_current():
                 trusted.set_fence(fence)
         services = Services(cfg, trusted.store, keys, trusted.backups)

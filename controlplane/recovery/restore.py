@@ -148,7 +148,7 @@ async def restore_home(cfg: ControlConfig, recovery: BoxKeyPair) -> RestoreResul
         fsync_dir(staging)
         trusted = await open_trusted_store(cfg, bundle.keys, None)
         try:
-            fence = Fence(trusted.authenticated, home_id, trusted.where)
+            fence = Fence(trusted.authenticated, home_id, trusted.where, home=staging)
             epoch = await fence.acquire(take_over=True)
         finally:
             await trusted.close()

@@ -27,7 +27,14 @@ from controlplane.recovery.keybundle import (
 from controlplane.recovery.restore import restore_home
 from controlplane.server import ControlPlane, run_daemon
 from shared.crypto import BoxKeyPair, encode_private_key
-from shared.errors import AgentsError, IntegrityError, InvalidArgument, StoreError, StoreFenced
+from shared.errors import (
+    AgentsError,
+    IntegrityError,
+    InvalidArgument,
+    StoreError,
+    StoreFenced,
+    StoreUntrusted,
+)
 from shared.recovery_key import write_recovery_key
 from shared.store import FolderStore
 from shared.store.authenticated import seal
@@ -197,6 +204,92 @@ async def test_a_newer_epoch_fences_a_running_and_a_restarted_old_home(tmp_path:
         # The restored home restarts normally: previous + 1.
         again = await take_epoch(target.home, trusted.authenticated, "test")
         assert again.epoch == 3
+    finally:
+        await trusted.close()
+
+
+async def _raw(tmp_path: Path, key: str, data: bytes | None = None) -> bytes:
+    """A bucket writer without the home: read an object as stored, or put ``data``
+    back (a genuine older copy) or delete it (``data`` empty)."""
+    store = FolderStore(tmp_path / "store")
+    try:
+        if data is None:
+            return await store.get(key)
+        if data:
+            await store.put(key, data)
+        else:
+            await store.delete(key)
+        return data
+    finally:
+        await store.close()
+
+
+async def test_a_missing_or_older_epoch_record_is_an_alarm_not_a_fresh_start(
+    tmp_path: Path,
+) -> None:
+    cfg = _cfg(tmp_path)
+    await init_control_plane(cfg)
+    keys = load_home_keys(cfg.home)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        assert (await take_epoch(cfg.home, trusted.authenticated, "test")).epoch == 1
+        first = await _raw(tmp_path, EPOCH_KEY)
+        assert (await take_epoch(cfg.home, trusted.authenticated, "test")).epoch == 2
+        assert fencing.read_home_state(cfg.home) == fencing.HomeState(
+            read_home_id(cfg.home) or "", epoch=2
+        )
+
+        # Before: an older copy of its own record put back was taken as epoch 2 again,
+        # and a deleted record as a fresh deployment (epoch 1).
+        await _raw(tmp_path, EPOCH_KEY, first)
+        with pytest.raises(StoreUntrusted, match="epoch 1, but this home held epoch 2"):
+            await take_epoch(cfg.home, trusted.authenticated, "test")
+        assert await _raw(tmp_path, EPOCH_KEY) == first, "nothing written"
+        await _raw(tmp_path, EPOCH_KEY, b"")
+        with pytest.raises(StoreUntrusted, match="missing, but this home held epoch 2"):
+            await take_epoch(cfg.home, trusted.authenticated, "test")
+        with pytest.raises(StoreUntrusted, match="missing"):
+            await fsck_deployment(cfg, repair=True)
+        assert EPOCH_KEY not in await _objects(tmp_path), "no fresh start"
+    finally:
+        await trusted.close()
+
+
+async def test_a_home_down_during_a_restore_never_starts_again(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    made = await init_control_plane(cfg)
+    assert made.recovery_private_key is not None
+    keys = load_home_keys(cfg.home)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        await take_epoch(cfg.home, trusted.authenticated, "test")
+        old_record = await _raw(tmp_path, EPOCH_KEY)
+        # The old home is down while a restore elsewhere takes the deployment over.
+        target = _cfg(tmp_path, "restored")
+        result = await restore_home(target, BoxKeyPair.from_private(made.recovery_private_key))
+        assert result.epoch == 2
+        new_record = await _raw(tmp_path, EPOCH_KEY)
+
+        # A bucket writer puts the old home's own record back: it still refuses.
+        await _raw(tmp_path, EPOCH_KEY, old_record)
+        with pytest.raises(StoreFenced, match="this home was superseded"):
+            await take_epoch(cfg.home, trusted.authenticated, "test")
+        assert await _raw(tmp_path, EPOCH_KEY) == old_record, "nothing written"
+        state = fencing.read_home_state(cfg.home)
+        assert state is not None and state.superseded
+        # Remembered in the home: also once the marker is gone (a deleting writer).
+        marker = fencing.superseded_key(state.home_id)
+        await _raw(tmp_path, marker, b"")
+        with pytest.raises(StoreFenced, match="this home was superseded"):
+            await take_epoch(cfg.home, trusted.authenticated, "test")
+
+        # The restored home goes on; a forged marker for it stops nothing.
+        await _raw(tmp_path, EPOCH_KEY, new_record)
+        new_id = read_home_id(target.home) or ""
+        await _raw(tmp_path, fencing.superseded_key(new_id), b"forged")
+        assert (await take_epoch(target.home, trusted.authenticated, "test")).epoch == 3
+        state = fencing.read_home_state(target.home)
+        assert state is not None and not state.superseded and state.epoch == 3
     finally:
         await trusted.close()
 

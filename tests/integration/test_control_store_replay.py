@@ -1,0 +1,137 @@
+"""Replay of older genuine objects by a bucket writer, against a real control plane on moto.
+
+The attacker has the bucket's credentials and no file of the home: with boto3
+they save objects the control plane wrote and put them back later, or delete
+them. The MAC cannot tell an older genuine object from the current one, so
+each record whose older version grants more needs its own answer
+(docs/security.md). Here: the fencing epoch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3  # type: ignore[import-untyped]
+import pytest
+from botocore.config import Config
+
+from controlplane.recovery.fencing import EPOCH_KEY
+from tests.helpers.control_proc import (
+    ControlProc,
+    agents_control_exe,
+    control_plane,
+    recovery_key_path,
+    s3_env,
+    start_serve,
+    stop_serve,
+)
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "cp/"
+DEADLINE = 60.0
+
+
+class Bucket:
+    """The bucket as a writer without the home sees it."""
+
+    def __init__(self, endpoint: str, bucket: str) -> None:
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing-secret",
+            config=Config(s3={"addressing_style": "path"}),
+        )
+        self.bucket = bucket
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.client.get_object(Bucket=self.bucket, Key=PREFIX + key)["Body"].read())
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=PREFIX + key, Body=data)
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=PREFIX + key)
+
+    def everything(self) -> dict[str, bytes]:
+        out = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket):
+            for obj in page.get("Contents", []):
+                body = self.client.get_object(Bucket=self.bucket, Key=obj["Key"])["Body"]
+                out[obj["Key"]] = bytes(body.read())
+        return out
+
+
+@pytest.fixture
+def cp(tmp_path: Path, moto_endpoint: str, s3_bucket: str) -> Iterator[ControlProc]:
+    with control_plane(
+        tmp_path / "home", f"s3://{s3_bucket}/cp", env=s3_env(moto_endpoint)
+    ) as running:
+        yield running
+
+
+@pytest.fixture
+def bucket(moto_endpoint: str, s3_bucket: str) -> Iterator[Bucket]:
+    b = Bucket(moto_endpoint, s3_bucket)
+    try:
+        yield b
+    finally:
+        b.client.close()
+
+
+def _serve_refused(cp: ControlProc, home: Path, says: str) -> None:
+    """``serve --home`` refuses at start in one line, having written nothing."""
+    res = subprocess.run(
+        [str(agents_control_exe()), "serve", "--home", str(home)],
+        env=cp.env,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=False,
+    )
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("agents-control: ") and says in last, res.stderr
+
+
+def test_a_deleted_or_older_epoch_record_is_refused_not_a_fresh_start(
+    cp: ControlProc, bucket: Bucket
+) -> None:
+    first = bucket.get(EPOCH_KEY)  # the epoch the fixture's serve took
+    stop_serve(cp)
+    start_serve(cp)
+    stop_serve(cp)
+    # Before: the older copy was taken up (epoch 2 again, a second owner's epoch)
+    # and a deleted record started a fresh deployment at epoch 1.
+    bucket.put(EPOCH_KEY, first)
+    frozen = bucket.everything()
+    _serve_refused(cp, cp.home, "went back to epoch 1, but this home held epoch 2")
+    assert bucket.everything() == frozen
+    bucket.delete(EPOCH_KEY)
+    frozen = bucket.everything()
+    _serve_refused(cp, cp.home, "is missing, but this home held epoch 2")
+    assert bucket.everything() == frozen
+
+
+def test_a_home_down_during_a_restore_refuses_its_own_record_put_back(
+    cp: ControlProc, bucket: Bucket, tmp_path: Path, s3_bucket: str
+) -> None:
+    old_record = bucket.get(EPOCH_KEY)
+    stop_serve(cp)  # the old home's VM is down
+    restored = tmp_path / "restored"
+    done = subprocess.run(
+        [str(agents_control_exe()), "restore", "--home", str(restored),
+         "--store", f"s3://{s3_bucket}/cp", "--recovery-key", str(recovery_key_path(cp.home))],
+        env=cp.env, capture_output=True, text=True, timeout=DEADLINE, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # The old home comes back, and a bucket writer has put its own last record back.
+    bucket.put(EPOCH_KEY, old_record)
+    frozen = bucket.everything()
+    _serve_refused(cp, cp.home, "this home was superseded")
+    assert bucket.everything() == frozen
