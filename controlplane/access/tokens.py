@@ -1,4 +1,14 @@
-"""Join tokens: short-lived, limited-use, stored as a hash, consumed with CAS."""
+"""Join tokens: short-lived, limited-use, stored as a hash, consumed with CAS.
+
+A token's uses are counted twice: in its record (``uses``, compare-and-swap:
+concurrent joins take one use each) and by create-only markers, one per use
+taken (``accounts/<a>/token-uses/<tok>/<intent>``). A bucket writer can put the
+record back at an older use count (the MAC cannot tell an older genuine
+version), but cannot take a marker away without delete rights, so a token is
+usable only while both counts allow it. A marker is made before the record's
+use is taken (killed between: the token counts as used, failing closed) and
+removed after a rolled-back join gave its use back.
+"""
 
 from __future__ import annotations
 
@@ -19,9 +29,18 @@ from controlplane.integrity.records import (
     Machine,
     token_index_key,
     token_key,
+    token_use_key,
+    token_uses_prefix,
     tokens_prefix,
+    utc_iso,
 )
-from shared.errors import IntegrityError, InvalidArgument, InvalidState, NotFound, Unauthenticated
+from shared.errors import (
+    IntegrityError,
+    InvalidArgument,
+    InvalidState,
+    NotFound,
+    Unauthenticated,
+)
 from shared.ids import new_id, validate_id
 from shared.store.base import ObjectStore
 from shared.timestamps import Clock, utc_now
@@ -211,12 +230,38 @@ class TokenService:
             # Same words as an unknown id: the answer must not tell which ids exist.
             raise Unauthenticated(_BAD_TOKEN)
         self._check_usable(token)
+        taken = await self._uses_taken(token)
+        if taken >= token.max_uses:
+            # The record allows a use its markers say was taken: an older copy
+            # put back (or a join killed between its marker and its record).
+            logger.warning(
+                "token %s: record says %d use(s) of %d, its markers %d: refused as used",
+                token_id,
+                token.uses,
+                token.max_uses,
+                taken,
+            )
+            raise Unauthenticated("join: token already used")
         await self._accounts.require_active(account_id, "join")
         return token
 
+    async def _uses_taken(self, token: JoinToken) -> int:
+        """How many use markers the token has (see the module doc)."""
+        prefix = token_uses_prefix(token.account_id, token.token_id)
+        return sum([len(page) async for page in self._store.list_pages(prefix)])
+
+    async def _mark_use(self, token: JoinToken, use_id: str) -> None:
+        # False when it exists: made by an earlier try of this same join, one use still.
+        marker = {"token_id": token.token_id, "use": use_id, "at": utc_iso(self._clock())}
+        await jsonstore.create(
+            self._store, token_use_key(token.account_id, token.token_id, use_id), marker
+        )
+
     async def use(self, token: JoinToken, intent_id: str = "") -> JoinToken:
         """Take one use (compare-and-swap); ``intent_id`` names the join taking it, so a
-        rolled-back join can give it back (:meth:`give_back`)."""
+        rolled-back join can give it back (:meth:`give_back`). Its marker first."""
+        use_id = intent_id or new_id("intent")
+        await self._mark_use(token, use_id)
 
         def change(d: dict[str, Any]) -> dict[str, Any]:
             # Re-checked on every CAS attempt: a concurrent join may have used it up.
@@ -227,7 +272,12 @@ class TokenService:
             return {**d, "uses": int(d.get("uses", 0)) + 1, "used_by": used_by}
 
         key = token_key(token.account_id, token.token_id)
-        used = JoinToken.from_dict(await jsonstore.update(self._store, key, change))
+        try:
+            used = JoinToken.from_dict(await jsonstore.update(self._store, key, change))
+        except Unauthenticated:
+            # Used up by a concurrent join meanwhile: this one took nothing.
+            await self._store.delete(token_use_key(token.account_id, token.token_id, use_id))
+            raise
         await self._audit.record(token.token_id, "token.use", token.token_id, token.account_id)
         return used
 
@@ -245,6 +295,9 @@ class TokenService:
             await jsonstore.update(self._store, token_key(account_id, token_id), change)
         except NotFound:
             return  # the token itself is gone: nothing to give back
+        # After the record: killed between, the marker stays and the use counts
+        # (closed); a later give_back (idempotent) removes it.
+        await self._store.delete(token_use_key(account_id, token_id, intent_id))
 
     async def take_again(self, account_id: str, token_id: str, intent_id: str) -> None:
         """Count the use ``intent_id`` took again if it was given back (idempotent).
@@ -261,6 +314,11 @@ class TokenService:
             return {**d, "uses": int(d.get("uses", 0)) + 1, "used_by": [*used_by, intent_id]}
 
         try:
+            # Its marker first (still there when the use was never given back).
+            marker = {"token_id": token_id, "use": intent_id, "at": utc_iso(self._clock())}
+            await jsonstore.create(
+                self._store, token_use_key(account_id, token_id, intent_id), marker
+            )
             await jsonstore.update(self._store, token_key(account_id, token_id), change)
         except NotFound:
             return  # the token itself is gone: nobody can use it again

@@ -8,6 +8,7 @@ Store layout (keys relative to the deployment prefix)::
     accounts/<acct>/presence/<mc>.json     Presence (last seen; written by one writer)
     accounts/<acct>/rosters/<mc>.json      agent ids by state (controlplane.machines.rosters)
     accounts/<acct>/tokens/<tok>.json      JoinToken (hash of the secret only)
+    accounts/<acct>/token-uses/<tok>/<int>  one create-only marker per use taken (the join intent)
     index/machines/<mc>.json               {"account_id": ...}  machine id -> account
     index/tokens/<tok>.json                {"account_id": ...}  token id -> account
     index/github/<github user id>.json     {"account_id": ...}  one account per GitHub user
@@ -58,6 +59,8 @@ __all__ = [
     "roster_key",
     "token_index_key",
     "token_key",
+    "token_use_key",
+    "token_uses_prefix",
     "tokens_prefix",
     "utc_iso",
 ]
@@ -115,6 +118,18 @@ def roster_key(account_id: str, machine_id: str) -> str:
 def tokens_prefix(account_id: str) -> str:
     """Prefix of an account's join tokens."""
     return f"accounts/{validate_id('account', account_id, 'account_id')}/tokens/"
+
+
+def token_uses_prefix(account_id: str, token_id: str) -> str:
+    """Prefix of a join token's use markers: one create-only object per use taken,
+    so a token record put back at an older use count grants no use again."""
+    acct = validate_id("account", account_id, "account_id")
+    return f"accounts/{acct}/token-uses/{validate_id('token', token_id, 'token_id')}/"
+
+
+def token_use_key(account_id: str, token_id: str, use_id: str) -> str:
+    """Key of one use of a join token (``use_id``: the join's intent id)."""
+    return token_uses_prefix(account_id, token_id) + validate_id("intent", use_id, "use_id")
 
 
 def token_key(account_id: str, token_id: str) -> str:

@@ -4,16 +4,19 @@ The attacker has the bucket's credentials and no file of the home: with boto3
 they save objects the control plane wrote and put them back later, or delete
 them. The MAC cannot tell an older genuine object from the current one, so
 each record whose older version grants more needs its own answer
-(docs/security.md). Here: the fencing epoch.
+(docs/security.md). Here: the fencing epoch and join tokens.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import boto3  # type: ignore[import-untyped]
+import grpc
+import grpc.aio
 import pytest
 from botocore.config import Config
 
@@ -27,6 +30,7 @@ from tests.helpers.control_proc import (
     start_serve,
     stop_serve,
 )
+from tests.helpers.link_client import connect_once, join
 
 pytestmark = pytest.mark.integration
 
@@ -135,3 +139,22 @@ def test_a_home_down_during_a_restore_refuses_its_own_record_put_back(
     frozen = bucket.everything()
     _serve_refused(cp, cp.home, "this home was superseded")
     assert bucket.everything() == frozen
+
+
+async def test_a_used_token_put_back_joins_nothing(cp: ControlProc, bucket: Bucket) -> None:
+    made = cp.cli("account", "create", "--github-id", "9101", "--github-login", "rp", "--json")
+    assert made.code == 0, made.err
+    account = json.loads(made.out)["account_id"]
+    value = json.loads(cp.cli("token", "create", "--account", account, "--json").out)["token_value"]
+    record_key = f"accounts/{account}/tokens/{value.split('.')[0]}.json"
+    unused = bucket.get(record_key)
+    machine, cert, key = await join(cp.public, cp.ca_pem, value)
+    await connect_once(cp.link, cp.ca_pem, cert, key)  # the join is confirmed
+    # Before: the record put back at 0 uses let a second box join with the token.
+    bucket.put(record_key, unused)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await join(cp.public, cp.ca_pem, value)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "token already used" in (refused.value.details() or "")
+    listed = json.loads(cp.cli("machine", "list", "--account", account, "--json").out)
+    assert [m["machine_id"] for m in listed["machines"]] == [machine]

@@ -376,8 +376,9 @@ async def test_the_count_is_saved_every_few_batches_not_after_each(clock: Clock)
 
 
 #: Writes and deletes one whole deletion of _populate's account makes (page size 7:
-#: five batches under the prefix, the count saved after the fifth only).
-WRITES = 14
+#: six batches under the prefix, with the tokens' use markers; the count saved after the
+#: fifth only).
+WRITES = 15
 
 
 @pytest.mark.parametrize("crash_after", range(WRITES + 1))
