@@ -9,6 +9,7 @@ Store layout (keys relative to the deployment prefix)::
     accounts/<acct>/rosters/<mc>.json      agent ids by state (controlplane.machines.rosters)
     accounts/<acct>/tokens/<tok>.json      JoinToken (hash of the secret only)
     accounts/<acct>/token-uses/<tok>/<int>  one create-only marker per use taken (the join intent)
+    accounts/<acct>/revoked/<mc>.json      create-only: the machine was revoked
     index/machines/<mc>.json               {"account_id": ...}  machine id -> account
     index/tokens/<tok>.json                {"account_id": ...}  token id -> account
     index/github/<github user id>.json     {"account_id": ...}  one account per GitHub user
@@ -59,6 +60,8 @@ __all__ = [
     "roster_key",
     "token_index_key",
     "token_key",
+    "machine_revoked_key",
+    "revoked_prefix",
     "token_use_key",
     "token_uses_prefix",
     "tokens_prefix",
@@ -96,6 +99,17 @@ def deleted_key(account_id: str) -> str:
 def machines_prefix(account_id: str) -> str:
     """Prefix of an account's machine records."""
     return f"accounts/{validate_id('account', account_id, 'account_id')}/machines/"
+
+
+def revoked_prefix(account_id: str) -> str:
+    """Prefix of an account's machine revocation markers."""
+    return f"accounts/{validate_id('account', account_id, 'account_id')}/revoked/"
+
+
+def machine_revoked_key(account_id: str, machine_id: str) -> str:
+    """The create-only marker of a revoked machine: its record put back at an older,
+    unrevoked version is still revoked while this exists."""
+    return revoked_prefix(account_id) + validate_id("machine", machine_id, "machine_id") + ".json"
 
 
 def machine_key(account_id: str, machine_id: str) -> str:

@@ -1,7 +1,16 @@
-"""Machine records: register at join, read with authorisation, rename, revoke, renew."""
+"""Machine records: register at join, read with authorisation, rename, revoke, renew.
+
+A revocation is written twice: a create-only marker
+(``accounts/<a>/revoked/<mc>.json``) first, then the record's ``revoked``. A
+bucket writer can put the record back at an older, unrevoked version (the MAC
+cannot tell), but cannot take the marker away without delete rights: every
+read of a record looks for the marker too, so the machine stays revoked (and a
+revoke killed between the two writes has already taken effect).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,7 +25,9 @@ from controlplane.integrity.records import (
     Machine,
     machine_index_key,
     machine_key,
+    machine_revoked_key,
     machines_prefix,
+    revoked_prefix,
     utc_iso,
 )
 from shared.errors import (
@@ -235,7 +246,26 @@ class MachineRegistry:
         machine = Machine.from_dict(data)
         if machine.machine_id != machine_id or machine.account_id != account_id:
             raise NotFound("machine", machine_id)
-        return machine
+        return await self._with_marker(machine)
+
+    async def _with_marker(self, machine: Machine) -> Machine:
+        """``machine`` revoked when its revocation marker exists (see the module doc)."""
+        if machine.revoked:
+            return machine
+        key = machine_revoked_key(machine.account_id, machine.machine_id)
+        try:
+            await self._store.get(key)
+        except NotFound:
+            return machine
+        except IntegrityError:
+            logger.warning("%s does not verify: ignored (a forgery, not a revocation)", key)
+            return machine
+        logger.warning(
+            "machine %s: its record says not revoked, its revocation marker says revoked "
+            "(an older record put back, or a revoke killed mid-way): revoked",
+            machine.machine_id,
+        )
+        return dataclasses.replace(machine, revoked=True)
 
     async def load_any(self, account_id: str, machine_id: str) -> Machine | None:
         """The record whatever its state (for roll-back and fsck), or None."""
@@ -267,9 +297,21 @@ class MachineRegistry:
         out: list[Machine] = []
         for acct in await self._accounts.scope_ids(principal, account_id):
             records = await jsonstore.read_all(self._store, machines_prefix(acct), "machine")
-            machines = (Machine.from_dict(d) for d in records)
-            out.extend(m for m in machines if m.account_id == acct)
+            machines = [Machine.from_dict(d) for d in records]
+            revoked = await self._revoked_markers(acct) if machines else set()
+            out.extend(
+                dataclasses.replace(m, revoked=True) if m.machine_id in revoked else m
+                for m in machines
+                if m.account_id == acct
+            )
         return out
+
+    async def _revoked_markers(self, account_id: str) -> set[str]:
+        """Machine ids with a revocation marker in ``account_id`` (one listing)."""
+        prefix = revoked_prefix(account_id)
+        return {
+            info.key[len(prefix) :].removesuffix(".json") async for info in self._store.list(prefix)
+        }
 
     async def confirm(self, machine: Machine) -> Machine:
         """The machine connected with its certificate: commit its join (idempotent)."""
@@ -330,6 +372,11 @@ class MachineRegistry:
                 return None
             return {**d, "revoked": True, "revoked_at": utc_iso(now)}
 
+        # The marker first: it outlives a replayed record (module doc).
+        marker = {"machine_id": machine_id, "revoked_at": utc_iso(now)}
+        await jsonstore.create(
+            self._store, machine_revoked_key(machine.account_id, machine_id), marker
+        )
         data = await jsonstore.update(
             self._store, machine_key(machine.account_id, machine_id), change
         )

@@ -4,7 +4,7 @@ The attacker has the bucket's credentials and no file of the home: with boto3
 they save objects the control plane wrote and put them back later, or delete
 them. The MAC cannot tell an older genuine object from the current one, so
 each record whose older version grants more needs its own answer
-(docs/security.md). Here: the fencing epoch and join tokens.
+(docs/security.md). Here: the fencing epoch, join tokens and machine revocations.
 """
 
 from __future__ import annotations
@@ -158,3 +158,26 @@ async def test_a_used_token_put_back_joins_nothing(cp: ControlProc, bucket: Buck
     assert "token already used" in (refused.value.details() or "")
     listed = json.loads(cp.cli("machine", "list", "--account", account, "--json").out)
     assert [m["machine_id"] for m in listed["machines"]] == [machine]
+
+
+async def test_a_revoked_machine_put_back_stays_revoked(cp: ControlProc, bucket: Bucket) -> None:
+    made = cp.cli("account", "create", "--github-id", "9102", "--github-login", "rv", "--json")
+    assert made.code == 0, made.err
+    account = json.loads(made.out)["account_id"]
+    value = json.loads(cp.cli("token", "create", "--account", account, "--json").out)["token_value"]
+    machine, cert, key = await join(cp.public, cp.ca_pem, value)
+    await connect_once(cp.link, cp.ca_pem, cert, key)
+    record_key = f"accounts/{account}/machines/{machine}.json"
+    before = bucket.get(record_key)
+    revoked = cp.cli("machine", "revoke", machine)
+    assert revoked.code == 0, revoked.err
+    # Before: the record put back said "revoked: False" at once, and after a
+    # restart (the in-memory set gone) the machine connected and was online.
+    bucket.put(record_key, before)
+    shown = json.loads(cp.cli("machine", "show", machine, "--json").out)
+    assert shown["revoked"] is True, shown
+    stop_serve(cp)
+    start_serve(cp)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await connect_once(cp.link, cp.ca_pem, cert, key)
+    assert "revoked" in (refused.value.details() or ""), refused.value
