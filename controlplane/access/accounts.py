@@ -148,6 +148,11 @@ class AccountService:
             raise NotFound("account", account_id) from None
         if data.get("account_id") != account_id:
             raise NotFound("account", account_id)
+        if await self.was_deleted(account_id):
+            # An account's record after its deletion finished is an older copy put
+            # back (write access can replay it, not remove deleted/<a>): it is gone.
+            logger.warning("account %s: a record after its deletion finished: ignored", account_id)
+            raise NotFound("account", account_id)
         return account_from_dict(
             data, "deleting" if await self.is_deleting(account_id) else "active"
         )

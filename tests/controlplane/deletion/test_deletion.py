@@ -239,6 +239,21 @@ async def test_segments_the_backups_name_go_without_being_listed(clock: Clock) -
     assert done.deleted_objects >= 3 * 41
 
 
+async def test_a_deleted_accounts_record_put_back_grants_nothing(clock: Clock) -> None:
+    p = Process(MemoryStore(), clock)
+    gone = await _populate(p, 1)
+    saved = {k: await p.store.get(k) for k in await _keys(p.store) if f"/{gone}" in k}
+    await p.deletion.delete(OP, gone)
+    # A bucket writer puts every record of the account back (older genuine copies).
+    for key, data in saved.items():
+        await p.store.put(key, data)
+    with pytest.raises(NotFound):
+        await p.accounts.get(gone)
+    with pytest.raises(PermissionDenied, match="account does not exist"):
+        await p.accounts.require_active(gone, "join")
+    assert gone not in await p.accounts.scope_ids(OP)
+
+
 async def test_delete_removes_the_account_and_keeps_the_other(clock: Clock) -> None:
     p = Process(MemoryStore(), clock)
     gone = await _populate(p, 1)
