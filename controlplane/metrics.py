@@ -46,6 +46,15 @@ class ControlMetrics:
             ["reason"],
             registry=registry,
         )
+        self.replays = Counter(
+            "agents_cp_store_replays_refused",
+            "Records found older than the create-only marker that outlives them (an older "
+            "genuine copy put back in the bucket), by record (account, machine, token).",
+            ["record"],
+            registry=registry,
+        )
+        for record in ("account", "machine", "token"):  # controlplane.integrity.replays
+            self.replays.labels(record)
         self.joins = Counter(
             "agents_cp_joins",
             "Join attempts, by outcome (ok, or the lower-case gRPC status of the refusal).",

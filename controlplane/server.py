@@ -149,7 +149,14 @@ class ControlPlane:
         trusted.set_fence(self.fence)
         self.metrics.epoch.set(self.fence.epoch)
         self.metrics.key_bundle_sealed.set(1 if await _reseal(cfg, trusted) else 0)
-        services = Services(cfg, trusted.store, keys, trusted.backups, keyring=keyring)
+        services = Services(
+            cfg,
+            trusted.store,
+            keys,
+            trusted.backups,
+            keyring=keyring,
+            on_replay=lambda record: self.metrics.replays.labels(record).inc(),
+        )
         presence = PresenceRegistry(
             trusted.store,
             write_interval=cfg.presence_write_interval,

@@ -5,6 +5,7 @@ what ``fsck`` checks, built the same way for both.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 
 from controlplane.access.accounts import AccountService
 from controlplane.access.authz import CredentialService
@@ -14,6 +15,7 @@ from controlplane.deletion.service import AccountDeletion
 from controlplane.integrity.audit import Auditor
 from controlplane.integrity.intents import Intents
 from controlplane.integrity.keys import HomeKeys, KeyRing
+from controlplane.integrity.replays import ReplayLog
 from controlplane.machines.pairing import Pairing
 from controlplane.machines.registry import MachineRegistry
 from shared.store import ObjectStore
@@ -31,6 +33,7 @@ class Services:
         keys: HomeKeys,
         backups: ObjectStore | None = None,
         keyring: KeyRing | None = None,
+        on_replay: Callable[[str], None] | None = None,
     ) -> None:
         # The live keys: rotation (controlplane.recovery.rotation) swaps them while
         # serving. The daemon passes the ring its listeners were bound with.
@@ -38,7 +41,9 @@ class Services:
         self.auditor = Auditor(store)
         # One intent log for every multi-object change (controlplane.integrity.intents).
         self.intents = Intents(store)
-        self.accounts = AccountService(store, self.auditor, intents=self.intents)
+        # Records found older than their markers (controlplane.integrity.replays).
+        replays = ReplayLog(on_replay)
+        self.accounts = AccountService(store, self.auditor, intents=self.intents, replays=replays)
         self.credentials = CredentialService(store, self.accounts, self.auditor)
         self.tokens = TokenService(
             store,
@@ -46,8 +51,11 @@ class Services:
             self.auditor,
             default_ttl=cfg.token_ttl,
             intents=self.intents,
+            replays=replays,
         )
-        self.machines = MachineRegistry(store, self.accounts, self.auditor, intents=self.intents)
+        self.machines = MachineRegistry(
+            store, self.accounts, self.auditor, intents=self.intents, replays=replays
+        )
         self.pairing = Pairing(
             self.tokens,
             self.machines,

@@ -21,6 +21,7 @@ from controlplane.integrity.records import (
     deleting_key,
     github_index_key,
 )
+from controlplane.integrity.replays import ReplayLog
 from shared.crypto import BoxKeyPair
 from shared.errors import (
     AlreadyExists,
@@ -71,10 +72,12 @@ class AccountService:
         auditor: Auditor,
         clock: Clock = utc_now,
         intents: Intents | None = None,
+        replays: ReplayLog | None = None,
     ) -> None:
         self._store = store
         self._audit = auditor
         self._clock = clock
+        self._replays = replays if replays is not None else ReplayLog()
         self._intents = intents if intents is not None else Intents(store, clock)
         self._intents.register(_CREATE, self._roll_back_create)
 
@@ -151,7 +154,9 @@ class AccountService:
         if await self.was_deleted(account_id):
             # An account's record after its deletion finished is an older copy put
             # back (write access can replay it, not remove deleted/<a>): it is gone.
-            logger.warning("account %s: a record after its deletion finished: ignored", account_id)
+            self._replays.report(
+                "account", f"account {account_id}: a record after its deletion finished: ignored"
+            )
             raise NotFound("account", account_id)
         return account_from_dict(
             data, "deleting" if await self.is_deleting(account_id) else "active"

@@ -34,6 +34,7 @@ from controlplane.integrity.records import (
     tokens_prefix,
     utc_iso,
 )
+from controlplane.integrity.replays import ReplayLog
 from shared.errors import (
     IntegrityError,
     InvalidArgument,
@@ -79,8 +80,10 @@ class TokenService:
         default_ttl: int = 3600,
         clock: Clock = utc_now,
         intents: Intents | None = None,
+        replays: ReplayLog | None = None,
     ) -> None:
         self._store = store
+        self._replays = replays if replays is not None else ReplayLog()
         self._accounts = accounts
         self._audit = auditor
         self._default_ttl = default_ttl
@@ -234,12 +237,10 @@ class TokenService:
         if taken >= token.max_uses:
             # The record allows a use its markers say was taken: an older copy
             # put back (or a join killed between its marker and its record).
-            logger.warning(
-                "token %s: record says %d use(s) of %d, its markers %d: refused as used",
-                token_id,
-                token.uses,
-                token.max_uses,
-                taken,
+            self._replays.report(
+                "token",
+                f"token {token_id}: its record says {token.uses} use(s) of {token.max_uses}, "
+                f"its use markers {taken}: refused as used",
             )
             raise Unauthenticated("join: token already used")
         await self._accounts.require_active(account_id, "join")

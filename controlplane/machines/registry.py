@@ -30,6 +30,7 @@ from controlplane.integrity.records import (
     revoked_prefix,
     utc_iso,
 )
+from controlplane.integrity.replays import ReplayLog
 from shared.errors import (
     AgentsError,
     AlreadyExists,
@@ -125,8 +126,10 @@ class MachineRegistry:
         auditor: Auditor,
         clock: Clock = utc_now,
         intents: Intents | None = None,
+        replays: ReplayLog | None = None,
     ) -> None:
         self._store = store
+        self._replays = replays if replays is not None else ReplayLog()
         self._accounts = accounts
         self._audit = auditor
         self._clock = clock
@@ -260,10 +263,10 @@ class MachineRegistry:
         except IntegrityError:
             logger.warning("%s does not verify: ignored (a forgery, not a revocation)", key)
             return machine
-        logger.warning(
-            "machine %s: its record says not revoked, its revocation marker says revoked "
-            "(an older record put back, or a revoke killed mid-way): revoked",
-            machine.machine_id,
+        self._replays.report(
+            "machine",
+            f"machine {machine.machine_id}: its record says not revoked, its revocation "
+            "marker says revoked (an older record put back, or a revoke killed mid-way): revoked",
         )
         return dataclasses.replace(machine, revoked=True)
 

@@ -10,7 +10,9 @@ each record whose older version grants more needs its own answer
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,6 +89,17 @@ def bucket(moto_endpoint: str, s3_bucket: str) -> Iterator[Bucket]:
         b.client.close()
 
 
+def _replays(cp: ControlProc, record: str) -> float:
+    """agents_cp_store_replays_refused_total{record} from the daemon's /metrics."""
+    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(
+        rf'^agents_cp_store_replays_refused_total\{{record="{record}"\}} (\S+)$', text, re.M
+    )
+    assert m is not None, "the counter is exported from the start"
+    return float(m.group(1))
+
+
 def _serve_refused(cp: ControlProc, home: Path, says: str) -> None:
     """``serve --home`` refuses at start in one line, having written nothing."""
     res = subprocess.run(
@@ -156,6 +169,7 @@ async def test_a_used_token_put_back_joins_nothing(cp: ControlProc, bucket: Buck
         await join(cp.public, cp.ca_pem, value)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "token already used" in (refused.value.details() or "")
+    assert _replays(cp, "token") >= 1
     listed = json.loads(cp.cli("machine", "list", "--account", account, "--json").out)
     assert [m["machine_id"] for m in listed["machines"]] == [machine]
 
@@ -171,11 +185,13 @@ async def test_a_revoked_machine_put_back_stays_revoked(cp: ControlProc, bucket:
     before = bucket.get(record_key)
     revoked = cp.cli("machine", "revoke", machine)
     assert revoked.code == 0, revoked.err
+    assert _replays(cp, "machine") == 0
     # Before: the record put back said "revoked: False" at once, and after a
     # restart (the in-memory set gone) the machine connected and was online.
     bucket.put(record_key, before)
     shown = json.loads(cp.cli("machine", "show", machine, "--json").out)
     assert shown["revoked"] is True, shown
+    assert _replays(cp, "machine") >= 1
     stop_serve(cp)
     start_serve(cp)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
