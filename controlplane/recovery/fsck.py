@@ -13,6 +13,10 @@ Read-only by default. What it looks for (the finding's kind), and what
 - ``missing_index``: a record whose index entry is missing or points
   elsewhere. Repair writes it.
 - ``mismatch``: a record whose content names other ids than its key. No repair.
+- ``misplaced``: a queued prompt (``accounts/<a>/queue/<m>/<seq>.sealed``) whose
+  MAC binds it to another key: a copy to a later sequence or another machine's
+  queue (or a forgery). The queue refuses it and never delivers it, so repair
+  deletes it.
 
 A machine's backup manifests and their names lists are MAC'd too (a planted
 backup would otherwise restore on a repair): one whose MAC does not match is
@@ -84,6 +88,7 @@ _DELETED: Final = re.compile(rf"\Adeleted/(acct_{_ID})\.json\Z")
 _BACKUP_RECORD: Final = re.compile(
     rf"\Aaccounts/acct_{_ID}/backups/mc_{_ID}/manifests/[^/]+\.(?:sealed|names)\Z"
 )
+_QUEUE_ENTRY: Final = re.compile(rf"\Aaccounts/acct_{_ID}/queue/mc_{_ID}/[^/]+\.sealed\Z")
 _DELETE_KIND: Final = "account.delete"
 
 
@@ -93,7 +98,7 @@ class Finding:
 
     kind: str
     """deployment, unfinished, refused, unmacd_backup, deleted_leftover,
-    orphan_index, missing_index or mismatch."""
+    orphan_index, missing_index, mismatch or misplaced."""
     key: str
     """The object concerned."""
     detail: str
@@ -177,6 +182,16 @@ class _Checker:
                 " planted); vouch with --repair --vouch-backups",
                 self._vouch,
             )
+
+    async def mac_refusal(self, key: str) -> str | None:
+        """Why the object at ``key`` fails its MAC; None when it verifies or is gone."""
+        try:
+            await self._store.get(key)
+        except NotFound:
+            return None  # deleted since the listing (a prompt acknowledged meanwhile)
+        except IntegrityError as e:
+            return e.reason
+        return None
 
     async def fix_write(self, kind: str, key: str, data: dict[str, Any], detail: str) -> None:
         if self._repair:
@@ -318,9 +333,23 @@ async def _check_key(c: _Checker, key: str) -> None:
         await _check_index(c, key, "token", m.group(1))
     elif _BACKUP_RECORD.match(key):
         await c.verify(key)
+    elif _QUEUE_ENTRY.match(key):
+        await _check_queue_entry(c, key)
     elif key.endswith(".json"):
         # Everything else (credentials, presence, audit, tombstones) must still verify.
         await c.read(key)
+
+
+async def _check_queue_entry(c: _Checker, key: str) -> None:
+    """A queued prompt is MAC'd at its own key: anywhere else it is garbage."""
+    reason = await c.mac_refusal(key)
+    if reason is not None:
+        await c.fix_delete(
+            "misplaced",
+            key,
+            f"a queued prompt its MAC binds to another key (a copy, or forged): {reason}; "
+            "the queue never delivers it",
+        )
 
 
 #: kind -> (its record's key, its index entry's key), for records owned by an account.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
 from pathlib import Path
@@ -18,9 +19,13 @@ from controlplane.integrity.keys import load_home_keys
 from controlplane.integrity.records import encode
 from controlplane.integrity.trusted import open_trusted_store
 from controlplane.machines.backups import MachineBackups
+from controlplane.machines.registry import MachineInfo
+from controlplane.queue.prompts import PromptQueue, QueueLimits, queue_prefix
 from controlplane.recovery.bootstrap import init_control_plane
 from controlplane.services import Services
+from shared import tls
 from shared.backup_target import manifest_key, names_key, segment_key
+from shared.crypto import BoxKeyPair
 from shared.ids import new_id
 from shared.store import FolderStore
 
@@ -251,3 +256,61 @@ async def test_fsck_refuses_a_planted_backup_manifest_and_leaves_segments_alone(
 
 async def _one(data: bytes) -> Any:
     yield data
+
+
+async def test_fsck_finds_and_repairs_queued_prompts_copied_to_other_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: a queued prompt copied to a later key or to another machine's queue was
+    refused by its MAC when read, but stayed in the bucket and fsck reported clean."""
+    cfg = _cfg(tmp_path)
+    await init_control_plane(cfg)
+    keys = load_home_keys(cfg.home)
+    trusted = await open_trusted_store(cfg, keys, None)
+    try:
+        services = Services(cfg, trusted.store, keys)
+        op = Principal(new_id("credential"), "operator")
+        acct = (await services.accounts.create(9, "n", None, "test")).account.account_id
+        machines = []
+        for _ in range(2):
+            made = await services.tokens.create(op, acct)
+            joined = await services.pairing.join(
+                made.value,
+                tls.build_csr(tls.new_tls_key()).decode(),
+                MachineInfo("m", "0.1", "h", box_public_key=BoxKeyPair.generate().public_key),
+            )
+            await services.machines.confirm(joined.machine)
+            machines.append(joined.machine.machine_id)
+        queue = PromptQueue(
+            trusted.store,
+            services.machines,
+            services.auditor,
+            limits=QueueLimits(max_depth=10, max_prompt_bytes=1000, ttl=dt.timedelta(days=7)),
+        )
+        await queue.send(op, machines[0], new_id("agent"), "a prompt for the first machine")
+    finally:
+        await trusted.close()
+    raw = FolderStore(tmp_path / "store")
+    try:
+        (entry,) = [i.key async for i in raw.list(queue_prefix(acct, machines[0]))]
+        data = await raw.get(entry)
+        later = entry.replace(entry.rsplit("/", 1)[1][:20], "9" * 20)
+        elsewhere = queue_prefix(acct, machines[1]) + entry.rsplit("/", 1)[1]
+        for key in (later, elsewhere):
+            await raw.put(key, data)
+    finally:
+        await raw.close()
+
+    code, report = await _fsck(cfg, capsys)
+    found = {f["key"]: f for f in report["findings"]}
+    assert code == 1 and set(found) == {later, elsewhere}, report
+    assert all(f["kind"] == "misplaced" and not f["repaired"] for f in found.values())
+    code, report = await _fsck(cfg, capsys, "--repair")
+    assert all(f["repaired"] for f in report["findings"]) and len(report["findings"]) == 2
+    code, report = await _fsck(cfg, capsys)
+    assert code == 0 and report["clean"], report
+    raw = FolderStore(tmp_path / "store")
+    try:
+        assert [i.key async for i in raw.list(f"accounts/{acct}/queue/")] == [entry]
+    finally:
+        await raw.close()
