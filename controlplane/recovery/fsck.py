@@ -5,6 +5,10 @@ Read-only by default. What it looks for (the finding's kind), and what
 
 - ``deployment``: ``cp/deployment.json`` missing, forged or another
   deployment's. No repair: nothing else is checked (see docs/security.md).
+- ``epoch``: ``cp/epoch.json`` missing, or older than the epoch this home
+  held (deleted, or an older copy put back: :mod:`controlplane.recovery.fencing`).
+  No repair (``--repair`` refuses to run): restore the record from the bucket's
+  versions, or take the deployment over with ``restore``.
 - ``unfinished``: an intent record, a multi-object change that did not commit
   (:mod:`controlplane.integrity.intents`). Repair rolls it back with its resolver.
 - ``refused``: an object whose MAC does not verify (forged or altered). No
@@ -39,6 +43,7 @@ daemon's in-flight change would look unfinished.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -63,9 +68,9 @@ from controlplane.integrity.records import (
     token_key,
 )
 from controlplane.integrity.trusted import DEPLOYMENT_KEY, TrustedStore, open_trusted_store
-from controlplane.recovery.fencing import Fence, read_home_id
+from controlplane.recovery.fencing import EPOCH_KEY, Fence, read_home_id
 from controlplane.services import Services
-from shared.errors import IntegrityError, NotFound, StoreUntrusted
+from shared.errors import IntegrityError, NotFound, StoreFenced, StoreUntrusted
 from shared.ids import is_valid_id
 from shared.store.authenticated import MAC_HEADER
 from shared.store.base import ObjectStore
@@ -97,7 +102,7 @@ class Finding:
     """One inconsistency."""
 
     kind: str
-    """deployment, unfinished, refused, unmacd_backup, deleted_leftover,
+    """deployment, epoch, unfinished, refused, unmacd_backup, deleted_leftover,
     orphan_index, missing_index, mismatch or misplaced."""
     key: str
     """The object concerned."""
@@ -221,14 +226,30 @@ async def fsck_deployment(
     keys = load_home_keys(cfg.home)
     trusted = await open_trusted_store(cfg, keys, None)
     try:
-        if repair:
-            # A superseded home (a restore elsewhere) must not repair anything.
-            home_id = read_home_id(cfg.home) or ""
-            fence = Fence(trusted.authenticated, home_id, trusted.where, home=cfg.home)
-            if await fence.hold_current():
+        # The fence first: a superseded home (a restore elsewhere) repairs nothing,
+        # and an epoch record missing or older than this home held is an alarm.
+        home_id = read_home_id(cfg.home) or ""
+        fence = Fence(trusted.authenticated, home_id, trusted.where, home=cfg.home)
+        alarm: Finding | None = None
+        try:
+            held = await fence.hold_current()
+        except StoreUntrusted as e:
+            if repair:
+                raise
+            alarm = Finding("epoch", EPOCH_KEY, e.message)
+        except StoreFenced:
+            if repair:
+                raise
+        else:
+            if repair and held:
                 trusted.set_fence(fence)
         services = Services(cfg, trusted.store, keys, trusted.backups)
-        return await run_fsck(trusted, services.intents, repair=repair, vouch_backups=vouch_backups)
+        report = await run_fsck(
+            trusted, services.intents, repair=repair, vouch_backups=vouch_backups
+        )
+        if alarm is not None:
+            report = dataclasses.replace(report, findings=(alarm, *report.findings))
+        return report
     finally:
         await trusted.close()
 

@@ -250,6 +250,9 @@ async def test_a_missing_or_older_epoch_record_is_an_alarm_not_a_fresh_start(
             await take_epoch(cfg.home, trusted.authenticated, "test")
         with pytest.raises(StoreUntrusted, match="missing"):
             await fsck_deployment(cfg, repair=True)
+        report = await fsck_deployment(cfg, repair=False)
+        assert report.findings[0].kind == "epoch" and not report.clean, report
+        assert "missing, but this home held epoch 2" in report.findings[0].detail
         assert EPOCH_KEY not in await _objects(tmp_path), "no fresh start"
     finally:
         await trusted.close()
