@@ -12,27 +12,23 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3  # type: ignore[import-untyped]
 import grpc
 import grpc.aio
 import pytest
-from botocore.config import Config
 
 from controlplane.access.hashing import hash_secret, new_secret
 from controlplane.integrity.records import Credential, JoinToken, Machine, encode
 from shared.ids import new_id
+from tests.helpers.bucket import Bucket, counter
 from tests.helpers.control_proc import CliResult, ControlProc, control_plane, s3_env
 from tests.helpers.link_client import join
-from tests.helpers.store_records import payload, sealed
+from tests.helpers.store_records import payload
 
 pytestmark = pytest.mark.integration
-
-PREFIX = "cp/"
 
 
 @pytest.fixture
@@ -43,46 +39,18 @@ def cp(tmp_path: Path, moto_endpoint: str, s3_bucket: str) -> Iterator[ControlPr
         yield running
 
 
-class Bucket:
-    """The bucket as an attacker with its credentials sees it."""
-
-    def __init__(self, endpoint: str, bucket: str, home: Path) -> None:
-        self.client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing-secret",
-            config=Config(s3={"addressing_style": "path"}),
-        )
-        self.bucket = bucket
-        self.home = home
-
-    def put(self, key: str, data: bytes, *, genuine: bool = False) -> None:
-        """Write ``data`` at ``key``: as is (a forgery), or sealed with the home's key."""
-        body = sealed(self.home, key, data) if genuine else data
-        self.client.put_object(Bucket=self.bucket, Key=PREFIX + key, Body=body)
-
-    def get(self, key: str) -> bytes:
-        return bytes(self.client.get_object(Bucket=self.bucket, Key=PREFIX + key)["Body"].read())
-
-
 @pytest.fixture
 def bucket(cp: ControlProc, moto_endpoint: str, s3_bucket: str) -> Iterator[Bucket]:
     b = Bucket(moto_endpoint, s3_bucket, cp.home)
     try:
         yield b
     finally:
-        b.client.close()
+        b.close()
 
 
 def _refused(cp: ControlProc, kind: str) -> float:
     """agents_cp_store_records_refused_total{kind} from the daemon's /metrics."""
-    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    pattern = rf'^agents_cp_store_records_refused_total\{{kind="{kind}"\}} (\S+)$'
-    m = re.search(pattern, text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return counter(cp, "agents_cp_store_records_refused_total", "kind", kind) or 0.0
 
 
 def _account(cp: ControlProc, gid: int) -> str:

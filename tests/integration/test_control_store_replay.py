@@ -10,19 +10,16 @@ each record whose older version grants more needs its own answer
 from __future__ import annotations
 
 import json
-import re
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import boto3  # type: ignore[import-untyped]
 import grpc
 import grpc.aio
 import pytest
-from botocore.config import Config
 
 from controlplane.recovery.fencing import EPOCH_KEY
+from tests.helpers.bucket import Bucket, counter
 from tests.helpers.control_proc import (
     ControlProc,
     agents_control_exe,
@@ -36,40 +33,7 @@ from tests.helpers.link_client import connect_once, join
 
 pytestmark = pytest.mark.integration
 
-PREFIX = "cp/"
 DEADLINE = 60.0
-
-
-class Bucket:
-    """The bucket as a writer without the home sees it."""
-
-    def __init__(self, endpoint: str, bucket: str) -> None:
-        self.client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing-secret",
-            config=Config(s3={"addressing_style": "path"}),
-        )
-        self.bucket = bucket
-
-    def get(self, key: str) -> bytes:
-        return bytes(self.client.get_object(Bucket=self.bucket, Key=PREFIX + key)["Body"].read())
-
-    def put(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=PREFIX + key, Body=data)
-
-    def delete(self, key: str) -> None:
-        self.client.delete_object(Bucket=self.bucket, Key=PREFIX + key)
-
-    def everything(self) -> dict[str, bytes]:
-        out = {}
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket):
-            for obj in page.get("Contents", []):
-                body = self.client.get_object(Bucket=self.bucket, Key=obj["Key"])["Body"]
-                out[obj["Key"]] = bytes(body.read())
-        return out
 
 
 @pytest.fixture
@@ -86,18 +50,14 @@ def bucket(moto_endpoint: str, s3_bucket: str) -> Iterator[Bucket]:
     try:
         yield b
     finally:
-        b.client.close()
+        b.close()
 
 
 def _replays(cp: ControlProc, record: str) -> float:
     """agents_cp_store_replays_refused_total{record} from the daemon's /metrics."""
-    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    m = re.search(
-        rf'^agents_cp_store_replays_refused_total\{{record="{record}"\}} (\S+)$', text, re.M
-    )
-    assert m is not None, "the counter is exported from the start"
-    return float(m.group(1))
+    found = counter(cp, "agents_cp_store_replays_refused_total", "record", record)
+    assert found is not None, "the counter is exported from the start"
+    return found
 
 
 def _serve_refused(cp: ControlProc, home: Path, says: str) -> None:
