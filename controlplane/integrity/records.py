@@ -10,6 +10,7 @@ Store layout (keys relative to the deployment prefix)::
     accounts/<acct>/tokens/<tok>.json      JoinToken (hash of the secret only)
     accounts/<acct>/token-uses/<tok>/<int>  one create-only marker per use taken (the join intent)
     accounts/<acct>/revoked/<mc>.json      create-only: the machine was revoked
+    accounts/<acct>/retired/<mc>/<serial>.json  create-only: a certificate it no longer accepts
     index/machines/<mc>.json               {"account_id": ...}  machine id -> account
     index/tokens/<tok>.json                {"account_id": ...}  token id -> account
     index/github/<github user id>.json     {"account_id": ...}  one account per GitHub user
@@ -27,10 +28,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final, Self
 
-from shared.errors import IntegrityError
+from shared.errors import IntegrityError, InvalidArgument
 from shared.ids import validate_id
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "token_index_key",
     "token_key",
     "machine_revoked_key",
+    "retired_serial_key",
     "revoked_prefix",
     "token_use_key",
     "token_uses_prefix",
@@ -110,6 +113,20 @@ def machine_revoked_key(account_id: str, machine_id: str) -> str:
     """The create-only marker of a revoked machine: its record put back at an older,
     unrevoked version is still revoked while this exists."""
     return revoked_prefix(account_id) + validate_id("machine", machine_id, "machine_id") + ".json"
+
+
+_SERIAL: Final = re.compile(r"\A[0-9a-f]{1,40}\Z")
+
+
+def retired_serial_key(account_id: str, machine_id: str, serial: str) -> str:
+    """The create-only marker of a certificate serial a machine no longer accepts
+    (renewed past, or replaced by a repair): a record put back at an older version
+    naming it still refuses it while this exists."""
+    if not isinstance(serial, str) or not _SERIAL.match(serial):
+        raise InvalidArgument("serial", "not a certificate serial (hex)")
+    acct = validate_id("account", account_id, "account_id")
+    machine = validate_id("machine", machine_id, "machine_id")
+    return f"accounts/{acct}/retired/{machine}/{serial}.json"
 
 
 def machine_key(account_id: str, machine_id: str) -> str:

@@ -27,6 +27,7 @@ from controlplane.integrity.records import (
     machine_key,
     machine_revoked_key,
     machines_prefix,
+    retired_serial_key,
     revoked_prefix,
     utc_iso,
 )
@@ -230,6 +231,10 @@ class MachineRegistry:
                 "join_intent": join_intent,
             }
 
+        # The old box's serials first (fail closed: a repair is never undone), so a
+        # record put back at its older version does not let the old box in again.
+        current = await self._load(machine.account_id, machine.machine_id)
+        await self._retire(current, current.cert_serial, current.previous_cert_serial)
         data = await jsonstore.update(
             self._store, machine_key(machine.account_id, machine.machine_id), change
         )
@@ -413,11 +418,37 @@ class MachineRegistry:
             raise MachineRevoked("link: machine revoked")
         if not machine.accepts_serial(peer.serial):
             raise Unauthenticated("link: certificate superseded")
+        if await self._retired(machine, peer.serial):
+            self._replays.report(
+                "machine",
+                f"machine {machine.machine_id}: its record accepts certificate {peer.serial}, "
+                "a retired serial (an older record put back): refused",
+            )
+            raise Unauthenticated("link: certificate superseded")
         # Its certificate proves the machine got the join reply: commit the join.
         machine = await self.confirm(machine)
         if await self._accounts.is_deleting(peer.account_id):
             raise PermissionDenied("link: account is being deleted")
         return machine
+
+    async def _retire(self, machine: Machine, *serials: str) -> None:
+        """Create the retired-serial markers of ``serials`` (create-only, idempotent)."""
+        for serial in serials:
+            if serial:
+                key = retired_serial_key(machine.account_id, machine.machine_id, serial)
+                await jsonstore.create(self._store, key, {"serial": serial})
+
+    async def _retired(self, machine: Machine, serial: str) -> bool:
+        """Whether ``serial`` has a retired marker (a forged one does not count)."""
+        key = retired_serial_key(machine.account_id, machine.machine_id, serial)
+        try:
+            await self._store.get(key)
+        except NotFound:
+            return False
+        except IntegrityError:
+            logger.warning("%s does not verify: ignored (a forgery, not a retirement)", key)
+            return False
+        return True
 
     def is_revoked(self, machine_id: str) -> bool:
         """Whether this process saw ``machine_id`` revoked."""
@@ -437,6 +468,9 @@ class MachineRegistry:
                 "cert_ca_hash": cert.ca_hash,
             }
 
+        # The serial that stops being accepted (the previous one) first: the box
+        # holds the current one, so retiring it early refuses nobody.
+        await self._retire(machine, machine.previous_cert_serial)
         data = await jsonstore.update(
             self._store, machine_key(machine.account_id, machine.machine_id), change
         )

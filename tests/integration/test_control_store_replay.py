@@ -157,3 +157,27 @@ async def test_a_revoked_machine_put_back_stays_revoked(cp: ControlProc, bucket:
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await connect_once(cp.link, cp.ca_pem, cert, key)
     assert "revoked" in (refused.value.details() or ""), refused.value
+
+
+async def test_a_replaced_box_stays_out_when_the_old_record_is_put_back(
+    cp: ControlProc, bucket: Bucket
+) -> None:
+    made = cp.cli("account", "create", "--github-id", "9103", "--github-login", "rb", "--json")
+    assert made.code == 0, made.err
+    account = json.loads(made.out)["account_id"]
+    value = json.loads(cp.cli("token", "create", "--account", account, "--json").out)["token_value"]
+    machine, old_cert, old_key = await join(cp.public, cp.ca_pem, value)
+    await connect_once(cp.link, cp.ca_pem, old_cert, old_key)
+    record_key = f"accounts/{account}/machines/{machine}.json"
+    before = bucket.get(record_key)
+    repair = json.loads(cp.cli("machine", "repair", machine, "--json").out)
+    repaired, new_cert, new_key = await join(cp.public, cp.ca_pem, repair["token_value"])
+    assert repaired == machine
+    await connect_once(cp.link, cp.ca_pem, new_cert, new_key)
+    # Before: the record put back named the old box's certificate again, and the
+    # replaced box connected as the machine.
+    bucket.put(record_key, before)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await connect_once(cp.link, cp.ca_pem, old_cert, old_key)
+    assert "certificate superseded" in (refused.value.details() or ""), refused.value
+    assert _replays(cp, "machine") >= 1
