@@ -148,15 +148,25 @@ class RetryingStore(StoreWrapper):
                         raise
                     # An earlier try may have written before its answer was lost.
                     if await self._holds(key, content):
-                        return (await self.inner.head(key)).etag
+                        return (await self.head(key)).etag
                     raise
         raise AssertionError("unreachable")
 
     async def _holds(self, key: str, content: bytes) -> bool:
-        try:
-            return await self.inner.get(key) == content
-        except (NotFound, TransientError):
-            return False
+        """Whether ``key`` holds exactly ``content``, read back with retries.
+
+        A transient error is never an answer: taken for "someone else's object",
+        a write that landed was reported as lost to a race (and written again
+        elsewhere, or failed with a bare PreconditionFailed). Once the retries
+        are spent the error is raised: the outcome stays unknown, as it is.
+        """
+        async for attempt in self._policy("get"):
+            with attempt:
+                try:
+                    return await self.inner.get(key) == content
+                except NotFound:
+                    return False
+        raise AssertionError("unreachable")
 
     async def delete(self, key: str) -> None:
         """See :meth:`ObjectStore.delete`."""

@@ -141,6 +141,32 @@ async def test_create_only_put_whose_answer_was_lost_is_ours() -> None:
         await store.put("lease", b"theirs", if_none_match=True)
 
 
+async def test_a_transient_error_on_read_back_is_no_answer() -> None:
+    """Before: the read-back after a lost answer took a 503 for someone else's
+    object and raised PreconditionFailed for a write that had landed."""
+    inner = FlakyStore(failures=2)  # the put's answer, then the first read-back
+    store = RetryingStore(inner)
+    etag = await store.put("entry", b"mine", if_none_match=True)
+    assert etag == (await inner.head("entry")).etag
+    assert inner.calls["get"] == 2
+
+
+class UnreadableAfterPut(FlakyStore):
+    """The put's answer is lost, and every read-back fails after it."""
+
+    async def get(self, key: str) -> bytes:
+        self.calls["get"] = self.calls.get("get", 0) + 1
+        raise StoreUnavailable("get: injected")
+
+
+async def test_a_read_back_that_keeps_failing_leaves_the_outcome_unknown() -> None:
+    inner = UnreadableAfterPut(failures=1)
+    store = RetryingStore(inner, attempts=3)
+    with pytest.raises(StoreUnavailable):
+        await store.put("entry", b"mine", if_none_match=True)
+    assert inner.calls["get"] >= 3, "read back with retries, never taken as an answer"
+
+
 async def test_streamed_put_is_not_retried() -> None:
     inner = FlakyStore(failures=1)
 
