@@ -278,9 +278,11 @@ class PromptQueue:
             )
         machine = await self._machine(principal, machine_id)
         idem = _idem_hash(machine_id, idempotency_key)
-        # Depth, the last sequence number and replays come from the view of the
-        # keys (no reads): a send costs one PUT.
-        view = await self._view(machine)
+        # Depth and the last sequence number come from the view of the keys (no
+        # reads): an unkeyed send costs one PUT. A keyed one lists the queue first:
+        # an idempotency key is checked against the store, never a cache (a put
+        # whose answer was lost landed without this process's view learning it).
+        view = await self._view(machine, reload=bool(idem))
         if idem:
             replay = await self._replay(machine, view, idem)
             if replay is not None:

@@ -136,6 +136,38 @@ async def test_limits_and_bad_input_queue_nothing(w: World) -> None:
     assert other_acct != acct
 
 
+class LostAnswer(MemoryStore):
+    """The first queue entry's put lands, and its answer is lost (a 503 after the write)."""
+
+    lose = True
+
+    async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
+        etag = await super().put(key, data, if_none_match=if_none_match, if_match=if_match)
+        if "/queue/" in key and self.lose:
+            self.lose = False
+            raise StoreUnavailable(f"put {key}: answer lost")
+        return etag
+
+
+async def test_a_keyed_send_whose_answer_was_lost_queues_once(w: World) -> None:
+    """Before: the retry checked the in-memory view the failed put never refreshed,
+    queued a second copy under a new prompt id, and both ran."""
+    acct, m, _box = await w.machine(1)
+    store = LostAnswer()
+    for key in [i.key async for i in w.store.list("")]:
+        await store.put(key, await w.store.get(key))
+    w.store = store
+    w.machines = MachineRegistry(store, w.accounts, Auditor(store, w.clock), w.clock)
+    w.queue = w.new_queue()
+    agent = new_id("agent")
+    with pytest.raises(StoreUnavailable):
+        await w.queue.send(w.op, m, agent, "hello", idempotency_key="k-lost")
+    again = await w.queue.send(w.op, m, agent, "hello", idempotency_key="k-lost")
+    listed = await w.queue.queued(w.op, m)
+    assert [e.prompt_id for e in listed] == [again.prompt_id]
+    assert again.state == "queued"
+
+
 async def test_idempotency_key_never_queues_twice(w: World) -> None:
     _, m, _ = await w.machine(1)
     agent = new_id("agent")
