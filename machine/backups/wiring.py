@@ -30,8 +30,8 @@ from machine.backups.targets.folder import (
     record_backup_owner,
 )
 from machine.link import identity
-from machine.link.client import LinkClient
 from machine.link.deliveries import crash_after
+from machine.link.following import FollowingLinkClients
 from machine.metrics import MachineMetrics
 from machine.models import MachineIds
 from machine.storage.db import Database
@@ -101,7 +101,8 @@ async def backup_target(
     if ids.joined:
         try:
             link = await asyncio.to_thread(identity.load_link, config.data_dir)
-            keys = await asyncio.to_thread(identity.load_keys, config.data_dir)
+            clients = FollowingLinkClients(config.data_dir, link.control_address)
+            client = await clients.current()
         except AgentsError as e:
             logger.warning(
                 "joined, but the link record cannot be read (%s): backing up to %s",
@@ -109,15 +110,9 @@ async def backup_target(
                 config.backups_dir,
             )
         else:
-            client = LinkClient.mutual(
-                link.control_address,
-                ca_pem=keys.ca_cert_pem,
-                key_pem=keys.tls_key_pem,
-                cert_pem=keys.tls_cert_pem,
-            )
-            closing.append(client.aclose)
+            closing.append(clients.aclose)
             where = f"control plane {link.control_address}"
-            return ControlPlaneTarget(client, where=where), where
+            return ControlPlaneTarget(client, clients=clients.current, where=where), where
     await asyncio.to_thread(check_backup_folder, config.backups_dir, config.data_dir)
     try:
         target, folder = await folder_backup_target(

@@ -3,7 +3,8 @@
 ``identity`` (keys, certificate and link record in the data folder),
 ``machine_ids`` (the machine's own ids and the joined one, kept in machine.db),
 ``join`` (pin the CA, trade a one-time token for a certificate), ``client`` (the
-one client of the control plane's MachineLink service), ``connection`` (the live
+one client of the control plane's MachineLink service), ``following`` (clients
+that follow the keys on disk through renewals and rollovers), ``connection`` (the live
 Connect stream and its reconnect loop), ``states`` (the link's states and the
 refusals that stop or slow it), ``heartbeats`` (hello, heartbeats and the
 agent roster on the stream), ``renewal`` (certificate renewal and CA
@@ -18,6 +19,7 @@ __all__ = [
     "client",
     "connection",
     "deliveries",
+    "following",
     "heartbeats",
     "identity",
     "join",

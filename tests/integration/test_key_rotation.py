@@ -204,6 +204,10 @@ async def test_ca_rollover_renews_online_and_offline_machines_then_retires(
     tls.verify_issued_by(_server_cert(cp.public), cp.ca_pem)
     assert tls.ca_hash(cp.ca_pem) == new_hash
     assert json.loads((cp.home / "serve.json").read_text())["ca_hash"] == new_hash
+    # a's daemon never restarted: its backups follow the renewal and the rollover
+    # (before: "certificate not issued by this control plane" until a restart).
+    made = _machine_json(a.data_dir, "backup", "now")
+    assert str(made["id"]).startswith("bk_"), made
 
     # After a restart (the home holds the new CA only) both come back by themselves.
     stop_serve(cp)

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -68,16 +68,23 @@ class ControlPlaneTarget:
         self,
         client: LinkClient,
         *,
+        clients: Callable[[], Awaitable[LinkClient]] | None = None,
         source: str = "",
         timeout: float = _CALL_TIMEOUT,
         transfer_timeout: float = _TRANSFER_TIMEOUT,
         where: str = "control plane",
     ) -> None:
         self._client = client
+        # A daemon's target follows certificate renewals and CA rollovers
+        # (machine.link.following); a one-off restore uses ``client`` as it is.
+        self._clients = clients
         self._where = where
         self._source = source
         self._timeout = timeout
         self._transfer = transfer_timeout
+
+    async def _link(self) -> LinkClient:
+        return await self._clients() if self._clients is not None else self._client
 
     def _error(self, exc: grpc.aio.AioRpcError) -> AgentsError:
         """The domain error of a failed call; one that reached no control plane
@@ -93,7 +100,7 @@ class ControlPlaneTarget:
         try:
             for i in range(0, len(wanted), _HAVE_BATCH):
                 batch = wanted[i : i + _HAVE_BATCH]
-                out.update(await self._client.have_segments(batch, timeout=self._timeout))
+                out.update(await (await self._link()).have_segments(batch, timeout=self._timeout))
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
         return out
@@ -103,7 +110,7 @@ class ControlPlaneTarget:
     ) -> None:
         try:
             # Size 0: the engine seals as it streams and does not know it yet.
-            stored = await self._client.put_segment(
+            stored = await (await self._link()).put_segment(
                 name, 0, data, timeout=self._transfer, replace=replace
             )
         except grpc.aio.AioRpcError as exc:
@@ -122,13 +129,13 @@ class ControlPlaneTarget:
         if len(blob) > MAX_LINK_MANIFEST or len(blob) + 65 * len(names) > LINK_MAX_MESSAGE:
             raise TooLarge("manifest", MAX_LINK_MANIFEST, len(blob))
         try:
-            await self._client.put_manifest(backup_id, blob, names, timeout=self._timeout)
+            await (await self._link()).put_manifest(backup_id, blob, names, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
 
     async def list_manifests(self) -> list[ManifestInfo]:
         try:
-            entries = await self._client.list_backups(self._source, timeout=self._timeout)
+            entries = await (await self._link()).list_backups(self._source, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
         # The link lists newest first; the target contract is oldest first.
@@ -139,13 +146,17 @@ class ControlPlaneTarget:
 
     async def get_manifest(self, backup_id: str) -> bytes:
         try:
-            return await self._client.get_manifest(backup_id, self._source, timeout=self._timeout)
+            return await (await self._link()).get_manifest(
+                backup_id, self._source, timeout=self._timeout
+            )
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
 
     async def get_segment(self, name: str) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self._client.get_segment(name, self._source, timeout=self._transfer):
+            async for chunk in (await self._link()).get_segment(
+                name, self._source, timeout=self._transfer
+            ):
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
@@ -154,7 +165,7 @@ class ControlPlaneTarget:
         if self._source:
             raise ValueError("a target reading another machine's backups cannot prune")
         try:
-            manifests, segments = await self._client.prune(keep, timeout=self._timeout)
+            manifests, segments = await (await self._link()).prune(keep, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from exc
         return PruneResult(tuple(manifests), segments)

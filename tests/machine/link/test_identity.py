@@ -210,3 +210,48 @@ def test_save_certificate_replaces_cert_and_record(ca: tls.CertKey, tmp_path: Pa
     assert updated.machine_id == link.machine_id
     assert _mode(data_dir / "keys" / identity.TLS_CERT) == 0o600
     assert [p.name for p in (data_dir / "keys").iterdir() if p.name.startswith(".")] == []
+
+
+async def test_following_clients_follow_a_renewed_certificate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the backup client was built once at start and kept presenting that
+    certificate after a renewal or a CA rollover (backups stopped until a restart)."""
+    from machine.link import following
+
+    keys_dir = tmp_path / identity.KEYS_DIR
+    keys_dir.mkdir()
+    for name in (identity.TLS_KEY, identity.TLS_CERT, identity.CA_CERT):
+        (keys_dir / name).write_bytes(b"v1")
+    made: list[bytes] = []
+
+    class Keys:
+        def __init__(self) -> None:
+            self.tls_key_pem = (keys_dir / identity.TLS_KEY).read_bytes()
+            self.tls_cert_pem = (keys_dir / identity.TLS_CERT).read_bytes()
+            self.ca_cert_pem = (keys_dir / identity.CA_CERT).read_bytes()
+
+    class Client:
+        closed = False
+
+        async def aclose(self) -> None:
+            self.closed = True
+
+    def mutual(address: str, *, ca_pem: bytes, key_pem: bytes, cert_pem: bytes) -> Client:
+        made.append(cert_pem)
+        return Client()
+
+    monkeypatch.setattr(following.identity, "load_keys", lambda data_dir: Keys())
+    monkeypatch.setattr(following.LinkClient, "mutual", mutual)
+    clients = following.FollowingLinkClients(tmp_path, "127.0.0.1:1")
+    first = await clients.current()
+    assert await clients.current() is first and made == [b"v1"]
+    # The live link renews: the certificate is replaced by a rename.
+    new = keys_dir / "tls.crt.new"
+    new.write_bytes(b"v2")
+    new.rename(keys_dir / identity.TLS_CERT)
+    second = await clients.current()
+    assert second is not first and made == [b"v1", b"v2"]
+    assert await clients.current() is second
+    await clients.aclose()
+    assert first.closed and second.closed  # type: ignore[attr-defined]
