@@ -12,7 +12,10 @@ May import: every room and entry module of ``controlplane``, ``shared``.
 Nothing imports it.
 """
 
+from __future__ import annotations
+
 __all__ = [
+    "entry",
     "accounts",
     "admin_types",
     "client",
@@ -23,3 +26,15 @@ __all__ = [
     "main",
     "recovery",
 ]
+
+
+def entry(argv: list[str] | None = None) -> int:
+    """The ``agents-control`` console script: a closed stdout is refused before the CLI (and
+    gRPC with it) is loaded (:mod:`shared.entry`); then :func:`controlplane.cli.main.main`."""
+    from shared.entry import stdout_closed
+
+    if stdout_closed("agents-control"):
+        return 2  # a usage error: nothing was done
+    from controlplane.cli.main import main
+
+    return main(argv)

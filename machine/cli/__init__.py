@@ -12,7 +12,10 @@ May import: every room and entry module of ``machine``, ``shared``. Nothing
 imports it.
 """
 
+from __future__ import annotations
+
 __all__ = [
+    "entry",
     "after_join",
     "agents",
     "backup",
@@ -24,3 +27,15 @@ __all__ = [
     "schedules",
     "service_unit",
 ]
+
+
+def entry(argv: list[str] | None = None) -> int:
+    """The ``agents-machine`` console script: a closed stdout is refused before the CLI (and
+    gRPC with it) is loaded (:mod:`shared.entry`); then :func:`machine.cli.main.main`."""
+    from shared.entry import stdout_closed
+
+    if stdout_closed("agents-machine"):
+        return 2  # a usage error: nothing was done
+    from machine.cli.main import main
+
+    return main(argv)
