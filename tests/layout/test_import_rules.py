@@ -13,6 +13,7 @@ imports the other.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -272,3 +273,13 @@ def test_a_cycle_is_reported(tmp_path: Path) -> None:
     a.write_text("from machine.core.b import x\n")
     b.write_text("def f():\n    from machine.core import a\n")
     assert cycles(tmp_path, [a, b]) == [["machine.core.a", "machine.core.b", "machine.core.a"]]
+
+
+def test_the_architecture_page_names_only_modules_that_exist() -> None:
+    """docs/architecture.md walks a prompt, a backup and a queued prompt through the
+    rooms: every module path it names must be where it says."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:machine|controlplane|shared)/[\w/]+\.py)`", page))
+    assert len(named) > 30, "the paths are still cited as `pkg/.../module.py`"
+    missing = sorted(p for p in named if not (ROOT / p).is_file())
+    assert missing == []
