@@ -306,3 +306,67 @@ def test_a_record_missing_fields_is_an_integrity_error_not_a_type_error() -> Non
     # fields: every reader gets a clear IntegrityError naming the record.
     with pytest.raises(IntegrityError, match=r"machine record: malformed: .*machine_id"):
         Machine.from_dict({"name": "m"})
+
+
+class Crash(Exception):
+    """The process dies here."""
+
+
+class DiesBeforeRecord(MemoryStore):
+    """Dies at the first conditional update of a key ending in ``suffix``, before it
+    is written: the create-only marker written just before it stays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.suffix = ""
+
+    async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
+        if self.suffix and key.endswith(self.suffix) and if_match is not None:
+            self.suffix = ""
+            raise Crash(key)
+        return await super().put(key, data, if_none_match=if_none_match, if_match=if_match)
+
+
+def _world_on(store: DiesBeforeRecord) -> World:
+    w = World()
+    w.store = store
+    audit = Auditor(store, w.clock)
+    w.accounts = AccountService(store, audit, w.clock)
+    w.tokens = TokenService(store, w.accounts, audit, clock=w.clock)
+    w.machines = MachineRegistry(store, w.accounts, audit, w.clock)
+    w.pairing = Pairing(w.tokens, w.machines, w.accounts, w.ca, dt.timedelta(days=30))
+    return w
+
+
+async def test_a_use_killed_between_its_marker_and_the_record_fails_closed() -> None:
+    store = DiesBeforeRecord()
+    w = _world_on(store)
+    acct = await w.account(41)
+    made = await w.tokens.create(w.op, acct)
+    token = await w.tokens.check(made.value)
+    intent = new_id("intent")
+    store.suffix = f"/tokens/{token.token_id}.json"
+    with pytest.raises(Crash):
+        await w.tokens.use(token, intent)
+    # The marker counts: the token is used, though its record says 0 uses.
+    with pytest.raises(Unauthenticated, match="already used"):
+        await w.tokens.check(made.value)
+    # The join's roll-back gives the use back: the marker goes, the token works.
+    await w.tokens.give_back(acct, token.token_id, intent)
+    again = await w.tokens.use(await w.tokens.check(made.value), new_id("intent"))
+    assert again.uses == 1
+
+
+async def test_a_revoke_killed_between_its_marker_and_the_record_has_taken_effect() -> None:
+    store = DiesBeforeRecord()
+    w = _world_on(store)
+    acct = await w.account(42)
+    machine_id, _ = await w.join(acct)
+    store.suffix = f"/machines/{machine_id}.json"
+    with pytest.raises(Crash):
+        await w.machines.revoke(w.op, machine_id)
+    assert (await w.machines.get(w.op, machine_id)).revoked
+    listed = await w.machines.list(w.op, acct)
+    assert [m.revoked for m in listed] == [True]
+    # Run again (idempotent): the record says so too.
+    assert (await w.machines.revoke(w.op, machine_id)).revoked

@@ -441,3 +441,37 @@ async def test_a_rollover_whose_bundle_cannot_be_sealed_does_not_start(
             await c.rollover_ca()  # again: the bundle holds the new CA before it signs
             assert cp.registry.get_sample_value("agents_cp_key_bundle_sealed") == 1
             assert cp._keyring.keys.next_ca is not None
+
+
+async def test_a_take_over_killed_between_its_marker_and_the_epoch(tmp_path: Path) -> None:
+    """The marker retires the old home first (a restore is never undone); the epoch
+    write that did not happen is taken by the restore run again."""
+    from shared.store import MemoryStore
+
+    class Crash(Exception):
+        pass
+
+    class DiesAtTheEpoch(MemoryStore):
+        armed = False
+
+        async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
+            if self.armed and key == EPOCH_KEY:
+                raise Crash(key)
+            return await super().put(key, data, if_none_match=if_none_match, if_match=if_match)
+
+    store = DiesAtTheEpoch()
+    old_home = tmp_path / "old"
+    old_home.mkdir()
+    assert (await take_epoch(old_home, store, "test")).epoch == 1
+    new_id_ = fencing.new_home_id()
+    store.armed = True
+    with pytest.raises(Crash):
+        await Fence(store, new_id_, "test").acquire(take_over=True)
+    store.armed = False
+    # The old home is retired already, its record untouched.
+    with pytest.raises(StoreFenced, match="superseded"):
+        await take_epoch(old_home, store, "test")
+    # The restore again: the next epoch, and the old home still out.
+    assert await Fence(store, new_id_, "test").acquire(take_over=True) == 2
+    with pytest.raises(StoreFenced):
+        await take_epoch(old_home, store, "test")
