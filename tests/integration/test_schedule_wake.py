@@ -2,7 +2,7 @@
 provider and a joined agents-machine, for real (moto's S3 server as the store).
 
 The machine runs a schedule (the seconds test hook: `* * * * *` fires every
-15 s) and reports its next fire time in its heartbeats. It is stopped right
+20 s) and reports its next fire time in its heartbeats. It is stopped right
 after a fire; with no prompt queued, the control plane asks the provider to
 start it `wake_lead_seconds` before the next fire time, and that fire runs on
 time: recorded as `fired` (with the default `skip` policy, a late start would
@@ -40,11 +40,12 @@ from tests.helpers.poll import apoll_until
 pytestmark = pytest.mark.integration
 
 HEARTBEAT = 0.3
-# A fire every 15 s (a test waits up to two periods); the wake comes 10 s before
-# the next fire: the 5 s after a fire are for stopping the machine, the 10 s
-# before the next for the provider to start it and for it to connect.
-EVERY = 15
-LEAD = 10
+# A fire every 20 s (a test waits up to two periods); the wake comes 16 s before
+# the next fire: the 4 s after a fire are for stopping the machine (a stop that
+# takes longer is woken at once), the 16 s before the next for the provider to
+# start it and for it to connect, on a loaded machine too.
+EVERY = 20
+LEAD = 16
 DEADLINE = 40.0
 MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
 
@@ -90,6 +91,15 @@ def _run_state(data: Path, run_id: str) -> str:
         conn.close()
 
 
+def _serving_started(data: Path) -> float | None:
+    """When the machine the local provider started was created (None: not running)."""
+    for proc in psutil.process_iter(["cmdline", "create_time"]):
+        cmd = proc.info.get("cmdline") or []
+        if str(data) in cmd and "serve" in cmd:
+            return float(proc.info["create_time"])
+    return None
+
+
 def _kill_serving(data: Path) -> None:
     """Kill the machine the local provider started (its own session outlives the test)."""
     for proc in psutil.process_iter(["cmdline"]):
@@ -103,7 +113,7 @@ def _kill_serving(data: Path) -> None:
 async def test_stopped_machine_is_started_for_its_schedule(tmp_path: Path, cp: ControlProc) -> None:
     data = tmp_path / "machine"
     data.mkdir(mode=0o700)
-    # The test hook (machine.toml only): fires at :00, :15, :30 and :45 of each minute.
+    # The test hook (machine.toml only): fires at :00, :20 and :40 of each minute.
     (data / "machine.toml").write_text(f"schedule_test_seconds = {EVERY}\n")
     joined = join_new_account(cp, data, tmp_path / "join.log", github_id=7, login="w")
     try:
@@ -151,11 +161,22 @@ async def test_stopped_machine_is_started_for_its_schedule(tmp_path: Path, cp: C
             m = await client.get_machine(machine_id)
             assert m.has_provider and m.next_wake_at
 
+            # The stopped link must be seen closed first: the control plane writes
+            # last seen before it forgets the session, and an `online` read in
+            # that moment is the old process, not the woken one.
+            async def stopped() -> bool:
+                return not (await client.get_machine(machine_id)).online
+
+            await apoll_until(stopped, deadline=DEADLINE, what="seen offline")
+
             async def restarted() -> bool:
                 return (await client.get_machine(machine_id)).online
 
             await apoll_until(restarted, deadline=DEADLINE, what="woken by its provider")
-            assert dt.datetime.now(dt.UTC).timestamp() < due, "woken too late for the fire"
+            started = _serving_started(data)
+            assert started is not None and started < due, (
+                f"woken too late for the fire: started {started}, fire at {due}"
+            )
             after = await apoll_until(
                 lambda: [f for f in _fires(data) if f[0] >= due] or None,
                 deadline=DEADLINE,
