@@ -120,6 +120,11 @@ class ControlConfig:
     schedule fire time (the time it needs to boot and connect)."""
     wake_check_seconds: float = 30.0
     """How often offline machines are checked for a schedule due (see wake_lead_seconds)."""
+    clock_skew_bound_seconds: float = 60.0
+    """Most our clock may differ from the store's (its Date header) before expiries
+    wait (controlplane.integrity.clock)."""
+    clock_check_seconds: float = 60.0
+    """How often our clock is compared with the store's."""
 
     @property
     def config_path(self) -> Path:
@@ -163,6 +168,10 @@ class ControlConfig:
             raise ConfigError("wake_lead_seconds", "must be between 0 and 86400 seconds")
         if not 0.1 <= self.wake_check_seconds <= 3600:
             raise ConfigError("wake_check_seconds", "must be between 0.1 and 3600 seconds")
+        if not 2 <= self.clock_skew_bound_seconds <= 86400:
+            raise ConfigError("clock_skew_bound_seconds", "must be between 2 and 86400 seconds")
+        if not 0.1 <= self.clock_check_seconds <= 3600:
+            raise ConfigError("clock_check_seconds", "must be between 0.1 and 3600 seconds")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ConfigError("log_level", "must be DEBUG, INFO, WARNING or ERROR")
         return self
@@ -212,6 +221,8 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "prompt_ttl_seconds": (int,),
     "wake_lead_seconds": (int, float),
     "wake_check_seconds": (int, float),
+    "clock_skew_bound_seconds": (int, float),
+    "clock_check_seconds": (int, float),
 }
 
 
@@ -273,5 +284,9 @@ def load_config(
         prompt_ttl_seconds=get("prompt_ttl_seconds", None, d.prompt_ttl_seconds, int),
         wake_lead_seconds=get("wake_lead_seconds", None, d.wake_lead_seconds, float),
         wake_check_seconds=get("wake_check_seconds", None, d.wake_check_seconds, float),
+        clock_skew_bound_seconds=get(
+            "clock_skew_bound_seconds", None, d.clock_skew_bound_seconds, float
+        ),
+        clock_check_seconds=get("clock_check_seconds", None, d.clock_check_seconds, float),
     )
     return cfg.validate()

@@ -148,6 +148,13 @@ class ControlMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.clock_skew = Gauge(
+            "agents_cp_clock_skew_seconds",
+            "Seconds this control plane's clock is ahead of the store's (its Date "
+            "header; negative: behind) at the last check. Expiries wait while it is "
+            "beyond clock_skew_bound_seconds.",
+            registry=registry,
+        )
         self.epoch = Gauge(
             "agents_cp_epoch",
             "The fencing epoch this process holds in cp/epoch.json (0: none yet).",

@@ -29,6 +29,7 @@ from controlplane.api.admin import AdminServicer
 from controlplane.api.link import LinkServicer
 from controlplane.config import ControlConfig, parse_hostport
 from controlplane.deletion.service import AccountDeletion, DeletionHooks
+from controlplane.integrity.clock import ClockCheck
 from controlplane.integrity.intents import Intents
 from controlplane.integrity.keys import KeyRing, load_home_keys
 from controlplane.integrity.trusted import DeploymentGuard, TrustedStore, open_trusted_store
@@ -86,6 +87,8 @@ class ControlPlane:
         self._store: TrustedStore | None = None
         self._checker: asyncio.Task[None] | None = None
         self._waker: asyncio.Task[None] | None = None
+        self._clocks: asyncio.Task[None] | None = None
+        self._clock_check: ClockCheck | None = None
         self._offline: asyncio.Task[None] | None = None
         self._health: HealthServicer | None = None
         self._server: grpc.aio.Server | None = None
@@ -149,6 +152,11 @@ class ControlPlane:
         trusted.set_fence(self.fence)
         self.metrics.epoch.set(self.fence.epoch)
         self.metrics.key_bundle_sealed.set(1 if await _reseal(cfg, trusted) else 0)
+        # Our clock against the store's before anything expires (integrity.clock).
+        self._clock_check = clock_check = ClockCheck(
+            trusted.store, bound=cfg.clock_skew_bound_seconds, on_skew=self.metrics.clock_skew.set
+        )
+        await clock_check.check()
         services = Services(
             cfg,
             trusted.store,
@@ -156,6 +164,7 @@ class ControlPlane:
             trusted.backups,
             keyring=keyring,
             on_replay=lambda record: self.metrics.replays.labels(record).inc(),
+            clock_check=clock_check,
         )
         presence = PresenceRegistry(
             trusted.store,
@@ -188,6 +197,7 @@ class ControlPlane:
             ),
             on_outcome=self.metrics.prompt_outcome,
             rosters=rosters,
+            may_expire=clock_check.may_expire,
         )
         self.metrics.watch_queue(prompt_queue.depth, prompt_queue.oldest_age)
         self._starter = starter = MachineStarter(
@@ -262,6 +272,9 @@ class ControlPlane:
             _count_offline(presence, services.machines, self.metrics), name="machines-offline"
         )
         self._waker = asyncio.create_task(waker.run(), name="schedule-waker")
+        self._clocks = asyncio.create_task(
+            clock_check.run(cfg.clock_check_seconds), name="clock-check"
+        )
         self._checker = asyncio.create_task(
             _self_check(trusted.guard, services.intents, cfg.heartbeat_interval, self.fence),
             name="store-self-check",
@@ -357,6 +370,10 @@ class ControlPlane:
             waker, self._waker = self._waker, None
             waker.cancel()
             await asyncio.gather(waker, return_exceptions=True)
+        if self._clocks is not None:
+            clocks, self._clocks = self._clocks, None
+            clocks.cancel()
+            await asyncio.gather(clocks, return_exceptions=True)
         if self._checker is not None:
             checker, self._checker = self._checker, None
             checker.cancel()

@@ -13,6 +13,7 @@ from controlplane.access.tokens import TokenService
 from controlplane.config import ControlConfig
 from controlplane.deletion.service import AccountDeletion
 from controlplane.integrity.audit import Auditor
+from controlplane.integrity.clock import ClockCheck
 from controlplane.integrity.intents import Intents
 from controlplane.integrity.keys import HomeKeys, KeyRing
 from controlplane.integrity.replays import ReplayLog
@@ -34,6 +35,7 @@ class Services:
         backups: ObjectStore | None = None,
         keyring: KeyRing | None = None,
         on_replay: Callable[[str], None] | None = None,
+        clock_check: ClockCheck | None = None,
     ) -> None:
         # The live keys: rotation (controlplane.recovery.rotation) swaps them while
         # serving. The daemon passes the ring its listeners were bound with.
@@ -52,6 +54,7 @@ class Services:
             default_ttl=cfg.token_ttl,
             intents=self.intents,
             replays=replays,
+            validity_clock=clock_check.latest_now if clock_check is not None else None,
         )
         self.machines = MachineRegistry(
             store, self.accounts, self.auditor, intents=self.intents, replays=replays

@@ -81,8 +81,12 @@ class TokenService:
         clock: Clock = utc_now,
         intents: Intents | None = None,
         replays: ReplayLog | None = None,
+        validity_clock: Clock | None = None,
     ) -> None:
         self._store = store
+        # What a token's expiry is judged by: the later of our clock and the
+        # store's (integrity.clock), so a clock behind never stretches a token.
+        self._validity_clock = validity_clock or clock
         self._replays = replays if replays is not None else ReplayLog()
         self._accounts = accounts
         self._audit = auditor
@@ -327,7 +331,7 @@ class TokenService:
             logger.error("token %s: cannot count its use again: %s", token_id, e)
 
     def _check_usable(self, token: JoinToken) -> None:
-        state = token.state(self._clock())
+        state = token.state(self._validity_clock())
         if state == "revoked":
             raise Unauthenticated("join: token revoked")
         if state == "used":

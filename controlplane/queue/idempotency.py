@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -87,10 +88,20 @@ class AcknowledgedKeys:
     process's own records and sweeps. A send with a new key costs no request.
     """
 
-    def __init__(self, store: ObjectStore, *, ttl: dt.timedelta, clock: Clock) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        ttl: dt.timedelta,
+        clock: Clock,
+        may_expire: Callable[[], bool] = lambda: True,
+    ) -> None:
         self._store = store
         self._ttl = ttl
         self._clock = clock
+        # False while our clock is not to be trusted (integrity.clock): a key
+        # stays known and its record stays until the clocks agree again.
+        self._may_expire = may_expire
         self._known: dict[str, set[tuple[int, str]]] = {}
         self._loaded: set[str] = set()
 
@@ -124,7 +135,7 @@ class AcknowledgedKeys:
                 account_id,
             ):
                 continue  # another key with the same tag, or a record moved here
-            if self._clock() - done.created_at > self._ttl:
+            if self._clock() - done.created_at > self._ttl and self._may_expire():
                 continue  # the key expired: the sweep deletes its record
             return done
         return None
@@ -132,6 +143,8 @@ class AcknowledgedKeys:
     async def sweep(self, account_id: str, machine_id: str) -> None:
         """Delete the machine's records whose key expired, aged by the sequence
         number in their name (the send time, or just above): no reads."""
+        if not self._may_expire():
+            return
         known = await self._load(account_id, machine_id)
         oldest = int((self._clock() - self._ttl).timestamp() * 1_000_000)
         expired = [(seq, tag) for seq, tag in known if seq < oldest]

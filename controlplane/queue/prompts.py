@@ -187,9 +187,13 @@ class PromptQueue:
         clock: Clock = utc_now,
         on_outcome: Callable[[str], None] | None = None,
         rosters: AgentRosters | None = None,
+        may_expire: Callable[[], bool] = lambda: True,
     ) -> None:
         self._store = store
         self._rosters = rosters
+        # False while our clock disagrees with the store's (integrity.clock):
+        # nothing queued is deleted for its age until they agree again.
+        self._may_expire = may_expire
         self._machines = machines
         self._audit = auditor
         self._limits = limits or QueueLimits()
@@ -201,7 +205,9 @@ class PromptQueue:
         # and listings, so a send costs one PUT; a lost sequence claim (another
         # writer) reloads it. Also what the depth and age gauges read.
         self._views: dict[str, dict[int, str]] = {}
-        self._acked = AcknowledgedKeys(store, ttl=self._limits.ttl, clock=clock)
+        self._acked = AcknowledgedKeys(
+            store, ttl=self._limits.ttl, clock=clock, may_expire=may_expire
+        )
         # Machine records for sends: (monotonic time read, record), see _machine.
         self._recent_machines: dict[str, tuple[float, Machine]] = {}
 
@@ -465,7 +471,7 @@ class PromptQueue:
         for (key, _seq), entry in zip(wanted, entries, strict=True):
             if entry is None:
                 continue
-            if now - entry.created_at > self._limits.ttl:
+            if now - entry.created_at > self._limits.ttl and self._may_expire():
                 await self._expire(key, entry)
                 continue
             out.append(entry)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
+import email.utils
 import enum
 import logging
 import secrets
@@ -68,6 +70,7 @@ from shared.store.base import (
     validate_key,
     validate_prefix,
 )
+from shared.store.clock import StoreTime
 from shared.store.s3_config import MAX_PARTS, MAX_PUT_SIZE, S3Config
 
 __all__ = ["S3Config", "S3Store"]
@@ -574,6 +577,28 @@ class S3Store(StoreBase):
                 first = errors[0]
                 fake = ClientError({"Error": {"Code": str(first.get("Code", ""))}}, "DeleteObjects")
                 raise _translate(fake, "delete", str(first.get("Key", batch[0])))
+
+    # -- the store's clock -----------------------------------------------------------
+
+    async def server_time(self) -> StoreTime:
+        """The server's clock (its ``Date`` header on a one-key listing) and ours
+        at the middle of the request: what a skew check compares."""
+        before = dt.datetime.now(dt.UTC)
+        with _mapped("list", "_probe/"):
+            response = await self._s3.list_objects_v2(
+                Bucket=self.config.bucket, Prefix=self._full("_probe/"), MaxKeys=1
+            )
+        after = dt.datetime.now(dt.UTC)
+        header = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date", "")
+        try:
+            server = email.utils.parsedate_to_datetime(header)
+        except (TypeError, ValueError):
+            raise StoreUnavailable(
+                f"store {self._where()}: no usable Date header ({header[:40]!r})"
+            ) from None
+        if server.tzinfo is None:
+            server = server.replace(tzinfo=dt.UTC)
+        return StoreTime(server=server, local=before + (after - before) / 2)
 
     # -- listing ---------------------------------------------------------------------
 

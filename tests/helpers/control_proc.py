@@ -182,14 +182,17 @@ def run_init(
     return ControlProc(home=home, env=full_env, operator=cred.group(1), ca_hash=ca.group(1))
 
 
-def start_serve(cp: ControlProc, extra: Sequence[str] = ()) -> None:
-    """Start ``serve`` and wait (deadline) until serve.json names its ports."""
+def start_serve(
+    cp: ControlProc, extra: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> None:
+    """Start ``serve`` (``env``: entries added to the control plane's environment)
+    and wait (deadline) until serve.json names its ports."""
     serve_json = cp.home / "serve.json"
     cp.log_path = cp.home.parent / f"{cp.home.name}-serve.log"
     log = cp.log_path.open("wb")
     cp.process = subprocess.Popen(
         [str(agents_control_exe()), "serve", "--home", str(cp.home), *extra],
-        env=cp.env,
+        env={**cp.env, **(env or {})},
         stdout=log,
         stderr=subprocess.STDOUT,
     )

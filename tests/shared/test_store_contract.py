@@ -28,6 +28,7 @@ from shared.store import (
     validate_key,
 )
 from shared.store.base import DELETE_BATCH, delete_keys
+from shared.store.clock import store_time
 from tests.helpers.moto_server import recording_proxy, stripping_proxy
 
 MIB = 1024 * 1024
@@ -353,6 +354,31 @@ async def test_s3_probe_accepts_moto(s3_config: S3Config) -> None:
     async with S3Store(s3_config) as store:
         await store.put("k", b"v")
         assert [i.key async for i in store.list()] == ["k"]
+
+
+async def test_s3_store_time_is_the_servers_date(s3_config: S3Config) -> None:
+    """Through every wrapper open_store adds, the reading reaches S3's Date header
+    (moto runs on our clock: within the header's second plus the round trip)."""
+    store = await open_store(
+        f"s3://{s3_config.bucket}/t",
+        options=StoreOptions(
+            access_key=s3_config.access_key,
+            secret_key=s3_config.secret_key,
+            region=s3_config.region,
+            endpoint_url=s3_config.endpoint_url,
+        ),
+        registry=CollectorRegistry(),
+    )
+    async with store:
+        reading = await store_time(store)
+    assert reading is not None and abs(reading.skew) < 2.0
+    assert reading.server.tzinfo is not None
+    assert (
+        await store_time(
+            MeteredStore(RetryingStore(MemoryStore()), "agents_cp", CollectorRegistry())
+        )
+        is None
+    )
 
 
 async def test_open_store_urls(tmp_path: Path, s3_config: S3Config) -> None:

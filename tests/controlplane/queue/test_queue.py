@@ -318,6 +318,41 @@ async def test_expired_prompts_are_dropped_with_audit(w: World) -> None:
     assert any(b"prompt.expire" in a for a in audits)
 
 
+async def test_a_clock_that_disagrees_with_the_store_expires_nothing(w: World) -> None:
+    """Our clock 8 days ahead of the store's: the queue keeps the prompt, its
+    idempotency key answers with the same prompt, and an acknowledged key stays
+    known; once the clocks agree again, expiry runs as before."""
+    agrees = [False]
+    queue = PromptQueue(
+        w.store,
+        w.machines,
+        Auditor(w.store, w.clock),
+        limits=QueueLimits(max_depth=3, max_prompt_bytes=100, ttl=dt.timedelta(days=7)),
+        clock=w.clock,
+        on_outcome=w.outcomes.append,
+        rosters=w.rosters,
+        may_expire=lambda: agrees[0],
+    )
+    acct, m, _ = await w.machine(1)
+    agent = new_id("agent")
+    kept = await queue.send(w.op, m, agent, "queued", idempotency_key="k-kept")
+    done = await queue.send(w.op, m, agent, "acked", idempotency_key="k-done")
+    await queue.acknowledged((await queue.queued(w.op, m))[1])
+    w.clock.now += dt.timedelta(days=8)
+    assert [e.prompt_id for e in await queue.queued(w.op, m)] == [kept.prompt_id]
+    again = await queue.send(w.op, m, agent, "queued", idempotency_key="k-kept")
+    assert again.prompt_id == kept.prompt_id
+    replayed = await queue.send(w.op, m, agent, "acked", idempotency_key="k-done")
+    assert replayed.prompt_id == done.prompt_id
+    assert "expired" not in w.outcomes
+    assert [i.key async for i in w.store.list(acked_prefix(acct, m))]
+    # The clocks agree again: the week-old prompt and key go.
+    agrees[0] = True
+    assert await queue.queued(w.op, m) == []
+    assert "expired" in w.outcomes
+    assert [i.key async for i in w.store.list(acked_prefix(acct, m))] == []
+
+
 async def test_sequence_claim_skips_a_taken_number(w: World) -> None:
     acct, m, _ = await w.machine(1)
     agent = new_id("agent")
