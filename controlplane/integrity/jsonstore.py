@@ -7,7 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 from controlplane.integrity.records import decode, encode
-from shared.errors import IntegrityError, InvalidState, NotFound, PreconditionFailed
+from shared.errors import (
+    IntegrityError,
+    InvalidState,
+    NotFound,
+    PreconditionFailed,
+    StoreUnavailable,
+)
 from shared.ids import is_valid_id
 from shared.store.base import ObjectStore
 
@@ -17,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 #: How many times a compare-and-swap update is retried when it loses a race.
 CAS_ATTEMPTS = 20
+#: Reads of a listed key that answered NotFound while a HEAD still found it.
+_LISTED_READS = 3
 
 
 async def read(store: ObjectStore, key: str) -> dict[str, Any]:
@@ -27,9 +35,14 @@ async def read(store: ObjectStore, key: str) -> dict[str, Any]:
 async def read_all(store: ObjectStore, prefix: str, kind: str) -> list[dict[str, Any]]:
     """Every ``<prefix><id>.json`` object whose name is a valid ``kind`` id, in key order.
 
-    Other keys under ``prefix`` are skipped, and so is an object deleted
-    between the listing and its read, and one that fails its integrity check
-    (refused and counted by the store: it never reaches a listing).
+    Complete, or an error naming what could not be read: other keys under
+    ``prefix`` are skipped, and so is an object that fails its integrity check
+    (a forgery: refused and counted by the store, never a record); an object
+    listed but then not found is skipped only once a HEAD confirms it is gone
+    (deleted since the listing), and one that fails its check is read once
+    more first (a body cut short passes the second time). One that a HEAD
+    still finds is read again; a key that stays listed but unreadable fails
+    the listing (StoreUnavailable) instead of leaving a record out of it.
     """
     out: list[dict[str, Any]] = []
     async for info in store.list(prefix):
@@ -37,10 +50,38 @@ async def read_all(store: ObjectStore, prefix: str, kind: str) -> list[dict[str,
         if not name.endswith(".json") or not is_valid_id(kind, name.removesuffix(".json")):
             continue
         try:
-            out.append(await read(store, info.key))
-        except (NotFound, IntegrityError):
+            found = await _read_listed(store, info.key)
+        except IntegrityError:
             continue
+        if found is not None:
+            out.append(found)
     return out
+
+
+async def _read_listed(store: ObjectStore, key: str) -> dict[str, Any] | None:
+    """The record at a key a listing just named; None when it was deleted since."""
+    torn = False
+    for _ in range(_LISTED_READS):
+        try:
+            return await read(store, key)
+        except NotFound:
+            pass
+        except IntegrityError:
+            # A forgery fails every read; a body cut short fails once. Read it
+            # once more before the caller leaves it out as a forgery.
+            if torn:
+                raise
+            torn = True
+            continue
+        # Some servers answer a GET racing an overwrite with 404 for a moment
+        # (moto does under load): the HEAD says whether it is really gone.
+        try:
+            await store.head(key)
+        except NotFound:
+            return None
+    raise StoreUnavailable(
+        f"list: {key} is listed and exists but could not be read ({_LISTED_READS} tries); try again"
+    )
 
 
 async def read_versioned(store: ObjectStore, key: str) -> tuple[dict[str, Any], str]:
