@@ -107,6 +107,10 @@ RECONNECT_CAP: Final = 2.0
 #: Seconds the read of the control plane's certificate may take after a
 #: handshake failed its date check (a diagnosis only; the backoff goes on).
 _PROBE_TIMEOUT: Final = 5.0
+#: Seconds between two such reads while the handshakes keep failing: the
+#: finding rarely changes, and a fleet with a bad clock must not double its
+#: connection attempts.
+_PROBE_EVERY: Final = 300.0
 
 
 class _Metrics:
@@ -212,6 +216,7 @@ class ControlLink:
         self._attempts = 0
         self._link: identity.LinkRecord | None = None
         self._ca_pem = b""
+        self._next_probe = 0.0  # time.monotonic() before which no probe runs
         self._final_reason = ""
 
     # ------------------------------------------------------------------ public
@@ -317,8 +322,9 @@ class ControlLink:
     async def _explain_handshake(self) -> None:
         """The TLS handshake failed its date check: say which clock and which dates,
         once per finding (the attempts go on at the backoff's pace)."""
-        if self._link is None:
+        if self._link is None or time.monotonic() < self._next_probe:
             return
+        self._next_probe = time.monotonic() + _PROBE_EVERY
         now = self._clock()
         server_pem = await asyncio.to_thread(
             fetch_server_certificate, self._link.control_address, _PROBE_TIMEOUT
@@ -436,6 +442,7 @@ class ControlLink:
         if not isinstance(first, Welcome):
             raise TransientError(f"control link: expected welcome, got {_kind(first)}")
         self._complaint.say(None, "")  # connected: a next failure is news again
+        self._next_probe = 0.0
         if first.server_time is not None:
             self._skew.observe(first.server_time, sent, received)
         interval = first.heartbeat_interval or self._link_interval()
