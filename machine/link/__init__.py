@@ -8,8 +8,10 @@ that follow the keys on disk through renewals and rollovers), ``connection`` (th
 Connect stream and its reconnect loop), ``states`` (the link's states and the
 refusals that stop or slow it), ``heartbeats`` (hello, heartbeats and the
 agent roster on the stream), ``renewal`` (certificate renewal and CA
-rollovers while the stream is up) and ``deliveries`` (prompts the control
-plane delivers: stored once, then acknowledged).
+rollovers while the stream is up), ``clock`` (this machine's clock against the
+control plane's: the measured skew, and a TLS date check that failed, explained)
+and ``deliveries`` (prompts the control plane delivers: stored once, then
+acknowledged).
 
 May import: ``machine.core`` (deliveries start runs), ``machine.storage``, the
 leaves, ``shared``. Never backups (they use the link, not the reverse) or the CLI.
@@ -17,6 +19,7 @@ leaves, ``shared``. Never backups (they use the link, not the reverse) or the CL
 
 __all__ = [
     "client",
+    "clock",
     "connection",
     "deliveries",
     "following",

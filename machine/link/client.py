@@ -106,6 +106,8 @@ class Welcome:
     machine_id: str
     heartbeat_interval: float
     """Seconds; 0 when the control plane names none."""
+    server_time: dt.datetime | None = None
+    """The control plane's clock as it sent the welcome (None from one that sends none)."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,11 @@ ControlNotice: TypeAlias = Welcome | Revoked | AccountDeleted | RenewNow | Deliv
 def _notice(msg: link_pb2.ControlMessage) -> ControlNotice:
     kind = msg.WhichOneof("kind")
     if kind == "welcome":
-        return Welcome(msg.welcome.machine_id, msg.welcome.heartbeat_interval_ms / 1000)
+        return Welcome(
+            msg.welcome.machine_id,
+            msg.welcome.heartbeat_interval_ms / 1000,
+            field_datetime(msg.welcome, "server_time"),
+        )
     if kind == "revoked":
         return Revoked(msg.revoked.reason)
     if kind == "account_deleted":

@@ -35,8 +35,13 @@ it again.
 Renewal: while a stream is up, :mod:`machine.link.renewal` renews the
 client certificate when it is due or the control plane says ``renew_now``;
 the live stream keeps going and the next connection uses the new
-certificate. :mod:`machine.link.states` holds the link's states and reads the
-control plane's refusals (which are final, which are retried).
+certificate. Clock: each welcome carries the control plane's time, from
+which :mod:`machine.link.clock` measures this machine's skew (a gauge, one
+log line when it is off); a connection that fails the TLS date check (this
+machine's clock behind the control plane's certificate) is explained in one
+log line naming both dates, while the reconnect backoff keeps trying.
+:mod:`machine.link.states` holds the link's states and reads the control
+plane's refusals (which are final, which are retried).
 """
 
 from __future__ import annotations
@@ -71,8 +76,15 @@ from machine.link.client import (
     Revoked,
     Welcome,
 )
+from machine.link.clock import (
+    ClockComplaint,
+    ClockSkew,
+    certificate_dates_problem,
+    fetch_server_certificate,
+    handshake_clock_problem,
+)
 from machine.link.heartbeats import Heartbeats
-from machine.link.renewal import CertificateRenewal
+from machine.link.renewal import RENEWAL_BACKOFF_CAP, CertificateRenewal
 from machine.link.states import (
     FINAL_STATES,
     LinkRefused,
@@ -92,6 +104,13 @@ logger = logging.getLogger(__name__)
 
 #: Longest wait between two reconnect attempts (seconds; see the module doc).
 RECONNECT_CAP: Final = 2.0
+#: Seconds the read of the control plane's certificate may take after a
+#: handshake failed its date check (a diagnosis only; the backoff goes on).
+_PROBE_TIMEOUT: Final = 5.0
+#: Seconds between two such reads while the handshakes keep failing: the
+#: finding rarely changes, and a fleet with a bad clock must not double its
+#: connection attempts.
+_PROBE_EVERY: Final = 300.0
 
 
 class _Metrics:
@@ -122,6 +141,12 @@ class _Metrics:
             "Deliveries received and acknowledged.",
             registry=registry,
         )
+        self.clock_skew = Gauge(
+            "agents_machine_clock_skew_seconds",
+            "This machine's clock minus the control plane's, measured at the last welcome"
+            " (0 until one was measured).",
+            registry=registry,
+        )
 
 
 class ControlLink:
@@ -140,6 +165,7 @@ class ControlLink:
         renew_fraction: float = 1 / 3,
         backoff_initial: float = 0.5,
         backoff_max: float = RECONNECT_CAP,
+        renewal_backoff_cap: float = RENEWAL_BACKOFF_CAP,
         handshake_timeout: float = 10.0,
         stable_after: float = 10.0,
         refused_retry: float = 300.0,
@@ -170,15 +196,18 @@ class ControlLink:
             roster=roster,
             heartbeats=self._metrics.heartbeats,
         )
+        self._skew = ClockSkew(self._metrics.clock_skew)
+        self._complaint = ClockComplaint()
         self._renewal = CertificateRenewal(
             data_dir=data_dir,
             renew_fraction=renew_fraction,
             backoff_initial=backoff_initial,
-            backoff_max=backoff_max,
+            backoff_cap=renewal_backoff_cap,
             timeout=handshake_timeout,
             clock=clock,
             renewals=self._metrics.renewals,
             on_renewed=self._renewed,
+            describe_skew=self._skew.describe,
         )
         self._state = LinkState.STARTING
         self._state_changed = asyncio.Condition()
@@ -186,6 +215,8 @@ class ControlLink:
         self._task: asyncio.Task[None] | None = None
         self._attempts = 0
         self._link: identity.LinkRecord | None = None
+        self._ca_pem = b""
+        self._next_probe = 0.0  # time.monotonic() before which no probe runs
         self._final_reason = ""
 
     # ------------------------------------------------------------------ public
@@ -204,6 +235,12 @@ class ControlLink:
     def connected(self) -> bool:
         """True while the Connect stream is up (welcome received)."""
         return self._state is LinkState.CONNECTED
+
+    @property
+    def clock_skew(self) -> float | None:
+        """This machine's clock minus the control plane's (seconds), from the last
+        welcome; None until one was measured."""
+        return self._skew.seconds
 
     @property
     def final_reason(self) -> str:
@@ -270,6 +307,8 @@ class ControlLink:
                 self._link.cert_not_after.isoformat(),
                 self._link.machine_id,
             )
+        if error is not None and handshake_clock_problem(error):
+            await self._explain_handshake()
         logger.warning(
             "control link to %s failed (attempt %d), retrying in %.2fs: %s: %s",
             self._link.control_address if self._link else "?",
@@ -279,6 +318,25 @@ class ControlLink:
             error,
         )
         await self._set_state(LinkState.BACKING_OFF)
+
+    async def _explain_handshake(self) -> None:
+        """The TLS handshake failed its date check: say which clock and which dates,
+        once per finding (the attempts go on at the backoff's pace)."""
+        if self._link is None or time.monotonic() < self._next_probe:
+            return
+        self._next_probe = time.monotonic() + _PROBE_EVERY
+        now = self._clock()
+        server_pem = await asyncio.to_thread(
+            fetch_server_certificate, self._link.control_address, _PROBE_TIMEOUT
+        )
+        certificates = [("the control plane's certificate", server_pem)] if server_pem else []
+        certificates.append(("the control plane's CA certificate", self._ca_pem))
+        finding = certificate_dates_problem(now, certificates) or (
+            f"this machine's clock says {now.isoformat(timespec='seconds')}; the control"
+            " plane's certificate failed the TLS date check by it: check this machine's"
+            " clock / NTP (timedatectl)"
+        )
+        self._complaint.say(finding, "control link: the TLS handshake failed")
 
     def _cert_expired(self) -> bool:
         return self._link is not None and self._link.cert_not_after <= self._clock()
@@ -338,6 +396,7 @@ class ControlLink:
         link = await asyncio.to_thread(identity.load_link, self._data_dir)
         keys = await asyncio.to_thread(identity.load_keys, self._data_dir)
         self._link = link
+        self._ca_pem = keys.ca_cert_pem
         client = self._dial(
             link.control_address,
             ca_pem=keys.ca_cert_pem,
@@ -372,14 +431,20 @@ class ControlLink:
     async def _converse(
         self, stream: ControlStream, client: LinkSession, keys: identity.MachineKeys
     ) -> None:
+        sent = self._clock()
         await self._heartbeats.hello(stream, self._version)
         first = await asyncio.wait_for(stream.read(), self._handshake_timeout)
+        received = self._clock()
         if first is None:
             # A refusal arrives as an AioRpcError from read(); EOF is a clean close.
             raise TransientError("control link: stream closed before welcome")
         check_notice(first)
         if not isinstance(first, Welcome):
             raise TransientError(f"control link: expected welcome, got {_kind(first)}")
+        self._complaint.say(None, "")  # connected: a next failure is news again
+        self._next_probe = 0.0
+        if first.server_time is not None:
+            self._skew.observe(first.server_time, sent, received)
         interval = first.heartbeat_interval or self._link_interval()
         logger.info(
             "control link up: %s as %s, heartbeat every %.3fs",

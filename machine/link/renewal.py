@@ -9,10 +9,19 @@ or else the one already pinned. The reply is checked against our key and
 identity before anything is written. The live stream keeps going; the next
 connection uses the new certificate.
 
-A failed renewal is tried again after the link's backoff (doubling up to its
-cap); a failed ``renew_now`` is retried after that backoff even while the
-certificate is far from due, since a CA rollover waits on it. A refusal that
-is final (:class:`~machine.link.states.LinkStopped`) ends the stream.
+A failed renewal is tried again after a backoff (:func:`renewal_backoff`):
+doubling from the link's first backoff up to :data:`RENEWAL_BACKOFF_CAP` (an
+hour), and starting at :data:`NOT_DUE_BACKOFF` when the control plane answered
+that the certificate is not due yet. That answer comes by the control plane's
+clock, so a machine whose own clock runs days ahead thinks renewal is due and
+is told no: without the backoff it asked again every reconnect backoff (2 s),
+forever. The backoff outlives a stream (it is this object's state, not the
+stream's), so a link that reconnects does not start asking again at once. A
+``renew_now`` from the control plane wakes the wait at once (the control plane
+says it is due by its clock); a failed ``renew_now`` is retried after the
+backoff even while the certificate is far from due, since a CA rollover waits
+on it. A refusal that is final (:class:`~machine.link.states.LinkStopped`)
+ends the stream.
 """
 
 from __future__ import annotations
@@ -21,8 +30,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 import grpc.aio
 from prometheus_client import Counter
@@ -31,12 +42,36 @@ from machine.link import identity
 from machine.link.client import LinkSession
 from machine.link.states import LinkStopped, map_error
 from shared import tls
-from shared.errors import AgentsError, IntegrityError, InvalidArgument
+from shared.errors import AgentsError, IntegrityError, InvalidArgument, InvalidState
 from shared.timestamps import Clock
 
-__all__ = ["CertificateRenewal"]
+__all__ = ["NOT_DUE_BACKOFF", "RENEWAL_BACKOFF_CAP", "CertificateRenewal", "renewal_backoff"]
 
 logger = logging.getLogger(__name__)
+
+#: The longest wait between two failed renewal attempts (seconds): a control
+#: plane that keeps refusing is asked about once an hour.
+RENEWAL_BACKOFF_CAP: Final = 3600.0
+#: The first wait after a "not due yet" (seconds). The control plane judges by
+#: its clock, which moves a second a second: asking again within seconds cannot
+#: change its answer, and it sends ``renew_now`` itself once it is due.
+NOT_DUE_BACKOFF: Final = 60.0
+
+
+def renewal_backoff(failures: int, *, not_due: bool, initial: float, cap: float) -> float:
+    """Seconds to wait after the ``failures``-th failed renewal in a row (from 1).
+
+    Doubles from ``initial`` (from :data:`NOT_DUE_BACKOFF` after a "not due"
+    answer) and stops growing at ``cap``.
+    """
+    first = max(initial, NOT_DUE_BACKOFF) if not_due else initial
+    # The exponent is bounded so a machine refused for months cannot overflow.
+    return float(min(cap, first * 2 ** min(failures - 1, 64)))
+
+
+def _not_due(err: BaseException) -> bool:
+    # controlplane.machines.pairing refuses an early renewal with InvalidState.
+    return isinstance(err, InvalidState) and "not due" in str(err)
 
 
 class CertificateRenewal:
@@ -52,21 +87,29 @@ class CertificateRenewal:
         data_dir: Path,
         renew_fraction: float,
         backoff_initial: float,
-        backoff_max: float,
         timeout: float,
         clock: Clock,
         renewals: Counter,
         on_renewed: Callable[[identity.LinkRecord], None],
+        backoff_cap: float = RENEWAL_BACKOFF_CAP,
+        describe_skew: Callable[[], str] = lambda: "",
     ) -> None:
         self._data_dir = data_dir
         self._renew_fraction = renew_fraction
         self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
         self._timeout = timeout
         self._clock = clock
         self._renewals = renewals
         self._on_renewed = on_renewed
+        self._backoff_cap = backoff_cap
+        # What the link knows of this machine's clock against the control
+        # plane's, for the log line of a "not due" refusal ("" when it agrees).
+        self._describe_skew = describe_skew
         self._renew_now = asyncio.Event()
+        # Failed attempts in a row and when (time.monotonic) the next may start:
+        # kept across streams, so a reconnect does not reset the backoff.
+        self._failures = 0
+        self._retry_at = 0.0
 
     def request(self) -> None:
         """Renew at once (the control plane said ``renew_now``)."""
@@ -94,12 +137,11 @@ class CertificateRenewal:
 
         ``keys`` and ``link`` are what the connection was opened with.
         """
-        failures = 0
         asked = False  # a RenewNow not honoured yet: retried after a backoff, not when due
         while True:
             delay = self.renew_in(keys, link)
-            if failures:
-                backoff = min(self._backoff_max, self._backoff_initial * 2**failures)
+            if self._failures:
+                backoff = max(0.0, self._retry_at - time.monotonic())
                 delay = backoff if asked else max(delay, backoff)
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
@@ -108,19 +150,32 @@ class CertificateRenewal:
             self._renew_now.clear()
             try:
                 link, keys = await self._renew(client, keys, link)
-                failures = 0
+                self._failures = 0
                 asked = False
             except grpc.aio.AioRpcError as e:
                 err = map_error(e)
                 if isinstance(err, LinkStopped):
                     raise err from None
-                failures += 1
-                self._renewals.labels("error").inc()
-                logger.warning("certificate renewal failed: %s", err)
+                self._failed(err)
             except AgentsError as e:
-                failures += 1
-                self._renewals.labels("error").inc()
-                logger.warning("certificate renewal failed: %s", e)
+                self._failed(e)
+
+    def _failed(self, err: Exception) -> None:
+        self._failures += 1
+        self._renewals.labels("error").inc()
+        not_due = _not_due(err)
+        wait = renewal_backoff(
+            self._failures, not_due=not_due, initial=self._backoff_initial, cap=self._backoff_cap
+        )
+        self._retry_at = time.monotonic() + wait
+        skew = self._describe_skew() if not_due else ""
+        logger.warning(
+            "certificate renewal failed (%d in a row), next try in %.0fs: %s%s",
+            self._failures,
+            wait,
+            err,
+            f" ({skew})" if skew else "",
+        )
 
     async def _renew(
         self,

@@ -18,6 +18,16 @@ Rules it keeps:
   pauses its schedules; unarchiving leaves them paused for a person to resume.
 - Fire times come from :mod:`machine.formats.cron` (DST rules there); nothing here
   reads the wall clock except through the injected ``clock``.
+- The wall clock may step (NTP correcting it, a person setting it). Each pass
+  compares it with the time elapsed on the monotonic clock since the pass
+  before. A step back of more than :data:`_STEP` seconds is logged once, and
+  a schedule whose last fire (or creation) now lies ahead of the wall clock
+  fires again from the wall clock's next match after the step, instead of
+  firing nothing until the clock is back where it was; a fire time already in
+  ``schedule_runs`` (the hour replayed) still never runs twice. A schedule
+  found so at start (the daemon restarted after the step) is logged and goes
+  on from now. A step forward is logged, and the fire times it passed over
+  are missed fires like any others (the latest one runs once).
 """
 
 from __future__ import annotations
@@ -72,6 +82,10 @@ _MAX_RUNS_LISTED = 1000
 _RETRY = 5.0
 #: Fire times counted in one pass of fire_due (the missed ones go to a metric).
 _COUNTED = 1000
+#: Seconds the wall clock may move against the monotonic one between two passes
+#: before it counts as a step: more than NTP's slewing does in a minute
+#: (_MAX_WAIT), less than anyone setting a clock by hand.
+_STEP = 5.0
 
 
 def _utc(seconds: float) -> dt.datetime:
@@ -259,6 +273,7 @@ class Scheduler:
         ids: MachineIds,
         metrics: MachineMetrics | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         test_seconds: int = 0,
     ) -> None:
         self._db = db
@@ -266,7 +281,13 @@ class Scheduler:
         self._ids = ids
         self._metrics = metrics
         self._clock = clock
+        self._monotonic = monotonic
         self._test_seconds = test_seconds
+        self._last_read: tuple[float, float] | None = None
+        """(wall, monotonic) at the last pass: what a clock step is measured against."""
+        self._resume_from: dict[str, float] = {}
+        """Schedules whose last fire lies ahead of the wall clock (it stepped back):
+        the wall time they fire again after (see the module docstring)."""
         self._changed = asyncio.Event()
         self._unplannable: set[str] = set()
         """Schedules whose fire times could not be computed, logged once each."""
@@ -336,14 +357,16 @@ class Scheduler:
         :data:`_RETRY` seconds. Neither holds up the others.
         """
         now = self._clock()
+        stepped_to = self._clock_step(now)
         schedules = await self._db.read(tables.enabled_schedules)
         soonest: float | None = None
         retry = False
         unplannable: set[str] = set()
+        ahead: list[str] = []
         for s in schedules:
             try:
                 expr, zone = self._expr(s.cron), _zone(s.time_zone)
-                since = _utc(max(s.last_fire or s.created_at, s.created_at))
+                since = _utc(self._since(s, now, stepped_to, ahead))
                 due = fires_between(expr, zone, since, _utc(now), limit=_COUNTED)
                 if len(due) == _COUNTED:
                     # More were due than counted (a daemon asleep for days): the
@@ -368,6 +391,15 @@ class Scheduler:
                 at = upcoming.timestamp()
                 soonest = at if soonest is None else min(soonest, at)
         self._unplannable = unplannable
+        if ahead and stepped_to is None:
+            # No step seen by this process (it started after it): say it once here.
+            logger.warning(
+                "schedule(s) %s last fired after the wall clock's now (%s): the clock went"
+                " back; they fire again from its next match, and no fire time already"
+                " recorded runs twice",
+                ", ".join(ahead),
+                _utc(now).isoformat(timespec="seconds"),
+            )
         if self._metrics is not None:
             self._metrics.schedules_enabled.set(len(schedules))
         if soonest != self.next_fire_at:
@@ -377,6 +409,51 @@ class Scheduler:
         if retry:
             wait = _RETRY if wait is None else min(wait, _RETRY)
         return wait
+
+    def _clock_step(self, now: float) -> float | None:
+        """Log a step of the wall clock since the last pass; after a step back, the
+        wall time (on the new clock) from which schedules fire again, else None."""
+        mono = self._monotonic()
+        last, self._last_read = self._last_read, (now, mono)
+        if last is None:
+            return None
+        elapsed = mono - last[1]
+        jump = now - (last[0] + elapsed)
+        if jump < -_STEP:
+            # The wall time of the last pass, read on the new clock: the step came
+            # after it, so matches from there on were never due before.
+            resume = min(now, now - elapsed)
+            logger.warning(
+                "the wall clock went back by %.0fs (it said %s, now %s): schedules fire"
+                " again from its next match, and no fire time already recorded runs twice",
+                -jump,
+                _utc(last[0] + elapsed).isoformat(timespec="seconds"),
+                _utc(now).isoformat(timespec="seconds"),
+            )
+            self._resume_from.clear()
+            return resume
+        if jump > _STEP:
+            logger.info(
+                "the wall clock went forward by %.0fs (set ahead, or this machine slept):"
+                " fire times it passed over count as missed; the latest one runs once",
+                jump,
+            )
+        return None
+
+    def _since(
+        self, s: ScheduleRecord, now: float, stepped_to: float | None, ahead: list[str]
+    ) -> float:
+        """The wall time after which ``s``'s fire times are due now."""
+        since = max(s.last_fire or s.created_at, s.created_at)
+        if since <= now + _STEP:
+            self._resume_from.pop(s.id, None)
+            return since
+        # Its last fire lies ahead of the clock: only a step back does that.
+        if s.id not in self._resume_from:
+            self._resume_from[s.id] = now if stepped_to is None else stepped_to
+            if stepped_to is None:
+                ahead.append(s.id)
+        return self._resume_from[s.id]
 
     def _skip(self, s: ScheduleRecord, why: str, skipped: set[str]) -> None:
         """Log (once while it lasts) that enabled schedule ``s`` cannot fire."""

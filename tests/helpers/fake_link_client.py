@@ -160,7 +160,9 @@ class FakeStream:
         record.inbox = self._inbox
         self._record = record
         self._fake.streams.append(record)
-        self._inbox.put_nowait(Welcome(record.machine_id, self._fake.heartbeat_ms / 1000))
+        self._inbox.put_nowait(
+            Welcome(record.machine_id, self._fake.heartbeat_ms / 1000, self._fake.clock())
+        )
 
     def _live(self) -> Stream:
         self._check()
@@ -236,6 +238,8 @@ class FakeLinkClient:
         return None
 
     def _handshake(self) -> grpc.aio.AioRpcError | None:
+        if self._fake.handshake_failure:
+            return _unavailable(f"Tls handshake failed: {self._fake.handshake_failure}")
         fake = self._fake
         try:
             tls.verify_issued_by(self.cert_pem, fake.trusted_cas())
@@ -392,6 +396,9 @@ class FakeControlPlane:
         self.account_deleting = False
         self.down = False
         """Refuse every mutual-TLS call like a stopped control plane."""
+        self.handshake_failure = ""
+        """When set, every mutual-TLS handshake fails with these words (BoringSSL's
+        "certificate is not yet valid" for a machine whose clock is behind)."""
         self.failures: dict[str, list[grpc.aio.AioRpcError]] = {}
         self.accounts: dict[str, str] = {}
         """Machine id -> account id of every machine joined here."""
@@ -400,6 +407,8 @@ class FakeControlPlane:
         self.join_calls = 0
         self.joined: list[MachineInfo] = []
         self.renew_calls = 0
+        self.refuse_renewals: AgentsError | None = None
+        """Every renewal that reaches the handler is refused with this (e.g. "not due")."""
         self.renewed: list[bytes] = []
         """The certificates renewals handed out, in order."""
         self.connects = 0
@@ -525,6 +534,8 @@ class FakeControlPlane:
 
     def renew(self, peer: tls.PeerIdentity, csr_pem: str) -> Renewed:
         self.renew_calls += 1
+        if self.refuse_renewals is not None:
+            raise domain_rpc_error(self.refuse_renewals)
         issued = tls.sign_client_csr(
             self.ca,
             csr_pem,

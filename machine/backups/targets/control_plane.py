@@ -28,6 +28,7 @@ from machine.backups.restore import restore_fetched
 from machine.backups.source import DatabaseBackupSource
 from machine.link import identity
 from machine.link.client import LinkClient
+from machine.link.clock import handshake_clock_problem
 from machine.storage.db import Database
 from shared.atomic import ensure_private_dir
 from shared.backup_target import MAX_LINK_MANIFEST, ManifestInfo, PruneResult
@@ -42,6 +43,7 @@ from shared.errors import (
 )
 from shared.limits import LINK_MAX_MESSAGE
 from shared.rpc import domain_error, from_server
+from shared.timestamps import Clock, utc_now
 
 __all__ = ["ControlPlaneTarget", "RepairRestore", "newest_authentic", "restore_newest"]
 
@@ -73,8 +75,10 @@ class ControlPlaneTarget:
         timeout: float = _CALL_TIMEOUT,
         transfer_timeout: float = _TRANSFER_TIMEOUT,
         where: str = "control plane",
+        clock: Clock = utc_now,
     ) -> None:
         self._client = client
+        self._clock = clock
         # A daemon's target follows certificate renewals and CA rollovers
         # (machine.link.following); a one-off restore uses ``client`` as it is.
         self._clients = clients
@@ -91,7 +95,16 @@ class ControlPlaneTarget:
         says which one it tried (the CLI shows it as is)."""
         err = domain_error(exc)
         if isinstance(err, TransientError) and not from_server(exc):
-            return TransientError(f"{self._where}: unreachable ({err.message})")
+            hint = ""
+            if handshake_clock_problem(err):
+                # gRPC names the failed date check only deep in its text: say
+                # which clock judged it, so the fix (this machine's clock) is plain.
+                hint = (
+                    f"; the control plane's certificate failed the TLS date check by this"
+                    f" machine's clock, which says {self._clock():%Y-%m-%d %H:%M:%S} UTC:"
+                    " check it / NTP (timedatectl)"
+                )
+            return TransientError(f"{self._where}: unreachable ({err.message}){hint}")
         return err
 
     async def have_segments(self, names: Iterable[str]) -> dict[str, int]:

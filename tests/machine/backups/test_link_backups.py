@@ -7,6 +7,7 @@ listing, reading another machine's backups, and gRPC errors as domain errors.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -18,6 +19,7 @@ from machine.link.client import MachineInfo
 from shared import tls
 from shared.errors import NotFound, StoreError, TransientError
 from shared.ids import new_id
+from tests.helpers.clock import FixedClock
 from tests.helpers.fake_link_client import FakeControlPlane, FakeLinkClient, domain_rpc_error
 
 
@@ -132,8 +134,26 @@ async def test_link_errors_come_back_as_domain_errors(control: FakeControlPlane)
     control.down = True
     named = ControlPlaneTarget(client, where="control plane 127.0.0.1:7444")
     # No control plane answered: the error says which one was tried.
-    with pytest.raises(TransientError, match=r"^control plane 127\.0\.0\.1:7444: unreachable \("):
+    with pytest.raises(
+        TransientError, match=r"^control plane 127\.0\.0\.1:7444: unreachable \("
+    ) as down:
         await named.have_segments([_name()])
+    assert "clock" not in str(down.value)  # a refused connection is no clock problem
+
+
+async def test_a_failed_tls_date_check_names_this_machines_clock(
+    control: FakeControlPlane,
+) -> None:
+    _, client = await _machine(control)
+    control.handshake_failure = "CERTIFICATE_VERIFY_FAILED: certificate is not yet valid"
+    behind = FixedClock(dt.datetime(2026, 3, 25, 10, 0, tzinfo=dt.UTC))
+    target = ControlPlaneTarget(client, where="control plane 127.0.0.1:7444", clock=behind)
+    with pytest.raises(TransientError) as info:
+        await target.have_segments([_name()])
+    said = str(info.value)
+    assert said.startswith("control plane 127.0.0.1:7444: unreachable (")
+    assert "this machine's clock, which says 2026-03-25 10:00:00 UTC" in said
+    assert "check it / NTP" in said
 
 
 class _OlderControlPlane:

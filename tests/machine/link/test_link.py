@@ -946,6 +946,7 @@ def test_no_os_environ_here() -> None:
         "link/connection",
         "link/heartbeats",
         "link/renewal",
+        "link/clock",
         "link/states",
         "link/join",
         "link/identity",
