@@ -208,6 +208,7 @@ class ControlLink:
             renewals=self._metrics.renewals,
             on_renewed=self._renewed,
             describe_skew=self._skew.describe,
+            dial=self._dial,
         )
         self._state = LinkState.STARTING
         self._state_changed = asyncio.Condition()

@@ -39,7 +39,7 @@ import grpc.aio
 from prometheus_client import Counter
 
 from machine.link import identity
-from machine.link.client import LinkSession
+from machine.link.client import LinkDialer, LinkSession, Renewed
 from machine.link.states import LinkStopped, map_error
 from shared import tls
 from shared.errors import AgentsError, IntegrityError, InvalidArgument, InvalidState
@@ -93,8 +93,12 @@ class CertificateRenewal:
         on_renewed: Callable[[identity.LinkRecord], None],
         backoff_cap: float = RENEWAL_BACKOFF_CAP,
         describe_skew: Callable[[], str] = lambda: "",
+        dial: LinkDialer | None = None,
     ) -> None:
         self._data_dir = data_dir
+        # Opens a channel presenting the certificate on disk, for a renewal after
+        # one already made on this stream (see _renew).
+        self._dial = dial
         self._renew_fraction = renew_fraction
         self._backoff_initial = backoff_initial
         self._timeout = timeout
@@ -138,6 +142,7 @@ class CertificateRenewal:
         ``keys`` and ``link`` are what the connection was opened with.
         """
         asked = False  # a RenewNow not honoured yet: retried after a backoff, not when due
+        presented = keys.tls_cert_pem  # what this stream's channel shows the control plane
         while True:
             delay = self.renew_in(keys, link)
             if self._failures:
@@ -149,7 +154,7 @@ class CertificateRenewal:
             asked = asked or self._renew_now.is_set()
             self._renew_now.clear()
             try:
-                link, keys = await self._renew(client, keys, link)
+                link, keys = await self._renew(client, keys, link, presented)
                 self._failures = 0
                 asked = False
             except grpc.aio.AioRpcError as e:
@@ -159,6 +164,37 @@ class CertificateRenewal:
                 self._failed(err)
             except AgentsError as e:
                 self._failed(e)
+
+    async def _ask(
+        self,
+        client: LinkSession,
+        keys: identity.MachineKeys,
+        link: identity.LinkRecord | None,
+        presented: bytes,
+        csr: str,
+    ) -> Renewed:
+        """Send the CSR over a channel presenting our current certificate.
+
+        The control plane lets only the current certificate renew (the one
+        before it still connects). A stream outlives the renewals made on it,
+        and its channel keeps presenting the certificate it opened with: a
+        second renewal on it (the next one due, or a CA rollover's renew-now)
+        goes over a channel of its own, or it would be refused until the
+        stream ended.
+        """
+        if keys.tls_cert_pem == presented or self._dial is None or link is None:
+            return await client.renew(csr, timeout=self._timeout)
+        current = await asyncio.to_thread(identity.load_keys, self._data_dir)
+        channel = self._dial(
+            link.control_address,
+            ca_pem=current.ca_cert_pem,
+            key_pem=current.tls_key_pem,
+            cert_pem=current.tls_cert_pem,
+        )
+        try:
+            return await channel.renew(csr, timeout=self._timeout)
+        finally:
+            await channel.aclose()
 
     def _failed(self, err: Exception) -> None:
         self._failures += 1
@@ -182,10 +218,11 @@ class CertificateRenewal:
         client: LinkSession,
         keys: identity.MachineKeys,
         link: identity.LinkRecord | None,
+        presented: bytes,
     ) -> tuple[identity.LinkRecord, identity.MachineKeys]:
         key = tls.load_private_key(keys.tls_key_pem)
         csr = tls.build_csr(key).decode("ascii")
-        reply = await client.renew(csr, timeout=self._timeout)
+        reply = await self._ask(client, keys, link, presented, csr)
         cert_pem = reply.certificate_pem.encode("ascii", "replace")
         ca_pem = (
             reply.ca_certificate_pem.encode("ascii", "replace")

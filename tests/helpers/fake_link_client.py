@@ -282,7 +282,7 @@ class FakeLinkClient:
 
     async def renew(self, csr_pem: str, *, timeout: float) -> Renewed:
         peer = await self._mutual("renew")
-        return self._fake.renew(peer, csr_pem)
+        return self._fake.renew(peer, csr_pem, self.cert_pem)
 
     def connect(self) -> FakeStream:
         return FakeStream(self._fake, self)
@@ -411,6 +411,9 @@ class FakeControlPlane:
         """Every renewal that reaches the handler is refused with this (e.g. "not due")."""
         self.renewed: list[bytes] = []
         """The certificates renewals handed out, in order."""
+        self.current: dict[str, bytes] = {}
+        """Machine id -> its current certificate: like controlplane.machines.pairing,
+        only that one may renew (the one before it still connects)."""
         self.connects = 0
         self.streams: list[Stream] = []
         self.backups = MachineBackups(MemoryStore(), exists=self._exists)
@@ -518,6 +521,7 @@ class FakeControlPlane:
             lifetime=self.cert_lifetime,
             now=self.clock(),
         )
+        self.current[machine_id] = issued.cert_pem
         bundle = self.trusted_cas()
         reply = JoinReply(
             certificate_pem=issued.cert_pem.decode(),
@@ -532,10 +536,13 @@ class FakeControlPlane:
         tamper, self.tamper_join = self.tamper_join, None
         return tamper(reply) if tamper else reply
 
-    def renew(self, peer: tls.PeerIdentity, csr_pem: str) -> Renewed:
+    def renew(self, peer: tls.PeerIdentity, csr_pem: str, presented: bytes = b"") -> Renewed:
         self.renew_calls += 1
         if self.refuse_renewals is not None:
             raise domain_rpc_error(self.refuse_renewals)
+        current = self.current.get(peer.machine_id)
+        if current is not None and presented and presented != current:
+            raise domain_rpc_error(Unauthenticated("renew: only the current certificate may renew"))
         issued = tls.sign_client_csr(
             self.ca,
             csr_pem,
@@ -545,6 +552,7 @@ class FakeControlPlane:
             now=self.clock(),
         )
         self.renewed.append(issued.cert_pem)
+        self.current[peer.machine_id] = issued.cert_pem
         return Renewed(issued.cert_pem.decode(), self.ca.cert_pem.decode())
 
 

@@ -914,6 +914,30 @@ async def test_renew_now_renews_at_once(control: FakeControlPlane, tmp_path: Pat
         assert control.streams[1].cert_pem == control.renewed[0]
 
 
+async def test_renew_now_after_a_renewal_on_the_same_stream_is_not_refused(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    """A stream keeps presenting the certificate it opened with; the control plane
+    lets only the current one renew. A renew-now (a CA rollover) after a renewal
+    made on this stream goes over a channel with the current certificate (before:
+    refused "only the current certificate may renew" until the stream ended)."""
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    registry = CollectorRegistry()
+    async with _link(control, data_dir, registry) as link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        control.send(control.streams[0], RenewNow(reason="routine"))
+        await _until(lambda: _sample_ok(registry) == 1)
+        control.send(control.streams[0], RenewNow(reason="ca rollover"))
+        await _until(lambda: _sample_ok(registry) == 2)
+        assert len(control.streams) == 1  # the same stream all along
+        errors = registry.get_sample_value(
+            "agents_machine_link_renewals_total", {"outcome": "error"}
+        )
+        assert not errors
+    assert identity.load_keys(data_dir).tls_cert_pem == control.renewed[1]
+
+
 async def test_a_failed_renew_now_is_retried_after_a_backoff_not_when_due(
     control: FakeControlPlane, tmp_path: Path
 ) -> None:
