@@ -57,3 +57,14 @@ def test_backup_bench_prints_its_table() -> None:
     assert re.search(r"full backup\s+\d+\.\d\d", out), out
     assert re.search(r"restore\s+\d+\.\d\d", out), out
     assert "tar|zstd -3" in out, out
+
+
+def test_soak_smoke_keeps_every_promise() -> None:
+    """Six days of the soak (a CA rollover on day 3): the promises that a short run
+    can show are checked by the soak itself, which exits 1 naming a broken one."""
+    out = _run("-m", "bench.soak", "--days", "6")
+    assert "soak: every promise held" in out, out
+    assert re.search(r"prompts sent / ran exactly once : (\d+) / \1$", out, re.M), out
+    assert re.search(r"backups made / verified\s+: (\d+) / \1$", out, re.M), out
+    assert "CA rollover                     : started True" in out, out
+    assert "fsck after the soak             : 0 finding(s)" in out, out
