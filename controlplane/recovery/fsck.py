@@ -17,10 +17,29 @@ Read-only by default. What it looks for (the finding's kind), and what
 - ``missing_index``: a record whose index entry is missing or points
   elsewhere. Repair writes it.
 - ``mismatch``: a record whose content names other ids than its key. No repair.
-- ``misplaced``: a queued prompt (``accounts/<a>/queue/<m>/<seq>.sealed``) whose
-  MAC binds it to another key: a copy to a later sequence or another machine's
-  queue (or a forgery). The queue refuses it and never delivers it, so repair
-  deletes it.
+- ``deleted_leftover``: any object under an account whose deletion finished
+  (``deleted/<a>.json``), or an account credential of it: an upload that outlasted
+  the last sweep and a crash before it looked. Repair deletes it.
+- ``misplaced``: a queued prompt (``accounts/<a>/queue/<m>/<seq>.sealed``) or an
+  acknowledged-prompt record (``queue-acked/``) whose MAC binds it to another key:
+  a copy to a later sequence or another machine's queue (or a forgery). The queue
+  refuses it and never delivers nor reads it, so repair deletes it.
+- ``unknown``: a key of no shape the control plane writes
+  (:mod:`controlplane.recovery.keyshapes` lists them all): nothing reads it.
+  Repair deletes it only when it carries a MAC header that does not verify at its
+  key (a genuine object copied there, or a forgery made to look like one) and it
+  is not under a machine's backups. One without a MAC (someone's file) or with a
+  MAC that verifies (written by this deployment: a newer version's shape?) is
+  reported and kept.
+- ``orphan``: a genuine object whose owner has no record: a machine's presence,
+  roster, acknowledged-prompt record, revocation marker, retired serial, provider
+  settings, queued prompt or backups; a token's use marker; an account credential
+  of an account that does not exist. Repair deletes only presence, rosters and
+  acknowledged-prompt records (rewritten from the machine's next connection, or
+  answering retried sends to a machine nothing sends to any more). The markers
+  stay: a record put back at an older version would count them (docs/security.md);
+  so do provider settings, queued prompts and backups, which are their owner's.
+  A machine's backups are reported once, under its backup prefix.
 
 A machine's backup manifests and their names lists are MAC'd too (a planted
 backup would otherwise restore on a repair): one whose MAC does not match is
@@ -101,7 +120,7 @@ class Finding:
 
     kind: str
     """deployment, epoch, unfinished, refused, unmacd_backup, deleted_leftover,
-    orphan_index, missing_index, mismatch or misplaced."""
+    orphan_index, missing_index, mismatch, misplaced, unknown or orphan."""
     key: str
     """The object concerned."""
     detail: str
