@@ -99,7 +99,7 @@ from shared.errors import (
 )
 from shared.ids import is_valid_id
 from shared.store.authenticated import MAC_HEADER, MAX_AUTHENTICATED_BYTES
-from shared.store.base import ObjectStore
+from shared.store.base import ObjectStore, validate_key
 
 __all__ = ["Finding", "FsckReport", "fsck_deployment", "run_fsck", "serving_pid"]
 
@@ -320,6 +320,13 @@ async def run_fsck(
     finished = {m.group(1) for key in keys if (m := _DELETED.match(key))}
     c.finished = {a for a in finished - c.deleting if await c.read(deleted_key(a)) is not None}
     for key in keys:
+        try:
+            validate_key(key)
+        except InvalidArgument as e:
+            # Only a writer with the bucket's own tools makes such a key (S3 lists it),
+            # and no store call of ours can read or delete it.
+            c.add("unknown", key, f"not a key the control plane can use ({e.reason}); kept")
+            continue
         if (m := _IN_ACCOUNT.match(key)) and m.group(1) in c.deleting:
             continue
         if m and m.group(1) in c.finished:
@@ -520,8 +527,6 @@ async def _check_unknown(c: _Checker, key: str) -> None:
             stored = await c.raw_get(key)
         except NotFound:
             return  # deleted since the listing
-        except InvalidArgument:
-            stored = b""  # not a key the store reads (reported, kept)
         if stored.startswith(MAC_HEADER):
             reason = await c.mac_refusal(key)
             if reason is None:

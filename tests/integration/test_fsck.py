@@ -188,14 +188,19 @@ def test_fsck_stays_clean_after_use_and_names_every_planted_key(
             presence_key(acct, ghost_machine): ("orphan", True),
             machine_revoked_key(acct, ghost_machine): ("orphan", False),
             token_use_key(acct, ghost_token, new_id("intent")): ("orphan", False),
+            # Keys no store call of ours can read or delete: named, kept, no crash.
+            "odd key.txt": ("unknown", False),
+            f"accounts/{ids['gone']}/.hidden": ("unknown", False),
         }
+        bucket.put("odd key.txt", b"x")
+        bucket.put(f"accounts/{ids['gone']}/.hidden", b"x")
         bucket.put("notes.txt", b"someone's file")
         bucket.put(f"{record}.bak", bucket.get(record))
         bucket.put(f"accounts/{acct}/backups/{machine}/segments/x", b"bytes")
         bucket.put(f"accounts/{acct}/revoked/{machine}.json", bucket.get(record))
         bucket.put(acked.replace(machine, ids["revoked"]), bucket.get(acked))
         bucket.put(f"accounts/{ids['gone']}/machines/{machine}.json", bucket.get(record))
-        for key in list(planted)[-3:]:
+        for key in list(planted)[-5:-2]:
             # Genuine (sealed with the home's key) but owned by nothing.
             bucket.put(key, json.dumps({"machine_id": ghost_machine}).encode(), genuine=True)
 
