@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
 import secrets
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +108,73 @@ def test_a_shape_carries_the_ids_of_its_key() -> None:
 )
 def test_a_key_nothing_writes_has_no_shape(key: str) -> None:
     assert shape_of(key) is None
+
+
+#: Every function and constant in controlplane/ named like a store key or prefix, as
+#: ``module:name``. Those ``_made_keys`` covers (a constant through the key function
+#: built on it):
+_EXERCISED = {
+    "controlplane.integrity.records:" + name
+    for name in (
+        "account_key deleting_key deleted_key machines_prefix revoked_prefix "
+        "machine_revoked_key retired_serial_key machine_key presence_key roster_key "
+        "tokens_prefix token_uses_prefix token_use_key token_key machine_index_key "
+        "token_index_key github_index_key ACCOUNT_INDEX_PREFIX account_index_key "
+        "credential_key audit_key"
+    ).split()
+} | {
+    "controlplane.machines.backups:backups_prefix",
+    "controlplane.integrity.intents:INTENTS_PREFIX",
+    "controlplane.integrity.intents:intent_key",
+    "controlplane.integrity.trusted:DEPLOYMENT_KEY",
+    "controlplane.queue.idempotency:acked_prefix",
+    "controlplane.queue.idempotency:_record_key",
+    "controlplane.queue.prompts:queue_prefix",
+    "controlplane.queue.prompts:_entry_key",
+    "controlplane.queue.starter:provider_key",
+    "controlplane.recovery.fencing:EPOCH_KEY",
+    "controlplane.recovery.fencing:SUPERSEDED_PREFIX",
+    "controlplane.recovery.fencing:superseded_key",
+    "controlplane.recovery.keybundle:BUNDLE_KEY",
+    "controlplane.deletion.service:DELETED_PREFIX",
+    "controlplane.deletion.sweep:CREDENTIALS_PREFIX",
+}
+#: Named like one but no store key.
+_NOT_STORE_KEYS = {
+    "controlplane.cli.client:_DETAILS_KEY",
+    "controlplane.config:FILE_KEYS",
+    "controlplane.integrity.trusted:record_mac_key",
+    "controlplane.queue.prompts:MAX_IDEMPOTENCY_KEY",
+    "controlplane.queue.prompts:_parse_key",
+    "controlplane.queue.providers.base:_ACCESS_KEY",
+    "controlplane.recovery.keybundle:write_recovery_public_key",
+    "controlplane.recovery.keybundle:read_recovery_public_key",
+    "controlplane.recovery.restore:_STAGING_PREFIX",
+}
+
+
+def _key_names() -> set[str]:
+    root = Path(__file__).resolve().parents[3]
+    out = set()
+    for path in (root / "controlplane").rglob("*.py"):
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        for node in ast.parse(path.read_text()).body:
+            names = []
+            if isinstance(node, ast.FunctionDef):
+                names = [node.name]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            for name in names:
+                if name.lower().endswith(("_key", "_prefix")):
+                    out.add(f"{module}:{name}")
+    return out
+
+
+def test_every_key_function_of_the_control_plane_is_exercised_above() -> None:
+    """A new key function or constant fails here until a key it makes is added to
+    ``_made_keys`` (and its shape to controlplane/recovery/keyshapes.py)."""
+    found = _key_names()
+    assert found - _EXERCISED - _NOT_STORE_KEYS == set()
+    assert _EXERCISED - found == set()  # a renamed one: update the list
