@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from shared.config import Sources, check_file, check_folder, load_toml, split_hostport
+from shared.config import (
+    Sources,
+    check_file,
+    check_folder,
+    load_toml,
+    parse_bool,
+    split_hostport,
+)
 from shared.errors import ConfigError
 
 __all__ = [
@@ -80,6 +87,10 @@ class ControlConfig:
     """S3 access key id (``AWS_ACCESS_KEY_ID``); never written to the config file."""
     store_secret_key: str | None = field(default=None, repr=False)
     """S3 secret key (``AWS_SECRET_ACCESS_KEY``); never written to the config file."""
+    store_object_lock: bool = False
+    """The bucket has S3 Object Lock with a default retention (docs/security.md, "S3
+    Object Lock"): every opening of the store checks that it does, and refuses the
+    store when it does not. Only for an ``s3://`` store."""
     listen: str = "127.0.0.1:7443"
     """Public listener (server TLS only): Join, Admin, health. Port 0 picks a free one."""
     link_listen: str = "127.0.0.1:7444"
@@ -157,6 +168,8 @@ class ControlConfig:
             raise ConfigError("token_ttl", f"must be between 60 and {MAX_TOKEN_TTL} seconds")
         if (self.store_access_key is None) != (self.store_secret_key is None):
             raise ConfigError("store_secret_key", "access key and secret key go together")
+        if self.store_object_lock and self.store_url and not self.store_url.startswith("s3://"):
+            raise ConfigError("store_object_lock", "needs an s3:// store (a bucket's setting)")
         if not 1 <= self.join_confirm_grace <= 86400:
             raise ConfigError("join_confirm_grace", "must be between 1 and 86400 seconds")
         if not 1 <= self.prompt_queue_depth <= 100_000:
@@ -191,6 +204,8 @@ class ControlConfig:
         }
         if self.store_endpoint:
             out["store_endpoint"] = self.store_endpoint
+        if self.store_object_lock:
+            out["store_object_lock"] = True
         if self.advertise_host:
             out["advertise_host"] = self.advertise_host
         if self.server_names:
@@ -204,6 +219,7 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "store_url": (str,),
     "store_endpoint": (str,),
     "store_region": (str,),
+    "store_object_lock": (bool,),
     "listen": (str,),
     "link_listen": (str,),
     "advertise_host": (str,),
@@ -257,6 +273,9 @@ def load_config(
         store_region=get("store_region", "AGENTS_CONTROL_STORE_REGION", d.store_region, str),
         store_access_key=secret("store_access_key", "AWS_ACCESS_KEY_ID"),
         store_secret_key=secret("store_secret_key", "AWS_SECRET_ACCESS_KEY"),
+        store_object_lock=get(
+            "store_object_lock", "AGENTS_CONTROL_STORE_OBJECT_LOCK", False, parse_bool
+        ),
         listen=get("listen", "AGENTS_CONTROL_LISTEN", d.listen, str),
         link_listen=get("link_listen", "AGENTS_CONTROL_LINK_LISTEN", d.link_listen, str),
         advertise_host=get("advertise_host", "AGENTS_CONTROL_ADVERTISE_HOST", "", str),

@@ -76,6 +76,13 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", dest="store_url", help="s3://bucket/prefix or a folder")
     p.add_argument("--store-endpoint", help="S3 endpoint URL (MinIO, moto)")
     p.add_argument("--store-region", help="S3 region")
+    p.add_argument(
+        "--store-object-lock",
+        action="store_true",
+        default=None,
+        help="the bucket has S3 Object Lock with a default retention: check it at every "
+        "start and refuse the store without it (docs/security.md)",
+    )
     p.add_argument("--listen", help="public listener host:port (Join, Admin)")
     p.add_argument("--link-listen", help="mutual-TLS link listener host:port")
     p.add_argument("--metrics-listen", help="/metrics host:port ('' disables)")
@@ -262,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
     names = (
-        "home store_url store_endpoint store_region listen link_listen metrics_listen "
+        "home store_url store_endpoint store_region store_object_lock listen link_listen "
+        "metrics_listen "
         "advertise_host heartbeat_interval log_level address credential server_names"
     ).split()
     for name in ("home", "address", "credential"):

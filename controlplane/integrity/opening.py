@@ -21,6 +21,7 @@ async def open_control_store(cfg: ControlConfig, registry: CollectorRegistry | N
         secret_key=cfg.store_secret_key,
         region=cfg.store_region,
         endpoint_url=cfg.store_endpoint,
+        object_lock=cfg.store_object_lock,
     )
     return await open_store(
         cfg.store_url, options=options, namespace="agents_cp", registry=registry

@@ -391,6 +391,7 @@ async def open_trusted_store(
         region=cfg.store_region,
         endpoint_url=cfg.store_endpoint,
         call_deadline=deadline,
+        object_lock=cfg.store_object_lock,
     )
     where = describe_store(cfg.store_url, options)
     try:

@@ -4,10 +4,20 @@
 recovery key), ``fencing`` (one process writes a deployment's store at a time:
 the epoch), ``restore`` (rebuild a home from the store and the recovery key),
 ``adopt`` (new keys over an existing store), ``rotation`` (server certificate,
-CA rollover) and ``fsck`` (find and repair what a crash left).
+CA rollover), ``fsck`` (find and repair what a crash or a bucket writer left) and
+``keyshapes`` (every key shape the control plane writes, for ``fsck``).
 
 May import: ``controlplane.services``, ``controlplane.machines``,
 ``controlplane.access``, ``controlplane.integrity``, the leaves, ``shared``.
 """
 
-__all__ = ["adopt", "bootstrap", "fencing", "fsck", "keybundle", "restore", "rotation"]
+__all__ = [
+    "adopt",
+    "bootstrap",
+    "fencing",
+    "fsck",
+    "keybundle",
+    "keyshapes",
+    "restore",
+    "rotation",
+]

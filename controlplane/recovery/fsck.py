@@ -17,10 +17,29 @@ Read-only by default. What it looks for (the finding's kind), and what
 - ``missing_index``: a record whose index entry is missing or points
   elsewhere. Repair writes it.
 - ``mismatch``: a record whose content names other ids than its key. No repair.
-- ``misplaced``: a queued prompt (``accounts/<a>/queue/<m>/<seq>.sealed``) whose
-  MAC binds it to another key: a copy to a later sequence or another machine's
-  queue (or a forgery). The queue refuses it and never delivers it, so repair
-  deletes it.
+- ``deleted_leftover``: any object under an account whose deletion finished
+  (``deleted/<a>.json``), or an account credential of it: an upload that outlasted
+  the last sweep and a crash before it looked. Repair deletes it.
+- ``misplaced``: a queued prompt (``accounts/<a>/queue/<m>/<seq>.sealed``) or an
+  acknowledged-prompt record (``queue-acked/``) whose MAC binds it to another key:
+  a copy to a later sequence or another machine's queue (or a forgery). The queue
+  refuses it and never delivers nor reads it, so repair deletes it.
+- ``unknown``: a key of no shape the control plane writes
+  (:mod:`controlplane.recovery.keyshapes` lists them all): nothing reads it.
+  Repair deletes it only when it carries a MAC header that does not verify at its
+  key (a genuine object copied there, or a forgery made to look like one) and it
+  is not under a machine's backups. One without a MAC (someone's file) or with a
+  MAC that verifies (written by this deployment: a newer version's shape?) is
+  reported and kept.
+- ``orphan``: a genuine object whose owner has no record: a machine's presence,
+  roster, acknowledged-prompt record, revocation marker, retired serial, provider
+  settings, queued prompt or backups; a token's use marker; an account credential
+  of an account that does not exist. Repair deletes only presence, rosters and
+  acknowledged-prompt records (rewritten from the machine's next connection, or
+  answering retried sends to a machine nothing sends to any more). The markers
+  stay: a record put back at an older version would count them (docs/security.md);
+  so do provider settings, queued prompts and backups, which are their owner's.
+  A machine's backups are reported once, under its backup prefix.
 
 A machine's backup manifests and their names lists are MAC'd too (a planted
 backup would otherwise restore on a repair): one whose MAC does not match is
@@ -53,7 +72,7 @@ from typing import Any, Final
 
 from controlplane.config import ControlConfig
 from controlplane.integrity import jsonstore
-from controlplane.integrity.intents import INTENTS_PREFIX, Intents, intent_key
+from controlplane.integrity.intents import Intents, intent_key
 from controlplane.integrity.keys import load_home_keys
 from controlplane.integrity.records import (
     account_index_key,
@@ -69,31 +88,29 @@ from controlplane.integrity.records import (
 )
 from controlplane.integrity.trusted import DEPLOYMENT_KEY, TrustedStore, open_trusted_store
 from controlplane.recovery.fencing import EPOCH_KEY, Fence, read_home_id
+from controlplane.recovery.keyshapes import KeyShape, shape_of
 from controlplane.services import Services
-from shared.errors import IntegrityError, NotFound, StoreFenced, StoreUntrusted
+from shared.errors import (
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    StoreFenced,
+    StoreUntrusted,
+)
 from shared.ids import is_valid_id
-from shared.store.authenticated import MAC_HEADER
-from shared.store.base import ObjectStore
+from shared.store.authenticated import MAC_HEADER, MAX_AUTHENTICATED_BYTES
+from shared.store.base import ObjectStore, validate_key
 
 __all__ = ["Finding", "FsckReport", "fsck_deployment", "run_fsck", "serving_pid"]
 
 logger = logging.getLogger(__name__)
 
 _ID = r"[0-9a-z]{26}"
-_ACCOUNT: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/account\.json\Z")
-_MACHINE: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/machines/(mc_{_ID})\.json\Z")
-_TOKEN: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/tokens/(tok_{_ID})\.json\Z")
-_IDX_ACCOUNT: Final = re.compile(rf"\Aindex/accounts/(acct_{_ID})\.json\Z")
-_IDX_GITHUB: Final = re.compile(r"\Aindex/github/([0-9]{1,16})\.json\Z")
-_IDX_MACHINE: Final = re.compile(rf"\Aindex/machines/(mc_{_ID})\.json\Z")
-_IDX_TOKEN: Final = re.compile(rf"\Aindex/tokens/(tok_{_ID})\.json\Z")
 _TOMBSTONE: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/deleting\.json\Z")
 _IN_ACCOUNT: Final = re.compile(rf"\Aaccounts/(acct_{_ID})/")
 _DELETED: Final = re.compile(rf"\Adeleted/(acct_{_ID})\.json\Z")
-_BACKUP_RECORD: Final = re.compile(
-    rf"\Aaccounts/acct_{_ID}/backups/mc_{_ID}/manifests/[^/]+\.(?:sealed|names)\Z"
-)
-_QUEUE_ENTRY: Final = re.compile(rf"\Aaccounts/acct_{_ID}/queue/mc_{_ID}/[^/]+\.sealed\Z")
+#: Where machines' backups live: an unknown key there is never read nor removed.
+_BACKUPS: Final = re.compile(r"\Aaccounts/[^/]+/backups/")
 _DELETE_KIND: Final = "account.delete"
 
 
@@ -103,7 +120,7 @@ class Finding:
 
     kind: str
     """deployment, epoch, unfinished, refused, unmacd_backup, deleted_leftover,
-    orphan_index, missing_index, mismatch or misplaced."""
+    orphan_index, missing_index, mismatch, misplaced, unknown or orphan."""
     key: str
     """The object concerned."""
     detail: str
@@ -151,6 +168,12 @@ class _Checker:
         self.findings: list[Finding] = []
         self._records: dict[str, dict[str, Any] | None] = {}
         self.deleting: frozenset[str] = frozenset()
+        self.finished: set[str] = set()
+        """Accounts whose deletion finished (an authentic ``deleted/<a>.json``)."""
+        self.sizes: dict[str, int] = {}
+        """Every listed key's size."""
+        self.orphan_backups: dict[tuple[str, str], int] = {}
+        """(account, machine) -> backup objects of a machine that has no record."""
 
     def add(self, kind: str, key: str, detail: str, repaired: bool = False) -> None:
         self.findings.append(Finding(kind, key, detail, repaired))
@@ -187,6 +210,12 @@ class _Checker:
                 " planted); vouch with --repair --vouch-backups",
                 self._vouch,
             )
+
+    async def raw_get(self, key: str) -> bytes:
+        """The stored bytes at ``key``, MAC header and all, nothing verified."""
+        if self._raw is None:
+            raise NotFound("object", key)
+        return await self._raw.get(key)
 
     async def mac_refusal(self, key: str) -> str | None:
         """Why the object at ``key`` fails its MAC; None when it verifies or is gone."""
@@ -277,7 +306,9 @@ async def run_fsck(
         if repair and not done:
             detail += " (waiting: the machine may still connect)"
         c.add("unfinished", key, detail, done)
-    keys = [info.key async for info in store.list("")]
+    listed = [(info.key, info.size) async for info in store.list("")]
+    keys = [key for key, _ in listed]
+    c.sizes = dict(listed)
     # Only an authentic tombstone counts (a forged one is reported as refused).
     tombstoned = [m.group(1) for key in keys if (m := _TOMBSTONE.match(key))]
     c.deleting = frozenset(
@@ -287,19 +318,35 @@ async def run_fsck(
     # the account: anything there landed after its last sweep (a write already
     # under way, then a crash before it looked for the deletion).
     finished = {m.group(1) for key in keys if (m := _DELETED.match(key))}
-    finished = {a for a in finished - c.deleting if await c.read(deleted_key(a)) is not None}
+    c.finished = {a for a in finished - c.deleting if await c.read(deleted_key(a)) is not None}
     for key in keys:
+        try:
+            validate_key(key)
+        except InvalidArgument as e:
+            # Only a writer with the bucket's own tools makes such a key (S3 lists it),
+            # and no store call of ours can read or delete it.
+            c.add("unknown", key, f"not a key the control plane can use ({e.reason}); kept")
+            continue
         if (m := _IN_ACCOUNT.match(key)) and m.group(1) in c.deleting:
             continue
-        if m and m.group(1) in finished:
+        if m and m.group(1) in c.finished:
             await c.fix_delete("deleted_leftover", key, "left under a deleted account")
             continue
-        if key.startswith(INTENTS_PREFIX):
+        shape = shape_of(key)
+        if shape is None:
+            await _check_unknown(c, key)
+        elif shape.name == "intent":
             if not repair:
                 await c.read(key)  # a forged intent is reported, never resolved
-            continue
-        if key != DEPLOYMENT_KEY and not key.startswith("_probe/"):
-            await _check_key(c, key)
+        else:
+            await _check_key(c, key, shape)
+    for (acct, machine), count in sorted(c.orphan_backups.items()):
+        c.add(
+            "orphan",
+            f"accounts/{acct}/backups/{machine}/",
+            f"{count} backup object(s) of machine {machine}, which has no record; "
+            "never removed by fsck (a machine's backups are its owner's to drop)",
+        )
     return FsckReport(len(keys), tuple(c.findings), tuple(sorted(c.deleting)))
 
 
@@ -310,58 +357,192 @@ async def _tombstoned(c: _Checker, fields: dict[str, str]) -> bool:
     return is_valid_id("account", acct) and await c.read(deleting_key(acct)) is not None
 
 
-async def _check_key(c: _Checker, key: str) -> None:
-    if m := _ACCOUNT.match(key):
-        acct = m.group(1)
-        data = await c.read(key)
-        if data is None:
+async def _check_key(c: _Checker, key: str, shape: KeyShape) -> None:
+    name, acct = shape.name, shape.account_id
+    if name == "account":
+        await _check_account(c, key, acct)
+    elif name == "index_account":
+        if acct in c.deleting:
             return
-        if data.get("account_id") != acct:
-            c.add("mismatch", key, "names another account id")
-            return
-        if await c.read(account_index_key(acct)) is None:
-            await c.fix_write("missing_index", account_index_key(acct), {}, f"{acct} unlisted")
-        gid = int(data.get("github_user_id", 0) or 0)
-        if gid > 0:
-            owner = await c.read(github_index_key(gid))
-            if owner is None:
-                await c.fix_write(
-                    "missing_index",
-                    github_index_key(gid),
-                    {"account_id": acct},
-                    f"GitHub user {gid} -> {acct} missing",
-                )
-    elif m := _IDX_ACCOUNT.match(key):
-        if m.group(1) in c.deleting:
-            return
-        if await c.read(key) is not None and await c.read(account_key(m.group(1))) is None:
-            await c.fix_delete("orphan_index", key, f"account {m.group(1)} does not exist")
-    elif m := _IDX_GITHUB.match(key):
+        if await c.read(key) is not None and await c.read(account_key(acct)) is None:
+            await c.fix_delete("orphan_index", key, f"account {acct} does not exist")
+    elif name == "index_github":
         entry = await c.read(key)
-        acct = str((entry or {}).get("account_id", ""))
-        if entry is None or acct in c.deleting:
+        owner = str((entry or {}).get("account_id", ""))
+        if entry is None or owner in c.deleting:
             return
-        account = await c.read(account_key(acct)) if acct.startswith("acct_") else None
+        account = await c.read(account_key(owner)) if is_valid_id("account", owner) else None
         if account is None:
-            await c.fix_delete("orphan_index", key, f"account {acct or '?'} does not exist")
-    elif m := _MACHINE.match(key):
-        await _check_owned(c, key, "machine", *m.groups())
-    elif m := _IDX_MACHINE.match(key):
-        await _check_index(c, key, "machine", m.group(1))
-    elif m := _TOKEN.match(key):
-        await _check_owned(c, key, "token", *m.groups())
-    elif m := _IDX_TOKEN.match(key):
-        await _check_index(c, key, "token", m.group(1))
-    elif _BACKUP_RECORD.match(key):
+            await c.fix_delete("orphan_index", key, f"account {owner or '?'} does not exist")
+    elif name in ("machine", "token"):
+        ident = shape.machine_id if name == "machine" else shape.token_id
+        await _check_owned(c, key, name, acct, ident)
+    elif name == "index_machine":
+        await _check_index(c, key, "machine", shape.machine_id)
+    elif name == "index_token":
+        await _check_index(c, key, "token", shape.token_id)
+    elif name == "backup_manifest":
         await c.verify(key)
-    elif _QUEUE_ENTRY.match(key):
-        await _check_queue_entry(c, key)
-    elif key.endswith(".json"):
-        # Everything else (credentials, presence, audit, tombstones) must still verify.
+        await _note_backup_owner(c, acct, shape.machine_id)
+    elif name == "backup_segment":
+        # Not MAC'd (its manifest authenticates it) and never read here.
+        await _note_backup_owner(c, acct, shape.machine_id)
+    elif name == "queue_entry":
+        await _check_queue_entry(c, key, shape)
+    elif name in _OF_MACHINE:
+        await _check_of_machine(c, key, shape)
+    elif name == "token_use":
+        await _check_token_use(c, key, shape)
+    elif name == "credential":
+        await _check_credential(c, key)
+    elif name in _MACD_BLOBS:
+        reason = await c.mac_refusal(key)
+        if reason is not None:
+            c.add("refused", key, reason)
+    elif name not in ("deployment", "probe"):
+        # Epoch, superseded markers, audit records, deletion records, tombstones:
+        # they must verify.
         await c.read(key)
 
 
-async def _check_queue_entry(c: _Checker, key: str) -> None:
+async def _check_account(c: _Checker, key: str, acct: str) -> None:
+    data = await c.read(key)
+    if data is None:
+        return
+    if data.get("account_id") != acct:
+        c.add("mismatch", key, "names another account id")
+        return
+    if await c.read(account_index_key(acct)) is None:
+        await c.fix_write("missing_index", account_index_key(acct), {}, f"{acct} unlisted")
+    gid = int(data.get("github_user_id", 0) or 0)
+    if gid > 0:
+        owner = await c.read(github_index_key(gid))
+        if owner is None:
+            await c.fix_write(
+                "missing_index",
+                github_index_key(gid),
+                {"account_id": acct},
+                f"GitHub user {gid} -> {acct} missing",
+            )
+
+
+#: Objects that are not JSON but carry the record MAC.
+_MACD_BLOBS: Final = frozenset({"key_bundle"})
+
+#: Per-machine objects -> whether ``repair`` deletes one whose machine has no record.
+#: Presence and rosters are rewritten from the machine's next connection, and the
+#: acknowledged-prompt records only answer retried sends to that machine, which a
+#: machine without a record never gets: garbage. The revocation and retired-serial
+#: markers are what keeps a record put back at an older version refused, and a
+#: machine's provider settings are the operator's: reported, never removed.
+_OF_MACHINE: Final = {
+    "presence": True,
+    "roster": True,
+    "queue_acked": True,
+    "revoked": False,
+    "retired": False,
+    "provider": False,
+}
+
+
+async def _machine_exists(c: _Checker, acct: str, machine: str) -> bool:
+    return await c.read(machine_key(acct, machine)) is not None
+
+
+async def _check_of_machine(c: _Checker, key: str, shape: KeyShape) -> None:
+    """An object that belongs to one machine: it verifies, and its machine exists."""
+    if shape.name == "provider":
+        reason = await c.mac_refusal(key)
+        if reason is not None:
+            c.add("refused", key, reason)
+            return
+    elif shape.name == "queue_acked":
+        reason = await c.mac_refusal(key)
+        if reason is not None:
+            # The queue skips a record that does not verify (queue.idempotency): it
+            # answers no retried send, so it is garbage wherever it came from.
+            await c.fix_delete(
+                "misplaced",
+                key,
+                f"an acknowledged-prompt record its MAC binds to another key (a copy, or "
+                f"forged): {reason}; the queue never reads it",
+            )
+            return
+    elif await c.read(key) is None:
+        return  # refused (reported) or gone since the listing
+    if await _machine_exists(c, shape.account_id, shape.machine_id):
+        return
+    detail = f"{shape.name} of machine {shape.machine_id}, which has no record"
+    if _OF_MACHINE[shape.name]:
+        await c.fix_delete("orphan", key, detail)
+    else:
+        c.add("orphan", key, detail + "; never removed by fsck (kept as it is)")
+
+
+async def _check_token_use(c: _Checker, key: str, shape: KeyShape) -> None:
+    """A token's use marker verifies; its token exists. Never removed: a marker is what
+    keeps a token record put back at an older use count from granting the use again."""
+    if await c.read(key) is None:
+        return
+    if await c.read(token_key(shape.account_id, shape.token_id)) is None:
+        c.add(
+            "orphan",
+            key,
+            f"use marker of token {shape.token_id}, which has no record; never removed "
+            "by fsck (a token record put back would count it)",
+        )
+
+
+async def _check_credential(c: _Checker, key: str) -> None:
+    """An admin credential verifies; an account credential's account exists."""
+    data = await c.read(key)
+    if data is None or data.get("scope") != "account":
+        return
+    acct = str(data.get("account_id", ""))
+    if acct in c.deleting:
+        return
+    if acct in c.finished:
+        # The deletion sweeps credentials before its marker: a later one is garbage.
+        await c.fix_delete("deleted_leftover", key, f"a credential of deleted account {acct}")
+    elif not is_valid_id("account", acct) or await c.read(account_key(acct)) is None:
+        c.add("orphan", key, f"an account credential of account {acct or '?'}, which has no record")
+
+
+async def _note_backup_owner(c: _Checker, acct: str, machine: str) -> None:
+    """Count a backup object whose machine has no record (reported once per machine)."""
+    if not await _machine_exists(c, acct, machine):
+        c.orphan_backups[(acct, machine)] = c.orphan_backups.get((acct, machine), 0) + 1
+
+
+async def _check_unknown(c: _Checker, key: str) -> None:
+    """A key of no shape the control plane writes: nothing reads it. Repair removes it
+    only when it claims to be ours and is not: it carries a MAC header that does not
+    verify at its key (a genuine object copied there, or a forgery), outside the
+    machines' backups. A MAC that verifies (a newer version's object) or none at all
+    (someone else's file) is reported and kept."""
+    detail = "no object of the control plane has a key of this shape"
+    garbage = False
+    if c.sizes.get(key, 0) <= MAX_AUTHENTICATED_BYTES and not _BACKUPS.match(key):
+        try:
+            stored = await c.raw_get(key)
+        except NotFound:
+            return  # deleted since the listing
+        if stored.startswith(MAC_HEADER):
+            reason = await c.mac_refusal(key)
+            if reason is None:
+                detail += "; its MAC verifies (written by this deployment: a newer version?)"
+            else:
+                detail += f"; {reason}"
+                garbage = True
+        else:
+            detail += "; it carries no MAC (not written by the control plane)"
+    if garbage:
+        await c.fix_delete("unknown", key, detail)
+    else:
+        c.add("unknown", key, detail + "; never removed by fsck")
+
+
+async def _check_queue_entry(c: _Checker, key: str, shape: KeyShape) -> None:
     """A queued prompt is MAC'd at its own key: anywhere else it is garbage."""
     reason = await c.mac_refusal(key)
     if reason is not None:
@@ -370,6 +551,14 @@ async def _check_queue_entry(c: _Checker, key: str) -> None:
             key,
             f"a queued prompt its MAC binds to another key (a copy, or forged): {reason}; "
             "the queue never delivers it",
+        )
+        return
+    if not await _machine_exists(c, shape.account_id, shape.machine_id):
+        c.add(
+            "orphan",
+            key,
+            f"a prompt queued for machine {shape.machine_id}, which has no record; "
+            "never removed by fsck",
         )
 
 

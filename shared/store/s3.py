@@ -49,6 +49,7 @@ from botocore.exceptions import (
 
 from shared.errors import (
     AgentsError,
+    ConfigError,
     NotFound,
     PreconditionFailed,
     StoreError,
@@ -227,8 +228,9 @@ class S3Store(StoreBase):
             retries={"total_max_attempts": 1, "mode": "standard"},
             connect_timeout=cfg.connect_timeout,
             read_timeout=cfg.read_timeout,
-            # Third-party servers often reject the newer default checksum headers.
-            request_checksum_calculation="when_required",
+            # Third-party servers often reject the newer default checksum headers; a
+            # bucket with Object Lock refuses an upload without one.
+            request_checksum_calculation="when_supported" if cfg.object_lock else "when_required",
             response_checksum_validation="when_required",
         )
         try:
@@ -242,6 +244,8 @@ class S3Store(StoreBase):
                     config=client_config,
                 )
             )
+            if cfg.object_lock:
+                await self.check_object_lock()
             await self.probe()
         except BaseException:
             await self.close()
@@ -275,6 +279,42 @@ class S3Store(StoreBase):
         return {}
 
     # -- probe -----------------------------------------------------------------
+
+    async def check_object_lock(self) -> None:
+        """With ``object_lock`` configured: the bucket has Object Lock enabled with a
+        default retention, else ConfigError naming the bucket and what is missing."""
+        bucket = self.config.bucket
+        with _mapped("get object lock configuration", ""):
+            try:
+                reply = await self._s3.get_object_lock_configuration(Bucket=bucket)
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code", "")
+                if code != "ObjectLockConfigurationNotFoundError":
+                    raise
+                reply = {}  # the bucket was made without Object Lock
+        lock = reply.get("ObjectLockConfiguration") or {}
+        retention = (lock.get("Rule") or {}).get("DefaultRetention") or {}
+        if lock.get("ObjectLockEnabled") != "Enabled":
+            missing = "Object Lock is not enabled on it (ObjectLockEnabled)"
+        elif retention.get("Mode") not in ("COMPLIANCE", "GOVERNANCE") or not (
+            retention.get("Days") or retention.get("Years")
+        ):
+            missing = "it has no default retention (Rule.DefaultRetention: mode and days)"
+        else:
+            period = retention.get("Days") or retention.get("Years")
+            unit = "days" if retention.get("Days") else "years"
+            logger.info(
+                "store %s: Object Lock enabled, default retention %s %s %s",
+                self._where(),
+                retention["Mode"],
+                period,
+                unit,
+            )
+            return
+        raise ConfigError(
+            "store_object_lock",
+            f"bucket {bucket}: {missing}; enable it on the bucket or unset store_object_lock",
+        )
 
     async def probe(self) -> None:
         """Check that the bucket honours conditional writes; raise StoreIncompatible if not.

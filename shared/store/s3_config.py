@@ -49,6 +49,10 @@ class S3Config:
     """Seconds to wait for bytes on an open connection."""
     spool_dir: Path | None = None
     """Folder for temp files of large conditional writes (None: the system default)."""
+    object_lock: bool = False
+    """The bucket must have Object Lock enabled with a default retention: checked when
+    the store opens (refused without), and every upload carries a checksum (S3 refuses
+    an upload to such a bucket without one)."""
 
     def validate(self) -> None:
         """Raise InvalidArgument naming the first bad field."""

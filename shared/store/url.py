@@ -23,7 +23,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from prometheus_client import CollectorRegistry
 
-from shared.errors import InvalidArgument
+from shared.errors import ConfigError, InvalidArgument
 from shared.store.base import ObjectStore, validate_prefix
 from shared.store.folder import FolderStore
 from shared.store.s3_config import S3Config
@@ -54,6 +54,9 @@ class StoreOptions:
     """Temp folder for large conditional S3 writes on servers that need it."""
     call_deadline: float | None = None
     """Seconds one operation may take, retries included (``DeadlineStore``); None: unbounded."""
+    object_lock: bool = False
+    """The bucket must have S3 Object Lock with a default retention (checked at open;
+    refused for a folder store)."""
 
 
 def _bad(reason: str) -> InvalidArgument:
@@ -117,6 +120,7 @@ def parse_store_url(url: str, options: StoreOptions | None = None) -> Path | S3C
         path_style=path_style == "true",
         part_size=part_size,
         spool_dir=options.spool_dir,
+        object_lock=options.object_lock,
     )
     try:
         config.validate()
@@ -157,6 +161,8 @@ async def open_store(
     target = parse_store_url(url, options)
     backend: ObjectStore
     if isinstance(target, Path):
+        if options is not None and options.object_lock:
+            raise ConfigError("store_object_lock", f"{target} is a folder: Object Lock is S3's")
         backend = await FolderStore.open(target)
     else:
         # Imported here: aiobotocore costs most of a second, which a folder store and

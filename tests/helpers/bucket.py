@@ -4,7 +4,10 @@ and the control plane's counters of what it refused, read from its /metrics."""
 from __future__ import annotations
 
 import re
+import secrets
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import boto3  # type: ignore[import-untyped]
@@ -65,3 +68,33 @@ def counter(cp: ControlProc, name: str, label: str, value: str) -> float | None:
         text = r.read().decode()
     m = re.search(rf'^{name}\{{{label}="{value}"\}} (\S+)$', text, re.M)
     return float(m.group(1)) if m else None
+
+
+@contextmanager
+def locked_bucket(endpoint: str, *, retention: bool = True) -> Iterator[str]:
+    """A bucket made with S3 Object Lock and (``retention``) a default retention in
+    governance mode, so that it can be emptied and removed afterwards."""
+    name = f"locked-{secrets.token_hex(6)}"
+    client = Bucket(endpoint, name).client
+    client.create_bucket(Bucket=name, ObjectLockEnabledForBucket=True)
+    if retention:
+        client.put_object_lock_configuration(
+            Bucket=name,
+            ObjectLockConfiguration={
+                "ObjectLockEnabled": "Enabled",
+                "Rule": {"DefaultRetention": {"Mode": "GOVERNANCE", "Days": 1}},
+            },
+        )
+    try:
+        yield name
+    finally:
+        for page in client.get_paginator("list_object_versions").paginate(Bucket=name):
+            for v in page.get("Versions", []) + page.get("DeleteMarkers", []):
+                client.delete_object(
+                    Bucket=name,
+                    Key=v["Key"],
+                    VersionId=v["VersionId"],
+                    BypassGovernanceRetention=True,
+                )
+        client.delete_bucket(Bucket=name)
+        client.close()

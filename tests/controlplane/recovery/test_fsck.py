@@ -200,7 +200,7 @@ async def test_fsck_refuses_a_planted_backup_manifest_and_leaves_segments_alone(
     try:
         services = Services(cfg, trusted.store, keys)
         acct = (await services.accounts.create(9, "n", None, "test")).account.account_id
-        machine = new_id("machine")
+        machine = await _joined(services, acct)
         assert trusted.backups is not None
         backups = MachineBackups(trusted.backups, records=trusted.store)
         name = os.urandom(32).hex()
@@ -258,6 +258,19 @@ async def _one(data: bytes) -> Any:
     yield data
 
 
+async def _joined(services: Services, acct: str) -> str:
+    """A machine joined to ``acct`` and confirmed (as its first connection does)."""
+    op = Principal(new_id("credential"), "operator")
+    made = await services.tokens.create(op, acct)
+    joined = await services.pairing.join(
+        made.value,
+        tls.build_csr(tls.new_tls_key()).decode(),
+        MachineInfo("m", "0.1", "h", box_public_key=BoxKeyPair.generate().public_key),
+    )
+    await services.machines.confirm(joined.machine)
+    return joined.machine.machine_id
+
+
 async def test_fsck_finds_and_repairs_queued_prompts_copied_to_other_keys(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -271,16 +284,7 @@ async def test_fsck_finds_and_repairs_queued_prompts_copied_to_other_keys(
         services = Services(cfg, trusted.store, keys)
         op = Principal(new_id("credential"), "operator")
         acct = (await services.accounts.create(9, "n", None, "test")).account.account_id
-        machines = []
-        for _ in range(2):
-            made = await services.tokens.create(op, acct)
-            joined = await services.pairing.join(
-                made.value,
-                tls.build_csr(tls.new_tls_key()).decode(),
-                MachineInfo("m", "0.1", "h", box_public_key=BoxKeyPair.generate().public_key),
-            )
-            await services.machines.confirm(joined.machine)
-            machines.append(joined.machine.machine_id)
+        machines = [await _joined(services, acct) for _ in range(2)]
         queue = PromptQueue(
             trusted.store,
             services.machines,
