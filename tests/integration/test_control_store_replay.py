@@ -181,3 +181,74 @@ async def test_a_replaced_box_stays_out_when_the_old_record_is_put_back(
         await connect_once(cp.link, cp.ca_pem, old_cert, old_key)
     assert "certificate superseded" in (refused.value.details() or ""), refused.value
     assert _replays(cp, "machine") >= 1
+
+
+async def test_a_deleted_account_put_back_stays_deleted(
+    cp: ControlProc, moto_endpoint: str, s3_bucket: str
+) -> None:
+    """After a deletion finished, the account's records and its tombstone put back
+    (genuine copies saved before) grant nothing: ``deleted/<a>`` outlives them. The
+    account answers like a missing one, its token and machine are refused, the
+    put-back tombstone only finishes the deletion again, and fsck names what is
+    left."""
+    bucket = Bucket(moto_endpoint, s3_bucket, home=cp.home)
+    try:
+        made = cp.cli("account", "create", "--github-id", "9104", "--github-login", "dl", "--json")
+        assert made.code == 0, made.err
+        account = json.loads(made.out)["account_id"]
+        value = json.loads(cp.cli("token", "create", "--account", account, "--json").out)[
+            "token_value"
+        ]
+        spare = json.loads(cp.cli("token", "create", "--account", account, "--json").out)[
+            "token_value"
+        ]
+        machine, cert, key = await join(cp.public, cp.ca_pem, value)
+        await connect_once(cp.link, cp.ca_pem, cert, key)
+        saved = {
+            k: bucket.get(k)
+            for k in (
+                f"accounts/{account}/account.json",
+                f"accounts/{account}/machines/{machine}.json",
+                f"accounts/{account}/tokens/{spare.split('.')[0]}.json",
+            )
+        }
+        deleted = cp.cli("account", "delete", account, "--wait", "--json")
+        assert deleted.code == 0, deleted.err
+        assert f"deleted/{account}.json" in {k.removeprefix("cp/") for k in bucket.everything()}
+        for k, data in saved.items():
+            bucket.put(k, data)
+        # The tombstone as the deletion wrote it (sealed: what a saved copy would be).
+        tombstone = {
+            "account_id": account,
+            "state": "deleting",
+            "started_at": "2026-12-01T00:00:00Z",
+            "deleted_by": "adm_" + "0" * 26,
+            "deleted_objects": 0,
+        }
+        bucket.put(
+            f"accounts/{account}/deleting.json", json.dumps(tombstone).encode(), genuine=True
+        )
+
+        shown = cp.cli("account", "show", account)
+        assert shown.code == 2 and "not found" in shown.err, shown
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await join(cp.public, cp.ca_pem, spare)
+        assert refused.value.code() in (
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.PERMISSION_DENIED,
+        ), refused.value
+        with pytest.raises(grpc.aio.AioRpcError):
+            await connect_once(cp.link, cp.ca_pem, cert, key)
+        listed = json.loads(cp.cli("account", "list", "--json").out)
+        assert account not in json.dumps(listed)
+        assert _replays(cp, "account") >= 1
+        # fsck names every object put back (a leftover of a deleted account).
+        stop_serve(cp)
+        res = cp.cli("fsck", "--json", timeout=DEADLINE)
+        assert res.code in (0, 1), res.err
+        named = {f["key"] for f in json.loads(res.out)["findings"]}
+        left = {k.removeprefix("cp/") for k in bucket.everything()}
+        assert {k for k in left if k.startswith(f"accounts/{account}/")} <= named, (named, left)
+        start_serve(cp)
+    finally:
+        bucket.close()
