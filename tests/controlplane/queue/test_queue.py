@@ -505,3 +505,30 @@ async def test_an_acknowledged_entry_whose_delete_failed_is_delivered_and_delete
     finally:
         machine.cancel()
         await delivery.close()
+
+
+async def test_a_failed_record_keeps_only_its_own_entry_of_a_batch_queued(w: World) -> None:
+    """Before: one failed record failed the whole batch, every entry stayed queued and
+    was delivered again (under a flaky store, a drain of a hundred again and again)."""
+    acct, m, _box = await w.machine(1)
+    w.queue._limits = QueueLimits(max_depth=50)
+    agent = new_id("agent")
+    for i in range(3):
+        await w.queue.send(w.op, m, agent, f"p{i}", idempotency_key=f"k{i}")
+    entries = await w.queue.queued(w.op, m)
+    real_put = w.store.put
+    lost = {entries[1].seq}
+
+    async def flaky(key: str, *args: object, **kwargs: object) -> str:
+        if key.startswith(acked_prefix(acct, m)) and any(f"{s:020d}" in key for s in lost):
+            raise StoreUnavailable(f"put {key}: server answered SlowDown")
+        return await real_put(key, *args, **kwargs)  # type: ignore[arg-type]
+
+    w.store.put = flaky  # type: ignore[method-assign,assignment]
+    acks = AckBatcher(w.queue)
+    done = [acks.add(e, run_id="run_" + str(i) * 26) for i, e in enumerate(entries)]
+    outcomes = await asyncio.gather(*done, return_exceptions=True)
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], StoreUnavailable)
+    assert [e.prompt_id for e in await w.queue.queued(w.op, m)] == [entries[1].prompt_id]
+    assert w.outcomes.count("acknowledged") == 2
