@@ -49,6 +49,8 @@ PROMPTS = 100
 #: Prompts of the 100 sent through the CLI (what a user runs); the rest through
 #: the admin client (a CLI process start costs most of a second).
 CLI_EVERY = 20
+#: Every so many prompts, the reply is taken as lost and the prompt sent again.
+LOST_REPLY_EVERY = 10
 HEARTBEAT = 0.3
 DEADLINE = 60.0
 MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
@@ -115,6 +117,17 @@ async def _online(client: AdminClient, machine_id: str, want: bool) -> None:
     await apoll_until(check, deadline=DEADLINE, what=f"machine online={want}")
 
 
+async def _send_until_answered(
+    client: AdminClient, machine_id: str, agent: str, text: str, key: str
+) -> Any:
+    """``send_prompt`` with ``key``, sent again after each transient error."""
+    while True:
+        try:
+            return await client.send_prompt(machine_id, agent, text, key)
+        except TransientError:
+            continue
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -173,6 +186,10 @@ async def test_keyed_prompts_resent_after_errors_run_once_in_order(
                     assert state == "queued", (i, state)
                     ids.append(prompt_id)
                     break
+                if i % LOST_REPLY_EVERY == 0:
+                    # The reply was lost on its way to the user: sent again, the same prompt.
+                    again = await _send_until_answered(client, machine_id, agent, text, f"k{i}")
+                    assert (again.prompt_id, again.state) == (prompt_id, "queued")
             sent_in = time.monotonic() - started
             assert len(set(ids)) == PROMPTS
             injected = dict(proxy.injected)
@@ -206,6 +223,13 @@ async def test_keyed_prompts_resent_after_errors_run_once_in_order(
             runs = _runs(data)
             assert [r[0] for r in runs] == texts  # each exactly once, in send order
             assert [r[1] for r in runs] == ids
+            # Sent again after the acknowledgement (replies lost): the store's record
+            # answers the first prompt and its run; nothing runs again.
+            for i in range(0, PROMPTS, LOST_REPLY_EVERY * 2):
+                again = await _send_until_answered(client, machine_id, agent, texts[i], f"k{i}")
+                assert (again.prompt_id, again.state) == (ids[i], "acknowledged")
+                assert again.run_id.startswith("run_")
+            assert len(_runs(data)) == PROMPTS
             print(
                 f"{PROMPTS} prompts sent in {sent_in:.1f}s with {errors} errors resent; "
                 f"injected {proxy.injected}, passed {proxy.passed}; "
