@@ -244,10 +244,22 @@ class StoreTarget:
             logger.debug("segment %s already stored", name[:16])
 
     async def put_manifest(self, backup_id: str, blob: bytes, names: Iterable[str]) -> None:
+        """See :meth:`BackupTarget.put_manifest`. Idempotent: a manifest stored
+        already with exactly these bytes (a put sent again after its answer was
+        lost) is done; one with other bytes is PreconditionFailed."""
         listing = json.dumps(sorted({_check_name(n) for n in names})).encode()
         await self._records.put(self._key(names_key(backup_id)), listing)
-        # The commit point: until this exists the backup is not listed.
-        await self._records.put(self._key(manifest_key(backup_id)), blob, if_none_match=True)
+        key = self._key(manifest_key(backup_id))
+        try:
+            # The commit point: until this exists the backup is not listed.
+            await self._records.put(key, blob, if_none_match=True)
+        except PreconditionFailed:
+            try:
+                if await self._records.get(key) == blob:
+                    return  # ours, from the try whose answer was lost
+            except NotFound:
+                pass
+            raise
 
     async def list_manifests(self) -> list[ManifestInfo]:
         out: list[ManifestInfo] = []

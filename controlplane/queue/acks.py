@@ -55,15 +55,20 @@ class AckBatcher:
             self._flying = batch = self._pending[:DELETE_BATCH]
             del self._pending[:DELETE_BATCH]
             try:
-                await self._queue.acknowledged_many([ack for ack, _ in batch])
-            except Exception as e:  # the store failed: every waiter hears it
+                failed = await self._queue.acknowledged_many([ack for ack, _ in batch])
+            except Exception as e:  # the delete failed: every waiter hears it
                 for _ack, done in batch:
                     if not done.done():
                         done.set_exception(e)
                 continue
-            for _ack, done in batch:
-                if not done.done():
+            # An entry whose outcome record failed stays queued: its waiter alone hears it.
+            for (_ack, done), error in zip(batch, failed, strict=True):
+                if done.done():
+                    continue
+                if error is None:
                     done.set_result(None)
+                else:
+                    done.set_exception(error)
 
     async def close(self) -> None:
         """Stop (at shutdown): entries not deleted yet are delivered again later."""

@@ -16,6 +16,12 @@ its one create-once put is the commit point); delivery only reads the queue:
   machine killed before its ack gets it again too. Neither loses nor runs a prompt twice.
 - A link that ends forgets what was in flight on it: the next connect
   delivers it again.
+- A drain the store failed (a listing or a read that ran out of retries), or an
+  acknowledged entry whose delete failed, is drained again while the link is
+  up, after a wait that doubles from :data:`REDRAIN_FIRST` up to
+  :data:`REDRAIN_MAX`: a transient error is never the end of a delivery. Before,
+  nothing drained again until the next connect or send, so a connected
+  machine's queue could wait for ever behind one lost answer.
 
 Outcomes the store no longer shows (acknowledged with a run id, refused with a
 reason) are kept in memory, the last :data:`RECENT` per machine, for
@@ -49,6 +55,10 @@ logger = logging.getLogger(__name__)
 RECENT: Final = 100
 #: Seconds a send to a connected machine waits for its acknowledgement.
 ACK_WAIT: Final = 10.0
+#: Seconds before a failed drain (or a failed delete of an acknowledged entry)
+#: is drained again; the wait doubles after each failure, up to REDRAIN_MAX.
+REDRAIN_FIRST: Final = 0.5
+REDRAIN_MAX: Final = 30.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,10 @@ class _Link:
     session: Session
     in_flight: dict[str, QueuedPrompt]
     lock: asyncio.Lock
+    redrain: asyncio.Task[None] | None = None
+    """The drain waiting to run again after a failure, if any."""
+    wait: float = REDRAIN_FIRST
+    """Seconds the next drain after a failure waits."""
 
 
 class PromptDelivery:
@@ -94,8 +108,12 @@ class PromptDelivery:
         clock: Clock = utc_now,
         on_queued: Callable[[str, str], None] | None = None,
         on_connected: Callable[[str], None] | None = None,
+        redrain_first: float = REDRAIN_FIRST,
+        redrain_max: float = REDRAIN_MAX,
     ) -> None:
         self._queue = queue
+        self._redrain_first = redrain_first
+        self._redrain_max = redrain_max
         self._presence = presence
         self._ack_wait = ack_wait
         self._clock = clock
@@ -183,7 +201,7 @@ class PromptDelivery:
 
     def connected(self, session: Session) -> None:
         """The machine's link is up: deliver its queue (in the background)."""
-        link = _Link(session, {}, asyncio.Lock())
+        link = _Link(session, {}, asyncio.Lock(), wait=self._redrain_first)
         self._links[session.machine_id] = link
         if self._on_connected is not None:
             self._on_connected(session.machine_id)
@@ -229,6 +247,7 @@ class PromptDelivery:
             logger.warning(
                 "machine %s: cannot delete acknowledged %s: %s", machine_id, entry.prompt_id, err
             )
+            self._drain_later(link)
             return
         state = "refused" if ack.refused else "acknowledged"
         outcome = SendOutcome(entry.prompt_id, state, ack.run_id, ack.refused)
@@ -254,8 +273,27 @@ class PromptDelivery:
             return None
         return link
 
+    def _drain_later(self, link: _Link) -> None:
+        """Drain ``link`` again after its wait (see the module doc), unless one waits already."""
+        if self._links.get(link.session.machine_id) is not link:
+            return  # the link ended: the next connect drains
+        if link.redrain is not None and not link.redrain.done():
+            return
+        wait, link.wait = link.wait, min(link.wait * 2, self._redrain_max)
+        link.redrain = asyncio.create_task(
+            self._redrain(link, wait), name=f"redrain-{link.session.machine_id}"
+        )
+        self._tasks.add(link.redrain)
+        link.redrain.add_done_callback(self._tasks.discard)
+
+    async def _redrain(self, link: _Link, wait: float) -> None:
+        await asyncio.sleep(wait)  # backoff before the store is asked again
+        link.redrain = None  # a failure of this drain schedules the next one
+        await self._drain(link)
+
     async def _drain(self, link: _Link) -> None:
-        """Put every queued entry not in flight into the link's outbox, in order."""
+        """Put every queued entry not in flight into the link's outbox, in order;
+        drained again later when the store fails (:meth:`_drain_later`)."""
         async with link.lock:
             if self._links.get(link.session.machine_id) is not link:
                 return  # the link ended meanwhile
@@ -267,9 +305,13 @@ class PromptDelivery:
                 )
             except AgentsError as err:
                 logger.warning(
-                    "machine %s: cannot read its queue: %s", link.session.machine_id, err
+                    "machine %s: cannot read its queue (drained again later): %s",
+                    link.session.machine_id,
+                    err,
                 )
+                self._drain_later(link)
                 return
+            link.wait = self._redrain_first
             for e in entries:
                 if e.prompt_id in link.in_flight:
                     continue

@@ -373,16 +373,22 @@ class PromptQueue:
     ) -> None:
         """The machine stored ``entry`` durably (with ``run_id``), or refused it for
         good (``refused`` is its reason): delete it."""
-        await self.acknowledged_many([Acknowledgement(entry, run_id, refused)])
+        [failed] = await self.acknowledged_many([Acknowledgement(entry, run_id, refused)])
+        if failed is not None:
+            raise failed
 
-    async def acknowledged_many(self, acks: Sequence[Acknowledgement]) -> None:
+    async def acknowledged_many(self, acks: Sequence[Acknowledgement]) -> list[AgentsError | None]:
         """Delete acknowledged entries: one DELETE for one, batched DeleteObjects
         for more (see controlplane.queue.acks). A keyed entry's outcome is recorded
-        first (see the module doc)."""
+        first (see the module doc); an entry whose record failed is not deleted
+        (delivered and acknowledged again) and its error is in its place in the
+        answer, None for each deleted one. A failed delete raises: all stay queued."""
         limit = asyncio.Semaphore(_READS_AT_ONCE)
 
-        async def record(ack: Acknowledgement) -> None:
+        async def record(ack: Acknowledgement) -> AgentsError | None:
             e = ack.entry
+            if not e.idempotency:
+                return None
             done = AckedPrompt(
                 prompt_id=e.prompt_id,
                 account_id=e.account_id,
@@ -394,25 +400,32 @@ class PromptQueue:
                 run_id=ack.run_id,
                 reason=ack.refused,
             )
-            async with limit:
-                await self._acked.record(done, e.seq)
+            try:
+                async with limit:
+                    await self._acked.record(done, e.seq)
+            except AgentsError as err:
+                return err
+            return None
 
-        # Each record before any delete; a failed one fails the whole batch,
-        # so every entry stays queued and is delivered (and acknowledged) again.
-        await asyncio.gather(*(record(a) for a in acks if a.entry.idempotency))
+        # Each record before its entry's delete. One failed record keeps only its
+        # own entry queued (before, it failed the batch: under a flaky store a
+        # drain of a hundred was delivered again whole, and again).
+        failed = await asyncio.gather(*(record(a) for a in acks))
+        recorded = [a for a, err in zip(acks, failed, strict=True) if err is None]
         keys = [
             _entry_key(a.entry.account_id, a.entry.machine_id, a.entry.seq, a.entry.idempotency)
-            for a in acks
+            for a in recorded
         ]
         # THE COMMIT POINT of an acknowledgement: its entry's delete. Deleting a
         # missing key succeeds: a second ack (redelivery) is harmless.
         if len(keys) == 1:
             await self._store.delete(keys[0])
-        else:
+        elif keys:
             await delete_keys(self._store, keys)
-        for a in acks:
+        for a in recorded:
             self._views.get(a.entry.machine_id, {}).pop(a.entry.seq, None)
             self._count("refused_by_machine" if a.refused else "acknowledged")
+        return list(failed)
 
     async def _keys(self, machine: Machine) -> list[tuple[str, int, str]]:
         """(key, seq, tag) of every entry, in sequence order."""

@@ -18,6 +18,15 @@ A crash before 3 leaves segments no manifest names (the next prune removes
 them); a crash during 4 has deleted only manifests that were not kept, or
 segments no kept manifest names, so every kept backup stays restorable.
 
+A transient error is never an answer. The manifest's put whose answer was lost
+(a control plane whose store failed after the write) may have committed: it is
+put again, with the same id and bytes, under :func:`shared.retry.retrying`
+until the target answers; a target holding exactly those bytes already takes
+it as done (:meth:`shared.backup_target.StoreTarget.put_manifest`). So a backup
+is reported failed only when its manifest is not stored. Once it is stored the
+backup is made: a prune that fails after its retries is logged and left to the
+next backup, never reported as the backup's failure.
+
 An agent whose change marker and segment are the same as in the last backup
 is not read again: its segment is reused as it is (the *cache*).
 """
@@ -41,8 +50,9 @@ from machine.formats.backup import BackupManifest, SegmentRef, seal_manifest, se
 from shared.atomic import ensure_private_dir, write_atomic
 from shared.backup_target import BackupTarget, ManifestInfo, PackTarget, PruneResult
 from shared.crypto import BoxKeyPair
-from shared.errors import IntegrityError, InvalidArgument
+from shared.errors import AgentsError, IntegrityError, InvalidArgument
 from shared.ids import id_time_ms, new_id
+from shared.retry import retrying
 
 __all__ = [
     "KEEP_MAX",
@@ -203,10 +213,28 @@ class BackupEngine:
                     # Its segments and packs would wait for a sweep at the next start.
                     await asyncio.to_thread(self._target.discard_pending)
                 raise
-            pruned = await self._target.prune(self.keep)
+            pruned = await self._prune_after(backup_id)
             return BackupResult(
                 **{**result.__dict__, "seconds": time.monotonic() - started, "pruned": pruned}
             )
+
+    async def _prune_after(self, backup_id: str) -> PruneResult | None:
+        """Prune after the backup ``backup_id`` was committed; None when the target
+        would not (the backup stands, the next one prunes)."""
+        try:
+            async for attempt in retrying("backup.prune"):
+                with attempt:
+                    return await self._target.prune(self.keep)
+        except AgentsError as e:
+            logger.error("backup %s is made, but the prune after it failed: %s", backup_id, e)
+        return None
+
+    async def _commit(self, backup_id: str, blob: bytes, names: list[str]) -> None:
+        """Store the sealed manifest: THE COMMIT POINT. Put again, same id and bytes,
+        while the answer is transient (the first put may have landed: see the module doc)."""
+        async for attempt in retrying("backup.commit"):
+            with attempt:
+                await self._target.put_manifest(backup_id, blob, names)
 
     async def _newest_own(self, stored: list[ManifestInfo]) -> str | None:
         """The newest listed backup that opens with this machine's key, looked for
@@ -303,7 +331,7 @@ class BackupEngine:
             await self._source.settings(),
         )
         blob = seal_manifest(manifest, self._recipients)
-        await self._target.put_manifest(backup_id, blob, [r.name for r in refs])  # commit point
+        await self._commit(backup_id, blob, [r.name for r in refs])
         if damaged:
             # Sent again if this backup names them; if not, only older backups
             # do, and they go with those backups' prune. A name a verify noted

@@ -35,12 +35,14 @@ from machine.backups.reader import VerifyResult
 from machine.backups.restore import restore_fetched
 from machine.backups.source import DatabaseBackupSource
 from machine.backups.transfer import InResult
+from machine.formats.backup import BackupManifest
 from machine.storage.db import Database
 from machine.storage.tables import erasures as store_erasures
 from machine.storage.tables import export as store_export
 from shared.backup_target import BackupTarget
 from shared.crypto import BoxKeyPair
 from shared.errors import AgentsError, IntegrityError, InvalidArgument
+from shared.retry import retrying
 
 __all__ = ["BackupMetrics", "BackupService", "BackupStatus", "RestoreCheck", "parse_daily_time"]
 
@@ -306,8 +308,7 @@ class BackupService:
             check = RestoreCheck(False, "", at, 0.0, "no backup to check")
         else:
             try:
-                verified: VerifyResult = await self.engine.verify(backup_id)
-                manifest = await self.engine.open(backup_id)
+                verified, manifest = await self._verify_and_open(backup_id)
                 agents = {s.ref for s in manifest.segments if s.kind == "agent"}
                 live = await self._db.read(
                     lambda c: (
@@ -333,6 +334,16 @@ class BackupService:
         if not check.ok:
             logger.error("restore check of backup %s failed: %s", check.backup_id, check.problem)
         return check
+
+    async def _verify_and_open(self, backup_id: str) -> tuple[VerifyResult, BackupManifest]:
+        """Verify and open ``backup_id``, again while the target's answer is transient:
+        a lost answer says nothing of the backup, and a check failed on one (before)
+        reported a backup that restores as one that does not."""
+        async for attempt in retrying("backup.restore_check"):
+            with attempt:
+                verified = await self.engine.verify(backup_id)
+                return verified, await self.engine.open(backup_id)
+        raise AssertionError("unreachable: tenacity re-raises the last error")
 
     # -- restoring -----------------------------------------------------------
 

@@ -12,6 +12,16 @@ such a key arrived (a test's barrier: "the daemon got that far").
 first such write ARRIVES, and never forwards it: "the process died just
 before that write"; ``proxy.arm_after(pid, "PUT", "cp/deployment")`` once
 such a write was accepted.
+
+``proxy.flaky(rate, seed=...)`` makes S3 flaky instead: with probability
+``rate`` a write (PUT, POST or DELETE outside ``_probe/``) is FORWARDED and
+then answered 503 SlowDown in place of moto's answer (the write landed, its
+answer was lost), and with probability ``rate`` a read (GET or HEAD, a listing
+included) is answered 503 without being forwarded. The draws come from one
+``random.Random(seed)`` in the order requests arrive, so a seed replays the
+same decisions for the same sequence of requests; ``proxy.injected`` counts
+what was injected (``"write"``, ``"read"``) and ``proxy.passed`` what was not.
+``proxy.flaky(0)`` stops it.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import random
 import signal
 import threading
 from collections.abc import Iterator
@@ -29,6 +40,23 @@ __all__ = ["CrashProxy", "crash_proxy"]
 
 _DROPPED = frozenset({"connection", "keep-alive", "proxy-connection", "host"})
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
+_WRITES = frozenset({"PUT", "POST", "DELETE"})
+_READS = frozenset({"GET", "HEAD"})
+
+
+def _key_of(path: str) -> str:
+    """The object key of a path-style request (``/<bucket>/<key>``), or "" for the bucket."""
+    parts = unquote(urlsplit(path).path).split("/", 2)
+    return parts[2] if len(parts) == 3 else ""
+
+
+def slow_down_body(request_id: int) -> bytes:
+    """S3's XML error body of a 503 SlowDown."""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+        "<Message>Please reduce your request rate.</Message>"
+        f"<RequestId>flaky-{request_id}</RequestId></Error>"
+    ).encode()
 
 
 class CrashProxy:
@@ -45,6 +73,39 @@ class CrashProxy:
         self._before: tuple[int, str, str] | None = None
         self._after_match: tuple[int, str, str] | None = None
         self._requests: list[tuple[str, str]] = []
+        self._rate = 0.0
+        self._random = random.Random(0)
+        self.injected = {"write": 0, "read": 0}
+        self.passed = {"write": 0, "read": 0}
+
+    def flaky(self, rate: float, *, seed: int = 0) -> None:
+        """Fail writes after forwarding, and reads instead, each with probability
+        ``rate`` (0 stops it); the counts start again."""
+        if not 0 <= rate < 1:
+            raise ValueError("rate is a probability below 1")
+        with self._lock:
+            self._rate = rate
+            self._random = random.Random(seed)
+            self.injected = {"write": 0, "read": 0}
+            self.passed = {"write": 0, "read": 0}
+
+    def _draw(self, kind: str) -> bool:
+        with self._lock:
+            if self._rate <= 0:
+                return False
+            fail = self._random.random() < self._rate
+            (self.injected if fail else self.passed)[kind] += 1
+            return fail
+
+    def fails_read(self, method: str, path: str) -> bool:
+        """Whether this read is answered 503 instead of being forwarded."""
+        return method in _READS and not _key_of(path).startswith("_probe/") and self._draw("read")
+
+    def fails_write(self, method: str, path: str) -> bool:
+        """Whether this write, forwarded, gets a 503 in place of S3's answer."""
+        if method not in _WRITES or "/_probe/" in f"/{_key_of(path)}":
+            return False
+        return self._draw("write")
 
     def seen(self, method: str, key_part: str) -> bool:
         """Whether a ``method`` request for a key containing ``key_part`` arrived."""
@@ -101,8 +162,7 @@ class CrashProxy:
         if method not in ("PUT", "DELETE") or "uploadId=" in path or "partNumber=" in path:
             return None
         # Path style: /<bucket>/<key>; keys of the store probe do not count.
-        parts = unquote(urlsplit(path).path).split("/", 2)
-        key = parts[2] if len(parts) == 3 else ""
+        key = _key_of(path)
         if not key or "/_probe/" in f"/{key}":
             return None
         return f"{method} {key}"
@@ -153,6 +213,9 @@ def _handler(proxy: CrashProxy) -> type[BaseHTTPRequestHandler]:
             if proxy.before_write(self.command, self.path):
                 self.close_connection = True
                 return  # the writer is dead before its write: none reaches S3
+            if proxy.fails_read(self.command, self.path):
+                self._slow_down()
+                return
             conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
             try:
                 conn.request(self.command, self.path, body=body, headers=headers)
@@ -163,6 +226,9 @@ def _handler(proxy: CrashProxy) -> type[BaseHTTPRequestHandler]:
             if proxy.after_write(self.command, self.path, response.status):
                 self.close_connection = True
                 return  # the writer is dead: no answer
+            if proxy.fails_write(self.command, self.path):
+                self._slow_down()  # S3 took the write; its answer is lost
+                return
             self.send_response(response.status)
             for name, value in response.getheaders():
                 if name.lower() not in _HOP:
@@ -171,6 +237,15 @@ def _handler(proxy: CrashProxy) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
+
+        def _slow_down(self) -> None:
+            body = slow_down_body(threading.get_ident())
+            self.send_response(503)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
@@ -193,6 +268,7 @@ def crash_proxy(upstream: str) -> Iterator[CrashProxy]:
         yield proxy
     finally:
         proxy.disarm()
+        proxy.flaky(0)
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)

@@ -67,6 +67,19 @@ async def test_manifests_create_once_and_sorted(target: BackupTarget) -> None:
         await target.get_manifest(new_id("backup"))
 
 
+async def test_a_manifest_put_again_with_the_same_bytes_is_done(target: BackupTarget) -> None:
+    """A put sent again after its answer was lost (it had landed) is the same backup;
+    before, the second put failed PreconditionFailed and the backup was reported
+    failed though it was stored."""
+    backup = new_id("backup", now_ms=1000)
+    await target.put_manifest(backup, b"sealed", ["a" * 64])
+    await target.put_manifest(backup, b"sealed", ["a" * 64])
+    assert [m.backup_id for m in await target.list_manifests()] == [backup]
+    with pytest.raises(PreconditionFailed):
+        await target.put_manifest(backup, b"other bytes", ["a" * 64])
+    assert await target.get_manifest(backup) == b"sealed"
+
+
 async def test_prune_keeps_what_kept_backups_name(target: BackupTarget) -> None:
     shared_seg, old_only, debris = _name(), _name(), _name()
     for n in (shared_seg, old_only, debris):

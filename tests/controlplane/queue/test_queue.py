@@ -15,7 +15,7 @@ from controlplane.integrity.audit import Auditor
 from controlplane.integrity.records import roster_key
 from controlplane.machines.links import Ack
 from controlplane.machines.pairing import Pairing
-from controlplane.machines.presence import DeliveryNotice, PresenceRegistry
+from controlplane.machines.presence import DeliveryNotice, PresenceRegistry, Session
 from controlplane.machines.registry import MachineInfo, MachineRegistry
 from controlplane.machines.rosters import AgentRosters
 from controlplane.queue.acks import AckBatcher
@@ -35,6 +35,7 @@ from shared.errors import (
 from shared.ids import new_id
 from shared.store import MemoryStore
 from tests.helpers.clock import FixedClock
+from tests.helpers.poll import apoll_until
 
 
 class World:
@@ -461,3 +462,108 @@ async def test_a_failed_ack_delete_leaves_the_entry_queued(w: World) -> None:
     with pytest.raises(StoreUnavailable):
         await AckBatcher(w.queue).add(entry)
     assert [e.prompt_id for e in await w.queue.queued(w.op, m)] == [entry.prompt_id]
+
+
+async def _connected(w: World, acct: str, m: str) -> tuple[PromptDelivery, Session]:
+    presence = PresenceRegistry(w.store, clock=w.clock)
+    delivery = PromptDelivery(w.queue, presence, clock=w.clock, redrain_first=0.01)
+    record = await w.machines.load_any(acct, m)
+    assert record is not None
+    return delivery, await presence.open(record, "0.1", 1)
+
+
+async def test_a_drain_the_store_failed_is_drained_again_while_the_link_is_up(
+    w: World,
+) -> None:
+    """Before: the failed drain was logged and nothing drained again until the next
+    connect or send, so a connected machine's queue waited behind one lost answer."""
+    acct, m, _box = await w.machine(1)
+    sent = await w.queue.send(w.op, m, new_id("agent"), "queued while offline")
+    real_get = w.store.get
+    failures = 2
+
+    async def flaky_get(key: str) -> bytes:
+        nonlocal failures
+        if "/queue/" in key and failures:
+            failures -= 1
+            raise StoreUnavailable(f"get {key}: server answered SlowDown")
+        return await real_get(key)
+
+    w.store.get = flaky_get  # type: ignore[method-assign]
+    delivery, session = await _connected(w, acct, m)
+    try:
+        delivery.connected(session)
+        notice = await asyncio.wait_for(session.next_outgoing(), 5)
+        assert isinstance(notice, DeliveryNotice) and notice.prompt_id == sent.prompt_id
+        assert failures == 0
+    finally:
+        await delivery.close()
+
+
+async def test_an_acknowledged_entry_whose_delete_failed_is_delivered_and_deleted_again(
+    w: World,
+) -> None:
+    """Before: the entry stayed queued until the machine connected again."""
+    acct, m, _box = await w.machine(1)
+    sent = await w.queue.send(w.op, m, new_id("agent"), "queued while offline")
+    real_delete = w.store.delete
+    failures = 1
+
+    async def lost_delete(key: str) -> None:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise StoreUnavailable(f"delete {key}: server answered SlowDown")
+        await real_delete(key)
+
+    w.store.delete = lost_delete  # type: ignore[method-assign]
+    delivery, session = await _connected(w, acct, m)
+    delivered: list[str] = []
+
+    async def the_machine() -> None:
+        while True:
+            notice = await session.next_outgoing()
+            assert isinstance(notice, DeliveryNotice)
+            delivered.append(notice.prompt_id)
+            await delivery.acked(session, Ack(notice.prompt_id, "run_" + "1" * 26))
+
+    async def gone() -> bool:
+        return not [i async for i in w.store.list(queue_prefix(acct, m))]
+
+    machine = asyncio.create_task(the_machine())
+    try:
+        delivery.connected(session)
+        await apoll_until(gone, deadline=5, what="the acknowledged entry deleted")
+        # Delivered again after the failed delete; the machine answers the same run.
+        assert delivered == [sent.prompt_id, sent.prompt_id]
+        assert failures == 0
+    finally:
+        machine.cancel()
+        await delivery.close()
+
+
+async def test_a_failed_record_keeps_only_its_own_entry_of_a_batch_queued(w: World) -> None:
+    """Before: one failed record failed the whole batch, every entry stayed queued and
+    was delivered again (under a flaky store, a drain of a hundred again and again)."""
+    acct, m, _box = await w.machine(1)
+    w.queue._limits = QueueLimits(max_depth=50)
+    agent = new_id("agent")
+    for i in range(3):
+        await w.queue.send(w.op, m, agent, f"p{i}", idempotency_key=f"k{i}")
+    entries = await w.queue.queued(w.op, m)
+    real_put = w.store.put
+    lost = {entries[1].seq}
+
+    async def flaky(key: str, *args: object, **kwargs: object) -> str:
+        if key.startswith(acked_prefix(acct, m)) and any(f"{s:020d}" in key for s in lost):
+            raise StoreUnavailable(f"put {key}: server answered SlowDown")
+        return await real_put(key, *args, **kwargs)  # type: ignore[arg-type]
+
+    w.store.put = flaky  # type: ignore[method-assign,assignment]
+    acks = AckBatcher(w.queue)
+    done = [acks.add(e, run_id="run_" + str(i) * 26) for i, e in enumerate(entries)]
+    outcomes = await asyncio.gather(*done, return_exceptions=True)
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], StoreUnavailable)
+    assert [e.prompt_id for e in await w.queue.queued(w.op, m)] == [entries[1].prompt_id]
+    assert w.outcomes.count("acknowledged") == 2

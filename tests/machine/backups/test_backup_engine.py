@@ -21,7 +21,7 @@ from shared.backup_folder import FolderTarget
 from shared.backup_packs import PackWriter
 from shared.backup_target import StoreTarget, manifest_key
 from shared.crypto import BoxKeyPair
-from shared.errors import IntegrityError, InvalidArgument, NotFound
+from shared.errors import IntegrityError, InvalidArgument, NotFound, StoreUnavailable
 from shared.ids import id_time_ms, new_id
 from shared.store.folder import FolderStore
 
@@ -550,3 +550,66 @@ async def test_packed_segments_restore_mend_and_prune(tmp_path: Path) -> None:
         await engine.verify(backup.backup_id)
     again = await engine.fetch(third.backup_id, tmp_path / "g", recovery)
     assert {a: p.read_bytes() for a, p in again.agent_files.items()} == source.data
+
+
+class _LostAnswers(StoreTarget):
+    """A target whose first manifest put lands and then loses its answer, and whose
+    prune fails ``prune_failures`` times (a control plane whose store answered 503)."""
+
+    def __init__(self, store: FolderStore, prune_failures: int = 0) -> None:
+        super().__init__(store)
+        self.lose_manifest = True
+        self.prune_failures = prune_failures
+
+    async def put_manifest(self, backup_id: str, blob: bytes, names: Any) -> None:
+        await super().put_manifest(backup_id, blob, names)
+        if self.lose_manifest:
+            self.lose_manifest = False
+            raise StoreUnavailable(f"put manifest {backup_id}: server answered SlowDown")
+
+    async def prune(self, keep: int) -> Any:
+        if self.prune_failures:
+            self.prune_failures -= 1
+            raise StoreUnavailable("list manifests/: server answered SlowDown")
+        return await super().prune(keep)
+
+
+def _engine_on(parts: dict[str, Any], target: StoreTarget) -> BackupEngine:
+    return BackupEngine(
+        parts["source"],
+        target,
+        machine_id=MACHINE,
+        naming_key=os.urandom(32),
+        recipients=[parts["recovery"].public_key],
+        keypair=parts["recovery"],
+        work_dir=parts["tmp"] / "work-lost",
+        keep=2,
+        clock=parts["clock"],
+    )
+
+
+async def test_a_committed_backup_whose_answer_was_lost_is_reported_made(
+    parts: dict[str, Any],
+) -> None:
+    """Before: the lost answer failed ``backup now`` while the manifest was stored (a
+    backup reported failed that exists, and kept by the next prune)."""
+    engine = _engine_on(parts, _LostAnswers(parts["store"]))
+    made = await engine.backup_now()
+    assert [i.backup_id for i, _ in await engine.list()] == [made.backup_id]
+    await engine.verify(made.backup_id)
+
+
+async def test_a_prune_that_fails_after_the_commit_does_not_fail_the_backup(
+    parts: dict[str, Any],
+) -> None:
+    """Before: the prune's error failed ``backup now`` after its manifest was stored."""
+    target = _LostAnswers(parts["store"], prune_failures=100)
+    target.lose_manifest = False
+    engine = _engine_on(parts, target)
+    made = await engine.backup_now()
+    assert made.pruned is None  # not pruned: the next backup does it
+    assert [i.backup_id for i, _ in await engine.list()] == [made.backup_id]
+    # A prune that fails once is tried again.
+    target.prune_failures = 1
+    again = await engine.backup_now()
+    assert again.pruned is not None

@@ -382,3 +382,23 @@ async def test_the_check_after_a_backup_is_of_that_backup_not_a_newer_planted_on
         assert not (await service.restore_check()).ok, "the newest listed does not open"
         check = await service.restore_check(made.backup_id)
         assert check.ok and check.backup_id == made.backup_id
+
+
+async def test_a_restore_check_is_not_failed_by_a_lost_answer(tmp_path: Path) -> None:
+    """Before: one transient error of the target failed the check (metric 0, and
+    `backup now` said the backup would not restore) though the backup was whole."""
+    async with open_machine(_config(tmp_path / "m")) as m:
+        await _agent(m, tmp_path, "hello")
+        service = _service(m, tmp_path / "target", CollectorRegistry())
+        made = await service.backup_now()
+        real_verify = service.engine.verify
+        lost = [TransientError("get segment: server answered SlowDown")] * 2
+
+        async def flaky_verify(backup_id: str, keypair: object = None) -> object:
+            if lost:
+                raise lost.pop()
+            return await real_verify(backup_id)
+
+        service.engine.verify = flaky_verify  # type: ignore[method-assign,assignment]
+        check = await service.restore_check(made.backup_id)
+        assert check.ok and not lost, check.problem
