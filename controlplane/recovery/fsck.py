@@ -311,14 +311,20 @@ async def run_fsck(
     c.sizes = dict(listed)
     # Only an authentic tombstone counts (a forged one is reported as refused).
     tombstoned = [m.group(1) for key in keys if (m := _TOMBSTONE.match(key))]
-    c.deleting = frozenset(
-        [a for a in tombstoned if await c.read(f"accounts/{a}/deleting.json") is not None]
-    )
     # A finished deletion (only an authentic marker counts) leaves nothing under
     # the account: anything there landed after its last sweep (a write already
-    # under way, then a crash before it looked for the deletion).
+    # under way, then a crash before it looked for the deletion), or was put back
+    # by a bucket writer, its tombstone too (the marker is written after the
+    # sweep: a tombstone beside it is a crash before its removal, or a replay).
     finished = {m.group(1) for key in keys if (m := _DELETED.match(key))}
-    c.finished = {a for a in finished - c.deleting if await c.read(deleted_key(a)) is not None}
+    c.finished = {a for a in finished if await c.read(deleted_key(a)) is not None}
+    c.deleting = frozenset(
+        [
+            a
+            for a in tombstoned
+            if a not in c.finished and await c.read(f"accounts/{a}/deleting.json") is not None
+        ]
+    )
     for key in keys:
         try:
             validate_key(key)

@@ -188,9 +188,8 @@ async def test_a_deleted_account_put_back_stays_deleted(
 ) -> None:
     """After a deletion finished, the account's records and its tombstone put back
     (genuine copies saved before) grant nothing: ``deleted/<a>`` outlives them. The
-    account answers like a missing one, its token and machine are refused, the
-    put-back tombstone only finishes the deletion again, and fsck names what is
-    left."""
+    account answers like a missing one, its token and machine are refused, and
+    fsck names what was put back (its tombstone too) and repair removes it."""
     bucket = Bucket(moto_endpoint, s3_bucket, home=cp.home)
     try:
         made = cp.cli("account", "create", "--github-id", "9104", "--github-login", "dl", "--json")
@@ -249,6 +248,15 @@ async def test_a_deleted_account_put_back_stays_deleted(
         named = {f["key"] for f in json.loads(res.out)["findings"]}
         left = {k.removeprefix("cp/") for k in bucket.everything()}
         assert {k for k in left if k.startswith(f"accounts/{account}/")} <= named, (named, left)
+        # Repair removes them (a serving control plane ignores them meanwhile:
+        # deleted/<a> wins over every record under the account).
+        res = cp.cli("fsck", "--repair", "--json", timeout=DEADLINE)
+        assert res.code in (0, 1), res.err
+        keys = {k.removeprefix("cp/") for k in bucket.everything()}
+        assert f"deleted/{account}.json" in keys
+        assert not any(k.startswith(f"accounts/{account}/") for k in keys), keys
         start_serve(cp)
+        shown = cp.cli("account", "show", account)
+        assert shown.code == 2 and "not found" in shown.err, shown
     finally:
         bucket.close()
