@@ -131,6 +131,9 @@ class ControlConfig:
     schedule fire time (the time it needs to boot and connect)."""
     wake_check_seconds: float = 30.0
     """How often offline machines are checked for a schedule due (see wake_lead_seconds)."""
+    store_retry_seconds: float = 0.2
+    """Seconds before a store call that failed (a 503, a timeout) is tried again,
+    doubling with jitter up to 5 s, five tries within 30 s at most."""
     clock_skew_bound_seconds: float = 60.0
     """Most our clock may differ from the store's (its Date header) before expiries
     wait (controlplane.integrity.clock)."""
@@ -182,6 +185,8 @@ class ControlConfig:
             raise ConfigError("wake_lead_seconds", "must be between 0 and 86400 seconds")
         if not 0.1 <= self.wake_check_seconds <= 3600:
             raise ConfigError("wake_check_seconds", "must be between 0.1 and 3600 seconds")
+        if not 0.001 <= self.store_retry_seconds <= 5:
+            raise ConfigError("store_retry_seconds", "must be between 0.001 and 5 seconds")
         if not 2 <= self.clock_skew_bound_seconds <= 86400:
             raise ConfigError("clock_skew_bound_seconds", "must be between 2 and 86400 seconds")
         if not 0.1 <= self.clock_check_seconds <= 3600:
@@ -238,6 +243,7 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "prompt_ttl_seconds": (int,),
     "wake_lead_seconds": (int, float),
     "wake_check_seconds": (int, float),
+    "store_retry_seconds": (int, float),
     "clock_skew_bound_seconds": (int, float),
     "clock_check_seconds": (int, float),
 }
@@ -304,6 +310,7 @@ def load_config(
         prompt_ttl_seconds=get("prompt_ttl_seconds", None, d.prompt_ttl_seconds, int),
         wake_lead_seconds=get("wake_lead_seconds", None, d.wake_lead_seconds, float),
         wake_check_seconds=get("wake_check_seconds", None, d.wake_check_seconds, float),
+        store_retry_seconds=get("store_retry_seconds", None, d.store_retry_seconds, float),
         clock_skew_bound_seconds=get(
             "clock_skew_bound_seconds", None, d.clock_skew_bound_seconds, float
         ),

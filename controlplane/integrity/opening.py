@@ -11,18 +11,24 @@ from prometheus_client import CollectorRegistry
 from controlplane.config import ControlConfig
 from shared.store import ObjectStore, StoreOptions, open_store
 
-__all__ = ["open_control_store"]
+__all__ = ["open_control_store", "store_options"]
 
 
-async def open_control_store(cfg: ControlConfig, registry: CollectorRegistry | None) -> ObjectStore:
-    """Open the configured store (metrics under ``agents_cp_store_*``)."""
-    options = StoreOptions(
+def store_options(cfg: ControlConfig, call_deadline: float | None = None) -> StoreOptions:
+    """The store settings of the configuration (the one place that reads them)."""
+    return StoreOptions(
         access_key=cfg.store_access_key,
         secret_key=cfg.store_secret_key,
         region=cfg.store_region,
         endpoint_url=cfg.store_endpoint,
+        call_deadline=call_deadline,
+        retry_initial=cfg.store_retry_seconds,
         object_lock=cfg.store_object_lock,
     )
+
+
+async def open_control_store(cfg: ControlConfig, registry: CollectorRegistry | None) -> ObjectStore:
+    """Open the configured store (metrics under ``agents_cp_store_*``)."""
     return await open_store(
-        cfg.store_url, options=options, namespace="agents_cp", registry=registry
+        cfg.store_url, options=store_options(cfg), namespace="agents_cp", registry=registry
     )

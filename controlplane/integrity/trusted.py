@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter
 from controlplane.config import ControlConfig
 from controlplane.integrity import jsonstore
 from controlplane.integrity.keys import HomeKeys
+from controlplane.integrity.opening import store_options
 from controlplane.integrity.records import utc_iso
 from shared.errors import (
     AgentsError,
@@ -48,7 +49,7 @@ from shared.errors import (
     StoreUnavailable,
     StoreUntrusted,
 )
-from shared.store import StoreOptions, describe_store, open_store
+from shared.store import describe_store, open_store
 from shared.store.authenticated import AuthenticatedStore
 from shared.store.base import (
     DEFAULT_CHUNK_SIZE,
@@ -385,14 +386,7 @@ async def open_trusted_store(
     The deployment is NOT checked here: the caller runs ``guard.verify()``
     (``serve``) or writes the marker (``init``). Opening faults name the store.
     """
-    options = StoreOptions(
-        access_key=cfg.store_access_key,
-        secret_key=cfg.store_secret_key,
-        region=cfg.store_region,
-        endpoint_url=cfg.store_endpoint,
-        call_deadline=deadline,
-        object_lock=cfg.store_object_lock,
-    )
+    options = store_options(cfg, deadline)
     where = describe_store(cfg.store_url, options)
     try:
         raw = await open_store(

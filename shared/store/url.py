@@ -54,6 +54,9 @@ class StoreOptions:
     """Temp folder for large conditional S3 writes on servers that need it."""
     call_deadline: float | None = None
     """Seconds one operation may take, retries included (``DeadlineStore``); None: unbounded."""
+    retry_initial: float | None = None
+    """Seconds before a failed call is tried again (doubling, with jitter); None:
+    the default of :mod:`shared.retry`."""
     object_lock: bool = False
     """The bucket must have S3 Object Lock with a default retention (checked at open;
     refused for a folder store)."""
@@ -170,7 +173,10 @@ async def open_store(
         from shared.store.s3 import S3Store
 
         backend = await S3Store.open(target)
-    inner: ObjectStore = RetryingStore(backend)
+    retry = options.retry_initial if options is not None else None
+    inner: ObjectStore = (
+        RetryingStore(backend) if retry is None else RetryingStore(backend, initial=retry)
+    )
     deadline = options.call_deadline if options is not None else None
     if deadline is not None:
         inner = DeadlineStore(inner, seconds=deadline, where=_where(target))

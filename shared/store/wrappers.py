@@ -28,7 +28,7 @@ from shared.errors import (
     StoreUnavailable,
     TransientError,
 )
-from shared.retry import DEFAULT_ATTEMPTS, DEFAULT_TOTAL, retrying
+from shared.retry import DEFAULT_ATTEMPTS, DEFAULT_INITIAL, DEFAULT_TOTAL, retrying
 from shared.store.base import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -82,14 +82,22 @@ class RetryingStore(StoreWrapper):
     """
 
     def __init__(
-        self, inner: ObjectStore, *, attempts: int = DEFAULT_ATTEMPTS, total: float = DEFAULT_TOTAL
+        self,
+        inner: ObjectStore,
+        *,
+        attempts: int = DEFAULT_ATTEMPTS,
+        total: float = DEFAULT_TOTAL,
+        initial: float = DEFAULT_INITIAL,
     ) -> None:
         super().__init__(inner)
         self._attempts = attempts
         self._total = total
+        self._initial = initial
 
     def _policy(self, op: str) -> AsyncRetrying:
-        return retrying(f"store.{op}", attempts=self._attempts, total=self._total)
+        return retrying(
+            f"store.{op}", attempts=self._attempts, total=self._total, initial=self._initial
+        )
 
     async def get(self, key: str) -> bytes:
         """See :meth:`ObjectStore.get`."""

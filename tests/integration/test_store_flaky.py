@@ -81,6 +81,10 @@ def cp(tmp_path: Path, proxy: CrashProxy, s3_bucket: str) -> Iterator[ControlPro
         s3_env(proxy.url),
         ["--heartbeat-interval", str(HEARTBEAT)],
     )
+    # Retries a hundred times sooner than the default: the same faults, the same
+    # retries and read-backs, in a test that does not spend minutes in backoff.
+    with (running.home / "config.toml").open("a") as f:
+        f.write("store_retry_seconds = 0.002\n")
     try:
         start_serve(running)
         yield running
