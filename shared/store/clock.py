@@ -30,9 +30,11 @@ class StoreTime:
     def skew(self) -> float:
         """Seconds our clock is ahead of the server's (negative: behind).
 
-        The header has whole seconds, so a reading is good to about a second
-        plus half the request's round trip."""
-        return (self.local - self.server).total_seconds()
+        The header has whole seconds, cut down: the server's clock was
+        somewhere in the second after it, so the middle of that second is
+        compared. A reading is good to half a second plus half the request's
+        round trip."""
+        return (self.local - self.server).total_seconds() - 0.5
 
 
 @runtime_checkable

@@ -144,9 +144,7 @@ def test_a_clock_ahead_or_behind_loses_no_prompt_and_stretches_no_token(
 
         # Eight days ahead: a week-long TTL would have dropped the prompt.
         _restart(cp, "+8d")
-        poll_until(
-            lambda: _logged(cp, "8d 0h 0m ahead of the store's"), deadline=DEADLINE, what="log"
-        )
+        poll_until(lambda: _logged(cp, "ahead of the store's"), deadline=DEADLINE, what="log")
         skew = poll_until(lambda: _skew(cp), deadline=DEADLINE, what="the skew gauge")
         assert abs(skew - 8 * DAY) < 60, skew
         assert _prompt_ids(cp, machine_id) == [prompt]
@@ -154,7 +152,7 @@ def test_a_clock_ahead_or_behind_loses_no_prompt_and_stretches_no_token(
 
         # A day behind: the token is judged by the later clock, the store's.
         _restart(cp, "-1d")
-        poll_until(lambda: _logged(cp, "1d 0h 0m behind"), deadline=DEADLINE, what="log")
+        poll_until(lambda: _logged(cp, "behind the store's"), deadline=DEADLINE, what="log")
         skew = poll_until(lambda: _skew(cp), deadline=DEADLINE, what="the skew gauge")
         assert abs(skew + DAY) < 60, skew
         join = shlex.split(token["join_command"])

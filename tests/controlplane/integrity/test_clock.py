@@ -32,7 +32,9 @@ class StoreClock:
         if self.down:
             raise StoreUnavailable("store s3://b: 503")
         now = self.local()
-        return StoreTime(server=now - dt.timedelta(seconds=self.ahead), local=now)
+        # A Date header is cut down to its second: here, half a second.
+        server = now - dt.timedelta(seconds=self.ahead + 0.5)
+        return StoreTime(server=server, local=now)
 
 
 def _check(clock: FixedClock, store: StoreClock, seen: list[float]) -> ClockCheck:
