@@ -63,8 +63,15 @@ class ScheduleWaker:
         for machine in await self._machines.list(everyone):
             if machine.revoked or self._presence.session(machine.machine_id) is not None:
                 continue
-            at = self.wake_at(await self._presence.status(machine))
+            status = await self._presence.status(machine)
+            at = self.wake_at(status)
             if at is None or at > now:
+                continue
+            if status.next_fire_at is not None and status.next_fire_at < now:
+                # Passed already: the machine missed it whatever we do (its next
+                # start handles missed fires by their policy). Waking for it
+                # would start the machine at every check, for a presence record
+                # that is stale, or an older copy a bucket writer put back.
                 continue
             if not await self._starter.has_provider(machine.account_id, machine.machine_id):
                 continue

@@ -88,3 +88,21 @@ async def test_wakes_only_offline_machines_with_a_provider_and_a_fire_due() -> N
     status = MachineStatus(later, False, NOW, "1", 1, fires[later.machine_id])
     assert waker.wake_at(status) == NOW + dt.timedelta(seconds=480)
     assert waker.wake_at(MachineStatus(none, False, NOW, "1", 1, None)) is None
+
+
+async def test_a_fire_time_that_passed_wakes_nothing() -> None:
+    """A next fire time in the past (a presence record left from long ago, or an
+    older copy put back by a bucket writer) starts nothing: the fire is missed
+    already; before, the machine was started at every check."""
+    stale = _machine()
+    starter = _Starter({stale.machine_id})
+    waker = ScheduleWaker(
+        _Machines([stale]),  # type: ignore[arg-type]
+        _Presence({stale.machine_id: NOW - dt.timedelta(days=3)}, set()),  # type: ignore[arg-type]
+        starter,  # type: ignore[arg-type]
+        lead=120,
+        interval=1,
+        clock=lambda: NOW,
+    )
+    assert await waker.check() == []
+    assert starter.asked == []
