@@ -40,6 +40,10 @@ Read-only by default. What it looks for (the finding's kind), and what
   stay: a record put back at an older version would count them (docs/security.md);
   so do provider settings, queued prompts and backups, which are their owner's.
   A machine's backups are reported once, under its backup prefix.
+- ``replay``: a genuine record older than the markers that outlive it (a token
+  saying fewer uses than its use markers, a machine saying not revoked beside its
+  revocation marker, or naming a retired certificate): an older copy a bucket
+  writer put back. The control plane already refuses what it would grant; kept.
 
 A machine's backup manifests and their names lists are MAC'd too (a planted
 backup would otherwise restore on a repair): one whose MAC does not match is
@@ -83,8 +87,11 @@ from controlplane.integrity.records import (
     github_index_key,
     machine_index_key,
     machine_key,
+    machine_revoked_key,
+    retired_serial_key,
     token_index_key,
     token_key,
+    token_uses_prefix,
 )
 from controlplane.integrity.trusted import DEPLOYMENT_KEY, TrustedStore, open_trusted_store
 from controlplane.recovery.fencing import EPOCH_KEY, Fence, read_home_id
@@ -120,7 +127,7 @@ class Finding:
 
     kind: str
     """deployment, epoch, unfinished, refused, unmacd_backup, deleted_leftover,
-    orphan_index, missing_index, mismatch, misplaced, unknown or orphan."""
+    orphan_index, missing_index, mismatch, misplaced, unknown, orphan or replay."""
     key: str
     """The object concerned."""
     detail: str
@@ -587,6 +594,49 @@ async def _check_owned(c: _Checker, key: str, kind: str, acct: str, ident: str) 
     entry = await c.read(index_key)
     if entry is None or entry.get("account_id") != acct:
         await c.fix_write("missing_index", index_key, {"account_id": acct}, f"{ident} -> {acct}")
+    await _check_replayed(c, key, kind, acct, ident, data)
+
+
+async def _check_replayed(
+    c: _Checker, key: str, kind: str, acct: str, ident: str, data: dict[str, Any]
+) -> None:
+    """A record older than the markers that outlive it: an older genuine copy put
+    back. The control plane already refuses what it would grant (the markers win,
+    counted in agents_cp_store_replays_refused_total); reported so the operator
+    learns of the bucket writer. Kept: the record is genuine, only older."""
+    if kind == "token":
+        prefix = token_uses_prefix(acct, ident)
+        markers = [k for k in c.sizes if k.startswith(prefix)]
+        taken = sum([1 for k in markers if await c.read(k) is not None])
+        uses = int(data.get("uses", 0) or 0)
+        if taken > uses:
+            c.add(
+                "replay",
+                key,
+                f"says {uses} use(s) but {taken} use marker(s) exist: an older copy put "
+                "back; the markers win (kept)",
+            )
+        return
+    if not data.get("revoked") and await c.read(machine_revoked_key(acct, ident)) is not None:
+        c.add(
+            "replay",
+            key,
+            "says not revoked but its revocation marker exists: an older copy put back; "
+            "the machine stays revoked (kept)",
+        )
+    serial = str(data.get("cert_serial", ""))
+    if serial:
+        try:
+            retired = retired_serial_key(acct, ident, serial)
+        except InvalidArgument:
+            return
+        if await c.read(retired) is not None:
+            c.add(
+                "replay",
+                key,
+                f"names certificate {serial}, which was retired: an older copy put back; "
+                "that certificate stays refused (kept)",
+            )
 
 
 async def _check_index(c: _Checker, key: str, kind: str, ident: str) -> None:

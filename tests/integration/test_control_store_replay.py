@@ -60,6 +60,13 @@ def _replays(cp: ControlProc, record: str) -> float:
     return found
 
 
+def _fsck_kinds(cp: ControlProc) -> dict[str, str]:
+    """``fsck --json`` (read-only, beside the running daemon): key -> finding kind."""
+    res = cp.cli("fsck", "--json", timeout=DEADLINE)
+    assert res.code in (0, 1), res.err
+    return {f["key"]: f["kind"] for f in json.loads(res.out)["findings"]}
+
+
 def _serve_refused(cp: ControlProc, home: Path, says: str) -> None:
     """``serve --home`` refuses at start in one line, having written nothing."""
     res = subprocess.run(
@@ -130,6 +137,7 @@ async def test_a_used_token_put_back_joins_nothing(cp: ControlProc, bucket: Buck
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "token already used" in (refused.value.details() or "")
     assert _replays(cp, "token") >= 1
+    assert _fsck_kinds(cp).get(record_key) == "replay"
     listed = json.loads(cp.cli("machine", "list", "--account", account, "--json").out)
     assert [m["machine_id"] for m in listed["machines"]] == [machine]
 
@@ -152,6 +160,7 @@ async def test_a_revoked_machine_put_back_stays_revoked(cp: ControlProc, bucket:
     shown = json.loads(cp.cli("machine", "show", machine, "--json").out)
     assert shown["revoked"] is True, shown
     assert _replays(cp, "machine") >= 1
+    assert _fsck_kinds(cp).get(record_key) == "replay"
     stop_serve(cp)
     start_serve(cp)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -181,6 +190,7 @@ async def test_a_replaced_box_stays_out_when_the_old_record_is_put_back(
         await connect_once(cp.link, cp.ca_pem, old_cert, old_key)
     assert "certificate superseded" in (refused.value.details() or ""), refused.value
     assert _replays(cp, "machine") >= 1
+    assert _fsck_kinds(cp).get(record_key) == "replay"
 
 
 async def test_a_deleted_account_put_back_stays_deleted(
