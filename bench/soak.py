@@ -102,7 +102,7 @@ def _ok(res: Any, what: str) -> str:
 
 
 def _metrics(cp: ControlProc) -> str:
-    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=15) as r:
         return str(r.read().decode())
 
 

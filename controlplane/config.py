@@ -107,7 +107,7 @@ class ControlConfig:
     """Admin credential the CLI sends (``--credential`` / ``AGENTS_CONTROL_CREDENTIAL``)."""
     heartbeat_interval: float = 15.0
     """Seconds between a machine's heartbeats; 3 missed ones mark it offline."""
-    presence_write_interval: float = 60.0
+    presence_write_interval: float = 300.0
     """Least seconds between two last-seen writes of one machine (at least 60)."""
     cert_lifetime_days: float = 30.0
     """Lifetime of machine client certificates."""

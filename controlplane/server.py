@@ -34,6 +34,7 @@ from controlplane.integrity.intents import Intents
 from controlplane.integrity.keys import KeyRing, load_home_keys
 from controlplane.integrity.trusted import DeploymentGuard, TrustedStore, open_trusted_store
 from controlplane.machines.backups import MachineBackups
+from controlplane.machines.fleet import FleetView
 from controlplane.machines.presence import PresenceRegistry
 from controlplane.machines.registry import MachineRegistry
 from controlplane.machines.rosters import AgentRosters
@@ -171,12 +172,19 @@ class ControlPlane:
             write_interval=cfg.presence_write_interval,
             on_change=self.metrics.machines_online.set,
         )
+        # One listing of the fleet for the periodic checks (machines.fleet).
+        fleet = FleetView(services.machines)
+
+        def deleted(result: str) -> None:
+            self.metrics.account_deletions.labels(result).inc()
+            fleet.changed()  # its machines are gone from the store
+
         # Before recovery: it resumes tombstoned deletions, in the background.
         self._deletion = services.deletion
         services.deletion.run_in_background(
             DeletionHooks(
                 close_links=presence.close_account,
-                finished=lambda result: self.metrics.account_deletions.labels(result).inc(),
+                finished=deleted,
                 objects=self.metrics.account_deletion_objects.inc,
             )
         )
@@ -209,7 +217,7 @@ class ControlPlane:
             on_result=self.metrics.provider_start,
         )
         waker = ScheduleWaker(
-            services.machines,
+            fleet,
             presence,
             starter,
             lead=cfg.wake_lead_seconds,
@@ -269,7 +277,7 @@ class ControlPlane:
         self._health = await serve_health_and_reflection(server, [LINK_SERVICE, ADMIN_SERVICE])
         await server.start()
         self._offline = asyncio.create_task(
-            _count_offline(presence, services.machines, self.metrics), name="machines-offline"
+            _count_offline(presence, fleet, self.metrics), name="machines-offline"
         )
         self._waker = asyncio.create_task(waker.run(), name="schedule-waker")
         self._clocks = asyncio.create_task(
@@ -427,13 +435,13 @@ def _lock_home(home: Path) -> int:
 
 
 async def _count_offline(
-    presence: PresenceRegistry, machines: MachineRegistry, metrics: ControlMetrics
+    presence: PresenceRegistry, fleet: FleetView, metrics: ControlMetrics
 ) -> None:
-    """Set agents_cp_machines_offline now and every minute (one listing of every
-    account's machines per minute, whatever the scrape rate)."""
+    """Set agents_cp_machines_offline now and every minute, from the fleet as last
+    listed (machines.fleet: no store request while nothing changed)."""
     while True:
         try:
-            metrics.machines_offline.set(await presence.count_offline(machines))
+            metrics.machines_offline.set(presence.count_offline(await fleet.machines()))
         except AgentsError as e:
             logger.debug("machines offline: cannot count: %s", e)
         await asyncio.sleep(OFFLINE_COUNT_INTERVAL)
@@ -462,7 +470,8 @@ async def _self_check(
     """Every ``interval`` seconds: is the store still ours (and our epoch still the
     current one); then finish abandoned changes.
 
-    One GET (and one HEAD) a tick. The heartbeat interval is the period machines
+    One GET (and one HEAD) a tick, and a listing of intents/ while one is left
+    (else every few minutes: Intents.recover_if_due). The heartbeat interval is the period machines
     notice us by, so a swapped store, or a newer control plane, is noticed about
     as fast as a machine would be, even by an idle process.
     """
@@ -473,7 +482,7 @@ async def _self_check(
             if fence is not None and guard.problem is None:
                 await fence.check()
             if guard.problem is None:
-                await intents.recover()
+                await intents.recover_if_due()
         except StoreUnavailable as e:
             logger.debug("self-check: store unavailable: %s", e)
         except AgentsError as e:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -53,6 +54,8 @@ __all__ = ["INTENTS_PREFIX", "Intent", "Intents", "Resolver", "intent_key"]
 logger = logging.getLogger(__name__)
 
 INTENTS_PREFIX: Final = "cp/intents/"
+#: Seconds between two listings of intents/ while none is left (recover_if_due).
+QUIET_RECHECK: Final = 300.0
 
 
 def intent_key(intent_id: str) -> str:
@@ -114,6 +117,11 @@ class Intents:
         self._owner = secrets.token_hex(16)
         self._handed_over: set[str] = set()
         self._active: set[str] = set()
+        # True once a recover() left no intent in the store and none was begun
+        # since: the self-check then lists intents/ only every QUIET_RECHECK
+        # seconds (this process is the store's only writer: fenced).
+        self._quiet = False
+        self._listed_at = 0.0
 
     def register(self, kind: str, resolver: Resolver) -> None:
         """Use ``resolver`` to roll back abandoned intents of ``kind``."""
@@ -125,6 +133,7 @@ class Intents:
             new_id("intent"), kind, utc_iso(self._clock()), dict(fields), owner=self._owner
         )
         self._active.add(intent.intent_id)
+        self._quiet = False
         try:
             await self._store.put(
                 intent_key(intent.intent_id), encode(intent.to_dict()), if_none_match=True
@@ -216,13 +225,28 @@ class Intents:
 
     async def recover(self) -> int:
         """Roll back every abandoned intent whose resolver agrees; return how many."""
-        done = 0
+        done = left = 0
+        listed_at = time.monotonic()
         for intent in await self.pending():
             if self._mine(intent) and intent.intent_id not in self._handed_over:
+                left += 1
                 continue
             if await self._resolve(intent):
                 done += 1
+            else:
+                left += 1
+        self._listed_at = listed_at
+        self._quiet = left == 0 and not self._active
         return done
+
+    async def recover_if_due(self, every: float = QUIET_RECHECK) -> int:
+        """:meth:`recover`, unless the last one left nothing and this process began
+        no intent since: then at most every ``every`` seconds (the periodic
+        self-check of an idle control plane lists ``intents/`` a few times an
+        hour, not at every tick)."""
+        if self._quiet and time.monotonic() - self._listed_at < every:
+            return 0
+        return await self.recover()
 
     def _mine(self, intent: Intent) -> bool:
         """Begun by this process."""

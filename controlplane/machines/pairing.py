@@ -258,6 +258,7 @@ class Pairing:
             if age < self._confirm_grace:
                 return False  # the reply may be on its way: give the machine time
             await self._store.delete(machine_key(acct, mc))
+            self._machines.changed()
         await self._store.delete(machine_index_key(mc))
         await self._tokens.give_back(acct, tok, intent.intent_id)
         return True

@@ -19,14 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from controlplane.access.principals import Principal
 from controlplane.integrity.records import Machine, Presence, decode, encode, presence_key
 from shared.errors import AgentsError, IntegrityError, NotFound
 from shared.store.base import ObjectStore
 from shared.timestamps import Clock, utc_now
 
 if TYPE_CHECKING:
-    from controlplane.machines.registry import MachineRegistry
+    pass
 
 __all__ = [
     "AccountDeletedNotice",
@@ -151,6 +150,10 @@ class PresenceRegistry:
         self._monotonic = monotonic
         self._on_change = on_change
         self._sessions: dict[str, Session] = {}
+        # The stored presence of each machine, as this process last wrote or read
+        # it. It is the only writer (fenced), so an offline machine's status costs
+        # one GET per process, not one per wake check.
+        self._stored: dict[str, Presence] = {}
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -279,18 +282,15 @@ class PresenceRegistry:
             await self._store.put(
                 presence_key(session.account_id, session.machine_id), encode(record)
             )
+            self._stored[session.machine_id] = record
         except AgentsError as e:
             # Presence is advisory: a failed write must not end the link.
             logger.warning("presence %s: cannot write last seen: %s", session.machine_id, e)
 
-    async def count_offline(self, machines: MachineRegistry) -> int:
-        """Machines known to the store, not revoked, without a live link here.
-
-        Providers only start machines, never stop them on purpose, so every
-        such machine counts. One listing of every account's machines.
-        """
-        everyone = Principal("control-plane", "operator")
-        known = await machines.list(everyone)
+    def count_offline(self, known: list[Machine]) -> int:
+        """Machines of ``known`` (the fleet: machines.fleet), not revoked, without a
+        live link here. Providers only start machines, never stop them on purpose,
+        so every such machine counts."""
         return sum(1 for m in known if not m.revoked and m.machine_id not in self._sessions)
 
     async def status(self, machine: Machine) -> MachineStatus:
@@ -305,12 +305,14 @@ class PresenceRegistry:
                 live.agent_count,
                 live.next_fire_at,
             )
-        try:
-            data = await self._store.get(presence_key(machine.account_id, machine.machine_id))
-        except (NotFound, IntegrityError):
-            # Missing, or refused (forged): either way nothing is known about it.
-            return MachineStatus(machine, False, None, machine.version, 0)
-        rec = Presence.from_dict(decode(data, "presence"))
+        rec = self._stored.get(machine.machine_id)
+        if rec is None:
+            try:
+                data = await self._store.get(presence_key(machine.account_id, machine.machine_id))
+            except (NotFound, IntegrityError):
+                # Missing, or refused (forged): either way nothing is known about it.
+                return MachineStatus(machine, False, None, machine.version, 0)
+            rec = self._stored[machine.machine_id] = Presence.from_dict(decode(data, "presence"))
         return MachineStatus(
             machine,
             False,

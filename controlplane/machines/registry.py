@@ -139,11 +139,18 @@ class MachineRegistry:
         self._confirm_hooks: list[ConfirmHook] = []
         # Revoked machine ids seen by this process: refused without a store read.
         self._revoked: set[str] = set()
+        self.generation = 0
+        """Moves whenever this process adds, revokes or removes a machine record
+        (what machines.fleet lists again for)."""
 
     def on_confirm(self, hook: ConfirmHook) -> None:
         """Call ``hook(machine, join intent id)`` once a machine's join is confirmed
         (after the write; an error it raises is logged, the confirmation stands)."""
         self._confirm_hooks.append(hook)
+
+    def changed(self) -> None:
+        """A machine record was added or removed outside this class (a join rolled back)."""
+        self.generation += 1
 
     def on_revoke(self, hook: RevokeHook) -> None:
         """Call ``hook(account_id, machine_id)`` after a machine is revoked."""
@@ -192,6 +199,7 @@ class MachineRegistry:
             # Ids are fresh per join, so this is never a retry: refuse rather than
             # hand out a certificate whose serial no record accepts.
             raise AlreadyExists("machine", machine_id)
+        self.changed()
         await self._audit.record(token_id, "machine.join", machine_id, account_id)
         logger.info("machine %s joined account %s", machine_id, account_id)
         return machine
@@ -389,6 +397,7 @@ class MachineRegistry:
             self._store, machine_key(machine.account_id, machine_id), change
         )
         self._revoked.add(machine_id)
+        self.changed()
         await self._audit.record(
             principal.credential_id, "machine.revoke", machine_id, machine.account_id
         )

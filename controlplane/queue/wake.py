@@ -16,9 +16,8 @@ import datetime as dt
 import logging
 from collections.abc import Callable
 
-from controlplane.access.principals import Principal
+from controlplane.machines.fleet import FleetView
 from controlplane.machines.presence import MachineStatus, PresenceRegistry
-from controlplane.machines.registry import MachineRegistry
 from controlplane.queue.starter import MachineStarter
 from shared.timestamps import Clock, utc_now
 
@@ -32,7 +31,7 @@ class ScheduleWaker:
 
     def __init__(
         self,
-        machines: MachineRegistry,
+        fleet: FleetView,
         presence: PresenceRegistry,
         starter: MachineStarter,
         *,
@@ -41,7 +40,9 @@ class ScheduleWaker:
         clock: Clock = utc_now,
         on_wake: Callable[[], None] | None = None,
     ) -> None:
-        self._machines = machines
+        # The fleet as last listed and the presence as last written: a check of
+        # an idle fleet reads nothing from the store (machines.fleet).
+        self._fleet = fleet
         self._presence = presence
         self._starter = starter
         self._lead = dt.timedelta(seconds=lead)
@@ -57,10 +58,9 @@ class ScheduleWaker:
 
     async def check(self) -> list[str]:
         """Ask for every offline machine whose wake time has come; return their ids."""
-        everyone = Principal("control-plane", "operator")
         now = self._clock()
         woken: list[str] = []
-        for machine in await self._machines.list(everyone):
+        for machine in await self._fleet.machines():
             if machine.revoked or self._presence.session(machine.machine_id) is not None:
                 continue
             status = await self._presence.status(machine)

@@ -64,7 +64,7 @@ class Bucket:
 
 def counter(cp: ControlProc, name: str, label: str, value: str) -> float | None:
     """``name{label="value"}`` from the control plane's /metrics; None when not exported."""
-    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=15) as r:
         text = r.read().decode()
     m = re.search(rf'^{name}\{{{label}="{value}"\}} (\S+)$', text, re.M)
     return float(m.group(1)) if m else None

@@ -98,7 +98,7 @@ def _engine(
 def _metric(cp: ControlProc, name: str) -> float:
     """The sum of a metric's samples over its labels."""
     addr = cp.serve_info["metrics"]
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=15) as r:
         text = r.read().decode()
     return sum(
         float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)

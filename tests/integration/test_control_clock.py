@@ -79,7 +79,7 @@ def _online(cp: ControlProc, want: bool) -> str:
 
 
 def _skew(cp: ControlProc) -> float | None:
-    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=15) as r:
         text = r.read().decode()
     m = re.search(r"^agents_cp_clock_skew_seconds (\S+)$", text, re.M)
     return float(m.group(1)) if m else None

@@ -227,6 +227,8 @@ async def _until(check: Any, deadline: float, what: str) -> None:
     )
 
 
+# A kill at each write, each followed by a restart: minutes on a loaded machine.
+@pytest.mark.timeout(600)
 async def test_join_crash_at_every_write(
     cp: ControlProc, proxy: CrashProxy, moto_endpoint: str, s3_bucket: str
 ) -> None:
@@ -259,7 +261,7 @@ async def test_join_crash_at_every_write(
             # tick (one heartbeat) runs the roll-back.
             return await _settled(cp, s3, s3_bucket)
 
-        await _until(settled, CONFIRM_GRACE + 15, f"join rolled back after {proxy.writes}")
+        await _until(settled, CONFIRM_GRACE + 60, f"join rolled back after {proxy.writes}")
         # No orphan visible, and the token's use was given back.
         assert await _live_machines(cp, account_id) == []
         token = await _token(cp, account_id, token_id)
@@ -275,6 +277,8 @@ async def test_join_crash_at_every_write(
     assert points >= 4, points
 
 
+# A kill at each write, each followed by a restart: minutes on a loaded machine.
+@pytest.mark.timeout(600)
 async def test_repair_join_crash_at_every_write(
     cp: ControlProc, proxy: CrashProxy, moto_endpoint: str, s3_bucket: str
 ) -> None:
@@ -313,7 +317,7 @@ async def test_repair_join_crash_at_every_write(
         async def settled() -> bool:
             return await _settled(cp, s3, s3_bucket)
 
-        await _until(settled, CONFIRM_GRACE + 15, f"repair settled after {proxy.writes}")
+        await _until(settled, CONFIRM_GRACE + 60, f"repair settled after {proxy.writes}")
         token = await _token(cp, account_id, token_id)
         assert token.uses == 0 and token.state == "active"
         # The same token repairs for real; the box that joins with it is the machine.

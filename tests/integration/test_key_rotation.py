@@ -100,7 +100,7 @@ def _trusted(data_dir: Path) -> set[str]:
 
 
 def _metric(cp: ControlProc, kind: str, result: str) -> float:
-    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=15) as r:
         text = r.read().decode()
     m = re.search(
         rf'^agents_cp_key_rotations_total{{kind="{kind}",result="{result}"}} ([0-9.e+]+)$',

@@ -50,7 +50,7 @@ def _free_port() -> int:
 
 
 def _scrape(address: str) -> str:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=15) as reply:
         return str(reply.read().decode())
 
 

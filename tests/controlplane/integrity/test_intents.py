@@ -83,3 +83,42 @@ async def test_an_earlier_run_whose_clock_ran_ahead_is_still_recovered() -> None
     now = _intents(store, Clock(T0), rolled)
     assert await now.recover() == 1
     assert rolled == [left.intent_id]
+
+
+async def test_an_idle_self_check_lists_intents_only_while_one_is_left() -> None:
+    """recover_if_due lists intents/ at every call while an intent is left or was
+    begun since; once none is, only every ``every`` seconds (an idle control plane
+    listed it at every heartbeat tick)."""
+    store, rolled = MemoryStore(), []  # type: list[str]
+    listings = [0]
+    list_pages = store.list_pages
+
+    def counting(prefix: str = "", **kw: object):  # type: ignore[no-untyped-def]
+        if prefix.startswith("cp/intents/"):
+            listings[0] += 1
+        return list_pages(prefix, **kw)  # type: ignore[arg-type]
+
+    store.list_pages = counting  # type: ignore[method-assign]
+    crashed = _intents(store, Clock(T0), rolled, verdict=False)
+    await crashed.begin("demo", thing="held")  # left behind; its resolver says wait
+    now = _intents(store, Clock(T0), rolled, verdict=False)
+    for _ in range(3):
+        await now.recover_if_due(every=3600)
+    assert listings[0] == 3  # one is left: listed at every call
+    now.register("demo", lambda intent, age: _agree(rolled, intent))
+    await now.recover_if_due(every=3600)  # rolled back now: nothing left
+    assert listings[0] == 4
+    for _ in range(3):
+        assert await now.recover_if_due(every=3600) == 0
+    assert listings[0] == 4  # quiet: no listing
+    async with now.change("demo", thing="new"):
+        pass
+    await now.recover_if_due(every=3600)  # an intent was begun since: listed again
+    assert listings[0] == 5
+    await now.recover_if_due(every=0)  # the safety net's period passed
+    assert listings[0] == 6
+
+
+async def _agree(rolled: list[str], intent: Intent) -> bool:
+    rolled.append(intent.intent_id)
+    return True

@@ -13,6 +13,7 @@ from controlplane.access.principals import Principal
 from controlplane.access.tokens import TokenService
 from controlplane.integrity.audit import Auditor
 from controlplane.integrity.records import roster_key
+from controlplane.machines.fleet import FleetView
 from controlplane.machines.links import Ack
 from controlplane.machines.pairing import Pairing
 from controlplane.machines.presence import DeliveryNotice, PresenceRegistry, Session
@@ -373,11 +374,67 @@ async def test_offline_count_skips_connected_and_revoked_machines(w: World) -> N
     _, offline, _ = await w.machine(2)
     _, revoked, _ = await w.machine(3)
     presence = PresenceRegistry(w.store, clock=w.clock)
-    assert await presence.count_offline(w.machines) == 3
+    fleet = FleetView(w.machines)
+    assert presence.count_offline(await fleet.machines()) == 3
     await presence.open(await w.machines.get(w.op, online), "1", 0)
     await w.machines.revoke(w.op, revoked)
-    assert await presence.count_offline(w.machines) == 1
+    assert presence.count_offline(await fleet.machines()) == 1
     assert offline
+
+
+async def test_the_fleet_is_listed_again_only_when_it_changed(w: World) -> None:
+    """The periodic checks' view of every machine: one listing while nothing
+    changes; again after a join, a revocation, a change it is told of, or an hour."""
+    now = [0.0]
+    fleet = FleetView(w.machines, refresh=3600, monotonic=lambda: now[0])
+    _, first, _ = await w.machine(1)
+    assert [m.machine_id for m in await fleet.machines()] == [first]
+    for _ in range(5):
+        await fleet.machines()
+    assert fleet.listings == 1
+    _, second, _ = await w.machine(2)  # a join
+    assert {m.machine_id for m in await fleet.machines()} == {first, second}
+    assert fleet.listings == 2
+    await w.machines.revoke(w.op, second)
+    assert [m.revoked for m in await fleet.machines() if m.machine_id == second] == [True]
+    assert fleet.listings == 3
+    fleet.changed()  # e.g. an account deletion finished
+    await fleet.machines()
+    assert fleet.listings == 4
+    now[0] = 3599.0
+    await fleet.machines()
+    assert fleet.listings == 4
+    now[0] = 3600.0
+    await fleet.machines()
+    assert fleet.listings == 5
+
+
+async def test_an_offline_machines_presence_is_read_once(w: World) -> None:
+    """The status of an offline machine comes from what this process wrote or
+    last read: a wake check every 30 s costs no GET per machine."""
+    _, m, _ = await w.machine(1)
+    machine = await w.machines.get(w.op, m)
+    writer = PresenceRegistry(w.store, clock=w.clock)
+    session = await writer.open(machine, "1", 2)
+    writer.fire_reported(session, w.clock() + dt.timedelta(hours=1))
+    await writer.seen(session)
+    await writer.close(session)
+    # What this process wrote answers without a read...
+    assert (await writer.status(machine)).next_fire_at == w.clock() + dt.timedelta(hours=1)
+    # ...and a new process reads it once.
+    gets: list[str] = []
+    store_get = w.store.get
+
+    async def counting_get(key: str) -> bytes:
+        gets.append(key)
+        return await store_get(key)
+
+    w.store.get = counting_get  # type: ignore[method-assign]
+    reader = PresenceRegistry(w.store, clock=w.clock)
+    for _ in range(3):
+        status = await reader.status(machine)
+    assert status.agent_count == 2 and status.next_fire_at is not None
+    assert len([k for k in gets if "/presence/" in k]) == 1
 
 
 async def test_an_offline_machines_roster_refuses_unknown_and_archived_agents(w: World) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
 
 from controlplane.integrity.records import Machine
 from controlplane.machines.presence import MachineStatus
@@ -27,12 +26,12 @@ def _machine(revoked: bool = False) -> Machine:
     )
 
 
-class _Machines:
+class _Fleet:
     def __init__(self, machines: list[Machine]) -> None:
-        self.machines = machines
+        self._machines = machines
 
-    async def list(self, principal: Any, account_id: str = "") -> list[Machine]:
-        return self.machines
+    async def machines(self) -> list[Machine]:
+        return self._machines
 
 
 class _Presence:
@@ -75,7 +74,7 @@ async def test_wakes_only_offline_machines_with_a_provider_and_a_fire_due() -> N
     starter = _Starter({m.machine_id for m in everyone if m is not no_provider})
     wakes: list[int] = []
     waker = ScheduleWaker(
-        _Machines(everyone),  # type: ignore[arg-type]
+        _Fleet(everyone),  # type: ignore[arg-type]
         _Presence(fires, {online.machine_id}),  # type: ignore[arg-type]
         starter,  # type: ignore[arg-type]
         lead=120,
@@ -97,7 +96,7 @@ async def test_a_fire_time_that_passed_wakes_nothing() -> None:
     stale = _machine()
     starter = _Starter({stale.machine_id})
     waker = ScheduleWaker(
-        _Machines([stale]),  # type: ignore[arg-type]
+        _Fleet([stale]),  # type: ignore[arg-type]
         _Presence({stale.machine_id: NOW - dt.timedelta(days=3)}, set()),  # type: ignore[arg-type]
         starter,  # type: ignore[arg-type]
         lead=120,
