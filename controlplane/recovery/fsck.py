@@ -42,8 +42,10 @@ Read-only by default. What it looks for (the finding's kind), and what
   A machine's backups are reported once, under its backup prefix.
 - ``replay``: a genuine record older than the markers that outlive it (a token
   saying fewer uses than its use markers, a machine saying not revoked beside its
-  revocation marker, or naming a retired certificate): an older copy a bucket
-  writer put back. The control plane already refuses what it would grant; kept.
+  revocation marker): an older copy a bucket writer put back (or a revoke that
+  did not finish). The control plane already refuses what it would grant; kept.
+  A machine record naming a retired certificate is not reported: a renewal or
+  repair killed after its marker leaves exactly that, and the marker wins.
 
 A machine's backup manifests and their names lists are MAC'd too (a planted
 backup would otherwise restore on a repair): one whose MAC does not match is
@@ -88,7 +90,6 @@ from controlplane.integrity.records import (
     machine_index_key,
     machine_key,
     machine_revoked_key,
-    retired_serial_key,
     token_index_key,
     token_key,
     token_uses_prefix,
@@ -621,22 +622,9 @@ async def _check_replayed(
         c.add(
             "replay",
             key,
-            "says not revoked but its revocation marker exists: an older copy put back; "
-            "the machine stays revoked (kept)",
+            "says not revoked but its revocation marker exists (an older copy put back, "
+            "or a revoke that did not finish): the machine is revoked (kept)",
         )
-    serial = str(data.get("cert_serial", ""))
-    if serial:
-        try:
-            retired = retired_serial_key(acct, ident, serial)
-        except InvalidArgument:
-            return
-        if await c.read(retired) is not None:
-            c.add(
-                "replay",
-                key,
-                f"names certificate {serial}, which was retired: an older copy put back; "
-                "that certificate stays refused (kept)",
-            )
 
 
 async def _check_index(c: _Checker, key: str, kind: str, ident: str) -> None:
