@@ -1,0 +1,116 @@
+"""What an idle fleet costs the object store: the control plane's own count of its
+store requests (``agents_cp_store_operations_total``) over a quiet window,
+with 1 machine and with ``--machines`` machines joined and online.
+
+    python -m bench.idle                      # 1 vs 4 machines, 60 s each
+    python -m bench.idle --machines 8 --window 120
+
+Each run is a control plane on moto's S3 server with ``--heartbeat`` seconds
+between heartbeats (1 s by default: a tick of the self-check per second, so a
+minute shows what an hour of the 15 s default would), machines joined by their
+printed join commands and left alone. After the joins settle, the requests of
+``--window`` seconds are counted by operation and scaled to an hour. The ratio
+is the large fleet's requests over the single machine's: 1.00x when nothing
+grows with the fleet, the machines' count otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import boto3  # type: ignore[import-untyped]
+
+from tests.helpers.control_proc import (
+    ControlProc,
+    join_new_account,
+    run_init,
+    s3_env,
+    start_serve,
+    stop_serve,
+)
+from tests.helpers.moto_server import moto_server
+
+#: Seconds after the last join before counting: the waker's first listing of the
+#: new fleet and the joins' own writes are over by then.
+SETTLE = 35.0
+
+
+def _operations(cp: ControlProc) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=15) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    pattern = r'^agents_cp_store_operations_total\{operation="(\w+)",outcome="\w+"\} (\S+)$'
+    for m in re.finditer(pattern, text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def measure(machines: int, window: float, heartbeat: float, root: Path) -> dict[str, float]:
+    """Store requests per hour of ``machines`` idle machines, by operation."""
+    with moto_server() as endpoint:
+        bucket = f"idle-{machines}"
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing-secret",
+        ).create_bucket(Bucket=bucket)
+        cp = run_init(
+            root / f"home-{machines}",
+            f"s3://{bucket}/cp",
+            s3_env(endpoint),
+            ["--heartbeat-interval", str(heartbeat)],
+        )
+        start_serve(cp)
+        procs = []
+        try:
+            for i in range(machines):
+                data, log = root / f"m{machines}-{i}", root / f"m{machines}-{i}.log"
+                procs.append(join_new_account(cp, data, log, github_id=7000 + i, login=f"i{i}"))
+            time.sleep(SETTLE)  # the bench's own pace, not a wait on a state
+            before, started = _operations(cp), time.monotonic()
+            time.sleep(window)
+            after, took = _operations(cp), time.monotonic() - started
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait(timeout=30)
+            stop_serve(cp)
+    return {k: (after[k] - before.get(k, 0.0)) * 3600 / took for k in after}
+
+
+def _line(label: str, hourly: dict[str, float]) -> str:
+    ops = ", ".join(f"{k} {v:.0f}" for k, v in sorted(hourly.items()) if v >= 0.5) or "none"
+    return f"{label:<28}: {sum(hourly.values()):7.0f} requests/hour ({ops})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--machines", type=int, default=4, help="the larger fleet (default 4)")
+    parser.add_argument("--window", type=float, default=60.0, help="seconds counted (60)")
+    parser.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat seconds (1)")
+    args = parser.parse_args(argv)
+    if args.machines < 2 or args.window <= 0 or args.heartbeat <= 0:
+        parser.error("--machines must be at least 2, --window and --heartbeat positive")
+    with tempfile.TemporaryDirectory(prefix="idle-", dir="/tmp") as tmp:
+        one = measure(1, args.window, args.heartbeat, Path(tmp))
+        many = measure(args.machines, args.window, args.heartbeat, Path(tmp))
+    print(f"idle fleet, heartbeat {args.heartbeat:g} s, {args.window:g} s counted, moto")
+    print(_line("1 machine", one))
+    print(_line(f"{args.machines} machines", many))
+    base = sum(one.values())
+    ratio = sum(many.values()) / base if base else float("inf")
+    lists = many.get("list", 0.0) / max(one.get("list", 0.0), 1.0)
+    print(f"ratio {args.machines} machines / 1 machine {ratio:.2f}x (lists {lists:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
