@@ -153,13 +153,17 @@ def _rss(proc: subprocess.Popen[bytes] | None) -> int:
 
 def _send(cp: ControlProc, m: Machine, day: int, n: int) -> None:
     key = f"soak-{m.name}-{day}-{n}"
-    out = _ok(
-        cp.cli(
+
+    def send() -> Any:
+        res = cp.cli(
             "prompt", "send", "--machine", m.machine_id, "--agent", m.agent,
             "--text", f"day {day} prompt {n}", "--idempotency-key", key,
-        ),
-        "prompt send",
-    )  # fmt: skip
+        )  # fmt: skip
+        # Just stopped, the machine's roster may reach the store a moment after
+        # its goodbye: refused (nothing queued) until then.
+        return None if res.code == 2 and "not found" in res.err else res
+
+    out = _ok(poll_until(send, deadline=DEADLINE, what="the agent known"), "prompt send")
     found = re.search(r"prompt (pr_[0-9a-z]{26})", out)
     assert found, out
     if found.group(1) not in m.prompts:

@@ -107,6 +107,19 @@ def _send(cp: ControlProc, machine_id: str, agent: str) -> str:
     return m.group(1)
 
 
+def _try_send(cp: ControlProc, machine_id: str, agent: str) -> str | None:
+    """The first send: None while the control plane does not know the agent yet."""
+    res = cp.cli(
+        "prompt", "send", "--machine", machine_id, "--agent", agent,
+        "--text", "kept through clock jumps", "--idempotency-key", "k-clock",
+    )  # fmt: skip
+    if res.code == 2 and f"agent {agent}: not found" in res.err:
+        return None
+    m = re.match(r"prompt (pr_[0-9a-z]{26}) queued", _ok(res))
+    assert m, res.out
+    return m.group(1)
+
+
 def _restart(cp: ControlProc, offset: str | None) -> None:
     stop_serve(cp)
     start_serve(cp, env=faketime_env(offset) if offset else None)
@@ -140,7 +153,13 @@ def test_a_clock_ahead_or_behind_loses_no_prompt_and_stretches_no_token(
         token = json.loads(
             _ok(cp.cli("token", "create", "--account", account, "--ttl", "1", "--json"))
         )
-        prompt = _send(cp, machine_id, agent)
+        # The stopped machine's roster reaches the store a moment after its
+        # goodbye: a send is refused (queueing nothing) until it has.
+        prompt = poll_until(
+            lambda: _try_send(cp, machine_id, agent),
+            deadline=DEADLINE,
+            what="the machine's roster known to the control plane",
+        )
 
         # Eight days ahead: a week-long TTL would have dropped the prompt.
         _restart(cp, "+8d")
