@@ -1,15 +1,26 @@
 """The event recorder: every event of a run is committed, then published.
 
-It appends a run's events (and the state changes that go with them) in one
-transaction each, publishes them to the :class:`~machine.core.feed.FeedHub` once
-committed, and writes a run's last event: RUN_FINISHED or RUN_ERROR with the
-run's end state. A write whose caller is cancelled still commits and is still
-published (see :func:`complete`).
+It appends a run's events (and the state changes that go with them),
+publishes them to the :class:`~machine.core.feed.FeedHub` once committed, and
+writes a run's last event: RUN_FINISHED or RUN_ERROR with the run's end state.
+A write whose caller is cancelled still commits and is still published (see
+:func:`complete`).
+
+While the engine drives a run, its writes go through a :class:`RunStream`:
+the runtime's events are queued to the database writer without waiting for
+each commit, so the events a runtime produces during one commit's fsync share
+the next one (group commit inside a run, as the writer already does across
+runs). Queue order is commit order and publication order, so followers and
+Replay still see each event only once it is durable, in seq order. The first
+event that fails to store breaks the stream: every later write of the run is
+refused in the writer thread itself, in the same batch or the next, so a run
+never stores an event after a missing one nor RUN_FINISHED after a loss.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import sqlite3
 import time
@@ -23,12 +34,17 @@ from machine.models import EventKind, RunErrorCode, RunRecord, RunState, StoredE
 from machine.runtimes.base import RunOutcome, RuntimeEvent, TextDelta, ToolCall, ToolResult
 from machine.storage import tables
 from machine.storage.db import Database
+from shared.errors import StoreError
 
-__all__ = ["OUTCOME", "EventRecorder", "Usage", "complete", "event_payload"]
+__all__ = ["OUTCOME", "EventRecorder", "RunStream", "Usage", "complete", "event_payload"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Events of one run queued and not yet committed before the runtime is made to
+#: wait (back-pressure on a runtime faster than the disk).
+MAX_PENDING = 256
 
 OUTCOME = {
     RunErrorCode.RUN_INTERRUPTED: RunState.INTERRUPTED,
@@ -114,6 +130,87 @@ async def complete(work: Awaitable[T]) -> T:
     return task.result()
 
 
+class RunStream:
+    """One run's writes, queued in order without waiting for each commit.
+
+    :meth:`submit` hands a write to the database writer at once and publishes
+    its events when it commits. The writer thread marks the stream broken the
+    moment one of its writes will not commit (see ``on_abort`` of
+    :meth:`Database.submit`); every write queued after that raises instead of
+    running, so the stored run has no event after a missing one.
+    """
+
+    def __init__(self, recorder: EventRecorder, run: RunRecord) -> None:
+        self._recorder = recorder
+        self.run_id = run.id
+        self._what = f"store run {run.id} of agent {run.agent_id}"
+        self._pending: collections.deque[asyncio.Future[Any]] = collections.deque()
+        #: Set in the writer thread: why a write of this run did not commit.
+        self._broken: BaseException | None = None
+        #: The first failure seen on the event loop (what :meth:`check` raises).
+        self.error: BaseException | None = None
+
+    def _abort(self, error: BaseException) -> None:
+        if self._broken is None:
+            self._broken = error
+
+    def submit(
+        self,
+        fn: Callable[[sqlite3.Connection], tuple[list[StoredEvent], T]],
+        *,
+        guarded: bool = True,
+    ) -> asyncio.Future[tuple[list[StoredEvent], T]]:
+        """Queue ``fn``; its events are published once it commits. ``guarded``
+        (the default) refuses to run it if an earlier write of the stream failed."""
+
+        def job(conn: sqlite3.Connection) -> tuple[list[StoredEvent], T]:
+            broken = self._broken
+            if guarded and broken is not None:
+                raise StoreError(f"{self._what}: an earlier event was not stored ({broken})")
+            return fn(conn)
+
+        start = time.perf_counter()
+        future = self._recorder.db.submit(job, what=self._what, on_abort=self._abort)
+        self._pending.append(future)
+        future.add_done_callback(lambda f: self._settled(f, start))
+        return future
+
+    def _settled(self, future: asyncio.Future[Any], start: float) -> None:
+        self._pending.remove(future)
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            if self.error is None:
+                self.error = error
+            return
+        self._recorder.publish(future.result()[0])
+        self._recorder.observe_append(start)
+
+    def check(self) -> None:
+        """Raise the first failure of this stream, if any."""
+        if self.error is not None:
+            raise self.error
+
+    async def room(self) -> None:
+        """Wait while too many writes are queued (the runtime outruns the disk)."""
+        while len(self._pending) >= MAX_PENDING:
+            await asyncio.wait([self._pending[0]])
+
+    async def drain(self) -> None:
+        """Wait until every queued write has committed or failed (even if the
+        caller is cancelled meanwhile: they are answered either way); raise the
+        first failure."""
+        while self._pending:
+            pending = list(self._pending)
+            try:
+                await asyncio.wait(pending)
+            except asyncio.CancelledError:
+                await asyncio.shield(asyncio.wait(pending))
+                raise
+        self.check()
+
+
 class EventRecorder:
     """Appends, publishes and ends runs' event streams."""
 
@@ -124,10 +221,39 @@ class EventRecorder:
         metrics: MachineMetrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._db = db
+        self.db = db
         self._metrics = metrics
         self._clock = clock
         self.feeds = FeedHub()
+        self._streams: dict[str, RunStream] = {}
+
+    def open_stream(self, run: RunRecord) -> RunStream:
+        """Route ``run``'s writes through a :class:`RunStream` until :meth:`close_stream`."""
+        stream = self._streams[run.id] = RunStream(self, run)
+        return stream
+
+    def close_stream(self, run_id: str) -> None:
+        """Back to one commit per write for ``run_id`` (its queued writes stand)."""
+        self._streams.pop(run_id, None)
+
+    def observe_append(self, start: float) -> None:
+        """Count a committed append's latency (the append_seconds metric)."""
+        if self._metrics is not None:
+            self._metrics.append_seconds.observe(time.perf_counter() - start)
+
+    async def queue(
+        self, run: RunRecord, fn: Callable[[sqlite3.Connection], list[StoredEvent]]
+    ) -> None:
+        """Store ``fn``'s write in ``run``'s order without waiting for its commit
+        (through the run's stream; a run without one waits). Raises the stream's
+        first failure, and waits while too many writes are queued."""
+        stream = self._streams.get(run.id)
+        if stream is None:
+            await self.append_many(run, lambda c: (fn(c), None))
+            return
+        stream.check()
+        await stream.room()
+        stream.submit(lambda c: (fn(c), None))
 
     async def append(
         self, run: RunRecord, fn: Callable[[sqlite3.Connection], StoredEvent]
@@ -140,10 +266,18 @@ class EventRecorder:
         self, run: RunRecord, fn: Callable[[sqlite3.Connection], tuple[list[StoredEvent], T]]
     ) -> tuple[list[StoredEvent], T]:
         """Commit a write that stores events of ``run``, then publish them. If the caller
-        is cancelled meanwhile the write still commits; its events are still published."""
+        is cancelled meanwhile the write still commits; its events are still published.
+        Through the run's stream if it has one: after its queued writes, and refused
+        if one of them failed."""
+        stream = self._streams.get(run.id)
+        if stream is not None:
+            stream.check()
+            future = stream.submit(fn)
+            await stream.drain()  # this write's future among them
+            return future.result()
         start = time.perf_counter()
         what = f"store run {run.id} of agent {run.agent_id}"
-        task = asyncio.ensure_future(self._db.write(fn, what=what))
+        task = asyncio.ensure_future(self.db.write(fn, what=what))
         try:
             result = await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -155,8 +289,7 @@ class EventRecorder:
                 self.publish(result[0])
             raise
         self.publish(result[0])
-        if self._metrics is not None:
-            self._metrics.append_seconds.observe(time.perf_counter() - start)
+        self.observe_append(start)
         return result
 
     def publish(self, events: list[StoredEvent]) -> None:
@@ -167,10 +300,11 @@ class EventRecorder:
         self.feeds.publish(events)
 
     async def record(self, run: RunRecord, kind: EventKind, payload: dict[str, Any]) -> None:
-        """Store and publish one event of a running run."""
+        """Store and publish one event of a running run (in its stream's order: the
+        event is published once committed; this returns once it is queued)."""
         now = self._clock()
-        await self.append(
-            run, lambda c: tables.append_event(c, run.agent_id, run.id, kind, payload, now)
+        await self.queue(
+            run, lambda c: [tables.append_event(c, run.agent_id, run.id, kind, payload, now)]
         )
 
     async def finish(
@@ -207,7 +341,15 @@ class EventRecorder:
     async def end(
         self, run: RunRecord, code: RunErrorCode, message: str, started: float | None
     ) -> None:
-        """End ``run`` (carrying its usage) with RUN_ERROR ``code``."""
+        """End ``run`` (carrying its usage) with RUN_ERROR ``code``: after every write
+        queued in its stream, even when one of those failed (this is how such a run
+        ends)."""
+        stream = self._streams.pop(run.id, None)
+        if stream is not None:
+            try:
+                await stream.drain()
+            except Exception as e:
+                logger.debug("run %s: ending after a failed write: %s", run.id, e)
         now = self._clock()
         await self.append(run, lambda c: self.end_sync(c, run, code, message, now, started))
         self.count_end(OUTCOME[code])

@@ -29,7 +29,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from machine.core.attachments import AttachmentStore
@@ -345,13 +345,15 @@ class RunEngine:
         started = run.started_at
         try:
             async with self._lock(run.agent_id):
+                self._recorder.open_stream(run)
                 resume: ResumeInfo | None = None
+                agent: AgentRecord | None = None
                 if parked:
                     resume = await self._permissions.wait_parked(active.run)
                 else:
                     started = self._clock()
-                    await self._start_run(active, started)
-                await self._run_runtime(active, started or self._clock(), resume)
+                    agent = await self._start_run(active, started)
+                await self._run_runtime(active, started or self._clock(), resume, agent)
         except asyncio.CancelledError:
             try:
                 await self._on_cancelled(active, started)
@@ -370,6 +372,7 @@ class RunEngine:
             except Exception as end_error:
                 self._recovery.unended(active, end_error, retry=not self._closing)
         finally:
+            self._recorder.close_stream(run.id)
             if not active.unended:
                 self._forget(run.id)
             self._update_gauges()
@@ -384,45 +387,55 @@ class RunEngine:
         self._forget(active.run.id)
         self._update_gauges()
 
-    async def _start_run(self, active: ActiveRun, started: float) -> None:
+    async def _start_run(self, active: ActiveRun, started: float) -> AgentRecord:
+        """Queue the run's RUN_STARTED (the runtime starts without waiting for its
+        commit: its first events share it); return the agent."""
         run = active.run
         agent = await self._db.read(
             lambda c: tables.get_agent(c, run.agent_id, self.ids.own),
             what=f"run {run.id} of agent {run.agent_id}",
         )
 
-        def write(conn: sqlite3.Connection) -> StoredEvent:
+        def write(conn: sqlite3.Connection) -> list[StoredEvent]:
             tables.set_run_state(conn, run.id, RunState.RUNNING, started_at=started)
-            return tables.append_event(
-                conn,
-                run.agent_id,
-                run.id,
-                EventKind.RUN_STARTED,
-                {
-                    "prompt": run.prompt,
-                    "attachments": list(run.attachments),
-                    "runtime": agent.runtime,
-                },
-                started,
-            )
+            return [
+                tables.append_event(
+                    conn,
+                    run.agent_id,
+                    run.id,
+                    EventKind.RUN_STARTED,
+                    {
+                        "prompt": run.prompt,
+                        "attachments": list(run.attachments),
+                        "runtime": agent.runtime,
+                    },
+                    started,
+                )
+            ]
 
-        await self._recorder.append(run, write)
+        await self._recorder.queue(run, write)
         hook = self._start_hooks.pop(run.id, None)
         if hook is not None:
             hook(started)
-        active.run = await self._db.read(lambda c: tables.get_run(c, run.id))
+        active.run = replace(run, state=RunState.RUNNING, started_at=started)
         self._update_gauges()
         if self._metrics is not None:
             self._metrics.runs_started.inc()
+        return agent
 
     async def _run_runtime(
-        self, active: ActiveRun, started: float, resume: ResumeInfo | None
+        self,
+        active: ActiveRun,
+        started: float,
+        resume: ResumeInfo | None,
+        agent: AgentRecord | None = None,
     ) -> None:
         run = active.run
-        agent = await self._db.read(
-            lambda c: tables.get_agent(c, run.agent_id, self.ids.own),
-            what=f"run {run.id} of agent {run.agent_id}",
-        )
+        if agent is None:
+            agent = await self._db.read(
+                lambda c: tables.get_agent(c, run.agent_id, self.ids.own),
+                what=f"run {run.id} of agent {run.agent_id}",
+            )
         usage = Usage.of(run)
         gate = await self._permissions.gate(run, resume)
 
@@ -433,9 +446,13 @@ class RunEngine:
             if gate.suppressing:
                 return
             if isinstance(ev, SessionStarted):
-                await self._db.write(
-                    lambda c: tables.set_session_id(c, run.agent_id, ev.session_id)
-                )
+                session_id = ev.session_id
+
+                def remember(conn: sqlite3.Connection) -> list[StoredEvent]:
+                    tables.set_session_id(conn, run.agent_id, session_id)
+                    return []
+
+                await self._recorder.queue(run, remember)
                 return
             mapped = event_payload(ev)
             if mapped is None:

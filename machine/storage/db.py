@@ -65,6 +65,19 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     what: str
     bulk: bool = False
+    #: Called in the writer thread when the job's changes will not commit (it
+    #: raised, or its batch failed), before any later job runs: a stream of
+    #: dependent jobs (:class:`machine.core.recorder.RunStream`) stops there.
+    on_abort: Callable[[BaseException], None] | None = None
+
+    def aborted(self, error: BaseException) -> None:
+        """Tell ``on_abort`` (once) that this job will not commit."""
+        on_abort, self.on_abort = self.on_abort, None
+        if on_abort is not None:
+            try:
+                on_abort(error)
+            except Exception:
+                logger.exception("machine.db abort observer failed")
 
 
 class _ReaderConnection(sqlite3.Connection):
@@ -141,19 +154,37 @@ def _deliverable(error: BaseException, where: Path) -> BaseException:
     return error
 
 
-def _settle(job: _Job, result: Any, error: BaseException | None) -> None:
-    def done() -> None:
-        if job.future.done():  # the caller went away; the write stands anyway
-            return
-        if error is not None:
-            job.future.set_exception(error)
-        else:
-            job.future.set_result(result)
+_Outcome = tuple[_Job, Any, BaseException | None]
 
-    try:
-        job.loop.call_soon_threadsafe(done)
-    except RuntimeError:  # loop closed during shutdown
-        pass
+
+def _settle(job: _Job, result: Any, error: BaseException | None) -> None:
+    _settle_all([(job, result, error)])
+
+
+def _settle_all(outcomes: list[_Outcome]) -> None:
+    """Answer each job's future on its own loop: one wake-up per loop for the whole
+    batch (a wake-up is a write to the loop's self-pipe), futures set in order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
+    for outcome in outcomes:
+        job, _, error = outcome
+        if error is not None:
+            job.aborted(error)
+        by_loop.setdefault(job.loop, []).append(outcome)
+
+    def done(answers: list[_Outcome]) -> None:
+        for job, result, error in answers:
+            if job.future.done():  # the caller went away; the write stands anyway
+                continue
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(result)
+
+    for loop, answers in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(done, answers)
+        except RuntimeError:  # loop closed during shutdown
+            pass
 
 
 class _Reader:
@@ -300,6 +331,25 @@ class Database:
         A full disk raises DiskFull, a damaged file DatabaseDamaged (and every later
         write too); ``what`` names the operation and its target in those errors.
         """
+        return await self.submit(fn, what=what, bulk=bulk)
+
+    def submit(
+        self,
+        fn: Callable[[sqlite3.Connection], T],
+        *,
+        what: str = "",
+        bulk: bool = False,
+        on_abort: Callable[[BaseException], None] | None = None,
+    ) -> asyncio.Future[T]:
+        """Queue ``fn`` as :meth:`write` does and return its future at once (call from
+        the event loop). Jobs commit in the order they are submitted, so a caller can
+        queue several without waiting for each commit and they share one. The future
+        resolves once the job's transaction is committed (or failed).
+
+        ``on_abort`` is called in the writer thread, before any later job runs, when
+        this job's changes will not commit; raises like :meth:`write` when the
+        database is closed, damaged or its writer has stopped.
+        """
         what = what or f"write {self.path.name}"
         if self._closed:
             raise StoreError(f"write {self.path}: database is closed")
@@ -310,8 +360,8 @@ class Database:
         with self._accepting_lock:
             if not self._accepting or self._writer is None or not self._writer.is_alive():
                 raise StoreError(f"write {self.path}: the database writer has stopped")
-            self._queue.put(_Job(fn, future, loop, what, bulk))
-        return await future
+            self._queue.put(_Job(fn, future, loop, what, bulk, on_abort))
+        return future
 
     async def read(self, fn: Callable[[sqlite3.Connection], T], *, what: str = "") -> T:
         """Run ``fn(conn)`` on the reader connection (sees committed data only).
@@ -459,7 +509,7 @@ class Database:
             for job in batch:
                 _settle(job, None, DatabaseDamaged(job.what, str(self.path), self.damaged))
             return
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        outcomes: list[_Outcome] = []
         bulk = any(job.bulk for job in batch)
         if bulk:
             conn.execute("PRAGMA wal_autocheckpoint = 0")  # see write(bulk=True)
@@ -479,7 +529,9 @@ class Database:
                     conn.execute("ROLLBACK TO job")
                     conn.execute("RELEASE job")
                     ours = dbfaults.translate(e, job.what, self.path)
-                    outcomes.append((job, None, ours or _deliverable(e, self.path)))
+                    failure = ours or _deliverable(e, self.path)
+                    job.aborted(failure)  # before the batch's later jobs run
+                    outcomes.append((job, None, failure))
                 else:
                     conn.execute("RELEASE job")
                     outcomes.append((job, result, None))
@@ -499,8 +551,7 @@ class Database:
                     conn.execute(f"PRAGMA wal_autocheckpoint = {_AUTOCHECKPOINT}")
         elapsed = time.perf_counter() - start
         # Callers first: the data is committed whatever the observer does.
-        for job, result, error in outcomes:
-            _settle(job, result, error)
+        _settle_all(outcomes)
         if self._on_commit is not None:
             try:
                 self._on_commit(len(batch), elapsed)

@@ -123,19 +123,19 @@ async def test_run_whose_events_cannot_be_stored_ends_storage_failed_once_writes
 
     with pytest.raises(DiskFull, match=f"data folder {machine_app.config.data_dir}"):
         await asyncio.wait_for(consume(), DEADLINE)
-    assert seen == [EventKind.RUN_STARTED, EventKind.TEXT_DELTA]
+    # The run's events are committed in batches: a batch that meets the full disk
+    # commits none of its events, so what was published is the prefix committed
+    # before it (RUN_STARTED and the first delta, or less when they shared it).
+    assert seen == [EventKind.RUN_STARTED, EventKind.TEXT_DELTA][: len(seen)]
     run = (await machine_app.runs.list_runs(agent))[0]
-    assert run.state is RunState.RUNNING
+    assert run.state is (RunState.RUNNING if seen else RunState.QUEUED)
 
     full[0] = False  # space freed: no restart, no cancel
     ended = await wait_for_state(machine_app, run.id, RunState.FAILED)
     assert ended.error_code is RunErrorCode.STORAGE_FAILED
     events = [ev async for ev in await machine_app.runs.replay(agent)]
-    assert [ev.kind for ev in events] == [
-        EventKind.RUN_STARTED,
-        EventKind.TEXT_DELTA,
-        EventKind.RUN_ERROR,
-    ]
+    # Nothing after the lost event was stored: what was published, then the end.
+    assert [ev.kind for ev in events] == [*seen, EventKind.RUN_ERROR]
     assert events[-1].payload["code"] == "STORAGE_FAILED"
     assert "no space left" in events[-1].payload["message"]
     # And the machine carries on.
