@@ -23,7 +23,7 @@ def _run(*argv: str) -> str:
 
 
 def test_appends_bench_prints_ratios() -> None:
-    out = _run("bench/appends.py", "--events", "64", "--appenders", "4")
+    out = _run("-m", "bench.appends", "--events", "64", "--appenders", "4")
     assert re.search(r"raw write\+fsync per event\s*:\s*\d+ events/s", out), out
     assert len(re.findall(r"ratio store/raw \d+\.\d+x", out)) == 2, out
 
@@ -68,3 +68,12 @@ def test_soak_smoke_keeps_every_promise() -> None:
     assert re.search(r"backups made / verified\s+: (\d+) / \1$", out, re.M), out
     assert "CA rollover                     : started True" in out, out
     assert "fsck after the soak             : 0 finding(s)" in out, out
+
+
+def test_roundtrip_bench_prints_its_ratio(tmp_path: Path) -> None:
+    out = _run("-m", "bench.roundtrip", "--prompts", "5", "--json", str(tmp_path / "rt.json"))
+    assert re.search(r"Status ping\s*: p50\s+\d+\.\d\d ms", out), out
+    assert re.search(r"prompt to RUN_FINISHED\s*: p50\s+\d+\.\d\d ms", out), out
+    assert re.search(r"\(\d+\.\d commits per prompt\)", out), out
+    assert re.search(r"ratio prompt/ping p50 \d+\.\d\dx", out), out
+    assert '"bench": "roundtrip"' in (tmp_path / "rt.json").read_text()

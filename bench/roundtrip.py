@@ -1,0 +1,126 @@
+"""A prompt's round trip against a bare ping, same daemon, same socket, same run.
+
+    python -m bench.roundtrip [--prompts 200] [--json PATH]
+
+It starts a real ``agents-machine serve`` (echo runtime, its metrics on a
+loopback port) and, over one gRPC channel on its Unix socket, times:
+
+- ping: the unary ``Status`` call (what any request over that socket costs);
+- prompt: ``Prompt`` of a short text to an echo agent, from the call to the
+  RUN_FINISHED event arriving (the run made durable: its row, RUN_STARTED,
+  the deltas and RUN_FINISHED each committed with fsync before being sent).
+
+Prints p50 and p90 of each, the ratio of the p50s, and the database commits
+per prompt read from the daemon's own commit histogram (each commit is one
+fsync of the WAL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc.aio
+
+from bench.results import BenchResult, Row
+from shared.pb.machine.v1 import machine_pb2 as pb
+from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
+from tests.helpers.machine_proc import MachineProc
+from tests.helpers.moto_server import free_port
+
+
+def _commits(metrics_url: str) -> float:
+    page = urllib.request.urlopen(metrics_url, timeout=15).read().decode()
+    found = re.search(r"^agents_machine_db_commit_batch_size_count (\S+)$", page, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q * 100) - 1] if len(values) > 1 else values[0]
+
+
+async def _measure(
+    proc: MachineProc, prompts: int, folder: Path, metrics_url: str
+) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(proc.target) as channel:
+        stub = pb_grpc.MachineServiceStub(channel)
+        agent = await stub.CreateAgent(pb.CreateAgentRequest(name="bench", folder=str(folder)))
+        # Warm both paths (the runtime's first start, the channel's first calls).
+        for _ in range(5):
+            await stub.Status(pb.StatusRequest())
+            [ev async for ev in stub.Prompt(pb.PromptRequest(agent_id=agent.id, text="warm"))]
+        pings: list[float] = []
+        for _ in range(prompts):
+            start = time.perf_counter()
+            await stub.Status(pb.StatusRequest())
+            pings.append(time.perf_counter() - start)
+        before = await asyncio.to_thread(_commits, metrics_url)
+        trips: list[float] = []
+        for i in range(prompts):
+            start = time.perf_counter()
+            async for ev in stub.Prompt(pb.PromptRequest(agent_id=agent.id, text=f"hello {i}")):
+                if ev.kind == pb.RUN_FINISHED:
+                    trips.append(time.perf_counter() - start)
+        after = await asyncio.to_thread(_commits, metrics_url)
+    return {
+        "ping_p50": statistics.median(pings),
+        "ping_p90": _quantile(pings, 0.9),
+        "prompt_p50": statistics.median(trips),
+        "prompt_p90": _quantile(trips, 0.9),
+        "commits_per_prompt": (after - before) / prompts,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=200, help="prompts and pings timed")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+    if args.prompts < 2:
+        parser.error("--prompts must be at least 2")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="rt-", dir="/tmp") as tmp:
+        proc = MachineProc(Path(tmp) / "data", "--metrics", f"127.0.0.1:{port}").start()
+        try:
+            f = asyncio.run(
+                _measure(proc, args.prompts, Path(tmp), f"http://127.0.0.1:{port}/metrics")
+            )
+        finally:
+            proc.stop()
+    ratio = f["prompt_p50"] / f["ping_p50"]
+    print(f"echo prompt round trip vs Status ping, {args.prompts} each, one Unix socket")
+    print(
+        f"Status ping             : p50 {f['ping_p50'] * 1e3:6.2f} ms, "
+        f"p90 {f['ping_p90'] * 1e3:6.2f} ms"
+    )
+    print(
+        f"prompt to RUN_FINISHED  : p50 {f['prompt_p50'] * 1e3:6.2f} ms, "
+        f"p90 {f['prompt_p90'] * 1e3:6.2f} ms "
+        f"({f['commits_per_prompt']:.1f} commits per prompt)"
+    )
+    print(f"ratio prompt/ping p50 {ratio:.2f}x")
+    result = BenchResult("roundtrip", "python -m bench.roundtrip " + " ".join(argv or sys.argv[1:]))
+    result.rows.append(
+        Row(
+            "echo prompt to RUN_FINISHED, p50",
+            f["prompt_p50"] * 1e3,
+            f["ping_p50"] * 1e3,
+            "ms",
+            "unary Status ping, same socket",
+            target="<= 2x",
+        )
+    )
+    result.notes.append(f"{f['commits_per_prompt']:.1f} database commits (fsyncs) per prompt")
+    result.write(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
