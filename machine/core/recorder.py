@@ -149,6 +149,7 @@ class RunStream:
         self._broken: BaseException | None = None
         #: The first failure seen on the event loop (what :meth:`check` raises).
         self.error: BaseException | None = None
+        self._unpublished: list[StoredEvent] = []
 
     def _abort(self, error: BaseException) -> None:
         if self._broken is None:
@@ -170,22 +171,36 @@ class RunStream:
             return fn(conn)
 
         start = time.perf_counter()
-        future = self._recorder.db.submit(job, what=self._what, on_abort=self._abort)
+        future = self._recorder.db.submit(
+            job,
+            what=self._what,
+            on_abort=self._abort,
+            on_done=lambda f: self._settled(f, start),
+        )
         self._pending.append(future)
-        future.add_done_callback(lambda f: self._settled(f, start))
         return future
 
     def _settled(self, future: asyncio.Future[Any], start: float) -> None:
         self._pending.remove(future)
-        if future.cancelled():
+        if future.cancelled():  # nobody here cancels them; its failure is unknown
             return
         error = future.exception()
         if error is not None:
             if self.error is None:
                 self.error = error
             return
-        self._recorder.publish(future.result()[0])
+        # The events of one commit are published together, once the loop has
+        # taken every answer of the batch (one wake-up of the followers).
+        if not self._unpublished:
+            asyncio.get_running_loop().call_soon(self.publish)
+        self._unpublished.extend(future.result()[0])
         self._recorder.observe_append(start)
+
+    def publish(self) -> None:
+        """Hand the committed, not yet published events to their followers."""
+        events, self._unpublished = self._unpublished, []
+        if events:
+            self._recorder.publish(events)
 
     def check(self) -> None:
         """Raise the first failure of this stream, if any."""
@@ -207,7 +222,9 @@ class RunStream:
                 await asyncio.wait(pending)
             except asyncio.CancelledError:
                 await asyncio.shield(asyncio.wait(pending))
+                self.publish()
                 raise
+        self.publish()  # what this caller waited for is published when it returns
         self.check()
 
 
