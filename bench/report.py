@@ -350,33 +350,45 @@ def _png_path(folder: Path, name: str, taken: Sequence[Path]) -> Path:
 
 
 def plot_curve(curve: Curve, png: Path) -> None:
-    """Draw ``curve`` into ``png``: one panel per series (their units differ), the
-    x axis shared; log-log when x spans two decades or more, so that a slope reads
-    as a growth exponent (a series that moves less than tenfold keeps a linear
-    axis: a log one would show it flat, between two unlabelled ticks)."""
+    """Draw ``curve`` into ``png``: one panel per series (their units differ), in
+    two columns past three series, the x axis shared.
+
+    Log-log when x spans two decades or more, so that a slope reads as a growth
+    exponent; a series that moves less than tenfold keeps a linear axis from 0
+    (a log axis, or one fitted to the points, would draw noise of a few percent
+    as a climb).
+    """
     # Imported here: matplotlib takes a second to import, and a report without
     # curves needs none of it. The Agg canvas renders without a display or pyplot.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    names = list(curve.series)
-    positive_x = bool(curve.x) and min(curve.x) > 0
-    log_x = positive_x and max(curve.x) / min(curve.x) >= 100
-    fig = Figure(figsize=(6.4, 1.2 + 2.2 * max(len(names), 1)), layout="constrained")
+    names = list(curve.series) or [""]
+    cols = 1 if len(names) <= 3 else 2
+    rows = -(-len(names) // cols)
+    log_x = bool(curve.x) and min(curve.x) > 0 and max(curve.x) / min(curve.x) >= 100
+    fig = Figure(figsize=(5.2 * cols, 1.0 + 2.4 * rows), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(max(len(names), 1), 1, sharex=True, squeeze=False)[:, 0]
+    grid = fig.subplots(rows, cols, sharex=True, squeeze=False)
     fig.suptitle(curve.name)
-    for ax, name in zip(axes, names, strict=False):
-        ys = curve.series[name][: len(curve.x)]
+    fig.supxlabel(curve.x_label)
+    panels = list(grid.flat)
+    for ax in panels[len(names) :]:
+        # An empty last cell: the panel above it shows the x ticks instead.
+        ax.remove()
+        grid[rows - 2, cols - 1].xaxis.set_tick_params(labelbottom=True)
+    for ax, name in zip(panels, names, strict=False):
+        ys = curve.series.get(name, [])[: len(curve.x)]
         ax.plot(curve.x[: len(ys)], ys, marker="o")
         shown = [y for y in ys if math.isfinite(y)]
         if log_x:
             ax.set_xscale("log")
-            if shown and min(shown) > 0 and max(shown) / min(shown) >= 10:
-                ax.set_yscale("log")
+        if log_x and shown and min(shown) > 0 and max(shown) / min(shown) >= 10:
+            ax.set_yscale("log")
+        elif shown and min(shown) >= 0:
+            ax.set_ylim(bottom=0, top=max(shown) * 1.1 or 1)
         ax.set_ylabel(_label(curve, name))
         ax.grid(True, which="both", alpha=0.3)
-    axes[-1].set_xlabel(curve.x_label)
     png.parent.mkdir(parents=True, exist_ok=True)
     # No "Software" entry: the same figures make the same bytes.
     _replace(png, lambda tmp: fig.savefig(tmp, format="png", dpi=100, metadata={"Software": None}))
