@@ -102,3 +102,17 @@ def test_missing_bench_is_not_run_and_a_failing_one_exits_1(
     assert "not run: bench/nosuch.py not present" in page
     assert "**failed** after" in page and "exit status 2" in page
     assert "--prompts must be 1..10000" in page  # the tail of its stderr
+
+
+def test_bench_past_its_deadline_is_stopped_and_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The idle bench starts moto and a control plane: more than 2 s before its figures.
+    monkeypatch.setattr(report, "BENCHES", {"idle": report.BENCHES["idle"]})
+    monkeypatch.setattr(report, "DEADLINE", {"full": 2.0, "quick": 2.0})
+    out = tmp_path / "benchmarks.md"
+
+    assert report.main(["--quick", "--out", str(out)]) == 1
+
+    assert "**failed** after" in out.read_text()
+    assert "no result within 2 s" in out.read_text()
