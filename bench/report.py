@@ -98,6 +98,13 @@ class Outcome:
     #: Why it was not run, or how it failed (with its stderr's tail).
     detail: str = ""
 
+    @property
+    def summary(self) -> str:
+        """One line: "ok", or the status and its reason."""
+        if self.status == OK:
+            return OK
+        return f"{self.status}: {self.detail.splitlines()[0]}" if self.detail else self.status
+
 
 @dataclass(frozen=True)
 class Header:
@@ -260,8 +267,7 @@ def _head(header: Header, outcomes: Sequence[Outcome]) -> list[str]:
         "|---|---|---:|",
     ]
     for o in outcomes:
-        shown = o.status if o.status != NOT_RUN else f"not run: {o.detail}"
-        lines.append(f"| [{o.name}](#{o.name}) | {_cell(shown)} | {o.seconds:.1f} |")
+        lines.append(f"| [{o.name}](#{o.name}) | {_cell(o.summary)} | {o.seconds:.1f} |")
     return [*lines, ""]
 
 
@@ -423,10 +429,10 @@ def main(argv: list[str] | None = None) -> int:
             clock = time.strftime("%H:%M:%S", time.gmtime())
             print(f"[{i}/{len(names)}] {clock} {name}: started", flush=True)
             outcome = run_bench(name, bench_args, DEADLINE[mode], Path(work))
-            shown = outcome.status
-            if outcome.status != OK:
-                shown += f": {outcome.detail.splitlines()[0]}"
-            print(f"[{i}/{len(names)}] {name}: {shown} ({outcome.seconds:.1f} s)", flush=True)
+            print(
+                f"[{i}/{len(names)}] {name}: {outcome.summary} ({outcome.seconds:.1f} s)",
+                flush=True,
+            )
             outcomes.append(outcome)
     drawn = write_report(args.out, header, outcomes)
     print(
