@@ -14,9 +14,10 @@ peak resident memory can be read:
 - ``tar | zstd -3`` of the data folder (one-off compression, no encryption).
 
 Printed: seconds, ratios ours/restic (below 1.0 is faster than restic),
-stored sizes and peak RSS of each step.
+stored sizes and peak RSS of each step; ``--json PATH`` also writes them for
+``bench/report.py`` (bench/results.py).
 
-Usage: ``.venv/bin/python -m bench.backup [--agents N] [--mb M]``.
+Usage: ``.venv/bin/python -m bench.backup [--agents N] [--mb M] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
+from bench.results import BenchResult, Row
 from machine.backups.workers import segment_workers
 from machine.storage.db import Database
 
@@ -307,6 +309,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=1000)
     parser.add_argument("--mb", type=int, default=200, help="MB of conversation text")
+    parser.add_argument("--json", type=Path, help="also write the figures here (bench/results.py)")
     args = parser.parse_args()
     restic = shutil.which("restic")
     with tempfile.TemporaryDirectory(prefix="bench-backup-") as tmp:
@@ -439,6 +442,44 @@ def main() -> int:
         )
         if not restic:
             print("restic not found: `apt-get install restic` for the restic columns")
+        figures = BenchResult(
+            bench="backup",
+            command=f"python -m bench.backup --agents {args.agents} --mb {args.mb}",
+            notes=[
+                f"{args.agents} agents, machine.db {size / 1e6:.1f} MB; {uploaded} of"
+                f" {len(ids)} agent segments uploaded after {len(changed)} agents changed",
+                "ours: the operation in a running process (as in the daemon), without the"
+                " interpreter's start; restic: its whole process; `sync` before each step",
+                f"restore floor: {floor['seconds']:.2f} s, SQLite alone copying the rows a"
+                " restore writes into an empty machine.db with the daemon's settings",
+            ],
+        )
+        if full_workers[0]:
+            figures.notes.append(
+                f"full backup peak RSS is the daemon's process; beside it {full_workers[0]}"
+                f" segment worker processes of at most {full_workers[1]} MiB each"
+            )
+        if restic:
+            restore_s = results["restore"][0]
+            for step, (ours, _, rss) in rows.items():
+                theirs, trss, _, tcpu = results[step]
+                figures.rows += [
+                    Row(step, ours, theirs, "s", "restic"),
+                    Row(f"{step}, CPU", cpus[step], tcpu, "s", "restic"),
+                    Row(f"{step}, peak RSS", rss, trss, "MiB", "restic"),
+                ]
+            figures.rows += [
+                Row("restore, every history in machine.db", loaded, restore_s, "s", "restic"),
+                Row("restore, searchable", indexed, restore_s, "s", "restic"),
+                Row("stored, full backup", full_stored / 1e6, restic_full / 1e6, "MB", "restic"),
+            ]
+        else:
+            figures.notes.append("restic not found: no restic baseline")
+        figures.rows += [
+            Row("full backup", rows["full backup"][0], tar_seconds, "s", "tar | zstd -3"),
+            Row("stored, full backup", full_stored / 1e6, tar_size / 1e6, "MB", "tar | zstd -3"),
+        ]
+        figures.write(args.json)
     return 0
 
 

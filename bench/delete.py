@@ -32,7 +32,8 @@ On moto the unindexed ratio is bounded by listing: rendering a ListObjectsV2 pag
 formatted through dateutil), moto serves every request under one GIL (one
 core at most), and an account's keys can only be found by listing. The bench
 prints that bound from the measured CPU.
-Everything is bounded: sizes by flags, each wait by a deadline.
+Everything is bounded: sizes by flags, each wait by a deadline. ``--json PATH``
+also writes the three ratios for ``bench/report.py`` (bench/results.py).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import boto3  # type: ignore[import-untyped]
 from botocore.config import Config
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.results import BenchResult, Row
 from controlplane.cli.client import AdminClient
 from controlplane.integrity.keys import load_home_keys
 from controlplane.integrity.records import Machine, encode
@@ -335,7 +337,9 @@ async def bench_deletion(
     return Phase(len(keys), m.wall, m.server_cpu, m.client_cpu, calls)
 
 
-def _report(deletion: Phase, raw: Phase, listed: Phase) -> None:
+def _report(deletion: Phase, raw: Phase, listed: Phase) -> str:
+    """Print one round; return its bound on deletion/raw ("" when too few objects
+    to measure it)."""
     print(
         f"  raw known keys: {raw.wall:.2f} s, moto CPU {raw.server_cpu:.2f} s, "
         f"client CPU {raw.client_cpu:.2f} s"
@@ -361,7 +365,7 @@ def _report(deletion: Phase, raw: Phase, listed: Phase) -> None:
     floor = lists.server_cpu + deletes.server_cpu
     raw_cpu = raw.server_cpu + raw.client_cpu
     if not (lists.server_cpu > 0 and deletes.server_cpu > 0):
-        return  # too few objects for /proc's 10 ms ticks
+        return ""  # too few objects for /proc's 10 ms ticks
     per_list = 1000 * lists.server_cpu / lists.count
     per_delete = 1000 * deletes.server_cpu / deletes.count
     print(
@@ -369,15 +373,18 @@ def _report(deletion: Phase, raw: Phase, listed: Phase) -> None:
         f"{per_delete:.0f} ms ({per_list / per_delete:.1f}x); moto busy "
         f"{100 * deletion.server_cpu / deletion.wall:.0f}% of the deletion"
     )
-    print(
-        f"  bound: the deletion needs >= {floor:.2f} s of moto CPU (one core at most); "
+    bound = (
+        f"the deletion needs >= {floor:.2f} s of moto CPU (one core at most); "
         f"raw used {raw_cpu:.2f} s CPU in {raw.wall:.2f} s -> deletion/raw at most "
         f"{raw.wall / floor:.2f}x with moto on a whole core, ~{raw_cpu / floor:.2f}x "
         "when every process gets the same CPU share"
     )
+    print(f"  bound: {bound}")
+    return bound
 
 
 async def main_async(args: argparse.Namespace) -> int:
+    bound = ""
     with (
         moto_server_proc() as (endpoint, moto),
         tempfile.TemporaryDirectory(prefix="bench-delete-") as tmp,
@@ -409,7 +416,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     raw.append(bench_raw(s3, moto.pid, args.objects, r, listed=False))
                     listed.append(bench_raw(s3, moto.pid, args.objects, r, listed=True))
                     print(f"round {r + 1}:")
-                    _report(unindexed[-1], raw[-1], listed[-1])
+                    bound = _report(unindexed[-1], raw[-1], listed[-1])
                     print(
                         f"  account deletion, backups layout: {deletion[-1].wall:.2f} s,"
                         f" moto CPU {deletion[-1].server_cpu:.2f} s"
@@ -440,6 +447,42 @@ async def main_async(args: argparse.Namespace) -> int:
     )
     print(f"ratio unindexed deletion/raw {best_unindexed / best_raw:.2f}x")
     print(f"ratio unindexed deletion/list+delete {best_unindexed / best_listed:.2f}x")
+    rate = "objects/s"
+    BenchResult(
+        bench="delete",
+        command=f"python -m bench.delete --objects {args.objects} --rounds {args.rounds}",
+        rows=[
+            Row(
+                "account deletion, backups layout",
+                best_deletion,
+                best_raw,
+                rate,
+                "raw DeleteObjects of known keys",
+                "higher",
+                ">= 0.5x",
+            ),
+            Row(
+                "account deletion, objects nothing names",
+                best_unindexed,
+                best_raw,
+                rate,
+                "raw DeleteObjects of known keys",
+                "higher",
+            ),
+            Row(
+                "account deletion, objects nothing names",
+                best_unindexed,
+                best_listed,
+                rate,
+                "raw list + DeleteObjects",
+                "higher",
+            ),
+        ],
+        notes=[
+            f"{args.objects} objects per account on moto, best of {args.rounds} round(s)",
+            *([f"moto's CPU bound (last round): {bound}"] if bound else []),
+        ],
+    ).write(args.json)
     return 0
 
 
@@ -450,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--probe", action="store_true", help="first print moto's CPU per listing page"
     )
+    parser.add_argument("--json", type=Path, help="also write the figures here (bench/results.py)")
     args = parser.parse_args(argv)
     if not 1 <= args.objects <= 200_000 or not 1 <= args.rounds <= 10:
         parser.error("--objects 1..200000, --rounds 1..10")

@@ -11,7 +11,9 @@ minute shows what an hour of the 15 s default would), machines joined by their
 printed join commands and left alone. After the joins settle, the requests of
 ``--window`` seconds are counted by operation and scaled to an hour. The ratio
 is the large fleet's requests over the single machine's: 1.00x when nothing
-grows with the fleet, the machines' count otherwise.
+grows with the fleet, the machines' count otherwise. ``--json PATH`` also
+writes it for ``bench/report.py`` (bench/results.py); ``--settle`` shortens the
+wait after the joins for a quick run, whose counts then include the joins' tail.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import boto3  # type: ignore[import-untyped]
 
+from bench.results import BenchResult, Row
 from tests.helpers.control_proc import (
     ControlProc,
     join_new_account,
@@ -36,8 +39,8 @@ from tests.helpers.control_proc import (
 )
 from tests.helpers.moto_server import moto_server
 
-#: Seconds after the last join before counting: the waker's first listing of the
-#: new fleet and the joins' own writes are over by then.
+#: Seconds after the last join before counting (``--settle``): the waker's first
+#: listing of the new fleet and the joins' own writes are over by then.
 SETTLE = 35.0
 
 
@@ -51,7 +54,9 @@ def _operations(cp: ControlProc) -> dict[str, float]:
     return out
 
 
-def measure(machines: int, window: float, heartbeat: float, root: Path) -> dict[str, float]:
+def measure(
+    machines: int, window: float, heartbeat: float, root: Path, settle: float = SETTLE
+) -> dict[str, float]:
     """Store requests per hour of ``machines`` idle machines, by operation."""
     with moto_server() as endpoint:
         bucket = f"idle-{machines}"
@@ -74,7 +79,7 @@ def measure(machines: int, window: float, heartbeat: float, root: Path) -> dict[
             for i in range(machines):
                 data, log = root / f"m{machines}-{i}", root / f"m{machines}-{i}.log"
                 procs.append(join_new_account(cp, data, log, github_id=7000 + i, login=f"i{i}"))
-            time.sleep(SETTLE)  # the bench's own pace, not a wait on a state
+            time.sleep(settle)  # the bench's own pace, not a wait on a state
             before, started = _operations(cp), time.monotonic()
             time.sleep(window)
             after, took = _operations(cp), time.monotonic() - started
@@ -86,9 +91,12 @@ def measure(machines: int, window: float, heartbeat: float, root: Path) -> dict[
     return {k: (after[k] - before.get(k, 0.0)) * 3600 / took for k in after}
 
 
+def _ops(hourly: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.0f}" for k, v in sorted(hourly.items()) if v >= 0.5) or "none"
+
+
 def _line(label: str, hourly: dict[str, float]) -> str:
-    ops = ", ".join(f"{k} {v:.0f}" for k, v in sorted(hourly.items()) if v >= 0.5) or "none"
-    return f"{label:<28}: {sum(hourly.values()):7.0f} requests/hour ({ops})"
+    return f"{label:<28}: {sum(hourly.values()):7.0f} requests/hour ({_ops(hourly)})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,12 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--machines", type=int, default=4, help="the larger fleet (default 4)")
     parser.add_argument("--window", type=float, default=60.0, help="seconds counted (60)")
     parser.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat seconds (1)")
+    parser.add_argument(
+        "--settle", type=float, default=SETTLE, help=f"seconds after the joins ({SETTLE:g})"
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures here (bench/results.py)")
     args = parser.parse_args(argv)
-    if args.machines < 2 or args.window <= 0 or args.heartbeat <= 0:
-        parser.error("--machines must be at least 2, --window and --heartbeat positive")
+    if args.machines < 2 or args.window <= 0 or args.heartbeat <= 0 or args.settle < 0:
+        parser.error(
+            "--machines must be at least 2, --window and --heartbeat positive, --settle >= 0"
+        )
     with tempfile.TemporaryDirectory(prefix="idle-", dir="/tmp") as tmp:
-        one = measure(1, args.window, args.heartbeat, Path(tmp))
-        many = measure(args.machines, args.window, args.heartbeat, Path(tmp))
+        one = measure(1, args.window, args.heartbeat, Path(tmp), args.settle)
+        many = measure(args.machines, args.window, args.heartbeat, Path(tmp), args.settle)
     print(f"idle fleet, heartbeat {args.heartbeat:g} s, {args.window:g} s counted, moto")
     print(_line("1 machine", one))
     print(_line(f"{args.machines} machines", many))
@@ -109,6 +123,29 @@ def main(argv: list[str] | None = None) -> int:
     ratio = sum(many.values()) / base if base else float("inf")
     lists = many.get("list", 0.0) / max(one.get("list", 0.0), 1.0)
     print(f"ratio {args.machines} machines / 1 machine {ratio:.2f}x (lists {lists:.2f}x)")
+    BenchResult(
+        bench="idle",
+        command=(
+            f"python -m bench.idle --machines {args.machines} --window {args.window:g}"
+            f" --heartbeat {args.heartbeat:g} --settle {args.settle:g}"
+        ),
+        rows=[
+            Row(
+                f"{args.machines} machines idle",
+                sum(many.values()),
+                base,
+                "requests/hour",
+                "1 machine idle",
+                "lower",
+                "1.00x",
+            )
+        ],
+        notes=[
+            f"heartbeat {args.heartbeat:g} s, {args.window:g} s counted, moto",
+            f"requests/hour by operation: 1 machine {_ops(one)}; {args.machines} machines"
+            f" {_ops(many)}",
+        ],
+    ).write(args.json)
     return 0
 
 

@@ -19,7 +19,8 @@ It starts one moto S3 server and, in this process, measures:
 It prints prompts per second of each and the ratios enqueue/raw PUT,
 drain/raw GET (target: at least 0.5) and drain/raw GET+DELETE (a drained
 prompt is both read and deleted, so raw GET alone bounds drain near 0.5).
-Everything is bounded by the counts.
+Everything is bounded by the counts. ``--json PATH`` also writes the three
+ratios for ``bench/report.py`` (bench/results.py).
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ import asyncio
 import datetime as dt
 import os
 import time
+from pathlib import Path
 
 import boto3  # type: ignore[import-untyped]
 
+from bench.results import BenchResult, Row
 from controlplane.access.accounts import AccountService
 from controlplane.access.principals import Principal
 from controlplane.access.tokens import TokenService
@@ -116,8 +119,8 @@ async def _queue(store: ObjectStore, count: int, size: int) -> tuple[float, floa
     return count / enqueue, count / drain
 
 
-async def run(count: int, size: int) -> None:
-    """Measure and print (see the module doc)."""
+async def run(count: int, size: int) -> BenchResult:
+    """Measure and print (see the module doc); return the figures printed."""
     with moto_server() as endpoint:
         boto3.client(
             "s3",
@@ -143,6 +146,17 @@ async def run(count: int, size: int) -> None:
     print(f"enqueue (send)    : {enqueue:8.1f} prompts/s  ratio enqueue/raw PUT {ratio_in:.2f}x")
     print(f"drain (read+ack)  : {drain:8.1f} prompts/s  ratio drain/raw GET {drain / raw_get:.2f}x")
     print(f"                                  ratio drain/raw GET+DELETE {drain / raw_cycle:.2f}x")
+    rate = "prompts/s"
+    return BenchResult(
+        bench="prompts",
+        command=f"python -m bench.prompts --prompts {count} --size {size}",
+        rows=[
+            Row("enqueue (send)", enqueue, raw_put, rate, "raw S3 PUT", "higher"),
+            Row("drain (read + ack)", drain, raw_get, rate, "raw S3 GET", "higher", ">= 0.5x"),
+            Row("drain (read + ack)", drain, raw_cycle, rate, "raw S3 GET+DELETE", "higher"),
+        ],
+        notes=[f"{count} prompts of {size} bytes, one moto S3 server"],
+    )
 
 
 def main() -> int:
@@ -150,10 +164,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--prompts", type=int, default=200, help="prompts (and raw objects)")
     parser.add_argument("--size", type=int, default=1024, help="bytes per prompt")
+    parser.add_argument("--json", type=Path, help="also write the figures here (bench/results.py)")
     args = parser.parse_args()
     if not 1 <= args.prompts <= 10_000 or not 1 <= args.size <= 1024 * 1024:
         parser.error("--prompts must be 1..10000 and --size 1..1048576")
-    asyncio.run(run(args.prompts, args.size))
+    asyncio.run(run(args.prompts, args.size)).write(args.json)
     return 0
 
 
