@@ -23,6 +23,7 @@ import asyncio
 import collections
 import logging
 import sqlite3
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -130,18 +131,74 @@ async def complete(work: Awaitable[T]) -> T:
     return task.result()
 
 
+_Write = Callable[[sqlite3.Connection], list[StoredEvent]]
+_Event = tuple[EventKind, dict[str, Any], float]
+
+
+class _Coalesced:
+    """Writes of one run gathered into one database job until the writer takes it.
+
+    The loop thread adds writes (and plain events, stored in bulk) while the job
+    waits in the writer's queue; the writer thread seals it when it runs it,
+    and a write that comes later starts a new job. One job (one future, one
+    savepoint, one answer) per run per commit instead of one per event.
+    """
+
+    def __init__(self, run: RunRecord, first: _Write | _Event) -> None:
+        self._agent_id = run.agent_id
+        self._run_id = run.id
+        self._lock = threading.Lock()
+        self._items: list[_Write | _Event] = [first]
+        self._sealed = False
+
+    @property
+    def size(self) -> int:
+        return len(self._items)
+
+    def add(self, item: _Write | _Event) -> bool:
+        """Add ``item`` unless the writer has taken the job already."""
+        with self._lock:
+            if self._sealed:
+                return False
+            self._items.append(item)
+            return True
+
+    def seal(self) -> list[_Write | _Event]:
+        with self._lock:
+            self._sealed = True
+            return self._items
+
+    def __call__(self, conn: sqlite3.Connection) -> tuple[list[StoredEvent], None]:
+        items = self.seal()
+        stored: list[StoredEvent] = []
+        events: list[_Event] = []
+        for item in items:
+            if isinstance(item, tuple):
+                events.append(item)
+                continue
+            if events:
+                stored.extend(tables.append_events(conn, self._agent_id, self._run_id, events))
+                events = []
+            stored.extend(item(conn))
+        if events:
+            stored.extend(tables.append_events(conn, self._agent_id, self._run_id, events))
+        return stored, None
+
+
 class RunStream:
     """One run's writes, queued in order without waiting for each commit.
 
     :meth:`submit` hands a write to the database writer at once and publishes
-    its events when it commits. The writer thread marks the stream broken the
-    moment one of its writes will not commit (see ``on_abort`` of
-    :meth:`Database.submit`); every write queued after that raises instead of
-    running, so the stored run has no event after a missing one.
+    its events when it commits; :meth:`queue` adds the runtime's events to the
+    job still waiting in the writer's queue, if there is one. The writer thread
+    marks the stream broken the moment one of its writes will not commit (see
+    ``on_abort`` of :meth:`Database.submit`); every write queued after that
+    raises instead of running, so the stored run has no event after a missing one.
     """
 
     def __init__(self, recorder: EventRecorder, run: RunRecord) -> None:
         self._recorder = recorder
+        self._run = run
         self.run_id = run.id
         self._what = f"store run {run.id} of agent {run.agent_id}"
         self._pending: collections.deque[asyncio.Future[Any]] = collections.deque()
@@ -150,6 +207,10 @@ class RunStream:
         #: The first failure seen on the event loop (what :meth:`check` raises).
         self.error: BaseException | None = None
         self._unpublished: list[StoredEvent] = []
+        #: The job :meth:`queue` adds to while the writer has not taken it.
+        self._open: _Coalesced | None = None
+        #: Writes queued and not yet answered (events, mostly): back-pressure.
+        self._queued = 0
 
     def _abort(self, error: BaseException) -> None:
         if self._broken is None:
@@ -170,18 +231,49 @@ class RunStream:
                 raise StoreError(f"{self._what}: an earlier event was not stored ({broken})")
             return fn(conn)
 
+        self._open = None  # what comes after this write is not folded in before it
+        return self._submit(job, 1)
+
+    def queue(self, item: _Write | _Event) -> None:
+        """Queue a write or an event (kind, payload, time), guarded as :meth:`submit`:
+        into the job still waiting in the writer's queue if there is one, else as a
+        new job."""
+        if self._open is not None and self._open.add(item):
+            self._queued += 1
+            return
+        job = self._open = _Coalesced(self._run, item)
+
+        def guarded(conn: sqlite3.Connection) -> tuple[list[StoredEvent], None]:
+            broken = self._broken
+            if broken is not None:
+                job.seal()  # nothing more joins a job that will not run
+                raise StoreError(f"{self._what}: an earlier event was not stored ({broken})")
+            return job(conn)
+
+        self._submit(guarded, 1, job)
+
+    def _submit(
+        self,
+        fn: Callable[[sqlite3.Connection], tuple[list[StoredEvent], T]],
+        count: int,
+        coalesced: _Coalesced | None = None,
+    ) -> asyncio.Future[tuple[list[StoredEvent], T]]:
         start = time.perf_counter()
         future = self._recorder.db.submit(
-            job,
+            fn,
             what=self._what,
             on_abort=self._abort,
-            on_done=lambda f: self._settled(f, start),
+            on_done=lambda f: self._settled(f, start, coalesced),
         )
+        self._queued += count
         self._pending.append(future)
         return future
 
-    def _settled(self, future: asyncio.Future[Any], start: float) -> None:
+    def _settled(
+        self, future: asyncio.Future[Any], start: float, coalesced: _Coalesced | None
+    ) -> None:
         self._pending.remove(future)
+        self._queued -= coalesced.size if coalesced is not None else 1
         if future.cancelled():  # nobody here cancels them; its failure is unknown
             return
         error = future.exception()
@@ -209,7 +301,7 @@ class RunStream:
 
     async def room(self) -> None:
         """Wait while too many writes are queued (the runtime outruns the disk)."""
-        while len(self._pending) >= MAX_PENDING:
+        while self._queued >= MAX_PENDING and self._pending:
             await asyncio.wait([self._pending[0]])
 
     async def drain(self) -> None:
@@ -258,19 +350,24 @@ class EventRecorder:
         if self._metrics is not None:
             self._metrics.append_seconds.observe(time.perf_counter() - start)
 
-    async def queue(
-        self, run: RunRecord, fn: Callable[[sqlite3.Connection], list[StoredEvent]]
-    ) -> None:
-        """Store ``fn``'s write in ``run``'s order without waiting for its commit
-        (through the run's stream; a run without one waits). Raises the stream's
-        first failure, and waits while too many writes are queued."""
+    async def queue(self, run: RunRecord, item: _Write | _Event) -> None:
+        """Store a write (or an event: kind, payload, time) in ``run``'s order without
+        waiting for its commit (through the run's stream; a run without one waits).
+        Raises the stream's first failure, and waits while too many writes are queued."""
         stream = self._streams.get(run.id)
         if stream is None:
-            await self.append_many(run, lambda c: (fn(c), None))
+            if isinstance(item, tuple):
+                kind, payload, now = item
+                await self.append(
+                    run, lambda c: tables.append_event(c, run.agent_id, run.id, kind, payload, now)
+                )
+            else:
+                write = item
+                await self.append_many(run, lambda c: (write(c), None))
             return
         stream.check()
         await stream.room()
-        stream.submit(lambda c: (fn(c), None))
+        stream.queue(item)
 
     async def append(
         self, run: RunRecord, fn: Callable[[sqlite3.Connection], StoredEvent]
@@ -319,10 +416,7 @@ class EventRecorder:
     async def record(self, run: RunRecord, kind: EventKind, payload: dict[str, Any]) -> None:
         """Store and publish one event of a running run (in its stream's order: the
         event is published once committed; this returns once it is queued)."""
-        now = self._clock()
-        await self.queue(
-            run, lambda c: [tables.append_event(c, run.agent_id, run.id, kind, payload, now)]
-        )
+        await self.queue(run, (kind, payload, self._clock()))
 
     async def finish(
         self, run: RunRecord, outcome: RunOutcome, started: float, usage: Usage

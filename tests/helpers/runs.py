@@ -61,3 +61,14 @@ def break_appends(
         return original(*args)
 
     monkeypatch.setattr(tables, "append_event", append_event)
+    original_many = tables.append_events
+
+    # The run stream stores a run's text deltas in bulk: (conn, agent_id, run_id, items).
+    def append_events(*args: Any) -> list[StoredEvent]:
+        for kind, _, _ in args[3]:
+            error = fault(kind)
+            if error is not None:
+                raise error
+        return original_many(*args)
+
+    monkeypatch.setattr(tables, "append_events", append_events)

@@ -30,7 +30,13 @@ from machine.storage.tables.attachments import (
     record_attachment,
 )
 from machine.storage.tables.erasures import unreferenced_attachments
-from machine.storage.tables.events import append_event, read_events, run_events, search
+from machine.storage.tables.events import (
+    append_event,
+    append_events,
+    read_events,
+    run_events,
+    search,
+)
 from machine.storage.tables.permissions import (
     answer_permission,
     cancel_pending_permissions,
@@ -81,6 +87,7 @@ __all__ = [
     "agent_schedule_rows",
     "answer_permission",
     "append_event",
+    "append_events",
     "attachment_referenced",
     "cancel_pending_permissions",
     "count_agents",

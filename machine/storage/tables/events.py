@@ -161,6 +161,53 @@ def append_event(
     return StoredEvent(agent_id, seq, run_id, kind, payload, now)
 
 
+#: Kinds whose storing is one row in ``events`` and nothing else.
+_PLAIN: frozenset[EventKind] = frozenset({EventKind.TEXT_DELTA})
+
+
+def append_events(
+    conn: sqlite3.Connection,
+    agent_id: str,
+    run_id: str,
+    items: list[tuple[EventKind, dict[str, Any], float]],
+) -> list[StoredEvent]:
+    """:func:`append_event` for each of ``items`` (kind, payload, time), in order;
+    a run of plain events (text deltas) takes one seq update and one insert."""
+    out: list[StoredEvent] = []
+    i = 0
+    while i < len(items):
+        kind, payload, now = items[i]
+        if kind not in _PLAIN:
+            out.append(append_event(conn, agent_id, run_id, kind, payload, now))
+            i += 1
+            continue
+        j = i
+        while j < len(items) and items[j][0] in _PLAIN:
+            j += 1
+        plain = items[i:j]
+        row = conn.execute(
+            "UPDATE agents SET last_seq = last_seq + ? WHERE id = ? RETURNING last_seq",
+            (len(plain), agent_id),
+        ).fetchone()
+        if row is None:
+            raise NotFound("agent", agent_id)
+        first = int(row[0]) - len(plain) + 1
+        rows = [
+            (agent_id, first + n, run_id, k.value, json.dumps(p, sort_keys=True), t)
+            for n, (k, p, t) in enumerate(plain)
+        ]
+        conn.executemany(
+            "INSERT INTO events (agent_id, seq, run_id, kind, payload_json, time)"
+            " VALUES (?,?,?,?,?,?)",
+            rows,
+        )
+        out.extend(
+            StoredEvent(agent_id, first + n, run_id, k, p, t) for n, (k, p, t) in enumerate(plain)
+        )
+        i = j
+    return out
+
+
 def search(
     conn: sqlite3.Connection, query: str, agent_id: str | None, limit: int
 ) -> list[SearchHit]:
