@@ -1,8 +1,8 @@
 """Growth curves: how the machine daemon's costs grow with its work, and (from
 ``bench/scale_control.py``) the control plane's with its fleet.
 
-    python -m bench.scale                        # full: about 15 minutes on 2 cores
-    python -m bench.scale --quick                # about a minute
+    python -m bench.scale                        # full: about 3 minutes on 2 busy cores
+    python -m bench.scale --quick                # about 30 s
     python -m bench.scale --part machine --json scale.json
 
 Machine curves. Each point is a fresh data folder, filled before the daemon
@@ -15,12 +15,12 @@ socket with no control plane) is started, measured and stopped:
   RPC through the CLI's own client, ``machine.cli.client.MachineClient``, which
   is what ``agents-machine agent list --json`` calls; and p50 of that whole CLI
   command, interpreter start included), machine.db's size and the daemon's RSS
-  after its start.
+  after its start and after those reads.
 - ``machine-events``: one agent with 100 -> 1,000,000 events (quick: 100 ->
   20,000); against the daemon's start, search p50 (the Search RPC over that
   agent, a query of two words that about half of its replies hold), the
   replay of its last 100 events (the Replay RPC from ``after_seq`` = last seq -
-  100), machine.db's size and RSS.
+  100), machine.db's size and RSS (after the start, after the reads).
 
 The rows are written through ``machine.storage.tables`` as a live run writes
 them (``insert_run``, ``set_run_state``, ``append_event``), so the tool log, the
@@ -322,8 +322,12 @@ def _start(data: Path) -> _Started:
     began = time.monotonic()
     proc.start()
     seconds = time.monotonic() - began
+    return _Started(proc, seconds, _rss(proc))
+
+
+def _rss(proc: MachineProc) -> int:
     assert proc.proc is not None
-    return _Started(proc, seconds, int(psutil.Process(proc.proc.pid).memory_info().rss))
+    return int(psutil.Process(proc.proc.pid).memory_info().rss)
 
 
 def _starts(data: Path, times: int) -> tuple[float, int, MachineProc]:
@@ -362,6 +366,7 @@ def _agents_point(data: Path, agents: int, quick: bool, texts: _Texts) -> dict[s
             cli.append(time.monotonic() - began)
             assert done.returncode == 0, done.stderr[-2000:]
             assert len(json.loads(done.stdout)["agents"]) == agents
+        after_reads = _rss(proc)
     finally:
         proc.stop()
     return {
@@ -370,6 +375,7 @@ def _agents_point(data: Path, agents: int, quick: bool, texts: _Texts) -> dict[s
         "agent list --json p50 (CLI)": _p50(cli),
         "machine.db": size / 1e6,
         "RSS after start": rss / 2**20,
+        "RSS after reads": after_reads / 2**20,
     }
 
 
@@ -395,6 +401,7 @@ def _events_point(data: Path, events: int, quick: bool, texts: _Texts) -> dict[s
                 return await _timed(READS, searched), await _timed(READS, replayed)
 
         search, replay = asyncio.run(reads())
+        after_reads = _rss(proc)
     finally:
         proc.stop()
     return {
@@ -403,6 +410,7 @@ def _events_point(data: Path, events: int, quick: bool, texts: _Texts) -> dict[s
         "replay last 100 p50": replay * 1000,
         "machine.db": size / 1e6,
         "RSS after start": rss / 2**20,
+        "RSS after reads": after_reads / 2**20,
     }
 
 
@@ -412,6 +420,7 @@ _AGENT_UNITS: Final = {
     "agent list --json p50 (CLI)": "s",
     "machine.db": "MB",
     "RSS after start": "MiB",
+    "RSS after reads": "MiB",
 }
 _EVENT_UNITS: Final = {
     "daemon start": "s",
@@ -419,6 +428,7 @@ _EVENT_UNITS: Final = {
     "replay last 100 p50": "ms",
     "machine.db": "MB",
     "RSS after start": "MiB",
+    "RSS after reads": "MiB",
 }
 
 
