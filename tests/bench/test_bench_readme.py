@@ -16,7 +16,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize(
-    "name", ["appends", "connect", "delete", "prompts", "soak", "idle", "roundtrip", "report"]
+    "name",
+    ["appends", "connect", "delete", "prompts", "soak", "idle", "roundtrip", "report", "scale"],
 )
 def test_readme_command_runs_each_bench(name: str) -> None:
     readme = (ROOT / "README.md").read_text()
