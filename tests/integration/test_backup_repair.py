@@ -156,6 +156,8 @@ def _cli(data_dir: Path, *args: str) -> str:
     return res.stdout
 
 
+# Many daemon starts and kill points: minutes on a loaded machine.
+@pytest.mark.timeout(600)
 async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
     cp: ControlProc, tmp_path: Path, moto_endpoint: str, s3_bucket: str
 ) -> None:

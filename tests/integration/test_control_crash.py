@@ -143,6 +143,8 @@ def _committed(proxy: CrashProxy) -> bool:
     return any(w.startswith(f"DELETE {INTENTS}") for w in proxy.writes)
 
 
+# Many daemon starts and kill points: minutes on a loaded machine.
+@pytest.mark.timeout(600)
 def test_account_create_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -> None:
     points = 0
     for n in range(1, MAX_WRITES):
@@ -169,6 +171,8 @@ def test_account_create_crash_at_every_write(cp: ControlProc, proxy: CrashProxy)
     assert points >= 5, points
 
 
+# Many daemon starts and kill points: minutes on a loaded machine.
+@pytest.mark.timeout(600)
 def test_token_create_crash_at_every_write(cp: ControlProc, proxy: CrashProxy) -> None:
     acct = _json(cp, "account", "create", "--github-id", "77", "--github-login", "t")
     account_id = acct["account_id"]
