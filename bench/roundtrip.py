@@ -8,7 +8,9 @@ loopback port) and, over one gRPC channel on its Unix socket, times:
 - ping: the unary ``Status`` call (what any request over that socket costs);
 - prompt: ``Prompt`` of a short text to an echo agent, from the call to the
   RUN_FINISHED event arriving (the run made durable: its row, RUN_STARTED,
-  the deltas and RUN_FINISHED each committed with fsync before being sent).
+  the deltas and RUN_FINISHED each committed with fsync before being sent);
+- replay: ``Replay`` of that prompt's events (the same stream of messages
+  with nothing run or committed: what gRPC alone costs for it).
 
 Prints p50 and p90 of each, the ratio of the p50s, and the database commits
 per prompt read from the daemon's own commit histogram (each commit is one
@@ -69,7 +71,19 @@ async def _measure(
                 if ev.kind == pb.RUN_FINISHED:
                     trips.append(time.perf_counter() - start)
         after = await asyncio.to_thread(_commits, metrics_url)
+        # The same stream of events read back: what gRPC alone costs to stream a
+        # finished prompt's events (no run, no commit).
+        last = [ev async for ev in stub.Replay(pb.ReplayRequest(agent_id=agent.id, after_seq=0))]
+        start_seq = last[-1].seq - sum(ev.run_id == last[-1].run_id for ev in last)
+        replays: list[float] = []
+        for _ in range(prompts):
+            start = time.perf_counter()
+            call = stub.Replay(pb.ReplayRequest(agent_id=agent.id, after_seq=start_seq))
+            [ev async for ev in call]
+            replays.append(time.perf_counter() - start)
     return {
+        "replay_p50": statistics.median(replays),
+        "replay_events": float(last[-1].seq - start_seq),
         "ping_p50": statistics.median(pings),
         "ping_p90": _quantile(pings, 0.9),
         "prompt_p50": statistics.median(trips),
@@ -105,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         f"p90 {f['prompt_p90'] * 1e3:6.2f} ms "
         f"({f['commits_per_prompt']:.1f} commits per prompt)"
     )
-    print(f"ratio prompt/ping p50 {ratio:.2f}x")
+    print(
+        f"Replay of its {f['replay_events']:.0f} events: p50 {f['replay_p50'] * 1e3:6.2f} ms "
+        "(the same stream without running or committing anything)"
+    )
+    replay_ratio = f["replay_p50"] / f["ping_p50"]
+    print(f"ratio prompt/ping p50 {ratio:.2f}x (replay/ping {replay_ratio:.2f}x)")
     result = BenchResult("roundtrip", "python -m bench.roundtrip " + " ".join(argv or sys.argv[1:]))
     result.rows.append(
         Row(
@@ -118,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     result.notes.append(f"{f['commits_per_prompt']:.1f} database commits (fsyncs) per prompt")
+    result.notes.append(
+        f"replaying the prompt's {f['replay_events']:.0f} events (gRPC streaming alone) takes"
+        f" {f['replay_p50'] * 1e3:.2f} ms p50 = {f['replay_p50'] / f['ping_p50']:.2f}x the ping"
+    )
     result.write(args.json)
     return 0
 

@@ -76,4 +76,5 @@ def test_roundtrip_bench_prints_its_ratio(tmp_path: Path) -> None:
     assert re.search(r"prompt to RUN_FINISHED\s*: p50\s+\d+\.\d\d ms", out), out
     assert re.search(r"\(\d+\.\d commits per prompt\)", out), out
     assert re.search(r"ratio prompt/ping p50 \d+\.\d\dx", out), out
+    assert re.search(r"Replay of its \d+ events: p50\s+\d+\.\d\d ms", out), out
     assert '"bench": "roundtrip"' in (tmp_path / "rt.json").read_text()
