@@ -24,7 +24,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -38,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers.control_proc import ControlProc, control_plane
 from tests.helpers.faketime import faketime_env
 from tests.helpers.machine_proc import MachineProc, machine_env
+from tests.helpers.moto_server import free_port
 from tests.helpers.poll import poll_until
 
 pytestmark = pytest.mark.integration
@@ -48,12 +48,6 @@ PROCESS_DEADLINE = 40.0
 #: measure of time passing on the link.
 HEARTBEAT = 0.5
 DAY = 86400.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _samples(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -123,7 +117,7 @@ def test_a_machine_25_days_ahead_connects_says_so_and_asks_for_renewal_once(
 ) -> None:
     data_dir = tmp_path / "machine"
     _join(cp, data_dir, tmp_path / "join.log")
-    metrics = f"127.0.0.1:{_free_port()}"
+    metrics = f"127.0.0.1:{free_port()}"
     machine = MachineProc(data_dir, "--metrics", metrics, env=faketime_env("+25d"))
     with machine:
 
