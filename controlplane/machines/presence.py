@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from controlplane.integrity.records import Machine, Presence, decode, encode, presence_key
 from shared.errors import AgentsError, IntegrityError, NotFound
 from shared.store.base import ObjectStore
+from shared.store.causes import store_cause
 from shared.timestamps import Clock, utc_now
 
 if TYPE_CHECKING:
@@ -279,9 +280,10 @@ class PresenceRegistry:
             next_fire_at=session.next_fire_at,
         )
         try:
-            await self._store.put(
-                presence_key(session.account_id, session.machine_id), encode(record)
-            )
+            with store_cause("presence"):
+                await self._store.put(
+                    presence_key(session.account_id, session.machine_id), encode(record)
+                )
             self._stored[session.machine_id] = record
         except AgentsError as e:
             # Presence is advisory: a failed write must not end the link.
@@ -308,7 +310,9 @@ class PresenceRegistry:
         rec = self._stored.get(machine.machine_id)
         if rec is None:
             try:
-                data = await self._store.get(presence_key(machine.account_id, machine.machine_id))
+                with store_cause("presence"):
+                    key = presence_key(machine.account_id, machine.machine_id)
+                    data = await self._store.get(key)
             except (NotFound, IntegrityError):
                 # Missing, or refused (forged): either way nothing is known about it.
                 return MachineStatus(machine, False, None, machine.version, 0)
