@@ -18,7 +18,7 @@ import os
 import signal
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Final, Self
 
 import grpc
 import grpc.aio
@@ -76,6 +76,15 @@ logger = logging.getLogger(__name__)
 OFFLINE_COUNT_INTERVAL = 60.0
 #: Largest gRPC message accepted (prompts and segments are chunked below this).
 MAX_MESSAGE_BYTES = LINK_MAX_MESSAGE
+#: The gRPC server's options (bench/bare_link.py serves its floor with the same).
+SERVER_OPTIONS: Final = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Machines ping every 30 s to notice a vanished control plane
+    # (machine/link/connection.py); the default floor would GOAWAY them.
+    ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+    NO_REUSEPORT,
+)
 LINK_SERVICE = link_pb2.DESCRIPTOR.services_by_name["MachineLink"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
@@ -327,14 +336,7 @@ class ControlPlane:
                 CallsInterceptor(self.metrics.call_counters(ADMIN_SERVICE, LINK_SERVICE)),
                 ErrorInterceptor(),
             ],
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                # Machines ping every 30 s to notice a vanished control plane
-                # (machine/link/connection.py); the default floor would GOAWAY them.
-                ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
-                NO_REUSEPORT,
-            ],
+            options=list(SERVER_OPTIONS),
         )
         self._server = server
         # The chain carries the CA too: a joining machine checks it against the
