@@ -10,12 +10,19 @@ It starts one real ``agents-control`` process (folder store in a temp dir) and
     the time from starting the process to the machine being listed online
     (and from the join finishing to online);
 (b) joins ``--streams`` machines in this process (the real join code: pin
-    check, keys, CSR, Join), then opens one ``ControlLink`` per machine - each
-    its own mutual-TLS connection with its own client certificate - and
-    prints the control plane's RSS growth per stream and the CPU seconds it
-    spends on heartbeats over a fixed window.
+    check, keys, CSR, Join; ``--join-concurrency`` at a time), then opens one
+    ``ControlLink`` per machine all at once - each its own mutual-TLS
+    connection with its own client certificate - and prints the control
+    plane's RSS growth per stream, the CPU it spends per heartbeat over a fixed
+    window, and how many connect attempts failed and were retried (timeouts
+    counted apart);
+(c) measures the same streams against a bare gRPC mutual-TLS stream server
+    (``bench/bare_link.py``: the floor gRPC and TLS set) and prints ours over it.
 
-Everything is bounded: counts by flags, each phase by a deadline.
+With ``--json PATH`` the figures are also written as a ``bench.results.BenchResult``.
+Everything is bounded: counts by flags, each phase by a deadline. The pieces
+(start a control plane, join machines, open links, a CPU window) are what
+``bench/scale_control.py`` measures its growth curve with.
 """
 
 from __future__ import annotations
@@ -23,25 +30,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 from prometheus_client import CollectorRegistry
 
+from bench.bare_link import BareFigures, measure_bare
+from bench.results import BenchResult, Row
+from controlplane.cli.admin_types import NewJoinToken
 from controlplane.cli.client import AdminClient
 from machine.link.connection import ControlLink, LinkState
 from machine.link.join import join_control_plane
-from tests.helpers.control_proc import run_init, start_serve, stop_serve
+from tests.helpers.control_proc import ControlProc, run_init, start_serve, stop_serve
 from tests.helpers.poll import apoll_until
 
 MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
+#: Joins in flight at once in (b), by default: a fleet being provisioned, not a
+#: thundering herd (the join path has its own limits; see docs/controlplane.md).
+JOIN_CONCURRENCY = 16
+#: Error classes a failed connect attempt is counted as a timeout for: the welcome
+#: did not come within the link's handshake timeout, or a call's deadline passed.
+TIMEOUTS = frozenset({"TimeoutError", "DeadlineExceeded"})
 
 
 async def _wait(pred: Any, timeout: float, what: str, step: float = 0.02) -> float:
@@ -51,8 +72,144 @@ async def _wait(pred: Any, timeout: float, what: str, step: float = 0.02) -> flo
     return time.monotonic() - start
 
 
-async def _online_count(client: AdminClient, account_id: str) -> int:
-    return sum(1 for m in await client.list_machines(account_id) if m.online)
+def raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard limit (each link is a socket
+    here and one in the control plane, which inherits the limit); returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def start_control(tmp: Path, heartbeat: float) -> ControlProc:
+    """A fresh ``agents-control`` (init + serve, folder store under ``tmp``)."""
+    cp = run_init(
+        tmp / "cp-home", f"file://{tmp / 'store'}", {}, ["--heartbeat-interval", str(heartbeat)]
+    )
+    start_serve(cp)
+    return cp
+
+
+async def new_account_token(cp: ControlProc, uses: int) -> tuple[str, NewJoinToken]:
+    """An account and a token for ``uses`` joins into it."""
+    async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=30) as client:
+        account_id = (await client.create_account(1, "bench")).account.account_id
+        return account_id, await client.create_token(account_id, ttl_seconds=3600, max_uses=uses)
+
+
+async def join_machines(
+    token: NewJoinToken, tmp: Path, count: int, *, concurrency: int = JOIN_CONCURRENCY
+) -> float:
+    """Join ``count`` machines (data folders ``tmp/mNNNN``) with the real join code,
+    ``concurrency`` at a time; the seconds it took."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with sem:
+            await join_control_plane(
+                data_dir=tmp / f"m{i:04d}",
+                address=token.join_address,
+                token=token.token_value,
+                ca_hash=token.ca_hash,
+                name=f"bench-{i}",
+            )
+
+    started = time.monotonic()
+    await asyncio.gather(*(one(i) for i in range(count)))
+    return time.monotonic() - started
+
+
+class ConnectFailures(logging.Handler):
+    """Counts the links' failed connect attempts by error class (from the warning
+    ``machine.link.connection`` logs for each), and keeps them off the terminal."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.by_error: Counter[str] = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "failed (attempt" in record.msg and isinstance(record.args, tuple):
+            self.by_error[str(record.args[3])] += 1
+
+    @property
+    def timeouts(self) -> int:
+        """Attempts that ended in a timeout."""
+        return sum(n for error, n in self.by_error.items() if error in TIMEOUTS)
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[ConnectFailures]:
+        """Count while inside."""
+        log = logging.getLogger("machine.link.connection")
+        log.addHandler(self)
+        propagate, log.propagate = log.propagate, False
+        try:
+            yield self
+        finally:
+            log.removeHandler(self)
+            log.propagate = propagate
+
+
+@dataclass
+class Links:
+    """Open links and their machines' metrics."""
+
+    links: list[ControlLink]
+    registries: list[CollectorRegistry]
+    failures: ConnectFailures = field(default_factory=ConnectFailures)
+
+    def _sum(self, name: str) -> float:
+        return sum(r.get_sample_value(name) or 0.0 for r in self.registries)
+
+    def heartbeats(self) -> float:
+        """Heartbeats sent so far, over every link."""
+        return self._sum("agents_machine_link_heartbeats_total")
+
+    def retries(self) -> int:
+        """Connect attempts after each link's first."""
+        return int(self._sum("agents_machine_link_reconnects_total"))
+
+    def connected(self) -> int:
+        """Links up now."""
+        return sum(1 for link in self.links if link.state is LinkState.CONNECTED)
+
+
+@contextlib.asynccontextmanager
+async def open_links(tmp: Path, count: int) -> AsyncIterator[Links]:
+    """Open the links of the machines :func:`join_machines` made, all at once; closed
+    together on the way out (a clean goodbye each)."""
+
+    async def no_agents() -> int:
+        return 0
+
+    registries = [CollectorRegistry() for _ in range(count)]
+    links = [
+        ControlLink(
+            data_dir=tmp / f"m{i:04d}",
+            agent_count=no_agents,
+            version="bench",
+            registry=registries[i],
+        )
+        for i in range(count)
+    ]
+    opened = Links(links, registries)
+    with opened.failures.counting():
+        try:
+            for link in links:
+                await link.__aenter__()
+            yield opened
+        finally:
+            await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+
+
+async def cpu_window(
+    pid: int, heartbeats: Callable[[], float], window: float
+) -> tuple[float, float, float]:
+    """(CPU seconds of process ``pid``, heartbeats sent, seconds) over ``window``."""
+    proc = psutil.Process(pid)
+    cpu0, beats0, w0 = sum(proc.cpu_times()[:2]), heartbeats(), time.monotonic()
+    await asyncio.sleep(window)  # the measurement window itself
+    cpu1, beats1, w1 = sum(proc.cpu_times()[:2]), heartbeats(), time.monotonic()
+    return cpu1 - cpu0, beats1 - beats0, w1 - w0
 
 
 async def bench_join(
@@ -99,6 +256,10 @@ async def bench_join(
     return out
 
 
+async def _online_count(client: AdminClient, account_id: str) -> int:
+    return sum(1 for m in await client.list_machines(account_id) if m.online)
+
+
 def _until_more(client: AdminClient, account_id: str, before: int) -> Any:
     async def check() -> bool:
         return await _online_count(client, account_id) > before
@@ -106,98 +267,74 @@ def _until_more(client: AdminClient, account_id: str, before: int) -> Any:
     return check
 
 
+@dataclass(frozen=True)
+class StreamFigures:
+    """What (b) measured."""
+
+    streams: int
+    join_s: float
+    connect_s: float
+    rss_before: int
+    rss_after: int
+    window_s: float
+    cpu_s: float
+    heartbeats: float
+    connected_at_end: int
+    retries: int
+    failures: dict[str, int]
+
+    @property
+    def rss_per_stream_kib(self) -> float:
+        return (self.rss_after - self.rss_before) / self.streams / 1024
+
+    @property
+    def us_per_heartbeat(self) -> float:
+        return self.cpu_s / self.heartbeats * 1e6 if self.heartbeats else float("nan")
+
+    @property
+    def timeouts(self) -> int:
+        return sum(n for error, n in self.failures.items() if error in TIMEOUTS)
+
+
 async def bench_streams(
-    cp_pid: int,
-    address: str,
-    ca_hash: str,
-    token: str,
-    tmp: Path,
-    streams: int,
-    window: float,
-) -> dict[str, float]:
+    cp: ControlProc, token: NewJoinToken, tmp: Path, streams: int, window: float, concurrency: int
+) -> StreamFigures:
     """(b): many in-process ControlLinks against the control plane process."""
-    cp = psutil.Process(cp_pid)
-    sem = asyncio.Semaphore(8)
-
-    async def one(i: int) -> None:
-        async with sem:
-            await join_control_plane(
-                data_dir=tmp / f"m{i:04d}",
-                address=address,
-                token=token,
-                ca_hash=ca_hash,
-                name=f"bench-{i}",
-            )
-
-    t0 = time.monotonic()
-    await asyncio.gather(*(one(i) for i in range(streams)))
-    join_s = time.monotonic() - t0
+    assert cp.process is not None
+    proc = psutil.Process(cp.process.pid)
+    join_s = await join_machines(token, tmp, streams, concurrency=concurrency)
     await asyncio.sleep(1.0)  # let the control plane settle before the baseline
-    rss_before = cp.memory_info().rss
-
-    async def count() -> int:
-        return 0
-
-    registries = [CollectorRegistry() for _ in range(streams)]
-    links = [
-        ControlLink(
-            data_dir=tmp / f"m{i:04d}",
-            agent_count=count,
-            version="bench",
-            registry=registries[i],
-            backoff_initial=0.5,
-            backoff_max=5.0,
+    rss_before = proc.memory_info().rss
+    async with open_links(tmp, streams) as opened:
+        connect_s = await _wait(
+            lambda: opened.connected() == streams, 180, "all streams connected", step=0.1
         )
-        for i in range(streams)
-    ]
-    async with contextlib.AsyncExitStack() as stack:
-        t0 = time.monotonic()
-        for link in links:
-            await stack.enter_async_context(link)
-        await _wait(
-            lambda: all(link.state is LinkState.CONNECTED for link in links),
-            180,
-            "all streams connected",
-            step=0.1,
-        )
-        connect_s = time.monotonic() - t0
         await asyncio.sleep(2.0)  # steady state: welcome, first heartbeats
-        rss_after = cp.memory_info().rss
-
-        def beats() -> float:
-            return sum(
-                r.get_sample_value("agents_machine_link_heartbeats_total") or 0.0
-                for r in registries
-            )
-
-        cpu0, beats0, w0 = sum(cp.cpu_times()[:2]), beats(), time.monotonic()
-        await asyncio.sleep(window)  # the measurement window itself
-        cpu1, beats1, w1 = sum(cp.cpu_times()[:2]), beats(), time.monotonic()
-        still = sum(1 for link in links if link.state is LinkState.CONNECTED)
-    return {
-        "join_s": join_s,
-        "connect_s": connect_s,
-        "rss_before_mib": rss_before / 2**20,
-        "rss_after_mib": rss_after / 2**20,
-        "rss_per_stream_kib": (rss_after - rss_before) / streams / 1024,
-        "window_s": w1 - w0,
-        "cpu_s": cpu1 - cpu0,
-        "heartbeats": beats1 - beats0,
-        "connected_at_end": float(still),
-    }
+        rss_after = proc.memory_info().rss
+        cpu_s, beats, window_s = await cpu_window(proc.pid, opened.heartbeats, window)
+        still = opened.connected()
+        retries, failures = opened.retries(), dict(opened.failures.by_error)
+    return StreamFigures(
+        streams=streams,
+        join_s=join_s,
+        connect_s=connect_s,
+        rss_before=rss_before,
+        rss_after=rss_after,
+        window_s=window_s,
+        cpu_s=cpu_s,
+        heartbeats=beats,
+        connected_at_end=still,
+        retries=retries,
+        failures=failures,
+    )
 
 
 async def main_async(args: argparse.Namespace) -> int:
+    raise_fd_limit()
     with tempfile.TemporaryDirectory(prefix="bench-connect-") as tmp_name:
         tmp = Path(tmp_name)
-        cp = run_init(
-            tmp / "cp-home",
-            f"file://{tmp / 'store'}",
-            {},
-            ["--heartbeat-interval", str(args.heartbeat)],
-        )
+        cp = start_control(tmp, args.heartbeat)
         try:
-            start_serve(cp)
             async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=30) as client:
                 account_id = (await client.create_account(1, "bench")).account.account_id
                 timings = await bench_join(client, account_id, tmp, args.joins)
@@ -207,39 +344,92 @@ async def main_async(args: argparse.Namespace) -> int:
                         f"    process start -> online {start_to_online:.2f}s, "
                         f"join done -> online {joined_to_online:.2f}s"
                     )
-                reply = await client.create_token(
+                token = await client.create_token(
                     account_id, ttl_seconds=3600, max_uses=args.streams
                 )
-            assert cp.process is not None
-            figures = await bench_streams(
-                cp.process.pid,
-                reply.join_address,
-                reply.ca_hash,
-                reply.token_value,
-                tmp,
-                args.streams,
-                args.window,
+            f = await bench_streams(
+                cp, token, tmp, args.streams, args.window, args.join_concurrency
             )
         finally:
             stop_serve(cp)
-    n = args.streams
-    f = figures
-    per_beat_us = f["cpu_s"] / f["heartbeats"] * 1e6 if f["heartbeats"] else float("nan")
-    print(f"(b) {n} concurrent Connect streams (mutual TLS, one client cert each):")
-    print(f"    {n} joins in {f['join_s']:.1f}s ({n / f['join_s']:.0f}/s)")
-    print(
-        f"    all connected in {f['connect_s']:.1f}s; {f['connected_at_end']:.0f} still up at end"
-    )
-    print(
-        f"    control plane RSS {f['rss_before_mib']:.1f} -> {f['rss_after_mib']:.1f} MiB: "
-        f"{f['rss_per_stream_kib']:.1f} KiB per stream"
-    )
-    print(
-        f"    heartbeats: {f['heartbeats']:.0f} in {f['window_s']:.1f}s "
-        f"(interval {args.heartbeat}s); control plane CPU {f['cpu_s']:.2f}s = "
-        f"{100 * f['cpu_s'] / f['window_s']:.1f}% of a core, {per_beat_us:.0f} us per heartbeat"
-    )
+    bare = await measure_bare(args.streams, args.heartbeat, args.window) if args.bare else None
+    _print(args, f, bare)
+    _result(args, timings, f, bare).write(args.json)
     return 0
+
+
+def _print(args: argparse.Namespace, f: StreamFigures, bare: BareFigures | None) -> None:
+    n = f.streams
+    print(f"(b) {n} concurrent Connect streams (mutual TLS, one client cert each):")
+    print(
+        f"    {n} joins in {f.join_s:.1f}s ({n / f.join_s:.0f}/s, "
+        f"{args.join_concurrency} at a time)"
+    )
+    print(f"    all connected in {f.connect_s:.1f}s; {f.connected_at_end} still up at end")
+    others = ", ".join(f"{e} {k}" for e, k in sorted(f.failures.items())) or "none"
+    print(f"    connect retries {f.retries}: timeouts {f.timeouts} (failed attempts: {others})")
+    print(
+        f"    control plane RSS {f.rss_before / 2**20:.1f} -> {f.rss_after / 2**20:.1f} MiB: "
+        f"{f.rss_per_stream_kib:.1f} KiB per stream"
+    )
+    print(
+        f"    heartbeats: {f.heartbeats:.0f} in {f.window_s:.1f}s "
+        f"(interval {args.heartbeat}s); control plane CPU {f.cpu_s:.2f}s = "
+        f"{100 * f.cpu_s / f.window_s:.1f}% of a core, {f.us_per_heartbeat:.0f} us per heartbeat"
+    )
+    if bare is not None:
+        print(f"(c) the same {n} streams to a bare gRPC mutual-TLS stream server:")
+        print(
+            f"    {bare.rss_per_stream_kib:.1f} KiB per stream, "
+            f"{bare.us_per_heartbeat:.0f} us per heartbeat"
+        )
+        memory = _ratio(f.rss_per_stream_kib, bare.rss_per_stream_kib)
+        cpu = _ratio(f.us_per_heartbeat, bare.us_per_heartbeat)
+        print(f"    ratio control plane/bare: memory {memory}, CPU per heartbeat {cpu}")
+
+
+def _ratio(ours: float, base: float) -> str:
+    # A tiny run can measure no CPU at all (the clock ticks every 10 ms).
+    return f"{ours / base:.2f}x" if base > 0 else "n/a"
+
+
+def _result(
+    args: argparse.Namespace,
+    timings: list[tuple[float, float]],
+    f: StreamFigures,
+    bare: BareFigures | None,
+) -> BenchResult:
+    result = BenchResult(bench="connect", command="python -m bench.connect " + " ".join(args.argv))
+    if bare is not None:
+        floor = "bare gRPC mutual-TLS stream server"
+        result.rows += [
+            Row(
+                "memory per machine link (control plane RSS)",
+                f.rss_per_stream_kib,
+                bare.rss_per_stream_kib,
+                "KiB",
+                floor,
+                target="<= 64 KiB",
+            ),
+            Row(
+                "control-plane CPU per heartbeat",
+                f.us_per_heartbeat,
+                bare.us_per_heartbeat,
+                "us",
+                floor,
+                target="<= 100 us",
+            ),
+        ]
+    n = f.streams
+    result.notes += [
+        f"{n} joins in {f.join_s:.1f} s: {n / f.join_s:.0f} joins/s "
+        f"({args.join_concurrency} at a time; target >= 100/s)",
+        f"{n} links opened at once: all connected in {f.connect_s:.1f} s, "
+        f"{f.retries} connect retries, {f.timeouts} timeouts (target: none)",
+        f"heartbeat every {args.heartbeat:g} s, CPU over {f.window_s:.1f} s",
+        *(f"real join process: start -> online {a:.2f} s" for a, _ in timings),
+    ]
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,9 +438,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=10.0, help="CPU window in seconds")
     parser.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval (s)")
     parser.add_argument("--joins", type=int, default=3, help="real join processes for (a)")
+    parser.add_argument(
+        "--join-concurrency", type=int, default=JOIN_CONCURRENCY, help="joins in flight in (b)"
+    )
+    parser.add_argument(
+        "--no-bare", dest="bare", action="store_false", help="skip (c), the bare gRPC baseline"
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures here (bench.results)")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if not 1 <= args.streams <= 5000 or not 1 <= args.window <= 120 or args.joins > 20:
         parser.error("--streams 1..5000, --window 1..120, --joins <= 20")
+    if not 1 <= args.join_concurrency <= 256:
+        parser.error("--join-concurrency 1..256")
     return asyncio.run(main_async(args))
 
 

@@ -14,6 +14,8 @@ is the large fleet's requests over the single machine's: 1.00x when nothing
 grows with the fleet, the machines' count otherwise. ``--json PATH`` also
 writes it for ``bench/report.py`` (bench/results.py); ``--settle`` shortens the
 wait after the joins for a quick run, whose counts then include the joins' tail.
+A table then splits each run's requests by cause
+(``agents_cp_store_requests_total``: which work made them, docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -44,20 +46,36 @@ from tests.helpers.moto_server import moto_server
 SETTLE = 35.0
 
 
-def _operations(cp: ControlProc) -> dict[str, float]:
+def _summed(cp: ControlProc, pattern: str) -> dict[str, float]:
+    """The samples ``pattern`` matches on /metrics, summed by its first group."""
     with urllib.request.urlopen(f"http://{cp.serve_info['metrics']}/metrics", timeout=15) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
-    pattern = r'^agents_cp_store_operations_total\{operation="(\w+)",outcome="\w+"\} (\S+)$'
     for m in re.finditer(pattern, text, re.M):
         out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
 
+def _operations(cp: ControlProc) -> dict[str, float]:
+    return _summed(
+        cp, r'^agents_cp_store_operations_total\{operation="(\w+)",outcome="\w+"\} (\S+)$'
+    )
+
+
+def _causes(cp: ControlProc) -> dict[str, float]:
+    return _summed(cp, r'^agents_cp_store_requests_total\{cause="(\w+)",operation="\w+"\} (\S+)$')
+
+
 def measure(
-    machines: int, window: float, heartbeat: float, root: Path, settle: float = SETTLE
+    machines: int,
+    window: float,
+    heartbeat: float,
+    root: Path,
+    settle: float = SETTLE,
+    by_cause: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """Store requests per hour of ``machines`` idle machines, by operation."""
+    """Store requests per hour of ``machines`` idle machines, by operation (and into
+    ``by_cause``, when given, by cause)."""
     with moto_server() as endpoint:
         bucket = f"idle-{machines}"
         boto3.client(
@@ -81,13 +99,18 @@ def measure(
                 procs.append(join_new_account(cp, data, log, github_id=7000 + i, login=f"i{i}"))
             time.sleep(settle)  # the bench's own pace, not a wait on a state
             before, started = _operations(cp), time.monotonic()
+            causes_before = _causes(cp)
             time.sleep(window)
             after, took = _operations(cp), time.monotonic() - started
+            causes_after = _causes(cp)
         finally:
             for proc in procs:
                 proc.kill()
                 proc.wait(timeout=30)
             stop_serve(cp)
+    if by_cause is not None:
+        for k, v in causes_after.items():
+            by_cause[k] = (v - causes_before.get(k, 0.0)) * 3600 / took
     return {k: (after[k] - before.get(k, 0.0)) * 3600 / took for k in after}
 
 
@@ -114,8 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             "--machines must be at least 2, --window and --heartbeat positive, --settle >= 0"
         )
     with tempfile.TemporaryDirectory(prefix="idle-", dir="/tmp") as tmp:
-        one = measure(1, args.window, args.heartbeat, Path(tmp), args.settle)
-        many = measure(args.machines, args.window, args.heartbeat, Path(tmp), args.settle)
+        one_causes: dict[str, float] = {}
+        many_causes: dict[str, float] = {}
+        one = measure(1, args.window, args.heartbeat, Path(tmp), args.settle, one_causes)
+        many = measure(
+            args.machines, args.window, args.heartbeat, Path(tmp), args.settle, many_causes
+        )
     print(f"idle fleet, heartbeat {args.heartbeat:g} s, {args.window:g} s counted, moto")
     print(_line("1 machine", one))
     print(_line(f"{args.machines} machines", many))
@@ -146,7 +173,20 @@ def main(argv: list[str] | None = None) -> int:
             f" {_ops(many)}",
         ],
     ).write(args.json)
+    print(_cause_table(args.machines, one_causes, many_causes))
     return 0
+
+
+def _cause_table(machines: int, one: dict[str, float], many: dict[str, float]) -> str:
+    """Requests per hour by cause, for both runs (causes with none in either left out)."""
+    many_label = f"{machines} machines"
+    rows = [f"{'requests/hour by cause':<24}{'1 machine':>12}{many_label:>14}"]
+    for cause in sorted(set(one) | set(many)):
+        if max(one.get(cause, 0.0), many.get(cause, 0.0)) >= 0.5:
+            rows.append(f"  {cause:<22}{one.get(cause, 0.0):>12.0f}{many.get(cause, 0.0):>14.0f}")
+    if len(rows) == 1:
+        rows.append("  none")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,44 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Final
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from shared.call_metrics import CallCounter
+from shared.store.causes import OTHER
 
-__all__ = ["ControlMetrics"]
+__all__ = ["STORE_CAUSES", "ControlMetrics"]
 
 logger = logging.getLogger(__name__)
+
+#: The causes ``agents_cp_store_requests_total`` counts store requests under
+#: (shared.store.causes; docs/metrics.md says what each covers). Every entry
+#: point names one; a request made outside all of them counts as ``other``.
+STORE_CAUSES: Final = frozenset(
+    {
+        "admin",  # Admin RPCs but those below
+        "backups",  # the MachineLink backup RPCs
+        "clock",  # the clock check against the store's Date
+        "deletion",  # account deletions (the RPC and its background run)
+        "heartbeat",  # a heartbeat's own handling (none while nothing changed)
+        "intents",  # finishing abandoned multi-object changes (self-check tick, start)
+        "join",  # the Join RPC
+        "link",  # a Connect stream's opening: authorisation, a join's confirmation
+        "offline",  # the machines-offline gauge (its fleet listing)
+        "presence",  # last-seen writes, an offline machine's stored presence
+        "provider",  # asking a machine's provider to start it
+        "queue",  # prompts: send, list, deliver, acknowledge, expire
+        "renewal",  # certificate renewals
+        "roster",  # agent rosters machines report
+        "rotation",  # key rotations
+        "self_check",  # the per-tick deployment marker and epoch check
+        "startup",  # serve's start: epoch, key bundle, recovery
+        "wake",  # the schedule waker (its fleet listing, offline presence)
+        OTHER,
+    }
+)
 
 # The MachineLink backup RPCs, counted in agents_cp_backup_calls (docs/metrics.md).
 BACKUP_METHODS = (

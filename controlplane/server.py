@@ -18,7 +18,7 @@ import os
 import signal
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Final, Self
 
 import grpc
 import grpc.aio
@@ -26,6 +26,7 @@ from grpc_health.v1._async import HealthServicer
 
 from controlplane.access.accounts import AccountService
 from controlplane.api.admin import AdminServicer
+from controlplane.api.causes import CauseInterceptor, rpc_causes
 from controlplane.api.link import LinkServicer
 from controlplane.config import ControlConfig, parse_hostport
 from controlplane.deletion.service import AccountDeletion, DeletionHooks
@@ -65,6 +66,7 @@ from shared.rpc import (
     check_can_listen,
     serve_health_and_reflection,
 )
+from shared.store.causes import OTHER, set_cause, store_cause
 
 __all__ = ["ControlPlane", "run_daemon"]
 
@@ -74,6 +76,15 @@ logger = logging.getLogger(__name__)
 OFFLINE_COUNT_INTERVAL = 60.0
 #: Largest gRPC message accepted (prompts and segments are chunked below this).
 MAX_MESSAGE_BYTES = LINK_MAX_MESSAGE
+#: The gRPC server's options (bench/bare_link.py serves its floor with the same).
+SERVER_OPTIONS: Final = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Machines ping every 30 s to notice a vanished control plane
+    # (machine/link/connection.py); the default floor would GOAWAY them.
+    ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+    NO_REUSEPORT,
+)
 LINK_SERVICE = link_pb2.DESCRIPTOR.services_by_name["MachineLink"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
@@ -134,6 +145,10 @@ class ControlPlane:
         touched the store, so the live control plane keeps its epoch. Taking the
         epoch is the last step that can refuse the start for the store's sake.
         """
+        with store_cause("startup"):
+            await self._start()
+
+    async def _start(self) -> None:
         cfg = self.cfg
         # A second serve of this very home folder stops here, before anything else.
         self._home_lock = _lock_home(cfg.home)
@@ -275,7 +290,10 @@ class ControlPlane:
         link_pb2_grpc.add_MachineLinkServicer_to_server(link, server)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         self._health = await serve_health_and_reflection(server, [LINK_SERVICE, ADMIN_SERVICE])
-        await server.start()
+        # Each call runs in a task that copies this context: none starts as "startup"
+        # (api.causes names each call's cause), and so do the loops below.
+        with store_cause(OTHER):
+            await server.start()
         self._offline = asyncio.create_task(
             _count_offline(presence, fleet, self.metrics), name="machines-offline"
         )
@@ -311,19 +329,14 @@ class ControlPlane:
         (gRPC's "failed to bind") when a port is in use."""
         cfg = self.cfg
         server = grpc.aio.server(
-            # Counting first: it wraps the error mapping and so sees the final code.
+            # The cause first: every store request of the call counts under it.
+            # Counting next: it wraps the error mapping and so sees the final code.
             interceptors=[
+                CauseInterceptor(rpc_causes(ADMIN_SERVICE, LINK_SERVICE)),
                 CallsInterceptor(self.metrics.call_counters(ADMIN_SERVICE, LINK_SERVICE)),
                 ErrorInterceptor(),
             ],
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                # Machines ping every 30 s to notice a vanished control plane
-                # (machine/link/connection.py); the default floor would GOAWAY them.
-                ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
-                NO_REUSEPORT,
-            ],
+            options=list(SERVER_OPTIONS),
         )
         self._server = server
         # The chain carries the CA too: a joining machine checks it against the
@@ -439,6 +452,7 @@ async def _count_offline(
 ) -> None:
     """Set agents_cp_machines_offline now and every minute, from the fleet as last
     listed (machines.fleet: no store request while nothing changed)."""
+    set_cause("offline")
     while True:
         try:
             metrics.machines_offline.set(presence.count_offline(await fleet.machines()))
@@ -475,6 +489,7 @@ async def _self_check(
     notice us by, so a swapped store, or a newer control plane, is noticed about
     as fast as a machine would be, even by an idle process.
     """
+    set_cause("self_check")
     while True:
         await asyncio.sleep(interval)
         try:
@@ -482,7 +497,8 @@ async def _self_check(
             if fence is not None and guard.problem is None:
                 await fence.check()
             if guard.problem is None:
-                await intents.recover_if_due()
+                with store_cause("intents"):
+                    await intents.recover_if_due()
         except StoreUnavailable as e:
             logger.debug("self-check: store unavailable: %s", e)
         except AgentsError as e:

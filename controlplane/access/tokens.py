@@ -8,12 +8,20 @@ version), but cannot take a marker away without delete rights, so a token is
 usable only while both counts allow it. A marker is made before the record's
 use is taken (killed between: the token counts as used, failing closed) and
 removed after a rolled-back join gave its use back.
+
+A token's record is updated by one join at a time in this process (a lock per
+token): a fleet joining with one token would otherwise lose most of its
+compare-and-swap rounds to each other and give up (``too much contention``).
+The compare-and-swap still guards the record against any other writer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -94,6 +102,21 @@ class TokenService:
         self._clock = clock
         self._intents = intents if intents is not None else Intents(store, clock)
         self._intents.register(_CREATE, self._roll_back_create)
+        # One lock per token in use (see the module doc); gone with its last user.
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+    async def _update(
+        self,
+        account_id: str,
+        token_id: str,
+        change: Callable[[dict[str, Any]], dict[str, Any] | None],
+    ) -> dict[str, Any]:
+        """:func:`jsonstore.update` of the token's record, one join at a time."""
+        lock = self._locks.get(token_id)
+        if lock is None:
+            lock = self._locks[token_id] = asyncio.Lock()
+        async with lock:
+            return await jsonstore.update(self._store, token_key(account_id, token_id), change)
 
     async def create(
         self,
@@ -204,7 +227,7 @@ class TokenService:
                 return None
             return {**d, "revoked": True}
 
-        data = await jsonstore.update(self._store, token_key(token.account_id, token_id), change)
+        data = await self._update(token.account_id, token_id, change)
         await self._audit.record(
             principal.credential_id, "token.revoke", token_id, token.account_id
         )
@@ -276,9 +299,8 @@ class TokenService:
                 used_by.append(intent_id)
             return {**d, "uses": int(d.get("uses", 0)) + 1, "used_by": used_by}
 
-        key = token_key(token.account_id, token.token_id)
         try:
-            used = JoinToken.from_dict(await jsonstore.update(self._store, key, change))
+            used = JoinToken.from_dict(await self._update(token.account_id, token.token_id, change))
         except Unauthenticated:
             # Used up by a concurrent join meanwhile: this one took nothing.
             await self._store.delete(token_use_key(token.account_id, token.token_id, use_id))
@@ -297,7 +319,7 @@ class TokenService:
             return {**d, "uses": max(0, int(d.get("uses", 0)) - 1), "used_by": used_by}
 
         try:
-            await jsonstore.update(self._store, token_key(account_id, token_id), change)
+            await self._update(account_id, token_id, change)
         except NotFound:
             return  # the token itself is gone: nothing to give back
         # After the record: killed between, the marker stays and the use counts
@@ -318,13 +340,20 @@ class TokenService:
                 return None  # the use still counts (the usual case)
             return {**d, "uses": int(d.get("uses", 0)) + 1, "used_by": [*used_by, intent_id]}
 
+        key = token_key(account_id, token_id)
         try:
+            # Read first: every join's confirmation gets here, and the use almost
+            # always still counts; its marker then exists too (a give-back takes
+            # the use out of the record before it deletes the marker), so neither
+            # needs a write.
+            if intent_id in (await jsonstore.read(self._store, key)).get("used_by", []):
+                return
             # Its marker first (still there when the use was never given back).
             marker = {"token_id": token_id, "use": intent_id, "at": utc_iso(self._clock())}
             await jsonstore.create(
                 self._store, token_use_key(account_id, token_id, intent_id), marker
             )
-            await jsonstore.update(self._store, token_key(account_id, token_id), change)
+            await self._update(account_id, token_id, change)
         except NotFound:
             return  # the token itself is gone: nobody can use it again
         except IntegrityError as e:  # a forged record: the token is refused anyway

@@ -61,6 +61,7 @@ from controlplane.integrity.records import account_key, deleted_key, deleting_ke
 from shared.errors import IntegrityError, InvalidState, NotFound
 from shared.ids import is_valid_id, validate_id
 from shared.store.base import DELETE_BATCH, ObjectStore
+from shared.store.causes import set_cause
 from shared.timestamps import Clock, utc_now
 
 __all__ = [
@@ -230,6 +231,7 @@ class AccountDeletion:
             )
 
     async def _run_counted(self, account_id: str) -> None:
+        set_cause("deletion")  # a task of its own (_ensure_running)
         try:
             await self.finish(account_id)
         except asyncio.CancelledError:

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from shared.errors import AgentsError
+from shared.store.causes import set_cause
 from shared.store.clock import StoreTime, store_time
 from shared.timestamps import Clock, utc_now
 
@@ -130,7 +131,8 @@ class ClockCheck:
         return reading.skew
 
     async def run(self, interval: float) -> None:
-        """Check every ``interval`` seconds until cancelled."""
+        """Check every ``interval`` seconds until cancelled (its own task)."""
+        set_cause("clock")
         while True:
             await asyncio.sleep(interval)  # a period, not synchronisation
             await self.check()

@@ -31,6 +31,14 @@ does not commit; the intent stays until :meth:`Intents.commit` is called by a
 later event (a joined machine's first connection), or its resolver rolls it
 back. Intents begun by this process and still in flight are never resolved
 by :meth:`Intents.recover`, nor one it committed while recover was looking.
+
+The self-check calls :meth:`Intents.recover_if_due` at every tick. What it
+costs does not grow with the intents left waiting (a burst of joins holds one
+per machine until it connects): an intent record never changes, so each is
+read once; one whose resolver said wait is asked again only after
+:data:`WAIT_RECHECK` seconds; and intents/ is listed again only when this
+process began or abandoned one since (it is the store's only writer: fenced),
+when a waiting one is due, or every :data:`QUIET_RECHECK` seconds.
 """
 
 from __future__ import annotations
@@ -56,6 +64,10 @@ logger = logging.getLogger(__name__)
 INTENTS_PREFIX: Final = "cp/intents/"
 #: Seconds between two listings of intents/ while none is left (recover_if_due).
 QUIET_RECHECK: Final = 300.0
+#: Seconds before recover_if_due asks again about an intent its resolver said to
+#: wait for (a held join: the machine has join_confirm_grace, 300 s by default,
+#: to connect); what it adds to a roll-back's delay.
+WAIT_RECHECK: Final = 30.0
 
 
 def intent_key(intent_id: str) -> str:
@@ -105,9 +117,16 @@ Resolver = Callable[[Intent, float], Awaitable[bool]]
 class Intents:
     """The intent records of one deployment; one instance per process."""
 
-    def __init__(self, store: ObjectStore, clock: Clock = utc_now) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        clock: Clock = utc_now,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._store = store
         self._clock = clock
+        self._monotonic = monotonic
         self._resolvers: dict[str, Resolver] = {}
         # Intents begun by this process (they carry its token) are resolved only
         # once handed over (held, or a failed roll-back): one in flight, or
@@ -117,11 +136,17 @@ class Intents:
         self._owner = secrets.token_hex(16)
         self._handed_over: set[str] = set()
         self._active: set[str] = set()
-        # True once a recover() left no intent in the store and none was begun
-        # since: the self-check then lists intents/ only every QUIET_RECHECK
-        # seconds (this process is the store's only writer: fenced).
-        self._quiet = False
-        self._listed_at = 0.0
+        # What recover_if_due needs to skip a listing or a resolver (see the
+        # module doc; this process is the store's only writer: fenced): the
+        # intents read or begun here (records never change), when each waiting
+        # one is asked again, and whether a roll-back was left to recovery since
+        # the last listing. An intent begun here needs no listing to be known:
+        # it is committed, rolled back (or left, which marks it), or held
+        # (then waiting).
+        self._listed_at = -float("inf")
+        self._read: dict[str, Intent] = {}
+        self._recheck_at: dict[str, float] = {}
+        self._changed = True
 
     def register(self, kind: str, resolver: Resolver) -> None:
         """Use ``resolver`` to roll back abandoned intents of ``kind``."""
@@ -133,13 +158,14 @@ class Intents:
             new_id("intent"), kind, utc_iso(self._clock()), dict(fields), owner=self._owner
         )
         self._active.add(intent.intent_id)
-        self._quiet = False
+        self._read[intent.intent_id] = intent
         try:
             await self._store.put(
                 intent_key(intent.intent_id), encode(intent.to_dict()), if_none_match=True
             )
         except BaseException:
             self._active.discard(intent.intent_id)
+            self._read.pop(intent.intent_id, None)
             raise
         return intent
 
@@ -152,11 +178,18 @@ class Intents:
         await self._store.delete(intent_key(intent_id))
         self._active.discard(intent_id)
         self._handed_over.discard(intent_id)
+        self._forget(intent_id)
+
+    def _forget(self, intent_id: str) -> None:
+        self._read.pop(intent_id, None)
+        self._recheck_at.pop(intent_id, None)
 
     def release(self, intent: Intent) -> None:
         """Stop protecting a held intent in this process (it waits for commit or rollback)."""
         self._active.discard(intent.intent_id)
         self._handed_over.add(intent.intent_id)
+        # Just begun, so nothing to roll back yet: asked like one that said wait.
+        self._recheck_at[intent.intent_id] = self._monotonic() + WAIT_RECHECK
 
     @contextlib.asynccontextmanager
     async def change(
@@ -176,6 +209,7 @@ class Intents:
 
     async def _abandon(self, intent: Intent) -> None:
         self._active.discard(intent.intent_id)
+        self._changed = True  # a failed roll-back is left to the next listing
         try:
             if not await self._resolve(intent, force=True):
                 self._handed_over.add(intent.intent_id)
@@ -200,6 +234,7 @@ class Intents:
             return False
         await self._store.delete(intent_key(intent.intent_id))
         self._handed_over.discard(intent.intent_id)
+        self._forget(intent.intent_id)
         logger.info("%s %s: rolled back", intent.kind, intent.intent_id)
         return True
 
@@ -213,40 +248,65 @@ class Intents:
     async def pending(self) -> list[Intent]:
         """Every intent record in the store, oldest first (refused ones are skipped)."""
         out: list[Intent] = []
+        listed: set[str] = set()
         async for info in self._store.list(INTENTS_PREFIX):
             name = info.key[len(INTENTS_PREFIX) :].removesuffix(".json")
             if not is_valid_id("intent", name):
                 continue
+            listed.add(name)
+            known = self._read.get(name)
+            if known is not None:
+                out.append(known)
+                continue
             try:
-                out.append(Intent.from_dict(decode(await self._store.get(info.key), info.key)))
+                intent = Intent.from_dict(decode(await self._store.get(info.key), info.key))
             except (NotFound, IntegrityError):
                 continue  # committed meanwhile, or not ours (counted by the store)
+            self._read[name] = intent
+            out.append(intent)
+        # Removed by hand (this process removes its own itself); begun here while
+        # the listing ran is not gone.
+        for gone in set(self._read) - listed - self._active - self._handed_over:
+            self._forget(gone)
         return out
 
     async def recover(self) -> int:
         """Roll back every abandoned intent whose resolver agrees; return how many."""
+        return await self._recover(due_only=False)
+
+    async def _recover(self, *, due_only: bool) -> int:
         done = left = 0
-        listed_at = time.monotonic()
+        listed_at = self._monotonic()
+        self._changed = False  # a change during the listing marks it again
         for intent in await self.pending():
             if self._mine(intent) and intent.intent_id not in self._handed_over:
+                left += 1
+                continue
+            if due_only and self._recheck_at.get(intent.intent_id, 0.0) > listed_at:
                 left += 1
                 continue
             if await self._resolve(intent):
                 done += 1
             else:
                 left += 1
+                self._recheck_at[intent.intent_id] = self._monotonic() + WAIT_RECHECK
         self._listed_at = listed_at
-        self._quiet = left == 0 and not self._active
         return done
 
     async def recover_if_due(self, every: float = QUIET_RECHECK) -> int:
-        """:meth:`recover`, unless the last one left nothing and this process began
-        no intent since: then at most every ``every`` seconds (the periodic
-        self-check of an idle control plane lists ``intents/`` a few times an
-        hour, not at every tick)."""
-        if self._quiet and time.monotonic() - self._listed_at < every:
+        """:meth:`recover` when something may have changed (see the module doc):
+        a roll-back was left to recovery since the last listing, or a waiting
+        intent is due to be asked again; else at most every ``every`` seconds
+        (the periodic self-check of an idle control plane, or of one with a
+        thousand joins waiting for their machines, lists ``intents/`` a few
+        times an hour, not at every tick)."""
+        now = self._monotonic()
+        # Else what the last listing left are intents in flight here (they end
+        # by themselves, marking a failed roll-back) and waiting ones.
+        due = min(self._recheck_at.values(), default=float("inf"))
+        if not self._changed and now - self._listed_at < every and now < due:
             return 0
-        return await self.recover()
+        return await self._recover(due_only=True)
 
     def _mine(self, intent: Intent) -> bool:
         """Begun by this process."""

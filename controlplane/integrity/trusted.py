@@ -41,6 +41,7 @@ from controlplane.integrity import jsonstore
 from controlplane.integrity.keys import HomeKeys
 from controlplane.integrity.opening import store_options
 from controlplane.integrity.records import utc_iso
+from controlplane.metrics import STORE_CAUSES
 from shared.errors import (
     AgentsError,
     IntegrityError,
@@ -390,7 +391,11 @@ async def open_trusted_store(
     where = describe_store(cfg.store_url, options)
     try:
         raw = await open_store(
-            cfg.store_url, options=options, namespace="agents_cp", registry=registry
+            cfg.store_url,
+            options=options,
+            namespace="agents_cp",
+            registry=registry,
+            causes=STORE_CAUSES,
         )
     except (StoreError, StoreUnavailable) as exc:
         raise _named(exc, where) from exc

@@ -49,6 +49,7 @@ from controlplane.machines.rosters import AgentRosters
 from controlplane.metrics import ControlMetrics
 from shared import tls
 from shared.errors import AgentsError, InvalidArgument, Unauthenticated
+from shared.store.causes import store_cause
 from shared.timestamps import Clock, utc_now
 
 __all__ = [
@@ -287,16 +288,19 @@ class LinkSessions:
                     reason = CloseReason.EXPIRED
                     break
                 if isinstance(msg, Heartbeat):
-                    self._presence.fire_reported(session, msg.next_fire_at)
-                    await self._presence.seen(session, msg.agent_count)
+                    with store_cause("heartbeat"):
+                        self._presence.fire_reported(session, msg.next_fire_at)
+                        await self._presence.seen(session, msg.agent_count)
                 else:
                     await self._presence.seen(session)
                 if isinstance(msg, Ack) and msg.delivery_id and self._deliveries is not None:
-                    await self._deliveries.acked(session, msg)
+                    with store_cause("queue"):
+                        await self._deliveries.acked(session, msg)
                 if isinstance(msg, RosterReport) and self._rosters is not None:
-                    await self._rosters.report(
-                        session.account_id, session.machine_id, msg.active, msg.archived
-                    )
+                    with store_cause("roster"):
+                        await self._rosters.report(
+                            session.account_id, session.machine_id, msg.active, msg.archived
+                        )
         except TimeoutError:
             reason = CloseReason.TIMEOUT
             logger.info("machine %s: no heartbeat for %.1fs", session.machine_id, timeout)

@@ -5,7 +5,11 @@ old one). Messages for a machine go into its session's outbox; the Connect
 handler sends them in order. "Last seen" is written to the store at most once
 per ``write_interval`` per machine while it is connected, and once more when
 its link ends, so presence costs O(machines / minute) writes whatever the
-heartbeat rate.
+heartbeat rate. A new link writes nothing at once: its first write comes at a
+random point of its first interval (or with its first heartbeat, when it
+reported a schedule's fire time), so a fleet connecting at once (a control
+plane restarted) waits on no write per machine before its welcome and does not
+write in step afterwards; what a crash loses is the same interval's worth.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import datetime as dt
 import enum
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING
 from controlplane.integrity.records import Machine, Presence, decode, encode, presence_key
 from shared.errors import AgentsError, IntegrityError, NotFound
 from shared.store.base import ObjectStore
+from shared.store.causes import store_cause
 from shared.timestamps import Clock, utc_now
 
 if TYPE_CHECKING:
@@ -143,11 +149,14 @@ class PresenceRegistry:
         clock: Clock = utc_now,
         monotonic: Callable[[], float] = time.monotonic,
         on_change: Callable[[int], None] | None = None,
+        spread: Callable[[], float] = random.random,
     ) -> None:
         self._store = store
         self._write_interval = write_interval
         self._clock = clock
         self._monotonic = monotonic
+        # Where in its first interval a new link's first write falls (0 to 1).
+        self._spread = spread
         self._on_change = on_change
         self._sessions: dict[str, Session] = {}
         # The stored presence of each machine, as this process last wrote or read
@@ -182,9 +191,10 @@ class PresenceRegistry:
         old = self._sessions.get(machine.machine_id)
         if old is not None:
             old.outbox.put_nowait(CloseLink(CloseReason.REPLACED))
+        # The first write is due within the first interval (see the module doc).
+        session.last_write = self._monotonic() - self._write_interval * self._spread()
         self._sessions[machine.machine_id] = session
         self._changed()
-        await self._write(session, force=True)
         logger.info("machine %s online", machine.machine_id)
         return session
 
@@ -279,9 +289,10 @@ class PresenceRegistry:
             next_fire_at=session.next_fire_at,
         )
         try:
-            await self._store.put(
-                presence_key(session.account_id, session.machine_id), encode(record)
-            )
+            with store_cause("presence"):
+                await self._store.put(
+                    presence_key(session.account_id, session.machine_id), encode(record)
+                )
             self._stored[session.machine_id] = record
         except AgentsError as e:
             # Presence is advisory: a failed write must not end the link.
@@ -308,7 +319,9 @@ class PresenceRegistry:
         rec = self._stored.get(machine.machine_id)
         if rec is None:
             try:
-                data = await self._store.get(presence_key(machine.account_id, machine.machine_id))
+                with store_cause("presence"):
+                    key = presence_key(machine.account_id, machine.machine_id)
+                    data = await self._store.get(key)
             except (NotFound, IntegrityError):
                 # Missing, or refused (forged): either way nothing is known about it.
                 return MachineStatus(machine, False, None, machine.version, 0)

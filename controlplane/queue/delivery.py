@@ -45,6 +45,7 @@ from controlplane.machines.presence import DeliveryNotice, PresenceRegistry, Ses
 from controlplane.queue.acks import AckBatcher
 from controlplane.queue.prompts import PromptQueue, QueuedPrompt
 from shared.errors import AgentsError
+from shared.store.causes import set_cause
 from shared.timestamps import Clock, utc_now
 
 __all__ = ["PromptDelivery", "PromptState", "SendOutcome"]
@@ -293,7 +294,9 @@ class PromptDelivery:
 
     async def _drain(self, link: _Link) -> None:
         """Put every queued entry not in flight into the link's outbox, in order;
-        drained again later when the store fails (:meth:`_drain_later`)."""
+        drained again later when the store fails (:meth:`_drain_later`).
+        Always run as a task of its own (or its redrain's)."""
+        set_cause("queue")
         async with link.lock:
             if self._links.get(link.session.machine_id) is not link:
                 return  # the link ended meanwhile

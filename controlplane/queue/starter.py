@@ -34,6 +34,7 @@ from shared.crypto import BoxKeyPair, open_bytes, seal_bytes
 from shared.errors import AgentsError, IntegrityError, InvalidArgument, NotFound
 from shared.ids import validate_id
 from shared.store.base import ObjectStore
+from shared.store.causes import set_cause
 
 __all__ = ["DEBOUNCE", "MachineStarter", "provider_key"]
 
@@ -154,6 +155,7 @@ class MachineStarter:
             return True
 
     async def _start(self, account_id: str, machine_id: str) -> None:
+        set_cause("provider")  # a task of its own (try_request)
         try:
             provider = await self._provider(account_id, machine_id)
             if provider is None:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from controlplane.machines.fleet import FleetView
 from controlplane.machines.presence import MachineStatus, PresenceRegistry
 from controlplane.queue.starter import MachineStarter
+from shared.store.causes import set_cause
 from shared.timestamps import Clock, utc_now
 
 __all__ = ["ScheduleWaker"]
@@ -85,7 +86,8 @@ class ScheduleWaker:
         return woken
 
     async def run(self) -> None:
-        """Check every ``interval`` seconds until cancelled."""
+        """Check every ``interval`` seconds until cancelled (its own task)."""
+        set_cause("wake")
         while True:
             try:
                 await self.check()

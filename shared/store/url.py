@@ -16,6 +16,7 @@ The store comes back open (the S3 probe has run) and wrapped as
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -149,11 +150,13 @@ async def open_store(
     options: StoreOptions | None = None,
     namespace: str = "agents_cp",
     registry: CollectorRegistry | None = None,
+    causes: Collection[str] = (),
 ) -> ObjectStore:
     """Open the store ``url`` names, wrapped in ``MeteredStore(RetryingStore(...))``.
 
     With ``options.call_deadline``, ``MeteredStore(DeadlineStore(RetryingStore(...)))``:
     a call that runs out of time is then measured as an ``unavailable`` fault.
+    ``causes``: the daemon's store causes, counted by MeteredStore (none: not counted).
 
     The result is open: close it with ``await store.close()`` or ``async with``.
     Raises InvalidArgument("store", ...) for a bad URL and StoreIncompatible for
@@ -180,4 +183,4 @@ async def open_store(
     deadline = options.call_deadline if options is not None else None
     if deadline is not None:
         inner = DeadlineStore(inner, seconds=deadline, where=_where(target))
-    return MeteredStore(inner, namespace, registry)
+    return MeteredStore(inner, namespace, registry, causes=causes)

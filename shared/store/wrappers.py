@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Self, TypeVar
 
@@ -38,6 +38,7 @@ from shared.store.base import (
     StoreBase,
     delete_keys,
 )
+from shared.store.causes import OTHER, current_cause
 
 __all__ = [
     "METRIC_NAMESPACES",
@@ -230,6 +231,7 @@ class _Metrics:
     operations: Counter
     seconds: Histogram
     errors: Counter
+    requests: Counter
 
 
 # Metrics exist once per (registry, namespace): a second store in one process
@@ -263,6 +265,12 @@ def _metrics(registry: CollectorRegistry, namespace: str) -> _Metrics:
                 labels,
                 registry=registry,
             ),
+            requests=Counter(
+                f"{namespace}_store_requests",
+                "Object store operations, by the work that caused them (shared.store.causes).",
+                ("cause", "operation"),
+                registry=registry,
+            ),
         )
     return per_registry[namespace]
 
@@ -294,14 +302,18 @@ _FAULTS: Final = frozenset({"unavailable", "corrupt", "error"})
 
 
 class _Timer:
-    def __init__(self, metrics: _Metrics, operation: str) -> None:
+    def __init__(self, metrics: _Metrics, operation: str, cause: str | None) -> None:
         self._metrics = metrics
         self._operation = operation
+        # Taken at the start: the caller's context, whatever runs the rest.
+        self._cause = cause
         self._start = time.perf_counter()
 
     def done(self, error: BaseException | None) -> None:
         outcome = outcome_of(error)
         self._metrics.operations.labels(self._operation, outcome).inc()
+        if self._cause is not None:
+            self._metrics.requests.labels(self._cause, self._operation).inc()
         self._metrics.seconds.labels(self._operation, outcome).observe(
             time.perf_counter() - self._start
         )
@@ -317,6 +329,11 @@ class MeteredStore(StoreWrapper):
     and ``<namespace>_store_errors_total`` (outcomes ``unavailable``, ``corrupt``,
     ``error``: faults, not NotFound or lost conditional writes).
     A listing counts one ``list`` operation per page.
+
+    Given ``causes`` (the daemon's fixed list), each operation is also counted in
+    ``<namespace>_store_requests_total{cause, operation}`` under the cause its
+    caller's context names (:mod:`shared.store.causes`), ``other`` for one not
+    on the list: summed over causes, it is ``*_store_operations_total``.
     """
 
     def __init__(
@@ -324,14 +341,22 @@ class MeteredStore(StoreWrapper):
         inner: ObjectStore,
         namespace: str,
         registry: CollectorRegistry | None = None,
+        *,
+        causes: Collection[str] = (),
     ) -> None:
         if namespace not in METRIC_NAMESPACES:
             raise InvalidArgument("namespace", f"must be one of {sorted(METRIC_NAMESPACES)}")
         super().__init__(inner)
         self._metrics = _metrics(registry if registry is not None else REGISTRY, namespace)
+        self._causes = frozenset(causes)
 
     def _timer(self, operation: str) -> _Timer:
-        return _Timer(self._metrics, operation)
+        cause = None
+        if self._causes:
+            cause = current_cause()
+            if cause not in self._causes:
+                cause = OTHER
+        return _Timer(self._metrics, operation, cause)
 
     async def _timed(self, operation: str, work: Awaitable[T]) -> T:
         """Await ``work``, counted and timed as one ``operation`` with its outcome."""

@@ -148,6 +148,29 @@ async def test_multi_use_token_counts_uses(w: World) -> None:
         await w.tokens.consume(made.value)
 
 
+async def test_a_fleet_joining_at_once_with_one_token_all_joins(w: World) -> None:
+    """Concurrent joins with one token each take a use (before, their
+    compare-and-swap rounds on the token's record lost to each other until some
+    gave up with 'too much contention')."""
+    acct = await w.account(1)
+    fleet = 60
+    made = await w.tokens.create(w.op, acct, max_uses=fleet)
+    real_get = w.store.get
+
+    async def slow_get(key: str) -> bytes:
+        await asyncio.sleep(0.001)  # a store's round trip: joins interleave as for real
+        return await real_get(key)
+
+    w.store.get = slow_get  # type: ignore[method-assign]
+    csrs = [tls.build_csr(tls.new_tls_key()).decode() for _ in range(fleet)]
+    joined = await asyncio.gather(
+        *(w.pairing.join(made.value, csr, MachineInfo("m", "0.1", "h")) for csr in csrs)
+    )
+    assert len({j.machine.machine_id for j in joined}) == fleet
+    token = await w.tokens.get(w.op, made.token.token_id)
+    assert token.uses == fleet and token.state(w.clock()) == "used"
+
+
 async def test_bad_csr_does_not_burn_token(w: World) -> None:
     acct = await w.account(1)
     made = await w.tokens.create(w.op, acct)
@@ -243,7 +266,11 @@ async def test_presence_writes_at_most_once_per_interval(w: World) -> None:
     machine = await w.machines.authorize_peer(tls.identity_from_cert(cert))
     ticks = [0.0]
     presence = PresenceRegistry(
-        w.store, write_interval=60, clock=w.clock, monotonic=lambda: ticks[0]
+        w.store,
+        write_interval=60,
+        clock=w.clock,
+        monotonic=lambda: ticks[0],
+        spread=lambda: 0.5,  # the first write half an interval after the link opened
     )
     puts: list[str] = []
     real_put = w.store.put
@@ -255,11 +282,16 @@ async def test_presence_writes_at_most_once_per_interval(w: World) -> None:
 
     w.store.put = counting_put  # type: ignore[method-assign]
     session = await presence.open(machine, "0.1", 1)
+    assert puts == []  # a link's opening waits on no write
     for i in range(30):
         ticks[0] = i * 1.0
         await presence.seen(session, 5)
-    assert len(puts) == 1
-    ticks[0] = 61.0
+    assert puts == []
+    for i in range(30, 90):
+        ticks[0] = i * 1.0
+        await presence.seen(session, 5)
+    assert len(puts) == 1  # at 30 s, then not before 90 s
+    ticks[0] = 91.0
     await presence.seen(session, 6)
     assert len(puts) == 2
     await presence.close(session)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from controlplane.integrity.intents import Intent, Intents
+from controlplane.integrity.intents import WAIT_RECHECK, Intent, Intents
 from shared.store import MemoryStore
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -18,8 +18,15 @@ class Clock:
         return self.now
 
 
-def _intents(store: MemoryStore, clock: Clock, rolled: list[str], verdict: bool = True) -> Intents:
-    intents = Intents(store, clock)
+def _intents(
+    store: MemoryStore,
+    clock: Clock,
+    rolled: list[str],
+    verdict: bool = True,
+    ticks: list[float] | None = None,
+) -> Intents:
+    at = ticks if ticks is not None else [0.0]
+    intents = Intents(store, clock, monotonic=lambda: at[0])
 
     async def resolver(intent: Intent, age: float) -> bool:
         rolled.append(intent.intent_id)
@@ -85,38 +92,63 @@ async def test_an_earlier_run_whose_clock_ran_ahead_is_still_recovered() -> None
     assert rolled == [left.intent_id]
 
 
-async def test_an_idle_self_check_lists_intents_only_while_one_is_left() -> None:
-    """recover_if_due lists intents/ at every call while an intent is left or was
-    begun since; once none is, only every ``every`` seconds (an idle control plane
-    listed it at every heartbeat tick)."""
+async def test_the_self_check_lists_intents_only_when_something_may_have_changed() -> None:
+    """recover_if_due lists intents/ (and asks a resolver) only when something may
+    have changed: a waiting intent is due (WAIT_RECHECK after its resolver said
+    wait), a roll-back was left to recovery, or ``every`` seconds passed. Intents
+    begun here need no listing, and each record is read once. (An idle control
+    plane listed it at every heartbeat tick; one with many joins waiting for
+    their machines listed and read them all, and asked each resolver, at every tick.)"""
     store, rolled = MemoryStore(), []  # type: list[str]
-    listings = [0]
-    list_pages = store.list_pages
+    listings, reads = [0], [0]
+    list_pages, get = store.list_pages, store.get
 
     def counting(prefix: str = "", **kw: object):  # type: ignore[no-untyped-def]
         if prefix.startswith("cp/intents/"):
             listings[0] += 1
         return list_pages(prefix, **kw)  # type: ignore[arg-type]
 
+    async def counting_get(key: str) -> bytes:
+        reads[0] += key.startswith("cp/intents/")
+        return await get(key)
+
     store.list_pages = counting  # type: ignore[method-assign]
+    store.get = counting_get  # type: ignore[method-assign]
     crashed = _intents(store, Clock(T0), rolled, verdict=False)
-    await crashed.begin("demo", thing="held")  # left behind; its resolver says wait
-    now = _intents(store, Clock(T0), rolled, verdict=False)
-    for _ in range(3):
-        await now.recover_if_due(every=3600)
-    assert listings[0] == 3  # one is left: listed at every call
-    now.register("demo", lambda intent, age: _agree(rolled, intent))
-    await now.recover_if_due(every=3600)  # rolled back now: nothing left
-    assert listings[0] == 4
-    for _ in range(3):
+    left = await crashed.begin("demo", thing="held")  # left behind; its resolver says wait
+    ticks = [0.0]
+    now = _intents(store, Clock(T0), rolled, verdict=False, ticks=ticks)
+    await now.recover()  # at start: listed, read, asked
+    assert (listings[0], reads[0], rolled) == (1, 1, [left.intent_id])
+    for second in range(1, int(WAIT_RECHECK)):
+        ticks[0] = second
         assert await now.recover_if_due(every=3600) == 0
-    assert listings[0] == 4  # quiet: no listing
+    assert (listings[0], reads[0], len(rolled)) == (1, 1, 1)  # waiting: not asked yet
+    ticks[0] = WAIT_RECHECK
+    await now.recover_if_due(every=3600)  # due: listed and asked, not read again
+    assert (listings[0], reads[0], len(rolled)) == (2, 1, 2)
+    now.register("demo", lambda intent, age: _agree(rolled, intent))
+    ticks[0] = 2 * WAIT_RECHECK
+    assert await now.recover_if_due(every=3600) == 1  # rolled back now: nothing left
+    for _ in range(3):
+        ticks[0] += 1
+        assert await now.recover_if_due(every=3600) == 0
+    assert listings[0] == 3  # quiet: no listing
+    # A change committed here, and a held one: neither needs a listing.
     async with now.change("demo", thing="new"):
         pass
-    await now.recover_if_due(every=3600)  # an intent was begun since: listed again
-    assert listings[0] == 5
+    async with now.change("demo", hold=True, thing="held here") as held:
+        pass
+    ticks[0] += 1
+    await now.recover_if_due(every=3600)
+    assert listings[0] == 3
+    ticks[0] += WAIT_RECHECK  # the held one is due: asked (and rolled back)
+    assert await now.recover_if_due(every=3600) == 1
+    assert (listings[0], rolled[-1]) == (4, held.intent_id)
+    ticks[0] += 1
     await now.recover_if_due(every=0)  # the safety net's period passed
-    assert listings[0] == 6
+    assert listings[0] == 5
+    assert reads[0] == 1  # every record read once at most, ours never
 
 
 async def _agree(rolled: list[str], intent: Intent) -> bool:
