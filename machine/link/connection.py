@@ -111,6 +111,9 @@ _PROBE_TIMEOUT: Final = 5.0
 #: finding rarely changes, and a fleet with a bad clock must not double its
 #: connection attempts.
 _PROBE_EVERY: Final = 300.0
+#: Seconds a stopping link waits for a heartbeat or roster write in flight to end
+#: before it cancels the beat anyway (a write stuck on a peer that reads nothing).
+_WRITE_SETTLE: Final = 5.0
 
 
 class _Metrics:
@@ -466,13 +469,24 @@ class ControlLink:
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if stopper in done and not reader.done():
-                for t in helpers:
-                    t.cancel()
-                await asyncio.gather(*helpers, return_exceptions=True)
-                # Changes since the last heartbeat, so the control plane refuses
-                # prompts for agents deleted or archived just before we stopped.
-                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                    await self._heartbeats.send_roster(stream)
+                # Let a heartbeat or roster being written finish first: cancelling
+                # a task inside a write can cancel the whole call.
+                held = False
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_WRITE_SETTLE):
+                        await self._heartbeats.writing.acquire()
+                        held = True
+                try:
+                    for t in helpers:
+                        t.cancel()
+                    await asyncio.gather(*helpers, return_exceptions=True)
+                    # Changes since the last heartbeat, so the control plane refuses
+                    # prompts for agents deleted or archived just before we stopped.
+                    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                        await self._heartbeats.send_roster(stream)
+                finally:
+                    if held:
+                        self._heartbeats.writing.release()
                 await self._half_close(stream, reader)
         finally:
             # Cancelling a task blocked in read() cancels the whole RPC,

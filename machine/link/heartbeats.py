@@ -49,6 +49,10 @@ class Heartbeats:
         self._heartbeats = heartbeats
         self._sent_roster: AgentRoster | None = None
         self._last_agent_count = 0
+        # Held across each write: a stopping link takes it before cancelling the
+        # beat, because a task cancelled inside a write may cancel the whole call
+        # (and with it the last roster and the goodbye).
+        self.writing = asyncio.Lock()
 
     async def hello(self, stream: ControlStream, version: str) -> None:
         """Open ``stream`` with hello."""
@@ -67,12 +71,14 @@ class Heartbeats:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             next_at = max(next_at + interval, time.monotonic())
             count = await self._count_agents()
-            await stream.heartbeat(count, self._next_fire())
-            self._heartbeats.inc()
-            await self.send_roster(stream)
+            async with self.writing:
+                await stream.heartbeat(count, self._next_fire())
+                self._heartbeats.inc()
+                await self.send_roster(stream)
 
     async def send_roster(self, stream: ControlStream) -> None:
-        """Send the agent roster when it changed since the last one sent on ``stream``."""
+        """Send the agent roster when it changed since the last one sent on ``stream``
+        (the caller holds :attr:`writing` when another task may write meanwhile)."""
         if self._roster is None:
             return
         try:

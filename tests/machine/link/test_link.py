@@ -47,6 +47,7 @@ from tests.helpers.clock import FixedClock
 from tests.helpers.fake_link_client import (
     GOOD_SECRET,
     FakeControlPlane,
+    FakeStream,
     domain_rpc_error,
     rpc_error,
     serve_pin_check,
@@ -549,6 +550,69 @@ async def test_link_sends_the_roster_at_connect_on_change_and_before_goodbye(
         current = AgentRoster(active=(b,), archived=(a,))
         await _until(lambda: stream.rosters[-1] == ([b], [a]))
         current = AgentRoster(active=(a, b))  # changed just before the goodbye
+    assert stream.ended_by_client
+    assert stream.rosters[-1] == ([a, b], [])
+
+
+class _SpyLock(asyncio.Lock):
+    """A lock that says when someone waits for it while it is held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.contended = asyncio.Event()
+
+    async def acquire(self) -> bool:
+        if self.locked():
+            self.contended.set()
+        return await super().acquire()
+
+
+async def test_a_stopping_link_lets_the_write_in_flight_end_before_its_goodbye(
+    control: FakeControlPlane, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # gRPC cancels the whole call when a task is cancelled inside a write: a stop
+    # that cancelled the beat mid-write lost the last roster and the goodbye
+    # (found under stress-ng: an agent made just before a stop stayed unknown).
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    a, b = new_id("agent"), new_id("agent")
+    current = AgentRoster(active=(a,))
+
+    async def roster() -> AgentRoster:
+        return current
+
+    gate, blocked, armed, cut = asyncio.Event(), asyncio.Event(), [False], [False]
+    original = FakeStream.heartbeat
+
+    async def heartbeat(
+        self: FakeStream, agent_count: int, next_fire_at: float | None = None
+    ) -> None:
+        if armed[0]:
+            armed[0] = False
+            blocked.set()
+            try:
+                await gate.wait()
+            except asyncio.CancelledError:
+                cut[0] = True
+                self.cancel()
+                raise
+        await original(self, agent_count, next_fire_at)
+
+    monkeypatch.setattr(FakeStream, "heartbeat", heartbeat)
+    link = _link(control, data_dir, CollectorRegistry(), roster=roster)
+    async with link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        stream = control.streams[0]
+        await _until(lambda: stream.rosters == [([a], [])])
+        spy = link._heartbeats.writing = _SpyLock()
+        armed[0] = True
+        await asyncio.wait_for(blocked.wait(), 5)  # a heartbeat is being written
+        current = AgentRoster(active=(a, b))  # an agent made just before the stop
+        closing = asyncio.create_task(link.close(timeout=10))
+        await asyncio.wait_for(spy.contended.wait(), 5)  # the stop waits for the write
+        gate.set()
+        await closing
+    assert not cut[0]
     assert stream.ended_by_client
     assert stream.rosters[-1] == ([a, b], [])
 
