@@ -65,8 +65,8 @@ class MachineMetrics:
 
         self.db_checks = Counter(
             "agents_machine_db_checks",
-            "Integrity checks of machine.db, by kind (quick at start, full on the timer"
-            " or on demand) and result (ok, damaged).",
+            "Integrity checks of machine.db, by kind (quick at start or just after it,"
+            " full on the timer or on demand) and result (ok, damaged).",
             ["kind", "result"],
             registry=registry,
         )
@@ -74,6 +74,19 @@ class MachineMetrics:
             "agents_machine_db_check_seconds",
             "Time one integrity check of machine.db took.",
             buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0),
+            registry=registry,
+        )
+        self.db_opens = Counter(
+            "agents_machine_db_opens",
+            "Opens of machine.db by the check before its first write: quick (read every"
+            " page), skipped (exactly as a clean stop left it), none (a new file).",
+            ["start_check"],
+            registry=registry,
+        )
+        self.start_seconds = Gauge(
+            "agents_machine_start_seconds",
+            "Seconds each step of the last start took, until the daemon could answer.",
+            ["step"],
             registry=registry,
         )
         self.db_damaged = Gauge(

@@ -13,8 +13,9 @@ its transaction, whatever the reading code raised (see :class:`_Reader`).
 
 Storage faults become our errors at this edge (:mod:`machine.storage.faults`): a
 full disk is DiskFull, a damaged file DatabaseDamaged. The file gets a
-``quick_check`` before it is opened for writing, and once it is known to be
-damaged every write is refused.
+``quick_check`` before it is opened for writing, unless the last stop was clean
+and left it untouched since (:mod:`machine.storage.clean_stop`); once it is known
+to be damaged every write is refused.
 
 Every queued write is answered: a batch that fails for any reason fails all
 its jobs, the commit observer cannot break the writer, and once the writer
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from machine.storage import clean_stop
 from machine.storage import faults as dbfaults
 from machine.storage.faults import CheckResult
 from machine.storage.schema import migrate
@@ -263,8 +265,13 @@ class Database:
         # Why the file is known to be damaged (None: not known to be). Once set,
         # writes are refused: writing into a damaged b-tree can spread the damage.
         self.damaged: str | None = None
-        #: The quick_check run when the file was opened (None for a new, empty file).
+        #: The quick_check run when the file was opened (None for a new, empty file,
+        #: or one the last clean stop left untouched: see ``after_clean_stop``).
         self.open_check: CheckResult | None = None
+        #: The file was opened without a check: it is exactly as a clean stop left it.
+        self.after_clean_stop = False
+        # Set when the writer thread ended other than by close(): no clean-stop mark.
+        self._writer_failed = False
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._wconn: sqlite3.Connection | None = None
@@ -285,7 +292,8 @@ class Database:
     ) -> Database:
         """Open (creating 0600 if needed), check and migrate the database; start its
         threads. A file that fails SQLite's ``quick_check`` is refused
-        (DatabaseDamaged) before anything is written to it."""
+        (DatabaseDamaged) before anything is written to it; the check is skipped
+        for a file exactly as the last clean stop left it."""
         db = cls(path, on_commit=on_commit, on_fault=on_fault)
         await asyncio.to_thread(db._open_sync)
         db._writer = threading.Thread(target=db._write_loop, name="machine-db-write", daemon=True)
@@ -293,14 +301,20 @@ class Database:
         return db
 
     def _open_sync(self) -> None:
+        # Taken first, whatever follows (a chmod changes the file's identity too):
+        # a crash from here on leaves no mark behind.
+        self.after_clean_stop = clean_stop.take_mark(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         os.close(fd)
         os.chmod(self.path, 0o600)
-        if self.path.stat().st_size > 0:
+        if self.path.stat().st_size > 0 and not self.after_clean_stop:
             check = self.open_check = dbfaults.run_check(self.path, full=False)
             if not check.ok:
                 self._fault("damaged")
                 raise DatabaseDamaged(f"open {self.path.name}", str(self.path), check.problems[0])
+            logger.info("%s: quick_check at open: ok (%.2f s)", self.path.name, check.seconds)
+        elif self.after_clean_stop:
+            logger.info("%s: as the last clean stop left it: no check at open", self.path.name)
         try:
             self._wconn = _connect(self.path)
             self.schema_version = migrate(self._wconn, where=str(self.path))
@@ -464,13 +478,34 @@ class Database:
         try:
             self._serve(conn)
         except BaseException:
+            self._writer_failed = True
             logger.exception("machine.db writer stopped unexpectedly")
         finally:
             self._stop_accepting()
+            if not self._writer_failed and self.damaged is None:
+                self._fold_wal(conn)
             try:
                 conn.close()
             except sqlite3.Error as e:
+                self._writer_failed = True
                 logger.error("closing the machine.db writer connection failed: %s", e)
+
+    def _fold_wal(self, conn: sqlite3.Connection) -> None:
+        """At a stop: copy the WAL into the file and empty it, so the file alone is
+        the database (a connection object still alive elsewhere, not yet collected,
+        would keep SQLite from doing it at close). Not done: no clean-stop mark."""
+        try:
+            # A reader outside this process is not waited for: the stop goes on
+            # without a mark, and the next start checks.
+            conn.execute("PRAGMA busy_timeout = 0")
+            busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        except sqlite3.Error as e:
+            busy, reason = 1, str(e)
+        else:
+            reason = "a reader was still in the WAL"
+        if busy:
+            self._writer_failed = True
+            logger.warning("machine.db: the WAL was not folded in at stop (%s)", reason)
 
     def _stop_accepting(self) -> None:
         """Refuse new writes and fail any still queued: nobody waits for ever."""
@@ -590,3 +625,6 @@ class Database:
             await asyncio.to_thread(self._writer.join)
         await self._reader.close()
         self._wconn = None
+        if self.damaged is None and not self._writer_failed and self._writer is not None:
+            # Last: every connection of ours is closed and the WAL folded in.
+            await asyncio.to_thread(clean_stop.write_mark, self.path)

@@ -165,6 +165,19 @@ def damage(db: Path, seed: int = 8) -> None:
         os.close(fd)
 
 
+def damaged_then_refused(proc: MachineProc, db: Path) -> bytes:
+    """Damage the stopped machine's ``db``; its start must refuse it, writing nothing.
+    Returns the damaged file's bytes."""
+    damage(db)
+    before = db.read_bytes()
+    with pytest.raises(RuntimeError, match="exited early"):
+        proc.start()
+    log = proc.log()
+    assert "is damaged" in log and "restore" in log and "Traceback" not in log
+    assert db.read_bytes() == before  # nothing was written into the broken file
+    return before
+
+
 def db_counts(data_dir: Path) -> tuple[int, int]:
     conn = sqlite3.connect(f"file:{data_dir / 'machine.db'}?mode=ro", uri=True)
     try:
@@ -205,14 +218,7 @@ async def test_damaged_database_is_refused_at_start_and_check_names_it(
     await populate(proc, tmp_path)
     assert proc.stop() == 0  # a clean stop checkpoints the WAL into machine.db
     db = proc.data_dir / "machine.db"
-    damage(db)
-    before = db.read_bytes()
-
-    with pytest.raises(RuntimeError, match="exited early"):
-        proc.start()
-    log = proc.log()
-    assert "is damaged" in log and "restore" in log and "Traceback" not in log
-    assert db.read_bytes() == before  # nothing was written into the broken file
+    before = damaged_then_refused(proc, db)
 
     checked = await asyncio.to_thread(run_cli, proc.data_dir, "check")
     assert checked.returncode == 1, checked.stderr
@@ -258,3 +264,26 @@ async def test_damage_found_while_serving_stops_writes_and_answers_data_loss(
     finally:
         await channel.close()
     assert "Traceback" not in proc.log()
+
+
+async def test_only_a_clean_stop_spares_the_check_and_a_kill_then_damage_is_refused(
+    machine_proc: Callable[..., MachineProc], tmp_path: Path
+) -> None:
+    proc = machine_proc().start()
+    await populate(proc, tmp_path)
+    assert proc.stop() == 0
+    db = proc.data_dir / "machine.db"
+    assert (proc.data_dir / "machine.db.clean-stop").exists()
+
+    proc.start()  # a clean stop before: no check on the path to the first answer
+    assert "as the last clean stop left it" in proc.log()
+    channel, stub = stub_for(proc)
+    try:
+        await stub.CreateAgent(pb.CreateAgentRequest(name="k", folder=str(tmp_path)))
+    finally:
+        await channel.close()
+    proc.kill()
+    assert not (proc.data_dir / "machine.db.clean-stop").exists()
+
+    # SIGKILLed, then a page goes bad: the start checks and refuses the file.
+    damaged_then_refused(proc, db)

@@ -226,11 +226,18 @@ async def test_timer_integrity_check_finds_damage_and_stops_writes(
         agent = await m.agents.create(name="a", folder=str(tmp_path))
         for n in range(4):
             [ev async for ev in await m.runs.prompt(agent.id, f"{n} " + "word " * 150)]
-    # Closed: the WAL is checkpointed into machine.db, which now passes quick_check.
+    # Closed cleanly: the start trusts the clean-stop mark, and the quick check
+    # runs just after it, in the background.
     config = replace(machine_config, background_loops=True, integrity_check_seconds=0.05)
     metrics = MachineMetrics(CollectorRegistry())
     async with open_machine(config, metrics=metrics) as m:
-        assert sample(metrics, "agents_machine_db_checks_total", kind="quick", result="ok") == 1
+        assert sample(metrics, "agents_machine_db_opens_total", start_check="skipped") == 1
+        await apoll_until(
+            lambda: sample(metrics, "agents_machine_db_checks_total", kind="quick", result="ok"),
+            deadline=DEADLINE,
+            what="the quick check after a start that skipped it",
+            step=0.02,
+        )
         damage_middle_page(config.db_path)
         await apoll_until(
             lambda: m.db.damaged is not None,
