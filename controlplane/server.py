@@ -83,6 +83,11 @@ SERVER_OPTIONS: Final = (
     # Machines ping every 30 s to notice a vanished control plane
     # (machine/link/connection.py); the default floor would GOAWAY them.
     ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+    # TLS records of at most 4 KiB (16 KiB by default): each connection keeps a
+    # buffer of that size for as long as it lives, and a link's messages are
+    # small. Measured: 5 KiB less per link; a backup's 1 MiB chunk goes as 256
+    # records instead of 64.
+    ("grpc.tsi.max_frame_size", 4096),
     NO_REUSEPORT,
 )
 LINK_SERVICE = link_pb2.DESCRIPTOR.services_by_name["MachineLink"].full_name
