@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("name", ["appends", "connect", "delete", "prompts", "soak", "idle"])
+@pytest.mark.parametrize(
+    "name", ["appends", "connect", "delete", "prompts", "soak", "idle", "scale_control"]
+)
 def test_readme_command_runs_each_bench(name: str) -> None:
     readme = (ROOT / "README.md").read_text()
     found = re.search(r"`\.venv/bin/python ([^`]*<name>[^`]*)`", readme)
