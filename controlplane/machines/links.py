@@ -269,7 +269,9 @@ class LinkSessions:
             session.outbox.put_nowait(RevokedNotice("machine revoked by an administrator"))
         self._metrics.connects.labels("ok").inc()
         expires = tls.load_cert(cert_pem).not_valid_after_utc
-        ended = asyncio.Event()  # the machine's side ended (it half-closed, or died)
+        # The machine's side ended (it half-closed, or died). A future, not an
+        # Event: an Event's waiter deque is most of a KiB per link, for one wait.
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         reader = asyncio.create_task(self._read(messages, session, timeout, expires, ended))
         # Torn down from outside without a goodbye (the machine was killed, its
         # connection reset, the call cancelled): broken, unless a reason is set below.
@@ -294,13 +296,11 @@ class LinkSessions:
                     # Give the machine a moment to half-close after reading the notice:
                     # ending the call while it is still sending makes its side see
                     # an INTERNAL error instead of the notice.
-                    until_ended = asyncio.create_task(ended.wait())
                     await asyncio.wait(
-                        [reader, until_ended],
+                        [reader, ended],
                         timeout=max(self._linger, NOTICE_GRACE),
                         return_when=asyncio.FIRST_COMPLETED,
                     )
-                    until_ended.cancel()
                     break
         finally:
             reader.cancel()
@@ -316,7 +316,7 @@ class LinkSessions:
         session: Session,
         timeout: float,
         expires: dt.datetime,
-        ended: asyncio.Event,
+        ended: asyncio.Future[None],
     ) -> None:
         """Consume the machine's messages; end the link after 3 silent intervals,
         or once the certificate it connected with has expired."""
@@ -345,7 +345,7 @@ class LinkSessions:
         session: Session,
         silence: _Silence,
         expires: dt.datetime,
-        ended: asyncio.Event,
+        ended: asyncio.Future[None],
     ) -> CloseReason:
         """Handle the machine's messages until its stream ends (why it ended)."""
         async for msg in messages:
@@ -370,7 +370,8 @@ class LinkSessions:
                         session.account_id, session.machine_id, msg.active, msg.archived
                     )
         silence.stop()
-        ended.set()
+        if not ended.done():
+            ended.set_result(None)
         # The end of a killed machine's stream also reads as a clean end, and
         # the call is torn down a moment later: wait for that before calling
         # it a goodbye (a closing machine waits longer than this for us).
