@@ -2,14 +2,20 @@
 
 Each machine has at most one live :class:`Session` (a new Connect replaces the
 old one). Messages for a machine go into its session's outbox; the Connect
-handler sends them in order. "Last seen" is written to the store at most once
-per ``write_interval`` per machine while it is connected, and once more when
-its link ends, so presence costs O(machines / minute) writes whatever the
-heartbeat rate. A new link writes nothing at once: its first write comes at a
-random point of its first interval (or with its first heartbeat, when it
-reported a schedule's fire time), so a fleet connecting at once (a control
-plane restarted) waits on no write per machine before its welcome and does not
-write in step afterwards; what a crash loses is the same interval's worth.
+handler sends them in order.
+
+A machine's presence record is written when something about it changes, never
+just because time passed: once per link (``online``, at a random point of its
+first ``write_interval``, or with its first heartbeat when it reported a
+schedule's fire time), when its next fire time changes (not held back), when
+its agent count changes (at most once per interval), and when its link ends
+(offline, with last seen). So an idle fleet costs no store request per machine
+and hour, and a fleet connecting at once (a control plane restarted) waits on
+no write before its welcome and does not write in step afterwards. While a
+link is up, listings take last seen from the session; a record a control plane
+killed without a goodbye left ``online`` is taken as seen until that process's
+last alive stamp (:mod:`controlplane.machines.alive`: one write per interval for
+the whole fleet), at most an interval before it died.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controlplane.integrity.records import Machine, Presence, decode, encode, presence_key
+from controlplane.machines.alive import AliveStamps
 from shared.errors import AgentsError, IntegrityError, NotFound
 from shared.store.base import ObjectStore
 from shared.store.causes import store_cause
@@ -158,6 +165,11 @@ class Session:
     outbox: Outbox = field(default_factory=Outbox)
     last_write: float = -1e18
     """Monotonic time of the last last-seen write."""
+    written: bool = False
+    """A record of this link was written (the first one is due within its first
+    interval)."""
+    written_count: int = -1
+    """The agent count the last write said."""
     next_fire_at: dt.datetime | None = None
     """The soonest schedule fire time the machine reported, or None."""
     fire_changed: bool = False
@@ -193,6 +205,8 @@ class PresenceRegistry:
         monotonic: Callable[[], float] = time.monotonic,
         on_change: Callable[[int], None] | None = None,
         spread: Callable[[], float] = random.random,
+        epoch: int = 0,
+        alive: AliveStamps | None = None,
     ) -> None:
         self._store = store
         self._write_interval = write_interval
@@ -200,6 +214,8 @@ class PresenceRegistry:
         self._monotonic = monotonic
         # Where in its first interval a new link's first write falls (0 to 1).
         self._spread = spread
+        self._epoch = epoch
+        self._alive = alive
         self._on_change = on_change
         self._sessions: dict[str, Session] = {}
         # The stored presence of each machine, as this process last wrote or read
@@ -252,9 +268,11 @@ class PresenceRegistry:
         session.last_seen_at = self._clock()
         if agent_count is not None:
             session.agent_count = agent_count
-        return session.fire_changed or (
-            self._monotonic() - session.last_write >= self._write_interval
-        )
+        if session.fire_changed:
+            return True
+        due = self._monotonic() - session.last_write >= self._write_interval
+        # The link's first record; later ones only for a change (module doc).
+        return due and (not session.written or session.agent_count != session.written_count)
 
     async def write(self, session: Session) -> None:
         """Write the session's last seen now (a write :meth:`heard` said is due)."""
@@ -276,9 +294,9 @@ class PresenceRegistry:
         # Written before it is forgotten: a close cancelled during the write (the
         # link's reader task, torn down as the link ends) leaves the session
         # registered, so the link's own close writes it again. Forgotten first,
-        # a cancelled write was lost and last seen went back to the last
-        # periodic write.
-        await self._write(session)
+        # a cancelled write was lost and last seen went back to the link's
+        # first record.
+        await self._write(session, online=False)
         if self._sessions.get(session.machine_id) is not session:
             return  # replaced meanwhile (a reconnect): the successor writes for it
         del self._sessions[session.machine_id]
@@ -326,8 +344,10 @@ class PresenceRegistry:
             self._changed()
         return len(sessions)
 
-    async def _write(self, session: Session) -> None:
+    async def _write(self, session: Session, *, online: bool = True) -> None:
         session.last_write = self._monotonic()
+        session.written = True
+        session.written_count = session.agent_count
         session.fire_changed = False
         record = Presence(
             machine_id=session.machine_id,
@@ -335,6 +355,8 @@ class PresenceRegistry:
             version=session.version,
             agent_count=session.agent_count,
             next_fire_at=session.next_fire_at,
+            online=online,
+            epoch=self._epoch,
         )
         try:
             with store_cause("presence"):
@@ -377,8 +399,16 @@ class PresenceRegistry:
         return MachineStatus(
             machine,
             False,
-            rec.last_seen_at,
+            self._last_seen(rec),
             rec.version or machine.version,
             rec.agent_count,
             rec.next_fire_at,
         )
+
+    def _last_seen(self, rec: Presence) -> dt.datetime:
+        """A record left online by a control plane that stopped without closing the
+        link: seen until that process's last alive stamp, if later (module doc)."""
+        if not rec.online or rec.epoch == self._epoch or self._alive is None:
+            return rec.last_seen_at
+        stamped = self._alive.last_alive(rec.epoch)
+        return max(rec.last_seen_at, stamped) if stamped is not None else rec.last_seen_at
