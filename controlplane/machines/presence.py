@@ -219,9 +219,10 @@ class PresenceRegistry:
         self._on_change = on_change
         self._sessions: dict[str, Session] = {}
         # The stored presence of each machine, as this process last wrote or read
-        # it. It is the only writer (fenced), so an offline machine's status costs
-        # one GET per process, not one per wake check.
-        self._stored: dict[str, Presence] = {}
+        # it (None: there is none). It is the only writer (fenced), so an offline
+        # machine's status costs one GET per process, not one per wake check, a
+        # machine that never connected included.
+        self._stored: dict[str, Presence | None] = {}
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -386,16 +387,13 @@ class PresenceRegistry:
                 live.agent_count,
                 live.next_fire_at,
             )
-        rec = self._stored.get(machine.machine_id)
+        if machine.machine_id in self._stored:
+            rec = self._stored[machine.machine_id]
+        else:
+            rec = self._stored[machine.machine_id] = await self._read(machine)
         if rec is None:
-            try:
-                with store_cause("presence"):
-                    key = presence_key(machine.account_id, machine.machine_id)
-                    data = await self._store.get(key)
-            except (NotFound, IntegrityError):
-                # Missing, or refused (forged): either way nothing is known about it.
-                return MachineStatus(machine, False, None, machine.version, 0)
-            rec = self._stored[machine.machine_id] = Presence.from_dict(decode(data, "presence"))
+            # Missing, or refused (forged): either way nothing is known about it.
+            return MachineStatus(machine, False, None, machine.version, 0)
         return MachineStatus(
             machine,
             False,
@@ -404,6 +402,14 @@ class PresenceRegistry:
             rec.agent_count,
             rec.next_fire_at,
         )
+
+    async def _read(self, machine: Machine) -> Presence | None:
+        try:
+            with store_cause("presence"):
+                data = await self._store.get(presence_key(machine.account_id, machine.machine_id))
+        except (NotFound, IntegrityError):
+            return None
+        return Presence.from_dict(decode(data, "presence"))
 
     def _last_seen(self, rec: Presence) -> dt.datetime:
         """A record left online by a control plane that stopped without closing the

@@ -436,6 +436,12 @@ async def test_an_offline_machines_presence_is_read_once(w: World) -> None:
         status = await reader.status(machine)
     assert status.agent_count == 2 and status.next_fire_at is not None
     assert len([k for k in gets if "/presence/" in k]) == 1
+    # A machine with no presence at all (joined, never connected): read once too.
+    _, never, _ = await w.machine(2)
+    silent = await w.machines.get(w.op, never)
+    for _ in range(3):
+        assert (await reader.status(silent)).last_seen_at is None
+    assert len([k for k in gets if "/presence/" in k]) == 2
 
 
 async def test_an_offline_machines_roster_refuses_unknown_and_archived_agents(w: World) -> None:
