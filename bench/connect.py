@@ -83,11 +83,15 @@ def raise_fd_limit() -> int:
     return hard
 
 
-def start_control(tmp: Path, heartbeat: float) -> ControlProc:
-    """A fresh ``agents-control`` (init + serve, folder store under ``tmp``)."""
+def start_control(tmp: Path, heartbeat: float, settings: str = "") -> ControlProc:
+    """A fresh ``agents-control`` (init + serve, folder store under ``tmp``);
+    ``settings``: TOML lines added to its config.toml before it serves."""
     cp = run_init(
         tmp / "cp-home", f"file://{tmp / 'store'}", {}, ["--heartbeat-interval", str(heartbeat)]
     )
+    if settings:
+        with (cp.home / "config.toml").open("a") as config:
+            config.write(settings + "\n")
     start_serve(cp)
     return cp
 
@@ -191,9 +195,10 @@ class Links:
 
 
 @contextlib.asynccontextmanager
-async def open_links(tmp: Path, count: int) -> AsyncIterator[Links]:
-    """Open the links of the machines :func:`join_machines` made, all at once; closed
-    together on the way out (a clean goodbye each)."""
+async def open_links(tmp: Path, count: int, *, wave: int = 0) -> AsyncIterator[Links]:
+    """Open the links of the machines :func:`join_machines` made, all at once (or
+    ``wave`` at a time, each wave up before the next opens); closed together on the
+    way out (a clean goodbye each)."""
 
     async def no_agents() -> int:
         return 0
@@ -211,8 +216,19 @@ async def open_links(tmp: Path, count: int) -> AsyncIterator[Links]:
     opened = Links(links, registries)
     with opened.failures.counting():
         try:
-            for link in links:
-                await link.__aenter__()
+            step = wave or count
+            for start in range(0, count, step):
+                for link in links[start : start + step]:
+                    await link.__aenter__()
+                if start + step < count:
+                    await _wait(
+                        lambda end=start + step: all(
+                            link.state is LinkState.CONNECTED for link in links[:end]
+                        ),
+                        120 + step / 10,
+                        f"links up to {start + step}",
+                        step=0.1,
+                    )
             yield opened
         finally:
             await asyncio.gather(*(link.close() for link in links), return_exceptions=True)

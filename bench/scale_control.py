@@ -1,9 +1,12 @@
 """How the control plane's costs grow with the machines it serves (a growth curve).
 
 For each point N (machines): a fresh ``agents-control`` (folder store), N
-machines joined with the real join code, their links opened at once (one
-mutual-TLS connection and certificate each, as ``bench/connect.py`` opens them:
-its pieces are used here), then, with every link up and heartbeating:
+machines joined with the real join code, their links opened 1,000 at a time
+(one mutual-TLS connection and certificate each, as ``bench/connect.py`` opens
+them, whose pieces are used here: 1,000 at once is the burst it measures; a
+fleet joined one by one opens its links one by one, and 5,000 first connections
+opened at once by this bench's one process did not all come up within their
+deadline on two cores), then, with every link up and heartbeating:
 
 - the control plane's RSS (MiB);
 - its CPU per heartbeat (us) over a window, less what it spends over an equal
@@ -11,7 +14,10 @@ its pieces are used here), then, with every link up and heartbeating:
 - the join rate (joins/s, 16 at a time);
 - how long ``machine list`` takes (its Admin gRPC call, the median of three);
 - its store requests per hour over the window (``agents_cp_store_requests_total``;
-  the largest point's split by cause goes in the note).
+  the largest point's split by cause goes in the note). Each link's presence is
+  written once within its first ``presence_write_interval``: the full curve sets
+  that to 60 s and counts only once it has passed (an idle fleet's steady
+  state); the quick one counts at once (its figure includes those writes).
 
 ``curves(points, quick=...)`` returns one ``bench.results.Curve``
 ("control-machines") for ``bench/scale.py``; run alone it prints the table::
@@ -57,6 +63,8 @@ FULL = [10, 100, 1000, 5000]
 QUICK = [5, 10, 20, 40]
 #: File descriptors a link needs beyond the sockets (the bench's own, gRPC's).
 _FD_SPARE = 256
+#: Links opened at once (each wave up before the next).
+_WAVE = 1000
 
 SERIES_UNITS = {
     "rss": "MiB",
@@ -71,13 +79,17 @@ SERIES_UNITS = {
 class _Settings:
     heartbeat: float
     window: float
+    presence_interval: float | None
+    """presence_write_interval set, and waited out before counting (None: neither)."""
 
 
 def _settings(quick: bool) -> _Settings:
     # One heartbeat interval for every point, so that the store requests the
     # self-check makes each tick (one per interval) compare across points; 2 s
     # keeps 5,000 links' heartbeats within what two cores can send and serve.
-    return _Settings(heartbeat=1.0, window=3.0) if quick else _Settings(heartbeat=2.0, window=20.0)
+    if quick:
+        return _Settings(heartbeat=1.0, window=3.0, presence_interval=None)
+    return _Settings(heartbeat=2.0, window=20.0, presence_interval=60.0)
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,10 @@ async def _list_time(cp: ControlProc, account_id: str, expected: int) -> float:
 async def _point(machines: int, settings: _Settings) -> _Point:
     with tempfile.TemporaryDirectory(prefix="bench-scale-control-") as tmp_name:
         tmp = Path(tmp_name)
-        cp = start_control(tmp, settings.heartbeat)
+        presence = settings.presence_interval
+        cp = start_control(
+            tmp, settings.heartbeat, f"presence_write_interval = {presence}" if presence else ""
+        )
         try:
             assert cp.process is not None
             proc = psutil.Process(cp.process.pid)
@@ -118,15 +133,16 @@ async def _point(machines: int, settings: _Settings) -> _Point:
             join_s = await join_machines(tokens, tmp, machines)
             # Its own periodic work, to take away from the links' window below.
             idle_cpu, _, idle_s = await cpu_window(proc.pid, lambda: 0.0, settings.window)
-            async with open_links(tmp, machines) as opened:
+            async with open_links(tmp, machines, wave=_WAVE) as opened:
                 await apoll_until(
                     lambda: opened.connected() == machines,
                     deadline=120 + machines / 20,
                     what=f"{machines} links connected",
                     step=0.1,
                 )
-                # Steady state: every link past its welcome and first heartbeats.
-                await asyncio.sleep(2 * settings.heartbeat)
+                # Steady state: every link past its welcome and first heartbeats (and,
+                # in the full curve, its presence's first write).
+                await asyncio.sleep(2 * settings.heartbeat + (presence or 0.0))
                 rss = proc.memory_info().rss
                 before, started = _requests(cp), time.monotonic()
                 cpu, beats, window_s = await cpu_window(
@@ -170,11 +186,17 @@ async def _measure(points: list[int], settings: _Settings) -> tuple[list[_Point]
 
 
 def _note(measured: list[_Point], left_out: list[str], settings: _Settings) -> str:
+    presence = (
+        f"counted after the links' first presence writes (presence_write_interval "
+        f"{settings.presence_interval:g} s)"
+        if settings.presence_interval
+        else "counted at once, with the links' first presence writes"
+    )
     parts = [
         f"folder store, heartbeat every {settings.heartbeat:g} s, windows of "
         f"{settings.window:g} s, joins 16 at a time; CPU per heartbeat is the window's "
         "less an equal window before the links opened (at a few machines it is within "
-        "the 10 ms clock tick)"
+        f"the 10 ms clock tick); store requests {presence}"
     ]
     if measured:
         top = measured[-1]
