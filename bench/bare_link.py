@@ -6,7 +6,9 @@ streams: a server with the control plane's gRPC options and a TLS listener that
 requires a client certificate, whose one handler reads the machine's messages
 and does nothing else; clients with a certificate each, sending hello, then a
 heartbeat every interval. What the control plane costs beyond it is ours; what
-it costs is gRPC's and BoringSSL's (per connection: TLS buffers, HTTP/2).
+it costs is gRPC's and BoringSSL's (per connection: TLS buffers, HTTP/2). The
+heartbeats are spread over the interval, as a fleet's are: beats that arrive
+together cost a server much less each than beats that arrive one by one.
 
 The server runs in its own process (``python -m bench.bare_link CONFIG``), so
 its RSS and CPU are its own, as the control plane's are.
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -33,6 +36,7 @@ import psutil
 
 from controlplane.server import LINK_SERVICE, SERVER_OPTIONS
 from shared import tls
+from shared.entry import GRPC_EXPERIMENTS
 from shared.pb.control.v1 import link_pb2
 
 __all__ = ["BareFigures", "measure_bare"]
@@ -102,6 +106,8 @@ async def _server(tmp: Path, ca: tls.CertKey) -> AsyncIterator[tuple[int, psutil
         [sys.executable, "-m", "bench.bare_link", str(config)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
+        # gRPC as the control plane runs it (its console script sets this).
+        env={**os.environ, "GRPC_EXPERIMENTS": GRPC_EXPERIMENTS},
     )
     try:
         assert proc.stdout is not None
@@ -149,20 +155,22 @@ async def measure_bare(streams: int, heartbeat: float, window: float) -> BareFig
                 for ch in channels
             ]
 
-            async def beat(call: Any) -> None:
+            async def beat(call: Any, phase: float) -> None:
                 nonlocal beats
                 await call.write(link_pb2.MachineMessage(hello=link_pb2.Hello(version="bare")))
-                # On a grid, as machine.link.heartbeats does.
-                next_at = time.monotonic() + heartbeat
+                # On a grid, as machine.link.heartbeats does, each link at its own
+                # point of the interval: a fleet's links came up at different times.
+                # (Beats that arrive together cost the server much less each.)
+                next_at = time.monotonic() + heartbeat * (1 + phase)
                 while True:
                     await asyncio.sleep(max(0.0, next_at - time.monotonic()))
                     next_at += heartbeat
                     await call.write(link_pb2.MachineMessage(heartbeat=link_pb2.Heartbeat()))
                     beats += 1
 
-            tasks = [asyncio.create_task(beat(call)) for call in calls]
+            tasks = [asyncio.create_task(beat(call, i / streams)) for i, call in enumerate(calls)]
             try:
-                await asyncio.sleep(2 + heartbeat)  # the bench's own pace: as for ours
+                await asyncio.sleep(2 + 2 * heartbeat)  # the bench's own pace: as for ours
                 rss_after = server.memory_info().rss
                 cpu0, beats0 = sum(server.cpu_times()[:2]), beats
                 await asyncio.sleep(window)

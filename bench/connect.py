@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from typing import Any
 
 import psutil
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.bare_link import BareFigures, measure_bare
 from bench.results import BenchResult, Row
@@ -81,30 +83,49 @@ def raise_fd_limit() -> int:
     return hard
 
 
-def start_control(tmp: Path, heartbeat: float) -> ControlProc:
-    """A fresh ``agents-control`` (init + serve, folder store under ``tmp``)."""
+def start_control(tmp: Path, heartbeat: float, settings: str = "") -> ControlProc:
+    """A fresh ``agents-control`` (init + serve, folder store under ``tmp``);
+    ``settings``: TOML lines added to its config.toml before it serves."""
     cp = run_init(
         tmp / "cp-home", f"file://{tmp / 'store'}", {}, ["--heartbeat-interval", str(heartbeat)]
     )
+    if settings:
+        with (cp.home / "config.toml").open("a") as config:
+            config.write(settings + "\n")
     start_serve(cp)
     return cp
 
 
-async def new_account_token(cp: ControlProc, uses: int) -> tuple[str, NewJoinToken]:
-    """An account and a token for ``uses`` joins into it."""
+#: The most joins one token allows (controlplane.access.tokens.MAX_USES).
+TOKEN_USES = 1000
+
+
+async def create_tokens(client: AdminClient, account_id: str, joins: int) -> list[NewJoinToken]:
+    """Tokens for ``joins`` joins into ``account_id`` (at most 1,000 each)."""
+    return [
+        await client.create_token(
+            account_id, ttl_seconds=3600, max_uses=min(TOKEN_USES, joins - start)
+        )
+        for start in range(0, joins, TOKEN_USES)
+    ]
+
+
+async def new_account_tokens(cp: ControlProc, joins: int) -> tuple[str, list[NewJoinToken]]:
+    """An account and tokens for ``joins`` joins into it."""
     async with AdminClient(cp.public, cp.ca_pem, cp.operator, timeout=30) as client:
         account_id = (await client.create_account(1, "bench")).account.account_id
-        return account_id, await client.create_token(account_id, ttl_seconds=3600, max_uses=uses)
+        return account_id, await create_tokens(client, account_id, joins)
 
 
 async def join_machines(
-    token: NewJoinToken, tmp: Path, count: int, *, concurrency: int = JOIN_CONCURRENCY
+    tokens: list[NewJoinToken], tmp: Path, count: int, *, concurrency: int = JOIN_CONCURRENCY
 ) -> float:
     """Join ``count`` machines (data folders ``tmp/mNNNN``) with the real join code,
-    ``concurrency`` at a time; the seconds it took."""
+    ``concurrency`` at a time, 1,000 a token; the seconds it took."""
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
+        token = tokens[i // TOKEN_USES]
         async with sem:
             await join_control_plane(
                 data_dir=tmp / f"m{i:04d}",
@@ -174,9 +195,10 @@ class Links:
 
 
 @contextlib.asynccontextmanager
-async def open_links(tmp: Path, count: int) -> AsyncIterator[Links]:
-    """Open the links of the machines :func:`join_machines` made, all at once; closed
-    together on the way out (a clean goodbye each)."""
+async def open_links(tmp: Path, count: int, *, wave: int = 0) -> AsyncIterator[Links]:
+    """Open the links of the machines :func:`join_machines` made, all at once (or
+    ``wave`` at a time, each wave up before the next opens); closed together on the
+    way out (a clean goodbye each)."""
 
     async def no_agents() -> int:
         return 0
@@ -194,11 +216,43 @@ async def open_links(tmp: Path, count: int) -> AsyncIterator[Links]:
     opened = Links(links, registries)
     with opened.failures.counting():
         try:
-            for link in links:
-                await link.__aenter__()
+            step = wave or count
+            for start in range(0, count, step):
+                for link in links[start : start + step]:
+                    await link.__aenter__()
+                if start + step < count:
+                    await _wait(
+                        lambda end=start + step: all(
+                            link.state is LinkState.CONNECTED for link in links[:end]
+                        ),
+                        120 + step / 10,
+                        f"links up to {start + step}",
+                        step=0.1,
+                    )
             yield opened
         finally:
             await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+
+
+def control_samples(cp: ControlProc, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples called ``name`` on the control plane's /metrics page now."""
+    address = cp.serve_info["metrics"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=15) as reply:
+        text = reply.read().decode()
+    return [
+        (sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    ]
+
+
+def control_counts(cp: ControlProc, name: str, label: str) -> Counter[str]:
+    """A counter of the control plane's, summed by one label."""
+    out: Counter[str] = Counter()
+    for labels, value in control_samples(cp, name):
+        out[labels[label]] += int(value)
+    return out
 
 
 async def cpu_window(
@@ -282,6 +336,8 @@ class StreamFigures:
     connected_at_end: int
     retries: int
     failures: dict[str, int]
+    ended: dict[str, int]
+    """Links the control plane ended while they were up, by reason."""
 
     @property
     def rss_per_stream_kib(self) -> float:
@@ -297,14 +353,20 @@ class StreamFigures:
 
 
 async def bench_streams(
-    cp: ControlProc, token: NewJoinToken, tmp: Path, streams: int, window: float, concurrency: int
+    cp: ControlProc,
+    tokens: list[NewJoinToken],
+    tmp: Path,
+    streams: int,
+    window: float,
+    concurrency: int,
 ) -> StreamFigures:
     """(b): many in-process ControlLinks against the control plane process."""
     assert cp.process is not None
     proc = psutil.Process(cp.process.pid)
-    join_s = await join_machines(token, tmp, streams, concurrency=concurrency)
+    join_s = await join_machines(tokens, tmp, streams, concurrency=concurrency)
     await asyncio.sleep(1.0)  # let the control plane settle before the baseline
     rss_before = proc.memory_info().rss
+    ended_before = control_counts(cp, "agents_cp_disconnects_total", "reason")
     async with open_links(tmp, streams) as opened:
         connect_s = await _wait(
             lambda: opened.connected() == streams, 180, "all streams connected", step=0.1
@@ -314,6 +376,7 @@ async def bench_streams(
         cpu_s, beats, window_s = await cpu_window(proc.pid, opened.heartbeats, window)
         still = opened.connected()
         retries, failures = opened.retries(), dict(opened.failures.by_error)
+        ended = control_counts(cp, "agents_cp_disconnects_total", "reason") - ended_before
     return StreamFigures(
         streams=streams,
         join_s=join_s,
@@ -326,6 +389,7 @@ async def bench_streams(
         connected_at_end=still,
         retries=retries,
         failures=failures,
+        ended={reason: n for reason, n in ended.items() if n},
     )
 
 
@@ -344,11 +408,9 @@ async def main_async(args: argparse.Namespace) -> int:
                         f"    process start -> online {start_to_online:.2f}s, "
                         f"join done -> online {joined_to_online:.2f}s"
                     )
-                token = await client.create_token(
-                    account_id, ttl_seconds=3600, max_uses=args.streams
-                )
+                tokens = await create_tokens(client, account_id, args.streams)
             f = await bench_streams(
-                cp, token, tmp, args.streams, args.window, args.join_concurrency
+                cp, tokens, tmp, args.streams, args.window, args.join_concurrency
             )
         finally:
             stop_serve(cp)
@@ -367,7 +429,11 @@ def _print(args: argparse.Namespace, f: StreamFigures, bare: BareFigures | None)
     )
     print(f"    all connected in {f.connect_s:.1f}s; {f.connected_at_end} still up at end")
     others = ", ".join(f"{e} {k}" for e, k in sorted(f.failures.items())) or "none"
-    print(f"    connect retries {f.retries}: timeouts {f.timeouts} (failed attempts: {others})")
+    ended = ", ".join(f"{e} {k}" for e, k in sorted(f.ended.items())) or "none"
+    print(
+        f"    connect retries {f.retries}: timeouts {f.timeouts} (failed attempts: {others}; "
+        f"links the control plane ended: {ended})"
+    )
     print(
         f"    control plane RSS {f.rss_before / 2**20:.1f} -> {f.rss_after / 2**20:.1f} MiB: "
         f"{f.rss_per_stream_kib:.1f} KiB per stream"

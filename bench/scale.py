@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import importlib
 import json
 import math
 import random
@@ -545,20 +544,11 @@ def table(curve: Curve) -> str:
 
 
 def control_curves(*, quick: bool) -> list[Curve]:
-    """The control plane's curves from bench/scale_control.py, or none while that
-    module is not there."""
-    try:
-        module = importlib.import_module("bench.scale_control")
-    except ModuleNotFoundError as e:
-        # Only the module's own absence: a missing import inside it is a fault
-        # to see, not a part to skip.
-        if e.name != "bench.scale_control":
-            raise
-        print("control-plane curves: bench/scale_control.py not present")
-        return []
-    points = list(CONTROL_POINTS_QUICK if quick else CONTROL_POINTS)
-    curves: list[Curve] = module.curves(points, quick=quick)
-    return curves
+    """The control plane's curves (bench/scale_control.py)."""
+    from bench import scale_control
+
+    points = CONTROL_POINTS_QUICK if quick else CONTROL_POINTS
+    return scale_control.curves(list(points), quick=quick)
 
 
 def main(argv: list[str] | None = None) -> int:

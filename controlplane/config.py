@@ -108,7 +108,9 @@ class ControlConfig:
     heartbeat_interval: float = 15.0
     """Seconds between a machine's heartbeats; 3 missed ones mark it offline."""
     presence_write_interval: float = 300.0
-    """Least seconds between two last-seen writes of one machine (at least 60)."""
+    """Seconds within which a new link's presence is first written (at a random
+    point), the least between two writes of a changed agent count, and between
+    two alive stamps (controlplane.machines.alive); at least 60."""
     cert_lifetime_days: float = 30.0
     """Lifetime of machine client certificates."""
     renew_threshold: float = 1 / 3

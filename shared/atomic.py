@@ -111,14 +111,22 @@ def sweep_tagged_temps(folder: Path, tag: str, age: float = STALE_TEMP_SECONDS) 
 
 @contextlib.contextmanager
 def open_atomic(
-    path: Path, mode: int = FILE_MODE, *, create_new: bool = False, tag: str = ""
+    path: Path,
+    mode: int = FILE_MODE,
+    *,
+    create_new: bool = False,
+    tag: str = "",
+    sync_dir: bool = True,
 ) -> Iterator[BinaryIO]:
     """Yield a binary file that replaces ``path`` atomically when the block ends.
 
     If the block raises, the temp file is removed and ``path`` is untouched.
     With ``create_new``, an existing ``path`` is never replaced, even one made
     while the block ran: FileExistsError, and the temp file is removed. ``tag``
-    goes in the temp file's name (see :func:`sweep_tagged_temps`).
+    goes in the temp file's name (see :func:`sweep_tagged_temps`). With
+    ``sync_dir`` False the rename is not made durable here: the caller fsyncs
+    ``path.parent`` itself (after letting go of a lock, say) before it counts
+    the write as done.
     """
     tmp = _temp_name(path, tag)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -137,7 +145,8 @@ def open_atomic(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def write_atomic(path: Path, data: bytes | Iterable[bytes], mode: int = FILE_MODE) -> None:

@@ -268,6 +268,8 @@ class Intents:
         # the listing ran is not gone.
         for gone in set(self._read) - listed - self._active - self._handed_over:
             self._forget(gone)
+        for stale in set(self._recheck_at) - set(self._read):
+            del self._recheck_at[stale]
         return out
 
     async def recover(self) -> int:
@@ -289,7 +291,10 @@ class Intents:
                 done += 1
             else:
                 left += 1
-                self._recheck_at[intent.intent_id] = self._monotonic() + WAIT_RECHECK
+                # Unless it was committed while its resolver ran (a machine connected):
+                # a recheck of nothing would be due for ever, a listing every tick.
+                if intent.intent_id in self._read:
+                    self._recheck_at[intent.intent_id] = self._monotonic() + WAIT_RECHECK
         self._listed_at = listed_at
         return done
 

@@ -345,6 +345,10 @@ class Presence(_Record):
     agent_count: int = 0
     next_fire_at: dt.datetime | None = None
     """The soonest schedule fire time it reported (to wake it for), or None."""
+    online: bool = False
+    """Written while its link was up (False: at its end, or by an older version)."""
+    epoch: int = 0
+    """The epoch of the control plane that wrote it (controlplane.machines.alive)."""
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,12 @@ machine, again and again, for a fleet where nothing changed. This process is
 the store's only writer (the fence makes it so), so what it has not written
 has not changed: :class:`FleetView` keeps one listing and lists again only
 when the registry wrote a machine record that changes who is in the fleet (a
-join, a revocation, a join rolled back: :attr:`MachineRegistry.generation`),
-when told (an account deletion finished: :meth:`changed`), or after
-``refresh`` seconds (an hour by default: what a bucket writer or an operator's
-hand changed is seen within that, and the cost per machine is one GET an hour).
+revocation, a join rolled back: :attr:`MachineRegistry.generation`), when told
+(an account deletion finished: :meth:`changed`), or after ``refresh`` seconds
+(an hour by default: what a bucket writer or an operator's hand changed is seen
+within that, and the cost per machine is one GET an hour). A join adds its
+machine to the view as it is written (:meth:`MachineRegistry.on_join`): a
+fleet joining machine after machine costs no listing of all of it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class FleetView:
         self._listed_at = 0.0
         self._generation = -1
         self._stale = True
+        self._joined: list[Machine] = []
+        machines.on_join(self._joined.append)
         self.listings = 0
         """How many times the store was listed (for tests and the bench)."""
 
@@ -66,6 +70,8 @@ class FleetView:
             # again (or moves the generation), so it is never lost.
             self._stale = False
             self._generation = generation
+            # Joins written during the listing are kept, whether it saw them or not.
+            self._joined.clear()
             try:
                 listed = await self._machines.list(_EVERYONE)
             except BaseException:
@@ -73,4 +79,8 @@ class FleetView:
                 raise
             self._listed, self._listed_at = listed, self._monotonic()
             self.listings += 1
+        if self._joined:
+            known = {m.machine_id for m in self._listed}
+            self._listed.extend(m for m in self._joined if m.machine_id not in known)
+            self._joined.clear()
         return list(self._listed)

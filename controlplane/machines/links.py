@@ -145,6 +145,46 @@ class DeliveryHooks(Protocol):
         """The link ended: whatever is unacknowledged is delivered again next time."""
 
 
+class _Silence:
+    """Cancels the task that made it once nothing was heard for ``timeout`` seconds.
+
+    One timer per link, moved only when it fires (a message just notes the
+    time): a timeout armed and cancelled around every read cost a timer per
+    heartbeat, a good part of the control plane's work for one.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._timeout = timeout
+        self._heard_at = self._loop.time()
+        self._fired = False
+        self._handle = self._loop.call_at(self._heard_at + timeout, self._check)
+
+    def heard(self) -> None:
+        """A message came."""
+        self._heard_at = self._loop.time()
+
+    def _check(self) -> None:
+        due = self._heard_at + self._timeout
+        if self._loop.time() < due:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self._fired = True
+        self._task.cancel()
+
+    def timed_out(self) -> bool:
+        """Whether the task's cancellation was this silence's, and only that (which
+        it then takes back, as asyncio.timeout does)."""
+        return self._fired and self._task.uncancel() == 0
+
+    def stop(self) -> None:
+        """No more waiting (idempotent)."""
+        self._handle.cancel()
+
+
 class LinkSessions:
     """Runs machines' Connect streams; one instance per daemon."""
 
@@ -229,7 +269,9 @@ class LinkSessions:
             session.outbox.put_nowait(RevokedNotice("machine revoked by an administrator"))
         self._metrics.connects.labels("ok").inc()
         expires = tls.load_cert(cert_pem).not_valid_after_utc
-        ended = asyncio.Event()  # the machine's side ended (it half-closed, or died)
+        # The machine's side ended (it half-closed, or died). A future, not an
+        # Event: an Event's waiter deque is most of a KiB per link, for one wait.
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         reader = asyncio.create_task(self._read(messages, session, timeout, expires, ended))
         # Torn down from outside without a goodbye (the machine was killed, its
         # connection reset, the call cancelled): broken, unless a reason is set below.
@@ -240,6 +282,7 @@ class LinkSessions:
                 yield RenewNowNotice("certificate nearing expiry")
             elif self._current_ca is not None and not self._current_ca(cert_pem):
                 yield RenewNowNotice(CA_ROLLOVER_REASON)
+            del cert_pem  # not needed again: a link should hold only what it uses
             if self._deliveries is not None:
                 self._deliveries.connected(session)
             while True:
@@ -253,13 +296,11 @@ class LinkSessions:
                     # Give the machine a moment to half-close after reading the notice:
                     # ending the call while it is still sending makes its side see
                     # an INTERNAL error instead of the notice.
-                    until_ended = asyncio.create_task(ended.wait())
                     await asyncio.wait(
-                        [reader, until_ended],
+                        [reader, ended],
                         timeout=max(self._linger, NOTICE_GRACE),
                         return_when=asyncio.FIRST_COMPLETED,
                     )
-                    until_ended.cancel()
                     break
         finally:
             reader.cancel()
@@ -275,47 +316,64 @@ class LinkSessions:
         session: Session,
         timeout: float,
         expires: dt.datetime,
-        ended: asyncio.Event,
+        ended: asyncio.Future[None],
     ) -> None:
         """Consume the machine's messages; end the link after 3 silent intervals,
         or once the certificate it connected with has expired."""
-        reason = CloseReason.CLOSED
+        silence = _Silence(timeout)
         try:
-            while True:
-                async with asyncio.timeout(timeout):
-                    msg = await anext(messages)
-                if self._clock() >= expires:
-                    reason = CloseReason.EXPIRED
-                    break
-                if isinstance(msg, Heartbeat):
-                    with store_cause("heartbeat"):
-                        self._presence.fire_reported(session, msg.next_fire_at)
-                        await self._presence.seen(session, msg.agent_count)
-                else:
-                    await self._presence.seen(session)
-                if isinstance(msg, Ack) and msg.delivery_id and self._deliveries is not None:
-                    with store_cause("queue"):
-                        await self._deliveries.acked(session, msg)
-                if isinstance(msg, RosterReport) and self._rosters is not None:
-                    with store_cause("roster"):
-                        await self._rosters.report(
-                            session.account_id, session.machine_id, msg.active, msg.archived
-                        )
-        except TimeoutError:
+            reason = await self._consume(messages, session, silence, expires, ended)
+        except asyncio.CancelledError:
+            if not silence.timed_out():
+                raise
             reason = CloseReason.TIMEOUT
             logger.info("machine %s: no heartbeat for %.1fs", session.machine_id, timeout)
-        except StopAsyncIteration:
-            ended.set()
-            # The end of a killed machine's stream also reads as a clean end, and
-            # the call is torn down a moment later: wait for that before calling
-            # it a goodbye (a closing machine waits longer than this for us).
-            await asyncio.sleep(self._linger)
-            reason = CloseReason.CLOSED
         except Exception as e:  # the stream broke: the link is over either way
             reason = CloseReason.BROKEN
             logger.info("machine %s: link read ended: %s", session.machine_id, e)
+        finally:
+            silence.stop()
         session.outbox.put_nowait(CloseLink(reason))
         # Offline now, whatever happens to the sending side: if the call was torn
         # down while its response generator sat at a yield, nothing else would
         # consume the CloseLink until that generator is finalised.
         await self._presence.close(session)
+
+    async def _consume(
+        self,
+        messages: AsyncIterator[MachineMessage],
+        session: Session,
+        silence: _Silence,
+        expires: dt.datetime,
+        ended: asyncio.Future[None],
+    ) -> CloseReason:
+        """Handle the machine's messages until its stream ends (why it ended)."""
+        async for msg in messages:
+            silence.heard()
+            if self._clock() >= expires:
+                return CloseReason.EXPIRED
+            if isinstance(msg, Heartbeat):
+                # Heard, and a write only when one is due (presence.py): most
+                # heartbeats touch nothing but the session.
+                with store_cause("heartbeat"):
+                    self._presence.fire_reported(session, msg.next_fire_at)
+                    if self._presence.heard(session, msg.agent_count):
+                        await self._presence.write(session)
+                continue
+            await self._presence.seen(session)
+            if isinstance(msg, Ack) and msg.delivery_id and self._deliveries is not None:
+                with store_cause("queue"):
+                    await self._deliveries.acked(session, msg)
+            if isinstance(msg, RosterReport) and self._rosters is not None:
+                with store_cause("roster"):
+                    await self._rosters.report(
+                        session.account_id, session.machine_id, msg.active, msg.archived
+                    )
+        silence.stop()
+        if not ended.done():
+            ended.set_result(None)
+        # The end of a killed machine's stream also reads as a clean end, and
+        # the call is torn down a moment later: wait for that before calling
+        # it a goodbye (a closing machine waits longer than this for us).
+        await asyncio.sleep(self._linger)
+        return CloseReason.CLOSED

@@ -2,14 +2,20 @@
 
 Each machine has at most one live :class:`Session` (a new Connect replaces the
 old one). Messages for a machine go into its session's outbox; the Connect
-handler sends them in order. "Last seen" is written to the store at most once
-per ``write_interval`` per machine while it is connected, and once more when
-its link ends, so presence costs O(machines / minute) writes whatever the
-heartbeat rate. A new link writes nothing at once: its first write comes at a
-random point of its first interval (or with its first heartbeat, when it
-reported a schedule's fire time), so a fleet connecting at once (a control
-plane restarted) waits on no write per machine before its welcome and does not
-write in step afterwards; what a crash loses is the same interval's worth.
+handler sends them in order.
+
+A machine's presence record is written when something about it changes, never
+just because time passed: once per link (``online``, at a random point of its
+first ``write_interval``, or with its first heartbeat when it reported a
+schedule's fire time), when its next fire time changes (not held back), when
+its agent count changes (at most once per interval), and when its link ends
+(offline, with last seen). So an idle fleet costs no store request per machine
+and hour, and a fleet connecting at once (a control plane restarted) waits on
+no write before its welcome and does not write in step afterwards. While a
+link is up, listings take last seen from the session; a record a control plane
+killed without a goodbye left ``online`` is taken as seen until that process's
+last alive stamp (:mod:`controlplane.machines.alive`: one write per interval for
+the whole fleet), at most an interval before it died.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controlplane.integrity.records import Machine, Presence, decode, encode, presence_key
+from controlplane.machines.alive import AliveStamps
 from shared.errors import AgentsError, IntegrityError, NotFound
 from shared.store.base import ObjectStore
 from shared.store.causes import store_cause
@@ -38,6 +45,7 @@ __all__ = [
     "CloseLink",
     "DeliveryNotice",
     "MachineStatus",
+    "Outbox",
     "Outgoing",
     "PresenceRegistry",
     "RenewNowNotice",
@@ -102,6 +110,48 @@ Outgoing = RevokedNotice | AccountDeletedNotice | RenewNowNotice | DeliveryNotic
 TERMINAL = (RevokedNotice, AccountDeletedNotice, CloseLink)
 
 
+class Outbox:
+    """What a link sends next, in order, for its one reader (the link itself).
+
+    ``asyncio.Queue``'s ``put_nowait``/``get``/``get_nowait`` without its three
+    deques and its event: a few KiB per link, for a box that is empty nearly
+    always.
+    """
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[Outgoing] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Outgoing) -> None:
+        """Add ``item`` (never blocks)."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def get_nowait(self) -> Outgoing:
+        """The next item; asyncio.QueueEmpty when there is none."""
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.pop(0)
+
+    def empty(self) -> bool:
+        """Whether nothing waits to be sent."""
+        return not self._items
+
+    async def get(self) -> Outgoing:
+        """Wait for the next item (one reader at a time)."""
+        while not self._items:
+            assert self._waiter is None, "an outbox has one reader"
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.pop(0)
+
+
 @dataclass
 class Session:
     """One live link of one machine."""
@@ -112,9 +162,14 @@ class Session:
     agent_count: int
     connected_at: dt.datetime
     last_seen_at: dt.datetime
-    outbox: asyncio.Queue[Outgoing] = field(default_factory=asyncio.Queue)
+    outbox: Outbox = field(default_factory=Outbox)
     last_write: float = -1e18
     """Monotonic time of the last last-seen write."""
+    written: bool = False
+    """A record of this link was written (the first one is due within its first
+    interval)."""
+    written_count: int = -1
+    """The agent count the last write said."""
     next_fire_at: dt.datetime | None = None
     """The soonest schedule fire time the machine reported, or None."""
     fire_changed: bool = False
@@ -150,6 +205,8 @@ class PresenceRegistry:
         monotonic: Callable[[], float] = time.monotonic,
         on_change: Callable[[int], None] | None = None,
         spread: Callable[[], float] = random.random,
+        epoch: int = 0,
+        alive: AliveStamps | None = None,
     ) -> None:
         self._store = store
         self._write_interval = write_interval
@@ -157,12 +214,15 @@ class PresenceRegistry:
         self._monotonic = monotonic
         # Where in its first interval a new link's first write falls (0 to 1).
         self._spread = spread
+        self._epoch = epoch
+        self._alive = alive
         self._on_change = on_change
         self._sessions: dict[str, Session] = {}
         # The stored presence of each machine, as this process last wrote or read
-        # it. It is the only writer (fenced), so an offline machine's status costs
-        # one GET per process, not one per wake check.
-        self._stored: dict[str, Presence] = {}
+        # it (None: there is none). It is the only writer (fenced), so an offline
+        # machine's status costs one GET per process, not one per wake check, a
+        # machine that never connected included.
+        self._stored: dict[str, Presence | None] = {}
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -200,10 +260,24 @@ class PresenceRegistry:
 
     async def seen(self, session: Session, agent_count: int | None = None) -> None:
         """A heartbeat (or any message) arrived: update, and write at most once per interval."""
+        if self.heard(session, agent_count):
+            await self.write(session)
+
+    def heard(self, session: Session, agent_count: int | None = None) -> bool:
+        """:meth:`seen` without the write: whether one is due now (then :meth:`write`).
+        Most heartbeats need none, and then cost no await."""
         session.last_seen_at = self._clock()
         if agent_count is not None:
             session.agent_count = agent_count
-        await self._write(session, force=False)
+        if session.fire_changed:
+            return True
+        due = self._monotonic() - session.last_write >= self._write_interval
+        # The link's first record; later ones only for a change (module doc).
+        return due and (not session.written or session.agent_count != session.written_count)
+
+    async def write(self, session: Session) -> None:
+        """Write the session's last seen now (a write :meth:`heard` said is due)."""
+        await self._write(session)
 
     def fire_reported(self, session: Session, next_fire_at: dt.datetime | None) -> None:
         """A heartbeat said when the machine's next schedule fires: a change is written
@@ -221,9 +295,9 @@ class PresenceRegistry:
         # Written before it is forgotten: a close cancelled during the write (the
         # link's reader task, torn down as the link ends) leaves the session
         # registered, so the link's own close writes it again. Forgotten first,
-        # a cancelled write was lost and last seen went back to the last
-        # periodic write.
-        await self._write(session, force=True)
+        # a cancelled write was lost and last seen went back to the link's
+        # first record.
+        await self._write(session, online=False)
         if self._sessions.get(session.machine_id) is not session:
             return  # replaced meanwhile (a reconnect): the successor writes for it
         del self._sessions[session.machine_id]
@@ -271,15 +345,10 @@ class PresenceRegistry:
             self._changed()
         return len(sessions)
 
-    async def _write(self, session: Session, *, force: bool) -> None:
-        now = self._monotonic()
-        if (
-            not force
-            and not session.fire_changed
-            and now - session.last_write < self._write_interval
-        ):
-            return
-        session.last_write = now
+    async def _write(self, session: Session, *, online: bool = True) -> None:
+        session.last_write = self._monotonic()
+        session.written = True
+        session.written_count = session.agent_count
         session.fire_changed = False
         record = Presence(
             machine_id=session.machine_id,
@@ -287,6 +356,8 @@ class PresenceRegistry:
             version=session.version,
             agent_count=session.agent_count,
             next_fire_at=session.next_fire_at,
+            online=online,
+            epoch=self._epoch,
         )
         try:
             with store_cause("presence"):
@@ -316,21 +387,34 @@ class PresenceRegistry:
                 live.agent_count,
                 live.next_fire_at,
             )
-        rec = self._stored.get(machine.machine_id)
+        if machine.machine_id in self._stored:
+            rec = self._stored[machine.machine_id]
+        else:
+            rec = self._stored[machine.machine_id] = await self._read(machine)
         if rec is None:
-            try:
-                with store_cause("presence"):
-                    key = presence_key(machine.account_id, machine.machine_id)
-                    data = await self._store.get(key)
-            except (NotFound, IntegrityError):
-                # Missing, or refused (forged): either way nothing is known about it.
-                return MachineStatus(machine, False, None, machine.version, 0)
-            rec = self._stored[machine.machine_id] = Presence.from_dict(decode(data, "presence"))
+            # Missing, or refused (forged): either way nothing is known about it.
+            return MachineStatus(machine, False, None, machine.version, 0)
         return MachineStatus(
             machine,
             False,
-            rec.last_seen_at,
+            self._last_seen(rec),
             rec.version or machine.version,
             rec.agent_count,
             rec.next_fire_at,
         )
+
+    async def _read(self, machine: Machine) -> Presence | None:
+        try:
+            with store_cause("presence"):
+                data = await self._store.get(presence_key(machine.account_id, machine.machine_id))
+        except (NotFound, IntegrityError):
+            return None
+        return Presence.from_dict(decode(data, "presence"))
+
+    def _last_seen(self, rec: Presence) -> dt.datetime:
+        """A record left online by a control plane that stopped without closing the
+        link: seen until that process's last alive stamp, if later (module doc)."""
+        if not rec.online or rec.epoch == self._epoch or self._alive is None:
+            return rec.last_seen_at
+        stamped = self._alive.last_alive(rec.epoch)
+        return max(rec.last_seen_at, stamped) if stamped is not None else rec.last_seen_at

@@ -137,16 +137,21 @@ class MachineRegistry:
         self._intents = intents if intents is not None else Intents(store, clock)
         self._revoke_hooks: list[RevokeHook] = []
         self._confirm_hooks: list[ConfirmHook] = []
+        self._join_hooks: list[Callable[[Machine], None]] = []
         # Revoked machine ids seen by this process: refused without a store read.
         self._revoked: set[str] = set()
         self.generation = 0
-        """Moves whenever this process adds, revokes or removes a machine record
-        (what machines.fleet lists again for)."""
+        """Moves whenever this process revokes or removes a machine record (what
+        machines.fleet lists again for; a join it is told of, see on_join)."""
 
     def on_confirm(self, hook: ConfirmHook) -> None:
         """Call ``hook(machine, join intent id)`` once a machine's join is confirmed
         (after the write; an error it raises is logged, the confirmation stands)."""
         self._confirm_hooks.append(hook)
+
+    def on_join(self, hook: Callable[[Machine], None]) -> None:
+        """Call ``hook(machine)`` once a join wrote a new machine's record."""
+        self._join_hooks.append(hook)
 
     def changed(self) -> None:
         """A machine record was added or removed outside this class (a join rolled back)."""
@@ -199,7 +204,8 @@ class MachineRegistry:
             # Ids are fresh per join, so this is never a retry: refuse rather than
             # hand out a certificate whose serial no record accepts.
             raise AlreadyExists("machine", machine_id)
-        self.changed()
+        for hook in self._join_hooks:
+            hook(machine)
         await self._audit.record(token_id, "machine.join", machine_id, account_id)
         logger.info("machine %s joined account %s", machine_id, account_id)
         return machine

@@ -78,6 +78,9 @@ class MachineStarter:
         self._on_result = on_result
         self._monotonic = monotonic
         self._providers: dict[str, MachineProvider] = {}
+        # Machines found with no provider: `set` is the only writer (this process,
+        # fenced), so `machine list` asks the store once per machine, not per call.
+        self._none: set[str] = set()
         self._asked: dict[str, float] = {}
         self._starting: set[str] = set()
         self._errors: dict[str, str] = {}
@@ -106,6 +109,7 @@ class MachineStarter:
             # THE COMMIT POINT: the one put of the sealed settings.
             await self._store.put(key, seal_bytes(plain, [self._box.public_key], aad=key.encode()))
         old = self._providers.pop(machine_id, None)
+        self._none.discard(machine_id)
         if old is not None:
             await old.close()
         self._errors.pop(machine_id, None)
@@ -117,12 +121,13 @@ class MachineStarter:
 
     async def _provider(self, account_id: str, machine_id: str) -> MachineProvider | None:
         provider = self._providers.get(machine_id)
-        if provider is not None:
+        if provider is not None or machine_id in self._none:
             return provider
         key = provider_key(account_id, machine_id)
         try:
             plain = open_bytes(await self._store.get(key), self._box, aad=key.encode())
         except NotFound:
+            self._none.add(machine_id)
             return None
         data = json.loads(plain)
         settings = parse_settings(str(data["provider"]), data["settings"])

@@ -5,7 +5,7 @@ has, with the ids it carries, or None for a key nothing of the control plane
 writes: a planted object, a genuine one copied to a made-up key, or one of a
 newer version's shapes. The table is kept beside the key functions it mirrors
 (``controlplane.integrity.records``, ``intents``, ``queue.prompts``,
-``queue.idempotency``, ``queue.starter``, ``machines.backups`` with
+``queue.idempotency``, ``queue.starter``, ``machines.alive``, ``machines.backups`` with
 ``shared.backup_target``, ``recovery.fencing``, ``recovery.keybundle``, the
 deployment marker and the S3 probe); ``tests/controlplane/recovery/test_keyshapes.py``
 makes a key with each of those functions and fails when one is not known here.
@@ -17,6 +17,7 @@ shape               key                                                         
 ==================  ==========================================================  ==========
 deployment          ``cp/deployment.json``                                      yes
 epoch               ``cp/epoch.json``                                           yes
+alive               ``cp/alive.json``                                           yes
 key_bundle          ``cp/keys.sealed``                                          yes
 superseded          ``cp/superseded/<home id>``                                 yes
 intent              ``cp/intents/<int>.json``                                   yes
@@ -73,6 +74,7 @@ _SHAPES: Final[tuple[tuple[str, re.Pattern[str]], ...]] = tuple(
     for name, pattern in (
         ("deployment", r"cp/deployment\.json"),
         ("epoch", r"cp/epoch\.json"),
+        ("alive", r"cp/alive\.json"),
         ("key_bundle", r"cp/keys\.sealed"),
         ("superseded", r"cp/superseded/(?P<ident>[0-9a-f]{32})"),
         ("intent", rf"cp/intents/{_id('int', 'ident')}\.json"),

@@ -19,9 +19,7 @@ itself, inside whatever started it.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Iterator
 from typing import Final
 
 __all__ = ["OTHER", "current_cause", "set_cause", "store_cause"]
@@ -37,15 +35,24 @@ def current_cause() -> str:
     return _CAUSE.get()
 
 
-@contextlib.contextmanager
-def store_cause(cause: str) -> Iterator[None]:
+class store_cause:  # lower case: read as a function, ``with store_cause("x"):``
     """Count the store requests made inside the block (and in tasks started in it)
-    under ``cause``."""
-    token = _CAUSE.set(cause)
-    try:
-        yield
-    finally:
-        _CAUSE.reset(token)
+    under ``cause``.
+
+    A class rather than a generator-based context manager: the link enters one
+    for every heartbeat, and this costs a tenth as much.
+    """
+
+    __slots__ = ("_cause", "_token")
+
+    def __init__(self, cause: str) -> None:
+        self._cause = cause
+
+    def __enter__(self) -> None:
+        self._token = _CAUSE.set(self._cause)
+
+    def __exit__(self, *exc: object) -> None:
+        _CAUSE.reset(self._token)
 
 
 def set_cause(cause: str) -> None:

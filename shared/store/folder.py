@@ -64,6 +64,12 @@ _LOCK_NAME: Final = ".lock"
 _MKDIR_ATTEMPTS: Final = 5
 
 
+def _sync_folder(folder: Path) -> None:
+    """fsync ``folder``; gone already (a delete since pruned it) is nothing to do."""
+    with contextlib.suppress(FileNotFoundError):
+        fsync_dir(folder)
+
+
 class FolderStore(StoreBase):
     """An :class:`~shared.store.base.ObjectStore` in the folder ``root``."""
 
@@ -335,7 +341,8 @@ class FolderStore(StoreBase):
                 raise InvalidArgument(
                     "key", f"{key!r} is a folder of other objects in a folder store"
                 )
-            manager = open_atomic(path)
+            # The folder is fsynced by put, after the lock (see there).
+            manager = open_atomic(path, sync_dir=False)
             try:
                 f = await asyncio.to_thread(manager.__enter__)
             except FileNotFoundError:
@@ -345,17 +352,42 @@ class FolderStore(StoreBase):
             return manager, f
         raise AssertionError("unreachable")
 
-    async def put(
-        self,
-        key: str,
-        data: PutData,
-        *,
-        if_none_match: bool = False,
-        if_match: str | None = None,
-    ) -> str:
-        """See :meth:`ObjectStore.put`."""
-        validate_key(key)
-        check_conditions(if_none_match, if_match)
+    def _write_temp(
+        self, key: str, content: bytes
+    ) -> tuple[contextlib.AbstractContextManager[BinaryIO], str]:
+        """The temp file of a put of ``content``, written and fsynced (blocking: one
+        worker-thread call where a streamed put takes one per step), and its etag."""
+        path = self._path(key)
+        etag = hashlib.sha256(content).hexdigest()
+        for attempt in range(_MKDIR_ATTEMPTS):
+            self._make_parents(key)
+            if path.is_dir():
+                raise InvalidArgument(
+                    "key", f"{key!r} is a folder of other objects in a folder store"
+                )
+            manager = open_atomic(path, sync_dir=False)
+            try:
+                f = manager.__enter__()
+            except FileNotFoundError:
+                if attempt + 1 == _MKDIR_ATTEMPTS:
+                    raise
+                continue
+            try:
+                f.write(_header(etag))
+                f.write(content)
+                f.flush()
+                # fsync outside the lock; open_atomic's own fsync then finds nothing dirty.
+                os.fsync(f.fileno())
+            except BaseException as exc:
+                manager.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+            return manager, etag
+        raise AssertionError("unreachable")
+
+    async def _stream_temp(
+        self, key: str, data: PutData
+    ) -> tuple[contextlib.AbstractContextManager[BinaryIO], str]:
+        """The temp file of a put of streamed ``data``, chunk by chunk, and its etag."""
         manager, f = await self._open_temp(key)
         try:
             hasher = hashlib.sha256()
@@ -373,20 +405,61 @@ class FolderStore(StoreBase):
                 os.fsync(f.fileno())
 
             await asyncio.to_thread(_finish_temp)
-            async with self._locked():
-                if if_none_match or if_match is not None:
-                    current = await asyncio.to_thread(self._current_etag, key)
-                    if if_none_match and current is not None:
-                        raise PreconditionFailed(key, "object already exists")
-                    if if_match is not None and current is None:
-                        raise PreconditionFailed(key, "object does not exist")
-                    if if_match is not None and current != if_match:
-                        raise PreconditionFailed(key, "etag does not match")
-                await asyncio.to_thread(manager.__exit__, None, None, None)
         except BaseException as exc:
             with contextlib.suppress(BaseException):
                 await asyncio.to_thread(manager.__exit__, type(exc), exc, exc.__traceback__)
             raise
+        return manager, etag
+
+    async def put(
+        self,
+        key: str,
+        data: PutData,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+    ) -> str:
+        """See :meth:`ObjectStore.put`."""
+        validate_key(key)
+        check_conditions(if_none_match, if_match)
+        if isinstance(data, bytes | bytearray | memoryview):
+            manager, etag = await asyncio.to_thread(self._write_temp, key, bytes(data))
+        else:
+            manager, etag = await self._stream_temp(key, data)
+
+        def _commit() -> None:
+            # Under the lock: the check and the rename are one step for every writer.
+            if if_none_match or if_match is not None:
+                current = self._current_etag(key)
+                if if_none_match and current is not None:
+                    raise PreconditionFailed(key, "object already exists")
+                if if_match is not None and current is None:
+                    raise PreconditionFailed(key, "object does not exist")
+                if if_match is not None and current != if_match:
+                    raise PreconditionFailed(key, "etag does not match")
+            manager.__exit__(None, None, None)
+
+        try:
+            async with self._locked():
+                commit = asyncio.ensure_future(asyncio.to_thread(_commit))
+                try:
+                    await asyncio.shield(commit)
+                except asyncio.CancelledError:
+                    # The thread goes on: let it rename (or refuse) before the temp
+                    # file is cleaned up below, never both at once.
+                    with contextlib.suppress(Exception):
+                        await commit
+                    raise
+        except BaseException as exc:
+            with contextlib.suppress(BaseException):
+                await asyncio.to_thread(manager.__exit__, type(exc), exc, exc.__traceback__)
+            raise
+        # The rename is durable before the put is answered, but made so outside the
+        # lock: the lock orders the renames (what compare-and-swap needs), and the
+        # folder fsyncs of many writers then share the file system's journal
+        # commits instead of queueing behind it one by one. Readers never took
+        # the lock, so none sees less than before.
+        await asyncio.to_thread(_sync_folder, self._path(key).parent)
         return etag
 
     def _delete(self, key: str) -> None:

@@ -17,7 +17,18 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize(
     "name",
-    ["appends", "connect", "delete", "prompts", "soak", "idle", "roundtrip", "report", "scale"],
+    [
+        "appends",
+        "connect",
+        "delete",
+        "prompts",
+        "soak",
+        "idle",
+        "roundtrip",
+        "report",
+        "scale",
+        "scale_control",
+    ],
 )
 def test_readme_command_runs_each_bench(name: str) -> None:
     readme = (ROOT / "README.md").read_text()

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.results import load
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.integration
@@ -33,6 +35,41 @@ def test_connect_bench_prints_figures() -> None:
     assert "process start -> online" in out, out
     assert re.search(r"KiB per stream", out), out
     assert re.search(r"us per heartbeat", out), out
+
+
+def test_connect_bench_writes_its_figures_and_counts_no_timeouts(tmp_path: Path) -> None:
+    out = _run(
+        "-m", "bench.connect", "--streams", "5", "--window", "1", "--joins", "1",
+        "--json", str(tmp_path / "connect.json"),
+    )  # fmt: skip
+    assert re.search(r"connect retries \d+: timeouts 0 ", out), out
+    result = load(tmp_path / "connect.json")
+    assert [r.unit for r in result.rows] == ["KiB", "us"]
+    assert all(r.baseline_name.startswith("bare gRPC") for r in result.rows)
+    assert any("joins/s" in note for note in result.notes)
+
+
+def test_scale_control_draws_a_quick_curve(tmp_path: Path) -> None:
+    out = _run(
+        "-m", "bench.scale_control", "--quick", "--points", "3,6",
+        "--json", str(tmp_path / "scale.json"),
+    )  # fmt: skip
+    assert "control plane, growth with machines (quick):" in out, out
+    (curve,) = load(tmp_path / "scale.json").curves
+    assert curve.name == "control-machines" and curve.x == [3.0, 6.0], curve
+    assert (
+        set(curve.series)
+        == set(curve.units)
+        == {
+            "rss",
+            "cpu_per_heartbeat",
+            "join_rate",
+            "machine_list",
+            "store_requests_per_hour",
+        }
+    )
+    assert all(len(values) == 2 for values in curve.series.values()), curve
+    assert all(v > 0 for v in curve.series["join_rate"] + curve.series["rss"]), curve
 
 
 def test_delete_bench_prints_ratios() -> None:

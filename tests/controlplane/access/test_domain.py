@@ -14,6 +14,7 @@ from controlplane.access.principals import Principal
 from controlplane.access.tokens import TokenService
 from controlplane.integrity.audit import Auditor
 from controlplane.integrity.records import Machine, deleting_key
+from controlplane.machines.alive import KEPT, AliveStamps
 from controlplane.machines.pairing import Pairing
 from controlplane.machines.presence import PresenceRegistry, RevokedNotice
 from controlplane.machines.registry import MachineInfo, MachineRegistry
@@ -260,7 +261,9 @@ async def test_renewal_supersedes_old_serials(w: World) -> None:
         await w.machines.authorize_peer(tls.identity_from_cert(cert1))
 
 
-async def test_presence_writes_at_most_once_per_interval(w: World) -> None:
+async def test_presence_is_written_for_a_change_never_for_time_passing(w: World) -> None:
+    """Once per link (within its first interval), for a changed agent count (at most
+    once per interval), and at its end: an idle machine costs no write an hour."""
     a = await w.account(1)
     mc, cert = await w.join(a)
     machine = await w.machines.authorize_peer(tls.identity_from_cert(cert))
@@ -287,17 +290,63 @@ async def test_presence_writes_at_most_once_per_interval(w: World) -> None:
         ticks[0] = i * 1.0
         await presence.seen(session, 5)
     assert puts == []
-    for i in range(30, 90):
+    for i in range(30, 3600):
         ticks[0] = i * 1.0
         await presence.seen(session, 5)
-    assert len(puts) == 1  # at 30 s, then not before 90 s
-    ticks[0] = 91.0
-    await presence.seen(session, 6)
+    assert len(puts) == 1  # at 30 s, then nothing while nothing changes
+    ticks[0] = 3600.0
+    await presence.seen(session, 6)  # a change: written
     assert len(puts) == 2
-    await presence.close(session)
+    ticks[0] = 3630.0
+    await presence.seen(session, 7)  # another within the interval: held back
+    assert len(puts) == 2
+    ticks[0] = 3660.0
+    w.clock.now += dt.timedelta(hours=1)
+    await presence.seen(session, 7)
     assert len(puts) == 3
+    await presence.close(session)
+    assert len(puts) == 4
     status = await presence.status(machine)
-    assert not status.online and status.agent_count == 6 and status.last_seen_at == w.clock.now
+    assert not status.online and status.agent_count == 7 and status.last_seen_at == w.clock.now
+
+
+async def test_a_link_left_online_by_a_killed_control_plane_was_seen_until_its_last_stamp(
+    w: World,
+) -> None:
+    """A control plane killed without a goodbye leaves the link's record online; the
+    next one takes the machine as seen until the killed one's last alive stamp."""
+    a = await w.account(1)
+    _, cert = await w.join(a)
+    machine = await w.machines.authorize_peer(tls.identity_from_cert(cert))
+    opened_at = w.clock.now
+    killed_alive = AliveStamps(w.store, epoch=3, clock=w.clock)
+    await killed_alive.load()
+    await killed_alive.stamp()
+    killed = PresenceRegistry(
+        w.store, clock=w.clock, epoch=3, alive=killed_alive, spread=lambda: 1.0
+    )
+    session = await killed.open(machine, "0.1", 1)
+    await killed.seen(session, 1)  # its record, written online
+    w.clock.now += dt.timedelta(hours=2)
+    await killed_alive.stamp()  # its last stamp; then it is killed
+    last_stamp = w.clock.now
+    w.clock.now += dt.timedelta(minutes=4)
+    alive = AliveStamps(w.store, epoch=4, clock=w.clock)
+    await alive.load()
+    await alive.stamp()
+    restarted = PresenceRegistry(w.store, clock=w.clock, epoch=4, alive=alive)
+    status = await restarted.status(machine)
+    assert not status.online
+    assert status.last_seen_at == last_stamp and last_stamp > opened_at
+    # Without the stamps (an older record, or none readable), the record's own time.
+    plain = await PresenceRegistry(w.store, clock=w.clock, epoch=4).status(machine)
+    assert plain.last_seen_at == opened_at
+    # The stamps keep the latest epochs only.
+    for epoch in range(5, 5 + KEPT):
+        later = AliveStamps(w.store, epoch=epoch, clock=w.clock)
+        await later.load()
+        await later.stamp()
+    assert later.last_alive(3) is None and later.last_alive(5) is not None
 
 
 async def test_a_close_cancelled_during_its_write_is_written_by_the_next_close(

@@ -151,6 +151,37 @@ async def test_the_self_check_lists_intents_only_when_something_may_have_changed
     assert reads[0] == 1  # every record read once at most, ours never
 
 
+async def test_an_intent_committed_while_its_resolver_ran_leaves_no_recheck() -> None:
+    """A held join confirmed (committed) while recovery asked its resolver: the
+    resolver's "wait" must not leave a recheck of nothing behind, which would be
+    due for ever and list intents/ at every tick."""
+    store, rolled = MemoryStore(), []  # type: list[str]
+    ticks = [0.0]
+    intents = _intents(store, Clock(T0), rolled, verdict=False, ticks=ticks)
+    async with intents.change("demo", hold=True, thing="join") as held:
+        pass
+
+    async def commits_meanwhile(intent: Intent, age: float) -> bool:
+        await intents.commit(held)  # the machine connected
+        return False  # what the resolver saw: not confirmed yet
+
+    intents.register("demo", commits_meanwhile)
+    ticks[0] = WAIT_RECHECK
+    await intents.recover_if_due(every=3600)
+    listings = [0]
+    list_pages = store.list_pages
+
+    def counting(prefix: str = "", **kw: object):  # type: ignore[no-untyped-def]
+        listings[0] += 1
+        return list_pages(prefix, **kw)  # type: ignore[arg-type]
+
+    store.list_pages = counting  # type: ignore[method-assign]
+    for second in range(1, 100):
+        ticks[0] = WAIT_RECHECK + second
+        await intents.recover_if_due(every=3600)
+    assert listings[0] == 0
+
+
 async def _agree(rolled: list[str], intent: Intent) -> bool:
     rolled.append(intent.intent_id)
     return True

@@ -384,7 +384,8 @@ async def test_offline_count_skips_connected_and_revoked_machines(w: World) -> N
 
 async def test_the_fleet_is_listed_again_only_when_it_changed(w: World) -> None:
     """The periodic checks' view of every machine: one listing while nothing
-    changes; again after a join, a revocation, a change it is told of, or an hour."""
+    changes; again after a revocation, a change it is told of, or an hour. A
+    join adds its machine without a listing."""
     now = [0.0]
     fleet = FleetView(w.machines, refresh=3600, monotonic=lambda: now[0])
     _, first, _ = await w.machine(1)
@@ -394,19 +395,19 @@ async def test_the_fleet_is_listed_again_only_when_it_changed(w: World) -> None:
     assert fleet.listings == 1
     _, second, _ = await w.machine(2)  # a join
     assert {m.machine_id for m in await fleet.machines()} == {first, second}
-    assert fleet.listings == 2
+    assert fleet.listings == 1
     await w.machines.revoke(w.op, second)
     assert [m.revoked for m in await fleet.machines() if m.machine_id == second] == [True]
-    assert fleet.listings == 3
+    assert fleet.listings == 2
     fleet.changed()  # e.g. an account deletion finished
     await fleet.machines()
-    assert fleet.listings == 4
+    assert fleet.listings == 3
     now[0] = 3599.0
     await fleet.machines()
-    assert fleet.listings == 4
+    assert fleet.listings == 3
     now[0] = 3600.0
     await fleet.machines()
-    assert fleet.listings == 5
+    assert fleet.listings == 4
 
 
 async def test_an_offline_machines_presence_is_read_once(w: World) -> None:
@@ -435,6 +436,12 @@ async def test_an_offline_machines_presence_is_read_once(w: World) -> None:
         status = await reader.status(machine)
     assert status.agent_count == 2 and status.next_fire_at is not None
     assert len([k for k in gets if "/presence/" in k]) == 1
+    # A machine with no presence at all (joined, never connected): read once too.
+    _, never, _ = await w.machine(2)
+    silent = await w.machines.get(w.op, never)
+    for _ in range(3):
+        assert (await reader.status(silent)).last_seen_at is None
+    assert len([k for k in gets if "/presence/" in k]) == 2
 
 
 async def test_an_offline_machines_roster_refuses_unknown_and_archived_agents(w: World) -> None:

@@ -155,3 +155,23 @@ async def test_local_needs_the_operator_and_settings_are_checked(w: World) -> No
     with pytest.raises(InvalidArgument, match="provider"):
         await w.starter.set(w.op, m, "gcp", "{}")
     assert [i.key async for i in w.store.list(f"accounts/{acct}/providers/")] == []
+
+
+async def test_a_machine_without_a_provider_is_asked_about_once(w: World) -> None:
+    """``machine list`` asks whether each machine has a provider: a machine without
+    one costs one store read per process, until a provider is set for it."""
+    _, m = await w.machine()
+    reads: list[str] = []
+    store_get = w.store.get
+
+    async def counting_get(key: str) -> bytes:
+        reads.append(key)
+        return await store_get(key)
+
+    w.store.get = counting_get  # type: ignore[method-assign]
+    account = (await w.machines.get(w.op, m)).account_id
+    for _ in range(3):
+        assert not await w.starter.has_provider(account, m)
+    assert len([k for k in reads if "/providers/" in k]) == 1
+    await w.starter.set(w.op, m, "local", json.dumps({"command": ["true"]}))
+    assert await w.starter.has_provider(account, m)

@@ -12,6 +12,7 @@ import pytest
 from controlplane.integrity import records
 from controlplane.integrity.intents import intent_key
 from controlplane.integrity.trusted import DEPLOYMENT_KEY
+from controlplane.machines.alive import ALIVE_KEY
 from controlplane.machines.backups import backups_prefix
 from controlplane.queue.idempotency import _record_key
 from controlplane.queue.prompts import _entry_key
@@ -34,6 +35,7 @@ def _made_keys() -> dict[str, str]:
     return {
         "deployment": DEPLOYMENT_KEY,
         "epoch": EPOCH_KEY,
+        "alive": ALIVE_KEY,
         "key_bundle": BUNDLE_KEY,
         "superseded": superseded_key(new_home_id()),
         "intent": intent_key(new_id("intent")),
@@ -124,6 +126,7 @@ _EXERCISED = {
     ).split()
 } | {
     "controlplane.machines.backups:backups_prefix",
+    "controlplane.machines.alive:ALIVE_KEY",
     "controlplane.integrity.intents:INTENTS_PREFIX",
     "controlplane.integrity.intents:intent_key",
     "controlplane.integrity.trusted:DEPLOYMENT_KEY",
