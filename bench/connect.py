@@ -118,10 +118,15 @@ async def new_account_tokens(cp: ControlProc, joins: int) -> tuple[str, list[New
 
 
 async def join_machines(
-    tokens: list[NewJoinToken], tmp: Path, count: int, *, concurrency: int = JOIN_CONCURRENCY
+    tokens: list[NewJoinToken],
+    tmp: Path,
+    count: int,
+    *,
+    concurrency: int = JOIN_CONCURRENCY,
+    first: int = 0,
 ) -> float:
-    """Join ``count`` machines (data folders ``tmp/mNNNN``) with the real join code,
-    ``concurrency`` at a time, 1,000 a token; the seconds it took."""
+    """Join machines ``first`` .. ``count`` - 1 (data folders ``tmp/mNNNN``) with the
+    real join code, ``concurrency`` at a time, 1,000 a token; the seconds it took."""
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
@@ -136,7 +141,7 @@ async def join_machines(
             )
 
     started = time.monotonic()
-    await asyncio.gather(*(one(i) for i in range(count)))
+    await asyncio.gather(*(one(i) for i in range(first, count)))
     return time.monotonic() - started
 
 

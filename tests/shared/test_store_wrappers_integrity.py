@@ -46,7 +46,7 @@ async def test_authenticated_round_trip_and_refusals() -> None:
 
 class _Stuck(MemoryStore):
     async def get(self, key: str) -> bytes:
-        await asyncio.sleep(60)
+        await asyncio.Event().wait()  # a server that never answers
         return b""
 
     async def head(self, key: str):  # type: ignore[no-untyped-def]
