@@ -72,6 +72,7 @@ BENCHES: dict[str, Sizes] = {
     ),
     "roundtrip": Sizes(("--prompts", "300"), ("--prompts", "10")),
     "scale": Sizes((), ("--quick",)),
+    "start": Sizes((), ("--quick",)),
 }
 
 #: Seconds one bench may run before it is stopped and reported as failed: the

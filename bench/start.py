@@ -25,13 +25,15 @@ against the same start with one account and no machine.
 
 Usage::
 
-    .venv/bin/python -m bench.start [--quick] [--part machine|control|all] [--json PATH]
+    .venv/bin/python -m bench.start [--quick] [--part machine|control|all]
+        [--mb 100,400,800,1500] [--machines 10,100,1000,3000] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import re
 import subprocess
@@ -72,15 +74,21 @@ WAYS: Final = ("clean warm", "clean cold", "unclean warm", "unclean cold")
 # -- the page cache -----------------------------------------------------------
 
 
+#: Drop the whole page cache for a cold start (as a reboot does) when allowed;
+#: ``--quick`` (the smoke test, with other tests running) evicts only the bench's files.
+EVERYTHING = {"value": True}
+
+
 def drop_caches(folder: Path) -> str:
     """Forget what the page cache holds: everything when allowed (as a reboot
     does), else every file under ``folder``. Returns which was done."""
     subprocess.run(["sync"], check=True)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
+    if EVERYTHING["value"]:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            return "drop_caches"
+        except OSError:
+            pass
     for path in folder.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
@@ -212,7 +220,6 @@ def machine_curve(mbs: tuple[int, ...], agents: int, work: Path) -> tuple[Curve,
     machine = Machine(data)
     x: list[float] = []
     series: dict[str, list[float]] = {way: [] for way in WAYS}
-    ratios: dict[str, list[float]] = {way: [] for way in WAYS}
     done = mbs[0]
     for step, mb in enumerate(mbs):
         if mb > done:
@@ -221,12 +228,11 @@ def machine_curve(mbs: tuple[int, ...], agents: int, work: Path) -> tuple[Curve,
         size = (data / "machine.db").stat().st_size
         figures, how, split = machine.measure(how)
         x.append(size / 2**20)
-        line = [f"machine.db {size / 2**30:.2f} GB:"]
+        line = []
         for way in WAYS:
             series[way].append(figures[way])
-            ratios[way].append(figures[way] / base[way])
             line.append(f"{way} {figures[way]:.2f} s ({figures[way] / base[way]:.1f}x empty)")
-        print("  " + ", ".join(line), flush=True)
+        print(f"  machine.db {size / 2**20:,.0f} MiB: " + ", ".join(line), flush=True)
     notes.append(
         "empty data folder (baseline): "
         + ", ".join(f"{way} {base[way]:.2f} s" for way in WAYS)
@@ -292,7 +298,9 @@ def control_curve(points: tuple[int, ...], work: Path) -> tuple[Curve, list[str]
         rows: list[ControlStarts] = []
         joined = 0
         for n in points:
-            asyncio.run(_join_more(tokens, work, joined, n))
+            # Each start listens on a new port: join at the current one.
+            here = [dataclasses.replace(t, join_address=cp.public) for t in tokens]
+            asyncio.run(_join_more(here, work, joined, n))
             joined = n
             objects = sum(1 for p in store.rglob("*") if p.is_file())
             row = ControlStarts(n, objects)
@@ -332,12 +340,29 @@ async def _join_more(tokens: list[NewJoinToken], work: Path, have: int, want: in
     await join_machines(tokens, work / "machines", want, first=have)
 
 
+def _points(text: str) -> tuple[int, ...]:
+    try:
+        points = tuple(sorted(int(p) for p in text.split(",")))
+    except ValueError:
+        raise SystemExit(f"bench: {text!r} is not a list of numbers like 10,100") from None
+    if not points or points[0] < 1:
+        raise SystemExit(f"bench: {text!r}: every point must be at least 1")
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a minute or two)")
     parser.add_argument("--part", choices=("machine", "control", "all"), default="all")
+    parser.add_argument("--mb", help="MB of text at each machine point, e.g. 100,400")
+    parser.add_argument("--machines", help="machines joined at each control point, e.g. 10,100")
     parser.add_argument("--json", type=Path, help="write the figures here (bench/results.py)")
     args = parser.parse_args(argv)
+    EVERYTHING["value"] = not args.quick
+    mbs = _points(args.mb) if args.mb else MB_QUICK if args.quick else MB_FULL
+    machines = (
+        _points(args.machines) if args.machines else MACHINES_QUICK if args.quick else MACHINES_FULL
+    )
     result = BenchResult("start", "python -m bench.start" + (" --quick" if args.quick else ""))
     with tempfile.TemporaryDirectory(prefix="bench-start-") as tmp:
         work = Path(tmp)
@@ -345,9 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             print("machine: start to the first Status answer, against machine.db's size")
             (work / "m").mkdir()
             curve, notes = machine_curve(
-                MB_QUICK if args.quick else MB_FULL,
-                AGENTS_QUICK if args.quick else AGENTS_FULL,
-                work / "m",
+                mbs, AGENTS_QUICK if args.quick else AGENTS_FULL, work / "m"
             )
             result.curves.append(curve)
             result.notes.extend(notes)
@@ -356,9 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.part in ("control", "all"):
             print("control plane: start to the first admin answer, against machines joined")
             (work / "c").mkdir()
-            curve, notes = control_curve(
-                MACHINES_QUICK if args.quick else MACHINES_FULL, work / "c"
-            )
+            curve, notes = control_curve(machines, work / "c")
             result.curves.append(curve)
             result.notes.extend(notes)
             for note in notes:

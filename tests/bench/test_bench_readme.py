@@ -28,6 +28,7 @@ pytestmark = pytest.mark.integration
         "report",
         "scale",
         "scale_control",
+        "start",
     ],
 )
 def test_readme_command_runs_each_bench(name: str) -> None:

@@ -72,6 +72,22 @@ def test_scale_control_draws_a_quick_curve(tmp_path: Path) -> None:
     assert all(v > 0 for v in curve.series["join_rate"] + curve.series["rss"]), curve
 
 
+def test_start_bench_draws_both_curves(tmp_path: Path) -> None:
+    out = _run(
+        "-m", "bench.start", "--quick", "--mb", "1", "--machines", "2",
+        "--json", str(tmp_path / "start.json"),
+    )  # fmt: skip
+    assert "empty data folder (baseline)" in out and "machine open in" in out, out
+    machine, control = load(tmp_path / "start.json").curves
+    assert machine.name == "machine-start" and len(machine.x) == 1 and machine.x[0] > 0
+    assert set(machine.series) == {
+        f"start, {way}" for way in ("clean warm", "clean cold", "unclean warm", "unclean cold")
+    }
+    assert control.name == "control-start" and control.x == [2.0], control
+    values = [v for s in (machine.series, control.series) for vs in s.values() for v in vs]
+    assert all(v > 0 for v in values), (machine, control)
+
+
 def test_delete_bench_prints_ratios() -> None:
     out = _run("-m", "bench.delete", "--objects", "300")
     assert re.search(r"account deletion, backups layout .*: \d+ objects/s", out), out
