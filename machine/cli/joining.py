@@ -6,10 +6,12 @@ the join before the token is used, and nothing can start on the folder
 halfway. A fresh data folder spends the token and, with ``--recovery-key``
 after a repair join, restores the machine's newest backup and backs it up at
 once under this box's keys. A joined folder whose restore did not finish
-restores now or starts without it (the token is not used again); any other
-joined folder re-pairs, or with ``--as-new`` joins again as a new machine.
-Then the systemd unit is installed (``--install-service``) or the daemon
-serves here.
+restores now or starts without it, and one whose join is not confirmed yet
+(its daemon never connected) starts, when given the same token (neither uses
+the token again); any other joined folder re-pairs, or with ``--as-new``
+joins again as a new machine. Then the systemd unit is installed
+(``--install-service``) or the daemon serves here. docs/join.md lists the
+states an interrupted join leaves and the command that goes on from each.
 """
 
 from __future__ import annotations
@@ -104,13 +106,14 @@ def _remove_unused(data_dir: Path, made: list[Path]) -> None:
 def _join_here(ctx: Ctx) -> None:
     """What ``join`` does on its data folder before the daemon starts (under its lock)."""
     from machine.link import identity
+    from machine.link.deliveries import crash_after
     from shared.recovery_key import read_recovery_key
 
     args, cfg = ctx.args, ctx.cfg
     if identity.is_joined(cfg.data_dir):
         if identity.restore_pending(cfg.data_dir):
             _finish_join_restore(ctx)
-        else:
+        elif not _same_join_again(ctx):
             _re_pair(ctx)  # refuses --recovery-key: it restores nothing there
         return
     # Read before the join: a bad key file must not cost the one-time token.
@@ -121,8 +124,30 @@ def _join_here(ctx: Ctx) -> None:
         raise UsageError("join: --as-new is for a data folder that was joined; this one is not")
     result = _join(ctx, recovery.public_key if recovery is not None else b"")
     ctx.out.lines(f"joined as machine {result.machine_id} (account {result.account_id})")
+    if (crash := crash_after(cfg.crash_after_join, "a join's commit")) is not None:
+        crash()
     if recovery is not None:
         _restore_after_join(ctx, recovery, first=True)
+
+
+def _same_join_again(ctx: Ctx) -> bool:
+    """The join command run again (its token) on a folder whose join the control plane
+    has not confirmed (its daemon never connected): say so; the daemon starts next
+    and its first connection confirms the join. False for anything else."""
+    from machine.link import identity
+    from machine.link.join import validate_token
+
+    args, cfg = ctx.args, ctx.cfg
+    join = identity.unconfirmed_join(cfg.data_dir)
+    if join is None or args.as_new or validate_token(args.token) != join.token_id:
+        return False
+    ctx.out.lines(
+        f"machine {join.machine_id} is joined already and has not connected to the control"
+        " plane since: starting it (the token is not used again). If the control plane"
+        " rolled this join back meanwhile (the daemon's log says so), stop the daemon and"
+        " run this command again with --as-new"
+    )
+    return True
 
 
 def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair, *, first: bool = False) -> None:
@@ -246,6 +271,10 @@ def _re_pair(ctx: Ctx) -> None:
             " a re-pair takes a new repair token and neither --recovery-key nor --no-restore"
         )
     stopped = identity.stopped_reason(cfg.data_dir)
+    if stopped is None and identity.unconfirmed_join(cfg.data_dir) is not None:
+        # The control plane may have rolled the join back: nothing of the machine
+        # lives on there, so a new identity cannot make it run twice.
+        stopped = "its join never confirmed"
     if args.as_new and stopped is None:
         # A live machine given a second identity would run the same agents twice.
         raise UsageError(

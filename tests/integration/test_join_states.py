@@ -1,4 +1,4 @@
-"""A join meets a daemon on its data folder (issue 34).
+"""Every state a join can leave, reached by the command docs/join.md names (issue 34).
 
 Real processes: ``agents-control serve`` on a folder store
 (``tests/helpers/control_proc.py``), ``agents-machine serve``
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +28,25 @@ pytestmark = pytest.mark.integration
 PROCESS_DEADLINE = 60.0
 
 
+#: Seconds a joined machine has to connect before the control plane rolls its join
+#: back (AGENTS_CONTROL_JOIN_CONFIRM_GRACE), where a test waits for a roll-back. The
+#: roll-back itself comes at the first recheck of the held join, 30 s after it
+#: (controlplane.integrity.intents.WAIT_RECHECK), so a machine that connects within
+#: those 30 s keeps its join.
+CONFIRM_GRACE = 1.0
+
+
 @pytest.fixture
-def cp(tmp_path: Path) -> Iterator[ControlProc]:
-    with control_plane(tmp_path / "cp-home", str(tmp_path / "cp-store")) as proc:
+def cp(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ControlProc]:
+    grace = getattr(request, "param", None)
+    env = {"AGENTS_CONTROL_JOIN_CONFIRM_GRACE": str(grace)} if grace else {}
+    with control_plane(
+        tmp_path / "cp-home",
+        str(tmp_path / "cp-store"),
+        env=env,
+        # The self-check that rolls joins back ticks once a heartbeat interval.
+        init_args=["--heartbeat-interval", "0.3"],
+    ) as proc:
         yield proc
 
 
@@ -43,14 +60,16 @@ def _join_argv(data_dir: Path, join_args: list[str]) -> list[str]:
     return [str(AGENTS_MACHINE), *join_args, "--data-dir", str(data_dir), "--no-background"]
 
 
-def _run_join(data_dir: Path, join_args: list[str]) -> subprocess.CompletedProcess[str]:
-    """A join expected to stop (refused), so it returns instead of serving."""
+def _run_join(
+    data_dir: Path, join_args: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """A join expected to stop (refused, killed), so it returns instead of serving."""
     return subprocess.run(
         _join_argv(data_dir, join_args),
         capture_output=True,
         text=True,
         timeout=PROCESS_DEADLINE,
-        env=machine_env(),
+        env=machine_env(env),
         check=False,
     )
 
@@ -119,3 +138,74 @@ async def test_join_into_a_folder_a_daemon_serves_is_refused_before_the_token_is
             assert await _token_uses(client, account_id, join_args) == 1
             out = (tmp_path / "join.log").read_text()
             assert re.search(r"joined as machine mc_\w+", out), out
+
+
+@pytest.mark.parametrize("cp", [CONFIRM_GRACE], indirect=True)
+@pytest.mark.timeout(300)  # the roll-back comes 30 s after the join, slower on a loaded box
+async def test_a_join_the_control_plane_rolled_back_joins_again_as_new(
+    cp: ControlProc, tmp_path: Path
+) -> None:
+    """Joined, but killed before the daemon started, so the control plane rolled
+    the join back: the same command again says the join is not
+    confirmed and the daemon's log how to go on; a new token without --as-new
+    is refused, unused, naming --as-new; --as-new with the token the roll-back
+    gave back joins the folder as a new machine, which confirms by connecting."""
+    data_dir = tmp_path / "data"
+    log = tmp_path / "join.log"
+    async with cp.admin() as client:
+        account_id = (await client.create_account(35, "rolled")).account.account_id
+        join_args = await _join_args(client, account_id)
+        res = _run_join(data_dir, join_args, {"AGENTS_MACHINE_TEST_CRASH_AFTER_JOIN": "1"})
+        assert res.returncode == -signal.SIGKILL, (res.stdout, res.stderr)
+        assert "joined as machine" in res.stdout, res.stdout
+        stranded = identity.load_link(data_dir).machine_id
+        assert identity.unconfirmed_join(data_dir) is not None
+
+        async def rolled_back() -> bool:
+            # The record goes first, then the token's use is given back.
+            if await client.list_machines(account_id):
+                return False
+            return await _token_uses(client, account_id, join_args) == 0
+
+        await apoll_until(rolled_back, deadline=CONFIRM_GRACE + 120, what="join rolled back")
+
+        # The same command again: no token used; the daemon says what happened.
+        with _serving_join(data_dir, join_args, log) as again:
+
+            def explained() -> bool:
+                if again.poll() is not None:
+                    raise AssertionError(log.read_text())
+                return "never confirmed" in log.read_text()
+
+            await apoll_until(explained, deadline=PROCESS_DEADLINE, what="roll-back logged")
+        out = log.read_text()
+        assert f"machine {stranded} is joined already and has not connected" in out, out
+        assert "--as-new" in out.split("never confirmed", 1)[1], out
+
+        # A new token without --as-new: refused by the control plane, unused.
+        other = await _join_args(client, account_id)
+        res = _run_join(data_dir, other)
+        assert res.returncode == 2, (res.stdout, res.stderr)
+        assert "which this account does not have" in res.stderr, res.stderr
+        assert "--as-new" in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert await _token_uses(client, account_id, other) == 0
+
+        # --as-new with the token the roll-back gave back: a new machine, same folder.
+        with _serving_join(data_dir, [*join_args, "--as-new"], log) as joined:
+
+            async def confirmed() -> bool:
+                if joined.poll() is not None:
+                    raise AssertionError(log.read_text())
+                machines = await client.list_machines(account_id)
+                return bool(machines and machines[0].online)
+
+            await apoll_until(confirmed, deadline=PROCESS_DEADLINE, what="new machine online")
+            machines = await client.list_machines(account_id)
+            assert [m.machine_id for m in machines] == [identity.load_link(data_dir).machine_id]
+            assert machines[0].machine_id != stranded
+            await apoll_until(
+                lambda: identity.unconfirmed_join(data_dir) is None,
+                deadline=PROCESS_DEADLINE,
+                what="join confirmed",
+            )
+        assert f"joined again as the new machine {machines[0].machine_id}" in log.read_text()
