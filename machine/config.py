@@ -261,6 +261,10 @@ class MachineConfig:
     """Test only (``AGENTS_MACHINE_TEST_CRASH_IN_PRUNE_AFTER_DELETES``): once a
     prune of the folder target made this many steps (each object deleted, each
     pack repacked), the daemon SIGKILLs itself. 0 (the default): off."""
+    crash_after_join: int = 0
+    """Test only (``AGENTS_MACHINE_TEST_CRASH_AFTER_JOIN``): at 1, ``join`` SIGKILLs
+    itself once its identity committed, before anything else (a restore, a
+    backup, the daemon): the machine never connects. 0 (the default): off."""
 
     @property
     def socket(self) -> Path:
@@ -352,6 +356,8 @@ class MachineConfig:
             raise ConfigError("crash_in_transfer_after", "must not be negative")
         if self.crash_in_prune_after < 0:
             raise ConfigError("crash_in_prune_after", "must not be negative")
+        if self.crash_after_join < 0:
+            raise ConfigError("crash_after_join", "must not be negative")
         if self.backup_dir is not None and not self.backup_dir.is_absolute():
             raise ConfigError("backup_dir", f"must be an absolute path, got {self.backup_dir}")
         return self
@@ -442,6 +448,9 @@ class MachineConfig:
             ),
             crash_in_prune_after=_test_crash_after(
                 env, "AGENTS_MACHINE_TEST_CRASH_IN_PRUNE_AFTER_DELETES", "crash_in_prune_after"
+            ),
+            crash_after_join=_test_crash_after(
+                env, "AGENTS_MACHINE_TEST_CRASH_AFTER_JOIN", "crash_after_join"
             ),
         )
         return cfg.validate()

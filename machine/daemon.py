@@ -15,10 +15,10 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import grpc
 import grpc.aio
@@ -38,7 +38,7 @@ from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from shared.rpc import NO_REUSEPORT, ErrorInterceptor, serve_health_and_reflection
 
-__all__ = ["ServeInfo", "serve"]
+__all__ = ["LOCK_FILE", "HeldDataDir", "ServeInfo", "hold_data_dir", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,28 +55,60 @@ class ServeInfo:
     machine_id: str
 
 
+#: The data folder's lock file: flock'd while a process uses the folder (docs/machine.md).
+LOCK_FILE: Final = "machine.lock"
+
+
+@dataclass(frozen=True)
+class HeldDataDir:
+    """This process holds ``data_dir``'s lock (:func:`hold_data_dir`): a ``serve``
+    given it serves under that lock instead of taking its own."""
+
+    data_dir: Path
+
+
+def _holder_pid(fd: int) -> int | None:
+    """The pid the lock's holder wrote into the file, when it wrote one."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
 @contextlib.contextmanager
-def _data_dir_lock(data_dir: Path, hint: str = "") -> Any:
-    """Hold an exclusive lock so two daemons never share a data folder."""
-    fd = os.open(data_dir / "machine.lock", os.O_RDWR | os.O_CREAT, 0o600)
+def _data_dir_lock(data_dir: Path, what: str = "serve", then: str = "") -> Iterator[HeldDataDir]:
+    """Hold an exclusive lock so two processes never share a data folder.
+
+    The holder writes its pid into the lock file, so that the one refused can
+    name it. InvalidState ("``what`` ``data_dir``: another agents-machine (pid N)
+    is already using this data folder[; ``then``]") when another process holds it.
+    """
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            pid = _holder_pid(fd)
             raise InvalidState(
-                f"serve {data_dir}",
-                "another agents-machine is already using this data folder"
-                + (f" ({hint})" if hint else ""),
+                f"{what} {data_dir}",
+                f"another agents-machine{f' (pid {pid})' if pid else ''} is already using"
+                " this data folder" + (f"; {then}" if then else ""),
             ) from None
-        yield
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield HeldDataDir(data_dir)
     finally:
         os.close(fd)
 
 
-def hold_data_dir(data_dir: Path, hint: str) -> contextlib.AbstractContextManager[None]:
-    """The daemon's data-folder lock, for a command that must not run beside a daemon."""
-    lock: contextlib.AbstractContextManager[None] = _data_dir_lock(data_dir, hint)
-    return lock
+def hold_data_dir(
+    data_dir: Path, what: str, then: str = ""
+) -> contextlib.AbstractContextManager[HeldDataDir]:
+    """The daemon's data-folder lock, for a command that must not run beside a daemon
+    (``what`` and ``then``: the refusal's operation and what to do, see
+    :func:`_data_dir_lock`). The folder must exist."""
+    return _data_dir_lock(data_dir, what, then)
 
 
 def _control_link(
@@ -146,15 +178,19 @@ async def serve(
     ready: Callable[[ServeInfo], None] | None = None,
     stop: asyncio.Event | None = None,
     first: Callable[[], None] | None = None,
+    held: HeldDataDir | None = None,
 ) -> None:
     """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set).
 
     ``ready`` is called once the server accepts connections, with where it
     listens; ``first`` once this process holds the data folder, before anything
-    opens (the CLI's first-start steps). Signal handlers are installed only in
-    the main thread.
+    opens (the CLI's first-start steps). ``held``: the caller holds the data
+    folder already (``join`` serves under the lock it took before the join).
+    Signal handlers are installed only in the main thread.
     """
     config.validate()
+    if held is not None and held.data_dir != config.data_dir:
+        raise ValueError(f"serve {config.data_dir}: the lock held is {held.data_dir}'s")
     _return_large_buffers_to_the_os()
     stop = stop or asyncio.Event()
     metrics = MachineMetrics(new_registry())
@@ -184,7 +220,7 @@ async def serve(
         from shared.atomic import ensure_private_dir
 
         ensure_private_dir(config.data_dir)
-        with _data_dir_lock(config.data_dir):
+        with contextlib.nullcontext() if held else _data_dir_lock(config.data_dir):
             if identity.restore_pending(config.data_dir):
                 # Empty, the machine would back up nothing and in time prune the
                 # backup still to restore (keep-newest retention).

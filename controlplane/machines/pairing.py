@@ -41,7 +41,7 @@ from controlplane.integrity.records import (
 )
 from controlplane.machines.registry import AuthorizedPeer, MachineInfo, MachineRegistry
 from shared import tls
-from shared.errors import InvalidArgument, InvalidState, Unauthenticated
+from shared.errors import IntegrityError, InvalidArgument, InvalidState, Unauthenticated
 from shared.ids import validate_id
 from shared.store.base import ObjectStore
 from shared.tls import CertKey, IssuedCert
@@ -130,12 +130,7 @@ class Pairing:
             return await self._register(token.account_id, token.token_id, csr_pem, clean, "")
         token = await self._tokens.check(token_value)
         if repair_machine_id and token.repair_machine_id != repair_machine_id:
-            raise InvalidState(
-                "join",
-                f"this box is already joined as machine {repair_machine_id}: it re-pairs only "
-                f"with a repair token for it (`agents-control machine repair "
-                f"{repair_machine_id}`); the token was not used",
-            )
+            raise await self._not_its_repair_token(token, repair_machine_id)
         if token.repair_machine_id and not repair_machine_id and not take_over:
             raise InvalidState(
                 "join",
@@ -160,6 +155,29 @@ class Pairing:
             return await self._register(
                 token.account_id, token.token_id, csr_pem, clean, intent.intent_id, machine_id
             )
+
+    async def _not_its_repair_token(self, token: JoinToken, machine_id: str) -> InvalidState:
+        """The refusal of a joined box (``machine_id``) that presents another token than
+        its repair token. The box holds a machine this account no longer has when
+        its join was rolled back (it never connected): it joins again ``--as-new``."""
+        try:
+            known = await self._machines.load_any(token.account_id, machine_id) is not None
+        except IntegrityError:  # a record that does not verify: refuse as before
+            known = True
+        if not known:
+            return InvalidState(
+                "join",
+                f"this box is joined as machine {machine_id}, which this account does not"
+                " have (a join whose machine never connected is rolled back): join it again"
+                " as a new machine, keeping its data, with the same command and --as-new;"
+                " the token was not used",
+            )
+        return InvalidState(
+            "join",
+            f"this box is already joined as machine {machine_id}: it re-pairs only "
+            f"with a repair token for it (`agents-control machine repair "
+            f"{machine_id}`); the token was not used",
+        )
 
     async def _repair(
         self, token: JoinToken, csr_pem: str, info: MachineInfo, recovery_public_key: bytes

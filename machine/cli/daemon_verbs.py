@@ -23,6 +23,7 @@ from machine.storage.faults import run_check
 from shared.cli import ExitCode, bind_error
 
 if TYPE_CHECKING:
+    from machine.daemon import HeldDataDir
     from shared.crypto import BoxKeyPair
 
 __all__ = ["cmd_check", "cmd_serve", "cmd_status", "run_serve"]
@@ -140,9 +141,10 @@ def _first_start_recovery_key(cfg: MachineConfig, prog: str) -> None:
     new_standalone_recovery_key(cfg.data_dir, show)
 
 
-def run_serve(cfg: MachineConfig, prog: str = PROG) -> int:
+def run_serve(cfg: MachineConfig, prog: str = PROG, held: HeldDataDir | None = None) -> int:
     """Run the daemon on ``cfg`` until it stops, logging to stderr; ``prog`` is the
-    command its first start suggests."""
+    command its first start suggests; ``held``: the data folder's lock, when the
+    caller holds it (``join``)."""
     from machine.daemon import serve
 
     logging.basicConfig(
@@ -152,7 +154,7 @@ def run_serve(cfg: MachineConfig, prog: str = PROG) -> int:
     )
     os.umask(0o077)  # everything the daemon creates is private to its user
     try:
-        asyncio.run(serve(cfg, first=lambda: _first_start_recovery_key(cfg, prog)))
+        asyncio.run(serve(cfg, first=lambda: _first_start_recovery_key(cfg, prog), held=held))
     except (OSError, RuntimeError) as e:
         raise bind_error(e) or e from None
     return ExitCode.OK

@@ -181,8 +181,9 @@ def _parser() -> CliParser:
     j.add_argument(
         "--as-new",
         action="store_true",
-        help="a joined box whose machine was revoked or whose account was deleted: "
-        "join again as a new machine (a plain token), keeping its agents and data",
+        help="a joined box whose machine was revoked, whose account was deleted or whose "
+        "join was rolled back: join again as a new machine (a plain token), keeping its "
+        "agents and data",
     )
     j.add_argument(
         "--no-restore",

@@ -30,7 +30,10 @@ PERMISSION_DENIED (account deleted). Any other refusal ("unknown machine",
 "certificate superseded": a control plane whose store is being restored may
 say so) keeps the machine's identity and retries every ``refused_retry``
 seconds (jittered), so it comes back by itself once the control plane knows
-it again.
+it again. A machine that never connected since its join (the join's mark,
+:data:`~machine.link.identity.UNCONFIRMED_FILE`, cleared at the first welcome)
+and is refused as unknown had its join rolled back: the ERROR it logs says how
+to join the folder again (``join --as-new``).
 
 Renewal: while a stream is up, :mod:`machine.link.renewal` renews the
 client certificate when it is due or the control plane says ``renew_now``;
@@ -222,6 +225,8 @@ class ControlLink:
         self._ca_pem = b""
         self._next_probe = 0.0  # time.monotonic() before which no probe runs
         self._final_reason = ""
+        # The join not confirmed yet, read at start: cleared at the first welcome.
+        self._unconfirmed: identity.UnconfirmedJoin | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -259,6 +264,7 @@ class ControlLink:
 
     async def __aenter__(self) -> ControlLink:
         self._link = await asyncio.to_thread(identity.load_link, self._data_dir)
+        self._unconfirmed = await asyncio.to_thread(identity.unconfirmed_join, self._data_dir)
         self._task = asyncio.create_task(self._run(), name="control-link")
         return self
 
@@ -362,7 +368,7 @@ class ControlLink:
                 except LinkRefused as refused:
                     # Keep the identity: only an explicit revoke or account deletion is final.
                     wait = self._refused_retry * (0.5 + random.random() / 2)
-                    logger.warning("%s; trying again in %.0fs", refused, wait)
+                    self._explain_refusal(refused, wait)
                     await self._set_state(LinkState.BACKING_OFF)
                     await self._interruptible_sleep(wait)
                 # A long-lived stream ended: try again at once (see the module doc).
@@ -388,6 +394,26 @@ class ControlLink:
         finally:
             if self._state is LinkState.CONNECTED:
                 await self._set_state(LinkState.STOPPED)
+
+    def _explain_refusal(self, refused: LinkRefused, wait: float) -> None:
+        """Log a refusal that is retried; for a join the control plane rolled back
+        (never confirmed, now unknown to it), how to join the folder again."""
+        join = self._unconfirmed
+        if join is None or "unknown machine" not in str(refused):
+            logger.warning("%s; trying again in %.0fs", refused, wait)
+            return
+        logger.error(
+            "%s: this machine's join (token %s) was never confirmed, as the machine never"
+            " connected since, and the control plane rolls such a join back once its grace"
+            " passed (5 minutes by default). To join this data folder again, keeping its"
+            " agents: stop this daemon, then `agents-machine join ADDRESS --token T"
+            " --ca-hash H --as-new` (the rolled-back join's token works again until it"
+            " expires; else a new one from `agents-control token create`). Trying again"
+            " in %.0fs",
+            refused,
+            join.token_id,
+            wait,
+        )
 
     async def _session(self) -> None:
         """One connection. Returns after a stable stream ended; raises otherwise."""
@@ -446,6 +472,10 @@ class ControlLink:
         if not isinstance(first, Welcome):
             raise TransientError(f"control link: expected welcome, got {_kind(first)}")
         self._complaint.say(None, "")  # connected: a next failure is news again
+        if self._unconfirmed is not None:
+            # Accepting the stream, the control plane confirmed the join.
+            await asyncio.to_thread(identity.clear_unconfirmed, self._data_dir)
+            self._unconfirmed = None
         self._next_probe = 0.0
         if first.server_time is not None:
             self._skew.observe(first.server_time, sent, received)

@@ -13,6 +13,9 @@ Layout inside the data folder (folders 0700, files 0600)::
 
 ``link.json`` is written last, so its presence is what "joined" means: a join
 interrupted half-way leaves no ``link.json`` and may simply be run again.
+Beside the keys, marks of where the machine stands: ``keys/link-stopped.json``
+(stopped for good), ``keys/restore-pending.json`` (a repair join's restore to
+come) and ``keys/join-unconfirmed.json`` (joined, not yet connected).
 Nothing here ever logs or formats key material.
 """
 
@@ -52,13 +55,17 @@ __all__ = [
     "LinkRecord",
     "MachineKeys",
     "NewKeys",
+    "UnconfirmedJoin",
     "check_not_joined",
     "clear_restore_pending",
     "clear_stopped",
+    "clear_unconfirmed",
     "is_joined",
     "mark_restore_pending",
+    "mark_unconfirmed",
     "restore_pending",
     "mark_stopped",
+    "unconfirmed_join",
     "stopped_reason",
     "load_keys",
     "load_link",
@@ -86,6 +93,14 @@ STOPPED_FILE: Final = "link-stopped.json"
 #: is still to come, and the daemon does not start (empty, it would back up
 #: nothing and, after ``backup_keep`` days, prune the backup to restore).
 RESTORE_PENDING_FILE: Final = "restore-pending.json"
+#: Committed with the identity of a join that made a new machine (a fresh data
+#: folder, or ``join --as-new``), removed by the link at the control plane's first
+#: welcome. Until the machine first connects, the control plane holds the join
+#: unconfirmed and rolls it back (the machine's record deleted, the token's use
+#: given back) once its grace passed. The mark names the machine and the token:
+#: the same join command run again starts the machine instead of asking for a
+#: token, and a folder whose join was rolled back may join again with ``--as-new``.
+UNCONFIRMED_FILE: Final = "join-unconfirmed.json"
 
 _FORMAT: Final = 1
 _STAGE_MARK: Final = ".join-"
@@ -227,6 +242,50 @@ def clear_stopped(data_dir: Path) -> None:
     (data_dir / KEYS_DIR / STOPPED_FILE).unlink(missing_ok=True)
 
 
+@dataclass(frozen=True)
+class UnconfirmedJoin:
+    """A committed join of a new machine not confirmed yet (:data:`UNCONFIRMED_FILE`)."""
+
+    machine_id: str
+    """The machine the join made."""
+    token_id: str
+    """The token it used (its id only: the secret is never stored)."""
+    at: float
+    """When the join committed (Unix time)."""
+
+    def to_json(self) -> bytes:
+        """Serialise as the mark's document."""
+        doc = {"machine_id": self.machine_id, "token_id": self.token_id, "at": self.at}
+        return (json.dumps(doc, sort_keys=True) + "\n").encode()
+
+
+def mark_unconfirmed(root: Path, join: UnconfirmedJoin) -> None:
+    """Record, in the identity at ``root`` (a join's stage), that ``join`` awaits the
+    machine's first connection (see :data:`UNCONFIRMED_FILE`)."""
+    keys_dir = ensure_private_dir(root / KEYS_DIR)
+    write_atomic(keys_dir / UNCONFIRMED_FILE, join.to_json())
+
+
+def unconfirmed_join(data_dir: Path) -> UnconfirmedJoin | None:
+    """The join of ``data_dir``'s machine while the control plane has not confirmed
+    it (the machine never connected since), else None; a mark naming another
+    machine than ``link.json`` (an earlier identity's) is not one."""
+    if not is_joined(data_dir):
+        return None
+    try:
+        current = load_link(data_dir).machine_id  # first: it finishes a swap found begun
+        doc = json.loads((data_dir / KEYS_DIR / UNCONFIRMED_FILE).read_bytes()[:4096])
+        join = UnconfirmedJoin(str(doc["machine_id"]), str(doc["token_id"]), float(doc["at"]))
+    except (OSError, ValueError, KeyError, TypeError, AgentsError):
+        return None
+    return join if join.machine_id == current else None
+
+
+def clear_unconfirmed(data_dir: Path) -> None:
+    """The control plane confirmed the join (the machine connected), or it was re-paired."""
+    (data_dir / KEYS_DIR / UNCONFIRMED_FILE).unlink(missing_ok=True)
+
+
 def mark_restore_pending(root: Path) -> None:
     """Record, in the identity at ``root`` (a join's stage), that the machine's
     backup is to be restored (see :data:`RESTORE_PENDING_FILE`)."""
@@ -362,11 +421,13 @@ def save_certificate(
 
 
 # A re-pair replaces these (staged as NAME.new) in this order; the first rename
-# is its commit point, and load_keys/load_link finish a swap found begun.
+# is its commit point, and load_keys/load_link finish a swap found begun. The
+# unconfirmed mark is staged only by a join as a new machine.
 _REPAIR_SWAP: Final = (
     (KEYS_DIR, TLS_KEY),
     (KEYS_DIR, TLS_CERT),
     (KEYS_DIR, CA_CERT),
+    (KEYS_DIR, UNCONFIRMED_FILE),
     (".", LINK_FILE),
 )
 
@@ -395,19 +456,33 @@ def write_repair(
     cert_pem: bytes,
     ca_cert_pem: bytes,
     link: LinkRecord,
+    unconfirmed: UnconfirmedJoin | None = None,
 ) -> None:
     """Re-pair a joined machine: a new TLS key, certificate, CA set and link record.
 
     The signing and box keys stay (prompts queued for this machine and its
     backups are sealed to them). Each file is staged, then renamed into place
     with the TLS key first (the commit point, see :data:`_REPAIR_SWAP`).
+    ``unconfirmed``: the folder joins as a new machine (``--as-new``), whose join
+    the control plane confirms at its first connection; a re-pair (the record is
+    never rolled back) drops an earlier join's mark instead.
     """
-    for (folder, name), data in zip(
-        _REPAIR_SWAP,
-        (tls.private_key_pem(tls_key), cert_pem, ca_cert_pem, link.to_json()),
-        strict=True,
-    ):
-        write_atomic(data_dir / folder / f"{name}.new", data)
+    mark = data_dir / KEYS_DIR / UNCONFIRMED_FILE
+    Path(f"{mark}.new").unlink(missing_ok=True)  # a stage never committed
+    if unconfirmed is None:
+        # Before the commit point: killed here, the machine re-pairs again with
+        # the same token, and a repaired record is never rolled back.
+        mark.unlink(missing_ok=True)
+    staged = (
+        tls.private_key_pem(tls_key),
+        cert_pem,
+        ca_cert_pem,
+        unconfirmed.to_json() if unconfirmed is not None else None,
+        link.to_json(),
+    )
+    for (folder, name), data in zip(_REPAIR_SWAP, staged, strict=True):
+        if data is not None:
+            write_atomic(data_dir / folder / f"{name}.new", data)
     _swap_repair(data_dir)
 
 
@@ -436,10 +511,11 @@ def _commit(stage: Path, data_dir: Path) -> None:
     keys_dir = ensure_private_dir(data_dir / KEYS_DIR)
     for name in (SIGNING_KEY, BOX_KEY, TLS_KEY, TLS_CERT, CA_CERT):
         os.replace(stage / KEYS_DIR / name, keys_dir / name)
-    if (stage / KEYS_DIR / RESTORE_PENDING_FILE).exists():
-        os.replace(stage / KEYS_DIR / RESTORE_PENDING_FILE, keys_dir / RESTORE_PENDING_FILE)
-    else:  # an earlier identity's, removed by hand: not this join's
-        (keys_dir / RESTORE_PENDING_FILE).unlink(missing_ok=True)
+    for mark in (RESTORE_PENDING_FILE, UNCONFIRMED_FILE):
+        if (stage / KEYS_DIR / mark).exists():
+            os.replace(stage / KEYS_DIR / mark, keys_dir / mark)
+        else:  # an earlier identity's, removed by hand: not this join's
+            (keys_dir / mark).unlink(missing_ok=True)
     fsync_dir(keys_dir)
     os.replace(stage / LINK_FILE, data_dir / LINK_FILE)
     fsync_dir(data_dir)

@@ -13,7 +13,10 @@ The flow (``agents-machine join H:P --token T --ca-hash sha256:...``):
    pinned CA, well-formed ids).
 4. Write ``keys/`` and ``link.json`` into a staging folder beside the data
    folder and move them into place only once everything succeeded, so a
-   refused join writes nothing on the machine.
+   refused join writes nothing on the machine. With them goes the mark that
+   the join is not confirmed yet (:data:`machine.link.identity.UNCONFIRMED_FILE`):
+   the control plane confirms it when the machine first connects, and rolls
+   it back when it does not within its grace.
 
 A repair join (a token from ``agents-control machine repair M``) is the same
 flow; the control plane answers with M's id, so the box becomes M. With
@@ -357,7 +360,7 @@ async def join_control_plane(
     ``dial`` opens the channel the token goes over, once the pin check passed
     (the real TLS client; tests pass a fake control plane's).
     """
-    validate_token(token)
+    token_id = validate_token(token)
     expected = validate_ca_hash(ca_hash)
     host, port = parse_address(address)
     machine_name = validate_name(name)
@@ -436,6 +439,8 @@ async def join_control_plane(
             cert_pem=cert_pem,
             ca_cert_pem=ca_pem,
             link=link,
+            # A new machine: the control plane rolls it back unless it connects.
+            unconfirmed=_unconfirmed(link, token_id, clock) if as_new else None,
         )
         await asyncio.to_thread(identity.clear_stopped, data_dir)
         if as_new:
@@ -453,6 +458,11 @@ async def join_control_plane(
         await asyncio.to_thread(
             identity.write_identity, stage, keys, cert_pem=cert_pem, ca_cert_pem=ca_pem, link=link
         )
+        # Until the daemon first connects: a crash or a daemon that does not start
+        # leaves a join the control plane rolls back (docs/join.md).
+        await asyncio.to_thread(
+            identity.mark_unconfirmed, stage, _unconfirmed(link, token_id, clock)
+        )
         if recovery_public_key:
             # The caller restores the machine's backup next: until that commits,
             # the folder says so (a crash between the two is finished by running
@@ -464,6 +474,12 @@ async def join_control_plane(
     return JoinResult(
         machine_id=link.machine_id, account_id=link.account_id, control_address=link_address
     )
+
+
+def _unconfirmed(
+    link: identity.LinkRecord, token_id: str, clock: Clock
+) -> identity.UnconfirmedJoin:
+    return identity.UnconfirmedJoin(link.machine_id, token_id, clock().timestamp())
 
 
 def _current_link(data_dir: Path) -> identity.LinkRecord | None:

@@ -23,11 +23,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.crypto import BoxKeyPair, encode_public_key
 from shared.recovery_key import read_recovery_key, write_recovery_key
 from tests.helpers.poll import poll_until
+
+if TYPE_CHECKING:
+    from controlplane.cli.client import AdminClient
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -81,6 +84,12 @@ class ControlProc:
     def ca_pem(self) -> bytes:
         """The CA certificate."""
         return (self.home / "ca.pem").read_bytes()
+
+    def admin(self, timeout: float = 10) -> AdminClient:
+        """An Admin API client as the operator (``async with cp.admin() as client``)."""
+        from controlplane.cli.client import AdminClient
+
+        return AdminClient(self.public, self.ca_pem, self.operator, timeout=timeout)
 
     def cli(self, *args: str, credential: str | None = None, timeout: float = 30) -> CliResult:
         """Run ``agents-control ARGS --home HOME`` with the operator credential by default."""

@@ -18,6 +18,7 @@ from controlplane.machines.registry import MachineInfo, MachineRegistry
 from shared import tls
 from shared.crypto import BoxKeyPair
 from shared.errors import InvalidState, NotFound, Unauthenticated
+from shared.ids import new_id
 from shared.store import MemoryStore
 
 GRACE = 60.0
@@ -270,3 +271,17 @@ async def test_a_confirmed_repair_keeps_its_token_use_on_recovery(w: World) -> N
     restarted = World(w.store, w.clock, w.ca)
     await restarted.intents.recover()
     assert (await restarted.tokens.get(w.op, made.token.token_id)).uses == 1
+
+
+async def test_a_joined_box_with_a_plain_token_is_told_how_to_go_on(w: World) -> None:
+    """Refused before the token is used. A box whose machine this account no longer
+    has (a join rolled back as it never connected) is pointed at ``--as-new``."""
+    acct, mc, _ = await _joined(w)
+    token = await w.tokens.create(w.op, acct)
+    csr = tls.build_csr(tls.new_tls_key()).decode()
+    info = MachineInfo("m", "0.1", "h")
+    with pytest.raises(InvalidState, match="re-pairs only with a repair token"):
+        await w.pairing.join(token.value, csr, info, mc)
+    with pytest.raises(InvalidState, match="which this account does not have.*--as-new"):
+        await w.pairing.join(token.value, csr, info, new_id("machine"))
+    assert (await w.tokens.check(token.value)).uses == 0

@@ -241,7 +241,35 @@ def test_join_refuses_contradictory_or_empty_options_before_anything_is_sent(
     )  # fmt: skip
     assert code == 2 and out == ""
     assert says in err.splitlines()[0], err
-    assert not (data / "keys").exists()
+    assert not data.exists()
+
+
+def test_join_beside_a_holder_of_the_data_folder_is_refused_before_anything_is_sent(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The data folder's lock is held (here by this process, as a daemon holds it):
+    refused, naming the folder and the holder, before the control plane is dialled
+    (none listens). A join that fails later leaves no folder it made behind."""
+    from machine.daemon import hold_data_dir
+
+    data = tmp_path / "d"
+    data.mkdir()
+    join = ("join", "127.0.0.1:9", "--token", "tok_01234567890123456789012345." + "s" * 43,
+            "--ca-hash", "sha256:" + "0" * 64)  # fmt: skip
+    with hold_data_dir(data, "serve"):
+        code, out, err = run(capsys, "--data-dir", str(data), *join)
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"agents-machine: join {data}: another agents-machine (pid {os.getpid()}) is already"
+        " using this data folder; stop it first (`systemctl stop agents-machine` when it runs"
+        " as the service), then run the same join command again; the token was not used"
+    ]
+    assert sorted(p.name for p in data.iterdir()) == ["machine.lock"]
+    # Nobody holds it: the join goes on (and finds no control plane); nothing it made stays.
+    nested = tmp_path / "new" / "data"
+    code, out, err = run(capsys, "--data-dir", str(nested), *join)
+    assert code == 1 and "cannot reach the control plane" in err, err
+    assert not (tmp_path / "new").exists()
 
 
 def test_export_to_a_folder_says_it_is_a_folder(
@@ -317,9 +345,7 @@ def test_join_again_after_an_unfinished_restore_never_spends_the_token(
     assert code == 2 and "recovery_key" in err.splitlines()[0], err
     assert "Traceback" not in err and identity.restore_pending(data)
     served: list[Path] = []
-    monkeypatch.setattr(
-        joining, "_install_then_serve", lambda ctx: served.append(ctx.cfg.data_dir) or 0
-    )
+    monkeypatch.setattr(joining, "run_serve", lambda cfg, **kw: served.append(cfg.data_dir) or 0)
     code, out, err = run(capsys, *join, "--no-restore")
     assert code == 0, err
     assert out.startswith(f"machine {machine_id} starts without its backup;")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import stat
 from pathlib import Path
 
@@ -132,6 +133,81 @@ def test_a_join_without_restore_drops_an_earlier_identitys_mark(
     with identity.staged_join(data_dir) as stage:
         identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
     assert identity.is_joined(data_dir) and not identity.restore_pending(data_dir)
+
+
+@pytest.mark.parametrize("in_use", [False, True], ids=["new folder", "folder in use"])
+def test_unconfirmed_mark_is_committed_with_the_identity_and_names_its_machine(
+    ca: tls.CertKey, tmp_path: Path, in_use: bool
+) -> None:
+    data_dir = tmp_path / "data"
+    if in_use:  # an earlier identity's mark (of another machine) is not this join's
+        (data_dir / "keys").mkdir(parents=True, mode=0o700)
+        earlier = identity.UnconfirmedJoin(new_id("machine"), new_id("token"), 1.0)
+        (data_dir / "keys" / identity.UNCONFIRMED_FILE).write_bytes(earlier.to_json())
+    keys, cert, link = _material(ca)
+    join = identity.UnconfirmedJoin(link.machine_id, new_id("token"), 2.5)
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+        identity.mark_unconfirmed(stage, join)
+        assert identity.unconfirmed_join(data_dir) is None  # not before the commit
+    assert identity.unconfirmed_join(data_dir) == join
+    assert _mode(data_dir / "keys" / identity.UNCONFIRMED_FILE) == 0o600
+    identity.clear_unconfirmed(data_dir)
+    assert identity.unconfirmed_join(data_dir) is None
+    identity.clear_unconfirmed(data_dir)  # twice: nothing to do
+    # A mark that names another machine than link.json is an earlier identity's.
+    other = identity.UnconfirmedJoin(new_id("machine"), join.token_id, 3.0)
+    (data_dir / "keys" / identity.UNCONFIRMED_FILE).write_bytes(other.to_json())
+    assert identity.unconfirmed_join(data_dir) is None
+
+
+def test_a_join_as_a_new_machine_swaps_its_mark_in_after_the_commit_point(
+    ca: tls.CertKey, tmp_path: Path
+) -> None:
+    """``--as-new`` stages the new machine's mark with the re-pair's files: killed
+    before the commit point the folder is the old machine still, with its mark;
+    after it, the new one with its own. A re-pair drops the mark."""
+    data_dir = tmp_path / "data"
+    keys, cert, link = _material(ca)
+    old = identity.UnconfirmedJoin(link.machine_id, new_id("token"), 1.0)
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+        identity.mark_unconfirmed(stage, old)
+    new_keys, new_cert, new_link = _material(ca)
+    new = identity.UnconfirmedJoin(new_link.machine_id, new_id("token"), 2.0)
+    identity.write_repair(
+        data_dir,
+        new_keys.tls_key,
+        cert_pem=new_cert,
+        ca_cert_pem=ca.cert_pem,
+        link=new_link,
+        unconfirmed=new,
+    )
+    assert identity.load_link(data_dir).machine_id == new_link.machine_id
+    assert identity.unconfirmed_join(data_dir) == new
+    assert not list(data_dir.rglob("*.new"))
+    # Another one, staged and killed before the commit point: still the last machine...
+    third_keys, third_cert, third_link = _material(ca)
+    third = identity.UnconfirmedJoin(third_link.machine_id, new_id("token"), 3.0)
+    for folder, name, data in (
+        ("keys", identity.TLS_KEY, tls.private_key_pem(third_keys.tls_key)),
+        ("keys", identity.TLS_CERT, third_cert),
+        ("keys", identity.CA_CERT, ca.cert_pem),
+        ("keys", identity.UNCONFIRMED_FILE, third.to_json()),
+        (".", identity.LINK_FILE, third_link.to_json()),
+    ):
+        (data_dir / folder / f"{name}.new").write_bytes(data)
+    assert identity.unconfirmed_join(data_dir) == new
+    # ... and killed right after it: the next load finishes the swap, mark included.
+    os.replace(data_dir / "keys" / "tls.key.new", data_dir / "keys" / identity.TLS_KEY)
+    assert identity.unconfirmed_join(data_dir) == third
+    assert not list(data_dir.rglob("*.new"))
+    # A re-pair (same machine, a repaired record is never rolled back): no mark.
+    identity.write_repair(
+        data_dir, tls.new_tls_key(), cert_pem=third_cert, ca_cert_pem=ca.cert_pem, link=third_link
+    )
+    assert not (data_dir / "keys" / identity.UNCONFIRMED_FILE).exists()
+    assert identity.unconfirmed_join(data_dir) is None
 
 
 def test_already_joined_is_refused(ca: tls.CertKey, tmp_path: Path) -> None:

@@ -189,7 +189,8 @@ async def test_join_validates_before_contacting_anyone(
 
 async def test_join_writes_private_identity(control: FakeControlPlane, tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
-    result = await _join(control, data_dir, name="laptop")
+    token = control.new_token()
+    result = await _join(control, data_dir, name="laptop", token=token)
     assert result.account_id == control.account_id
     # The reply names the link port only: the link is on the join's host.
     assert result.control_address == control.link_address
@@ -204,8 +205,17 @@ async def test_join_writes_private_identity(control: FakeControlPlane, tmp_path:
             identity.TLS_KEY,
             identity.TLS_CERT,
             identity.CA_CERT,
+            identity.UNCONFIRMED_FILE,
         ]
     )
+    # Not confirmed until the machine first connects; the mark names the token's id only.
+    unconfirmed = identity.unconfirmed_join(data_dir)
+    assert unconfirmed is not None
+    assert (unconfirmed.machine_id, unconfirmed.token_id) == (
+        result.machine_id,
+        validate_token(token),
+    )
+    assert token.split(".")[1] not in (keys / identity.UNCONFIRMED_FILE).read_text()
     for f in [*keys.iterdir(), data_dir / identity.LINK_FILE]:
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
     doc = json.loads((data_dir / identity.LINK_FILE).read_text())
@@ -369,6 +379,9 @@ async def test_repair_token_re_pairs_a_joined_box_keeping_its_id_and_keys(
     assert now.tls_key_pem != held.tls_key_pem and now.tls_cert_pem != held.tls_cert_pem
     assert tls.identity_from_cert(now.tls_cert_pem).machine_id == link.machine_id
     assert not list(data_dir.rglob("*.new"))
+    # A repaired record is never rolled back: the first join's mark goes.
+    assert identity.unconfirmed_join(data_dir) is None
+    assert not (data_dir / identity.KEYS_DIR / identity.UNCONFIRMED_FILE).exists()
 
 
 async def test_as_new_joins_a_joined_box_as_a_new_machine_and_never_takes_one_over(
@@ -390,8 +403,16 @@ async def test_as_new_joins_a_joined_box_as_a_new_machine_and_never_takes_one_ov
         await _join(control, data_dir, token=token, as_new=True, take_over=True)
     assert token in control.tokens, "refused before it was used"
     assert identity.load_link(data_dir) == before
-    result = await _join(control, data_dir, as_new=True, take_over=True)
+    plain = control.new_token()
+    result = await _join(control, data_dir, token=plain, as_new=True, take_over=True)
     assert not result.repaired and result.machine_id not in (before.machine_id, other)
+    # A new machine: not confirmed until it connects (the control plane may roll it back).
+    unconfirmed = identity.unconfirmed_join(data_dir)
+    assert unconfirmed is not None
+    assert (unconfirmed.machine_id, unconfirmed.token_id) == (
+        result.machine_id,
+        validate_token(plain),
+    )
     assert identity.load_link(data_dir).machine_id == result.machine_id
     assert identity.load_keys(data_dir).box.public_key == held.box.public_key
     assert not list(data_dir.rglob("*.new"))
@@ -712,20 +733,34 @@ async def test_machine_revoked_detail_stops_the_link(
 
 
 async def test_unknown_machine_keeps_identity_and_retries_slowly(
-    control: FakeControlPlane, tmp_path: Path
+    control: FakeControlPlane, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A control plane whose store is being restored may not know us yet: not final."""
+    """A control plane whose store is being restored may not know us yet: not final.
+    A machine that never connected since its join says how to join again (the
+    control plane rolled the join back); its first welcome confirms the join."""
     data_dir = tmp_path / "data"
     await _joined(control, data_dir)
     machine_id = identity.load_link(data_dir).machine_id
+    assert identity.unconfirmed_join(data_dir) is not None
     control.unknown.add(machine_id)
-    async with _link(control, data_dir, CollectorRegistry(), refused_retry=0.3) as link:
-        await _until(lambda: control.connects >= 2)
-        assert link.state not in (LinkState.REVOKED, LinkState.STOPPED), link.final_reason
-        assert link.final_reason == ""
-        assert identity.stopped_reason(data_dir) is None
-        control.unknown.discard(machine_id)
-        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+    with caplog.at_level(logging.WARNING, logger="machine.link.connection"):
+        async with _link(control, data_dir, CollectorRegistry(), refused_retry=0.3) as link:
+            await _until(lambda: control.connects >= 2)
+            assert link.state not in (LinkState.REVOKED, LinkState.STOPPED), link.final_reason
+            assert link.final_reason == ""
+            assert identity.stopped_reason(data_dir) is None
+            rolled_back = [r for r in caplog.records if "never confirmed" in r.getMessage()]
+            assert rolled_back and rolled_back[0].levelno == logging.ERROR
+            assert "--as-new" in rolled_back[0].getMessage()
+            control.unknown.discard(machine_id)
+            await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+            assert identity.unconfirmed_join(data_dir) is None
+            # Confirmed: an unknown machine from now on is a control plane's trouble.
+            caplog.clear()
+            control.unknown.add(machine_id)
+            control.drop(control.streams[-1])
+            await _until(lambda: "unknown machine" in caplog.text)
+            assert "never confirmed" not in caplog.text
     assert ControlLink.is_joined(data_dir)
 
 
