@@ -23,6 +23,7 @@ from typing import Final
 from machine.backups.transfer import InResult, export_agents, import_archive
 from machine.formats.export import ExportManifest
 from machine.storage.db import Database
+from machine.storage.faults import disk_full_named
 from machine.storage.tables import export as store_export
 from shared.archive import ArchiveLimits
 from shared.atomic import ensure_private_dir
@@ -100,30 +101,44 @@ class Handoff:
 
     def incoming_file(self) -> Path:
         """A fresh path in Incoming/ to receive an import into."""
-        ensure_private_dir(self.incoming)
-        return self.incoming / f"import-{int(self._clock())}-{secrets.token_hex(8)}.tar.gz"
+        path = self.incoming / f"import-{int(self._clock())}-{secrets.token_hex(8)}.tar.gz"
+        with self._full_disk(path):
+            ensure_private_dir(self.incoming)
+        return path
+
+    def _full_disk(self, path: Path) -> contextlib.AbstractContextManager[None]:
+        # Incoming/ is in the data folder; the commit's DiskFull (machine.db's
+        # writer) names the same folder and the same operation.
+        return disk_full_named(f"import {path.name}", self.incoming.parent)
 
     async def import_file(self, path: Path) -> InResult:
-        """Import the archive at ``path`` (in Incoming/), then remove it, whatever happened."""
+        """Import the archive at ``path`` (in Incoming/), then remove it, whatever happened.
+
+        A full disk met while it is unpacked raises DiskFull naming the data folder.
+        """
         try:
-            return await import_archive(
-                self._db,
-                path,
-                staging_dir=self.incoming,
-                attachments_dir=self._attachments,
-                erased=self._erased(),
-                own_ids=self._own,
-                after_load=self._after_load,
-            )
+            with self._full_disk(path):
+                return await import_archive(
+                    self._db,
+                    path,
+                    staging_dir=self.incoming,
+                    attachments_dir=self._attachments,
+                    erased=self._erased(),
+                    own_ids=self._own,
+                    after_load=self._after_load,
+                )
         finally:
             self.done(path)
 
     async def receive(self, chunks: AsyncIterator[bytes]) -> InResult:
-        """Receive an archive into Incoming/ (bounded), import it, remove it."""
+        """Receive an archive into Incoming/ (bounded), import it, remove it.
+
+        A full disk met while it is received raises DiskFull naming the data folder.
+        """
         path = self.incoming_file()
         received = 0
         try:
-            with open(path, "xb") as out:
+            with self._full_disk(path), open(path, "xb") as out:
                 os.chmod(path, 0o600)
                 async for chunk in chunks:
                     received += len(chunk)
@@ -131,7 +146,7 @@ class Handoff:
                         raise InvalidArgument(
                             "archive", f"larger than {MAX_IMPORT_BYTES // 1024**3} GiB"
                         )
-                    out.write(chunk)
+                    await asyncio.to_thread(out.write, chunk)
         except BaseException:
             self.done(path)
             raise

@@ -17,6 +17,7 @@ person unarchives it (and only its own machine may).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
@@ -24,6 +25,7 @@ import os
 import shutil
 import sqlite3
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,6 +264,28 @@ async def commit_staged(
     return InResult(tuple(loaded_ids), skipped_existing, skipped_erased, len(sizes))
 
 
+async def _extract_in_thread(archive: Path, stage: Path, limits: ArchiveLimits | None) -> list[str]:
+    """:func:`extract_staged` in a worker thread: checking an archive takes seconds
+    (100,000 entries) to minutes (8 GiB), and the daemon answers meanwhile.
+
+    Cancelled, it stops the thread and waits for it: the thread removes what it
+    wrote, and nothing it writes lands after the caller removed ``stage``.
+    """
+    stop = threading.Event()
+    work = asyncio.ensure_future(
+        asyncio.to_thread(
+            extract_staged, archive, stage, accept=accept_path, limits=limits, stop=stop
+        )
+    )
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        stop.set()  # seen at its next entry or 1 MiB piece
+        with contextlib.suppress(BaseException):  # its refusal; or a second cancel
+            await work
+        raise
+
+
 async def import_archive(
     db: Database,
     archive: Path,
@@ -282,8 +306,9 @@ async def import_archive(
     stage = Path(tempfile.mkdtemp(dir=staging_dir, prefix=".import-"))
     os.rmdir(stage)  # extract_staged makes it, and removes it on refusal
     try:
-        paths = extract_staged(archive, stage, accept=accept_path, limits=limits)
-        manifest = verify_staged(stage, paths)
+        paths = await _extract_in_thread(archive, stage, limits)
+        # Hashes every file (up to 8 GiB): off the event loop too.
+        manifest = await asyncio.to_thread(verify_staged, stage, paths)
         folders = {a.agent_id: stage / "agents" / a.agent_id for a in manifest.agents}
         files = {
             sha: stage / attachment_path(sha) for a in manifest.agents for sha in a.attachments

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,8 @@ MAX_NAME: Final = 500
 #: Longest single JSONL line: one event's payload is bounded well below this.
 MAX_LINE: Final = 64 * 1024 * 1024
 _HASH_CHUNK: Final = 1024 * 1024
+#: A SHA-256 as the format writes it: 64 lowercase hex digits (checked once an entry).
+_SHA256: Final = re.compile(r"[0-9a-f]{64}")
 
 
 #: The largest manifest.json an import reads.
@@ -94,8 +97,7 @@ def accept_path(path: str) -> bool:
     if len(parts) == 3 and parts[0] == "agents":
         return is_valid_id("agent", parts[1]) and parts[2] in (*AGENT_FILES, *OPTIONAL_AGENT_FILES)
     if len(parts) == 2 and parts[0] == "attachments":
-        name = parts[1]
-        return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+        return _SHA256.fullmatch(parts[1]) is not None
     return False
 
 
@@ -231,9 +233,7 @@ class ExportManifest:
 
 
 def _is_hash(value: object) -> bool:
-    return (
-        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
-    )
+    return isinstance(value, str) and _SHA256.fullmatch(value) is not None
 
 
 def _parse_agent(row: object, where: str) -> AgentEntry:

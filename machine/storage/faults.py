@@ -15,16 +15,25 @@ blocks neither the writer nor the reader.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import AgentsError, DatabaseDamaged, DiskFull, IntegrityError, StoreError
 
-__all__ = ["CheckResult", "damage_reason", "is_disk_full", "run_check", "translate"]
+__all__ = [
+    "CheckResult",
+    "damage_reason",
+    "disk_full_named",
+    "is_disk_full",
+    "run_check",
+    "translate",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +58,18 @@ def is_disk_full(error: BaseException) -> bool:
     if isinstance(error, OSError):
         return error.errno in _DISK_FULL_ERRNOS
     return _primary_code(error) == _SQLITE_FULL
+
+
+@contextlib.contextmanager
+def disk_full_named(what: str, data_dir: Path) -> Iterator[None]:
+    """A full disk met inside the block (ENOSPC, EDQUOT) leaves it as
+    :class:`~shared.errors.DiskFull` naming ``data_dir``; anything else as it was."""
+    try:
+        yield
+    except OSError as e:
+        if is_disk_full(e):
+            raise DiskFull(what, str(data_dir)) from e
+        raise
 
 
 def damage_reason(error: BaseException) -> str | None:

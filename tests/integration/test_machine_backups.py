@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import io
 import json
@@ -38,7 +39,7 @@ from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from shared.recovery_key import read_recovery_key
 from shared.store.folder import FolderStore
 from tests.helpers.machine_proc import AGENTS_MACHINE, MachineProc, machine_env, run_cli
-from tests.helpers.poll import poll_until
+from tests.helpers.poll import apoll_until, poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -699,6 +700,84 @@ def test_hostile_imports_are_refused_and_import_nothing(
         assert _agents(data) == []
         assert not outside.parent.exists() and not (tmp_path / "escape.txt").exists()
         assert list((data / "Incoming").iterdir()) == []
+
+
+def _many_empty_files(dest: Path, entries: int) -> Path:
+    """A ``.tar.gz`` of ``entries`` empty files at paths the export format has
+    (``attachments/<64 hex>``), about 2 MB for 200,000: one header with its name
+    and checksum changed each time, in about a second (tarfile's writer takes
+    twenty times as long)."""
+    info = _file("attachments/" + "0" * 64)
+    header = info.tobuf(tarfile.USTAR_FORMAT)
+    start, end = len("attachments/"), len("attachments/") + 64
+    # A header's checksum (bytes 148 to 155) sums its bytes, itself counted as spaces.
+    base = sum(header[:148]) + 8 * ord(" ") + sum(header[156:]) - sum(header[start:end])
+    with gzip.open(dest, "wb", compresslevel=1) as gz:
+        for first in range(0, entries, 10_000):
+            batch = []
+            for n in range(first, min(first + 10_000, entries)):
+                name = b"%064x" % n
+                checksum = b"%06o\0 " % (base + sum(name))
+                batch.append(header[:start] + name + header[end:148] + checksum + header[156:])
+            gz.write(b"".join(batch))
+        gz.write(b"\0" * 2 * tarfile.BLOCKSIZE)
+    return dest
+
+
+async def test_an_import_of_200000_small_entries_is_refused_while_the_daemon_answers(
+    tmp_path: Path, machine_proc: MakeProc
+) -> None:
+    """The daemon goes on answering while it checks an archive, and the entry limit
+    refuses it with nothing written: no agent, nothing left in Incoming/."""
+    data = tmp_path / "data"
+    archive = _many_empty_files(tmp_path / "many.tar.gz", 200_000)
+    incoming = data / "Incoming"
+
+    def received_whole() -> bool:
+        with contextlib.suppress(FileNotFoundError):  # removed once refused
+            return any(p.stat().st_size == archive.stat().st_size for p in incoming.iterdir())
+        return False
+
+    with machine_proc() as proc:
+        channel = grpc.aio.insecure_channel(proc.target)
+        stub = pb_grpc.MachineServiceStub(channel)
+        try:
+            await stub.Status(pb.StatusRequest(), timeout=30)
+            args = [str(AGENTS_MACHINE), "--data-dir", str(data), "import", str(archive)]
+            cli = await asyncio.create_subprocess_exec(
+                *args, env=machine_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+            await apoll_until(
+                lambda: received_whole() or cli.returncode is not None,
+                deadline=60,
+                what="the archive received whole",
+            )
+            answered_meanwhile = 0
+
+            async def answers_within_a_second() -> bool:
+                nonlocal answered_meanwhile
+                await stub.Status(pb.StatusRequest(), timeout=1.0)
+                listed = await stub.ListAgents(
+                    pb.ListAgentsRequest(include_archived=True), timeout=1.0
+                )
+                assert list(listed.agents) == []
+                if cli.returncode is not None:
+                    return True
+                answered_meanwhile += 1
+                return False
+
+            await apoll_until(
+                answers_within_a_second, deadline=120, what="the import to end", step=0.1
+            )
+            _, err = await cli.communicate()
+        finally:
+            await channel.close()
+        assert answered_meanwhile >= 1, "the import ended before the daemon was asked"
+        refused = subprocess.CompletedProcess(args, cli.returncode, "", err.decode())
+        _refused(refused, 2, "more than 100000 entries")
+        assert _agents(data) == []
+        assert list(incoming.iterdir()) == []
+    assert "Traceback" not in proc.log()
 
 
 def test_an_export_sigkilled_mid_way_leaves_no_file_and_the_next_removes_its_debris(

@@ -8,6 +8,7 @@ import os
 import random
 import sqlite3
 import subprocess
+import tarfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -144,6 +145,84 @@ async def test_full_disk_resource_exhausted_storage_failed_run_and_recovery(
                 ev async for ev in stub.Prompt(pb.PromptRequest(agent_id=agent.id, text="back"))
             ]
             assert again[-1].kind == pb.RUN_FINISHED
+        finally:
+            await channel.close()
+    assert "Traceback" not in proc.log()
+
+
+async def _export_of_one_agent(tmp_path: Path) -> Path:
+    """An export of one agent with a few hundred KB of conversation, made by a
+    daemon whose data folder is not on the small disk."""
+    source = MachineProc(tmp_path / "source")
+    archive = tmp_path / "export.tar.gz"
+    with source:
+        channel, stub = stub_for(source)
+        try:
+            agent = await stub.CreateAgent(pb.CreateAgentRequest(name="a", folder=str(tmp_path)))
+            text = random.Random(34).randbytes(150_000).hex()  # compresses to about half
+            events = [
+                ev async for ev in stub.Prompt(pb.PromptRequest(agent_id=agent.id, text=text))
+            ]
+            assert events[-1].kind == pb.RUN_FINISHED
+        finally:
+            await channel.close()
+        done = run_cli(source.data_dir, "export", agent.id, "-o", str(archive))
+        assert done.returncode == 0, done.stderr
+    return archive
+
+
+def _unpacked_size(archive: Path) -> int:
+    with tarfile.open(archive) as tar:
+        return sum(member.size for member in tar)
+
+
+async def test_an_import_on_a_full_disk_names_the_data_folder_and_works_once_space_is_freed(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    archive = await _export_of_one_agent(tmp_path)
+    packed, unpacked = archive.stat().st_size, _unpacked_size(archive)
+    assert unpacked > packed + 128 * 1024, (packed, unpacked)
+    proc = MachineProc(small_disk / "data")
+    proc.log_path = tmp_path / "machine.log"  # not on the disk we fill
+    with proc:
+        channel, stub = stub_for(proc)
+
+        async def chunks() -> AsyncIterator[pb.ImportChunk]:
+            yield pb.ImportChunk(data=archive.read_bytes())
+
+        def nothing_left() -> None:
+            incoming = proc.data_dir / "Incoming"
+            assert not incoming.exists() or list(incoming.iterdir()) == []
+            assert list((proc.data_dir / "attachments").glob("*")) == []
+
+        try:
+            await stub.Status(pb.StatusRequest())
+            filler = fill(small_disk)
+            full = filler.stat().st_size
+            # Too little room for the archive itself, then room for it but not for
+            # what it unpacks to: both are a full disk, not a broken archive.
+            for room in (packed // 2, packed + 64 * 1024):
+                os.truncate(filler, full - room)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Import(chunks())
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, room
+                assert str(proc.data_dir) in (refused.value.details() or "")
+                nothing_left()
+                cli = run_cli(proc.data_dir, "import", str(archive))
+                assert cli.returncode == 1, (room, cli.stderr)
+                line = cli.stderr.strip().splitlines()[0]
+                assert "no space left" in line and str(proc.data_dir) in line, line
+                assert "Traceback" not in cli.stderr
+                nothing_left()
+                listed = await stub.ListAgents(pb.ListAgentsRequest(include_archived=True))
+                assert list(listed.agents) == []
+
+            filler.unlink()
+            done = run_cli(proc.data_dir, "import", str(archive))
+            assert done.returncode == 0, done.stderr
+            listed = await stub.ListAgents(pb.ListAgentsRequest(include_archived=True))
+            assert [a.state for a in listed.agents] == [pb.AGENT_STATE_ARCHIVED]
+            assert list((proc.data_dir / "Incoming").iterdir()) == []
         finally:
             await channel.close()
     assert "Traceback" not in proc.log()

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import os
 import tarfile
+import threading
 import zlib
 from pathlib import Path
 
 import pytest
 
+from shared import archive
 from shared.archive import FIXED_MTIME, ArchiveLimits, extract_staged, write_tar, write_tar_gz
 from shared.atomic import FILE_MODE
 from shared.errors import InvalidArgument
@@ -285,3 +288,47 @@ def test_a_small_extended_header_still_reads(tmp_path: Path) -> None:
 
     paths = extract_staged(_tar_gz(tmp_path / "pax.tar.gz", build), tmp_path / "s", accept=accept)
     assert paths == ["manifest.json"]
+
+
+def test_nothing_is_written_before_the_whole_archive_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def build(tar: tarfile.TarFile) -> None:
+        _add(tar, "manifest.json", b"{}")
+        _add(tar, "agents/ag_1/record.json", b"{}")
+        _add(tar, "agents/ag_1/record.json", b"{}")  # the refusal comes last
+
+    def written(*args: object) -> None:
+        raise AssertionError("a file was written before the archive was checked whole")
+
+    monkeypatch.setattr(archive, "_write_entry", written)
+    _refused(tmp_path, _tar_gz(tmp_path / "a.tar.gz", build), "twice")
+
+
+def test_a_failed_write_is_the_disks_error_not_a_damaged_archive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def build(tar: tarfile.TarFile) -> None:
+        _add(tar, "manifest.json", b"{}")
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(archive, "_write_entry", full)
+    dest = tmp_path / "stage"
+    with pytest.raises(OSError) as err:
+        extract_staged(_tar_gz(tmp_path / "a.tar.gz", build), dest, accept=accept)
+    assert err.value.errno == errno.ENOSPC and not isinstance(err.value, InvalidArgument)
+    assert not dest.exists()
+
+
+def test_a_stop_ends_it_and_leaves_nothing(tmp_path: Path) -> None:
+    def build(tar: tarfile.TarFile) -> None:
+        _add(tar, "manifest.json", b"{}")
+
+    stop = threading.Event()
+    stop.set()
+    dest = tmp_path / "stage"
+    with pytest.raises(InvalidArgument, match="stopped"):
+        extract_staged(_tar_gz(tmp_path / "a.tar.gz", build), dest, accept=accept, stop=stop)
+    assert not dest.exists()

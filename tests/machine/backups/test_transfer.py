@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import tarfile
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ from machine.backups.restore import restore_fetched
 from machine.backups.source import DatabaseBackupSource
 from machine.backups.transfer import InResult, export_agents, import_archive
 from machine.config import MachineConfig
+from machine.formats.export import accept_path
 from machine.models import AgentState, EventKind
+from shared.archive import extract_staged
 from shared.backup_folder import FolderTarget
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
@@ -215,6 +218,56 @@ async def test_bad_archive_changes_nothing(tmp_path: Path) -> None:
     con.close()
 
 
+async def test_an_import_cancelled_while_it_unpacks_waits_for_its_thread_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with open_machine(_config(tmp_path / "a")) as a:
+        agents = await _populate(a, tmp_path, 1)
+        archive = tmp_path / "out.tar.gz"
+        await _export_files(a, agents, archive)
+    with tarfile.open(archive) as tar:
+        files = len(tar.getmembers())
+    held, release, finished = threading.Event(), threading.Event(), threading.Event()
+    calls = 0
+
+    def accept(path: str) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == files + 2:  # the unpacking pass, one file written
+            held.set()
+            release.wait(DEADLINE)
+        return accept_path(path)
+
+    def extract(*args: Any, **kwargs: Any) -> list[str]:
+        try:
+            return extract_staged(*args, **kwargs)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(transfer, "accept_path", accept)
+    monkeypatch.setattr(transfer, "extract_staged", extract)
+    incoming = tmp_path / "incoming"
+    async with open_machine(_config(tmp_path / "b")) as b:
+        task = asyncio.create_task(
+            import_archive(
+                b.db,
+                archive,
+                staging_dir=incoming,
+                attachments_dir=b.config.attachments_dir,
+                erased=set(),
+            )
+        )
+        assert await asyncio.to_thread(held.wait, DEADLINE)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The cancelled import ended after its thread, then removed what it wrote.
+        assert finished.is_set()
+        assert list(incoming.iterdir()) == []
+        assert await b.agents.list(include_archived=True) == []
+
+
 @dataclasses.dataclass
 class _Old:
     """A machine that was backed up (and is closed): its agents, their export, the backup."""
@@ -320,6 +373,7 @@ from machine.backups.restore import restore_fetched
 from machine.backups.source import DatabaseBackupSource
 from machine.storage.db import Database
 from shared.backup_folder import FolderTarget
+from shared.archive import extract_staged
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
 from shared.store.folder import FolderStore
