@@ -33,6 +33,7 @@ from controlplane.deletion.service import AccountDeletion, DeletionHooks
 from controlplane.integrity.clock import ClockCheck
 from controlplane.integrity.intents import Intents
 from controlplane.integrity.keys import KeyRing, load_home_keys
+from controlplane.integrity.records import Machine
 from controlplane.integrity.trusted import DeploymentGuard, TrustedStore, open_trusted_store
 from controlplane.machines.alive import AliveStamps
 from controlplane.machines.backups import MachineBackups
@@ -236,6 +237,13 @@ class ControlPlane:
             may_expire=clock_check.may_expire,
         )
         self.metrics.watch_queue(prompt_queue.depth, prompt_queue.oldest_age)
+
+        async def prompts_wait(machine: Machine) -> bool:
+            # Offline, with a prompt in its queue (as this process knows it).
+            return presence.session(machine.machine_id) is None and await prompt_queue.waiting(
+                machine
+            )
+
         self._starter = starter = MachineStarter(
             trusted.store,
             services.machines,
@@ -243,6 +251,7 @@ class ControlPlane:
             keys.secrets_key,
             log_dir=cfg.home / "providers",
             on_result=self.metrics.provider_start,
+            waiting=prompts_wait,
         )
         waker = ScheduleWaker(
             fleet,

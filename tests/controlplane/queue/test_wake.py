@@ -47,8 +47,9 @@ class _Presence:
 
 
 class _Starter:
-    def __init__(self, providers: set[str]) -> None:
+    def __init__(self, providers: set[str], waiting: set[str] | None = None) -> None:
         self.providers = providers
+        self.waiting = waiting or set()
         self.asked: list[str] = []
 
     async def has_provider(self, account_id: str, machine_id: str) -> bool:
@@ -57,6 +58,11 @@ class _Starter:
     def try_request(self, account_id: str, machine_id: str) -> bool:
         self.asked.append(machine_id)
         return True
+
+    async def start_if_waiting(self, machine: Machine) -> bool:
+        if machine.machine_id in self.providers and machine.machine_id in self.waiting:
+            return self.try_request(machine.account_id, machine.machine_id)
+        return False
 
 
 async def test_wakes_only_offline_machines_with_a_provider_and_a_fire_due() -> None:
@@ -105,3 +111,25 @@ async def test_a_fire_time_that_passed_wakes_nothing() -> None:
     )
     assert await waker.check() == []
     assert starter.asked == []
+
+
+async def test_offline_machines_whose_prompts_wait_are_asked_for_too() -> None:
+    """Issue 34: prompts waiting for an offline machine start it at the next check,
+    not only at a send (a start that failed, or a machine that stopped again)."""
+    waits, online, idle, scheduled = (_machine() for _ in range(4))
+    everyone = [waits, online, idle, scheduled]
+    starter = _Starter(
+        {m.machine_id for m in everyone}, waiting={waits.machine_id, online.machine_id}
+    )
+    wakes: list[int] = []
+    waker = ScheduleWaker(
+        _Fleet(everyone),  # type: ignore[arg-type]
+        _Presence({scheduled.machine_id: NOW + dt.timedelta(seconds=60)}, {online.machine_id}),  # type: ignore[arg-type]
+        starter,  # type: ignore[arg-type]
+        lead=120,
+        interval=1,
+        clock=lambda: NOW,
+        on_wake=lambda: wakes.append(1),
+    )
+    assert sorted(await waker.check()) == sorted([waits.machine_id, scheduled.machine_id])
+    assert len(wakes) == 1  # the schedule's wake; the prompts' start is counted by the starter
