@@ -12,7 +12,9 @@ is over. A machine without a provider is never woken; ``machine list`` says so.
 
 Store requests: the fleet as last listed (:mod:`controlplane.machines.fleet`),
 each offline machine's presence, provider settings and (with a provider) queue
-listing once per process; a check of an idle fleet reads nothing.
+listing once per process; a check of an idle fleet reads nothing. A check
+that fails (the store is gone) is logged as one warning line until a check
+works again, then one line says so (:class:`shared.outage.OutageLog`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from controlplane.integrity.records import Machine
 from controlplane.machines.fleet import FleetView
 from controlplane.machines.presence import MachineStatus, PresenceRegistry
 from controlplane.queue.starter import MachineStarter
+from shared.outage import OutageLog
 from shared.store.causes import set_cause
 from shared.timestamps import Clock, utc_now
 
@@ -106,9 +109,12 @@ class ScheduleWaker:
     async def run(self) -> None:
         """Check every ``interval`` seconds until cancelled (its own task)."""
         set_cause("wake")
+        outage = OutageLog(logger, "checking machines to wake")
         while True:
             try:
                 await self.check()
-            except Exception:
-                logger.exception("checking machines to wake for their schedules failed")
+            except Exception as e:  # the next tick tries again; a bug gets its traceback
+                outage.failed(e)
+            else:
+                outage.recovered()
             await asyncio.sleep(self._interval)  # a period, not synchronisation
