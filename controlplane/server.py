@@ -33,6 +33,7 @@ from controlplane.deletion.service import AccountDeletion, DeletionHooks
 from controlplane.integrity.clock import ClockCheck
 from controlplane.integrity.intents import Intents
 from controlplane.integrity.keys import KeyRing, load_home_keys
+from controlplane.integrity.records import Machine
 from controlplane.integrity.trusted import DeploymentGuard, TrustedStore, open_trusted_store
 from controlplane.machines.alive import AliveStamps
 from controlplane.machines.backups import MachineBackups
@@ -56,10 +57,10 @@ from shared.errors import (
     IntegrityError,
     InvalidState,
     StoreFenced,
-    StoreUnavailable,
 )
 from shared.limits import LINK_MAX_MESSAGE
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
+from shared.outage import OutageLog
 from shared.pb.control.v1 import admin_pb2, admin_pb2_grpc, link_pb2, link_pb2_grpc
 from shared.rpc import (
     NO_REUSEPORT,
@@ -236,6 +237,13 @@ class ControlPlane:
             may_expire=clock_check.may_expire,
         )
         self.metrics.watch_queue(prompt_queue.depth, prompt_queue.oldest_age)
+
+        async def prompts_wait(machine: Machine) -> bool:
+            # Offline, with a prompt in its queue (as this process knows it).
+            return presence.session(machine.machine_id) is None and await prompt_queue.waiting(
+                machine
+            )
+
         self._starter = starter = MachineStarter(
             trusted.store,
             services.machines,
@@ -243,6 +251,7 @@ class ControlPlane:
             keys.secrets_key,
             log_dir=cfg.home / "providers",
             on_result=self.metrics.provider_start,
+            waiting=prompts_wait,
         )
         waker = ScheduleWaker(
             fleet,
@@ -473,11 +482,14 @@ async def _count_offline(
     """Set agents_cp_machines_offline now and every minute, from the fleet as last
     listed (machines.fleet: no store request while nothing changed)."""
     set_cause("offline")
+    outage = OutageLog(logger, "machines offline: cannot count")
     while True:
         try:
             metrics.machines_offline.set(presence.count_offline(await fleet.machines()))
         except AgentsError as e:
-            logger.debug("machines offline: cannot count: %s", e)
+            outage.failed(e)
+        else:
+            outage.recovered()
         await asyncio.sleep(OFFLINE_COUNT_INTERVAL)
 
 
@@ -507,9 +519,12 @@ async def _self_check(
     One GET (and one HEAD) a tick, and a listing of intents/ while one is left
     (else every few minutes: Intents.recover_if_due). The heartbeat interval is the period machines
     notice us by, so a swapped store, or a newer control plane, is noticed about
-    as fast as a machine would be, even by an idle process.
+    as fast as a machine would be, even by an idle process. A store that fails
+    (gone, unreachable, misconfigured) is one warning line until a tick works
+    again, then one line says so (shared.outage), not a line per tick.
     """
     set_cause("self_check")
+    outage = OutageLog(logger, "self-check")
     while True:
         await asyncio.sleep(interval)
         try:
@@ -519,10 +534,10 @@ async def _self_check(
             if guard.problem is None:
                 with store_cause("intents"):
                     await intents.recover_if_due()
-        except StoreUnavailable as e:
-            logger.debug("self-check: store unavailable: %s", e)
         except AgentsError as e:
-            logger.warning("self-check: %s", e)
+            outage.failed(e)
+        else:
+            outage.recovered()
 
 
 def _machine_backups(

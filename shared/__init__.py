@@ -15,6 +15,7 @@ __all__ = [
     "errors",
     "ids",
     "metrics",
+    "outage",
     "retry",
     "rpc",
     "store",

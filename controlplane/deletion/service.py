@@ -13,6 +13,9 @@ that only ever rolls FORWARD once its tombstone is written::
        backups name, then whatever a paginated listing still finds
        (:mod:`controlplane.deletion.sweep`). Step 4 and the named segments
        run at once: segments are not the records step 4 finds its entries from.
+       The tombstone keeps the count of objects deleted as the sweep goes
+       (each save one compare-and-swap put: the commit point of what it
+       counts), so a resumed run reports every object, not only its own.
     6. create deleted/<a>.json (who, when, how many objects) and an audit record
     7. delete accounts/<a>/account.json, then the tombstone, then the intent
 
@@ -263,28 +266,34 @@ class AccountDeletion:
     async def finish(self, account_id: str) -> None:
         """Run (or resume) the deletion of a tombstoned account to its end. Idempotent."""
         try:
-            tomb = await jsonstore.read(self._store, deleting_key(account_id))
+            tomb, etag = await jsonstore.read_versioned(self._store, deleting_key(account_id))
         except NotFound:
             return  # finished already
         started = Deletion.from_dict(tomb, "deleting")
         self._running[account_id] = started
         try:
-            await self._finish(account_id, tomb, started)
+            await self._finish(account_id, tomb, etag, started)
         finally:
             self._running.pop(account_id, None)
 
-    async def _finish(self, account_id: str, tomb: dict[str, Any], started: Deletion) -> None:
+    async def _finish(
+        self, account_id: str, tomb: dict[str, Any], etag: str, started: Deletion
+    ) -> None:
         close = self.hooks.close_links
         if close is not None:
             closed = close(account_id)
             if closed:
                 logger.info("account %s: closed %d live link(s)", account_id, closed)
+        # A run again in this process goes on from its sweep's count (it may be
+        # ahead of the tombstone: a save that failed); another starts from the
+        # tombstone's (controlplane.deletion.sweep: what a crash leaves).
         sweep = self._sweeps.get(account_id)
         if sweep is None:
             sweep = AccountSweep(
                 self._store,
                 account_id,
-                deleted=started.deleted_objects,
+                tombstone=tomb,
+                etag=etag,
                 page_size=self._page_size,
                 on_objects=self.hooks.objects,
                 backups=self._backups,

@@ -17,11 +17,26 @@ steps and the commit point are :mod:`controlplane.deletion.service`'s):
 
 Crash argument: every step is idempotent (deleting a missing key succeeds), so
 a resumed run repeats them all. Names lists are deleted by the listing, after
-the segments they name: a run resumed after a crash finds them again (and
-counts those segments again). The count of deleted objects is saved in the
-tombstone every ``PROGRESS_EVERY`` batches; a crash forgets at most that many
-batches of it. Every batch is awaited, its error included, before a step
-returns, so the account record never goes while a batch may still fail.
+the segments they name: a run resumed after a crash finds them again. Every
+batch is awaited, its error included, before a step returns, so the account
+record never goes while a batch may still fail.
+
+The count of deleted objects survives a crash: the tombstone keeps it
+(:class:`~controlplane.deletion.tombstone.SweepProgress`), written by one
+compare-and-swap put at a time, each put the commit point of what it counts:
+
+- a batch the listing found is counted, and the count saved with the batch's
+  key range, BEFORE its delete: killed before that put, the batch is neither
+  counted nor deleted (the next run lists and counts it); killed after it, the
+  next run has it counted and deletes what is left in the range uncounted;
+- the named segments are counted by one run from its start to its end (a
+  resumed run finds every name again, deleted or not), saved once at the end
+  with ``segments_done``: killed before that put, the next run counts them
+  all again from the count before them; killed after it, it skips the step.
+
+So a resumed deletion reports every object deleted, by whichever run. The
+cost: one PUT per batch of the listing (the tombstone's etag is kept, so no
+read before it) and one at the end of the named segments.
 """
 
 from __future__ import annotations
@@ -32,11 +47,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
+from controlplane.deletion.tombstone import SweepProgress
 from controlplane.integrity import jsonstore
 from controlplane.integrity.records import (
     account_index_key,
     account_key,
     deleting_key,
+    encode,
     github_index_key,
     machine_index_key,
     machines_prefix,
@@ -45,7 +62,7 @@ from controlplane.integrity.records import (
 )
 from controlplane.machines.backups import backups_prefix
 from shared.backup_target import MANIFESTS, NAMES_SUFFIX, is_segment_name, segment_key
-from shared.errors import AgentsError, IntegrityError, NotFound
+from shared.errors import IntegrityError, InvalidState, NotFound, PreconditionFailed
 from shared.ids import is_valid_id, validate_id
 from shared.retry import retrying
 from shared.store.authenticated import unverified_payload
@@ -55,7 +72,6 @@ __all__ = [
     "CONCURRENT_BATCHES",
     "CONCURRENT_READS",
     "CREDENTIALS_PREFIX",
-    "PROGRESS_EVERY",
     "AccountSweep",
 ]
 
@@ -66,11 +82,6 @@ CREDENTIALS_PREFIX: Final = "credentials/"
 CONCURRENT_BATCHES: Final = 4
 #: Credential records read at once while looking for the account's own.
 CONCURRENT_READS: Final = 8
-#: Deleted batches between two saves of the count in the tombstone. A save is
-#: three requests (head, get, compare-and-swap put) that compete with the listing
-#: on the server; the count only matters to a resumed run, which recounts what
-#: it deletes itself (so a crash forgets at most this many batches of it).
-PROGRESS_EVERY: Final = 5
 
 
 class AccountSweep:
@@ -81,7 +92,8 @@ class AccountSweep:
         store: ObjectStore,
         account_id: str,
         *,
-        deleted: int = 0,
+        tombstone: dict[str, Any] | None = None,
+        etag: str | None = None,
         page_size: int = DELETE_BATCH,
         on_objects: Callable[[int], None] | None = None,
         backups: ObjectStore | None = None,
@@ -92,8 +104,20 @@ class AccountSweep:
         self._account_id = validate_id("account", account_id, "account_id")
         self._page_size = page_size
         self._on_objects = on_objects
-        self.deleted = deleted
-        """Objects deleted under the prefix so far (this run and the saved count)."""
+        self._tomb = tombstone
+        """The tombstone as last read or written (None: the progress is not saved)."""
+        self._etag = etag
+        """Its etag then (None: read it before the next save)."""
+        self.progress = SweepProgress.from_tombstone(tombstone or {})
+        """The count and what was counted, as saved (and about to be)."""
+        self._before_segments = self.progress.deleted
+        """The count the named segments add to (a run of that step starts from it)."""
+        self._saving = asyncio.Lock()
+
+    @property
+    def deleted(self) -> int:
+        """Objects deleted under the prefix so far, by this run and the ones before."""
+        return self.progress.deleted
 
     async def delete(self, keys: list[str], op: str = "delete") -> None:
         """Delete ``keys``, retried with the shared policy on top of the store's own."""
@@ -165,12 +189,15 @@ class AccountSweep:
         A names list is read as the store holds it: a name that is not one is
         skipped, and the listing after this deletes whatever is left anyway.
         Names lists are deleted by that listing, after their segments: a run
-        resumed after a crash finds them again (and counts those segments again).
+        resumed after a crash finds them again, and counts them from the count
+        before them (see the module doc); once done, the step is skipped.
         """
-        if self._backups is None:
+        if self._backups is None or self.progress.segments_done:
             return
         if machine_ids is None:
             machine_ids = await self.machine_ids()
+        # Every name is found again, deleted or not: this run counts them all.
+        self.progress.deleted = self._before_segments
         roots = [backups_prefix(self._account_id, m) for m in machine_ids]
         listed = await asyncio.gather(*(self._keys(root + MANIFESTS) for root in roots))
         lists = [
@@ -206,7 +233,14 @@ class AccountSweep:
                     read.cancel()
                 await asyncio.gather(*reads, return_exceptions=True)
 
-        await self._delete_pages(pages())
+        await self._delete_pages(pages(), count_first=False)
+        self.progress.segments_done = True
+        if self.progress.deleted > self._before_segments:
+            try:
+                await self._save()
+            except BaseException:
+                self.progress.segments_done = False  # a run again counts them again
+                raise
 
     async def _names_in(self, key: str) -> list[str]:
         assert self._backups is not None
@@ -238,32 +272,42 @@ class AccountSweep:
                 if keys:
                     yield keys
 
-        await self._delete_pages(pages())
+        await self._delete_pages(pages(), count_first=True)
+        # Every key listed is gone: the ranges an earlier run counted hold nothing more.
+        self.progress.counted.clear()
 
-    async def _delete_pages(self, pages: AsyncIterator[list[str]]) -> None:
-        """Delete each page of keys as one batch, a bounded number at once."""
+    async def _delete_pages(self, pages: AsyncIterator[list[str]], *, count_first: bool) -> None:
+        """Delete each page of keys as one batch, a bounded number at once; with
+        ``count_first`` (pages of a listing, in key order), count each batch and
+        save the count before its delete (see the module doc)."""
         limit = asyncio.Semaphore(CONCURRENT_BATCHES)
         # Every batch is awaited (its error included) before the account may go.
         started: list[asyncio.Task[None]] = []
-        done = 0
-        listed = False
 
         async def batch(keys: list[str]) -> None:
-            nonlocal done
             try:
+                fresh = len(keys)
+                span: tuple[str, str] | None = None
+                if count_first:
+                    fresh = sum(1 for k in keys if not self.progress.was_counted(k))
+                    if fresh:
+                        span = (keys[0], keys[-1])
+                        async with self._saving:
+                            self.progress.deleted += fresh
+                            self.progress.counted.append(span)
+                            # THE COMMIT POINT of this batch's count. Failed (or
+                            # lost), the count and range stay here and go with the
+                            # next save; the keys are deleted only after it.
+                            await self._save()
                 await self.delete(keys, "objects")
             finally:
                 limit.release()
-            self.deleted += len(keys)
-            done += 1
-            if self._on_objects is not None:
-                self._on_objects(len(keys))
-            last = listed and done == len(started)
-            if done % PROGRESS_EVERY == 0 and not last:
-                # Progress survives a restart (give or take the batches since).
-                # Not after the step's last batch: the step ends there, and the
-                # save would only delay the next one.
-                await self._save_progress()
+            if span is not None:
+                self.progress.counted.remove(span)  # deleted: nothing left to skip
+            elif not count_first:
+                self.progress.deleted += fresh
+            if self._on_objects is not None and fresh:
+                self._on_objects(fresh)
 
         try:
             async for keys in pages:
@@ -273,7 +317,6 @@ class AccountSweep:
                 for t in started:
                     if t.done():
                         t.result()
-            listed = True
             await asyncio.gather(*started)
         except BaseException:
             for t in started:
@@ -290,15 +333,24 @@ class AccountSweep:
                 return True
         return False
 
-    async def _save_progress(self) -> None:
-        account_id, count = self._account_id, self.deleted
-
-        def change(d: dict[str, Any]) -> dict[str, Any] | None:
-            if int(d.get("deleted_objects", 0) or 0) >= count:
-                return None
-            return {**d, "deleted_objects": count}
-
-        try:
-            await jsonstore.update(self._store, deleting_key(account_id), change)
-        except AgentsError as e:
-            logger.debug("account %s: progress not saved: %s", account_id, e)
+    async def _save(self) -> None:
+        """Write :attr:`progress` into the tombstone: one compare-and-swap put
+        against the etag of our last write (no read first), read again only when
+        someone else wrote it since. Nothing without a tombstone (fsck, tests)."""
+        if self._tomb is None:
+            return
+        key = deleting_key(self._account_id)
+        async for attempt in retrying("account.delete.progress"):
+            with attempt:
+                for _ in range(jsonstore.CAS_ATTEMPTS):
+                    if self._etag is None:
+                        self._tomb, self._etag = await jsonstore.read_versioned(self._store, key)
+                    data = encode(self.progress.to_tombstone(self._tomb))
+                    try:
+                        self._etag = await self._store.put(key, data, if_match=self._etag)
+                        return
+                    except PreconditionFailed:
+                        self._etag = None
+                raise InvalidState(
+                    key, f"too much contention ({jsonstore.CAS_ATTEMPTS} lost updates)"
+                )

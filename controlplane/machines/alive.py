@@ -27,6 +27,7 @@ from typing import Any, Final
 from controlplane.integrity import jsonstore
 from controlplane.integrity.records import encode, parse_time, utc_iso
 from shared.errors import AgentsError, IntegrityError, NotFound
+from shared.outage import OutageLog
 from shared.store.base import ObjectStore
 from shared.store.causes import store_cause
 from shared.timestamps import Clock, utc_now
@@ -72,12 +73,17 @@ class AliveStamps:
 
     async def keep(self, interval: float) -> None:
         """Stamp every ``interval`` seconds until cancelled (its own task)."""
+        # The next one may land; presence only loses precision meanwhile. One
+        # warning while the store fails, not one per interval.
+        outage = OutageLog(logger, f"{ALIVE_KEY}: cannot stamp")
         while True:
             await asyncio.sleep(interval)  # a period, not synchronisation
             try:
                 await self.stamp()
-            except AgentsError as e:  # the next one may land; presence only loses precision
-                logger.warning("%s: cannot stamp: %s", ALIVE_KEY, e)
+            except AgentsError as e:
+                outage.failed(e)
+            else:
+                outage.recovered()
 
 
 def _parse(raw: Any) -> dict[int, dt.datetime]:

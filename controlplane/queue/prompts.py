@@ -199,11 +199,10 @@ class PromptQueue:
         self._limits = limits or QueueLimits()
         self._clock = clock
         self._on_outcome = on_outcome
-        # What this process last saw queued, per machine: seq -> send time (gauges).
         # Each machine's queue as this process knows it: seq -> idempotency tag.
         # Loaded by one LIST at first use, kept up to date by our own sends, acks
         # and listings, so a send costs one PUT; a lost sequence claim (another
-        # writer) reloads it. Also what the depth and age gauges read.
+        # writer) reloads it. Also what the depth and age gauges and `waiting` read.
         self._views: dict[str, dict[int, str]] = {}
         self._acked = AcknowledgedKeys(
             store, ttl=self._limits.ttl, clock=clock, may_expire=may_expire
@@ -222,6 +221,25 @@ class PromptQueue:
         if oldest is None:
             return 0.0
         return max(0.0, self._clock().timestamp() - oldest / 1_000_000)
+
+    async def waiting(self, machine: Machine) -> bool:
+        """Whether a prompt waits in the machine's queue, as this process knows it.
+
+        From the view of the machine's keys (see ``_views``): one LIST the first
+        time this process needs it, none afterwards, so a periodic check of an
+        idle fleet costs the store nothing. A queue whose newest entry is past
+        the time to live does not count (it is dropped at its next read), unless
+        expiries wait for the clocks to agree.
+        """
+        view = await self._view(machine)
+        if not view:
+            return False
+        if not self._may_expire():
+            return True
+        # A sequence number is its send time in microseconds (or just above an
+        # older one): the newest entry is the youngest prompt.
+        age = self._clock().timestamp() - max(view) / 1_000_000
+        return age <= self._limits.ttl.total_seconds()
 
     async def _view(self, machine: Machine, *, reload: bool = False) -> dict[int, str]:
         view = self._views.get(machine.machine_id)

@@ -8,20 +8,28 @@ listing, log or metric shows a secret; listings show ``public()`` settings.
 
 A queued prompt asks the machine's provider to start it, at most once per
 ``debounce`` seconds per machine; the machine is "starting" from then until it
-connects (or the window ends). A provider that refuses (bad credentials, no
-such instance) is counted and its message kept for ``prompt list``; it never
-fails the send.
+connects (or the window ends). So do prompts that already wait when a provider
+is set (:meth:`MachineStarter.set`), and, while they wait for an offline
+machine, the periodic check (:meth:`MachineStarter.start_if_waiting`, called by
+:mod:`controlplane.queue.wake`): a start that failed, or a machine that stopped
+again before it connected, is asked again once the window is over. Whether
+prompts wait comes from the queue's view of its keys (no store request once
+this process knows the machine's queue). A provider that refuses (bad
+credentials, no such instance) is counted and its message kept for ``prompt
+list``, logged as a warning when it differs from the last one; it never fails
+the send.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final
 
@@ -66,8 +74,11 @@ class MachineStarter:
         debounce: float = DEBOUNCE,
         on_result: Callable[[str], None] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        waiting: Callable[[Machine], Awaitable[bool]] | None = None,
     ) -> None:
         self._store = store
+        # Whether a prompt waits for the machine, offline (None: never asked).
+        self._waiting = waiting
         self._machines = machines
         self._audit = auditor
         self._box = BoxKeyPair.from_private(
@@ -84,7 +95,8 @@ class MachineStarter:
         self._asked: dict[str, float] = {}
         self._starting: set[str] = set()
         self._errors: dict[str, str] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        """The start request in flight for each machine."""
 
     async def set(
         self, principal: Principal, machine_id: str, name: str, settings_json: str
@@ -108,6 +120,11 @@ class MachineStarter:
             plain = json.dumps({"provider": name, "settings": settings.stored()}).encode()
             # THE COMMIT POINT: the one put of the sealed settings.
             await self._store.put(key, seal_bytes(plain, [self._box.public_key], aad=key.encode()))
+        # A start in flight used the old settings (or found none): it is moot.
+        running = self._tasks.pop(machine_id, None)
+        if running is not None:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
         old = self._providers.pop(machine_id, None)
         self._none.discard(machine_id)
         if old is not None:
@@ -117,6 +134,16 @@ class MachineStarter:
         await self._audit.record(
             principal.credential_id, "machine.provider", machine_id, machine.account_id
         )
+        if name:
+            # Prompts that waited for a machine without a provider: start it now,
+            # not at the next send. The settings are stored whatever this finds;
+            # the periodic check asks again when it cannot tell.
+            try:
+                await self.start_if_waiting(machine)
+            except AgentsError as e:
+                logger.warning(
+                    "machine %s: cannot tell whether prompts wait for it: %s", machine_id, e
+                )
         return machine
 
     async def _provider(self, account_id: str, machine_id: str) -> MachineProvider | None:
@@ -141,15 +168,39 @@ class MachineStarter:
 
     def try_request(self, account_id: str, machine_id: str) -> bool:
         """As :meth:`request` (a schedule is due); whether a request was made now."""
-        now = self._monotonic()
-        last = self._asked.get(machine_id)
-        if last is not None and now - last < self._debounce:
+        running = self._tasks.get(machine_id)
+        if self._asked_lately(machine_id) or (running is not None and not running.done()):
             return False
-        self._asked[machine_id] = now
+        self._asked[machine_id] = self._monotonic()
         task = asyncio.create_task(self._start(account_id, machine_id), name=f"start-{machine_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[machine_id] = task
+        task.add_done_callback(functools.partial(self._done, machine_id))
         return True
+
+    def _done(self, machine_id: str, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(machine_id) is task:
+            del self._tasks[machine_id]
+
+    def _asked_lately(self, machine_id: str) -> bool:
+        last = self._asked.get(machine_id)
+        return last is not None and self._monotonic() - last < self._debounce
+
+    async def start_if_waiting(self, machine: Machine) -> bool:
+        """Ask the provider of ``machine`` (offline) to start it when a prompt waits
+        for it (debounced, as :meth:`request`); whether a request was made now.
+
+        Store requests: the provider's settings once per process (as
+        :meth:`has_provider`) and, for a machine with a provider, one listing of
+        its queue once per process (``PromptQueue.waiting``); none afterwards.
+        """
+        machine_id = machine.machine_id
+        if self._waiting is None or machine.revoked or self._asked_lately(machine_id):
+            return False
+        if not await self.has_provider(machine.account_id, machine_id):
+            return False
+        if not await self._waiting(machine):
+            return False
+        return self.try_request(machine.account_id, machine_id)
 
     async def has_provider(self, account_id: str, machine_id: str) -> bool:
         """Whether a provider is set for the machine (an unreadable one counts: a
@@ -170,9 +221,17 @@ class MachineStarter:
                 return
             status = await provider.start()
         except (AgentsError, IntegrityError, KeyError, ValueError) as e:
+            # Asked again while prompts wait (the periodic check): the same refusal
+            # is logged once, as a warning, until it changes or a start works.
+            again = self._errors.get(machine_id) == str(e)
             self._errors[machine_id] = str(e)
             self._count("error")
-            logger.warning("machine %s: provider start failed: %s", machine_id, e)
+            logger.log(
+                logging.DEBUG if again else logging.WARNING,
+                "machine %s: provider start failed: %s",
+                machine_id,
+                e,
+            )
             return
         self._errors.pop(machine_id, None)
         self._starting.add(machine_id)
@@ -198,9 +257,9 @@ class MachineStarter:
 
     async def close(self) -> None:
         """Stop start requests in flight; started machines keep running."""
-        for task in list(self._tasks):
+        for task in list(self._tasks.values()):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         for provider in self._providers.values():
             await provider.close()
         self._providers.clear()

@@ -11,7 +11,8 @@ such a key arrived (a test's barrier: "the daemon got that far").
 ``proxy.arm_before(pid, "DELETE", "/queue/")`` instead kills ``pid`` when the
 first such write ARRIVES, and never forwards it: "the process died just
 before that write"; ``proxy.arm_after(pid, "PUT", "cp/deployment")`` once
-such a write was accepted.
+such a write was accepted; ``proxy.arm_after_batches(pid, n)`` once the n-th
+multi-object delete (``POST ?delete``, which the writes above do not count) was.
 
 ``proxy.flaky(rate, seed=...)`` makes S3 flaky instead: with probability
 ``rate`` a write (PUT, POST or DELETE outside ``_probe/``) is FORWARDED and
@@ -72,6 +73,7 @@ class CrashProxy:
         self._after = 0
         self._before: tuple[int, str, str] | None = None
         self._after_match: tuple[int, str, str] | None = None
+        self._after_batches: tuple[int, int] | None = None
         self._requests: list[tuple[str, str]] = []
         self._rate = 0.0
         self._random = random.Random(0)
@@ -136,12 +138,41 @@ class CrashProxy:
             self.crashed.clear()
             self._after_match = (pid, method, key_part)
 
+    def arm_after_batches(self, pid: int, n: int) -> None:
+        """Kill ``pid`` once the ``n``-th multi-object delete from now was accepted."""
+        with self._lock:
+            self.crashed.clear()
+            self._after_batches = (pid, n)
+
     def disarm(self) -> None:
         """Stop counting; nothing will be killed."""
         with self._lock:
             self._pid = None
             self._before = None
             self._after_match = None
+            self._after_batches = None
+
+    def _kill(self, pid: int) -> bool:
+        """SIGKILL ``pid`` (gone already is fine) and say so; True."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self.crashed.set()
+        return True
+
+    def _after_batch(self, method: str, path: str, status: int) -> bool:
+        """Count an accepted multi-object delete; True when the process was killed."""
+        query = [part.partition("=")[0] for part in urlsplit(path).query.split("&")]
+        if method != "POST" or "delete" not in query or status >= 300:
+            return False
+        with self._lock:
+            if self._after_batches is None:
+                return False
+            pid, left = self._after_batches
+            if left > 1:
+                self._after_batches = (pid, left - 1)
+                return False
+            self._after_batches = None
+        return self._kill(pid)
 
     def before_write(self, method: str, path: str) -> bool:
         """True when the writer was killed instead of this write being forwarded."""
@@ -153,10 +184,7 @@ class CrashProxy:
             if method != want or part not in write:
                 return False
             self._before = None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        self.crashed.set()
-        return True
+        return self._kill(pid)
 
     def _counts(self, method: str, path: str) -> str | None:
         if method not in ("PUT", "DELETE") or "uploadId=" in path or "partNumber=" in path:
@@ -169,6 +197,8 @@ class CrashProxy:
 
     def after_write(self, method: str, path: str, status: int) -> bool:
         """Record an accepted write; True when the process was killed because of it."""
+        if self._after_batch(method, path, status):
+            return True
         write = self._counts(method, path)
         if write is None or status >= 300:
             return False
@@ -176,20 +206,14 @@ class CrashProxy:
             match = self._after_match
             if match is not None and method == match[1] and match[2] in write:
                 self._after_match = None
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(match[0], signal.SIGKILL)
-                self.crashed.set()
-                return True
+                return self._kill(match[0])
             if self._pid is None:
                 return False
             self.writes.append(write)
             if len(self.writes) < self._after:
                 return False
             pid, self._pid = self._pid, None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        self.crashed.set()
-        return True
+        return self._kill(pid)
 
 
 def _handler(proxy: CrashProxy) -> type[BaseHTTPRequestHandler]:

@@ -265,6 +265,78 @@ def test_missing_bucket_is_failed_precondition_naming_the_store(
     assert "internal error" not in res.err
 
 
+def _store_faults(cp: ControlProc) -> float:
+    url = f"http://{cp.serve_info['metrics']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        float(v) for v in re.findall(r"^agents_cp_store_errors_total\{.*\} (\S+)$", text, re.M)
+    )
+
+
+async def test_a_bucket_removed_while_serving_is_one_warning_per_loop_and_no_traceback(
+    cp: ControlProc, store: Store
+) -> None:
+    """Issue 34: while the bucket was gone the log filled with tracebacks
+    (``controlplane.wake``: NoSuchBucket, StoreMisconfigured) and a self-check
+    warning per heartbeat. Now each periodic loop says it once, without a
+    traceback, and once more when the store is back."""
+    stop_serve(cp)  # again with every periodic job ticking fast
+    with (cp.home / "config.toml").open("a") as f:
+        f.write("wake_check_seconds = 0.3\nclock_check_seconds = 0.3\n")
+    start_serve(cp)
+    await _joined_machine(cp)  # an offline machine for the waker and the offline gauge
+    snapshot: dict[str, bytes] = {}
+    client = _s3(store.url)
+
+    def removed() -> bool:
+        # The daemon may write meanwhile (BucketNotEmpty): what it wrote is kept too.
+        taken = store.snapshot()
+        snapshot.update(taken)
+        for key in taken:
+            client.delete_object(Bucket=BUCKET, Key=key)
+        try:
+            client.delete_bucket(Bucket=BUCKET)
+        except client.exceptions.ClientError as e:
+            if e.response["Error"]["Code"] != "BucketNotEmpty":
+                raise
+            return False
+        return True
+
+    await apoll_until(removed, deadline=30, what="the bucket removed")
+    assert cp.log_path is not None
+    log = cp.log_path
+
+    def gone_warning() -> bool:
+        return "the bucket does not exist (NoSuchBucket)" in log.read_text()
+
+    await apoll_until(gone_warning, deadline=30, what="a warning naming the store problem")
+    # Many more failed ticks (the self-check's alone every 0.3 s).
+    faults = _store_faults(cp)
+    await apoll_until(lambda: _store_faults(cp) >= faults + 20, deadline=30, what="failed ticks")
+
+    client.create_bucket(Bucket=BUCKET)
+    client.close()
+    store.restore(snapshot)
+    await apoll_until(
+        lambda: "self-check: works again" in log.read_text(),
+        deadline=30,
+        what="the recovery line",
+    )
+    await _until_ok(cp, 15, "after the bucket came back")
+    stop_serve(cp)
+    text = log.read_text()
+    assert "Traceback" not in text, text
+    warned = [
+        line.split(" ", 2)[2]  # without the time stamp
+        for line in text.splitlines()
+        if " WARNING " in line and "NoSuchBucket" in line
+    ]
+    assert warned and len(warned) == len(set(warned)), text  # each loop says it once
+    assert any(line.startswith("WARNING controlplane.server: self-check: ") for line in warned)
+    assert text.count("self-check: works again") == 1, text
+
+
 async def test_real_machine_keeps_identity_through_a_swapped_store(
     cp: ControlProc, store: Store, tmp_path: Path
 ) -> None:

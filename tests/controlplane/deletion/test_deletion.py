@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 
@@ -14,7 +14,7 @@ from controlplane.access.authz import CredentialService
 from controlplane.access.principals import Principal
 from controlplane.access.tokens import TokenService
 from controlplane.deletion.service import AccountDeletion, DeletionHooks, _together
-from controlplane.deletion.sweep import PROGRESS_EVERY, AccountSweep
+from controlplane.deletion.sweep import AccountSweep
 from controlplane.integrity import jsonstore
 from controlplane.integrity.audit import Auditor
 from controlplane.integrity.intents import INTENTS_PREFIX, Intents
@@ -72,28 +72,37 @@ class PassThrough(StoreWrapper):
 
 
 class CrashingStore(PassThrough):
-    """Dies at the ``after``-th write or delete (a batch counts once)."""
+    """Dies at the ``after``-th write or delete (a batch counts once): before it
+    reaches the store, or with ``landed`` right after the store took it."""
 
-    def __init__(self, inner: ObjectStore, after: int) -> None:
+    def __init__(self, inner: ObjectStore, after: int, *, landed: bool = False) -> None:
         super().__init__(inner)
         self.left = after
+        self.landed = landed
 
     def _tick(self) -> None:
         self.left -= 1
         if self.left < 0:
             raise Crash
 
+    async def _write(self, write: Callable[[], Awaitable[object]]) -> object:
+        if not self.landed:
+            self._tick()
+        result = await write()
+        if self.landed:
+            self._tick()
+        return result
+
     async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
-        self._tick()
-        return await self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
+        return await self._write(
+            lambda: self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
+        )
 
     async def delete(self, key: str) -> None:
-        self._tick()
-        await self.inner.delete(key)
+        await self._write(lambda: self.inner.delete(key))
 
     async def delete_many(self, keys: Sequence[str]) -> None:
-        self._tick()
-        await delete_keys(self.inner, keys)
+        await self._write(lambda: delete_keys(self.inner, keys))
 
 
 class FailingBatch(PassThrough):
@@ -352,62 +361,86 @@ async def test_background_run_closes_links_and_counts(clock: Clock) -> None:
 
 
 class RecordingProgress(CrashingStore):
-    """Records the object count of every tombstone write, and every batch delete."""
+    """Records, in order, every tombstone write (its count) and read, and every
+    batch delete."""
 
     def __init__(self, inner: ObjectStore, tombstone: str) -> None:
         super().__init__(inner, 10**9)
         self.tombstone = tombstone
-        self.saved: list[int] = []
-        self.batches = 0
+        self.events: list[tuple[str, int]] = []
+
+    async def get(self, key: str) -> bytes:
+        if key == self.tombstone:
+            self.events.append(("read", 0))
+        return await super().get(key)
+
+    async def head(self, key: str):  # type: ignore[no-untyped-def]
+        if key == self.tombstone:
+            self.events.append(("read", 0))
+        return await super().head(key)
 
     async def put(self, key, data, *, if_none_match=False, if_match=None):  # type: ignore[no-untyped-def]
         if key == self.tombstone:
-            self.saved.append(int(jsonstore.decode(data, key)["deleted_objects"]))
+            self.events.append(("save", int(jsonstore.decode(data, key)["deleted_objects"])))
         return await super().put(key, data, if_none_match=if_none_match, if_match=if_match)
 
     async def delete_many(self, keys: Sequence[str]) -> None:
-        self.batches += 1
         await super().delete_many(keys)
+        self.events.append(("batch", len(keys)))
 
 
-async def test_the_count_is_saved_every_few_batches_not_after_each(clock: Clock) -> None:
+async def _prefix_objects(store: ObjectStore, acct: str) -> int:
+    """What a deletion of ``acct`` counts: every object under its prefix but its record."""
+    return len([k for k in await _keys(store) if k.startswith(f"accounts/{acct}/")]) - 1
+
+
+async def test_each_listed_batch_is_counted_and_saved_before_its_delete(clock: Clock) -> None:
+    """The count's commit point is one put of the tombstone per batch of the
+    listing, before that batch's delete, with no read of the tombstone first."""
     store = MemoryStore()
     acct = await _populate(Process(store, clock), 1, 1, 90)
+    total = await _prefix_objects(store, acct)
     recording = RecordingProgress(store, deleting_key(acct))
     p = Process(recording, clock)
-    await p.deletion.delete(OP, acct)
+    done = await p.deletion.delete(OP, acct)
+    assert done.deleted_objects == total
+    saves = [n for kind, n in recording.events if kind == "save"]
+    # The tombstone's creation (count 0), then the saves, each of a larger count.
+    assert saves[0] == 0 and saves[1:] == sorted(set(saves[1:])) and saves[-1] == total
     # Batches under the prefix: all but the index batch and the last two deletes
-    # (account record, tombstone).
-    prefix_batches = recording.batches - 3
-    assert prefix_batches >= 2 * PROGRESS_EVERY
-    # The tombstone's creation (count 0), then one save per PROGRESS_EVERY batches
-    # (a save per batch before: the saves competed with the listing on the server).
-    assert recording.saved[0] == 0
-    saves = recording.saved[1:]
-    # (none after the last batch: the step ends there).
-    assert len(saves) == (prefix_batches - 1) // PROGRESS_EVERY
-    assert saves == sorted(saves) and saves[0] > 0
-    assert (await p.deletion.get(OP, acct)).deleted_objects >= saves[-1]
+    # (account record, tombstone); one save each, before it.
+    batches = [i for i, (kind, _) in enumerate(recording.events) if kind == "batch"][1:-2]
+    assert len(batches) >= 10 and len(saves) == 1 + len(batches)
+    for n, i in enumerate(batches, start=1):
+        assert [kind for kind, _ in recording.events[:i]].count("save") > n
+    # Read when the run starts, never again before a save (its etag is known).
+    kinds = [kind for kind, _ in recording.events]
+    first, last = batches[0], len(kinds) - 1 - kinds[::-1].index("save")
+    assert "read" not in kinds[first:last]
 
 
 #: Writes and deletes one whole deletion of _populate's account makes (page size 7:
-#: six batches under the prefix, with the tokens' use markers; the count saved after the
-#: fifth only).
-WRITES = 15
+#: six batches under the prefix, with the tokens' use markers, each counted by a save
+#: of the tombstone before it).
+WRITES = 20
 
 
+@pytest.mark.parametrize("landed", [False, True], ids=["before", "after"])
 @pytest.mark.parametrize("crash_after", range(WRITES + 1))
 async def test_a_crash_at_any_step_is_finished_by_the_next_process(
-    clock: Clock, crash_after: int
+    clock: Clock, crash_after: int, landed: bool
 ) -> None:
+    """Killed before (or right after) each write or delete of a deletion: the next
+    process finishes it, and reports every object deleted (issue 34: only its own)."""
     store = MemoryStore()
     setup = Process(store, clock)
     acct = await _populate(setup, 1)
     kept = await _populate(setup, 2)
     before_kept = await _leftovers(store, kept)
+    total = await _prefix_objects(store, acct)
     clock.now += dt.timedelta(minutes=1)
 
-    dying = Process(CrashingStore(store, crash_after), clock)
+    dying = Process(CrashingStore(store, crash_after, landed=landed), clock)
     if crash_after < WRITES:
         with pytest.raises(Crash):
             await dying.deletion.delete(OP, acct)
@@ -424,7 +457,8 @@ async def test_a_crash_at_any_step_is_finished_by_the_next_process(
     assert not [k for k in await _keys(store) if k.startswith(INTENTS_PREFIX)]
     if committed:
         assert await _leftovers(store, acct) == []
-        assert (await after.deletion.get(OP, acct)).state == "deleted"
+        done = await after.deletion.get(OP, acct)
+        assert (done.state, done.deleted_objects) == ("deleted", total)
         assert deleted_key(acct) in await _keys(store)
     else:
         # Nobody heard of it: rolled back, the account is whole and active.
@@ -452,7 +486,8 @@ async def test_a_crash_at_any_write_among_named_segments_is_finished_by_the_next
 ) -> None:
     """Killed after 0, 1, 2, ... writes or deletes, until a run gets through: every
     point of a deletion whose segments are named by names lists, resumed."""
-    for crash_after in range(200):
+    for crash_after in range(400):
+        landed = bool(crash_after % 2)  # killed before the write, or right after it
         store = MemoryStore()
         setup = Process(store, clock)
         acct = await _populate(setup, 1, extra=0)
@@ -460,7 +495,8 @@ async def test_a_crash_at_any_write_among_named_segments_is_finished_by_the_next
         kept = await _populate(setup, 2, extra=0)
         await _with_backups(setup, kept)
         before_kept = await _leftovers(store, kept)
-        dying = Process(CrashingStore(store, crash_after), clock)
+        total = await _prefix_objects(store, acct)
+        dying = Process(CrashingStore(store, crash_after // 2, landed=landed), clock)
         try:
             await dying.deletion.delete(OP, acct)
             finished = True
@@ -472,13 +508,14 @@ async def test_a_crash_at_any_write_among_named_segments_is_finished_by_the_next
         assert await _leftovers(store, kept) == before_kept
         if deleted_key(acct) in await _keys(store):
             assert await _leftovers(store, acct) == []
+            assert (await after.deletion.get(OP, acct)).deleted_objects == total, crash_after
         else:
             assert (await after.accounts.get(acct)).state == "active"
-        if finished:
+        if finished and not landed:
             break
     else:
         pytest.fail("no deletion got through 200 writes")
-    assert crash_after > 10, "the deletion's writes were all reached"
+    assert crash_after > 20, "the deletion's writes were all reached"
 
 
 async def test_a_failed_batch_stops_the_run_and_the_next_one_finishes(clock: Clock) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,17 +16,19 @@ from controlplane.access.accounts import AccountService
 from controlplane.access.principals import Principal
 from controlplane.access.tokens import TokenService
 from controlplane.integrity.audit import Auditor
+from controlplane.integrity.records import Machine
 from controlplane.machines.pairing import Pairing
 from controlplane.machines.presence import PresenceRegistry
 from controlplane.machines.registry import MachineInfo, MachineRegistry
 from controlplane.queue.delivery import PromptDelivery
-from controlplane.queue.prompts import PromptQueue
-from controlplane.queue.starter import MachineStarter
+from controlplane.queue.prompts import DEFAULT_TTL, PromptQueue
+from controlplane.queue.starter import DEBOUNCE, MachineStarter
 from shared import tls
 from shared.crypto import BoxKeyPair
 from shared.errors import InvalidArgument, PermissionDenied
 from shared.ids import new_id
 from shared.store import MemoryStore
+from shared.timestamps import utc_now
 from tests.helpers.moto_server import moto_server
 from tests.helpers.poll import apoll_until
 
@@ -45,6 +48,16 @@ class World:
         )
         self.op = Principal("adm_" + "0" * 26, "operator")
         self.results: list[str] = []
+        self.now = 0.0  # the starter's monotonic clock (its debounce window)
+        self.shift = dt.timedelta(0)  # how far the queue's clock is ahead
+        self.queue = PromptQueue(
+            self.store, self.machines, audit, clock=lambda: utc_now() + self.shift
+        )
+        presence = PresenceRegistry(self.store)
+
+        async def waiting(m: Machine) -> bool:  # as server.py wires it
+            return presence.session(m.machine_id) is None and await self.queue.waiting(m)
+
         self.starter = MachineStarter(
             self.store,
             self.machines,
@@ -52,11 +65,10 @@ class World:
             b"s" * 32,
             log_dir=tmp_path / "providers",
             on_result=self.results.append,
+            monotonic=lambda: self.now,
+            waiting=waiting,
         )
-        queue = PromptQueue(self.store, self.machines, audit)
-        self.delivery = PromptDelivery(
-            queue, PresenceRegistry(self.store), on_queued=self.starter.request
-        )
+        self.delivery = PromptDelivery(self.queue, presence, on_queued=self.starter.request)
 
     async def machine(self) -> tuple[str, str]:
         acct = (await self.accounts.create(1, "u", None, "t")).account.account_id
@@ -175,3 +187,92 @@ async def test_a_machine_without_a_provider_is_asked_about_once(w: World) -> Non
     assert len([k for k in reads if "/providers/" in k]) == 1
     await w.starter.set(w.op, m, "local", json.dumps({"command": ["true"]}))
     assert await w.starter.has_provider(account, m)
+
+
+def _instance(endpoint: str) -> tuple[object, str]:
+    """A stopped EC2 instance on moto's server: (client, instance id)."""
+    ec2 = _ec2_client(endpoint)
+    reply = ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1)  # type: ignore[attr-defined]
+    instance = str(reply["Instances"][0]["InstanceId"])
+    ec2.stop_instances(InstanceIds=[instance])  # type: ignore[attr-defined]
+    return ec2, instance
+
+
+def _state(ec2: object, instance: str) -> str:
+    got = ec2.describe_instances(InstanceIds=[instance])  # type: ignore[attr-defined]
+    return str(got["Reservations"][0]["Instances"][0]["State"]["Name"])
+
+
+async def test_setting_a_provider_starts_a_machine_whose_prompts_wait(
+    w: World, ec2_endpoint: str
+) -> None:
+    """Issue 34: prompts queued for a machine without a provider waited until the
+    next send after ``provider set``; the set itself starts the machine now."""
+    ec2, instance = _instance(ec2_endpoint)
+    _, m = await w.machine()
+    sent = await w.delivery.send(w.op, m, new_id("agent"), "wake up")
+    assert sent.state == "queued" and w.results == []  # no provider: nothing to ask
+    await w.starter.set(w.op, m, "ec2", _settings(ec2_endpoint, instance))
+    await apoll_until(lambda: w.results, deadline=15, what="a start result")
+    assert w.results == ["ok"] and w.starter.starting(m)
+    await apoll_until(lambda: _state(ec2, instance) == "running", deadline=15, what="running")
+
+
+async def test_setting_a_provider_with_nothing_queued_starts_nothing(
+    w: World, ec2_endpoint: str
+) -> None:
+    ec2, instance = _instance(ec2_endpoint)
+    acct, m = await w.machine()
+    await w.starter.set(w.op, m, "ec2", _settings(ec2_endpoint, instance))
+    machine = await w.machines.get(w.op, m)
+    assert not await w.starter.start_if_waiting(machine)
+    assert w.results == [] and not w.starter.starting(m) and _state(ec2, instance) == "stopped"
+
+
+async def test_waiting_prompts_are_asked_for_again_and_a_known_queue_costs_no_request(
+    w: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The periodic check (ScheduleWaker) asks again for a machine whose prompts
+    still wait once the debounce window is over, logs the same refusal once, and
+    reads nothing from the store for a queue and a provider it knows."""
+    caplog.set_level(logging.DEBUG, logger="controlplane.queue.starter")
+    _, m = await w.machine()
+    missing = "/nonexistent/agents-machine"
+    await w.starter.set(w.op, m, "local", json.dumps({"command": [missing, "serve"]}))
+    machine = await w.machines.get(w.op, m)
+    await w.delivery.send(w.op, m, new_id("agent"), "hello")
+    await apoll_until(lambda: w.results, deadline=15, what="the first start")
+    requests: list[str] = []
+    for name in ("get", "head", "list", "list_pages", "put", "delete"):
+        real = getattr(w.store, name)
+
+        def counted(*args: object, _real: object = real, _name: str = name, **kw: object) -> object:
+            requests.append(_name)
+            return _real(*args, **kw)  # type: ignore[operator]
+
+        setattr(w.store, name, counted)
+    assert not await w.starter.start_if_waiting(machine)  # inside the window
+    for n in (2, 3):
+        w.now += DEBOUNCE
+        assert await w.starter.start_if_waiting(machine)
+        await apoll_until(lambda n=n: len(w.results) == n, deadline=15, what="asked again")
+    assert w.results == ["error", "error", "error"]
+    assert requests == []
+    failed = [r for r in caplog.records if "provider start failed" in r.getMessage()]
+    assert [r.levelno for r in failed] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert "cannot run" in w.starter.last_error(m)
+
+
+async def test_an_empty_or_expired_queue_asks_nothing(w: World) -> None:
+    _, m = await w.machine()
+    # A command that cannot run: a start is asked for (and fails) without a process.
+    await w.starter.set(w.op, m, "local", json.dumps({"command": ["/nonexistent/x"]}))
+    machine = await w.machines.get(w.op, m)
+    assert not await w.starter.start_if_waiting(machine)  # nothing queued
+    await w.delivery.send(w.op, m, new_id("agent"), "hello")
+    await apoll_until(lambda: w.results, deadline=15, what="the send's start")
+    w.now += DEBOUNCE
+    w.shift = DEFAULT_TTL + dt.timedelta(seconds=1)  # the prompt is past its time to live
+    assert not await w.queue.waiting(machine)
+    assert not await w.starter.start_if_waiting(machine)
+    assert w.results == ["error"]

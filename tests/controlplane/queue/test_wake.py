@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
+import logging
+
+import pytest
 
 from controlplane.integrity.records import Machine
 from controlplane.machines.presence import MachineStatus
 from controlplane.queue.wake import ScheduleWaker
+from shared.errors import StoreMisconfigured
 from shared.ids import new_id
+from tests.helpers.poll import apoll_until
 
 NOW = dt.datetime(2026, 6, 1, 12, tzinfo=dt.UTC)
 
@@ -47,8 +54,9 @@ class _Presence:
 
 
 class _Starter:
-    def __init__(self, providers: set[str]) -> None:
+    def __init__(self, providers: set[str], waiting: set[str] | None = None) -> None:
         self.providers = providers
+        self.waiting = waiting or set()
         self.asked: list[str] = []
 
     async def has_provider(self, account_id: str, machine_id: str) -> bool:
@@ -57,6 +65,11 @@ class _Starter:
     def try_request(self, account_id: str, machine_id: str) -> bool:
         self.asked.append(machine_id)
         return True
+
+    async def start_if_waiting(self, machine: Machine) -> bool:
+        if machine.machine_id in self.providers and machine.machine_id in self.waiting:
+            return self.try_request(machine.account_id, machine.machine_id)
+        return False
 
 
 async def test_wakes_only_offline_machines_with_a_provider_and_a_fire_due() -> None:
@@ -105,3 +118,78 @@ async def test_a_fire_time_that_passed_wakes_nothing() -> None:
     )
     assert await waker.check() == []
     assert starter.asked == []
+
+
+async def test_offline_machines_whose_prompts_wait_are_asked_for_too() -> None:
+    """Issue 34: prompts waiting for an offline machine start it at the next check,
+    not only at a send (a start that failed, or a machine that stopped again)."""
+    waits, online, idle, scheduled = (_machine() for _ in range(4))
+    everyone = [waits, online, idle, scheduled]
+    starter = _Starter(
+        {m.machine_id for m in everyone}, waiting={waits.machine_id, online.machine_id}
+    )
+    wakes: list[int] = []
+    waker = ScheduleWaker(
+        _Fleet(everyone),  # type: ignore[arg-type]
+        _Presence({scheduled.machine_id: NOW + dt.timedelta(seconds=60)}, {online.machine_id}),  # type: ignore[arg-type]
+        starter,  # type: ignore[arg-type]
+        lead=120,
+        interval=1,
+        clock=lambda: NOW,
+        on_wake=lambda: wakes.append(1),
+    )
+    assert sorted(await waker.check()) == sorted([waits.machine_id, scheduled.machine_id])
+    assert len(wakes) == 1  # the schedule's wake; the prompts' start is counted by the starter
+
+
+class _GoneFleet:
+    """A fleet whose store is gone until ``back`` is set."""
+
+    def __init__(self) -> None:
+        self.back = False
+        self.calls = 0
+
+    async def machines(self) -> list[Machine]:
+        self.calls += 1
+        if not self.back:
+            raise StoreMisconfigured(
+                "store s3://b/cp/: list index/accounts/: the bucket does not exist (NoSuchBucket)"
+            )
+        return []
+
+
+async def test_a_store_gone_is_one_warning_without_a_traceback_then_one_recovery_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 34: every check logged a traceback while the bucket was gone."""
+    caplog.set_level(logging.INFO, "controlplane.queue.wake")
+    fleet = _GoneFleet()
+    waker = ScheduleWaker(
+        fleet,  # type: ignore[arg-type]
+        _Presence({}, set()),  # type: ignore[arg-type]
+        _Starter(set()),  # type: ignore[arg-type]
+        lead=120,
+        interval=0.01,
+        clock=lambda: NOW,
+    )
+    task = asyncio.create_task(waker.run())
+    try:
+        await apoll_until(lambda: fleet.calls >= 5, deadline=10, what="five failed checks")
+        fleet.back = True
+        await apoll_until(
+            lambda: any("works again" in r.getMessage() for r in caplog.records),
+            deadline=10,
+            what="the recovery line",
+        )
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    lines = [r for r in caplog.records if r.name == "controlplane.queue.wake"]
+    warnings = [r for r in lines if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].exc_info is None
+    assert "checking machines to wake:" in warnings[0].getMessage()
+    assert "NoSuchBucket" in warnings[0].getMessage()
+    assert [r.getMessage().split(" (")[0] for r in lines if r.levelno == logging.INFO] == [
+        "checking machines to wake: works again"
+    ]
