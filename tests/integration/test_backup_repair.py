@@ -161,7 +161,6 @@ def _cli(data_dir: Path, *args: str) -> str:
 async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
     cp: ControlProc, tmp_path: Path, moto_endpoint: str, s3_bucket: str
 ) -> None:
-    started = time.monotonic()
     recovery = BoxKeyPair.generate()
     key_file = tmp_path / "recovery.key"
     write_recovery_key(key_file, recovery, "the test account's backups")
@@ -337,7 +336,6 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
         blob = s3.get_object(Bucket=s3_bucket, Key=k)["Body"].read()
         for needle in needles:
             assert needle not in blob, (k, needle)
-    assert time.monotonic() - started < 120
 
 
 def test_a_bad_recovery_key_file_is_refused_before_the_join(tmp_path: Path) -> None:
