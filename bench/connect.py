@@ -200,24 +200,27 @@ class Links:
 
 
 @contextlib.asynccontextmanager
-async def open_links(tmp: Path, count: int, *, wave: int = 0) -> AsyncIterator[Links]:
-    """Open the links of the machines :func:`join_machines` made, all at once (or
-    ``wave`` at a time, each wave up before the next opens); closed together on the
-    way out (a clean goodbye each)."""
+async def open_links(
+    tmp: Path, count: int, *, wave: int = 0, first: int = 0
+) -> AsyncIterator[Links]:
+    """Open the links of the machines :func:`join_machines` made (``first`` ..
+    ``count`` - 1), all at once (or ``wave`` at a time, each wave up before the next
+    opens); closed together on the way out (a clean goodbye each)."""
 
     async def no_agents() -> int:
         return 0
 
-    registries = [CollectorRegistry() for _ in range(count)]
+    registries = [CollectorRegistry() for _ in range(first, count)]
     links = [
         ControlLink(
             data_dir=tmp / f"m{i:04d}",
             agent_count=no_agents,
             version="bench",
-            registry=registries[i],
+            registry=registries[i - first],
         )
-        for i in range(count)
+        for i in range(first, count)
     ]
+    count = len(links)
     opened = Links(links, registries)
     with opened.failures.counting():
         try:

@@ -19,7 +19,8 @@ the start grew with the data. The daemon's own split of the largest start
 (``machine open in ... s (...)``, one line in its log) is printed too.
 
 Control plane: a real ``agents-control`` (folder store) with N machines joined
-(10, 100, 1,000, 3,000), stopped with SIGTERM and started again, timed from its
+(10, 100, 1,000, 3,000; each linked once after its join, as its daemon would,
+which confirms the join), stopped with SIGTERM and started again, timed from its
 process start to the first answer of an admin ``GetAccount`` (warm and cold),
 against the same start with one account and no machine.
 
@@ -48,14 +49,22 @@ import grpc
 import grpc.aio
 
 from bench.backup import EVENT_BYTES, EVENTS_PER_RUN, _fill, _make_data, _paragraphs
-from bench.connect import join_machines, new_account_tokens, raise_fd_limit, start_control
+from bench.connect import (
+    join_machines,
+    new_account_tokens,
+    open_links,
+    raise_fd_limit,
+    start_control,
+)
 from bench.results import BenchResult, Curve
 from controlplane.cli.admin_types import NewJoinToken
 from controlplane.cli.client import AdminClient
+from machine.link.connection import LinkState
 from machine.storage.db import Database
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from tests.helpers.control_proc import ControlProc, start_serve, stop_serve
+from tests.helpers.poll import apoll_until
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
@@ -336,8 +345,17 @@ def control_curve(points: tuple[int, ...], work: Path) -> tuple[Curve, list[str]
 
 
 async def _join_more(tokens: list[NewJoinToken], work: Path, have: int, want: int) -> None:
-    """Join machines ``have`` .. ``want`` - 1 (their folders are numbered on)."""
+    """Join machines ``have`` .. ``want`` - 1 (their folders are numbered on), then link
+    each once, as a real machine's daemon does right after its join: that confirms
+    the join (a join never confirmed is an intent the next start resolves)."""
     await join_machines(tokens, work / "machines", want, first=have)
+    async with open_links(work / "machines", want, first=have, wave=500) as opened:
+        await apoll_until(
+            lambda: all(link.state is LinkState.CONNECTED for link in opened.links),
+            deadline=120 + (want - have) / 10,
+            what="every new machine linked once",
+            step=0.1,
+        )
 
 
 def _points(text: str) -> tuple[int, ...]:
