@@ -16,6 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml  # type: ignore[import-untyped]
+
+from controlplane.config import DEFAULT_METRICS_LISTEN
+from machine.config import SERVICE_METRICS_ADDRESS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -69,6 +73,23 @@ def test_prometheus_scrapes_both_daemons_on_loopback() -> None:
     targets = re.findall(r'"([^"]+:\d+)"', text.split("scrape_configs:", 1)[1])
     assert targets, "no static targets"
     assert all(t.startswith("127.0.0.1:") for t in targets), targets
+
+
+def _scrape_targets() -> dict[str, list[str]]:
+    """Each scrape job's static targets in prometheus.yml."""
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    return {
+        job["job_name"]: [t for static in job["static_configs"] for t in static["targets"]]
+        for job in config["scrape_configs"]
+    }
+
+
+def test_prometheus_scrapes_each_daemon_on_its_one_metrics_port() -> None:
+    # The control plane's default and the machine's service port (docs/metrics.md).
+    assert _scrape_targets() == {
+        "agents-control": [DEFAULT_METRICS_LISTEN],
+        "agents-machine": [SERVICE_METRICS_ADDRESS],
+    }
 
 
 def test_alert_rules_are_valid(promtool: str, tmp_path: Path) -> None:
@@ -277,8 +298,8 @@ def test_control_unit_runs_the_real_cli_and_leaves_time_to_drain() -> None:
     args = build_parser().parse_args(argv[1:])
     assert args.cmd == "serve"
     assert str(args.home) == "/var/lib/agents-control"
-    assert args.metrics_listen == "127.0.0.1:9464"
-    assert "127.0.0.1:9464" in (PROM / "prometheus.yml").read_text()
+    # /metrics comes from config.toml (init writes the default): no flag overrides it.
+    assert args.metrics_listen is None
     assert unit["Service"]["StateDirectory"] == ["agents-control"]
     # run_daemon drains for 10 s on the first SIGTERM; SIGKILL must come later.
     assert int(_one(unit, "TimeoutStopSec")) >= 20
@@ -294,8 +315,7 @@ def test_machine_unit_runs_the_real_cli_and_leaves_time_to_drain() -> None:
     args = cli._parser().parse_args(argv[1:])
     assert args.command == "serve"
     assert args.data_dir.endswith("/.agents-server/root")
-    assert args.metrics == "127.0.0.1:9465"
-    assert "127.0.0.1:9465" in (PROM / "prometheus.yml").read_text()
+    assert args.metrics == SERVICE_METRICS_ADDRESS
     # Runs get --grace seconds after the first SIGTERM; then the database and
     # link close. SIGKILL (after TimeoutStopSec) must not cut that short.
     assert int(_one(unit, "TimeoutStopSec")) >= args.grace + 15
