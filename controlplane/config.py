@@ -33,6 +33,7 @@ from shared.errors import ConfigError
 
 __all__ = [
     "CONFIG_FILE",
+    "DEFAULT_METRICS_LISTEN",
     "FILE_KEYS",
     "MAX_TOKEN_TTL",
     "SERVE_FILE",
@@ -49,6 +50,10 @@ CONFIG_FILE: Final = "config.toml"
 SERVE_FILE: Final = "serve.json"
 #: A join token lives at most this many seconds (24 hours).
 MAX_TOKEN_TTL: Final = 24 * 3600
+#: Where ``/metrics`` is served unless told otherwise; deploy/prometheus/prometheus.yml
+#: scrapes it and the systemd unit relies on it (the machine's is next to it:
+#: ``machine.config.SERVICE_METRICS_ADDRESS``).
+DEFAULT_METRICS_LISTEN: Final = "127.0.0.1:9470"
 
 
 def parse_hostport(value: str, field_name: str, *, allow_empty: bool = False) -> tuple[str, int]:
@@ -99,7 +104,7 @@ class ControlConfig:
     """Host printed in join commands; empty means the public listener's host."""
     server_names: tuple[str, ...] = ()
     """Extra DNS names / IPs for the server certificate (besides localhost, 127.0.0.1)."""
-    metrics_listen: str = "127.0.0.1:9470"
+    metrics_listen: str = DEFAULT_METRICS_LISTEN
     """``host:port`` of ``/metrics``; empty disables it."""
     address: str = ""
     """Where the CLI reaches the daemon's public listener; empty: from serve.json."""

@@ -10,6 +10,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from shared.call_metrics import CallCounter
+from shared.metrics import build_info
 from shared.store.causes import OTHER
 
 __all__ = ["STORE_CAUSES", "ControlMetrics"]
@@ -59,6 +60,7 @@ class ControlMetrics:
     """Every metric the daemon exports besides the store's own."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.build_info = build_info(registry, "agents_cp")
         self.machines_online = Gauge(
             "agents_cp_machines_online", "Machines with a live Connect stream.", registry=registry
         )

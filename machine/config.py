@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from machine.backups.service import parse_daily_time
 from machine.formats.cron import validate_zone
@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_ATTACHMENT_LIMIT",
     "DEFAULT_PROMPT_LIMIT",
     "FILE_KEYS",
+    "SERVICE_METRICS_ADDRESS",
     "MachineConfig",
     "default_data_dir",
     "default_time_zone",
@@ -49,6 +50,13 @@ DEFAULT_ATTACHMENT_LIMIT = 20 * 1024 * 1024
 DEFAULT_EVENT_RETENTION_DAYS = 7
 DEFAULT_BACKUP_KEEP = 3
 DEFAULT_BACKUP_TIME = "03:30"
+#: Where a machine daemon run as a service serves ``/metrics`` unless told
+#: otherwise: the unit ``join --install-service`` writes passes it, as
+#: deploy/systemd/agents-machine.service does, and deploy/prometheus/prometheus.yml
+#: scrapes it (next to the control plane's default, 127.0.0.1:9470). A daemon
+#: started by hand serves no metrics unless asked (``metrics_address``): a
+#: laptop may run several, and they would fight over one port.
+SERVICE_METRICS_ADDRESS: Final = "127.0.0.1:9471"
 # Unix socket paths are limited to ~107 bytes on Linux (104 on macOS).
 _MAX_SOCKET_PATH = 100
 #: The longest shutdown grace accepted, in seconds.
@@ -182,7 +190,8 @@ class MachineConfig:
     control plane."""
 
     metrics_address: str | None = None
-    """``HOST:PORT`` (loopback) for Prometheus ``/metrics``; ``None`` turns it off."""
+    """``HOST:PORT`` (loopback) for Prometheus ``/metrics``; ``None`` (the default)
+    turns it off. A service unit passes :data:`SERVICE_METRICS_ADDRESS`."""
 
     prompt_limit: int = DEFAULT_PROMPT_LIMIT
     """Largest prompt accepted, in bytes of UTF-8 (default 1 MiB)."""

@@ -8,6 +8,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared.call_metrics import CallCounter
+from shared.metrics import build_info
 
 __all__ = ["MachineMetrics"]
 
@@ -19,6 +20,7 @@ class MachineMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self.build_info = build_info(registry, "agents_machine")
         self.runs_started = Counter(
             "agents_machine_runs_started", "Runs that started.", registry=registry
         )

@@ -1,27 +1,20 @@
 """The version this machine reports (status, join, heartbeats).
 
-Read once from the installed distribution's metadata; a source tree that is
-not installed reports ``"unknown"``.
+The platform's version (:func:`shared.version.package_version`): read once
+from the installed distribution's metadata, ``"unknown"`` for a source tree
+that is not installed.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from importlib.metadata import PackageNotFoundError, version
+from typing import Final
+
+from shared.version import DISTRIBUTION, package_version
 
 __all__ = ["DISTRIBUTION", "machine_version"]
 
 logger = logging.getLogger(__name__)
 
-#: The distribution whose version is reported.
-DISTRIBUTION = "agents-platform"
-
-
-@functools.cache
-def machine_version() -> str:
-    """The installed ``agents-platform`` version, or ``"unknown"``; computed once."""
-    try:
-        return version(DISTRIBUTION)
-    except PackageNotFoundError:
-        return "unknown"
+#: The installed ``agents-platform`` version, or ``"unknown"``; computed once.
+machine_version: Final = package_version

@@ -20,4 +20,5 @@ __all__ = [
     "rpc",
     "store",
     "tls",
+    "version",
 ]

@@ -9,13 +9,16 @@ on ``/metrics``. Metric names start with the daemon's namespace
 from __future__ import annotations
 
 import logging
+import platform
 import threading
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-__all__ = ["MetricsServer", "new_registry", "start_metrics_server"]
+from shared.version import package_version
+
+__all__ = ["MetricsServer", "build_info", "new_registry", "start_metrics_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +34,21 @@ def new_registry() -> CollectorRegistry:
         except ValueError:  # already registered on this registry
             pass
     return registry
+
+
+def build_info(registry: CollectorRegistry, namespace: str) -> Gauge:
+    """Register ``<namespace>_build_info`` on ``registry``: always 1, labelled with
+    the platform's ``version`` (``"unknown"`` when not installed) and the
+    ``python_version`` that runs it, so a dashboard can tell which build each
+    daemon runs."""
+    gauge = Gauge(
+        f"{namespace}_build_info",
+        "Always 1; the labels say which build of the daemon runs.",
+        ["version", "python_version"],
+        registry=registry,
+    )
+    gauge.labels(version=package_version(), python_version=platform.python_version()).set(1)
+    return gauge
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Final
 
 from machine.cli.common import PROG, Ctx
 from machine.cli.daemon_verbs import run_serve
-from machine.config import server_data_dir
+from machine.config import SERVICE_METRICS_ADDRESS, server_data_dir
 from shared.atomic import ensure_private_dir
 from shared.cli import ExitCode, UsageError
 from shared.errors import AgentsError, InvalidArgument, InvalidState
@@ -325,7 +325,10 @@ def _install_service(ctx: Ctx) -> int:
     """Install the systemd unit, which serves; without systemctl, serve here."""
     from machine.cli.service_unit import install_service
 
-    installed = install_service(data_dir=ctx.cfg.data_dir)
+    # The unit passes --metrics: the address this join was given (flag,
+    # environment or machine.toml), else the one Prometheus is set up to scrape.
+    metrics = ctx.cfg.metrics_address or SERVICE_METRICS_ADDRESS
+    installed = install_service(data_dir=ctx.cfg.data_dir, metrics_address=metrics)
     ctx.out.lines(f"installed {installed.unit_path}")
     if installed.started:
         return ExitCode.OK

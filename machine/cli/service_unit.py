@@ -1,10 +1,12 @@
 """Install the machine daemon as a systemd service (``join --install-service``).
 
 :func:`install_service` writes ``agents-machine.service`` running
-``agents-machine serve --data-dir <dir>`` into a unit folder (default
-``/etc/systemd/system``) and, when ``systemctl`` is available, reloads systemd
-and enables and starts the unit. Tests point ``unit_dir`` at a temp folder and
-pass ``systemctl=None``.
+``agents-machine serve --data-dir <dir> --metrics <address>`` into a unit folder
+(default ``/etc/systemd/system``) and, when ``systemctl`` is available, reloads
+systemd and enables and starts the unit. The metrics address is the one ``join``
+was given, else :data:`machine.config.SERVICE_METRICS_ADDRESS`, the port
+deploy/prometheus/prometheus.yml scrapes. Tests point ``unit_dir`` at a temp
+folder and pass ``systemctl=None``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from machine.config import SERVICE_METRICS_ADDRESS
 from shared.atomic import write_atomic
 from shared.errors import InvalidArgument, InvalidState
 
@@ -59,7 +62,12 @@ def _quote(value: str, field: str) -> str:
 
 
 def render_unit(
-    *, executable: Path, data_dir: Path, user: str | None = None, extra_args: tuple[str, ...] = ()
+    *,
+    executable: Path,
+    data_dir: Path,
+    user: str | None = None,
+    metrics_address: str = SERVICE_METRICS_ADDRESS,
+    extra_args: tuple[str, ...] = (),
 ) -> str:
     """Return the text of the systemd unit for ``agents-machine serve``."""
     words = [
@@ -67,6 +75,8 @@ def render_unit(
         "serve",
         "--data-dir",
         _quote(str(data_dir), "data_dir"),
+        "--metrics",
+        _quote(metrics_address, "metrics_address"),
         *(_quote(a, "extra_args") for a in extra_args),
     ]
     lines = [
@@ -115,6 +125,7 @@ def install_service(
     unit_dir: Path = DEFAULT_UNIT_DIR,
     executable: Path | None = None,
     user: str | None = None,
+    metrics_address: str = SERVICE_METRICS_ADDRESS,
     systemctl: str | None = "",
     unit_name: str = UNIT_NAME,
 ) -> InstalledService:
@@ -130,6 +141,7 @@ def install_service(
         executable=(executable or default_executable()).absolute(),
         data_dir=data_dir.absolute(),
         user=user,
+        metrics_address=metrics_address,
     )
     path = unit_dir / unit_name
     try:

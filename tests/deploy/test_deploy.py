@@ -16,6 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml  # type: ignore[import-untyped]
+
+from controlplane.config import DEFAULT_METRICS_LISTEN
+from machine.config import SERVICE_METRICS_ADDRESS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -28,10 +32,9 @@ TIMEOUT = 60
 # too. Names outside this set must be found in the code.
 ASSUMED_METRICS = frozenset(
     {
-        # The machine opens no object store yet; shared/store/wrappers.py will
-        # export these (namespace agents_machine) once it does.
+        # The store alerts select both namespaces with one regex; the machine
+        # opens no object store yet (shared/store/wrappers.py would export it).
         "agents_machine_store_errors_total",
-        "agents_machine_store_operation_seconds_bucket",
     }
 )
 
@@ -70,6 +73,23 @@ def test_prometheus_scrapes_both_daemons_on_loopback() -> None:
     targets = re.findall(r'"([^"]+:\d+)"', text.split("scrape_configs:", 1)[1])
     assert targets, "no static targets"
     assert all(t.startswith("127.0.0.1:") for t in targets), targets
+
+
+def _scrape_targets() -> dict[str, list[str]]:
+    """Each scrape job's static targets in prometheus.yml."""
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    return {
+        job["job_name"]: [t for static in job["static_configs"] for t in static["targets"]]
+        for job in config["scrape_configs"]
+    }
+
+
+def test_prometheus_scrapes_each_daemon_on_its_one_metrics_port() -> None:
+    # The control plane's default and the machine's service port (docs/metrics.md).
+    assert _scrape_targets() == {
+        "agents-control": [DEFAULT_METRICS_LISTEN],
+        "agents-machine": [SERVICE_METRICS_ADDRESS],
+    }
 
 
 def test_alert_rules_are_valid(promtool: str, tmp_path: Path) -> None:
@@ -175,6 +195,51 @@ def test_dashboard_panels_have_queries() -> None:
         assert panel["targets"] and all(t["expr"].strip() for t in panel["targets"])
 
 
+#: Series Prometheus makes itself for every target, not exported by a daemon.
+_PROMETHEUS_SERIES = frozenset({"up"})
+#: PromQL's keywords and operators spelled as words.
+_PROMQL_WORDS = frozenset({"and", "or", "unless", "bool", "offset"})
+
+
+def _queried_metrics(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: every word left once string
+    literals, label matchers, ranges and grouping clauses are gone that is not a
+    function call or a keyword."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    text = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\$\w+", " ", text)
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    words = re.findall(r"\b[A-Za-z_][A-Za-z0-9_]*\b(?!\s*\()", text)
+    return set(words) - _PROMQL_WORDS
+
+
+def test_queried_metrics_reads_promql() -> None:
+    expr = (
+        "histogram_quantile(0.99, sum by (le, operation) (rate(agents_cp_store_operation_seconds"
+        '_bucket{job="agents-control", operation=~"get|put"}[5m]))) > bool 1e3'
+    )
+    assert _queried_metrics(expr) == {"agents_cp_store_operation_seconds_bucket"}
+    other = "max(time() - a_timestamp offset 1h) or on (x) b"
+    assert _queried_metrics(other) == {"a_timestamp", "b"}
+
+
+def test_dashboard_queries_only_metrics_the_daemons_register() -> None:
+    from tests.helpers.metric_names import control_registry, exposed_names, machine_registry
+
+    registered = exposed_names(machine_registry()) | exposed_names(control_registry())
+    dashboard = json.loads((DEPLOY / "grafana" / "agents.json").read_text())
+    queried: dict[str, set[str]] = {}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            queried.setdefault(panel["title"], set()).update(_queried_metrics(target["expr"]))
+    assert all(queried.values()), f"a panel queries no metric: {queried}"
+    missing = {
+        title: sorted(names - registered - _PROMETHEUS_SERIES)
+        for title, names in queried.items()
+        if names - registered - _PROMETHEUS_SERIES
+    }
+    assert not missing, f"the dashboard queries metrics no daemon registers: {missing}"
+
+
 # --- systemd ------------------------------------------------------------------
 
 
@@ -233,8 +298,8 @@ def test_control_unit_runs_the_real_cli_and_leaves_time_to_drain() -> None:
     args = build_parser().parse_args(argv[1:])
     assert args.cmd == "serve"
     assert str(args.home) == "/var/lib/agents-control"
-    assert args.metrics_listen == "127.0.0.1:9464"
-    assert "127.0.0.1:9464" in (PROM / "prometheus.yml").read_text()
+    # /metrics comes from config.toml (init writes the default): no flag overrides it.
+    assert args.metrics_listen is None
     assert unit["Service"]["StateDirectory"] == ["agents-control"]
     # run_daemon drains for 10 s on the first SIGTERM; SIGKILL must come later.
     assert int(_one(unit, "TimeoutStopSec")) >= 20
@@ -250,8 +315,7 @@ def test_machine_unit_runs_the_real_cli_and_leaves_time_to_drain() -> None:
     args = cli._parser().parse_args(argv[1:])
     assert args.command == "serve"
     assert args.data_dir.endswith("/.agents-server/root")
-    assert args.metrics == "127.0.0.1:9465"
-    assert "127.0.0.1:9465" in (PROM / "prometheus.yml").read_text()
+    assert args.metrics == SERVICE_METRICS_ADDRESS
     # Runs get --grace seconds after the first SIGTERM; then the database and
     # link close. SIGKILL (after TimeoutStopSec) must not cut that short.
     assert int(_one(unit, "TimeoutStopSec")) >= args.grace + 15

@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from tests.helpers.poll import poll_until
+from tests.helpers.processes import stop_process
 
 __all__ = ["free_port", "moto_server", "moto_server_proc", "start_moto", "stripping_proxy"]
 
@@ -47,13 +48,7 @@ def _answers(url: str) -> bool:
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+    stop_process(proc, grace=5)
 
 
 @contextlib.contextmanager

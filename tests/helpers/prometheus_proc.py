@@ -2,7 +2,7 @@
 
 Usage::
 
-    jobs = [ScrapeJob("agents-control", ("127.0.0.1:9464",))]
+    jobs = [ScrapeJob("agents-control", ("127.0.0.1:9470",))]
     with PrometheusProc(tmp_path / "prom", jobs) as prom:
         prom.wait_for('up{job="agents-control"} == 1', deadline=10)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import stat
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from machine.cli.service_unit import UNIT_NAME, install_service, render_unit
+from machine.config import SERVICE_METRICS_ADDRESS
 from shared.errors import InvalidArgument, InvalidState
 
 
@@ -66,3 +68,27 @@ def test_unwritable_unit_dir(tmp_path: Path) -> None:
     with pytest.raises(InvalidState) as info:
         install_service(data_dir=tmp_path / "d", unit_dir=blocker / "units", systemctl=None)
     assert "cannot write the systemd unit" in str(info.value)
+
+
+def _serve_args(unit: str) -> list[str]:
+    """The words of the unit's ExecStart after the executable."""
+    line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    return shlex.split(line.removeprefix("ExecStart="))[1:]
+
+
+def test_unit_serves_metrics_on_the_service_port_or_the_one_given(tmp_path: Path) -> None:
+    from machine.cli.main import _parser
+
+    unit = render_unit(executable=Path("/x/agents-machine"), data_dir=tmp_path)
+    args = _parser().parse_args(_serve_args(unit))
+    assert (args.command, args.data_dir) == ("serve", str(tmp_path))
+    assert args.metrics == SERVICE_METRICS_ADDRESS == "127.0.0.1:9471"
+    result = install_service(
+        data_dir=tmp_path / "d",
+        unit_dir=tmp_path / "u",
+        metrics_address="127.0.0.1:9555",
+        systemctl=None,
+    )
+    assert _parser().parse_args(_serve_args(result.unit_path.read_text())).metrics == (
+        "127.0.0.1:9555"
+    )
