@@ -2,7 +2,7 @@
 
 A real control plane (folder store) and a real machine that joined it with the
 printed ``agents-machine join`` command, then restarted with ``serve --metrics``
-(``join`` has no ``--metrics`` flag). One prompt goes through the echo runtime.
+(as its systemd unit serves it). One prompt goes through the echo runtime.
 A real ``prometheus`` (tests/helpers/prometheus_proc.py) scrapes both every
 second; the test waits, with deadlines, until PromQL shows the expected values,
 and checks the raw /metrics pages for ids in label values and for secrets.
