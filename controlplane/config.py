@@ -10,12 +10,14 @@ Environment variables: ``AGENTS_CONTROL_HOME``, ``AGENTS_CONTROL_STORE``,
 ``AGENTS_CONTROL_LINK_LISTEN``, ``AGENTS_CONTROL_ADVERTISE_HOST``,
 ``AGENTS_CONTROL_METRICS``, ``AGENTS_CONTROL_ADDRESS``,
 ``AGENTS_CONTROL_CREDENTIAL``, ``AGENTS_CONTROL_HEARTBEAT``,
-``AGENTS_CONTROL_LOG_LEVEL``, ``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``.
+``AGENTS_CONTROL_LOG_LEVEL``, ``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``; and systemd's
+``NOTIFY_SOCKET``, ``WATCHDOG_USEC``, ``WATCHDOG_PID`` (shared.sd_notify).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ from shared.config import (
     split_hostport,
 )
 from shared.errors import ConfigError
+from shared.sd_notify import NotifyConfig
 
 __all__ = [
     "CONFIG_FILE",
@@ -146,6 +149,10 @@ class ControlConfig:
     wait (controlplane.integrity.clock)."""
     clock_check_seconds: float = 60.0
     """How often our clock is compared with the store's."""
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
+    """systemd's notify socket and watchdog (``$NOTIFY_SOCKET``, ``$WATCHDOG_USEC``,
+    ``$WATCHDOG_PID``, set for a ``Type=notify`` unit): ``serve`` sends READY,
+    STOPPING, STATUS and watchdog pings there (shared.sd_notify). Off when unset."""
 
     @property
     def config_path(self) -> Path:
@@ -200,6 +207,7 @@ class ControlConfig:
             raise ConfigError("clock_check_seconds", "must be between 0.1 and 3600 seconds")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ConfigError("log_level", "must be DEBUG, INFO, WARNING or ERROR")
+        self.notify.validate()
         return self
 
     def file_values(self) -> dict[str, Any]:
@@ -322,5 +330,6 @@ def load_config(
             "clock_skew_bound_seconds", None, d.clock_skew_bound_seconds, float
         ),
         clock_check_seconds=get("clock_check_seconds", None, d.clock_check_seconds, float),
+        notify=NotifyConfig.from_env(env, os.getpid()),
     )
     return cfg.validate()

@@ -4,6 +4,12 @@ Two TLS listeners serve the same services (gRPC's TLS server cannot make a
 client certificate optional): the public one without client certificates
 (Join, Admin, health) and the link one that requires a certificate from our CA
 (every other MachineLink RPC; the servicer refuses them without one).
+
+Under systemd (``Type=notify``, shared.sd_notify), :func:`run_daemon` sends
+``READY=1`` once both listeners serve and the store was verified as this
+deployment's (and our epoch taken), ``WATCHDOG=1`` from the event loop while it
+serves, and ``STOPPING=1`` when the drain begins; :class:`ControlPlane` sends a
+``STATUS=`` line at each step of its start.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ from shared.rpc import (
     check_can_listen,
     serve_health_and_reflection,
 )
+from shared.sd_notify import Notifier
 from shared.store.causes import OTHER, set_cause, store_cause
 
 __all__ = ["ControlPlane", "run_daemon"]
@@ -103,6 +110,8 @@ class ControlPlane:
         self.cfg = cfg
         self.registry = new_registry()
         self.metrics = ControlMetrics(self.registry)
+        self.notifier = Notifier(cfg.notify)
+        """systemd's notify socket (nothing is sent when ``cfg.notify`` is off)."""
         self._store: TrustedStore | None = None
         self._checker: asyncio.Task[None] | None = None
         self._waker: asyncio.Task[None] | None = None
@@ -158,20 +167,24 @@ class ControlPlane:
 
     async def _start(self) -> None:
         cfg = self.cfg
+        status = self.notifier.status
         # A second serve of this very home folder stops here, before anything else.
         self._home_lock = _lock_home(cfg.home)
         keys = load_home_keys(cfg.home)
         keyring = KeyRing(keys)
+        status("starting: binding the listeners")
         server = self._bind(keyring)
         if cfg.metrics_listen:
             mhost, mport = parse_hostport(cfg.metrics_listen, "metrics_listen")
             self._metrics_server = start_metrics_server(self.registry, mhost, mport)
+        status("starting: opening and verifying the store")
         self._store = trusted = await open_trusted_store(cfg, keys, self.registry)
         # Refuse a store that is not this deployment's before anything is served.
         await trusted.guard.verify()
         trusted.guard.check()
         # The epoch before any write: a superseded home stops here having written
         # nothing, and from now on every write first checks that we still own it.
+        status("starting: taking the deployment epoch")
         self.fence = await take_epoch(cfg.home, trusted.authenticated, trusted.where, self._fenced)
         trusted.set_fence(self.fence)
         self.metrics.epoch.set(self.fence.epoch)
@@ -217,6 +230,7 @@ class ControlPlane:
                 objects=self.metrics.account_deletion_objects.inc,
             )
         )
+        status("starting: finishing changes a previous run left unfinished")
         recovered = await services.intents.recover()
         if recovered:
             logger.warning("rolled back %d change(s) a previous run left unfinished", recovered)
@@ -311,6 +325,7 @@ class ControlPlane:
         )
         link_pb2_grpc.add_MachineLinkServicer_to_server(link, server)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
+        status("starting: starting the listeners")
         self._health = await serve_health_and_reflection(server, [LINK_SERVICE, ADMIN_SERVICE])
         # Each call runs in a task that copies this context: none starts as "startup"
         # (api.causes names each call's cause), and so do the loops below.
@@ -590,9 +605,14 @@ def _bracket(host: str) -> str:
 
 
 async def run_daemon(cfg: ControlConfig, grace: float = 10.0) -> None:
-    """Run until SIGTERM/SIGINT: the first drains for ``grace`` seconds, a second cancels."""
+    """Run until SIGTERM/SIGINT: the first drains for ``grace`` seconds, a second cancels.
+
+    systemd hears READY once the start returned, STOPPING when the drain begins,
+    and the watchdog pings in between (see the module doc).
+    """
     loop = asyncio.get_running_loop()
     async with ControlPlane(cfg) as cp:
+        notifier = cp.notifier
         signals = 0
         main = asyncio.current_task()
 
@@ -603,14 +623,23 @@ async def run_daemon(cfg: ControlConfig, grace: float = 10.0) -> None:
                 logger.info("stopping (grace %.0fs); signal again to cancel", grace)
                 cp.request_stop()
             elif main is not None:
+                notifier.status("stopping: cancelled (second stop signal)")
                 main.cancel()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         try:
-            await cp.wait()
-            # A fenced process has nothing to drain: another one owns the store.
-            await cp.stop(0 if cp.fenced else grace)
+            # start() returned: both listeners serve, the store is verified and ours;
+            # and a stop from now on drains.
+            notifier.ready(f"serving: public port {cp.public_port}, link port {cp.link_port}")
+            async with notifier.pinging():
+                await cp.wait()
+                if cp.fenced is not None:
+                    notifier.stopping(f"stopping: {cp.fenced}")
+                else:
+                    notifier.stopping(f"stopping: draining for up to {grace:g} s")
+                # A fenced process has nothing to drain: another one owns the store.
+                await cp.stop(0 if cp.fenced else grace)
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)

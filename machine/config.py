@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -29,6 +30,7 @@ from shared.config import (
     split_hostport,
 )
 from shared.errors import ConfigError, InvalidArgument
+from shared.sd_notify import NotifyConfig
 
 __all__ = [
     "DEFAULT_ATTACHMENT_LIMIT",
@@ -252,6 +254,11 @@ class MachineConfig:
     seconds within each minute its cron matches (``* * * * *`` every N seconds).
     0, the default, is real cron: minute resolution."""
 
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
+    """systemd's notify socket and watchdog (``$NOTIFY_SOCKET``, ``$WATCHDOG_USEC``,
+    ``$WATCHDOG_PID``, set for a ``Type=notify`` unit): READY, STOPPING, STATUS and
+    watchdog pings go there (shared.sd_notify). Off when unset."""
+
     crash_after_deliveries: int = 0
     """Test only (no flag, no file key; ``AGENTS_MACHINE_TEST_CRASH_AFTER_DELIVERIES``):
     once this many deliveries are stored durably, the daemon SIGKILLs itself
@@ -359,6 +366,7 @@ class MachineConfig:
         if not 0 <= self.schedule_test_seconds <= 59:
             raise ConfigError("schedule_test_seconds", "must be 0 (off) to 59")
 
+        self.notify.validate()
         if self.crash_after_deliveries < 0:
             raise ConfigError("crash_after_deliveries", "must not be negative")
         if self.crash_in_transfer_after < 0:
@@ -444,6 +452,7 @@ class MachineConfig:
             schedule_test_seconds=int(file.get("schedule_test_seconds", 0)),
             claude_home=default_claude_home(env, home),
             codex_home=default_codex_home(env, home),
+            notify=NotifyConfig.from_env(env, os.getpid()),
             crash_after_deliveries=_test_crash_after(
                 env, "AGENTS_MACHINE_TEST_CRASH_AFTER_DELIVERIES", "crash_after_deliveries"
             ),

@@ -3,6 +3,11 @@
 :func:`serve` runs until SIGTERM/SIGINT. The first signal drains: no new
 RPCs, runs get ``shutdown_grace_seconds`` to end, then are interrupted (runs
 waiting for a person stay waiting). A second signal interrupts at once.
+
+Under systemd (``Type=notify``, shared.sd_notify): ``STATUS=`` lines while it
+starts; ``READY=1`` once the database is open and the socket (and the TCP
+listener, when configured) answers; ``WATCHDOG=1`` from the event loop while it
+serves; ``STOPPING=1`` when the drain begins.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from shared.errors import InvalidState
 from shared.metrics import MetricsServer, new_registry, start_metrics_server
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from shared.rpc import NO_REUSEPORT, ErrorInterceptor, serve_health_and_reflection
+from shared.sd_notify import Notifier
 
 __all__ = ["LOCK_FILE", "HeldDataDir", "ServeInfo", "hold_data_dir", "serve"]
 
@@ -194,6 +200,7 @@ async def serve(
     _return_large_buffers_to_the_os()
     stop = stop or asyncio.Event()
     metrics = MachineMetrics(new_registry())
+    notifier = Notifier(config.notify)
     loop = asyncio.get_running_loop()
     signals_seen = 0
     machine_ref: list[Machine] = []
@@ -206,6 +213,7 @@ async def serve(
             stop.set()
         else:
             logger.warning("second stop signal: interrupting runs now")
+            notifier.status("stopping: interrupting runs now (second stop signal)")
             for m in machine_ref:
                 m.runs.interrupt_now()
 
@@ -232,12 +240,14 @@ async def serve(
                 )
             if first is not None:
                 first()
+            notifier.status(f"starting: opening {config.db_path}")
             async with (
                 open_machine(config, metrics=metrics) as machine,
                 _metrics(config, metrics) as metrics_port,
             ):
                 machine_ref.append(machine)
-                await _serve_grpc(config, machine, metrics, metrics_port, ready, stop)
+                notifier.status("starting: opening the listeners")
+                await _serve_grpc(config, machine, metrics, metrics_port, ready, stop, notifier)
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
@@ -250,6 +260,7 @@ async def _serve_grpc(
     metrics_port: int | None,
     ready: Callable[[ServeInfo], None] | None,
     stop: asyncio.Event,
+    notifier: Notifier,
 ) -> None:
     max_message = max(4 * 1024 * 1024, config.prompt_limit + 64 * 1024)
     servicer = MachineServicer(machine)
@@ -296,16 +307,27 @@ async def _serve_grpc(
     logger.info("agents-machine serving on unix://%s", socket)
     try:
         async with _control_link(config, machine, metrics):
+            # Every listener started above: a client told "ready" gets answers.
+            notifier.ready(_serving_status(socket, tcp_port))
             if ready is not None:
                 ready(ServeInfo(socket, tcp_port, metrics_port, machine.machine_id))
-            await stop.wait()
-            for h in healths:
-                await h.enter_graceful_shutdown()
-            # Let runs end (or interrupt them) while streams can still carry their
-            # last events, then stop the server.
-            await machine.runs.close(config.shutdown_grace_seconds)
+            # Watchdog pings from READY to the end of the drain.
+            async with notifier.pinging():
+                await stop.wait()
+                notifier.stopping(
+                    f"stopping: draining, runs get {config.shutdown_grace_seconds:g} s to end"
+                )
+                for h in healths:
+                    await h.enter_graceful_shutdown()
+                # Let runs end (or interrupt them) while streams can still carry their
+                # last events, then stop the server.
+                await machine.runs.close(config.shutdown_grace_seconds)
     finally:
         await asyncio.gather(*(srv.stop(_STREAM_FLUSH_SECONDS) for srv in servers))
         with contextlib.suppress(FileNotFoundError):
             socket.unlink()
         logger.info("agents-machine stopped")
+
+
+def _serving_status(socket: Path, tcp_port: int | None) -> str:
+    return f"serving on unix://{socket}" + (f" and TCP port {tcp_port}" if tcp_port else "")

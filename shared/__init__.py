@@ -1,6 +1,6 @@
 """Code both daemons use: errors, ids, atomic files, config helpers, the CLI scaffold, crypto,
 the object store, retry policy, metrics helpers, TLS helpers, gRPC error
-mapping, and the generated protobuf stubs under ``shared.pb``.
+mapping, systemd's notify protocol, and the generated protobuf stubs under ``shared.pb``.
 
 Modules are imported by name (``from shared.store import open_store``);
 this package deliberately imports nothing at import time so that the light
@@ -18,6 +18,7 @@ __all__ = [
     "outage",
     "retry",
     "rpc",
+    "sd_notify",
     "store",
     "tls",
     "version",

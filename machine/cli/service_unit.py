@@ -3,7 +3,8 @@
 :func:`install_service` writes ``agents-machine.service`` running
 ``agents-machine serve --data-dir <dir> --metrics <address>`` into a unit folder
 (default ``/etc/systemd/system``) and, when ``systemctl`` is available, reloads
-systemd and enables and starts the unit. The metrics address is the one ``join``
+systemd and enables and starts the unit: ``Type=notify``, so that returns once
+the daemon answers (or its start failed). The metrics address is the one ``join``
 was given, else :data:`machine.config.SERVICE_METRICS_ADDRESS`, the port
 deploy/prometheus/prometheus.yml scrapes. Tests point ``unit_dir`` at a temp
 folder and pass ``systemctl=None``.
@@ -37,6 +38,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_UNIT_DIR: Final = Path("/etc/systemd/system")
 UNIT_NAME: Final = "agents-machine.service"
 _SYSTEMCTL_TIMEOUT: Final = 60.0
+#: The unit's TimeoutStartSec: a start may read all of machine.db (quick_check).
+_START_SECONDS: Final = 300
+#: ``systemctl enable --now`` waits for READY=1 (Type=notify), or for systemd to
+#: give up on the start after _START_SECONDS.
+_START_TIMEOUT: Final = _START_SECONDS + 30.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,12 @@ def render_unit(
         "Wants=network-online.target",
         "",
         "[Service]",
-        "Type=simple",
+        # READY=1 once the database is open and the socket answers, watchdog
+        # pings from the event loop (docs/machine.md, "Under systemd").
+        "Type=notify",
+        "NotifyAccess=main",
+        f"TimeoutStartSec={_START_SECONDS}",
+        "WatchdogSec=30s",
         f"ExecStart={' '.join(words)}",
         "Restart=on-failure",
         "RestartSec=2",
@@ -104,12 +115,10 @@ def render_unit(
     return "\n".join(lines)
 
 
-def _run(systemctl: str, *args: str) -> None:
+def _run(systemctl: str, *args: str, timeout: float = _SYSTEMCTL_TIMEOUT) -> None:
     cmd = [systemctl, *args]
     try:
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=_SYSTEMCTL_TIMEOUT, check=False
-        )
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise InvalidState("systemd", f"{' '.join(cmd)} failed: {e}") from None
     if done.returncode != 0:
@@ -157,6 +166,6 @@ def install_service(
         logger.warning("systemctl not found: %s written but not started", path)
         return InstalledService(unit_path=path, started=False)
     _run(tool, "daemon-reload")
-    _run(tool, "enable", "--now", unit_name)
+    _run(tool, "enable", "--now", unit_name, timeout=_START_TIMEOUT)
     logger.info("started %s", unit_name)
     return InstalledService(unit_path=path, started=True)

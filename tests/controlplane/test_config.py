@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from controlplane.config import load_config
 from shared.errors import ConfigError
+from shared.sd_notify import NotifyConfig
 
 
 def test_precedence(tmp_path: Path) -> None:
@@ -51,3 +53,14 @@ def test_every_setting_read_from_the_file_is_a_known_key() -> None:
     read = set(re.findall(r'get\(\s*"([a-z_]+)",\s*(?:"[A-Z_]+"|None)', source))
     assert "listen" in read, "the pattern still finds the settings"
     assert read - set(config.FILE_KEYS) == set()
+
+
+def test_systemd_notify_settings_come_from_the_environment(tmp_path: Path) -> None:
+    assert load_config({"home": tmp_path}, {}).notify == NotifyConfig()
+    env = {
+        "NOTIFY_SOCKET": "/run/systemd/notify",
+        "WATCHDOG_USEC": "30000000",
+        "WATCHDOG_PID": str(os.getpid()),
+    }
+    cfg = load_config({"home": tmp_path}, env)
+    assert cfg.notify == NotifyConfig("/run/systemd/notify", 30.0)

@@ -243,11 +243,13 @@ def test_dashboard_queries_only_metrics_the_daemons_register() -> None:
 # --- systemd ------------------------------------------------------------------
 
 
-def _unit(name: str) -> dict[str, dict[str, list[str]]]:
-    """Parse a unit file into section -> key -> values (keys may repeat)."""
+def _unit(name: str, text: str | None = None) -> dict[str, dict[str, list[str]]]:
+    """Parse a unit file (``deploy/systemd/<name>``, or ``text``) into
+    section -> key -> values (keys may repeat)."""
     sections: dict[str, dict[str, list[str]]] = {}
     current: dict[str, list[str]] | None = None
-    for raw in (UNITS / name).read_text().splitlines():
+    text = (UNITS / name).read_text() if text is None else text
+    for raw in text.splitlines():
         line = raw.strip()
         if not line or line.startswith(("#", ";")):
             continue
@@ -289,6 +291,28 @@ def test_unit_is_hardened(name: str) -> None:
     )
 
 
+#: The unit ``agents-machine join --install-service`` writes, checked beside deploy/'s.
+JOIN_UNIT = "agents-machine-join.service"
+
+
+def _join_unit_text() -> str:
+    from machine.cli.service_unit import render_unit
+
+    return render_unit(executable=VENV_BIN / "agents-machine", data_dir=Path("/srv/agents"))
+
+
+@pytest.mark.parametrize("name", ["agents-control.service", "agents-machine.service", JOIN_UNIT])
+def test_unit_waits_for_ready_and_has_a_watchdog(name: str) -> None:
+    unit = _unit(name, _join_unit_text() if name == JOIN_UNIT else None)
+    # The daemons send READY=1, STOPPING=1 and WATCHDOG=1 (shared/sd_notify.py)
+    # from their main process, and ping every 15 s.
+    assert _one(unit, "Type") == "notify"
+    assert _one(unit, "NotifyAccess") == "main"
+    assert _one(unit, "WatchdogSec") == "30s"
+    # The start ends at READY=1 and may read the whole store or database first.
+    assert int(_one(unit, "TimeoutStartSec")) >= 120
+
+
 def test_control_unit_runs_the_real_cli_and_leaves_time_to_drain() -> None:
     from controlplane.cli.main import build_parser
 
@@ -324,10 +348,12 @@ def test_machine_unit_runs_the_real_cli_and_leaves_time_to_drain() -> None:
 @pytest.fixture
 def installable_units(tmp_path: Path) -> Iterator[Path]:
     """Copies of the units whose ExecStart points at this venv's real scripts
-    (systemd-analyze checks that the command exists and is executable)."""
+    (systemd-analyze checks that the command exists and is executable), and the
+    unit ``join --install-service`` writes."""
     for unit in UNITS.glob("*.service"):
         text = unit.read_text().replace("/usr/local/bin/", f"{VENV_BIN}/")
         (tmp_path / unit.name).write_text(text)
+    (tmp_path / JOIN_UNIT).write_text(_join_unit_text())
     yield tmp_path
 
 
@@ -336,10 +362,37 @@ def test_units_pass_systemd_analyze_verify(installable_units: Path, tmp_path: Pa
     if analyze is None:
         pytest.skip("systemd-analyze not installed; test_unit_is_hardened covers the syntax")
     units = sorted(str(p) for p in installable_units.glob("*.service"))
-    assert len(units) == 2
+    assert len(units) == 3
     done = _run([analyze, "verify", *units], cwd=tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     # Warnings (unknown keys, bad values) do not change the exit code: reject them.
     for unit in units:
         assert Path(unit).name not in out, out
+
+
+#: ``systemd-analyze security`` exposure of each unit (0.0 safest, 10.0 least safe)
+#: as measured when the units became Type=notify (systemd 252; the same as before
+#: it): a change may lower it, never raise it. The machine's units are looser on
+#: purpose (deploy/README.md, hardening); the unit join writes sets only UMask=
+#: and NoNewPrivileges= (9.4, "UNSAFE").
+EXPOSURE_CEILING = {
+    "agents-control.service": 1.7,
+    "agents-machine.service": 4.2,
+    JOIN_UNIT: 9.4,
+}
+
+
+def test_units_are_no_more_exposed_than_before(installable_units: Path, tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze not installed; test_unit_is_hardened covers the basics")
+    units = sorted(installable_units.glob("*.service"))
+    assert {u.name for u in units} == set(EXPOSURE_CEILING)
+    for unit in units:
+        # --offline: read the file alone, no running systemd needed.
+        done = _run([analyze, "security", "--offline=true", "--no-pager", str(unit)], cwd=tmp_path)
+        out = done.stdout + done.stderr
+        found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out)
+        assert found, out
+        assert float(found.group(1)) <= EXPOSURE_CEILING[unit.name], out

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.crypto import BoxKeyPair, encode_public_key
 from shared.recovery_key import read_recovery_key, write_recovery_key
+from tests.helpers.machine_proc import SYSTEMD_NOTIFY_VARIABLES
 from tests.helpers.poll import poll_until
 
 if TYPE_CHECKING:
@@ -178,7 +179,8 @@ def run_init(
 ) -> ControlProc:
     """``agents-control init`` with ephemeral ports; returns the credential it printed."""
     full_env = {**os.environ, **env}
-    full_env.pop("AGENTS_CONTROL_CREDENTIAL", None)
+    for name in ("AGENTS_CONTROL_CREDENTIAL", *SYSTEMD_NOTIFY_VARIABLES):
+        full_env.pop(name, None)
     proc = subprocess.run(
         init_argv(home, store_url, extra), env=full_env, capture_output=True, timeout=60
     )
@@ -192,13 +194,18 @@ def run_init(
 
 
 def start_serve(
-    cp: ControlProc, extra: Sequence[str] = (), env: Mapping[str, str] | None = None
+    cp: ControlProc,
+    extra: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    *,
+    wait: bool = True,
 ) -> None:
     """Start ``serve`` (``env``: entries added to the control plane's environment)
-    and wait (deadline) until serve.json names its ports."""
+    and wait (deadline) until serve.json names its ports; ``wait=False``: return
+    at once (``cp.serve_info`` stays empty)."""
     serve_json = cp.home / "serve.json"
-    cp.log_path = cp.home.parent / f"{cp.home.name}-serve.log"
-    log = cp.log_path.open("wb")
+    cp.log_path = log_path = cp.home.parent / f"{cp.home.name}-serve.log"
+    log = log_path.open("wb")
     cp.process = subprocess.Popen(
         [str(agents_control_exe()), "serve", "--home", str(cp.home), *extra],
         env={**cp.env, **(env or {})},
@@ -206,11 +213,13 @@ def start_serve(
         stderr=subprocess.STDOUT,
     )
     log.close()
+    if not wait:
+        return
     process = cp.process
 
     def ready() -> dict[str, Any] | None:
         if process.poll() is not None:
-            raise AssertionError(f"serve exited early:\n{cp.log_path.read_text()}")
+            raise AssertionError(f"serve exited early:\n{log_path.read_text()}")
         try:
             info = json.loads(serve_json.read_text())
         except (FileNotFoundError, ValueError):
@@ -222,7 +231,7 @@ def start_serve(
         deadline=START_DEADLINE,
         what="serve",
         fail=lambda: AssertionError(
-            f"serve not ready in {START_DEADLINE}s:\n{cp.log_path.read_text()}"
+            f"serve not ready in {START_DEADLINE}s:\n{log_path.read_text()}"
         ),
     )
 

@@ -2,8 +2,8 @@
 
 ``MachineProc.start()`` launches the daemon (``.venv/bin/agents-machine``),
 waits with a deadline until its gRPC health check answers SERVING on the
-Unix socket, and ``stop()`` / ``kill()`` end it, always waiting with a
-deadline. Use it as a context manager so teardown kills it.
+Unix socket (``launch()`` does not wait), and ``stop()`` / ``kill()`` end it,
+always waiting with a deadline. Use it as a context manager so teardown kills it.
 """
 
 from __future__ import annotations
@@ -20,22 +20,31 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helpers.poll import poll_until
 
-__all__ = ["AGENTS_MACHINE", "MachineProc", "machine_env", "run_cli"]
+__all__ = ["AGENTS_MACHINE", "SYSTEMD_NOTIFY_VARIABLES", "MachineProc", "machine_env", "run_cli"]
 
 AGENTS_MACHINE = Path(sys.executable).parent / "agents-machine"
 START_DEADLINE = 20.0
 STOP_DEADLINE = 15.0
 
 
+#: What systemd gives a Type=notify unit: a test's daemon never notifies the
+#: service manager the test runner may run under (tests set their own).
+SYSTEMD_NOTIFY_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+
+
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("AGENTS_") and k not in SYSTEMD_NOTIFY_VARIABLES
+    }
     env.update(extra or {})
     return env
 
 
 def machine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a test's agents-machine process gets: ours without any
-    ``AGENTS_*`` setting, plus ``extra``."""
+    ``AGENTS_*`` setting or systemd's notify variables, plus ``extra``."""
     return _env(extra)
 
 
@@ -81,6 +90,22 @@ class MachineProc:
 
     def start(self) -> MachineProc:
         """Start the daemon and wait until it is healthy."""
+        proc = self.launch()
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"agents-machine exited early:\n{self.log()}")
+            return self.healthy()
+
+        def unhealthy() -> RuntimeError:
+            self.kill()
+            return RuntimeError(f"agents-machine did not become healthy:\n{self.log()}")
+
+        poll_until(up, deadline=START_DEADLINE, what="agents-machine", fail=unhealthy)
+        return self
+
+    def launch(self) -> subprocess.Popen[bytes]:
+        """Start the daemon and return its process at once (``start`` waits)."""
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -99,21 +124,12 @@ class MachineProc:
             env=_env(self.env),
         )
         log.close()
-        proc = self.proc
+        return self.proc
 
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"agents-machine exited early:\n{self.log()}")
-            return self.socket.exists() and self._healthy()
-
-        def unhealthy() -> RuntimeError:
-            self.kill()
-            return RuntimeError(f"agents-machine did not become healthy:\n{self.log()}")
-
-        poll_until(healthy, deadline=START_DEADLINE, what="agents-machine", fail=unhealthy)
-        return self
-
-    def _healthy(self) -> bool:
+    def healthy(self) -> bool:
+        """One health check on the socket (no retry): True when it answers SERVING."""
+        if not self.socket.exists():
+            return False
         with grpc.insecure_channel(self.target) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             try:

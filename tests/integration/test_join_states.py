@@ -120,7 +120,7 @@ async def test_join_into_a_folder_a_daemon_serves_is_refused_before_the_token_is
             assert not identity.is_joined(data_dir)
             assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".data")] == []
             assert await _token_uses(client, account_id, join_args) == 0
-            assert daemon.proc.poll() is None and daemon._healthy(), daemon.log()
+            assert daemon.proc.poll() is None and daemon.healthy(), daemon.log()
             assert daemon.stop() == 0, daemon.log()
 
         # Stopped, the same command (the same token) joins and serves.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from machine.config import MachineConfig, default_data_dir, resolve_data_dir, server_data_dir
 from shared.errors import ConfigError
+from shared.sd_notify import NotifyConfig
 
 HOME = Path("/home/u")
 
@@ -148,3 +150,15 @@ def test_a_value_of_the_wrong_toml_type_is_shown_as_the_file_wrote_it(
         MachineConfig.build(flags={"data_dir": str(data)}, env={}, home=HOME)
     assert shown in str(err.value).replace(str(data / "machine.toml"), "FILE")
     assert "datetime" not in str(err.value)
+
+
+def test_systemd_notify_settings_come_from_the_environment(tmp_path: Path) -> None:
+    flags = {"data_dir": str(tmp_path)}
+    assert MachineConfig.build(flags=flags, env={}, home=HOME).notify == NotifyConfig()
+    env = {
+        "NOTIFY_SOCKET": "@notify",
+        "WATCHDOG_USEC": "30000000",
+        "WATCHDOG_PID": str(os.getpid()),
+    }
+    cfg = MachineConfig.build(flags=flags, env=env, home=HOME)
+    assert cfg.notify == NotifyConfig("@notify", 30.0)
