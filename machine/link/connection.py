@@ -509,6 +509,7 @@ class ControlLink:
             self._link.control_address if self._link else "?",
             first.machine_id,
             interval,
+            extra={"machine_id": first.machine_id},
         )
         await self._set_state(LinkState.CONNECTED)
         await self._heartbeats.welcomed(stream)
