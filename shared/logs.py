@@ -23,6 +23,7 @@ A log line never holds a secret: callers pass ids (``machine_id``,
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import logging
@@ -37,6 +38,7 @@ __all__ = [
     "LEVELS",
     "JsonFormatter",
     "TextFormatter",
+    "add_log_options",
     "check_format",
     "check_level",
     "parse_format",
@@ -94,6 +96,20 @@ def check_format(value: str, field: str = "log_format") -> str:
         return parse_format(value)
     except ValueError as e:
         raise ConfigError(field, str(e)) from None
+
+
+def add_log_options(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``--log-format`` on a daemon's ``serve``: any case, and a
+    value not in :data:`LEVELS` / :data:`FORMATS` is argparse's usage error."""
+    parser.add_argument(
+        "--log-level", type=str.lower, choices=LEVELS, help="the daemon's log level (default info)"
+    )
+    parser.add_argument(
+        "--log-format",
+        type=str.lower,
+        choices=FORMATS,
+        help="the daemon's log lines: text (default) or json, one object per line",
+    )
 
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:

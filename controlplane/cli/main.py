@@ -37,7 +37,7 @@ from shared.cli import (
     run_main,
     stdout_writable,
 )
-from shared.logs import FORMATS, LEVELS, setup_logging
+from shared.logs import add_log_options, setup_logging
 
 __all__ = ["build_parser", "main"]
 
@@ -89,15 +89,7 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-listen", help="/metrics host:port ('' disables)")
     p.add_argument("--advertise-host", help="host printed in join commands")
     p.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats")
-    p.add_argument(
-        "--log-level", type=str.lower, choices=LEVELS, help="serve's log level (default info)"
-    )
-    p.add_argument(
-        "--log-format",
-        type=str.lower,
-        choices=FORMATS,
-        help="serve's log lines: text (default) or json, one object per line",
-    )
+    add_log_options(p)
 
 
 def _verbs(

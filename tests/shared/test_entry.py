@@ -24,36 +24,25 @@ def test_grpc_knows_the_experiments_the_control_plane_sets() -> None:
     assert "Unknown experiment" not in proc.stderr, proc.stderr
 
 
+def _set_by(call: str, name: str, env: dict[str, str]) -> str:
+    """``os.environ[name]`` after ``shared.entry.<call>()`` in a process run with ``env``."""
+    script = f"import os; from shared.entry import {call}; {call}(); print(os.environ[{name!r}])"
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    ).stdout.strip()
+
+
 def test_the_control_plane_entry_sets_them_and_an_operators_choice_wins() -> None:
-    script = (
-        "import os; from shared.entry import use_grpc_experiments; "
-        "use_grpc_experiments(); print(os.environ['GRPC_EXPERIMENTS'])"
-    )
-
-    def run(env: dict[str, str]) -> str:
-        return subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
-        ).stdout.strip()
-
     clean = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
-    assert run(clean) == GRPC_EXPERIMENTS
-    assert run({**clean, "GRPC_EXPERIMENTS": "-something_else"}) == "-something_else"
+    assert _set_by("use_grpc_experiments", "GRPC_EXPERIMENTS", clean) == GRPC_EXPERIMENTS
+    mine = {**clean, "GRPC_EXPERIMENTS": "-something_else"}
+    assert _set_by("use_grpc_experiments", "GRPC_EXPERIMENTS", mine) == "-something_else"
 
 
 def test_grpc_logs_errors_only_unless_the_operator_says_otherwise() -> None:
-    script = (
-        "import os; from shared.entry import quiet_grpc; "
-        "quiet_grpc(); print(os.environ['GRPC_VERBOSITY'])"
-    )
-
-    def run(env: dict[str, str]) -> str:
-        return subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
-        ).stdout.strip()
-
     clean = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
-    assert run(clean) == GRPC_VERBOSITY
-    assert run({**clean, "GRPC_VERBOSITY": "debug"}) == "debug"
+    assert _set_by("quiet_grpc", "GRPC_VERBOSITY", clean) == GRPC_VERBOSITY
+    assert _set_by("quiet_grpc", "GRPC_VERBOSITY", {**clean, "GRPC_VERBOSITY": "debug"}) == "debug"
 
 
 def test_both_console_scripts_quiet_grpc() -> None:
