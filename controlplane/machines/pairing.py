@@ -29,6 +29,7 @@ import logging
 from dataclasses import dataclass
 
 from controlplane.access.accounts import AccountService
+from controlplane.access.hashing import bearer_ids
 from controlplane.access.tokens import TokenService
 from controlplane.integrity.intents import Intent, Intents
 from controlplane.integrity.keys import KeyRing
@@ -41,7 +42,14 @@ from controlplane.integrity.records import (
 )
 from controlplane.machines.registry import AuthorizedPeer, MachineInfo, MachineRegistry
 from shared import tls
-from shared.errors import IntegrityError, InvalidArgument, InvalidState, Unauthenticated
+from shared.errors import (
+    AgentsError,
+    IntegrityError,
+    InvalidArgument,
+    InvalidState,
+    TransientError,
+    Unauthenticated,
+)
 from shared.ids import validate_id
 from shared.store.base import ObjectStore
 from shared.tls import CertKey, IssuedCert
@@ -103,6 +111,36 @@ class Pairing:
         return self._keyring.keys.issuing_ca if self._keyring else self._fixed_ca
 
     async def join(
+        self,
+        token_value: str,
+        csr_pem: str,
+        info: MachineInfo,
+        repair_machine_id: str = "",
+        *,
+        take_over: bool = False,
+        recovery_public_key: bytes = b"",
+    ) -> JoinResult:
+        """:meth:`_join`; a refused join is one WARNING line naming the token's id
+        when the token has the right shape (``token_id``), never its secret. A
+        transient failure (the store) is not a refusal: the machine tries again."""
+        try:
+            return await self._join(
+                token_value,
+                csr_pem,
+                info,
+                repair_machine_id,
+                take_over=take_over,
+                recovery_public_key=recovery_public_key,
+            )
+        except AgentsError as e:
+            if not isinstance(e, TransientError):
+                ids = bearer_ids(token_value, "token")
+                if repair_machine_id:
+                    ids["machine_id"] = repair_machine_id
+                logger.warning("join refused: %s", e, extra=ids)
+            raise
+
+    async def _join(
         self,
         token_value: str,
         csr_pem: str,
