@@ -146,11 +146,12 @@ async def join_machines(
 
 
 class ConnectFailures(logging.Handler):
-    """Counts the links' failed connect attempts by error class (from the warning
-    ``machine.link.connection`` logs for each), and keeps them off the terminal."""
+    """Counts the links' failed connect attempts by error class (from the line
+    ``machine.link.connection`` logs for each: a WARNING for an outage's first,
+    DEBUG for the others), and keeps them off the terminal."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__(logging.DEBUG)
         self.by_error: Counter[str] = Counter()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -168,11 +169,15 @@ class ConnectFailures(logging.Handler):
         log = logging.getLogger("machine.link.connection")
         log.addHandler(self)
         propagate, log.propagate = log.propagate, False
+        # The repeats are DEBUG lines: the logger must let them through to count them.
+        level = log.level
+        log.setLevel(logging.DEBUG)
         try:
             yield self
         finally:
             log.removeHandler(self)
             log.propagate = propagate
+            log.setLevel(level)
 
 
 @dataclass

@@ -10,7 +10,8 @@ Environment variables: ``AGENTS_CONTROL_HOME``, ``AGENTS_CONTROL_STORE``,
 ``AGENTS_CONTROL_LINK_LISTEN``, ``AGENTS_CONTROL_ADVERTISE_HOST``,
 ``AGENTS_CONTROL_METRICS``, ``AGENTS_CONTROL_ADDRESS``,
 ``AGENTS_CONTROL_CREDENTIAL``, ``AGENTS_CONTROL_HEARTBEAT``,
-``AGENTS_CONTROL_LOG_LEVEL``, ``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``; and systemd's
+``AGENTS_CONTROL_LOG_LEVEL``, ``AGENTS_CONTROL_LOG_FORMAT``,
+``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``; and systemd's
 ``NOTIFY_SOCKET``, ``WATCHDOG_USEC``, ``WATCHDOG_PID`` (shared.sd_notify).
 """
 
@@ -32,6 +33,7 @@ from shared.config import (
     split_hostport,
 )
 from shared.errors import ConfigError
+from shared.logs import check_format, check_level, parse_format, parse_level
 from shared.sd_notify import NotifyConfig
 
 __all__ = [
@@ -126,7 +128,10 @@ class ControlConfig:
     token_ttl: int = 3600
     """Default join-token lifetime in seconds (at most 24 hours)."""
     log_level: str = "INFO"
-    """Python logging level name."""
+    """``serve``'s logging level: DEBUG, INFO, WARNING or ERROR (any case in the
+    flag, the environment and the file)."""
+    log_format: str = "text"
+    """``serve``'s log lines: ``text`` or ``json`` (one object per line; shared.logs)."""
     join_confirm_grace: float = 300.0
     """Seconds a joined machine has to connect before its join is rolled back (its
     token use given back): the join reply may never have reached it."""
@@ -205,8 +210,8 @@ class ControlConfig:
             raise ConfigError("clock_skew_bound_seconds", "must be between 2 and 86400 seconds")
         if not 0.1 <= self.clock_check_seconds <= 3600:
             raise ConfigError("clock_check_seconds", "must be between 0.1 and 3600 seconds")
-        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-            raise ConfigError("log_level", "must be DEBUG, INFO, WARNING or ERROR")
+        check_level(self.log_level)
+        check_format(self.log_format)
         self.notify.validate()
         return self
 
@@ -252,6 +257,7 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "renew_threshold": (int, float),
     "token_ttl": (int,),
     "log_level": (str,),
+    "log_format": (str,),
     "join_confirm_grace": (int, float),
     "prompt_queue_depth": (int,),
     "prompt_max_bytes": (int,),
@@ -313,7 +319,8 @@ def load_config(
         cert_lifetime_days=get("cert_lifetime_days", None, d.cert_lifetime_days, float),
         renew_threshold=get("renew_threshold", None, d.renew_threshold, float),
         token_ttl=get("token_ttl", None, d.token_ttl, int),
-        log_level=get("log_level", "AGENTS_CONTROL_LOG_LEVEL", d.log_level, str).upper(),
+        log_level=get("log_level", "AGENTS_CONTROL_LOG_LEVEL", d.log_level, parse_level),
+        log_format=get("log_format", "AGENTS_CONTROL_LOG_FORMAT", d.log_format, parse_format),
         join_confirm_grace=get(
             "join_confirm_grace",
             "AGENTS_CONTROL_JOIN_CONFIRM_GRACE",

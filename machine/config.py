@@ -3,7 +3,8 @@
 Values come from command-line flags, then the environment (passed in as a
 mapping), then a TOML file (``<data_dir>/machine.toml`` or ``--config``), then
 defaults. This is the only module of the machine package that looks at
-environment values.
+environment values (``AGENTS_MACHINE_*``, ``AGENTS_DATA_DIR``, ``TZ``,
+``XDG_DATA_HOME``, the runtimes' homes and systemd's notify variables).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from shared.config import (
     split_hostport,
 )
 from shared.errors import ConfigError, InvalidArgument
+from shared.logs import check_format, check_level, parse_format, parse_level
 from shared.sd_notify import NotifyConfig
 
 __all__ = [
@@ -117,6 +119,8 @@ FILE_KEYS: dict[str, tuple[type, ...]] = {
     "backup_dir": (str,),
     "time_zone": (str,),
     "scheduler": (bool,),
+    "log_level": (str,),
+    "log_format": (str,),
     # A test hook, on purpose not a flag or an environment variable: see the field.
     "schedule_test_seconds": (int,),
 }
@@ -254,6 +258,14 @@ class MachineConfig:
     seconds within each minute its cron matches (``* * * * *`` every N seconds).
     0, the default, is real cron: minute resolution."""
 
+    log_level: str = "INFO"
+    """``serve``'s logging level: DEBUG, INFO, WARNING or ERROR (``--log-level``,
+    ``AGENTS_MACHINE_LOG_LEVEL``, ``log_level`` in the file; any case)."""
+
+    log_format: str = "text"
+    """``serve``'s log lines: ``text`` or ``json``, one object per line
+    (``--log-format``, ``AGENTS_MACHINE_LOG_FORMAT``, ``log_format``; shared.logs)."""
+
     notify: NotifyConfig = field(default_factory=NotifyConfig)
     """systemd's notify socket and watchdog (``$NOTIFY_SOCKET``, ``$WATCHDOG_USEC``,
     ``$WATCHDOG_PID``, set for a ``Type=notify`` unit): READY, STOPPING, STATUS and
@@ -365,7 +377,8 @@ class MachineConfig:
             raise ConfigError("time_zone", e.reason) from None
         if not 0 <= self.schedule_test_seconds <= 59:
             raise ConfigError("schedule_test_seconds", "must be 0 (off) to 59")
-
+        check_level(self.log_level)
+        check_format(self.log_format)
         self.notify.validate()
         if self.crash_after_deliveries < 0:
             raise ConfigError("crash_after_deliveries", "must not be negative")
@@ -450,6 +463,8 @@ class MachineConfig:
             time_zone=src.get("time_zone", "AGENTS_MACHINE_TIME_ZONE", default_time_zone(env)),
             scheduler=src.get("scheduler", "AGENTS_MACHINE_SCHEDULER", True, parse_bool),
             schedule_test_seconds=int(file.get("schedule_test_seconds", 0)),
+            log_level=src.get("log_level", "AGENTS_MACHINE_LOG_LEVEL", "INFO", parse_level),
+            log_format=src.get("log_format", "AGENTS_MACHINE_LOG_FORMAT", "text", parse_format),
             claude_home=default_claude_home(env, home),
             codex_home=default_codex_home(env, home),
             notify=NotifyConfig.from_env(env, os.getpid()),

@@ -1,6 +1,7 @@
 """Code both daemons use: errors, ids, atomic files, config helpers, the CLI scaffold, crypto,
 the object store, retry policy, metrics helpers, TLS helpers, gRPC error
-mapping, systemd's notify protocol, and the generated protobuf stubs under ``shared.pb``.
+mapping, logging setup, systemd's notify protocol, and the generated protobuf
+stubs under ``shared.pb``.
 
 Modules are imported by name (``from shared.store import open_store``);
 this package deliberately imports nothing at import time so that the light
@@ -14,6 +15,7 @@ __all__ = [
     "crypto",
     "errors",
     "ids",
+    "logs",
     "metrics",
     "outage",
     "retry",

@@ -11,14 +11,22 @@ store is gone. :class:`OutageLog` turns that into lines an operator can read:
   ``remind`` seconds (with how long it has lasted and how many ticks failed);
 - a different failure: a WARNING line again (the problem changed);
 - the first success after failures: one INFO line saying it works again.
+
+A caller whose failure line has a format of its own (the machine link's
+``"control link to %s failed (attempt %d), …"``, which bench/connect.py
+counts) passes it as ``line``: the same format at every level, a reminder
+with how long and how many appended, and no traceback (the line says what
+failed). ``key`` says which failures are "the same" when the message alone
+would tell each attempt apart. ``extra`` (ids: ``machine_id``) goes on every
+record (shared.logs writes it into the line).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
 from shared.errors import AgentsError
 
@@ -54,36 +62,47 @@ class OutageLog:
         """Whether the last tick failed."""
         return self.failures > 0
 
-    def failed(self, error: BaseException) -> None:
-        """One tick failed with ``error``."""
+    def failed(
+        self,
+        error: BaseException,
+        *,
+        line: tuple[str, tuple[Any, ...]] | None = None,
+        key: str | None = None,
+        extra: Mapping[str, object] | None = None,
+    ) -> None:
+        """One tick failed with ``error``; ``line`` (format, arguments), ``key`` and
+        ``extra``: see the module doc."""
         now = self._monotonic()
-        message = str(error) or type(error).__name__
+        text = str(error) or type(error).__name__
+        message = text if key is None else key
+        msg, args = line if line is not None else ("%s: %s", (self._what, text))
         if self.failures == 0:
             self._since = now
         self.failures += 1
         if message == self._message and now - self._warned_at < self._remind:
-            self._logger.debug("%s: %s (failing again)", self._what, message)
+            again = msg if line is not None else msg + " (failing again)"
+            self._logger.debug(again, *args, extra=extra, stacklevel=2)
             return
         if message == self._message:
             self._logger.warning(
-                "%s: %s (failing for %.0f s, %d tries)",
-                self._what,
-                message,
+                msg + " (failing for %.0f s, %d tries)",
+                *args,
                 now - self._since,
                 self.failures,
+                extra=extra,
+                stacklevel=2,
             )
         else:
-            # Our own errors say what is wrong; anything else is a bug: its traceback.
+            # Our own errors say what is wrong; anything else is a bug: its traceback
+            # (unless the caller's line already says what failed).
+            bug = line is None and not isinstance(error, AgentsError)
             self._logger.warning(
-                "%s: %s",
-                self._what,
-                message,
-                exc_info=None if isinstance(error, AgentsError) else error,
+                msg, *args, exc_info=error if bug else None, extra=extra, stacklevel=2
             )
         self._message = message
         self._warned_at = now
 
-    def recovered(self) -> None:
+    def recovered(self, *, extra: Mapping[str, object] | None = None) -> None:
         """One tick worked: after failures, say so once."""
         if self.failures == 0:
             return
@@ -92,6 +111,8 @@ class OutageLog:
             self._what,
             self.failures,
             self._monotonic() - self._since,
+            extra=extra,
+            stacklevel=2,
         )
         self.failures = 0
         self._message = None

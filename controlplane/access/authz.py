@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Final
 
 from controlplane.access.accounts import AccountService
-from controlplane.access.hashing import hash_secret, new_secret, split_bearer, verify_secret
+from controlplane.access.hashing import (
+    bearer_ids,
+    hash_secret,
+    new_secret,
+    split_bearer,
+    verify_secret,
+)
 from controlplane.access.principals import ACCOUNT, OPERATOR, Principal
 from controlplane.integrity import jsonstore
 from controlplane.integrity.audit import Auditor
@@ -24,6 +30,7 @@ from shared.errors import (
     IntegrityError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     Unauthenticated,
 )
 from shared.ids import new_id, validate_id
@@ -99,7 +106,19 @@ class CredentialService:
         return made
 
     async def authenticate(self, bearer: str | None) -> Principal:
-        """Verify ``adm_<id>.<secret>``; Unauthenticated with a reason, never echoing it."""
+        """Verify ``adm_<id>.<secret>``; Unauthenticated with a reason, never echoing it.
+
+        A refusal is one WARNING line naming the credential's id when the bearer
+        has the right shape (``credential_id``), never its secret."""
+        try:
+            return await self._authenticate(bearer)
+        except (Unauthenticated, PermissionDenied) as e:
+            logger.warning(
+                "admin credential refused: %s", e.message, extra=bearer_ids(bearer, "credential")
+            )
+            raise
+
+    async def _authenticate(self, bearer: str | None) -> Principal:
         if not bearer:
             raise Unauthenticated("admin: no credential (authorization: Bearer adm_...)")
         try:

@@ -20,7 +20,7 @@ from typing import Final
 from shared.errors import InvalidArgument
 from shared.ids import is_valid_id
 
-__all__ = ["hash_secret", "new_secret", "split_bearer", "verify_secret"]
+__all__ = ["bearer_ids", "hash_secret", "new_secret", "split_bearer", "verify_secret"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,3 +54,13 @@ def split_bearer(value: str, kind: str, field: str) -> tuple[str, str]:
     if not is_valid_id(kind, ident) or not _SECRET_RE.match(secret):
         raise InvalidArgument(field, f"must look like <{kind} id>.<secret>")
     return ident, secret
+
+
+def bearer_ids(value: str | None, kind: str) -> dict[str, str]:
+    """``{"<kind>_id": id}`` of a well-formed ``<id>.<secret>``, else ``{}``: what a
+    log line about a refused bearer may name (shared.logs), never its secret."""
+    try:
+        ident, _ = split_bearer(value or "", kind, kind)
+    except InvalidArgument:
+        return {}
+    return {f"{kind}_id": ident}

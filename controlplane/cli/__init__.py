@@ -30,13 +30,15 @@ __all__ = [
 
 def entry(argv: list[str] | None = None) -> int:
     """The ``agents-control`` console script: a closed stdout is refused before the CLI (and
-    gRPC with it) is loaded, and gRPC's experiments set (:mod:`shared.entry`); then
+    gRPC with it) is loaded, and gRPC's experiments and log verbosity set
+    (:mod:`shared.entry`); then
     :func:`controlplane.cli.main.main`."""
-    from shared.entry import stdout_closed, use_grpc_experiments
+    from shared.entry import quiet_grpc, stdout_closed, use_grpc_experiments
 
     if stdout_closed("agents-control"):
         return 2  # a usage error: nothing was done
     use_grpc_experiments()
+    quiet_grpc()
     from controlplane.cli.main import main
 
     return main(argv)

@@ -37,6 +37,7 @@ from shared.cli import (
     run_main,
     stdout_writable,
 )
+from shared.logs import add_log_options, setup_logging
 
 __all__ = ["build_parser", "main"]
 
@@ -88,7 +89,7 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-listen", help="/metrics host:port ('' disables)")
     p.add_argument("--advertise-host", help="host printed in join commands")
     p.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    add_log_options(p)
 
 
 def _verbs(
@@ -271,7 +272,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     names = (
         "home store_url store_endpoint store_region store_object_lock listen link_listen "
         "metrics_listen "
-        "advertise_host heartbeat_interval log_level address credential server_names"
+        "advertise_host heartbeat_interval log_level log_format address credential server_names"
     ).split()
     for name in ("home", "address", "credential"):
         # "$VAR" of an unset variable: never the default home, serve.json's
@@ -364,10 +365,12 @@ def main(argv: list[str] | None = None) -> int:
         # A home that does not exist yet has no config.toml to read.
         fresh = args.cmd in ("init", "restore", "recovery-key", "drill")
         cfg = load_config(_flags(args), os.environ, read_file=not fresh)
-        # init prints a secret the operator must copy: keep its output to that
-        # (and to real warnings), not the store's progress lines.
-        level = {"serve": cfg.log_level, "init": "WARNING"}.get(args.cmd, "CRITICAL")
-        _setup_logging(level)
+        if args.cmd == "serve":
+            setup_logging(cfg.log_level, cfg.log_format)
+        else:
+            # init prints a secret the operator must copy: keep its output to that
+            # (and to real warnings), not the store's progress lines.
+            _setup_logging("WARNING" if args.cmd == "init" else "CRITICAL")
         ctx = Ctx(args, cfg, Output(as_json=bool(getattr(args, "json", False))))
         return dispatch(COMMANDS, PROG, args.cmd, args.verb, ctx)
 

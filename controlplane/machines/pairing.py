@@ -24,11 +24,14 @@ record was written (no reply can have gone out), else once the machine has had
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from controlplane.access.accounts import AccountService
+from controlplane.access.hashing import bearer_ids
 from controlplane.access.tokens import TokenService
 from controlplane.integrity.intents import Intent, Intents
 from controlplane.integrity.keys import KeyRing
@@ -41,7 +44,14 @@ from controlplane.integrity.records import (
 )
 from controlplane.machines.registry import AuthorizedPeer, MachineInfo, MachineRegistry
 from shared import tls
-from shared.errors import IntegrityError, InvalidArgument, InvalidState, Unauthenticated
+from shared.errors import (
+    AgentsError,
+    IntegrityError,
+    InvalidArgument,
+    InvalidState,
+    TransientError,
+    Unauthenticated,
+)
 from shared.ids import validate_id
 from shared.store.base import ObjectStore
 from shared.tls import CertKey, IssuedCert
@@ -65,6 +75,22 @@ class JoinResult:
     account: Account
     cert: IssuedCert
     ca_cert_pem: bytes
+
+
+@contextlib.contextmanager
+def _refusal_logged(token_value: str, repair_machine_id: str) -> Iterator[None]:
+    """A refused join is one WARNING line naming the token's id when the token has
+    the right shape (``token_id``; ``machine_id`` for a repair), never its secret.
+    A transient failure (the store) is not a refusal: the machine tries again."""
+    try:
+        yield
+    except AgentsError as e:
+        if not isinstance(e, TransientError):
+            ids = bearer_ids(token_value, "token")
+            if repair_machine_id:
+                ids["machine_id"] = repair_machine_id
+            logger.warning("join refused: %s", e, extra=ids)
+        raise
 
 
 class Pairing:
@@ -119,42 +145,43 @@ class Pairing:
         re-pairing) must be the machine the token repairs; a new box uses a
         repair token only with ``take_over`` (see link.proto's JoinRequest), and
         with ``recovery_public_key`` (the key it will restore with) only when that
-        is the account's.
+        is the account's. A refusal is logged once (:func:`_refusal_logged`).
         """
-        clean = info.validate()
-        tls.check_csr(csr_pem)
-        if repair_machine_id:
-            validate_id("machine", repair_machine_id, "repair_machine_id")
-        if self._intents is None:
-            token = await self._tokens.consume(token_value)
-            return await self._register(token.account_id, token.token_id, csr_pem, clean, "")
-        token = await self._tokens.check(token_value)
-        if repair_machine_id and token.repair_machine_id != repair_machine_id:
-            raise await self._not_its_repair_token(token, repair_machine_id)
-        if token.repair_machine_id and not repair_machine_id and not take_over:
-            raise InvalidState(
-                "join",
-                f"this is a repair token: this box would take over machine "
-                f"{token.repair_machine_id} with none of its data; give --recovery-key FILE to "
-                "restore its newest backup (or --no-restore to take it over empty; an "
-                "agents-machine older than the control plane must be upgraded first); "
-                "the token was not used",
-            )
-        if token.repair_machine_id:
-            return await self._repair(token, csr_pem, clean, recovery_public_key)
-        machine_id = self._machines.new_machine_id()
-        # Held: committed by the machine's first connection, see the module doc.
-        async with self._intents.change(
-            _JOIN,
-            hold=True,
-            account_id=token.account_id,
-            token_id=token.token_id,
-            machine_id=machine_id,
-        ) as intent:
-            await self._tokens.use(token, intent.intent_id)
-            return await self._register(
-                token.account_id, token.token_id, csr_pem, clean, intent.intent_id, machine_id
-            )
+        with _refusal_logged(token_value, repair_machine_id):
+            clean = info.validate()
+            tls.check_csr(csr_pem)
+            if repair_machine_id:
+                validate_id("machine", repair_machine_id, "repair_machine_id")
+            if self._intents is None:
+                token = await self._tokens.consume(token_value)
+                return await self._register(token.account_id, token.token_id, csr_pem, clean, "")
+            token = await self._tokens.check(token_value)
+            if repair_machine_id and token.repair_machine_id != repair_machine_id:
+                raise await self._not_its_repair_token(token, repair_machine_id)
+            if token.repair_machine_id and not repair_machine_id and not take_over:
+                raise InvalidState(
+                    "join",
+                    f"this is a repair token: this box would take over machine "
+                    f"{token.repair_machine_id} with none of its data; give --recovery-key FILE to "
+                    "restore its newest backup (or --no-restore to take it over empty; an "
+                    "agents-machine older than the control plane must be upgraded first); "
+                    "the token was not used",
+                )
+            if token.repair_machine_id:
+                return await self._repair(token, csr_pem, clean, recovery_public_key)
+            machine_id = self._machines.new_machine_id()
+            # Held: committed by the machine's first connection, see the module doc.
+            async with self._intents.change(
+                _JOIN,
+                hold=True,
+                account_id=token.account_id,
+                token_id=token.token_id,
+                machine_id=machine_id,
+            ) as intent:
+                await self._tokens.use(token, intent.intent_id)
+                return await self._register(
+                    token.account_id, token.token_id, csr_pem, clean, intent.intent_id, machine_id
+                )
 
     async def _not_its_repair_token(self, token: JoinToken, machine_id: str) -> InvalidState:
         """The refusal of a joined box (``machine_id``) that presents another token than

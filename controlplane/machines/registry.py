@@ -207,7 +207,12 @@ class MachineRegistry:
         for hook in self._join_hooks:
             hook(machine)
         await self._audit.record(token_id, "machine.join", machine_id, account_id)
-        logger.info("machine %s joined account %s", machine_id, account_id)
+        logger.info(
+            "machine %s joined account %s",
+            machine_id,
+            account_id,
+            extra={"machine_id": machine_id, "account_id": account_id, "token_id": token_id},
+        )
         return machine
 
     async def repair(
@@ -365,7 +370,11 @@ class MachineRegistry:
         # The record no longer names the intent, so a crash here leaves an intent
         # whose roll-back finds the join confirmed and keeps it.
         await self._intents.commit_id(intent_id)
-        logger.info("machine %s: join confirmed", machine.machine_id)
+        logger.info(
+            "machine %s: join confirmed",
+            machine.machine_id,
+            extra={"machine_id": machine.machine_id, "account_id": machine.account_id},
+        )
         return Machine.from_dict(data)
 
     async def rename(self, principal: Principal, machine_id: str, name: str) -> Machine:

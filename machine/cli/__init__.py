@@ -31,11 +31,13 @@ __all__ = [
 
 def entry(argv: list[str] | None = None) -> int:
     """The ``agents-machine`` console script: a closed stdout is refused before the CLI (and
-    gRPC with it) is loaded (:mod:`shared.entry`); then :func:`machine.cli.main.main`."""
-    from shared.entry import stdout_closed
+    gRPC with it) is loaded, and gRPC's log verbosity set (:mod:`shared.entry`); then
+    :func:`machine.cli.main.main`."""
+    from shared.entry import quiet_grpc, stdout_closed
 
     if stdout_closed("agents-machine"):
         return 2  # a usage error: nothing was done
+    quiet_grpc()
     from machine.cli.main import main
 
     return main(argv)

@@ -58,6 +58,8 @@ def build_config(args: argparse.Namespace, env: dict[str, str], home: Path) -> M
         "attachment_limit": getattr(args, "attachment_limit", None),
         "background_loops": False if getattr(args, "no_background", False) else None,
         "shutdown_grace_seconds": getattr(args, "grace", None),
+        "log_level": getattr(args, "log_level", None),
+        "log_format": getattr(args, "log_format", None),
     }
     config_file = getattr(args, "config", None)
     return MachineConfig.build(

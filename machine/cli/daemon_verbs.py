@@ -21,6 +21,7 @@ from machine.cli.common import PROG, Ctx, call, human, show_record, when
 from machine.config import MachineConfig
 from machine.storage.faults import run_check
 from shared.cli import ExitCode, bind_error
+from shared.logs import setup_logging
 
 if TYPE_CHECKING:
     from machine.daemon import HeldDataDir
@@ -147,11 +148,8 @@ def run_serve(cfg: MachineConfig, prog: str = PROG, held: HeldDataDir | None = N
     caller holds it (``join``)."""
     from machine.daemon import serve
 
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        force=True,  # replaces the silence main() set up for the verbs
-    )
+    # Replaces the silence main() set up for the verbs.
+    setup_logging(cfg.log_level, cfg.log_format)
     os.umask(0o077)  # everything the daemon creates is private to its user
     try:
         asyncio.run(serve(cfg, first=lambda: _first_start_recovery_key(cfg, prog), held=held))

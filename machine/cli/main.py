@@ -37,6 +37,7 @@ from shared.cli import (
 )
 from shared.errors import ConfigError, InvalidArgument, InvalidState, NotFound
 from shared.ids import validate_id
+from shared.logs import add_log_options
 
 __all__ = ["main"]
 
@@ -165,6 +166,7 @@ def _parser() -> CliParser:
     serving.add_argument("--grace", type=float, help="seconds runs get to end at stop (default 10)")
     serving.add_argument("--no-background", action="store_true", help="no periodic jobs (tests)")
     serving.add_argument("--config", help="TOML config file (default <data dir>/machine.toml)")
+    add_log_options(serving)
 
     sub.add_parser("serve", parents=[common, serving], help="run the daemon")
 

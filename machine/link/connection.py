@@ -21,6 +21,9 @@ must have every machine back within 5 s of listening again (docs/runbooks/
 disaster-recovery.md), and a failed dial to a control plane that is down is a
 refused TCP connection, cheap for both sides; with full jitter a fleet still
 arrives spread over the cap, about one attempt per machine a second.
+An outage is logged once, not once a second: its first failed attempt is a
+WARNING, the others DEBUG (the same line) with a WARNING reminder every 5
+minutes, and the first welcome after it one INFO line (shared.outage).
 A stream that was up for a while and then dropped is retried at once
 (a restarted control plane is usually back by then; if not, the jittered
 backoff spreads the fleet). The link stops for good (and logs an ERROR) only
@@ -98,6 +101,7 @@ from machine.link.states import (
     map_error,
 )
 from shared.errors import AgentsError, IntegrityError, InvalidArgument, InvalidState, TransientError
+from shared.outage import OutageLog
 from shared.retry import reconnecting
 from shared.timestamps import Clock, utc_now
 
@@ -114,6 +118,10 @@ _PROBE_TIMEOUT: Final = 5.0
 #: finding rarely changes, and a fleet with a bad clock must not double its
 #: connection attempts.
 _PROBE_EVERY: Final = 300.0
+#: Seconds between two warnings while the link stays down: the first failed
+#: attempt of an outage is a WARNING, the next ones DEBUG (about one a second at
+#: the backoff's cap), with a WARNING reminder this often (shared.outage).
+_REMIND_EVERY: Final = 300.0
 #: Seconds a stopping link waits for a heartbeat or roster write in flight to end
 #: before it cancels the beat anyway (a write stuck on a peer that reads nothing).
 _WRITE_SETTLE: Final = 5.0
@@ -221,6 +229,7 @@ class ControlLink:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._attempts = 0
+        self._outage = OutageLog(logger, "control link", remind=_REMIND_EVERY)
         self._link: identity.LinkRecord | None = None
         self._ca_pem = b""
         self._next_probe = 0.0  # time.monotonic() before which no probe runs
@@ -319,15 +328,29 @@ class ControlLink:
             )
         if error is not None and handshake_clock_problem(error):
             await self._explain_handshake()
-        logger.warning(
-            "control link to %s failed (attempt %d), retrying in %.2fs: %s: %s",
-            self._link.control_address if self._link else "?",
-            state.attempt_number,
-            wait,
-            type(error).__name__,
-            error,
+        failure = error if error is not None else TransientError("control link: no outcome")
+        # One WARNING per outage (and a reminder), the other attempts at DEBUG in the
+        # same format: bench/connect.py counts every one by its msg and args[3].
+        self._outage.failed(
+            failure,
+            line=(
+                "control link to %s failed (attempt %d), retrying in %.2fs: %s: %s",
+                (
+                    self._link.control_address if self._link else "?",
+                    state.attempt_number,
+                    wait,
+                    type(failure).__name__,
+                    failure,
+                ),
+            ),
+            key=type(failure).__name__,
+            extra=self._ids(),
         )
         await self._set_state(LinkState.BACKING_OFF)
+
+    def _ids(self) -> dict[str, object] | None:
+        """The ids a log line about the link names (shared.logs)."""
+        return {"machine_id": self._link.machine_id} if self._link is not None else None
 
     async def _explain_handshake(self) -> None:
         """The TLS handshake failed its date check: say which clock and which dates,
@@ -480,11 +503,13 @@ class ControlLink:
         if first.server_time is not None:
             self._skew.observe(first.server_time, sent, received)
         interval = first.heartbeat_interval or self._link_interval()
+        self._outage.recovered(extra=self._ids())
         logger.info(
             "control link up: %s as %s, heartbeat every %.3fs",
             self._link.control_address if self._link else "?",
             first.machine_id,
             interval,
+            extra={"machine_id": first.machine_id},
         )
         await self._set_state(LinkState.CONNECTED)
         await self._heartbeats.welcomed(stream)

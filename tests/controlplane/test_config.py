@@ -64,3 +64,25 @@ def test_systemd_notify_settings_come_from_the_environment(tmp_path: Path) -> No
     }
     cfg = load_config({"home": tmp_path}, env)
     assert cfg.notify == NotifyConfig("/run/systemd/notify", 30.0)
+
+
+def test_log_level_and_format_from_file_env_and_flags(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text('log_level = "debug"\nlog_format = "json"\n')
+    cfg = load_config({"home": tmp_path}, {})
+    assert (cfg.log_level, cfg.log_format) == ("DEBUG", "json")
+    env = {"AGENTS_CONTROL_LOG_LEVEL": "Warning", "AGENTS_CONTROL_LOG_FORMAT": "TEXT"}
+    cfg = load_config({"home": tmp_path}, env)
+    assert (cfg.log_level, cfg.log_format) == ("WARNING", "text")
+    cfg = load_config({"home": tmp_path, "log_level": "error", "log_format": "json"}, env)
+    assert (cfg.log_level, cfg.log_format) == ("ERROR", "json")
+    assert load_config({"home": tmp_path / "none"}, {}).log_format == "text"
+
+
+def test_a_bad_log_format_names_the_field_and_where_it_came_from(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"log_format: bad value from \$AGENTS_CONTROL_LOG_FORMAT"
+    ):
+        load_config({"home": tmp_path}, {"AGENTS_CONTROL_LOG_FORMAT": "xml"})
+    (tmp_path / "config.toml").write_text('log_level = "loud"\n')
+    with pytest.raises(ConfigError, match="log_level: bad value from config file"):
+        load_config({"home": tmp_path}, {})

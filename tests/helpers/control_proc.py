@@ -102,10 +102,19 @@ class ControlProc:
 
 
 def join_new_account(
-    cp: ControlProc, data: Path, log: Path, *, github_id: int, login: str
+    cp: ControlProc,
+    data: Path,
+    log: Path,
+    *,
+    github_id: int,
+    login: str,
+    extra: Sequence[str] = (),
+    out: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """A new account, and a machine joined to it by the printed join command, serving
-    in the foreground on ``data`` with its output in ``log``."""
+    in the foreground on ``data`` with its output in ``log`` (``extra``: more
+    arguments for the join, e.g. ``--log-format json``; ``out``: its stdout there
+    instead, so ``log`` holds only its log lines)."""
 
     def ok(res: CliResult) -> str:
         assert res.code == 0, res.err
@@ -116,12 +125,12 @@ def join_new_account(
     assert account, made
     token = json.loads(ok(cp.cli("token", "create", "--account", account.group(1), "--json")))
     join = shlex.split(token["join_command"])
-    with log.open("wb") as out:
+    with log.open("wb") as err, (out or log).open("ab") as stdout:
         return subprocess.Popen(
             [str(VENV_BIN / "agents-machine"), *join[1:], "--data-dir", str(data)]
-            + ["--no-background"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
+            + ["--no-background", *extra],
+            stdout=stdout if out is not None else err,
+            stderr=err,
         )
 
 

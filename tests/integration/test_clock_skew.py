@@ -168,7 +168,8 @@ def test_a_machine_2_days_behind_says_its_clock_is_the_cause(
 ) -> None:
     data_dir = tmp_path / "machine"
     _join(cp, data_dir, tmp_path / "join.log")
-    machine = MachineProc(data_dir, env=faketime_env("-2d"))
+    # At debug: an outage's repeated attempts are DEBUG lines (the first a WARNING).
+    machine = MachineProc(data_dir, "--log-level", "debug", env=faketime_env("-2d"))
     with machine:
 
         def fail() -> AssertionError:

@@ -162,3 +162,24 @@ def test_systemd_notify_settings_come_from_the_environment(tmp_path: Path) -> No
     }
     cfg = MachineConfig.build(flags=flags, env=env, home=HOME)
     assert cfg.notify == NotifyConfig("@notify", 30.0)
+
+
+def test_log_level_and_format_from_file_env_and_flags(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "machine.toml").write_text('log_level = "debug"\nlog_format = "json"\n')
+
+    def build(flags: dict[str, object], env: dict[str, str]) -> tuple[str, str]:
+        cfg = MachineConfig.build(flags={"data_dir": str(data), **flags}, env=env, home=HOME)
+        return cfg.log_level, cfg.log_format
+
+    assert build({}, {}) == ("DEBUG", "json")
+    env = {"AGENTS_MACHINE_LOG_LEVEL": "warning", "AGENTS_MACHINE_LOG_FORMAT": "Text"}
+    assert build({}, env) == ("WARNING", "text")
+    assert build({"log_level": "error", "log_format": "json"}, env) == ("ERROR", "json")
+    (data / "machine.toml").unlink()
+    assert build({}, {}) == ("INFO", "text")
+    with pytest.raises(
+        ConfigError, match=r"log_format: bad value from \$AGENTS_MACHINE_LOG_FORMAT"
+    ):
+        build({}, {"AGENTS_MACHINE_LOG_FORMAT": "xml"})

@@ -78,3 +78,24 @@ def test_a_bug_keeps_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
         log.failed(e)
     [(level, message, traced)] = _lines(caplog)
     assert (level, message, traced) == (logging.WARNING, "wake: 'missing'", True)
+
+
+def test_a_callers_own_line_keeps_its_format_at_every_level(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, LOGGER)
+    clock = Clock()
+    log = OutageLog(logging.getLogger(LOGGER), "link", remind=300, monotonic=clock)
+    for attempt in range(1, 4):
+        error = OSError(f"refused at attempt {attempt}")  # a message of its own each time
+        line = ("dial %s failed (attempt %d): %s", ("cp:7444", attempt, error))
+        log.failed(error, line=line, key="OSError", extra={"machine_id": "mc_1"})
+        clock.now += 200
+    records = [r for r in caplog.records if r.name == LOGGER]
+    assert [r.levelno for r in records] == [logging.WARNING, logging.DEBUG, logging.WARNING]
+    assert [r.args[1] for r in records if isinstance(r.args, tuple)] == [1, 2, 3]
+    assert all(str(r.msg).startswith("dial %s failed (attempt %d)") for r in records)
+    assert records[2].getMessage().endswith("(failing for 400 s, 3 tries)")
+    assert all(r.exc_info is None for r in records)  # the line says what failed
+    assert all(getattr(r, "machine_id", None) == "mc_1" for r in records)
+    assert all(r.filename == "test_outage.py" for r in records)  # the caller's line

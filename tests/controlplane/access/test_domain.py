@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 from typing import Any
 
 import pytest
@@ -451,3 +452,41 @@ async def test_a_revoke_killed_between_its_marker_and_the_record_has_taken_effec
     assert [m.revoked for m in listed] == [True]
     # Run again (idempotent): the record says so too.
     assert (await w.machines.revoke(w.op, machine_id)).revoked
+
+
+async def test_a_refused_credential_is_one_line_naming_its_id_never_its_secret(
+    w: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = await w.account(1)
+    made = await w.creds.create_for_account(w.op, a, "a")
+    cid, secret = made.value.split(".")
+    wrong = "B" * 43
+    caplog.set_level(logging.WARNING, "controlplane.access.authz")
+    for bad in (f"{cid}.{wrong}", "x", None):
+        with pytest.raises(Unauthenticated):
+            await w.creds.authenticate(bad)
+    await w.creds.authenticate(made.value)  # accepted: no line
+    lines = [r for r in caplog.records if r.name == "controlplane.access.authz"]
+    assert [r.levelno for r in lines] == [logging.WARNING] * 3
+    assert [getattr(r, "credential_id", None) for r in lines] == [cid, None, None]
+    assert "unknown credential or wrong secret" in lines[0].getMessage()
+    text = " ".join(f"{r.getMessage()} {r.__dict__}" for r in lines)
+    assert secret not in text and wrong not in text
+
+
+async def test_a_refused_join_is_one_line_naming_the_token_never_its_secret(
+    w: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    acct = await w.account(1)
+    made = await w.tokens.create(w.op, acct)
+    tok_id, secret = made.value.split(".")
+    csr = tls.build_csr(tls.new_tls_key()).decode()
+    await w.pairing.join(made.value, csr, MachineInfo("m", "1", "h"))
+    caplog.set_level(logging.WARNING, "controlplane.machines.pairing")
+    with pytest.raises(Unauthenticated, match="already used"):
+        await w.pairing.join(made.value, csr, MachineInfo("m", "1", "h"))
+    lines = [r for r in caplog.records if r.name == "controlplane.machines.pairing"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert lines[0].getMessage().startswith("join refused: ")
+    assert getattr(lines[0], "token_id", None) == tok_id
+    assert secret not in f"{lines[0].getMessage()} {lines[0].__dict__}"

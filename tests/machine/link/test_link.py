@@ -1079,3 +1079,31 @@ def test_no_os_environ_here() -> None:
         assert "os.environ" not in text, mod
         assert "print(" not in text, mod
     assert os.sep  # keep the import used on every platform
+
+
+async def test_an_outage_is_one_warning_the_repeats_debug_and_one_line_back(
+    control: FakeControlPlane, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every failed attempt is logged in the same format (bench/connect.py counts
+    them), but only an outage's first at WARNING; its end is one INFO line."""
+    data_dir = tmp_path / "data"
+    await _joined(control, data_dir)
+    machine_id = identity.load_link(data_dir).machine_id
+    control.down = True
+    registry = CollectorRegistry()
+    with caplog.at_level(logging.DEBUG, logger="machine.link.connection"):
+        async with _link(control, data_dir, registry) as link:
+            await _until(lambda: _sample(registry, "agents_machine_link_reconnects_total") >= 4)
+            control.down = False
+            await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+    records = [r for r in caplog.records if r.name == "machine.link.connection"]
+    failed = [r for r in records if "failed (attempt" in str(r.msg)]
+    assert len(failed) >= 4
+    assert [r.levelno for r in failed] == [logging.WARNING] + [logging.DEBUG] * (len(failed) - 1)
+    assert all(isinstance(r.args, tuple) and r.args[3] == "TransientError" for r in failed), [
+        r.args for r in failed
+    ]
+    assert all(getattr(r, "machine_id", None) == machine_id for r in failed)
+    back = [r for r in records if "works again" in r.getMessage()]
+    assert len(back) == 1 and back[0].levelno == logging.INFO
+    assert f"after {len(failed)} failed tries" in back[0].getMessage()
