@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from machine.backups.engine import BackupEngine
 from machine.backups.handoff import Handoff
@@ -40,7 +43,7 @@ from machine.schedules.service import Scheduler, SchedulesService
 from machine.storage import restored, tables
 from machine.storage.db import Database
 from machine.storage.faults import CheckResult
-from shared.atomic import ensure_private_dir
+from shared.atomic import ensure_private_dir, write_atomic
 from shared.errors import InvalidState
 
 __all__ = ["Machine", "MachineStatus", "open_machine"]
@@ -195,20 +198,58 @@ async def _check_loop(machine: Machine) -> None:
         # changed bits under an unchanged inode: read every page now, while the
         # daemon already answers (see machine.storage.clean_stop).
         await _check_once(machine, full=False)
+    interval = machine.config.integrity_check_seconds
+    stamp = full_check_stamp(machine.db.path)
+    last = await asyncio.to_thread(_read_stamp, stamp)
     while True:
-        await asyncio.sleep(machine.config.integrity_check_seconds)
-        await _check_once(machine, full=True)
+        await asyncio.sleep(next_full_check_in(last, time.time(), interval))
+        if await _check_once(machine, full=True):
+            last = time.time()
+            await asyncio.to_thread(_write_stamp, stamp, last)
 
 
-async def _check_once(machine: Machine, *, full: bool) -> None:
+def full_check_stamp(db_path: Path) -> Path:
+    """Where the time of machine.db's last full integrity check is kept: the check
+    is due that long after the last one, not after each start (a daemon restarted
+    every day would otherwise never run it)."""
+    return db_path.with_name(db_path.name + ".full-check")
+
+
+def next_full_check_in(last: float | None, now: float, interval: float) -> float:
+    """Seconds until the next full check: ``interval`` after the ``last`` one (at
+    once when that is past); a whole ``interval`` when there was none, or when
+    ``last`` lies ahead of ``now`` (the clock was set back since)."""
+    if last is None or last > now:
+        return interval
+    return max(0.0, last + interval - now)
+
+
+def _read_stamp(path: Path) -> float | None:
+    try:
+        value = float(json.loads(path.read_text())["at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _write_stamp(path: Path, at: float) -> None:
+    try:
+        write_atomic(path, json.dumps({"at": at}).encode())
+    except OSError as e:  # only the next check's timing depends on it
+        logger.warning("%s: cannot record the full check's time: %s", path, e)
+
+
+async def _check_once(machine: Machine, *, full: bool) -> bool:
+    """One check; whether it ran to its end (found damage or not)."""
     kind = "integrity check" if full else "quick check"
     try:
         result = await machine.check_database(full=full)
     except Exception:
         logger.exception("the %s of machine.db failed to run", kind)
-        return
+        return False
     if result.ok:
         logger.info("%s of machine.db: ok (%.1f s)", kind, result.seconds)
+    return True
 
 
 class _StartSteps:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sqlite3
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from machine.api import codec
-from machine.app import Machine, open_machine
+from machine.app import Machine, full_check_stamp, next_full_check_in, open_machine
 from machine.config import MachineConfig
 from machine.core.streams import StreamLimits
 from machine.metrics import MachineMetrics
@@ -316,3 +318,40 @@ async def test_undecodable_value_in_a_write_fails_only_that_write(tmp_path: Path
         assert await db.read(lambda c: c.execute("SELECT COUNT(*) FROM t").fetchone()[0]) == 2
     finally:
         await db.close()
+
+
+# ------------------------------------------------------------------ full check schedule
+
+
+def test_the_full_check_is_due_after_the_last_one_not_after_each_start() -> None:
+    day = 86400.0
+    assert next_full_check_in(None, 1_000_000.0, day) == day  # never checked
+    assert next_full_check_in(1_000_000.0 - 3600, 1_000_000.0, day) == day - 3600
+    assert next_full_check_in(1_000_000.0 - 3 * day, 1_000_000.0, day) == 0.0  # overdue
+    # The clock was set back: not never, not at once; a whole interval.
+    assert next_full_check_in(1_000_000.0 + day, 1_000_000.0, day) == day
+
+
+async def test_an_overdue_full_check_runs_at_start_and_records_its_time(
+    machine_config: MachineConfig,
+) -> None:
+    async with open_machine(machine_config):
+        pass
+    stamp = full_check_stamp(machine_config.db_path)
+    two_days_ago = time.time() - 2 * 86400
+    stamp.write_text(json.dumps({"at": two_days_ago}))
+    config = replace(machine_config, background_loops=True, integrity_check_seconds=86400.0)
+    metrics = MachineMetrics(CollectorRegistry())
+    async with open_machine(config, metrics=metrics):
+        await apoll_until(
+            lambda: sample(metrics, "agents_machine_db_checks_total", kind="full", result="ok"),
+            deadline=DEADLINE,
+            what="the overdue full check",
+            step=0.02,
+        )
+        await apoll_until(
+            lambda: json.loads(stamp.read_text())["at"] > two_days_ago,
+            deadline=DEADLINE,
+            what="the full check's time recorded",
+            step=0.02,
+        )
