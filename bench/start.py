@@ -83,16 +83,12 @@ WAYS: Final = ("clean warm", "clean cold", "unclean warm", "unclean cold")
 # -- the page cache -----------------------------------------------------------
 
 
-#: Drop the whole page cache for a cold start (as a reboot does) when allowed;
-#: ``--quick`` (the smoke test, with other tests running) evicts only the bench's files.
-EVERYTHING = {"value": True}
-
-
-def drop_caches(folder: Path) -> str:
-    """Forget what the page cache holds: everything when allowed (as a reboot
-    does), else every file under ``folder``. Returns which was done."""
+def drop_caches(folder: Path, *, everything: bool) -> str:
+    """Forget what the page cache holds: everything (as a reboot does) when asked
+    and allowed, else every file under ``folder`` (``--quick``: the smoke test runs
+    beside other tests). Returns which was done."""
     subprocess.run(["sync"], check=True)
-    if EVERYTHING["value"]:
+    if everything:
         try:
             Path("/proc/sys/vm/drop_caches").write_text("3\n")
             return "drop_caches"
@@ -129,8 +125,9 @@ class Started:
 class Machine:
     """One data folder and the daemon serving it, started and stopped on demand."""
 
-    def __init__(self, data: Path) -> None:
+    def __init__(self, data: Path, *, everything: bool) -> None:
         self.data = data
+        self.everything = everything
         self.socket = data / "machine.sock"
         self.log = data.parent / f"{data.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -195,7 +192,7 @@ class Machine:
             self.start()
             self.stop(clean=clean)
             if cold:
-                how = drop_caches(self.data)
+                how = drop_caches(self.data, everything=self.everything)
             else:
                 warm(self.data)
             started = self.start()
@@ -219,14 +216,16 @@ async def _grow(data: Path, agents: list[str], mb: int, step: int) -> None:
         await db.close()
 
 
-def machine_curve(mbs: tuple[int, ...], agents: int, work: Path) -> tuple[Curve, list[str]]:
+def machine_curve(
+    mbs: tuple[int, ...], agents: int, work: Path, *, everything: bool
+) -> tuple[Curve, list[str]]:
     notes: list[str] = []
-    empty = Machine(work / "empty")
+    empty = Machine(work / "empty", everything=everything)
     empty.data.mkdir(mode=0o700)
     base, how, _ = empty.measure("")
     data = work / "machine"
     ids = asyncio.run(_make_data(data, agents, mbs[0]))
-    machine = Machine(data)
+    machine = Machine(data, everything=everything)
     x: list[float] = []
     series: dict[str, list[float]] = {way: [] for way in WAYS}
     done = mbs[0]
@@ -282,10 +281,12 @@ async def _first_admin_answer(cp: ControlProc, account_id: str) -> None:
             await asyncio.sleep(0.01)
 
 
-def _control_start(cp: ControlProc, account_id: str, cold: bool, store: Path) -> float:
+def _control_start(
+    cp: ControlProc, account_id: str, cold: bool, store: Path, everything: bool
+) -> float:
     stop_serve(cp)
     if cold:
-        drop_caches(store)
+        drop_caches(store, everything=everything)
     else:
         warm(store)
     began = time.monotonic()
@@ -294,15 +295,17 @@ def _control_start(cp: ControlProc, account_id: str, cold: bool, store: Path) ->
     return time.monotonic() - began
 
 
-def control_curve(points: tuple[int, ...], work: Path) -> tuple[Curve, list[str]]:
+def control_curve(
+    points: tuple[int, ...], work: Path, *, everything: bool
+) -> tuple[Curve, list[str]]:
     raise_fd_limit()
     cp = start_control(work, heartbeat=5.0)
     store = work / "store"
     try:
         account_id, tokens = asyncio.run(new_account_tokens(cp, max(points)))
         base = {
-            "warm": _control_start(cp, account_id, False, store),
-            "cold": _control_start(cp, account_id, True, store),
+            "warm": _control_start(cp, account_id, False, store, everything),
+            "cold": _control_start(cp, account_id, True, store, everything),
         }
         rows: list[ControlStarts] = []
         joined = 0
@@ -314,7 +317,7 @@ def control_curve(points: tuple[int, ...], work: Path) -> tuple[Curve, list[str]
             objects = sum(1 for p in store.rglob("*") if p.is_file())
             row = ControlStarts(n, objects)
             for way in ("warm", "cold"):
-                row.figures[way] = _control_start(cp, account_id, way == "cold", store)
+                row.figures[way] = _control_start(cp, account_id, way == "cold", store, everything)
             rows.append(row)
             print(
                 f"  {n} machines ({objects} objects): "
@@ -376,7 +379,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--machines", help="machines joined at each control point, e.g. 10,100")
     parser.add_argument("--json", type=Path, help="write the figures here (bench/results.py)")
     args = parser.parse_args(argv)
-    EVERYTHING["value"] = not args.quick
     mbs = _points(args.mb) if args.mb else MB_QUICK if args.quick else MB_FULL
     machines = (
         _points(args.machines) if args.machines else MACHINES_QUICK if args.quick else MACHINES_FULL
@@ -387,9 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.part in ("machine", "all"):
             print("machine: start to the first Status answer, against machine.db's size")
             (work / "m").mkdir()
-            curve, notes = machine_curve(
-                mbs, AGENTS_QUICK if args.quick else AGENTS_FULL, work / "m"
-            )
+            agents = AGENTS_QUICK if args.quick else AGENTS_FULL
+            curve, notes = machine_curve(mbs, agents, work / "m", everything=not args.quick)
             result.curves.append(curve)
             result.notes.extend(notes)
             for note in notes:
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.part in ("control", "all"):
             print("control plane: start to the first admin answer, against machines joined")
             (work / "c").mkdir()
-            curve, notes = control_curve(machines, work / "c")
+            curve, notes = control_curve(machines, work / "c", everything=not args.quick)
             result.curves.append(curve)
             result.notes.extend(notes)
             for note in notes:
