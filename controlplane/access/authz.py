@@ -34,6 +34,7 @@ from shared.errors import (
     Unauthenticated,
 )
 from shared.ids import new_id, validate_id
+from shared.repeats import RepeatLimit
 from shared.store.base import ObjectStore
 from shared.timestamps import Clock, utc_now
 
@@ -63,6 +64,7 @@ class CredentialService:
         self, store: ObjectStore, accounts: AccountService, auditor: Auditor, clock: Clock = utc_now
     ) -> None:
         self._store = store
+        self._refusals = RepeatLimit(logger)
         self._accounts = accounts
         self._audit = auditor
         self._clock = clock
@@ -109,11 +111,12 @@ class CredentialService:
         """Verify ``adm_<id>.<secret>``; Unauthenticated with a reason, never echoing it.
 
         A refusal is one WARNING line naming the credential's id when the bearer
-        has the right shape (``credential_id``), never its secret."""
+        has the right shape (``credential_id``), never its secret; the same
+        refusal again within a minute is a DEBUG line (shared.repeats)."""
         try:
             return await self._authenticate(bearer)
         except (Unauthenticated, PermissionDenied) as e:
-            logger.warning(
+            self._refusals.warning(
                 "admin credential refused: %s", e.message, extra=bearer_ids(bearer, "credential")
             )
             raise

@@ -53,6 +53,7 @@ from shared.errors import (
     Unauthenticated,
 )
 from shared.ids import validate_id
+from shared.repeats import RepeatLimit
 from shared.store.base import ObjectStore
 from shared.tls import CertKey, IssuedCert
 
@@ -78,9 +79,12 @@ class JoinResult:
 
 
 @contextlib.contextmanager
-def _refusal_logged(token_value: str, repair_machine_id: str) -> Iterator[None]:
+def _refusal_logged(
+    refusals: RepeatLimit, token_value: str, repair_machine_id: str
+) -> Iterator[None]:
     """A refused join is one WARNING line naming the token's id when the token has
-    the right shape (``token_id``; ``machine_id`` for a repair), never its secret.
+    the right shape (``token_id``; ``machine_id`` for a repair), never its secret;
+    the same refusal again within a minute is a DEBUG line (shared.repeats).
     A transient failure (the store) is not a refusal: the machine tries again."""
     try:
         yield
@@ -89,7 +93,7 @@ def _refusal_logged(token_value: str, repair_machine_id: str) -> Iterator[None]:
             ids = bearer_ids(token_value, "token")
             if repair_machine_id:
                 ids["machine_id"] = repair_machine_id
-            logger.warning("join refused: %s", e, extra=ids)
+            refusals.warning("join refused: %s", e, extra=ids)
         raise
 
 
@@ -119,6 +123,7 @@ class Pairing:
         self._intents = intents
         self._confirm_grace = confirm_grace
         self._store = store
+        self._refusals = RepeatLimit(logger)
         if intents is not None:
             intents.register(_JOIN, self._roll_back_join)
         machines.on_confirm(self._confirmed)
@@ -147,7 +152,7 @@ class Pairing:
         with ``recovery_public_key`` (the key it will restore with) only when that
         is the account's. A refusal is logged once (:func:`_refusal_logged`).
         """
-        with _refusal_logged(token_value, repair_machine_id):
+        with _refusal_logged(self._refusals, token_value, repair_machine_id):
             clean = info.validate()
             tls.check_csr(csr_pem)
             if repair_machine_id:

@@ -474,6 +474,21 @@ async def test_a_refused_credential_is_one_line_naming_its_id_never_its_secret(
     assert secret not in text and wrong not in text
 
 
+async def test_a_credential_refused_again_and_again_warns_once(
+    w: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = await w.account(1)
+    made = await w.creds.create_for_account(w.op, a, "a")
+    cid, _ = made.value.split(".")
+    caplog.set_level(logging.DEBUG, "controlplane.access.authz")
+    for _ in range(20):
+        with pytest.raises(Unauthenticated):
+            await w.creds.authenticate(f"{cid}.{'B' * 43}")
+    lines = [r for r in caplog.records if r.name == "controlplane.access.authz"]
+    assert [r.levelno for r in lines] == [logging.WARNING] + [logging.DEBUG] * 19
+    assert all(getattr(r, "credential_id", None) == cid for r in lines)
+
+
 async def test_a_refused_join_is_one_line_naming_the_token_never_its_secret(
     w: World, caplog: pytest.LogCaptureFixture
 ) -> None:
