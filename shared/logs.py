@@ -15,7 +15,8 @@ Libraries that are chatty below WARNING (:data:`CAPPED`: botocore logs every
 request's headers at DEBUG) are held at WARNING even when our level is DEBUG,
 so ``--log-level debug`` shows our debug lines and not theirs. gRPC's C core
 logs outside Python; its verbosity is set before gRPC loads
-(:func:`shared.entry.quiet_grpc`).
+(:func:`shared.entry.quiet_grpc`), and in ``json`` a daemon's ``serve`` turns
+its lines into records (:mod:`shared.native_lines`).
 
 A log line never holds a secret: callers pass ids (``machine_id``,
 ``token_id``), never a token's or credential's value.
@@ -30,6 +31,7 @@ import logging
 import sys
 from typing import IO, Any, Final
 
+from shared import native_lines
 from shared.errors import ConfigError
 
 __all__ = [
@@ -162,15 +164,23 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
     """The handler :func:`setup_logging` installs (so a second call replaces it)."""
 
 
-def setup_logging(level: str, fmt: str = "text", stream: IO[str] | None = None) -> None:
+def setup_logging(
+    level: str, fmt: str = "text", stream: IO[str] | None = None, *, native: bool = False
+) -> None:
     """Log records at ``level`` and above to ``stream`` (stderr) in ``fmt``
     (``text`` or ``json``); the :data:`CAPPED` libraries log WARNING and above only.
+
+    ``native`` (a daemon's ``serve``): in ``json``, gRPC's C-core lines written
+    to descriptor 2 become records too (:mod:`shared.native_lines`), so every
+    line of the daemon's stderr parses.
 
     Replaces the root logger's plain handlers (``logging.basicConfig``'s, the
     NullHandler a CLI sets for its verbs, an earlier call's); others (a test
     runner's capture) stay.
     """
     chosen = logging.getLevelNamesMapping()[check_level(level)]
+    if native and stream is None and check_format(fmt) == "json":
+        stream = native_lines.route()
     handler = _Handler(sys.stderr if stream is None else stream)
     handler.setFormatter(JsonFormatter() if check_format(fmt) == "json" else TextFormatter())
     root = logging.getLogger()

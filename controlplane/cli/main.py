@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         fresh = args.cmd in ("init", "restore", "recovery-key", "drill")
         cfg = load_config(_flags(args), os.environ, read_file=not fresh)
         if args.cmd == "serve":
-            setup_logging(cfg.log_level, cfg.log_format)
+            setup_logging(cfg.log_level, cfg.log_format, native=True)
         else:
             # init prints a secret the operator must copy: keep its output to that
             # (and to real warnings), not the store's progress lines.

@@ -149,7 +149,7 @@ def run_serve(cfg: MachineConfig, prog: str = PROG, held: HeldDataDir | None = N
     from machine.daemon import serve
 
     # Replaces the silence main() set up for the verbs.
-    setup_logging(cfg.log_level, cfg.log_format)
+    setup_logging(cfg.log_level, cfg.log_format, native=True)
     os.umask(0o077)  # everything the daemon creates is private to its user
     try:
         asyncio.run(serve(cfg, first=lambda: _first_start_recovery_key(cfg, prog), held=held))
