@@ -104,6 +104,24 @@ def render_unit(
         # Files the daemon makes are private (keys, database) whatever the umask.
         "UMask=0077",
         "NoNewPrivileges=yes",
+        # Hardening that leaves the file system and the account's own powers
+        # alone: this unit runs in whatever account joined, with agents working
+        # in folders we do not know, so ProtectSystem=, ReadWritePaths= and an
+        # empty CapabilityBoundingSet= belong to the reviewed unit in deploy/
+        # only. systemd-analyze security: 7.0 (9.4 without these lines).
+        "ProtectKernelTunables=yes",
+        "ProtectKernelModules=yes",
+        "ProtectKernelLogs=yes",
+        "ProtectControlGroups=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "ProtectProc=invisible",
+        "RestrictSUIDSGID=yes",
+        "RestrictRealtime=yes",
+        "LockPersonality=yes",
+        "KeyringMode=private",
+        "SystemCallArchitectures=native",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK",
         "KillSignal=SIGTERM",
         "TimeoutStopSec=30",
     ]
