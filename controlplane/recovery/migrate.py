@@ -23,8 +23,8 @@ Steps, in order:
    and, per key, what was copied: the source's etag, size and SHA-256, whether
    its MAC verified, the new store's etag, and whether it was read back. It is
    written before the first object is copied, then every
-   :data:`SAVE_EVERY_OBJECTS` objects or :data:`SAVE_EVERY_SECONDS`, and when a
-   run stops with an error.
+   :data:`SAVE_EVERY_OBJECTS` objects (a tenth of the copied ones, if more) or
+   :data:`SAVE_EVERY_SECONDS`, and when a run stops with an error.
 3. **Copy.** Every key of the old store (bar the S3 probe's ``_probe/``), bytes
    as they are (MAC header included; the stores record nothing else about an
    object). A rerun skips a key whose source etag and new-store etag are the
@@ -114,9 +114,12 @@ PROGRESS_FILE: Final = "store-migrate.json"
 _VERSION: Final = 1
 #: The S3 probe's keys (shared.store.s3): the store's own, never copied.
 _PROBE_PREFIX: Final = "_probe/"
-#: The progress file is rewritten after this many objects, or this long, at most.
-SAVE_EVERY_OBJECTS: Final = 256
-SAVE_EVERY_SECONDS: Final = 2.0
+#: The progress file is rewritten once this many objects were copied since the
+#: last write, or a tenth of those it holds if more (so the bytes written stay
+#: a small multiple of its final size, and a crash costs at most that many
+#: copies again), or after this long.
+SAVE_EVERY_OBJECTS: Final = 8
+SAVE_EVERY_SECONDS: Final = 30.0
 #: Objects copied or read back at once.
 CONCURRENCY: Final = 8
 #: Objects up to this size are read whole (a MAC'd record is at most
@@ -361,7 +364,8 @@ class _Migration:
     def _maybe_save(self) -> None:
         self._unsaved += 1
         due = time.monotonic() - self._saved_at >= SAVE_EVERY_SECONDS
-        if self._unsaved >= SAVE_EVERY_OBJECTS or due:
+        batch = max(SAVE_EVERY_OBJECTS, len(self.progress.objects) // 10)
+        if self._unsaved >= batch or due:
             self.save()
 
     def _mac(self, key: str, data: bytes) -> tuple[bool, bool]:
