@@ -20,7 +20,7 @@ from controlplane.recovery.fencing import EPOCH_KEY, Epoch, lock_home, take_epoc
 from controlplane.recovery.migrate import PROGRESS_FILE, StoreTarget, migrate_store
 from controlplane.recovery.restore import restore_home
 from shared.crypto import BoxKeyPair
-from shared.errors import IntegrityError, InvalidArgument, InvalidState
+from shared.errors import ConfigError, IntegrityError, InvalidArgument, InvalidState
 from shared.store import FolderStore
 from shared.store.authenticated import MAC_HEADER, seal
 
@@ -242,3 +242,18 @@ async def test_cli_summary_and_a_refusal_in_one_line(
     out = capsys.readouterr().out
     assert "migrated" in out and "objects" in out and "bytes" in out and " s " in out
     assert load_config({"home": home}, {}).store_url == str(tmp_path / "new")
+
+
+def test_the_config_names_what_overrides_the_store_and_reads_the_crash_hook(
+    tmp_path: Path,
+) -> None:
+    env = {"AGENTS_CONTROL_STORE_REGION": "eu-west-1"}
+    cfg = load_config({"home": str(tmp_path), "store_url": str(tmp_path / "s")}, env)
+    assert cfg.store_overrides == ("--store", "AGENTS_CONTROL_STORE_REGION")
+    assert load_config({"home": str(tmp_path)}, {}).store_overrides == ()
+    hooked = load_config(
+        {"home": str(tmp_path)}, {"AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER": "3"}
+    )
+    assert hooked.crash_in_migrate_after == 3
+    with pytest.raises(ConfigError, match="must be a whole number"):
+        load_config({"home": str(tmp_path)}, {"AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER": "x"})
