@@ -243,7 +243,7 @@ def _check_target_url(url: str) -> None:
         query = parse_qs(urlsplit(url).query, keep_blank_values=True)
         if "access_key" in query or "secret_key" in query:
             raise InvalidArgument(
-                "to",
+                "store migrate --to",
                 "the URL carries a credential, which would be written to config.toml: "
                 "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY instead",
             )
@@ -535,6 +535,10 @@ async def migrate_store(
             "overriding config.toml after the switch: unset it and run again (the home's "
             "config.toml names the store to move from)",
         )
+    if not cfg.config_path.is_file():
+        raise InvalidState(
+            "store migrate", f"{cfg.home} is not a control plane's home (no config.toml)"
+        )
     if not cfg.store_url:
         raise InvalidState("store migrate", f"{cfg.config_path} names no store")
     fd = lock_home(cfg.home, "store migrate")
@@ -624,7 +628,8 @@ async def _run(
             raise InvalidState(
                 "store migrate",
                 f"{target_where} is not empty ({len(there)} objects, e.g. {min(there)}): "
-                "give an empty store",
+                "give an empty store (one this deployment used before holds an older copy: "
+                "empty it first)",
             )
         progress = _Progress(source_where, record, time.time())
     else:
