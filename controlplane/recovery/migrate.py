@@ -80,6 +80,7 @@ from controlplane.integrity.opening import store_options
 from controlplane.integrity.trusted import DeploymentGuard, record_mac_key
 from controlplane.recovery.bootstrap import toml_dumps
 from controlplane.recovery.fencing import EPOCH_KEY, Fence, lock_home, read_home_id
+from controlplane.recovery.keyshapes import shape_of
 from shared.atomic import write_atomic
 from shared.config import load_toml
 from shared.errors import (
@@ -112,8 +113,6 @@ logger = logging.getLogger(__name__)
 #: The migration's intent and progress, in the home.
 PROGRESS_FILE: Final = "store-migrate.json"
 _VERSION: Final = 1
-#: The S3 probe's keys (shared.store.s3): the store's own, never copied.
-_PROBE_PREFIX: Final = "_probe/"
 #: The progress file is rewritten once this many objects were copied since the
 #: last write, or a tenth of those it holds if more (so the bytes written stay
 #: a small multiple of its final size, and a crash costs at most that many
@@ -217,8 +216,15 @@ class _Progress:
             ) from None
 
 
+def _stores_own(key: str) -> bool:
+    """An S3 probe's object (shared.store.s3, keyshapes' ``probe``): never copied."""
+    # Most keys start with a letter: no need to try every shape on them.
+    shape = shape_of(key) if key.startswith("_") else None
+    return shape is not None and shape.name == "probe"
+
+
 def _keys(infos: Iterable[ObjectInfo]) -> dict[str, ObjectInfo]:
-    return {i.key: i for i in infos if not i.key.startswith(_PROBE_PREFIX)}
+    return {i.key: i for i in infos if not _stores_own(i.key)}
 
 
 async def _listing(store: ObjectStore) -> dict[str, ObjectInfo]:

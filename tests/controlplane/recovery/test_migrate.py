@@ -257,3 +257,13 @@ def test_the_config_names_what_overrides_the_store_and_reads_the_crash_hook(
     assert hooked.crash_in_migrate_after == 3
     with pytest.raises(ConfigError, match="must be a whole number"):
         load_config({"home": str(tmp_path)}, {"AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER": "x"})
+
+
+async def test_an_s3_probe_left_in_the_old_store_is_not_copied(
+    tmp_path: Path, served: tuple[ControlConfig, bytes]
+) -> None:
+    cfg, _ = served
+    await _put(tmp_path / "old", "_probe/0123456789abcdef", b"a probe killed midway")
+    result = await migrate_store(cfg, StoreTarget(str(tmp_path / "new")))
+    copied = await _objects(tmp_path / "new")
+    assert "_probe/0123456789abcdef" not in copied and result.objects == len(copied)
