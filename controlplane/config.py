@@ -11,7 +11,8 @@ Environment variables: ``AGENTS_CONTROL_HOME``, ``AGENTS_CONTROL_STORE``,
 ``AGENTS_CONTROL_METRICS``, ``AGENTS_CONTROL_ADDRESS``,
 ``AGENTS_CONTROL_CREDENTIAL``, ``AGENTS_CONTROL_HEARTBEAT``,
 ``AGENTS_CONTROL_LOG_LEVEL``, ``AGENTS_CONTROL_LOG_FORMAT``,
-``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``; and systemd's
+``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``; test only:
+``AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER``; and systemd's
 ``NOTIFY_SOCKET``, ``WATCHDOG_USEC``, ``WATCHDOG_PID`` (shared.sd_notify).
 """
 
@@ -158,6 +159,15 @@ class ControlConfig:
     """systemd's notify socket and watchdog (``$NOTIFY_SOCKET``, ``$WATCHDOG_USEC``,
     ``$WATCHDOG_PID``, set for a ``Type=notify`` unit): ``serve`` sends READY,
     STOPPING, STATUS and watchdog pings there (shared.sd_notify). Off when unset."""
+    store_overrides: tuple[str, ...] = ()
+    """Where a store setting came from other than config.toml: the flags and
+    environment variables that set ``store_url``, ``store_endpoint`` or
+    ``store_region`` (``store migrate`` switches config.toml, which they would
+    keep overriding)."""
+    crash_in_migrate_after: int = 0
+    """Test only (no flag, no file key; ``AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER``):
+    ``store migrate`` SIGKILLs itself once it copied this many objects, so a
+    real-process test can kill it in the middle of the copy. 0 (the default): off."""
 
     @property
     def config_path(self) -> Path:
@@ -338,5 +348,33 @@ def load_config(
         ),
         clock_check_seconds=get("clock_check_seconds", None, d.clock_check_seconds, float),
         notify=NotifyConfig.from_env(env, os.getpid()),
+        store_overrides=_store_overrides(flags, env),
+        crash_in_migrate_after=_test_count(env, "AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER"),
     )
     return cfg.validate()
+
+
+#: The store settings a flag or the environment may set over config.toml.
+_STORE_SOURCES: Final = (
+    ("store_url", "--store", "AGENTS_CONTROL_STORE"),
+    ("store_endpoint", "--store-endpoint", "AGENTS_CONTROL_STORE_ENDPOINT"),
+    ("store_region", "--store-region", "AGENTS_CONTROL_STORE_REGION"),
+)
+
+
+def _store_overrides(flags: Mapping[str, Any], env: Mapping[str, str]) -> tuple[str, ...]:
+    out: list[str] = []
+    for name, flag, env_key in _STORE_SOURCES:
+        if flags.get(name) not in (None, ""):
+            out.append(flag)
+        elif env.get(env_key):
+            out.append(env_key)
+    return tuple(out)
+
+
+def _test_count(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name, "") or "0"
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(name, f"must be a whole number, got {value[:16]!r}") from None

@@ -17,12 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import fcntl
 import json
 import logging
 import os
 import signal
-from pathlib import Path
 from types import TracebackType
 from typing import Final, Self
 
@@ -52,7 +50,7 @@ from controlplane.queue.delivery import PromptDelivery
 from controlplane.queue.prompts import PromptQueue, QueueLimits
 from controlplane.queue.starter import MachineStarter
 from controlplane.queue.wake import ScheduleWaker
-from controlplane.recovery.fencing import Fence, take_epoch
+from controlplane.recovery.fencing import Fence, lock_home, take_epoch
 from controlplane.recovery.keybundle import reseal_key_bundle
 from controlplane.recovery.rotation import KeyRotation
 from controlplane.services import Services
@@ -169,7 +167,7 @@ class ControlPlane:
         cfg = self.cfg
         status = self.notifier.status
         # A second serve of this very home folder stops here, before anything else.
-        self._home_lock = _lock_home(cfg.home)
+        self._home_lock = lock_home(cfg.home, "serve")
         keys = load_home_keys(cfg.home)
         keyring = KeyRing(keys)
         status("starting: binding the listeners")
@@ -474,21 +472,6 @@ class ControlPlane:
         if self._home_lock is not None:
             lock, self._home_lock = self._home_lock, None
             os.close(lock)
-
-
-def _lock_home(home: Path) -> int:
-    """Hold ``home``'s serve lock (released when the process ends, however it
-    ends); InvalidState when another serve holds it."""
-    fd = os.open(home / "serve.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise InvalidState(
-            f"serve {home}",
-            "another agents-control serve is running on this home; stop it first",
-        ) from None
-    return fd
 
 
 async def _count_offline(

@@ -51,6 +51,7 @@ __all__ = [
     "EXIT_FOR",
     "INT32_MAX",
     "INT64_MAX",
+    "Bar",
     "Column",
     "CliParser",
     "ExitCode",
@@ -512,3 +513,33 @@ class Output:
         """One record as ``key  value`` lines; values are never cut."""
         pairs = list(pairs)
         self.lines(*render_table([Column("", whole=True), Column("", whole=True)], pairs, None)[1:])
+
+
+class Bar:
+    """A rich progress bar on a terminal (stderr), nothing otherwise (scripts, --json)."""
+
+    def __init__(self, out: Output, what: str) -> None:
+        self._bar: Any = None
+        self._task: Any = None
+        self._what = what
+        if not out.as_json and sys.stderr.isatty():
+            from rich.progress import Progress  # imported late: only on a terminal
+
+            self._bar = Progress(transient=True)
+
+    def __enter__(self) -> Bar:
+        if self._bar is not None:
+            self._bar.start()
+            self._task = self._bar.add_task(self._what, total=None)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        """Show ``done`` of ``total`` in ``stage``."""
+        if self._bar is not None:
+            self._bar.update(
+                self._task, description=f"{self._what}: {stage}", completed=done, total=total
+            )

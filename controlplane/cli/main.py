@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from controlplane.access.tokens import MAX_USES
-from controlplane.cli import accounts, deployment, machines, recovery
+from controlplane.cli import accounts, deployment, machines, recovery, store
 from controlplane.cli.client import ControlPlaneUnreachable
 from controlplane.cli.common import PROG, Ctx
 from controlplane.cli.drill import MAX_MACHINES
@@ -250,6 +250,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--account", required=True, help="account id")
     p.add_argument("--label", default="account admin", help="a label to recognise it by")
 
+    sto = _verbs(sub, "store", "the deployment's object store")
+    p = sto.add_parser(
+        "migrate", help="move the control plane to another store (serve stopped; resumable)"
+    )
+    _common(p, client=False)
+    p.add_argument("--to", dest="to_url", required=True, help="s3://bucket/prefix or a folder")
+    p.add_argument("--store-endpoint", dest="to_endpoint", help="the new store's S3 endpoint")
+    p.add_argument("--store-region", dest="to_region", help="the new store's S3 region")
+    p.add_argument(
+        "--store-object-lock",
+        dest="to_object_lock",
+        action="store_true",
+        help="the new bucket has S3 Object Lock with a default retention (docs/security.md)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+
     cert = _verbs(sub, "cert", "the server TLS certificate")
     p = cert.add_parser(
         "rotate-server", help="issue a new server certificate under the same CA (no re-pairing)"
@@ -315,6 +331,7 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("prompt", "list"): machines.prompt_list,
     ("cert", "rotate-server"): recovery.cert_rotate_server,
     ("ca", "rollover"): recovery.ca_rollover,
+    ("store", "migrate"): store.store_migrate,
 }
 
 #: Commands that print a secret once (it is stored only as a hash, or not at all):
