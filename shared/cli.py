@@ -46,6 +46,7 @@ from shared.errors import (
     InvalidState,
     NotFound,
 )
+from shared.version import package_version
 
 __all__ = [
     "EXIT_FOR",
@@ -57,6 +58,7 @@ __all__ = [
     "Handler",
     "Output",
     "UsageError",
+    "add_version",
     "bind_error",
     "bounded_int",
     "check_argv",
@@ -130,6 +132,16 @@ class CliParser(argparse.ArgumentParser):
         root = self.prog.split(" ", 1)[0]
         where = self.prog.removeprefix(root).strip()
         raise UsageError(f"{where}: {message}" if where else message, f"{self.prog} --help")
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: print ``PROG VERSION`` (the installed distribution's) and exit 0."""
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{parser.prog} {package_version()}",
+        help="print the version and exit",
+    )
 
 
 def bounded_int(low: int, high: int) -> Callable[[str], int]:

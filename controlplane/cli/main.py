@@ -31,6 +31,7 @@ from shared.cli import (
     Handler,
     Output,
     UsageError,
+    add_version,
     bounded_int,
     check_argv,
     dispatch,
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command tree."""
     root = CliParser(prog=PROG, description="The agents control plane.")
     root.set_defaults(verb=None)
+    add_version(root)
     # Also before the command (`agents-control --home H machine list`), as
     # agents-machine takes --data-dir; each command takes it after itself too.
     root.add_argument("--home", dest="root_home", help="control-plane home (AGENTS_CONTROL_HOME)")

@@ -30,6 +30,7 @@ from shared.cli import (
     CliParser,
     Handler,
     Output,
+    add_version,
     bounded_int,
     check_argv,
     dispatch,
@@ -150,6 +151,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _parser() -> CliParser:
     p = CliParser(prog=PROG, description="The machine agent: runs your AI coding agents.")
     _add_global_options(p, argparse.SUPPRESS)
+    add_version(p)
     p.set_defaults(data_dir=None, socket=None, json=False, verb=None)
     # The same options are accepted after the subcommand too (`serve --data-dir D`),
     # as systemd units and pasted join commands put them there.
