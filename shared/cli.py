@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import errno
 import json
 import logging
@@ -127,6 +128,21 @@ class CliParser(argparse.ArgumentParser):
     The message names the subcommand (``agent show: the following arguments
     are required: id``); the CLI puts its own name in front once.
     """
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # A mistyped command or verb names the nearest one (git, kubectl, gh do):
+        # "invalid choice: 'machin'; did you mean 'machine'?".
+        choices = action.choices
+        if choices is not None and value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            if close:
+                # A command or verb needs no "argument cmd:" in front: the error's
+                # prefix already says where (``machine: invalid choice …``).
+                named = None if isinstance(action, argparse._SubParsersAction) else action
+                raise argparse.ArgumentError(
+                    named, f"invalid choice: {value!r}; did you mean {close[0]!r}?"
+                )
+        super()._check_value(action, value)
 
     def error(self, message: str) -> NoReturn:
         root = self.prog.split(" ", 1)[0]

@@ -37,3 +37,41 @@ def test_version_prints_the_cli_and_its_version(
     out, err = capsys.readouterr()
     assert (out, err) == (f"{prog} {package_version()}\n", "")
     assert package_version() != "unknown"  # the test venv has the distribution installed
+
+
+@pytest.mark.parametrize(
+    ("prog", "argv", "line", "hint"),
+    [
+        ("agents-control", ["machin", "list"], "invalid choice: 'machin'; did you mean 'machine'?",
+         "agents-control --help"),
+        ("agents-control", ["machine", "lst"],
+         "machine: invalid choice: 'lst'; did you mean 'list'?", "agents-control machine --help"),
+        ("agents-machine", ["agnet", "list"], "invalid choice: 'agnet'; did you mean 'agent'?",
+         "agents-machine --help"),
+        ("agents-machine", ["schedule", "paus", "sch_x"],
+         "schedule: invalid choice: 'paus'; did you mean 'pause'?",
+         "agents-machine schedule --help"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_command_or_verb_names_the_nearest(
+    prog: str, argv: list[str], line: str, hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert CLIS[prog](argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [f"{prog}: {line}", f"Try: {hint}"]
+
+
+def test_a_choice_nothing_is_near_lists_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    assert control_main(["machine", "explode"]) == 2
+    line = capsys.readouterr().err.splitlines()[0]
+    assert "invalid choice: 'explode'" in line and "did you mean" not in line
+    assert "'list'" in line  # argparse's own message: every verb
+
+
+def test_an_option_choice_names_the_option_and_the_nearest(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert control_main(["machine", "provider", "sett", "mc_x"]) == 2
+    line = capsys.readouterr().err.splitlines()[0]
+    assert line.endswith("argument action: invalid choice: 'sett'; did you mean 'set'?")
