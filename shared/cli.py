@@ -122,6 +122,10 @@ def exit_code_for(exc: BaseException) -> ExitCode | None:
     return None
 
 
+#: How alike (difflib's ratio) a mistyped choice and the one suggested must be.
+_NEAR = 0.7
+
+
 class CliParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors raise :class:`UsageError`.
 
@@ -134,7 +138,11 @@ class CliParser(argparse.ArgumentParser):
         # "invalid choice: 'machin'; did you mean 'machine'?".
         choices = action.choices
         if choices is not None and value not in choices:
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            # 0.7, above difflib's 0.6: a typo ('agnet', 'lsit', 'machin') is near,
+            # another word ('explode' for 'export', 0.62) is not.
+            close = difflib.get_close_matches(
+                str(value), [str(c) for c in choices], n=1, cutoff=_NEAR
+            )
             if close:
                 # A command or verb needs no "argument cmd:" in front: the error's
                 # prefix already says where (``machine: invalid choice …``).

@@ -75,3 +75,10 @@ def test_an_option_choice_names_the_option_and_the_nearest(
     assert control_main(["machine", "provider", "sett", "mc_x"]) == 2
     line = capsys.readouterr().err.splitlines()[0]
     assert line.endswith("argument action: invalid choice: 'sett'; did you mean 'set'?")
+
+
+def test_a_different_word_is_not_taken_for_a_typo(capsys: pytest.CaptureFixture[str]) -> None:
+    # 'explode' is not a typo of 'export': no suggestion, the list of commands.
+    assert machine_main(["explode"]) == 2
+    line = capsys.readouterr().err.splitlines()[0]
+    assert "did you mean" not in line and "'export'" in line
