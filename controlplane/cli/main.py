@@ -70,7 +70,16 @@ def _common(p: argparse.ArgumentParser, *, client: bool = True) -> None:
     p.add_argument("--home", help="control-plane home (AGENTS_CONTROL_HOME)")
     if client:
         p.add_argument("--address", help="host:port of the daemon (default: from serve.json)")
-        p.add_argument("--credential", help="admin credential (AGENTS_CONTROL_CREDENTIAL)")
+        p.add_argument(
+            "--credential",
+            help="admin credential (AGENTS_CONTROL_CREDENTIAL); shown by `ps`: prefer a file",
+        )
+        p.add_argument(
+            "--credential-file",
+            metavar="PATH",
+            help="read the admin credential from the first line of PATH "
+            "(AGENTS_CONTROL_CREDENTIAL_FILE)",
+        )
         p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -274,13 +283,15 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     names = (
         "home store_url store_endpoint store_region store_object_lock listen link_listen "
         "metrics_listen "
-        "advertise_host heartbeat_interval log_level log_format address credential server_names"
+        "advertise_host heartbeat_interval log_level log_format address credential credential_file "
+        "server_names"
     ).split()
-    for name in ("home", "address", "credential"):
+    for name in ("home", "address", "credential", "credential_file"):
         # "$VAR" of an unset variable: never the default home, serve.json's
         # address or the environment's credential instead.
         if getattr(args, name, None) == "":
-            raise UsageError(f"--{name}: empty; give a value or leave the option out")
+            flag = name.replace("_", "-")
+            raise UsageError(f"--{flag}: empty; give a value or leave the option out")
     return {n: getattr(args, n, None) for n in names}
 
 
