@@ -33,6 +33,7 @@ from shared.config import (
     parse_bool,
     split_hostport,
 )
+from shared.durations import seconds_value
 from shared.errors import ConfigError
 from shared.logs import check_format, check_level, parse_format, parse_level
 from shared.sd_notify import NotifyConfig
@@ -370,7 +371,7 @@ def load_config(
         address=get("address", "AGENTS_CONTROL_ADDRESS", "", str),
         credential=read_credential(flags, env),
         heartbeat_interval=get(
-            "heartbeat_interval", "AGENTS_CONTROL_HEARTBEAT", d.heartbeat_interval, float
+            "heartbeat_interval", "AGENTS_CONTROL_HEARTBEAT", d.heartbeat_interval, seconds_value
         ),
         presence_write_interval=get(
             "presence_write_interval", None, d.presence_write_interval, float
@@ -384,7 +385,7 @@ def load_config(
             "join_confirm_grace",
             "AGENTS_CONTROL_JOIN_CONFIRM_GRACE",
             d.join_confirm_grace,
-            float,
+            seconds_value,
         ),
         prompt_queue_depth=get("prompt_queue_depth", None, d.prompt_queue_depth, int),
         prompt_max_bytes=get("prompt_max_bytes", None, d.prompt_max_bytes, int),

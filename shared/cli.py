@@ -39,6 +39,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from shared.durations import DurationError, format_duration, parse_duration
 from shared.errors import (
     AgentsError,
     AlreadyExists,
@@ -64,6 +65,7 @@ __all__ = [
     "bounded_int",
     "check_argv",
     "dispatch",
+    "duration",
     "exit_code_for",
     "message_dict",
     "one_line",
@@ -71,6 +73,7 @@ __all__ = [
     "render_table",
     "run_main",
     "stdout_writable",
+    "whole_seconds",
 ]
 
 logger = logging.getLogger(__name__)
@@ -185,6 +188,43 @@ def bounded_int(low: int, high: int) -> Callable[[str], int]:
         return value
 
     parse.__name__ = "whole number"
+    return parse
+
+
+def duration(low: float = 0, high: float | None = None) -> Callable[[str], float]:
+    """An argparse ``type`` for a duration (``90s``, ``1h30m``, ``2.5``; shared.durations)
+    from ``low`` to ``high`` seconds (None: no upper bound), as seconds."""
+
+    def parse(text: str) -> float:
+        try:
+            seconds = parse_duration(text)
+        except DurationError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if seconds < low:
+            least = format_duration(low) if low else "0s"
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text!r}")
+        if high is not None and seconds > high:
+            raise argparse.ArgumentTypeError(
+                f"too long: {text!r} (at most {format_duration(high)})"
+            )
+        return seconds
+
+    parse.__name__ = "duration"
+    return parse
+
+
+def whole_seconds(low: int, high: int) -> Callable[[str], int]:
+    """:func:`duration` for a field of whole seconds (a uint32 ``ttl_seconds``):
+    a fraction of a second is refused rather than rounded."""
+    seconds = duration(low, high)
+
+    def parse(text: str) -> int:
+        value = seconds(text)
+        if value != int(value):
+            raise argparse.ArgumentTypeError(f"must be whole seconds, got {text!r}")
+        return int(value)
+
+    parse.__name__ = "duration"
     return parse
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 from typing import Any
 
@@ -35,8 +34,10 @@ from shared.cli import (
     bounded_int,
     check_argv,
     dispatch,
+    duration,
     run_main,
     stdout_writable,
+    whole_seconds,
 )
 from shared.logs import add_log_options, setup_logging
 
@@ -45,22 +46,12 @@ __all__ = ["build_parser", "main"]
 logger = logging.getLogger(__name__)
 
 
-def _duration(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([smhd]?)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 3600, 30m, 1h)")
-    seconds = int(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-    if seconds < 1:
-        # On the wire 0 means "the default"; on the command line it would be a surprise.
-        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text!r}")
-    # The wire field is uint32; anything longer than a day is refused by the server
-    # with a message naming the limit, so cap only what protobuf cannot carry.
-    if seconds > UINT32_MAX:
-        raise argparse.ArgumentTypeError(f"too long: {text!r}")
-    return seconds
-
-
 UINT32_MAX = 2**32 - 1
+# On the wire 0 means "the default": on the command line it would be a surprise, so
+# at least 1 s. The field is uint32; the server refuses more than a day with a
+# message naming the limit, so cap only what protobuf cannot carry.
+_ttl = whole_seconds(1, UINT32_MAX)
+_TTL_HELP = "lifetime: 90m, 1h30m, 1d (default 1h, max 24h)"
 _uses = bounded_int(1, MAX_USES)
 _drill_machines = bounded_int(1, MAX_MACHINES)
 _github_id = bounded_int(1, INT64_MAX)
@@ -98,7 +89,9 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-listen", help="mutual-TLS link listener host:port")
     p.add_argument("--metrics-listen", help="/metrics host:port ('' disables)")
     p.add_argument("--advertise-host", help="host printed in join commands")
-    p.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats")
+    p.add_argument(
+        "--heartbeat-interval", type=duration(), help="time between heartbeats (15s, 500ms)"
+    )
     add_log_options(p)
 
 
@@ -201,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = tok.add_parser("create", help="create a join token and print the join command")
     _common(p)
     p.add_argument("--account", required=True, help="account id")
-    p.add_argument("--ttl", type=_duration, default=None, help="lifetime (default 1h, max 24h)")
+    p.add_argument("--ttl", type=_ttl, default=None, help=_TTL_HELP)
     p.add_argument("--uses", type=_uses, default=1, help="how many joins (default 1)")
     p = tok.add_parser("list", help="list join tokens")
     _common(p)
@@ -223,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(p)
     p.add_argument("machine_id", help="the machine's id (mc_…)")
-    p.add_argument("--ttl", type=_duration, default=None, help="lifetime (default 1h, max 24h)")
+    p.add_argument("--ttl", type=_ttl, default=None, help=_TTL_HELP)
 
     p = mac.add_parser("provider", help="set what starts a stopped machine (local, ec2)")
     _common(p)

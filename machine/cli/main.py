@@ -34,6 +34,7 @@ from shared.cli import (
     bounded_int,
     check_argv,
     dispatch,
+    duration,
     run_main,
 )
 from shared.errors import ConfigError, InvalidArgument, InvalidState, NotFound
@@ -165,7 +166,9 @@ def _parser() -> CliParser:
     serving.add_argument("--metrics", help="serve /metrics on HOST:PORT (loopback only)")
     serving.add_argument("--prompt-limit", help="largest prompt (default 1MiB)")
     serving.add_argument("--attachment-limit", help="largest attachment (default 20MiB)")
-    serving.add_argument("--grace", type=float, help="seconds runs get to end at stop (default 10)")
+    serving.add_argument(
+        "--grace", type=duration(), help="time runs get to end at stop: 10s, 1m (default 10s)"
+    )
     serving.add_argument("--no-background", action="store_true", help="no periodic jobs (tests)")
     serving.add_argument("--config", help="TOML config file (default <data dir>/machine.toml)")
     add_log_options(serving)
