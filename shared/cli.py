@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime as dt
 import difflib
 import errno
 import json
 import logging
+import math
 import os
 import re
 import select
@@ -73,6 +75,7 @@ __all__ = [
     "render_table",
     "run_main",
     "stdout_writable",
+    "table_time",
     "whole_seconds",
 ]
 
@@ -471,10 +474,32 @@ def _convert(f: FieldDescriptor, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Column:
-    """A table column; ``whole`` ones (ids) are never cut or wrapped."""
+    """A table column; ``whole`` ones (ids, states, times) are never cut or wrapped:
+    a cut one ("start…", "2026-12-…") says nothing."""
 
     title: str
     whole: bool = False
+
+
+def table_time(value: dt.datetime | float | None) -> str:
+    """A time as every table of both CLIs shows it: UTC to the second, the zone
+    written (``2026-12-05 09:40:12Z``); "-" when not set.
+
+    ``value`` is an aware datetime (the control plane's) or Unix seconds (the
+    machine's, where 0 means not set). UTC, not the local zone: a table pasted
+    into a ticket reads the same everywhere, and matches the daemons' logs and
+    the JSON output (RFC 3339, UTC).
+    """
+    if value is None:
+        return "-"
+    if isinstance(value, dt.datetime):
+        moment = value.astimezone(dt.UTC)
+    else:
+        # Whole seconds, as the wire's Timestamp.seconds: rounding could show the next one.
+        if math.floor(value) == 0:
+            return "-"
+        moment = dt.datetime.fromtimestamp(math.floor(value), dt.UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 #: C0 and C1 control characters but newline and tab, for str.translate to drop.
