@@ -32,7 +32,7 @@ import shutil
 import stat
 import sys
 import unicodedata
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import IO, Any, NoReturn
@@ -62,6 +62,7 @@ __all__ = [
     "Handler",
     "Output",
     "UsageError",
+    "add_examples",
     "add_version",
     "bind_error",
     "bounded_int",
@@ -76,6 +77,7 @@ __all__ = [
     "run_main",
     "stdout_writable",
     "table_time",
+    "walk_parsers",
     "whole_seconds",
 ]
 
@@ -162,6 +164,32 @@ class CliParser(argparse.ArgumentParser):
         root = self.prog.split(" ", 1)[0]
         where = self.prog.removeprefix(root).strip()
         raise UsageError(f"{where}: {message}" if where else message, f"{self.prog} --help")
+
+
+def walk_parsers(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every parser of a command tree with its command path (``()`` for the root,
+    ``("machine", "list")``), parents before their subcommands."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from walk_parsers(sub, (*path, name))
+
+
+def add_examples(
+    root: argparse.ArgumentParser, examples: Mapping[tuple[str, ...], Sequence[str]]
+) -> None:
+    """Give each parser of the tree the "Examples:" section ``examples`` holds for
+    its command path, at the end of its ``--help``, laid out as written."""
+    for path, parser in walk_parsers(root):
+        lines = examples.get(path)
+        if lines:
+            parser.epilog = "Examples:\n" + "\n".join(f"  {line}" for line in lines)
+            # Examples keep their lines (argparse would re-wrap them into one);
+            # descriptions here are one line, so keeping their layout costs nothing.
+            parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def add_version(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from controlplane.cli import accounts, deployment, machines, recovery
 from controlplane.cli.client import ControlPlaneUnreachable
 from controlplane.cli.common import PROG, Ctx
 from controlplane.cli.drill import MAX_MACHINES
+from controlplane.cli.examples import EXAMPLES
 from controlplane.config import load_config
 from shared.cli import (
     INT64_MAX,
@@ -30,6 +31,7 @@ from shared.cli import (
     Handler,
     Output,
     UsageError,
+    add_examples,
     add_version,
     bounded_int,
     check_argv,
@@ -41,7 +43,7 @@ from shared.cli import (
 )
 from shared.logs import add_log_options, setup_logging
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "parse_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Also before the command (`agents-control --home H machine list`), as
     # agents-machine takes --data-dir; each command takes it after itself too.
     root.add_argument("--home", dest="root_home", help="control-plane home (AGENTS_CONTROL_HOME)")
+    # And --json, as agents-machine takes it: `agents-control --json machine list`.
+    root.add_argument("--json", dest="root_json", action="store_true", help="print JSON")
     sub = root.add_subparsers(dest="cmd", parser_class=CliParser)
 
     p = sub.add_parser("init", help="make keys, config and the first operator credential")
@@ -269,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="retire the old CA (refused while a machine still holds one of its certificates)",
     )
+    add_examples(root, EXAMPLES)
     return root
 
 
@@ -352,14 +357,32 @@ def _merge_home(args: argparse.Namespace) -> None:
     args.home = before
 
 
+def _merge_json(args: argparse.Namespace) -> None:
+    """``--json`` before the command counts as given after it; for a command that
+    prints no JSON (``init``, ``serve``) it is a usage error, not ignored."""
+    if not getattr(args, "root_json", False) or args.cmd is None:
+        return
+    if not hasattr(args, "json"):
+        where = " ".join(filter(None, (args.cmd, args.verb)))
+        raise UsageError(f"--json: `{where}` prints no JSON", f"{PROG} {where} --help")
+    args.json = True
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed, with the options given before the command merged in."""
+    args = build_parser().parse_args(argv)
+    _merge_home(args)
+    _merge_json(args)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``agents-control``."""
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
         check_argv(argv)
-        args = build_parser().parse_args(argv)
-        _merge_home(args)
+        args = parse_args(argv)
         key = (args.cmd, args.verb)
         if key in COMMANDS and key in PRINTS_SECRET and not stdout_writable():
             raise UsageError(

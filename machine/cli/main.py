@@ -23,6 +23,7 @@ from machine.backups.reader import NOT_OURS
 from machine.cli import agents, backup, daemon_verbs, joining, schedules
 from machine.cli.client import DaemonNotRunning
 from machine.cli.common import PROG, Ctx, prog_of
+from machine.cli.examples import EXAMPLES
 from machine.models import validate_runtime_ref
 from shared.cli import (
     INT32_MAX,
@@ -30,6 +31,7 @@ from shared.cli import (
     CliParser,
     Handler,
     Output,
+    add_examples,
     add_version,
     bounded_int,
     check_argv,
@@ -41,7 +43,7 @@ from shared.errors import ConfigError, InvalidArgument, InvalidState, NotFound
 from shared.ids import validate_id
 from shared.logs import add_log_options
 
-__all__ = ["main"]
+__all__ = ["main", "parse_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -311,6 +313,7 @@ def _parser() -> CliParser:
     )
     im = sub.add_parser("import", parents=[common], help="import a .tar.gz export (archived)")
     im.add_argument("file", metavar="FILE", help="the export to import")
+    add_examples(p, EXAMPLES)
     return p
 
 
