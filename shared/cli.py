@@ -35,7 +35,7 @@ import unicodedata
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import IO, Any, NoReturn
+from typing import IO, Any, Final, NoReturn
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
@@ -57,6 +57,7 @@ __all__ = [
     "INT32_MAX",
     "INT64_MAX",
     "Column",
+    "SHELLS",
     "CliParser",
     "ExitCode",
     "Handler",
@@ -67,6 +68,8 @@ __all__ = [
     "bind_error",
     "bounded_int",
     "check_argv",
+    "complete",
+    "completion_script",
     "dispatch",
     "duration",
     "exit_code_for",
@@ -164,6 +167,32 @@ class CliParser(argparse.ArgumentParser):
         root = self.prog.split(" ", 1)[0]
         where = self.prog.removeprefix(root).strip()
         raise UsageError(f"{where}: {message}" if where else message, f"{self.prog} --help")
+
+
+#: The shells ``completion SHELL`` writes a script for.
+SHELLS: Final = ("bash", "zsh", "fish")
+
+
+def completion_script(prog: str, shell: str) -> str:
+    """The script that makes ``shell`` complete ``prog``'s commands, verbs and
+    options (argcomplete's: the shell runs ``prog`` with ``_ARGCOMPLETE`` set)."""
+    from argcomplete.shell_integration import shellcode  # here: no cost to other commands
+
+    return shellcode([prog], shell=shell)
+
+
+def complete(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """When the shell asks for completions (``_ARGCOMPLETE`` in ``env``), write them
+    where its script reads them and end the process; otherwise do nothing.
+
+    Called before anything else a CLI does: completing must not dial a daemon
+    (but for a completer's own short call), read a config or print.
+    """
+    if "_ARGCOMPLETE" not in env:
+        return
+    import argcomplete
+
+    argcomplete.autocomplete(parser)
 
 
 def walk_parsers(

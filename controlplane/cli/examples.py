@@ -116,4 +116,12 @@ EXAMPLES: Final[dict[tuple[str, ...], tuple[str, ...]]] = {
         "# once every machine has renewed",
         f"{_P} ca rollover --retire-old",
     ),
+    ("completion",): (
+        "# bash: in ~/.bashrc",
+        f'eval "$({_P} completion bash)"',
+        "# zsh: in ~/.zshrc, after compinit",
+        f'eval "$({_P} completion zsh)"',
+        "# fish",
+        f"{_P} completion fish > ~/.config/fish/completions/{_P}.fish",
+    ),
 }

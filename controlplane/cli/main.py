@@ -27,6 +27,7 @@ from controlplane.cli.examples import EXAMPLES
 from controlplane.config import load_config
 from shared.cli import (
     INT64_MAX,
+    SHELLS,
     CliParser,
     Handler,
     Output,
@@ -35,6 +36,8 @@ from shared.cli import (
     add_version,
     bounded_int,
     check_argv,
+    complete,
+    completion_script,
     dispatch,
     duration,
     run_main,
@@ -273,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="retire the old CA (refused while a machine still holds one of its certificates)",
     )
+    p = sub.add_parser(
+        "completion", help="print the shell completion script (bash, zsh, fish) to source"
+    )
+    p.add_argument("shell", choices=SHELLS, help="the shell: bash, zsh or fish")
     add_examples(root, EXAMPLES)
     return root
 
@@ -381,8 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
+        complete(build_parser(), os.environ)  # the shell asks for completions: answer, exit
         check_argv(argv)
         args = parse_args(argv)
+        if args.cmd == "completion":  # needs no home, config or daemon
+            Output(as_json=False).write(completion_script(PROG, args.shell))
+            return 0
         key = (args.cmd, args.verb)
         if key in COMMANDS and key in PRINTS_SECRET and not stdout_writable():
             raise UsageError(

@@ -114,4 +114,12 @@ EXAMPLES: Final[dict[tuple[str, ...], tuple[str, ...]]] = {
         f"{_P} export --folder ~/src/demo",
     ),
     ("import",): (f"{_P} import demo.tar.gz",),
+    ("completion",): (
+        "# bash: in ~/.bashrc",
+        f'eval "$({_P} completion bash)"',
+        "# zsh: in ~/.zshrc, after compinit",
+        f'eval "$({_P} completion zsh)"',
+        "# fish",
+        f"{_P} completion fish > ~/.config/fish/completions/{_P}.fish",
+    ),
 }

@@ -17,10 +17,11 @@ import logging
 import os
 import shlex
 import sys
+from pathlib import Path
 from typing import Any, Final
 
 from machine.backups.reader import NOT_OURS
-from machine.cli import agents, backup, daemon_verbs, joining, schedules
+from machine.cli import agents, backup, completion, daemon_verbs, joining, schedules
 from machine.cli.client import DaemonNotRunning
 from machine.cli.common import PROG, Ctx, prog_of
 from machine.cli.examples import EXAMPLES
@@ -28,6 +29,7 @@ from machine.models import validate_runtime_ref
 from shared.cli import (
     INT32_MAX,
     INT64_MAX,
+    SHELLS,
     CliParser,
     Handler,
     Output,
@@ -35,6 +37,7 @@ from shared.cli import (
     add_version,
     bounded_int,
     check_argv,
+    complete,
     dispatch,
     duration,
     run_main,
@@ -106,6 +109,7 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("schedule", "runs"): schedules.schedule_runs,
     ("export", None): backup.cmd_export,
     ("import", None): backup.cmd_import,
+    ("completion", None): completion.cmd_completion,
 }
 
 
@@ -313,6 +317,10 @@ def _parser() -> CliParser:
     )
     im = sub.add_parser("import", parents=[common], help="import a .tar.gz export (archived)")
     im.add_argument("file", metavar="FILE", help="the export to import")
+    co = sub.add_parser(
+        "completion", help="print the shell completion script (bash, zsh, fish) to source"
+    )
+    co.add_argument("shell", choices=SHELLS, help="the shell: bash, zsh or fish")
     add_examples(p, EXAMPLES)
     return p
 
@@ -366,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         # A verb's failure is the one line run_main prints: library warnings (a
         # refused join logs one) would add a second. `serve` sets up real logging.
         logging.getLogger().addHandler(logging.NullHandler())
+        if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions: answer, exit
+            parser = _parser()
+            completion.add_completers(parser, os.environ, Path.home())
+            complete(parser, os.environ)
         check_argv(argv)
         args = parse_args(argv)
         parsed.append(args)

@@ -5,9 +5,13 @@ shell completion."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shlex
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -120,6 +124,8 @@ def test_every_help_page_has_examples_that_parse(prog: str) -> None:
     checked = 0
     for path, parser in pages:
         for line in _examples(parser):
+            if f"$({prog} " in line:  # eval "$(agents-machine completion bash)"
+                line = line.split("$(", 1)[1].split(")", 1)[0]
             if not line.startswith(f"{prog} "):
                 assert line.startswith("#"), f"{parser.prog}: {line!r} is neither a command nor #"
                 continue
@@ -195,3 +201,138 @@ def test_json_before_a_command_without_json_output_is_refused(
     assert control_main(["--json", *command]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == f"agents-control: --json: `{command[0]}` prints no JSON"
+
+
+# ---------------------------------------------------------------- completion
+
+_MARKS = {
+    "bash": "complete -o nospace -o default -o bashdefault -F _python_argcomplete {prog}",
+    "zsh": "#compdef {prog}",
+    "fish": "complete --command {prog} ",
+}
+
+
+@pytest.mark.parametrize("prog", sorted(CLIS))
+@pytest.mark.parametrize("shell", sorted(_MARKS))
+def test_completion_prints_the_script_for_each_shell(
+    prog: str, shell: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert CLIS[prog](["completion", shell]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and _MARKS[shell].format(prog=prog) in out
+
+
+@pytest.mark.parametrize("prog", sorted(CLIS))
+def test_completion_names_the_shells_it_knows(
+    prog: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert CLIS[prog](["completion", "tcsh"]) == 2
+    assert "invalid choice: 'tcsh'" in capsys.readouterr().err
+
+
+def _complete(lines: dict[str, str], tmp_path: Path) -> dict[str, list[str]]:
+    """What the shell gets for <Tab> at the end of each CLI's line: the CLI run as
+    the completion script runs it (argcomplete's variables), in real processes
+    (run side by side: each takes most of a second to start)."""
+    procs = {}
+    for prog, line in lines.items():
+        module = "controlplane.cli" if prog == "agents-control" else "machine.cli"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTS_", "_ARC"))}
+        env.update(
+            _ARGCOMPLETE="1", _ARGCOMPLETE_IFS="\n",
+            _ARGCOMPLETE_STDOUT_FILENAME=str(tmp_path / prog),
+            COMP_LINE=line, COMP_POINT=str(len(line)), AGENTS_DATA_DIR=str(tmp_path / "data"),
+            PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+        )  # fmt: skip
+        code = f"import sys; from {module} import entry; sys.exit(entry())"
+        procs[prog] = subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    found = {}
+    for prog, proc in procs.items():
+        out, err = proc.communicate(timeout=60)
+        assert (proc.returncode, out, err) == (0, "", "")
+        found[prog] = (tmp_path / prog).read_text().split("\n")
+    return found
+
+
+def test_the_completer_offers_commands_and_verbs(tmp_path: Path) -> None:
+    found = _complete(
+        {"agents-control": "agents-control mac", "agents-machine": "agents-machine agent li"},
+        tmp_path,
+    )
+    # No daemon runs in that data folder: no agent ids there, and nothing printed.
+    assert found == {"agents-control": ["machine "], "agents-machine": ["list "]}
+
+
+def test_agent_ids_come_from_the_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from machine.cli import completion
+
+    agents = [
+        type("A", (), {"id": "ag_01jfa2b3c4d5e6f7g8h9j0k1m2", "name": "demo"})(),
+        type("A", (), {"id": "ag_02zzzzzzzzzzzzzzzzzzzzzzzz", "name": "other"})(),
+    ]
+    seen: list[Path] = []
+
+    class Fake:
+        def __init__(self, cfg: Any) -> None:
+            seen.append(cfg.data_dir)
+
+        async def __aenter__(self) -> Fake:
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+        async def list_agents(self, *, include_archived: bool) -> list[Any]:
+            assert include_archived
+            return agents
+
+    monkeypatch.setattr(completion, "MachineClient", Fake)
+    args = argparse.Namespace(data_dir=str(tmp_path), socket=None)
+    assert completion.agent_ids("ag_01", args, {}, tmp_path) == {
+        "ag_01jfa2b3c4d5e6f7g8h9j0k1m2": "demo"
+    }
+    assert seen == [tmp_path]  # the data folder typed on the line so far
+
+
+def test_agent_ids_are_nothing_when_the_daemon_is_down_or_slow(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from machine.cli import completion
+
+    args = argparse.Namespace(data_dir=str(tmp_path), socket=None)
+    assert completion.agent_ids("", args, {}, tmp_path) == {}  # no socket there
+
+    class Slow:
+        def __init__(self, cfg: Any) -> None:
+            pass
+
+        async def __aenter__(self) -> Slow:
+            await asyncio.sleep(30)
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(completion, "MachineClient", Slow)
+    monkeypatch.setattr(completion, "ID_TIMEOUT", 0.05)
+    assert completion.agent_ids("", args, {}, tmp_path) == {}
+
+
+def test_every_agent_id_argument_completes_from_the_daemon(tmp_path: Path) -> None:
+    from machine.cli import completion
+    from machine.cli.main import _parser
+
+    parser = _parser()
+    completion.add_completers(parser, {}, tmp_path)
+    found = {
+        (path, a.dest)
+        for path, p in walk_parsers(parser)
+        for a in p._actions
+        if getattr(a, "completer", None) is not None
+    }
+    assert {(("agent", "show"), "id"), (("agent", "search"), "agent"),
+            (("schedule", "add"), "agent"), (("export",), "agents")} <= found  # fmt: skip
+    assert {dest for _, dest in found} == set(completion.AGENT_ID_ARGS)
