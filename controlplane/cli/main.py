@@ -388,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
-        complete(build_parser(), os.environ)  # the shell asks for completions: answer, exit
+        if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions: answer, exit
+            complete(build_parser(), os.environ)
         check_argv(argv)
         args = parse_args(argv)
         if args.cmd == "completion":  # needs no home, config or daemon
