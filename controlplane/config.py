@@ -9,7 +9,8 @@ Environment variables: ``AGENTS_CONTROL_HOME``, ``AGENTS_CONTROL_STORE``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AGENTS_CONTROL_LISTEN``,
 ``AGENTS_CONTROL_LINK_LISTEN``, ``AGENTS_CONTROL_ADVERTISE_HOST``,
 ``AGENTS_CONTROL_METRICS``, ``AGENTS_CONTROL_ADDRESS``,
-``AGENTS_CONTROL_CREDENTIAL``, ``AGENTS_CONTROL_HEARTBEAT``,
+``AGENTS_CONTROL_CREDENTIAL``, ``AGENTS_CONTROL_CREDENTIAL_FILE``,
+``AGENTS_CONTROL_HEARTBEAT``,
 ``AGENTS_CONTROL_LOG_LEVEL``, ``AGENTS_CONTROL_LOG_FORMAT``,
 ``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``; test only:
 ``AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER``; and systemd's
@@ -33,6 +34,7 @@ from shared.config import (
     parse_bool,
     split_hostport,
 )
+from shared.durations import seconds_value
 from shared.errors import ConfigError
 from shared.logs import check_format, check_level, parse_format, parse_level
 from shared.sd_notify import NotifyConfig
@@ -47,6 +49,7 @@ __all__ = [
     "default_home",
     "load_config",
     "parse_hostport",
+    "read_credential",
 ]
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,9 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE: Final = "config.toml"
 #: Written by ``serve`` once it listens: the actual ports (useful with port 0).
 SERVE_FILE: Final = "serve.json"
+#: The most of a credential file read: a credential is ~75 characters, and a
+#: large file named by mistake must not be read whole.
+CREDENTIAL_FILE_LIMIT: Final = 4096
 #: A join token lives at most this many seconds (24 hours).
 MAX_TOKEN_TTL: Final = 24 * 3600
 #: Where ``/metrics`` is served unless told otherwise; deploy/prometheus/prometheus.yml
@@ -115,7 +121,9 @@ class ControlConfig:
     address: str = ""
     """Where the CLI reaches the daemon's public listener; empty: from serve.json."""
     credential: str | None = field(default=None, repr=False)
-    """Admin credential the CLI sends (``--credential`` / ``AGENTS_CONTROL_CREDENTIAL``)."""
+    """Admin credential the CLI sends: ``--credential`` or the first line of
+    ``--credential-file``, else ``AGENTS_CONTROL_CREDENTIAL`` or the first line of
+    ``AGENTS_CONTROL_CREDENTIAL_FILE`` (:func:`read_credential`)."""
     heartbeat_interval: float = 15.0
     """Seconds between a machine's heartbeats; 3 missed ones mark it offline."""
     presence_write_interval: float = 300.0
@@ -280,6 +288,58 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
 }
 
 
+def read_credential(flags: Mapping[str, Any], env: Mapping[str, str]) -> str | None:
+    """The admin credential, or None when none is given.
+
+    Flags win over the environment: ``--credential`` or ``--credential-file``,
+    else ``AGENTS_CONTROL_CREDENTIAL`` or ``AGENTS_CONTROL_CREDENTIAL_FILE``.
+    Both kinds at one level is refused (which one was meant?). A file gives its
+    first line, stripped; a file that cannot be read, or whose first line is
+    empty, is a ConfigError naming the file. No message holds the secret.
+    """
+    levels = (
+        (
+            flags.get("credential"),
+            flags.get("credential_file"),
+            "--credential",
+            "--credential-file",
+        ),
+        (
+            env.get("AGENTS_CONTROL_CREDENTIAL"),
+            env.get("AGENTS_CONTROL_CREDENTIAL_FILE"),
+            "AGENTS_CONTROL_CREDENTIAL",
+            "AGENTS_CONTROL_CREDENTIAL_FILE",
+        ),
+    )
+    for text, path, text_name, file_name in levels:
+        if text and path:
+            raise ConfigError("credential", f"both {text_name} and {file_name} given; give one")
+        if text:
+            return str(text)
+        if path:
+            return _credential_file(Path(str(path)).expanduser(), file_name)
+    return None
+
+
+def _credential_file(path: Path, name: str) -> str:
+    # Opened as given, not checked for a regular file first: a pipe is fine
+    # (`--credential-file <(pass show agents/admin)`).
+    try:
+        with path.open("rb") as f:
+            first = f.readline(CREDENTIAL_FILE_LIMIT)
+    except OSError as e:
+        raise ConfigError("credential", f"{name}: cannot read {path}: {e.strerror or e}") from None
+    try:
+        line = first.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError("credential", f"{name}: {path} is not UTF-8 text") from None
+    if not line:
+        raise ConfigError(
+            "credential", f"{name}: the first line of {path} is empty (it holds the credential)"
+        )
+    return line
+
+
 def _names(value: Any) -> tuple[str, ...]:
     if isinstance(value, list | tuple):
         return tuple(str(v).strip() for v in value if str(v).strip())
@@ -319,9 +379,9 @@ def load_config(
         server_names=get("server_names", None, (), _names),
         metrics_listen=get("metrics_listen", "AGENTS_CONTROL_METRICS", d.metrics_listen, str),
         address=get("address", "AGENTS_CONTROL_ADDRESS", "", str),
-        credential=secret("credential", "AGENTS_CONTROL_CREDENTIAL"),
+        credential=read_credential(flags, env),
         heartbeat_interval=get(
-            "heartbeat_interval", "AGENTS_CONTROL_HEARTBEAT", d.heartbeat_interval, float
+            "heartbeat_interval", "AGENTS_CONTROL_HEARTBEAT", d.heartbeat_interval, seconds_value
         ),
         presence_write_interval=get(
             "presence_write_interval", None, d.presence_write_interval, float
@@ -335,7 +395,7 @@ def load_config(
             "join_confirm_grace",
             "AGENTS_CONTROL_JOIN_CONFIRM_GRACE",
             d.join_confirm_grace,
-            float,
+            seconds_value,
         ),
         prompt_queue_depth=get("prompt_queue_depth", None, d.prompt_queue_depth, int),
         prompt_max_bytes=get("prompt_max_bytes", None, d.prompt_max_bytes, int),

@@ -30,6 +30,7 @@ from shared.config import (
     parse_size,
     split_hostport,
 )
+from shared.durations import seconds_value
 from shared.errors import ConfigError, InvalidArgument
 from shared.logs import check_format, check_level, parse_format, parse_level
 from shared.sd_notify import NotifyConfig
@@ -443,7 +444,7 @@ class MachineConfig:
                 "background_loops", "AGENTS_MACHINE_BACKGROUND_LOOPS", True, parse_bool
             ),
             shutdown_grace_seconds=src.get(
-                "shutdown_grace_seconds", "AGENTS_MACHINE_SHUTDOWN_GRACE", 10.0, float
+                "shutdown_grace_seconds", "AGENTS_MACHINE_SHUTDOWN_GRACE", 10.0, seconds_value
             ),
             max_streams_per_client=src.get(
                 "max_streams_per_client", "AGENTS_MACHINE_MAX_STREAMS_PER_CLIENT", 64, int
@@ -453,7 +454,7 @@ class MachineConfig:
                 "integrity_check_seconds",
                 "AGENTS_MACHINE_INTEGRITY_CHECK_SECONDS",
                 86400.0,
-                float,
+                seconds_value,
             ),
             backup_keep=src.get(
                 "backup_keep", "AGENTS_MACHINE_BACKUP_KEEP", DEFAULT_BACKUP_KEEP, _parse_keep

@@ -7,9 +7,7 @@ Only the modules of ``machine.cli`` print.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import logging
-import math
 import os
 import shlex
 import stat
@@ -22,7 +20,7 @@ from typing import IO, Any, TypeVar
 from machine.api import codec
 from machine.cli.client import MachineClient
 from machine.config import MachineConfig
-from shared.cli import Bar, ExitCode, Output, UsageError, message_dict
+from shared.cli import Bar, ExitCode, Output, UsageError, message_dict, table_time
 
 __all__ = [
     "PROG",
@@ -126,15 +124,9 @@ def show_record(out: Output, record: object, text: Callable[[], None]) -> int:
 
 
 def when(seconds: float | None) -> str:
-    """Local time to the second, or "-" when not set."""
-    if seconds is None or math.floor(seconds) == 0:
-        return "-"
-    # Whole seconds, as the wire's Timestamp.seconds: rounding could show the next one.
-    return (
-        dt.datetime.fromtimestamp(math.floor(seconds), dt.UTC)
-        .astimezone()
-        .strftime("%Y-%m-%d %H:%M:%S")
-    )
+    """A time in Unix seconds as every table shows one (:func:`shared.cli.table_time`:
+    ``2026-12-05 09:40:12Z``), or "-" when not set."""
+    return table_time(seconds)
 
 
 def human(size: int) -> str:
