@@ -1,0 +1,58 @@
+"""Every command of README.md and docs/**/*.md runs as written, against real processes.
+
+The commands are read from the docs at test time (tests/helpers/doc_commands.py
+says which blocks count, how a block is skipped with a reason and how
+placeholders are filled), so a changed doc is tested as changed. Each doc runs
+in its own sandboxed bash session (tests/helpers/doc_shell.py). A doc's summary
+(commands run, blocks skipped and why) is printed: ``pytest -rA`` shows it, and
+a failure shows it with the failing command.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.doc_commands import Block, doc_files, parse_doc
+from tests.helpers.doc_shell import DocShell
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [path.relative_to(ROOT) for path in doc_files(ROOT)]
+
+pytestmark = pytest.mark.integration
+
+
+def _skip_reason(block: Block) -> str | None:
+    if block.skip is not None:
+        return block.skip
+    if block.needs is not None and shutil.which(block.needs) is None:
+        return f"{block.needs} is not installed"
+    return None
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=str)
+def test_doc_commands_run_as_written(doc: Path) -> None:
+    blocks = parse_doc(doc, (ROOT / doc).read_text())
+    runnable = [block for block in blocks if _skip_reason(block) is None]
+    skipped = [f"  skipped {b.where}: {_skip_reason(b)}" for b in blocks if b not in runnable]
+    ran = 0
+
+    def summary() -> str:
+        return "\n".join([f"{doc}: ran {ran} commands, skipped {len(skipped)} blocks", *skipped])
+
+    if runnable:
+        with DocShell() as shell:
+            for block in runnable:
+                for command in block.commands:
+                    try:
+                        shell.run(command, f"{doc}:{command.line}")
+                    except Exception as error:
+                        raise AssertionError(
+                            f"{error}\n(fix the doc, or mark the block with "
+                            "'<!-- doc-test: skip: REASON -->' on the line before it)\n"
+                            + summary()
+                        ) from error
+                    ran += 1
+    print(summary())
