@@ -20,8 +20,11 @@ Which blocks are command blocks
 Markers (an HTML comment on the line just before the opening fence)
     ``<!-- doc-test: skip: REASON -->``
         the block is not run, for the reason given (required): it needs systemd,
-        docker or a real cloud, runs for minutes, or is a synopsis (grammar, not
-        a command: ``<!-- doc-test: skip: synopsis -->``).
+        docker or a real cloud, or runs for minutes.
+    ``<!-- doc-test: synopsis -->``
+        the block is grammar (``[--json]``, ``acct_...``), not run; each of its
+        ``agents-control`` / ``agents-machine`` lines must still name real
+        subcommands and options (tests/layout/test_doc_extract.py).
     ``<!-- doc-test: needs: PROGRAM -->``
         run the block when PROGRAM is on PATH, else count it skipped.
     An unmarked command block that cannot run fails the test, naming the marker.
@@ -115,6 +118,7 @@ class Block:
     skip: str | None = None
     needs: str | None = None
     hidden: bool = False
+    synopsis: bool = False
 
     @property
     def where(self) -> str:
@@ -206,10 +210,15 @@ def _apply_marker(block: Block, marker: re.Match[str] | None) -> None:
     if marker is None:
         return
     kind, arg = marker["kind"], (marker["arg"] or "").strip()
+    if kind == "synopsis" and not arg:
+        block.skip = "synopsis"
+        block.synopsis = True
+        return
     if kind not in ("skip", "needs") or not arg:
         raise DocError(
             f"{block.where}: marker {marker.group(0).strip()!r}: use "
-            "'<!-- doc-test: skip: REASON -->' or '<!-- doc-test: needs: PROGRAM -->'"
+            "'<!-- doc-test: skip: REASON -->', '<!-- doc-test: needs: PROGRAM -->' "
+            "or '<!-- doc-test: synopsis -->'"
         )
     if kind == "skip":
         block.skip = arg

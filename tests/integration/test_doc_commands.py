@@ -53,6 +53,6 @@ def test_doc_commands_run_as_written(doc: Path) -> None:
                             f"{error}\n(fix the doc, or mark the block with "
                             "'<!-- doc-test: skip: REASON -->' on the line before it)\n"
                             + summary()
-                        ) from error
+                        ) from None
                     ran += 1
     print(summary())
