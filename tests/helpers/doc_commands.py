@@ -310,7 +310,7 @@ def remap_ports(command: str, ports: Mapping[int, int]) -> str:
 
 def is_background(command: str) -> bool:
     """Whether the command ends in ``&`` (comments and quotes read as bash does)."""
-    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer = shlex.shlex(command, posix=False, punctuation_chars=True)
     lexer.whitespace_split = True
     try:
         tokens = list(lexer)

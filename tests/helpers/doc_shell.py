@@ -199,22 +199,20 @@ class DocShell:
         output = out.read_text(errors="replace")
         if code != command.expect_code:
             raise CommandFailed(
-                f"{where}: {text!r} exited {code}, the doc expects {command.expect_code}:\n"
-                f"{output}"
+                f"{where}: {text!r} exited {code}, the doc expects {command.expect_code}:\n{output}"
             )
         self.outputs.append(output)
         return output
 
     def _wait_ready(self, text: str, pid: int, out: Path, where: str) -> None:
-        for pattern, check in READY:
-            match = pattern.search(text)
-            if match:
-                break
-        else:
+        found = next(((p.search(text), check) for p, check in READY if p.search(text)), None)
+        if found is None:
             raise DocError(
                 f"{where}: {text!r} runs in the background but tests/helpers/doc_shell.py "
                 "READY has no readiness check for it"
             )
+        match, check = found
+        assert match is not None
 
         def ready() -> bool:
             try:

@@ -51,8 +51,7 @@ def test_doc_commands_run_as_written(doc: Path) -> None:
                     except Exception as error:
                         raise AssertionError(
                             f"{error}\n(fix the doc, or mark the block with "
-                            "'<!-- doc-test: skip: REASON -->' on the line before it)\n"
-                            + summary()
+                            "'<!-- doc-test: skip: REASON -->' on the line before it)\n" + summary()
                         ) from None
                     ran += 1
     print(summary())
