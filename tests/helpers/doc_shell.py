@@ -69,6 +69,8 @@ class DocShell:
         self.home = self.work / "home"
         self.ports = {port: free_port() for port in WELL_KNOWN_PORTS}
         self.outputs: list[str] = []
+        #: Process ids of the jobs started with ``&``, oldest first.
+        self.jobs: list[int] = []
         self._count = 0
         self._bash: subprocess.Popen[bytes] | None = None
         self.env = self._sandbox_env()
@@ -194,7 +196,8 @@ class DocShell:
         )
         code = int(rc.read_text())
         if is_background(text):
-            self._wait_ready(text, int(pid.read_text()), out, where)
+            self.jobs.append(int(pid.read_text()))
+            self._wait_ready(text, self.jobs[-1], out, where)
             return ""
         output = out.read_text(errors="replace")
         if code != command.expect_code:

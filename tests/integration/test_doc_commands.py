@@ -10,12 +10,13 @@ a failure shows it with the failing command.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.doc_commands import Block, doc_files, parse_doc
+from tests.helpers.doc_commands import Block, Command, DocError, doc_files, parse_doc
 from tests.helpers.doc_shell import DocShell
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,3 +56,37 @@ def test_doc_commands_run_as_written(doc: Path) -> None:
                         ) from None
                     ran += 1
     print(summary())
+
+
+def test_the_shell_carries_state_checks_exit_codes_and_names_what_it_cannot_run() -> None:
+    page = """\
+```console
+$ export GREETING=hello
+$ cd ~ && pwd
+$ echo "$GREETING" ag_01x
+$ false
+$ echo $?
+1
+$ echo ag_…
+```
+
+```sh
+sleep 600 &
+```
+"""
+    console, background = parse_doc(Path("page.md"), page)
+    with DocShell() as shell:
+        outputs = [shell.run(command, "page.md") for command in console.commands]
+        assert outputs[1].strip() == str(shell.home)  # never the real home
+        assert outputs[2] == "hello ag_01x\n"
+        assert outputs[4:] == ["1\n", "ag_01x\n"]  # `false` exited 1 as the doc shows
+        with pytest.raises(AssertionError, match=r"page.md: 'false' exited 1, the doc expects 0"):
+            shell.run(Command("false", 1), "page.md")
+        shell.outputs.clear()
+        with pytest.raises(DocError, match="'ag_…': no earlier command printed one"):
+            shell.run(Command("echo ag_…", 1), "page.md")
+        with pytest.raises(DocError, match="READY has no readiness check"):
+            shell.run(background.commands[0], "page.md")
+        (pid,) = shell.jobs
+    with pytest.raises(ProcessLookupError):  # the session's jobs were stopped with it
+        os.kill(pid, 0)
