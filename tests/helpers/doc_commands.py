@@ -12,8 +12,9 @@ Which blocks are command blocks
     any other language (``text``, ``json``, ``promql``) are not run.
 
     In a block whose lines start with ``$ `` (``console`` style) only those lines
-    are commands and the lines after each are its shown output; a command shown
-    with ``$ echo $?`` and a number after it is expected to exit with that number.
+    are commands and the lines after each are its shown output, which it must
+    print (``…`` stands for any text, a number for any number); a command
+    followed by ``$ echo $?`` and a number is expected to exit with that number.
     In any other command block every line is a command (``\\`` continues a line;
     bash reads the comments). Every command must exit 0 unless shown otherwise.
 
@@ -64,6 +65,7 @@ __all__ = [
     "parse_doc",
     "remap_ports",
     "strip_comment",
+    "unshown_output",
 ]
 
 SHELL_LANGUAGES = frozenset({"sh", "bash", "shell", "console", "zsh"})
@@ -105,6 +107,8 @@ class Command:
     text: str
     line: int
     expect_code: int = 0
+    #: The output a console block shows after it (see :func:`unshown_output`).
+    shown: tuple[str, ...] = ()
 
 
 @dataclass
@@ -174,7 +178,34 @@ def _console_commands(body: Sequence[tuple[int, str]]) -> list[Command]:
     for index, (_, text, shown) in enumerate(entries):
         if text.strip() == "echo $?" and index > 0 and shown and shown[0].isdigit():
             expect[index - 1] = int(shown[0])
-    return [Command(text, number, expect.get(i, 0)) for i, (number, text, _) in enumerate(entries)]
+    return [
+        Command(text, number, expect.get(i, 0), tuple(shown))
+        for i, (number, text, shown) in enumerate(entries)
+    ]
+
+
+def _shown_pattern(line: str) -> re.Pattern[str]:
+    parts = [re.sub(r"\\?\d+", r"\\d+", re.escape(part)) for part in line.split("…")]
+    return re.compile(".*".join(parts))
+
+
+def unshown_output(shown: Sequence[str], output: str) -> list[str]:
+    """The shown lines ``output`` lacks: each must match a later line of it, in
+    order; ``…`` stands for any text and a number for any number (ids, times and
+    counts vary from run to run)."""
+    actual = [line.strip() for line in output.splitlines()]
+    missing = []
+    position = 0
+    for line in shown:
+        pattern = _shown_pattern(line)
+        found = next(
+            (i for i in range(position, len(actual)) if pattern.fullmatch(actual[i])), None
+        )
+        if found is None:
+            missing.append(line)
+        else:
+            position = found + 1
+    return missing
 
 
 def strip_comment(line: str) -> str:

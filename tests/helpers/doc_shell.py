@@ -36,6 +36,7 @@ from tests.helpers.doc_commands import (
     fill_placeholders,
     is_background,
     remap_ports,
+    unshown_output,
 )
 from tests.helpers.machine_proc import SYSTEMD_NOTIFY_VARIABLES
 from tests.helpers.moto_server import free_port
@@ -203,6 +204,12 @@ class DocShell:
         if code != command.expect_code:
             raise CommandFailed(
                 f"{where}: {text!r} exited {code}, the doc expects {command.expect_code}:\n{output}"
+            )
+        missing = unshown_output(command.shown, output)
+        if missing:
+            raise CommandFailed(
+                f"{where}: {text!r} did not print what the doc shows: {missing}; it printed:\n"
+                f"{output}"
             )
         self.outputs.append(output)
         return output

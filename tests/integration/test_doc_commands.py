@@ -82,6 +82,8 @@ sleep 600 &
         assert outputs[4:] == ["1\n", "ag_01x\n"]  # `false` exited 1 as the doc shows
         with pytest.raises(AssertionError, match=r"page.md: 'false' exited 1, the doc expects 0"):
             shell.run(Command("false", 1), "page.md")
+        with pytest.raises(AssertionError, match=r"did not print what the doc shows: \['bye'\]"):
+            shell.run(Command("echo hi", 1, shown=("bye",)), "page.md")
         shell.outputs.clear()
         with pytest.raises(DocError, match="'ag_…': no earlier command printed one"):
             shell.run(Command("echo ag_…", 1), "page.md")

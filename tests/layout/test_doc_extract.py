@@ -21,6 +21,7 @@ from tests.helpers.doc_commands import (
     parse_doc,
     remap_ports,
     strip_comment,
+    unshown_output,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +93,7 @@ def test_a_page_gives_its_command_blocks_with_markers() -> None:
         ("echo $?", 0),
         ("agents-machine agent list", 0),
     ]
+    assert console.commands[0].shown == ("agents-machine: prompt: must not be empty",)
     assert synopsis.synopsis
     assert [c.text for c in hidden.commands] == ["mkdir -p ~/src"]
 
@@ -127,6 +129,17 @@ def test_placeholders_take_the_last_matching_word_printed() -> None:
     with pytest.raises(DocError, match="no prefix"):
         fill_placeholders("init --recovery-public-key agpk1_x …", outputs)
     assert fill_placeholders("no placeholder at all", []) == "no placeholder at all"
+
+
+def test_shown_output_must_be_printed_in_order_with_ids_and_numbers_free() -> None:
+    shown = ["[run run_01…]", "echo: hello", "[done] end_turn, 1 in / 2 out tokens, 4 ms"]
+    printed = "[run run_01abc]\necho: hello\n[done] end_turn, 1 in / 2 out tokens, 0 ms\n"
+    assert unshown_output(shown, "log line\n" + printed) == []
+    assert unshown_output(shown, printed.replace("echo: hello", "echo: bye")) == ["echo: hello"]
+    # Out of order is not what the doc shows.
+    assert unshown_output(["b", "a"], "a\nb\n") == ["a"]
+    assert unshown_output(['{"seq": 3, …}'], '{"seq": 4, "kind": "X"}\n') == []
+    assert unshown_output(['{"seq": 3, …}'], '{"kind": "X", "seq": 4}\n') == ['{"seq": 3, …}']
 
 
 def test_ports_comments_and_background_jobs() -> None:
