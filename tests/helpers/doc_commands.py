@@ -260,10 +260,12 @@ def _apply_marker(block: Block, marker: re.Match[str] | None) -> None:
 def parse_doc(path: Path, text: str) -> list[Block]:
     """The command blocks of one doc (hidden setup blocks included), in order.
 
-    Raises DocError for a malformed marker or an unterminated block.
+    Raises DocError for a malformed marker, a marker with no command block after
+    it, or an unterminated block.
     """
     lines = text.splitlines()
     blocks: list[Block] = []
+    used: set[int] = set()  # the lines of markers that found their block
     index = 0
     while index < len(lines):
         line = lines[index]
@@ -296,9 +298,14 @@ def parse_doc(path: Path, text: str) -> list[Block]:
         block = _block(path, start + 1, fence["lang"].lower(), body)
         if block is None:
             continue
-        previous = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
-        _apply_marker(block, _MARKER.match(previous))
+        above = next((n for n in range(start - 1, -1, -1) if lines[n].strip()), None)
+        if above is not None and _MARKER.match(lines[above]):
+            _apply_marker(block, _MARKER.match(lines[above]))
+            used.add(above)
         blocks.append(block)
+    stray = [n for n, line in enumerate(lines) if _MARKER.match(line) and n not in used]
+    if stray:
+        raise DocError(f"{path}:{stray[0] + 1}: a doc-test marker not just before a command block")
     return blocks
 
 

@@ -104,6 +104,8 @@ def test_a_page_gives_its_command_blocks_with_markers() -> None:
         ("<!-- doc-test: skip: -->\n```sh\nls\n```\n", "skip: REASON"),
         ("<!-- doc-test: maybe -->\n```sh\nls\n```\n", "skip: REASON"),
         ("```sh\nls\n", "never closed"),
+        ("<!-- doc-test: skip: old -->\n```json\n{}\n```\n", "page.md:1: .* not just before"),
+        ("<!-- doc-test: skip: old -->\n\ntext\n```sh\nls\n```\n", "not just before"),
         ("<!-- doc-test: run\nls\n", "never ends"),
     ],
 )
