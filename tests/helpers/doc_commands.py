@@ -16,7 +16,10 @@ Which blocks are command blocks
     print (``…`` stands for any text, a number for any number); a command
     followed by ``$ echo $?`` and a number is expected to exit with that number.
     In any other command block every line is a command (``\\`` continues a line;
-    bash reads the comments). Every command must exit 0 unless shown otherwise.
+    ``#`` comments are dropped). Every command must exit 0 unless shown otherwise.
+    A daemon is started with ``&`` (not "in another terminal"): the runner waits
+    until it is ready (``READY`` in tests/helpers/doc_shell.py) and stops it
+    with the page.
 
 Markers (an HTML comment on the line just before the opening fence)
     ``<!-- doc-test: skip: REASON -->``
