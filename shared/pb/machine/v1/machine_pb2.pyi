@@ -1287,22 +1287,29 @@ class AttachmentHeader(_message.Message):
     AGENT_ID_FIELD_NUMBER: _builtins.int
     FILE_NAME_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
+    MEDIA_TYPE_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The agent the file is for."""
     file_name: _builtins.str
     """The file's name, for display only (no path)."""
     size: _builtins.int
     """The declared size; an upload over the limit is refused before any byte is read."""
+    media_type: _builtins.str
+    """The file's media type, "type/subtype" (at most 255 characters, no
+    parameters; INVALID_ARGUMENT naming "media_type" otherwise). Empty: guessed
+    from file_name's extension, else "application/octet-stream".
+    """
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
         file_name: _builtins.str = ...,
         size: _builtins.int = ...,
+        media_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "file_name", b"file_name", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "file_name", b"file_name", "media_type", b"media_type", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1347,22 +1354,26 @@ class Attachment(_message.Message):
     SHA256_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     AGENT_ID_FIELD_NUMBER: _builtins.int
+    MEDIA_TYPE_FIELD_NUMBER: _builtins.int
     sha256: _builtins.str
     """SHA-256 of the content (lower-case hex); pass it in PromptRequest.attachments."""
     size: _builtins.int
     """Size in bytes."""
     agent_id: _builtins.str
     """The agent it is recorded against."""
+    media_type: _builtins.str
+    """The media type recorded for this upload (declared or guessed, lower case)."""
     def __init__(
         self,
         *,
         sha256: _builtins.str = ...,
         size: _builtins.int = ...,
         agent_id: _builtins.str = ...,
+        media_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "media_type", b"media_type", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
