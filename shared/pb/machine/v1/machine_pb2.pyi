@@ -1946,6 +1946,7 @@ class RestoreResponse(_message.Message):
     SKIPPED_FIELD_NUMBER: _builtins.int
     SKIPPED_ERASED_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
     attachments: _builtins.int
     """Attachment files placed."""
     @_builtins.property
@@ -1960,6 +1961,13 @@ class RestoreResponse(_message.Message):
     def skipped_erased(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Agents skipped because they are on the erased list."""
 
+    @_builtins.property
+    def settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___SettingDifference]:
+        """The settings of the machine that made the backup that differ from this
+        machine's (a backup carries its non-secret settings; nothing is changed:
+        set them in machine.toml to keep them). By name.
+        """
+
     def __init__(
         self,
         *,
@@ -1967,14 +1975,45 @@ class RestoreResponse(_message.Message):
         skipped: _abc.Iterable[_builtins.str] | None = ...,
         skipped_erased: _abc.Iterable[_builtins.str] | None = ...,
         attachments: _builtins.int = ...,
+        settings: _abc.Iterable[Global___SettingDifference] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "restored", b"restored", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "restored", b"restored", "settings", b"settings", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RestoreResponse: _TypeAlias = RestoreResponse  # noqa: Y015
+
+@_typing.final
+class SettingDifference(_message.Message):
+    """A setting with another value in a backup than on this machine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    IN_BACKUP_FIELD_NUMBER: _builtins.int
+    HERE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The machine.toml key ("backup_keep")."""
+    in_backup: _builtins.str
+    """Its value when the backup was made, as machine.toml spells it."""
+    here: _builtins.str
+    """Its value on this machine."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        in_backup: _builtins.str = ...,
+        here: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["here", b"here", "in_backup", b"in_backup", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SettingDifference: _TypeAlias = SettingDifference  # noqa: Y015
 
 @_typing.final
 class Schedule(_message.Message):
