@@ -150,6 +150,9 @@ class ControlConfig:
     """Largest prompt text accepted, in bytes of UTF-8 (INVALID_ARGUMENT above it)."""
     prompt_ttl_seconds: int = 7 * 24 * 3600
     """Seconds a queued prompt waits for its machine before it is dropped (audited)."""
+    audit_retention_days: int = 400
+    """Days an audit record is kept (at most a day more: they go by whole UTC days,
+    swept hourly; docs/retention.md)."""
     wake_lead_seconds: float = 120.0
     """An offline machine with a provider is asked to start this long before its next
     schedule fire time (the time it needs to boot and connect)."""
@@ -218,6 +221,8 @@ class ControlConfig:
             raise ConfigError("prompt_max_bytes", "must be between 1 and 4 MiB")
         if not 60 <= self.prompt_ttl_seconds <= 90 * 86400:
             raise ConfigError("prompt_ttl_seconds", "must be between 60 seconds and 90 days")
+        if not 1 <= self.audit_retention_days <= 3650:
+            raise ConfigError("audit_retention_days", "must be between 1 and 3650 days")
         if not 0 <= self.wake_lead_seconds <= 86400:
             raise ConfigError("wake_lead_seconds", "must be between 0 and 86400 seconds")
         if not 0.1 <= self.wake_check_seconds <= 3600:
@@ -280,6 +285,7 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "prompt_queue_depth": (int,),
     "prompt_max_bytes": (int,),
     "prompt_ttl_seconds": (int,),
+    "audit_retention_days": (int,),
     "wake_lead_seconds": (int, float),
     "wake_check_seconds": (int, float),
     "store_retry_seconds": (int, float),
@@ -400,6 +406,7 @@ def load_config(
         prompt_queue_depth=get("prompt_queue_depth", None, d.prompt_queue_depth, int),
         prompt_max_bytes=get("prompt_max_bytes", None, d.prompt_max_bytes, int),
         prompt_ttl_seconds=get("prompt_ttl_seconds", None, d.prompt_ttl_seconds, int),
+        audit_retention_days=get("audit_retention_days", None, d.audit_retention_days, int),
         wake_lead_seconds=get("wake_lead_seconds", None, d.wake_lead_seconds, float),
         wake_check_seconds=get("wake_check_seconds", None, d.wake_check_seconds, float),
         store_retry_seconds=get("store_retry_seconds", None, d.store_retry_seconds, float),

@@ -34,6 +34,7 @@ from controlplane.api.causes import CauseInterceptor, rpc_causes
 from controlplane.api.link import LinkServicer
 from controlplane.config import ControlConfig, parse_hostport
 from controlplane.deletion.service import AccountDeletion, DeletionHooks
+from controlplane.integrity.audit import AuditRetention
 from controlplane.integrity.clock import ClockCheck
 from controlplane.integrity.intents import Intents
 from controlplane.integrity.keys import KeyRing, load_home_keys
@@ -114,6 +115,7 @@ class ControlPlane:
         self._checker: asyncio.Task[None] | None = None
         self._waker: asyncio.Task[None] | None = None
         self._clocks: asyncio.Task[None] | None = None
+        self._audit_sweep: asyncio.Task[None] | None = None
         self._clock_check: ClockCheck | None = None
         self._offline: asyncio.Task[None] | None = None
         self._stamps: asyncio.Task[None] | None = None
@@ -339,6 +341,13 @@ class ControlPlane:
         self._clocks = asyncio.create_task(
             clock_check.run(cfg.clock_check_seconds), name="clock-check"
         )
+        retention = AuditRetention(
+            trusted.store,
+            dt.timedelta(days=cfg.audit_retention_days),
+            on_removed=self.metrics.audit_records_removed.inc,
+            may_expire=clock_check.may_expire,
+        )
+        self._audit_sweep = asyncio.create_task(retention.run(), name="audit-retention")
         self._checker = asyncio.create_task(
             _self_check(trusted.guard, services.intents, cfg.heartbeat_interval, self.fence),
             name="store-self-check",
@@ -437,6 +446,10 @@ class ControlPlane:
             clocks, self._clocks = self._clocks, None
             clocks.cancel()
             await asyncio.gather(clocks, return_exceptions=True)
+        if self._audit_sweep is not None:
+            sweep, self._audit_sweep = self._audit_sweep, None
+            sweep.cancel()
+            await asyncio.gather(sweep, return_exceptions=True)
         if self._checker is not None:
             checker, self._checker = self._checker, None
             checker.cancel()

@@ -36,6 +36,7 @@ from shared.logs import check_format, check_level, parse_format, parse_level
 from shared.sd_notify import NotifyConfig
 
 __all__ = [
+    "BACKUP_SETTINGS",
     "DEFAULT_ATTACHMENT_LIMIT",
     "DEFAULT_PROMPT_LIMIT",
     "FILE_KEYS",
@@ -103,6 +104,32 @@ def resolve_data_dir(flag: str | Path | None, env: Mapping[str, str], home: Path
 
 
 #: The keys machine.toml may hold and the TOML types each accepts.
+#: The settings a backup carries (MachineConfig.backup_settings), all of them
+#: keys machine.toml may hold, so a restore can name what to set there.
+BACKUP_SETTINGS: Final = (
+    "prompt_limit",
+    "attachment_limit",
+    "event_retention_days",
+    "shutdown_grace_seconds",
+    "max_streams_per_client",
+    "max_streams",
+    "integrity_check_seconds",
+    "backup_keep",
+    "backup_time",
+    "time_zone",
+    "scheduler",
+    "log_level",
+    "log_format",
+)
+
+
+def _setting_text(value: object) -> str:
+    """A setting's value as machine.toml spells it (``true``, ``3``, ``03:30``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 FILE_KEYS: dict[str, tuple[type, ...]] = {
     "socket_path": (str,),
     "tcp_address": (str,),
@@ -324,6 +351,16 @@ class MachineConfig:
     def incoming_dir(self) -> Path:
         """Imports being staged (removed once imported, or after an hour)."""
         return self.data_dir / "Incoming"
+
+    def backup_settings(self) -> dict[str, str]:
+        """The settings every backup's manifest carries (docs/backups.md), as text.
+
+        An allow-list, so a field added later stays out until it is judged: the
+        machine's limits, retention, checks, backup schedule and time zone. Never
+        a path (another disk's layout), a listener address, a test hook, the
+        environment's values, or anything of ``keys/`` (no secret is a setting).
+        """
+        return {name: _setting_text(getattr(self, name)) for name in BACKUP_SETTINGS}
 
     def validate(self) -> MachineConfig:
         """Raise ConfigError naming the first bad field; return self."""

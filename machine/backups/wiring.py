@@ -87,6 +87,10 @@ class BackupSettings(Protocol):
         """A test's fault hook: SIGKILL after this many agents loaded (0: never)."""
         ...
 
+    def backup_settings(self) -> dict[str, str]:
+        """The non-secret settings each backup carries (MachineConfig.backup_settings)."""
+        ...
+
 
 async def backup_target(
     config: BackupSettings, ids: MachineIds, closing: list[Callable[[], Awaitable[None]]]
@@ -164,6 +168,7 @@ async def build_backups(
         metrics=BackupMetrics(metrics.registry) if metrics is not None else None,
         warnings=await asyncio.to_thread(backup_warnings, config, target),
         after_load=crash_after(config.crash_in_transfer_after, "agents loaded in a transfer"),
+        settings=config.backup_settings(),
     )
     await asyncio.to_thread(service.sweep_stale)
     try:
