@@ -126,6 +126,7 @@ _EXERCISED = {
     ).split()
 } | {
     "controlplane.machines.backups:backups_prefix",
+    "controlplane.integrity.audit:AUDIT_PREFIX",  # the folder of audit_key's keys
     "controlplane.machines.alive:ALIVE_KEY",
     "controlplane.integrity.intents:INTENTS_PREFIX",
     "controlplane.integrity.intents:intent_key",
