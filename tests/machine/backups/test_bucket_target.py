@@ -155,6 +155,11 @@ async def test_an_unreachable_bucket_starts_and_each_use_fails_naming_the_target
         assert str(err.value).startswith(f"backup target s3://backups/m1/ at {endpoint}: ")
     finally:
         await _close(closing)
+    # The daemon starts; a backup fails as a whole, naming the target.
+    cfg = _cfg(tmp_path, "s3://backups/m1", endpoint, background_loops=False)
+    async with open_machine(cfg) as m:
+        with pytest.raises(StoreUnavailable, match="^backup target s3://backups/m1/ at "):
+            await m.require_backups().backup_now()
 
 
 async def test_a_joined_machine_ignores_a_bucket_and_says_so(
