@@ -77,6 +77,11 @@ class BackupSettings(Protocol):
         ...
 
     @property
+    def backup_target(self) -> str | None:
+        """``backup_target`` as set (a folder or a bucket URL), or ``None``."""
+        ...
+
+    @property
     def backup_bucket(self) -> str | None:
         """The ``s3://`` URL of a stand-alone machine's bucket target, or ``None``."""
         ...
@@ -162,14 +167,15 @@ async def backup_target(
         )
         closing.append(bucket.close)
         return bucket, f"bucket {where}"
-    await asyncio.to_thread(check_backup_folder, config.backups_dir, config.data_dir)
+    setting = "backup_target" if config.backup_target is not None else "backup_dir"
+    await asyncio.to_thread(check_backup_folder, config.backups_dir, config.data_dir, setting)
     try:
         target, folder = await folder_backup_target(
             config.backups_dir, crash_after(config.crash_in_prune_after, "objects pruned")
         )
     except OSError as e:  # a parent that is a file, a read-only or virtual file system
         raise ConfigError(
-            "backup_dir", f"{config.backups_dir}: cannot be made or opened ({e.strerror or e})"
+            setting, f"{config.backups_dir}: cannot be made or opened ({e.strerror or e})"
         ) from None
     closing.append(folder.close)
     await record_backup_owner(folder, config.backups_dir, ids.canonical)

@@ -122,12 +122,15 @@ class BucketTarget:
             if self._target is not None:
                 return self._target
             with _named(self.where):
-                store = await open_store(
-                    self._url,
-                    options=self._options,
-                    namespace="agents_machine",
-                    registry=self._registry,
-                )
+                try:
+                    store = await open_store(
+                        self._url,
+                        options=self._options,
+                        namespace="agents_machine",
+                        registry=self._registry,
+                    )
+                except TransientError as e:
+                    raise type(e)(f"the server does not answer ({e})") from None
                 try:
                     self.machine_id = await self._check_owner(store)
                 except BaseException:

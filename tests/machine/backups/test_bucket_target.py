@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -197,3 +198,29 @@ async def test_the_same_device_gauge_says_where_backups_go(
             "agents_machine_store_operations_total", {"operation": "put", "outcome": "ok"}
         )
         assert ops is not None and ops > 0
+
+
+async def test_a_folder_target_on_another_device_is_not_warned_and_refusals_name_it(
+    tmp_path: Path,
+) -> None:
+    # /dev/shm is a tmpfs: another device than the test's data folder, when it exists.
+    shm = Path("/dev/shm")
+    data = tmp_path / "d"
+    (tmp_path / "file").write_text("x")
+    cfg = MachineConfig(data_dir=data, backup_target=str(tmp_path / "file" / "b")).validate()
+    with pytest.raises(ConfigError) as err:
+        await backup_target(cfg, _ids(), [])
+    assert err.value.field == "backup_target"
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no folder on another device to try")
+    other = shm / f"agents-test-{secrets.token_hex(4)}"
+    cfg = MachineConfig(data_dir=data, backup_target=str(other), background_loops=False).validate()
+    metrics = MachineMetrics(new_registry())
+    try:
+        async with open_machine(cfg, metrics=metrics) as m:
+            assert metrics.registry.get_sample_value("agents_machine_backup_same_device") == 0
+            status = m.require_backups().status()
+            assert status.target == f"folder {other}"
+            assert not any("same device" in w for w in status.warnings)
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
