@@ -43,7 +43,8 @@ from machine.models import MachineIds
 from machine.storage.db import Database
 from shared.backup_target import BackupTarget
 from shared.errors import AgentsError, ConfigError, InvalidArgument
-from shared.store.url import StoreOptions
+from shared.store.s3_config import S3Config
+from shared.store.url import StoreOptions, parse_store_url
 
 __all__ = [
     "BackupSettings",
@@ -196,9 +197,15 @@ async def open_backups_from(
             yield opened
         return
     try:
+        parsed = parse_store_url(source)
         where = config.describe_backup_bucket(source)
     except InvalidArgument as e:
         raise InvalidArgument("--from", e.reason) from None
+    if isinstance(parsed, S3Config) and (parsed.access_key or parsed.secret_key):
+        # As backup_target: a command line is seen by every user (ps) and kept in shells.
+        raise InvalidArgument(
+            "--from", "credentials never go in the URL: the daemon uses its own (backup_store_*)"
+        )
     options = await asyncio.to_thread(config.backup_store_options)  # reads a file
     async with open_bucket_from(source, options, where=where, registry=registry) as opened:
         yield opened

@@ -109,6 +109,11 @@ async def test_a_prefix_holding_other_objects_is_refused(
     with pytest.raises(InvalidArgument, match="--from: .*bucket"):
         async with open_backups_from(cfg, "s3://Not_A_Bucket/p"):
             pass
+    secret = secrets.token_urlsafe(20)
+    with pytest.raises(InvalidArgument, match="--from: credentials never go in the URL") as err:
+        async with open_backups_from(cfg, f"s3://{s3_bucket}/x?access_key=AK&secret_key={secret}"):
+            pass
+    assert secret not in err.value.message
 
 
 async def test_an_unknown_bucket_is_refused_at_start_naming_the_setting(
