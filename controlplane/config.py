@@ -9,9 +9,11 @@ Environment variables: ``AGENTS_CONTROL_HOME``, ``AGENTS_CONTROL_STORE``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AGENTS_CONTROL_LISTEN``,
 ``AGENTS_CONTROL_LINK_LISTEN``, ``AGENTS_CONTROL_ADVERTISE_HOST``,
 ``AGENTS_CONTROL_METRICS``, ``AGENTS_CONTROL_ADDRESS``,
-``AGENTS_CONTROL_CREDENTIAL``, ``AGENTS_CONTROL_HEARTBEAT``,
+``AGENTS_CONTROL_CREDENTIAL``, ``AGENTS_CONTROL_CREDENTIAL_FILE``,
+``AGENTS_CONTROL_HEARTBEAT``,
 ``AGENTS_CONTROL_LOG_LEVEL``, ``AGENTS_CONTROL_LOG_FORMAT``,
-``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``; and systemd's
+``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``; test only:
+``AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER``; and systemd's
 ``NOTIFY_SOCKET``, ``WATCHDOG_USEC``, ``WATCHDOG_PID`` (shared.sd_notify).
 """
 
@@ -32,6 +34,7 @@ from shared.config import (
     parse_bool,
     split_hostport,
 )
+from shared.durations import seconds_value
 from shared.errors import ConfigError
 from shared.logs import check_format, check_level, parse_format, parse_level
 from shared.sd_notify import NotifyConfig
@@ -46,6 +49,7 @@ __all__ = [
     "default_home",
     "load_config",
     "parse_hostport",
+    "read_credential",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +57,9 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE: Final = "config.toml"
 #: Written by ``serve`` once it listens: the actual ports (useful with port 0).
 SERVE_FILE: Final = "serve.json"
+#: The most of a credential file read: a credential is ~75 characters, and a
+#: large file named by mistake must not be read whole.
+CREDENTIAL_FILE_LIMIT: Final = 4096
 #: A join token lives at most this many seconds (24 hours).
 MAX_TOKEN_TTL: Final = 24 * 3600
 #: Where ``/metrics`` is served unless told otherwise; deploy/prometheus/prometheus.yml
@@ -114,7 +121,9 @@ class ControlConfig:
     address: str = ""
     """Where the CLI reaches the daemon's public listener; empty: from serve.json."""
     credential: str | None = field(default=None, repr=False)
-    """Admin credential the CLI sends (``--credential`` / ``AGENTS_CONTROL_CREDENTIAL``)."""
+    """Admin credential the CLI sends: ``--credential`` or the first line of
+    ``--credential-file``, else ``AGENTS_CONTROL_CREDENTIAL`` or the first line of
+    ``AGENTS_CONTROL_CREDENTIAL_FILE`` (:func:`read_credential`)."""
     heartbeat_interval: float = 15.0
     """Seconds between a machine's heartbeats; 3 missed ones mark it offline."""
     presence_write_interval: float = 300.0
@@ -141,6 +150,9 @@ class ControlConfig:
     """Largest prompt text accepted, in bytes of UTF-8 (INVALID_ARGUMENT above it)."""
     prompt_ttl_seconds: int = 7 * 24 * 3600
     """Seconds a queued prompt waits for its machine before it is dropped (audited)."""
+    audit_retention_days: int = 400
+    """Days an audit record is kept (at most a day more: they go by whole UTC days,
+    swept hourly; docs/retention.md)."""
     wake_lead_seconds: float = 120.0
     """An offline machine with a provider is asked to start this long before its next
     schedule fire time (the time it needs to boot and connect)."""
@@ -158,6 +170,15 @@ class ControlConfig:
     """systemd's notify socket and watchdog (``$NOTIFY_SOCKET``, ``$WATCHDOG_USEC``,
     ``$WATCHDOG_PID``, set for a ``Type=notify`` unit): ``serve`` sends READY,
     STOPPING, STATUS and watchdog pings there (shared.sd_notify). Off when unset."""
+    store_overrides: tuple[str, ...] = ()
+    """Where a store setting came from other than config.toml: the flags and
+    environment variables that set ``store_url``, ``store_endpoint`` or
+    ``store_region`` (``store migrate`` switches config.toml, which they would
+    keep overriding)."""
+    crash_in_migrate_after: int = 0
+    """Test only (no flag, no file key; ``AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER``):
+    ``store migrate`` SIGKILLs itself once it copied this many objects, so a
+    real-process test can kill it in the middle of the copy. 0 (the default): off."""
 
     @property
     def config_path(self) -> Path:
@@ -200,6 +221,8 @@ class ControlConfig:
             raise ConfigError("prompt_max_bytes", "must be between 1 and 4 MiB")
         if not 60 <= self.prompt_ttl_seconds <= 90 * 86400:
             raise ConfigError("prompt_ttl_seconds", "must be between 60 seconds and 90 days")
+        if not 1 <= self.audit_retention_days <= 3650:
+            raise ConfigError("audit_retention_days", "must be between 1 and 3650 days")
         if not 0 <= self.wake_lead_seconds <= 86400:
             raise ConfigError("wake_lead_seconds", "must be between 0 and 86400 seconds")
         if not 0.1 <= self.wake_check_seconds <= 3600:
@@ -262,12 +285,65 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "prompt_queue_depth": (int,),
     "prompt_max_bytes": (int,),
     "prompt_ttl_seconds": (int,),
+    "audit_retention_days": (int,),
     "wake_lead_seconds": (int, float),
     "wake_check_seconds": (int, float),
     "store_retry_seconds": (int, float),
     "clock_skew_bound_seconds": (int, float),
     "clock_check_seconds": (int, float),
 }
+
+
+def read_credential(flags: Mapping[str, Any], env: Mapping[str, str]) -> str | None:
+    """The admin credential, or None when none is given.
+
+    Flags win over the environment: ``--credential`` or ``--credential-file``,
+    else ``AGENTS_CONTROL_CREDENTIAL`` or ``AGENTS_CONTROL_CREDENTIAL_FILE``.
+    Both kinds at one level is refused (which one was meant?). A file gives its
+    first line, stripped; a file that cannot be read, or whose first line is
+    empty, is a ConfigError naming the file. No message holds the secret.
+    """
+    levels = (
+        (
+            flags.get("credential"),
+            flags.get("credential_file"),
+            "--credential",
+            "--credential-file",
+        ),
+        (
+            env.get("AGENTS_CONTROL_CREDENTIAL"),
+            env.get("AGENTS_CONTROL_CREDENTIAL_FILE"),
+            "AGENTS_CONTROL_CREDENTIAL",
+            "AGENTS_CONTROL_CREDENTIAL_FILE",
+        ),
+    )
+    for text, path, text_name, file_name in levels:
+        if text and path:
+            raise ConfigError("credential", f"both {text_name} and {file_name} given; give one")
+        if text:
+            return str(text)
+        if path:
+            return _credential_file(Path(str(path)).expanduser(), file_name)
+    return None
+
+
+def _credential_file(path: Path, name: str) -> str:
+    # Opened as given, not checked for a regular file first: a pipe is fine
+    # (`--credential-file <(pass show agents/admin)`).
+    try:
+        with path.open("rb") as f:
+            first = f.readline(CREDENTIAL_FILE_LIMIT)
+    except OSError as e:
+        raise ConfigError("credential", f"{name}: cannot read {path}: {e.strerror or e}") from None
+    try:
+        line = first.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError("credential", f"{name}: {path} is not UTF-8 text") from None
+    if not line:
+        raise ConfigError(
+            "credential", f"{name}: the first line of {path} is empty (it holds the credential)"
+        )
+    return line
 
 
 def _names(value: Any) -> tuple[str, ...]:
@@ -309,9 +385,9 @@ def load_config(
         server_names=get("server_names", None, (), _names),
         metrics_listen=get("metrics_listen", "AGENTS_CONTROL_METRICS", d.metrics_listen, str),
         address=get("address", "AGENTS_CONTROL_ADDRESS", "", str),
-        credential=secret("credential", "AGENTS_CONTROL_CREDENTIAL"),
+        credential=read_credential(flags, env),
         heartbeat_interval=get(
-            "heartbeat_interval", "AGENTS_CONTROL_HEARTBEAT", d.heartbeat_interval, float
+            "heartbeat_interval", "AGENTS_CONTROL_HEARTBEAT", d.heartbeat_interval, seconds_value
         ),
         presence_write_interval=get(
             "presence_write_interval", None, d.presence_write_interval, float
@@ -325,11 +401,12 @@ def load_config(
             "join_confirm_grace",
             "AGENTS_CONTROL_JOIN_CONFIRM_GRACE",
             d.join_confirm_grace,
-            float,
+            seconds_value,
         ),
         prompt_queue_depth=get("prompt_queue_depth", None, d.prompt_queue_depth, int),
         prompt_max_bytes=get("prompt_max_bytes", None, d.prompt_max_bytes, int),
         prompt_ttl_seconds=get("prompt_ttl_seconds", None, d.prompt_ttl_seconds, int),
+        audit_retention_days=get("audit_retention_days", None, d.audit_retention_days, int),
         wake_lead_seconds=get("wake_lead_seconds", None, d.wake_lead_seconds, float),
         wake_check_seconds=get("wake_check_seconds", None, d.wake_check_seconds, float),
         store_retry_seconds=get("store_retry_seconds", None, d.store_retry_seconds, float),
@@ -338,5 +415,33 @@ def load_config(
         ),
         clock_check_seconds=get("clock_check_seconds", None, d.clock_check_seconds, float),
         notify=NotifyConfig.from_env(env, os.getpid()),
+        store_overrides=_store_overrides(flags, env),
+        crash_in_migrate_after=_test_count(env, "AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER"),
     )
     return cfg.validate()
+
+
+#: The store settings a flag or the environment may set over config.toml.
+_STORE_SOURCES: Final = (
+    ("store_url", "--store", "AGENTS_CONTROL_STORE"),
+    ("store_endpoint", "--store-endpoint", "AGENTS_CONTROL_STORE_ENDPOINT"),
+    ("store_region", "--store-region", "AGENTS_CONTROL_STORE_REGION"),
+)
+
+
+def _store_overrides(flags: Mapping[str, Any], env: Mapping[str, str]) -> tuple[str, ...]:
+    out: list[str] = []
+    for name, flag, env_key in _STORE_SOURCES:
+        if flags.get(name) not in (None, ""):
+            out.append(flag)
+        elif env.get(env_key):
+            out.append(env_key)
+    return tuple(out)
+
+
+def _test_count(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name, "") or "0"
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(name, f"must be a whole number, got {value[:16]!r}") from None

@@ -34,6 +34,7 @@ STORE_CAUSES: Final = frozenset(
         "presence",  # last-seen writes, an offline machine's stored presence
         "provider",  # asking a machine's provider to start it
         "queue",  # prompts: send, list, deliver, acknowledge, expire
+        "retention",  # the audit records' retention sweep
         "renewal",  # certificate renewals
         "roster",  # agent rosters machines report
         "rotation",  # key rotations
@@ -120,6 +121,11 @@ class ControlMetrics:
         self.account_deletion_objects = Counter(
             "agents_cp_account_deletion_objects",
             "Objects deleted from the store by account deletions.",
+            registry=registry,
+        )
+        self.audit_records_removed = Counter(
+            "agents_cp_audit_records_removed",
+            "Audit records removed by the retention sweep (audit_retention_days).",
             registry=registry,
         )
         self.backup_calls = Counter(

@@ -17,12 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import fcntl
 import json
 import logging
 import os
 import signal
-from pathlib import Path
 from types import TracebackType
 from typing import Final, Self
 
@@ -36,6 +34,7 @@ from controlplane.api.causes import CauseInterceptor, rpc_causes
 from controlplane.api.link import LinkServicer
 from controlplane.config import ControlConfig, parse_hostport
 from controlplane.deletion.service import AccountDeletion, DeletionHooks
+from controlplane.integrity.audit import AuditRetention
 from controlplane.integrity.clock import ClockCheck
 from controlplane.integrity.intents import Intents
 from controlplane.integrity.keys import KeyRing, load_home_keys
@@ -52,7 +51,7 @@ from controlplane.queue.delivery import PromptDelivery
 from controlplane.queue.prompts import PromptQueue, QueueLimits
 from controlplane.queue.starter import MachineStarter
 from controlplane.queue.wake import ScheduleWaker
-from controlplane.recovery.fencing import Fence, take_epoch
+from controlplane.recovery.fencing import Fence, lock_home, take_epoch
 from controlplane.recovery.keybundle import reseal_key_bundle
 from controlplane.recovery.rotation import KeyRotation
 from controlplane.services import Services
@@ -116,6 +115,7 @@ class ControlPlane:
         self._checker: asyncio.Task[None] | None = None
         self._waker: asyncio.Task[None] | None = None
         self._clocks: asyncio.Task[None] | None = None
+        self._audit_sweep: asyncio.Task[None] | None = None
         self._clock_check: ClockCheck | None = None
         self._offline: asyncio.Task[None] | None = None
         self._stamps: asyncio.Task[None] | None = None
@@ -169,7 +169,7 @@ class ControlPlane:
         cfg = self.cfg
         status = self.notifier.status
         # A second serve of this very home folder stops here, before anything else.
-        self._home_lock = _lock_home(cfg.home)
+        self._home_lock = lock_home(cfg.home, "serve")
         keys = load_home_keys(cfg.home)
         keyring = KeyRing(keys)
         status("starting: binding the listeners")
@@ -341,6 +341,13 @@ class ControlPlane:
         self._clocks = asyncio.create_task(
             clock_check.run(cfg.clock_check_seconds), name="clock-check"
         )
+        retention = AuditRetention(
+            trusted.store,
+            dt.timedelta(days=cfg.audit_retention_days),
+            on_removed=self.metrics.audit_records_removed.inc,
+            may_expire=clock_check.may_expire,
+        )
+        self._audit_sweep = asyncio.create_task(retention.run(), name="audit-retention")
         self._checker = asyncio.create_task(
             _self_check(trusted.guard, services.intents, cfg.heartbeat_interval, self.fence),
             name="store-self-check",
@@ -439,6 +446,10 @@ class ControlPlane:
             clocks, self._clocks = self._clocks, None
             clocks.cancel()
             await asyncio.gather(clocks, return_exceptions=True)
+        if self._audit_sweep is not None:
+            sweep, self._audit_sweep = self._audit_sweep, None
+            sweep.cancel()
+            await asyncio.gather(sweep, return_exceptions=True)
         if self._checker is not None:
             checker, self._checker = self._checker, None
             checker.cancel()
@@ -474,21 +485,6 @@ class ControlPlane:
         if self._home_lock is not None:
             lock, self._home_lock = self._home_lock, None
             os.close(lock)
-
-
-def _lock_home(home: Path) -> int:
-    """Hold ``home``'s serve lock (released when the process ends, however it
-    ends); InvalidState when another serve holds it."""
-    fd = os.open(home / "serve.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise InvalidState(
-            f"serve {home}",
-            "another agents-control serve is running on this home; stop it first",
-        ) from None
-    return fd
 
 
 async def _count_offline(

@@ -35,6 +35,7 @@ from shared.config import (
     parse_size,
     split_hostport,
 )
+from shared.durations import seconds_value
 from shared.errors import ConfigError, InvalidArgument
 from shared.logs import check_format, check_level, parse_format, parse_level
 from shared.sd_notify import NotifyConfig
@@ -42,6 +43,7 @@ from shared.store.s3_config import S3Config
 from shared.store.url import StoreOptions, describe_store, parse_store_url
 
 __all__ = [
+    "BACKUP_SETTINGS",
     "DEFAULT_ATTACHMENT_LIMIT",
     "DEFAULT_PROMPT_LIMIT",
     "FILE_KEYS",
@@ -113,6 +115,32 @@ def resolve_data_dir(flag: str | Path | None, env: Mapping[str, str], home: Path
 
 
 #: The keys machine.toml may hold and the TOML types each accepts.
+#: The settings a backup carries (MachineConfig.backup_settings), all of them
+#: keys machine.toml may hold, so a restore can name what to set there.
+BACKUP_SETTINGS: Final = (
+    "prompt_limit",
+    "attachment_limit",
+    "event_retention_days",
+    "shutdown_grace_seconds",
+    "max_streams_per_client",
+    "max_streams",
+    "integrity_check_seconds",
+    "backup_keep",
+    "backup_time",
+    "time_zone",
+    "scheduler",
+    "log_level",
+    "log_format",
+)
+
+
+def _setting_text(value: object) -> str:
+    """A setting's value as machine.toml spells it (``true``, ``3``, ``03:30``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 FILE_KEYS: dict[str, tuple[type, ...]] = {
     "socket_path": (str,),
     "tcp_address": (str,),
@@ -501,6 +529,16 @@ class MachineConfig:
         """Imports being staged (removed once imported, or after an hour)."""
         return self.data_dir / "Incoming"
 
+    def backup_settings(self) -> dict[str, str]:
+        """The settings every backup's manifest carries (docs/backups.md), as text.
+
+        An allow-list, so a field added later stays out until it is judged: the
+        machine's limits, retention, checks, backup schedule and time zone. Never
+        a path (another disk's layout), a listener address, a test hook, the
+        environment's values, or anything of ``keys/`` (no secret is a setting).
+        """
+        return {name: _setting_text(getattr(self, name)) for name in BACKUP_SETTINGS}
+
     def validate(self) -> MachineConfig:
         """Raise ConfigError naming the first bad field; return self."""
         if not self.data_dir.is_absolute():
@@ -645,7 +683,7 @@ class MachineConfig:
                 "background_loops", "AGENTS_MACHINE_BACKGROUND_LOOPS", True, parse_bool
             ),
             shutdown_grace_seconds=src.get(
-                "shutdown_grace_seconds", "AGENTS_MACHINE_SHUTDOWN_GRACE", 10.0, float
+                "shutdown_grace_seconds", "AGENTS_MACHINE_SHUTDOWN_GRACE", 10.0, seconds_value
             ),
             max_streams_per_client=src.get(
                 "max_streams_per_client", "AGENTS_MACHINE_MAX_STREAMS_PER_CLIENT", 64, int
@@ -655,7 +693,7 @@ class MachineConfig:
                 "integrity_check_seconds",
                 "AGENTS_MACHINE_INTEGRITY_CHECK_SECONDS",
                 86400.0,
-                float,
+                seconds_value,
             ),
             backup_keep=src.get(
                 "backup_keep", "AGENTS_MACHINE_BACKUP_KEEP", DEFAULT_BACKUP_KEEP, _parse_keep

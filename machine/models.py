@@ -222,6 +222,8 @@ class AttachmentRecord:
     agent_id: str
     file_name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    media_type: str = ""
+    """``type/subtype``: declared by the upload or guessed from its file name."""
 
 
 @dataclass(frozen=True)

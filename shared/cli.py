@@ -19,9 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime as dt
+import difflib
 import errno
 import json
 import logging
+import math
 import os
 import re
 import select
@@ -29,15 +32,16 @@ import shutil
 import stat
 import sys
 import unicodedata
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import IO, Any, NoReturn
+from typing import IO, Any, Final, NoReturn
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from shared.durations import DurationError, format_duration, parse_duration
 from shared.errors import (
     AgentsError,
     AlreadyExists,
@@ -46,21 +50,29 @@ from shared.errors import (
     InvalidState,
     NotFound,
 )
+from shared.version import package_version
 
 __all__ = [
     "EXIT_FOR",
     "INT32_MAX",
     "INT64_MAX",
+    "Bar",
     "Column",
+    "SHELLS",
     "CliParser",
     "ExitCode",
     "Handler",
     "Output",
     "UsageError",
+    "add_examples",
+    "add_version",
     "bind_error",
     "bounded_int",
     "check_argv",
+    "complete",
+    "completion_script",
     "dispatch",
+    "duration",
     "exit_code_for",
     "message_dict",
     "one_line",
@@ -68,6 +80,9 @@ __all__ = [
     "render_table",
     "run_main",
     "stdout_writable",
+    "table_time",
+    "walk_parsers",
+    "whole_seconds",
 ]
 
 logger = logging.getLogger(__name__)
@@ -119,6 +134,10 @@ def exit_code_for(exc: BaseException) -> ExitCode | None:
     return None
 
 
+#: How alike (difflib's ratio) a mistyped choice and the one suggested must be.
+_NEAR = 0.7
+
+
 class CliParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors raise :class:`UsageError`.
 
@@ -126,10 +145,91 @@ class CliParser(argparse.ArgumentParser):
     are required: id``); the CLI puts its own name in front once.
     """
 
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # A mistyped command or verb names the nearest one (git, kubectl, gh do):
+        # "invalid choice: 'machin'; did you mean 'machine'?".
+        choices = action.choices
+        if choices is not None and value not in choices:
+            # 0.7, above difflib's 0.6: a typo ('agnet', 'lsit', 'machin') is near,
+            # another word ('explode' for 'export', 0.62) is not.
+            close = difflib.get_close_matches(
+                str(value), [str(c) for c in choices], n=1, cutoff=_NEAR
+            )
+            if close:
+                # A command or verb needs no "argument cmd:" in front: the error's
+                # prefix already says where (``machine: invalid choice …``).
+                named = None if isinstance(action, argparse._SubParsersAction) else action
+                raise argparse.ArgumentError(
+                    named, f"invalid choice: {value!r}; did you mean {close[0]!r}?"
+                )
+        super()._check_value(action, value)
+
     def error(self, message: str) -> NoReturn:
         root = self.prog.split(" ", 1)[0]
         where = self.prog.removeprefix(root).strip()
         raise UsageError(f"{where}: {message}" if where else message, f"{self.prog} --help")
+
+
+#: The shells ``completion SHELL`` writes a script for.
+SHELLS: Final = ("bash", "zsh", "fish")
+
+
+def completion_script(prog: str, shell: str) -> str:
+    """The script that makes ``shell`` complete ``prog``'s commands, verbs and
+    options (argcomplete's: the shell runs ``prog`` with ``_ARGCOMPLETE`` set)."""
+    from argcomplete.shell_integration import shellcode  # here: no cost to other commands
+
+    return shellcode([prog], shell=shell)
+
+
+def complete(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """When the shell asks for completions (``_ARGCOMPLETE`` in ``env``), write them
+    where its script reads them and end the process; otherwise do nothing.
+
+    Called before anything else a CLI does: completing must not dial a daemon
+    (but for a completer's own short call), read a config or print.
+    """
+    if "_ARGCOMPLETE" not in env:
+        return
+    import argcomplete
+
+    argcomplete.autocomplete(parser)
+
+
+def walk_parsers(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every parser of a command tree with its command path (``()`` for the root,
+    ``("machine", "list")``), parents before their subcommands."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from walk_parsers(sub, (*path, name))
+
+
+def add_examples(
+    root: argparse.ArgumentParser, examples: Mapping[tuple[str, ...], Sequence[str]]
+) -> None:
+    """Give each parser of the tree the "Examples:" section ``examples`` holds for
+    its command path, at the end of its ``--help``, laid out as written."""
+    for path, parser in walk_parsers(root):
+        lines = examples.get(path)
+        if lines:
+            parser.epilog = "Examples:\n" + "\n".join(f"  {line}" for line in lines)
+            # Examples keep their lines (argparse would re-wrap them into one);
+            # descriptions here are one line, so keeping their layout costs nothing.
+            parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: print ``PROG VERSION`` (the installed distribution's) and exit 0."""
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{parser.prog} {package_version()}",
+        help="print the version and exit",
+    )
 
 
 def bounded_int(low: int, high: int) -> Callable[[str], int]:
@@ -149,6 +249,43 @@ def bounded_int(low: int, high: int) -> Callable[[str], int]:
         return value
 
     parse.__name__ = "whole number"
+    return parse
+
+
+def duration(low: float = 0, high: float | None = None) -> Callable[[str], float]:
+    """An argparse ``type`` for a duration (``90s``, ``1h30m``, ``2.5``; shared.durations)
+    from ``low`` to ``high`` seconds (None: no upper bound), as seconds."""
+
+    def parse(text: str) -> float:
+        try:
+            seconds = parse_duration(text)
+        except DurationError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if seconds < low:
+            least = format_duration(low) if low else "0s"
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text!r}")
+        if high is not None and seconds > high:
+            raise argparse.ArgumentTypeError(
+                f"too long: {text!r} (at most {format_duration(high)})"
+            )
+        return seconds
+
+    parse.__name__ = "duration"
+    return parse
+
+
+def whole_seconds(low: int, high: int) -> Callable[[str], int]:
+    """:func:`duration` for a field of whole seconds (a uint32 ``ttl_seconds``):
+    a fraction of a second is refused rather than rounded."""
+    seconds = duration(low, high)
+
+    def parse(text: str) -> int:
+        value = seconds(text)
+        if value != int(value):
+            raise argparse.ArgumentTypeError(f"must be whole seconds, got {text!r}")
+        return int(value)
+
+    parse.__name__ = "duration"
     return parse
 
 
@@ -395,10 +532,32 @@ def _convert(f: FieldDescriptor, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Column:
-    """A table column; ``whole`` ones (ids) are never cut or wrapped."""
+    """A table column; ``whole`` ones (ids, states, times) are never cut or wrapped:
+    a cut one ("start…", "2026-12-…") says nothing."""
 
     title: str
     whole: bool = False
+
+
+def table_time(value: dt.datetime | float | None) -> str:
+    """A time as every table of both CLIs shows it: UTC to the second, the zone
+    written (``2026-12-05 09:40:12Z``); "-" when not set.
+
+    ``value`` is an aware datetime (the control plane's) or Unix seconds (the
+    machine's, where 0 means not set). UTC, not the local zone: a table pasted
+    into a ticket reads the same everywhere, and matches the daemons' logs and
+    the JSON output (RFC 3339, UTC).
+    """
+    if value is None:
+        return "-"
+    if isinstance(value, dt.datetime):
+        moment = value.astimezone(dt.UTC)
+    else:
+        # Whole seconds, as the wire's Timestamp.seconds: rounding could show the next one.
+        if math.floor(value) == 0:
+            return "-"
+        moment = dt.datetime.fromtimestamp(math.floor(value), dt.UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 #: C0 and C1 control characters but newline and tab, for str.translate to drop.
@@ -512,3 +671,33 @@ class Output:
         """One record as ``key  value`` lines; values are never cut."""
         pairs = list(pairs)
         self.lines(*render_table([Column("", whole=True), Column("", whole=True)], pairs, None)[1:])
+
+
+class Bar:
+    """A rich progress bar on a terminal (stderr), nothing otherwise (scripts, --json)."""
+
+    def __init__(self, out: Output, what: str) -> None:
+        self._bar: Any = None
+        self._task: Any = None
+        self._what = what
+        if not out.as_json and sys.stderr.isatty():
+            from rich.progress import Progress  # imported late: only on a terminal
+
+            self._bar = Progress(transient=True)
+
+    def __enter__(self) -> Bar:
+        if self._bar is not None:
+            self._bar.start()
+            self._task = self._bar.add_task(self._what, total=None)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        """Show ``done`` of ``total`` in ``stage``."""
+        if self._bar is not None:
+            self._bar.update(
+                self._task, description=f"{self._what}: {stage}", completed=done, total=total
+            )

@@ -2,8 +2,8 @@
 
 ``main`` (the parser, ``main()``, the COMMANDS table), ``deployment`` (init,
 serve), ``recovery`` (recovery-key, restore, drill, fsck, cert, ca),
-``accounts`` (account, token, credential) and ``machines`` (machine, prompt)
-(the verbs), ``common`` (what every verb shares), ``client`` (the Admin
+``accounts`` (account, token, credential), ``machines`` (machine, prompt) and
+``store`` (store migrate) (the verbs), ``common`` (what every verb shares), ``client`` (the Admin
 client: TLS trusting our CA, bearer credential), ``admin_types`` (what Admin
 answers, typed) and ``drill`` (rehearse losing the control plane, with real
 processes). Only this room prints and chooses exit codes.
@@ -25,6 +25,7 @@ __all__ = [
     "machines",
     "main",
     "recovery",
+    "store",
 ]
 
 

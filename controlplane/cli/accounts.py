@@ -13,7 +13,7 @@ from typing import Any
 
 from controlplane.cli.admin_types import Account, NewJoinToken, rfc3339
 from controlplane.cli.common import Ctx, admin_client, emit, listing, once, record
-from shared.cli import Column, ExitCode
+from shared.cli import Column, ExitCode, table_time
 from shared.crypto import decode_public_key, encode_private_key, encode_public_key
 
 __all__ = [
@@ -81,14 +81,20 @@ async def account_list(ctx: Ctx) -> int:
             a.account_id,
             a.github_login,
             str(a.github_user_id),
-            rfc3339(a.signed_up_at) or "",
+            table_time(a.signed_up_at),
             a.state,
         ]
         for a in accounts
     ]
     columns = [Column("account", whole=True), Column("login"), Column("github id", whole=True)]
     views = [_account_view(a) for a in accounts]
-    return listing(ctx, "accounts", views, [*columns, Column("signed up"), Column("state")], rows)
+    return listing(
+        ctx,
+        "accounts",
+        views,
+        [*columns, Column("signed up", whole=True), Column("state", whole=True)],
+        rows,
+    )
 
 
 #: Seconds between two progress reads of ``account delete --wait``.
@@ -146,11 +152,15 @@ async def token_list(ctx: Ctx) -> int:
     async with admin_client(ctx.cfg) as c:
         tokens = await c.list_tokens(ctx.args.account)
     rows = [
-        [t.token_id, t.account_id, t.state, f"{t.uses}/{t.max_uses}", rfc3339(t.expires_at) or ""]
+        [t.token_id, t.account_id, t.state, f"{t.uses}/{t.max_uses}", table_time(t.expires_at)]
         for t in tokens
     ]
-    columns = [Column("token", whole=True), Column("account", whole=True), Column("state")]
-    more = [Column("uses"), Column("expires")]
+    columns = [
+        Column("token", whole=True),
+        Column("account", whole=True),
+        Column("state", whole=True),
+    ]
+    more = [Column("uses"), Column("expires", whole=True)]
     return listing(ctx, "tokens", [t.to_json() for t in tokens], [*columns, *more], rows)
 
 

@@ -41,7 +41,11 @@ def admin_client(cfg: ControlConfig) -> AdminClient:
     """The Admin client, at ``--address`` or the running daemon's (serve.json),
     with the admin credential."""
     if not cfg.credential:
-        raise ConfigError("credential", "give --credential or set AGENTS_CONTROL_CREDENTIAL")
+        raise ConfigError(
+            "credential",
+            "give --credential-file (or --credential), or set AGENTS_CONTROL_CREDENTIAL_FILE"
+            " (or AGENTS_CONTROL_CREDENTIAL)",
+        )
     return AdminClient(_address(cfg), load_ca_cert(cfg.home), cfg.credential)
 
 

@@ -9,7 +9,7 @@ import logging
 from controlplane.cli.accounts import join_command, join_once
 from controlplane.cli.admin_types import Machine, rfc3339
 from controlplane.cli.common import Ctx, admin_client, emit, listing, record
-from shared.cli import Column, ExitCode, UsageError
+from shared.cli import Column, ExitCode, UsageError, table_time
 
 __all__ = [
     "machine_list",
@@ -31,7 +31,7 @@ def _wake(m: Machine) -> str:
         return "-"
     if not m.has_provider:
         return "no provider set"
-    return rfc3339(m.next_wake_at) or "-"
+    return table_time(m.next_wake_at)
 
 
 async def machine_list(ctx: Ctx) -> int:
@@ -44,7 +44,7 @@ async def machine_list(ctx: Ctx) -> int:
             m.name,
             m.account_id,
             m.presence,
-            rfc3339(m.last_seen_at) or "-",
+            table_time(m.last_seen_at),
             m.version,
             str(m.agent_count),
             _wake(m),
@@ -52,8 +52,13 @@ async def machine_list(ctx: Ctx) -> int:
         for m in machines
     ]
     columns = [Column("machine", whole=True), Column("name"), Column("account", whole=True)]
-    more = [Column("status"), Column("last seen"), Column("version"), Column("agents")]
-    more.append(Column("next wake"))
+    more = [
+        Column("status", whole=True),
+        Column("last seen", whole=True),
+        Column("version"),
+        Column("agents"),
+    ]
+    more.append(Column("next wake", whole=True))
     return listing(ctx, "machines", [m.to_json() for m in machines], [*columns, *more], rows)
 
 
@@ -171,7 +176,11 @@ async def prompt_list(ctx: Ctx) -> int:
         ]
         for p in reply.prompts
     ]
-    columns = [Column("prompt", whole=True), Column("agent", whole=True), Column("state")]
+    columns = [
+        Column("prompt", whole=True),
+        Column("agent", whole=True),
+        Column("state", whole=True),
+    ]
     more = [Column("run", whole=True), Column("age"), Column("size")]
     ctx.out.table([*columns, *more], rows)
     if reply.provider_error:

@@ -15,51 +15,48 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 from typing import Any
 
 from controlplane.access.tokens import MAX_USES
-from controlplane.cli import accounts, deployment, machines, recovery
+from controlplane.cli import accounts, deployment, machines, recovery, store
 from controlplane.cli.client import ControlPlaneUnreachable
 from controlplane.cli.common import PROG, Ctx
 from controlplane.cli.drill import MAX_MACHINES
+from controlplane.cli.examples import EXAMPLES
 from controlplane.config import load_config
 from shared.cli import (
     INT64_MAX,
+    SHELLS,
     CliParser,
     Handler,
     Output,
     UsageError,
+    add_examples,
+    add_version,
     bounded_int,
     check_argv,
+    complete,
+    completion_script,
     dispatch,
+    duration,
     run_main,
     stdout_writable,
+    whole_seconds,
 )
 from shared.logs import add_log_options, setup_logging
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "parse_args"]
 
 logger = logging.getLogger(__name__)
 
 
-def _duration(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([smhd]?)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 3600, 30m, 1h)")
-    seconds = int(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-    if seconds < 1:
-        # On the wire 0 means "the default"; on the command line it would be a surprise.
-        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text!r}")
-    # The wire field is uint32; anything longer than a day is refused by the server
-    # with a message naming the limit, so cap only what protobuf cannot carry.
-    if seconds > UINT32_MAX:
-        raise argparse.ArgumentTypeError(f"too long: {text!r}")
-    return seconds
-
-
 UINT32_MAX = 2**32 - 1
+# On the wire 0 means "the default": on the command line it would be a surprise, so
+# at least 1 s. The field is uint32; the server refuses more than a day with a
+# message naming the limit, so cap only what protobuf cannot carry.
+_ttl = whole_seconds(1, UINT32_MAX)
+_TTL_HELP = "lifetime: 90m, 1h30m, 1d (default 1h, max 24h)"
 _uses = bounded_int(1, MAX_USES)
 _drill_machines = bounded_int(1, MAX_MACHINES)
 _github_id = bounded_int(1, INT64_MAX)
@@ -69,7 +66,16 @@ def _common(p: argparse.ArgumentParser, *, client: bool = True) -> None:
     p.add_argument("--home", help="control-plane home (AGENTS_CONTROL_HOME)")
     if client:
         p.add_argument("--address", help="host:port of the daemon (default: from serve.json)")
-        p.add_argument("--credential", help="admin credential (AGENTS_CONTROL_CREDENTIAL)")
+        p.add_argument(
+            "--credential",
+            help="admin credential (AGENTS_CONTROL_CREDENTIAL); shown by `ps`: prefer a file",
+        )
+        p.add_argument(
+            "--credential-file",
+            metavar="PATH",
+            help="read the admin credential from the first line of PATH "
+            "(AGENTS_CONTROL_CREDENTIAL_FILE)",
+        )
         p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -88,7 +94,9 @@ def _daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-listen", help="mutual-TLS link listener host:port")
     p.add_argument("--metrics-listen", help="/metrics host:port ('' disables)")
     p.add_argument("--advertise-host", help="host printed in join commands")
-    p.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats")
+    p.add_argument(
+        "--heartbeat-interval", type=duration(), help="time between heartbeats (15s, 500ms)"
+    )
     add_log_options(p)
 
 
@@ -103,9 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command tree."""
     root = CliParser(prog=PROG, description="The agents control plane.")
     root.set_defaults(verb=None)
+    add_version(root)
     # Also before the command (`agents-control --home H machine list`), as
     # agents-machine takes --data-dir; each command takes it after itself too.
     root.add_argument("--home", dest="root_home", help="control-plane home (AGENTS_CONTROL_HOME)")
+    # And --json, as agents-machine takes it: `agents-control --json machine list`.
+    root.add_argument("--json", dest="root_json", action="store_true", help="print JSON")
     sub = root.add_subparsers(dest="cmd", parser_class=CliParser)
 
     p = sub.add_parser("init", help="make keys, config and the first operator credential")
@@ -190,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = tok.add_parser("create", help="create a join token and print the join command")
     _common(p)
     p.add_argument("--account", required=True, help="account id")
-    p.add_argument("--ttl", type=_duration, default=None, help="lifetime (default 1h, max 24h)")
+    p.add_argument("--ttl", type=_ttl, default=None, help=_TTL_HELP)
     p.add_argument("--uses", type=_uses, default=1, help="how many joins (default 1)")
     p = tok.add_parser("list", help="list join tokens")
     _common(p)
@@ -212,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(p)
     p.add_argument("machine_id", help="the machine's id (mc_…)")
-    p.add_argument("--ttl", type=_duration, default=None, help="lifetime (default 1h, max 24h)")
+    p.add_argument("--ttl", type=_ttl, default=None, help=_TTL_HELP)
 
     p = mac.add_parser("provider", help="set what starts a stopped machine (local, ec2)")
     _common(p)
@@ -250,6 +261,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--account", required=True, help="account id")
     p.add_argument("--label", default="account admin", help="a label to recognise it by")
 
+    sto = _verbs(sub, "store", "the deployment's object store")
+    p = sto.add_parser(
+        "migrate", help="move the control plane to another store (serve stopped; resumable)"
+    )
+    _common(p, client=False)
+    p.add_argument("--to", dest="to_url", required=True, help="s3://bucket/prefix or a folder")
+    p.add_argument("--store-endpoint", dest="to_endpoint", help="the new store's S3 endpoint")
+    p.add_argument("--store-region", dest="to_region", help="the new store's S3 region")
+    p.add_argument(
+        "--store-object-lock",
+        dest="to_object_lock",
+        action="store_true",
+        help="the new bucket has S3 Object Lock with a default retention (docs/security.md)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+
     cert = _verbs(sub, "cert", "the server TLS certificate")
     p = cert.add_parser(
         "rotate-server", help="issue a new server certificate under the same CA (no re-pairing)"
@@ -265,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="retire the old CA (refused while a machine still holds one of its certificates)",
     )
+    p = sub.add_parser(
+        "completion", help="print the shell completion script (bash, zsh, fish) to source"
+    )
+    p.add_argument("shell", choices=SHELLS, help="the shell: bash, zsh or fish")
+    add_examples(root, EXAMPLES)
     return root
 
 
@@ -272,13 +304,15 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     names = (
         "home store_url store_endpoint store_region store_object_lock listen link_listen "
         "metrics_listen "
-        "advertise_host heartbeat_interval log_level log_format address credential server_names"
+        "advertise_host heartbeat_interval log_level log_format address credential credential_file "
+        "server_names"
     ).split()
-    for name in ("home", "address", "credential"):
+    for name in ("home", "address", "credential", "credential_file"):
         # "$VAR" of an unset variable: never the default home, serve.json's
         # address or the environment's credential instead.
         if getattr(args, name, None) == "":
-            raise UsageError(f"--{name}: empty; give a value or leave the option out")
+            flag = name.replace("_", "-")
+            raise UsageError(f"--{flag}: empty; give a value or leave the option out")
     return {n: getattr(args, n, None) for n in names}
 
 
@@ -315,6 +349,7 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("prompt", "list"): machines.prompt_list,
     ("cert", "rotate-server"): recovery.cert_rotate_server,
     ("ca", "rollover"): recovery.ca_rollover,
+    ("store", "migrate"): store.store_migrate,
 }
 
 #: Commands that print a secret once (it is stored only as a hash, or not at all):
@@ -346,14 +381,37 @@ def _merge_home(args: argparse.Namespace) -> None:
     args.home = before
 
 
+def _merge_json(args: argparse.Namespace) -> None:
+    """``--json`` before the command counts as given after it; for a command that
+    prints no JSON (``init``, ``serve``) it is a usage error, not ignored."""
+    if not getattr(args, "root_json", False) or args.cmd is None:
+        return
+    if not hasattr(args, "json"):
+        where = " ".join(filter(None, (args.cmd, args.verb)))
+        raise UsageError(f"--json: `{where}` prints no JSON", f"{PROG} {where} --help")
+    args.json = True
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed, with the options given before the command merged in."""
+    args = build_parser().parse_args(argv)
+    _merge_home(args)
+    _merge_json(args)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``agents-control``."""
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
+        if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions: answer, exit
+            complete(build_parser(), os.environ)
         check_argv(argv)
-        args = build_parser().parse_args(argv)
-        _merge_home(args)
+        args = parse_args(argv)
+        if args.cmd == "completion":  # needs no home, config or daemon
+            Output(as_json=False).write(completion_script(PROG, args.shell))
+            return 0
         key = (args.cmd, args.verb)
         if key in COMMANDS and key in PRINTS_SECRET and not stdout_writable():
             raise UsageError(

@@ -9,6 +9,8 @@ Layout (folder 0700, files 0600)::
     secrets.key     32 random bytes that encrypt provider secrets in the store
     serve.json      written by ``serve``: the addresses it actually listens on
     instance.json   this home's id (fencing: controlplane.recovery.fencing)
+    serve.lock      flock'd by the one process using the home: serve or store migrate
+    store-migrate.json  only during ``store migrate`` (controlplane.recovery.migrate)
     recovery.pub    the operator recovery public key the key bundle is sealed to
     ca-next.pem ca-next.key server-next.pem server-next.key
                     only during a CA rollover (see below)

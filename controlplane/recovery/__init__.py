@@ -3,7 +3,8 @@
 ``bootstrap`` (``init``), ``keybundle`` (every key of the home sealed to the
 recovery key), ``fencing`` (one process writes a deployment's store at a time:
 the epoch), ``restore`` (rebuild a home from the store and the recovery key),
-``adopt`` (new keys over an existing store), ``rotation`` (server certificate,
+``adopt`` (new keys over an existing store), ``migrate`` (move the deployment
+to another store), ``rotation`` (server certificate,
 CA rollover), ``fsck`` (find and repair what a crash or a bucket writer left) and
 ``keyshapes`` (every key shape the control plane writes, for ``fsck``).
 
@@ -18,6 +19,7 @@ __all__ = [
     "fsck",
     "keybundle",
     "keyshapes",
+    "migrate",
     "restore",
     "rotation",
 ]

@@ -34,6 +34,11 @@ restore, started against an older copy of its own record put back by a
 bucket writer, still refuses. A writer who may also delete can remove that
 marker; against that writer S3 Object Lock is the answer (docs/security.md).
 
+The home itself is held by one process at a time: ``serve`` and ``store
+migrate`` take ``serve.lock`` in the home (:func:`lock_home`, an ``flock``
+released when the process ends, however it ends), so neither starts while the
+other runs on the same home folder.
+
 The check is one HEAD per write; concurrent writers share one in-flight HEAD.
 The window between that HEAD and the write itself remains (S3 has no
 multi-object transaction): a stale process can land at most the writes it had
@@ -45,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -71,10 +77,12 @@ from shared.timestamps import Clock, utc_now
 __all__ = [
     "EPOCH_KEY",
     "HOME_ID_FILE",
+    "HOME_LOCK_FILE",
     "SUPERSEDED_PREFIX",
     "Epoch",
     "Fence",
     "HomeState",
+    "lock_home",
     "new_home_id",
     "read_home_id",
     "read_home_state",
@@ -90,10 +98,35 @@ logger = logging.getLogger(__name__)
 EPOCH_KEY: Final = "cp/epoch.json"
 #: The home's id and fencing state, in the home folder.
 HOME_ID_FILE: Final = "instance.json"
+#: Held (flock) by the one process that uses the home: ``serve`` or ``store migrate``.
+HOME_LOCK_FILE: Final = "serve.lock"
 #: Create-only markers of homes a restore or adopt took the deployment from.
 SUPERSEDED_PREFIX: Final = "cp/superseded/"
 #: Compare-and-swap attempts at taking an epoch before giving up.
 _ACQUIRE_ATTEMPTS: Final = 5
+
+
+def lock_home(home: Path, holder: str) -> int:
+    """Hold ``home``'s lock for ``holder`` (``serve``, ``store migrate``) and return
+    its file descriptor (close it to let go; the process ending lets go too).
+
+    InvalidState naming the holder when another process holds it.
+    """
+    fd = os.open(home / HOME_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        # Who holds it is written inside (best effort: a lock made by an older
+        # version says nothing, and that version only ever served).
+        other = os.read(fd, 64).decode(errors="replace").strip() or "serve"
+        os.close(fd)
+        raise InvalidState(
+            f"{holder} {home}",
+            f"another agents-control {other} is running on this home; stop it first",
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder.encode() + b"\n", 0)
+    return fd
 
 
 def new_home_id() -> str:

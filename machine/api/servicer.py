@@ -211,11 +211,17 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
                 file_name=header.file_name,
                 declared_size=header.size,
                 chunks=chunks(),
+                media_type=header.media_type,
             )
         except AgentsError:
             await _drain(parts, self._m.attachments.limit)
             raise
-        return pb.Attachment(sha256=record.sha256, size=record.size, agent_id=record.agent_id)
+        return pb.Attachment(
+            sha256=record.sha256,
+            size=record.size,
+            agent_id=record.agent_id,
+            media_type=record.media_type,
+        )
 
     # ---------------------------------------------------------------- status
 

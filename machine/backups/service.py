@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -34,7 +34,7 @@ from machine.backups.keys import (
 from machine.backups.reader import VerifyResult
 from machine.backups.restore import restore_fetched
 from machine.backups.source import DatabaseBackupSource
-from machine.backups.transfer import InResult
+from machine.backups.transfer import InResult, settings_differ
 from machine.formats.backup import BackupManifest
 from machine.storage.db import Database
 from machine.storage.tables import erasures as store_erasures
@@ -176,8 +176,12 @@ class BackupService:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         warnings: tuple[str, ...] = (),
         after_load: Callable[[], None] | None = None,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
         self._db = db
+        # The machine's non-secret settings: each backup carries them, and a
+        # restore names those of the backup that differ (MachineConfig.backup_settings).
+        self._settings = dict(settings or {})
         self._sleep = sleep
         self._after_load = after_load  # a test's fault point (machine.backups.transfer)
         self._target = target
@@ -208,7 +212,7 @@ class BackupService:
         folder of another machine, for restore and verify); ``mend``: the
         machine's own engine (see :class:`BackupEngine`)."""
         return BackupEngine(
-            DatabaseBackupSource(self._db, self._attachments, self._work),
+            DatabaseBackupSource(self._db, self._attachments, self._work, self._settings),
             target,
             machine_id=machine_id,
             naming_key=self._keys.naming_key,
@@ -379,11 +383,18 @@ class BackupService:
                 erased=erased or set(),
                 after_load=self._after_load,
             )
+            differ = settings_differ(fetched.manifest.settings, self._settings)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         if self.on_restored is not None:
             self.on_restored()
-        return result
+        if differ:
+            logger.info(
+                "backup %s was made with other settings (machine.toml sets them): %s",
+                backup_id,
+                ", ".join(f"{d.name} = {d.in_backup} (here {d.here})" for d in differ),
+            )
+        return dataclasses.replace(result, settings=differ)
 
     # -- scheduling ----------------------------------------------------------
 

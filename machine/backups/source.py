@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -83,10 +84,18 @@ class BackupSource(Protocol):
 class DatabaseBackupSource:
     """The machine's data as a :class:`BackupSource`."""
 
-    def __init__(self, db: Database, attachments_dir: Path, work_dir: Path) -> None:
+    def __init__(
+        self,
+        db: Database,
+        attachments_dir: Path,
+        work_dir: Path,
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
         self._db = db
         self._attachments = attachments_dir
         self._work = work_dir
+        # The machine's non-secret settings (MachineConfig.backup_settings).
+        self._settings = dict(settings or {})
 
     async def agents(self) -> list[AgentItem]:
         # A backup holds whole agents: restored histories still packed load first
@@ -139,7 +148,7 @@ class DatabaseBackupSource:
         return await self._db.read(store_erasures.erased_rows, what="backup erased list")
 
     async def settings(self) -> dict[str, str]:
-        return {}
+        return dict(self._settings)
 
 
 def _markers(conn: Any) -> tuple[list[tuple[str, str]], int]:

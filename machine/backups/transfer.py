@@ -26,7 +26,7 @@ import shutil
 import sqlite3
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -53,6 +53,8 @@ from shared.ids import validate_id
 
 __all__ = [
     "InResult",
+    "SettingDiff",
+    "settings_differ",
     "commit_staged",
     "export_agents",
     "import_archive",
@@ -64,6 +66,28 @@ _COPY: Final = 1024 * 1024
 
 
 @dataclass(frozen=True)
+class SettingDiff:
+    """A setting the restored backup's machine had with another value than this one."""
+
+    name: str
+    in_backup: str
+    here: str
+
+
+def settings_differ(
+    in_backup: Mapping[str, str], here: Mapping[str, str]
+) -> tuple[SettingDiff, ...]:
+    """The settings a backup carries with another value than ``here``, by name
+    (only the names this machine carries too: a newer machine's others mean
+    nothing here)."""
+    return tuple(
+        SettingDiff(name, in_backup[name], here[name])
+        for name in sorted(in_backup)
+        if name in here and in_backup[name] != here[name]
+    )
+
+
+@dataclass(frozen=True)
 class InResult:
     """What an import or a restore did."""
 
@@ -72,6 +96,9 @@ class InResult:
     skipped_erased: tuple[str, ...] = ()
     attachments: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    settings: tuple[SettingDiff, ...] = ()
+    """A restore's: the backed-up machine's settings that differ from this one's
+    (nothing puts them back: machine.toml is the operator's)."""
 
 
 # -- out ---------------------------------------------------------------------

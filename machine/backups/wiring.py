@@ -115,6 +115,10 @@ class BackupSettings(Protocol):
         """A test's fault hook: SIGKILL after this many agents loaded (0: never)."""
         ...
 
+    def backup_settings(self) -> dict[str, str]:
+        """The non-secret settings each backup carries (MachineConfig.backup_settings)."""
+        ...
+
 
 async def backup_target(
     config: BackupSettings,
@@ -264,6 +268,7 @@ async def build_backups(
         metrics=backup_metrics,
         warnings=await asyncio.to_thread(backup_warnings, config, target),
         after_load=crash_after(config.crash_in_transfer_after, "agents loaded in a transfer"),
+        settings=config.backup_settings(),
     )
     await asyncio.to_thread(service.sweep_stale)
     try:

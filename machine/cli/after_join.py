@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +51,7 @@ async def restore_after_join(
     attachments_dir: Path,
     recovery: BoxKeyPair,
     after_load: Callable[[], None] | None = None,
+    settings: Mapping[str, str] | None = None,
 ) -> RepairRestore:
     """After a repair join: restore the machine's newest backup from the control plane,
     then clear the join's restore-pending mark (:func:`machine.link.identity.restore_pending`).
@@ -67,7 +68,9 @@ async def restore_after_join(
     ensure_private_dir(attachments_dir)
     db = await Database.open(db_path)
     try:
-        done = await restore_newest(data_dir, db, attachments_dir, recovery, after_load=after_load)
+        done = await restore_newest(
+            data_dir, db, attachments_dir, recovery, after_load=after_load, settings=settings
+        )
     finally:
         await db.close()
     await asyncio.to_thread(identity.clear_restore_pending, data_dir)

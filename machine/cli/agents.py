@@ -281,7 +281,12 @@ async def agent_create(ctx: Ctx) -> int:
 async def agent_list(ctx: Ctx) -> int:
     """``agent list [--all]``."""
     agents = await call(ctx, lambda c: c.list_agents(include_archived=ctx.args.all))
-    columns = [Column("id", whole=True), Column("name"), Column("runtime"), Column("state")]
+    columns = [
+        Column("id", whole=True),
+        Column("name"),
+        Column("runtime"),
+        Column("state", whole=True),
+    ]
     rows = [[a.id, a.name, a.runtime, _state(a), a.folder] for a in agents]
     return show(
         ctx.out,
@@ -414,7 +419,7 @@ async def agent_runs(ctx: Ctx) -> int:
          str(r.duration_ms), r.prompt]
         for r in runs
     ]  # fmt: skip
-    columns = [Column("run", whole=True), Column("state"), Column("tokens in/out")]
+    columns = [Column("run", whole=True), Column("state", whole=True), Column("tokens in/out")]
     return show(
         ctx.out,
         {"runs": [wire(r) for r in runs]},
@@ -443,8 +448,8 @@ async def agent_erasures(ctx: Ctx) -> int:
     ]  # fmt: skip
     columns = [
         Column("agent", whole=True),
-        Column("state"),
-        Column("erased"),
+        Column("state", whole=True),
+        Column("erased", whole=True),
         Column("machine data"),
         Column("attachments"),
         Column("runtime copy"),

@@ -9,14 +9,14 @@ import logging
 import os
 import shlex
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Final
 
 from machine.api import codec
 from machine.api.views import BackupView
 from machine.backups.handoff import MAX_IMPORT_BYTES
-from machine.backups.transfer import InResult
+from machine.backups.transfer import InResult, SettingDiff
 from machine.cli.client import MachineClient
 from machine.cli.common import Bar, Ctx, call, human, open_regular, show, show_record, when, wire
 from shared.atomic import STALE_TEMP_SECONDS, open_atomic, sweep_tagged_temps
@@ -84,6 +84,17 @@ def _listing_from(ctx: Ctx, from_dir: str) -> Iterator[None]:
         if not from_dir:
             raise
         raise UsageError(str(e), f"{ctx.prog} backup list --from {shlex.quote(from_dir)}") from None
+
+
+def settings_lines(differ: Sequence[SettingDiff]) -> list[str]:
+    """The backed-up machine's settings that differ from this one's, as a restore
+    prints them. Shown, not applied: machine.toml (and the flags) are the operator's."""
+    if not differ:
+        return []
+    return [
+        "the backed-up machine had other settings (set them in machine.toml to keep them):",
+        *(f"  {d.name} = {d.in_backup} (here {d.here})" for d in differ),
+    ]
 
 
 def _arrived(head: str, result: InResult) -> list[str]:
@@ -191,6 +202,7 @@ async def backup_restore(ctx: Ctx) -> int:
             f" {foreign} of another machine, read-only)"
         )
     lines = _arrived(head, result)
+    lines += settings_lines(result.settings)
     data = message_dict(codec.restore_result_to_pb(result)) if ctx.out.as_json else {}
     return show(ctx.out, data, lambda: ctx.out.lines(*lines))
 

@@ -215,18 +215,28 @@ class MachineClient:
         return await self._call(reply, lambda m: [codec.erasure_from_pb(e) for e in m.erasures])
 
     async def upload_attachment(
-        self, agent_id: str, file_name: str, size: int, chunks: Iterable[bytes]
+        self,
+        agent_id: str,
+        file_name: str,
+        size: int,
+        chunks: Iterable[bytes],
+        media_type: str = "",
     ) -> AttachmentRecord:
-        """Store a file of ``size`` bytes for the agent's next prompt."""
+        """Store a file of ``size`` bytes for the agent's next prompt; ``media_type``
+        empty lets the daemon guess it from ``file_name``."""
 
         async def parts() -> AsyncIterator[pb.UploadAttachmentRequest]:
-            header = pb.AttachmentHeader(agent_id=agent_id, file_name=file_name, size=size)
+            header = pb.AttachmentHeader(
+                agent_id=agent_id, file_name=file_name, size=size, media_type=media_type
+            )
             yield pb.UploadAttachmentRequest(header=header)
             for chunk in chunks:
                 yield pb.UploadAttachmentRequest(chunk=chunk)
 
         def decode(m: pb.Attachment) -> AttachmentRecord:
-            return AttachmentRecord(m.sha256, m.size, m.agent_id, file_name)
+            return AttachmentRecord(
+                m.sha256, m.size, m.agent_id, file_name, media_type=m.media_type
+            )
 
         return await self._call(self._rpc.UploadAttachment(parts()), decode)
 

@@ -7,13 +7,10 @@ Only the modules of ``machine.cli`` print.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import logging
-import math
 import os
 import shlex
 import stat
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -23,7 +20,7 @@ from typing import IO, Any, TypeVar
 from machine.api import codec
 from machine.cli.client import MachineClient
 from machine.config import MachineConfig
-from shared.cli import ExitCode, Output, UsageError, message_dict
+from shared.cli import Bar, ExitCode, Output, UsageError, message_dict, table_time
 
 __all__ = [
     "PROG",
@@ -127,15 +124,9 @@ def show_record(out: Output, record: object, text: Callable[[], None]) -> int:
 
 
 def when(seconds: float | None) -> str:
-    """Local time to the second, or "-" when not set."""
-    if seconds is None or math.floor(seconds) == 0:
-        return "-"
-    # Whole seconds, as the wire's Timestamp.seconds: rounding could show the next one.
-    return (
-        dt.datetime.fromtimestamp(math.floor(seconds), dt.UTC)
-        .astimezone()
-        .strftime("%Y-%m-%d %H:%M:%S")
-    )
+    """A time in Unix seconds as every table shows one (:func:`shared.cli.table_time`:
+    ``2026-12-05 09:40:12Z``), or "-" when not set."""
+    return table_time(seconds)
 
 
 def human(size: int) -> str:
@@ -146,36 +137,6 @@ def human(size: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{size} B"
-
-
-class Bar:
-    """A rich progress bar on a terminal (stderr), nothing otherwise (scripts, --json)."""
-
-    def __init__(self, out: Output, what: str) -> None:
-        self._bar: Any = None
-        self._task: Any = None
-        self._what = what
-        if not out.as_json and sys.stderr.isatty():
-            from rich.progress import Progress  # imported late: only on a terminal
-
-            self._bar = Progress(transient=True)
-
-    def __enter__(self) -> Bar:
-        if self._bar is not None:
-            self._bar.start()
-            self._task = self._bar.add_task(self._what, total=None)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def update(self, stage: str, done: int, total: int) -> None:
-        """Show ``done`` of ``total`` in ``stage``."""
-        if self._bar is not None:
-            self._bar.update(
-                self._task, description=f"{self._what}: {stage}", completed=done, total=total
-            )
 
 
 def open_regular(path: Path, what: str, kind: str = "") -> tuple[IO[bytes], int]:

@@ -165,6 +165,7 @@ def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair, *, first: bool = False) 
                 attachments_dir=cfg.attachments_dir,
                 recovery=recovery,
                 after_load=crash_after(cfg.crash_in_transfer_after, "agents loaded in a restore"),
+                settings=cfg.backup_settings(),
             )
         )
     except AgentsError as e:
@@ -192,6 +193,10 @@ def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair, *, first: bool = False) 
         if done.backup_id
         else "the control plane keeps no backup of this machine: nothing to restore"
     )
+    if done.settings:
+        from machine.cli.backup import settings_lines
+
+        ctx.out.lines(*settings_lines(done.settings))
     if done.backup_id:
         _backup_after_restore(ctx)
 

@@ -17,29 +17,36 @@ import logging
 import os
 import shlex
 import sys
+from pathlib import Path
 from typing import Any, Final
 
 from machine.backups.reader import NOT_OURS
-from machine.cli import agents, backup, daemon_verbs, joining, schedules
+from machine.cli import agents, backup, completion, daemon_verbs, joining, schedules
 from machine.cli.client import DaemonNotRunning
 from machine.cli.common import PROG, Ctx, prog_of
+from machine.cli.examples import EXAMPLES
 from machine.models import validate_runtime_ref
 from shared.cli import (
     INT32_MAX,
     INT64_MAX,
+    SHELLS,
     CliParser,
     Handler,
     Output,
+    add_examples,
+    add_version,
     bounded_int,
     check_argv,
+    complete,
     dispatch,
+    duration,
     run_main,
 )
 from shared.errors import ConfigError, InvalidArgument, InvalidState, NotFound
 from shared.ids import validate_id
 from shared.logs import add_log_options
 
-__all__ = ["main"]
+__all__ = ["main", "parse_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +109,7 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("schedule", "runs"): schedules.schedule_runs,
     ("export", None): backup.cmd_export,
     ("import", None): backup.cmd_import,
+    ("completion", None): completion.cmd_completion,
 }
 
 
@@ -153,6 +161,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _parser() -> CliParser:
     p = CliParser(prog=PROG, description="The machine agent: runs your AI coding agents.")
     _add_global_options(p, argparse.SUPPRESS)
+    add_version(p)
     p.set_defaults(data_dir=None, socket=None, json=False, verb=None)
     # The same options are accepted after the subcommand too (`serve --data-dir D`),
     # as systemd units and pasted join commands put them there.
@@ -166,7 +175,9 @@ def _parser() -> CliParser:
     serving.add_argument("--metrics", help="serve /metrics on HOST:PORT (loopback only)")
     serving.add_argument("--prompt-limit", help="largest prompt (default 1MiB)")
     serving.add_argument("--attachment-limit", help="largest attachment (default 20MiB)")
-    serving.add_argument("--grace", type=float, help="seconds runs get to end at stop (default 10)")
+    serving.add_argument(
+        "--grace", type=duration(), help="time runs get to end at stop: 10s, 1m (default 10s)"
+    )
     serving.add_argument("--no-background", action="store_true", help="no periodic jobs (tests)")
     serving.add_argument("--config", help="TOML config file (default <data dir>/machine.toml)")
     add_log_options(serving)
@@ -309,6 +320,11 @@ def _parser() -> CliParser:
     )
     im = sub.add_parser("import", parents=[common], help="import a .tar.gz export (archived)")
     im.add_argument("file", metavar="FILE", help="the export to import")
+    co = sub.add_parser(
+        "completion", help="print the shell completion script (bash, zsh, fish) to source"
+    )
+    co.add_argument("shell", choices=SHELLS, help="the shell: bash, zsh or fish")
+    add_examples(p, EXAMPLES)
     return p
 
 
@@ -361,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         # A verb's failure is the one line run_main prints: library warnings (a
         # refused join logs one) would add a second. `serve` sets up real logging.
         logging.getLogger().addHandler(logging.NullHandler())
+        if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions: answer, exit
+            parser = _parser()
+            completion.add_completers(parser, os.environ, Path.home())
+            complete(parser, os.environ)
         check_argv(argv)
         args = parse_args(argv)
         parsed.append(args)

@@ -64,9 +64,9 @@ _COLUMNS = [
     Column("agent", whole=True),
     Column("cron"),
     Column("zone"),
-    Column("state"),
+    Column("state", whole=True),
     Column("missed"),
-    Column("next"),
+    Column("next", whole=True),
     Column("prompt"),
 ]
 
@@ -129,7 +129,11 @@ async def schedule_runs(ctx: Ctx) -> int:
         ctx, lambda c: c.list_schedule_runs(ctx.args.schedule_id, limit=ctx.args.limit)
     )
     rows = [[when(r.fire_time), r.result, r.run_id or "-", r.detail] for r in runs]
-    columns = [Column("fire time"), Column("result"), Column("run", whole=True)]
+    columns = [
+        Column("fire time", whole=True),
+        Column("result", whole=True),
+        Column("run", whole=True),
+    ]
     return show(
         ctx.out,
         {"runs": [wire(r) for r in runs]},

@@ -258,6 +258,12 @@ CREATE TABLE restore_pending (
 CREATE INDEX restore_pending_pack ON restore_pending (pack);
 """
 
+# An upload's media type (machine.core.attachments.media_type_for) on its
+# reference; '' on a run's references and on uploads made before it was kept.
+_V8_ATTACHMENT_MEDIA_TYPE = """
+ALTER TABLE attachment_refs ADD COLUMN media_type TEXT NOT NULL DEFAULT '';
+"""
+
 #: MIGRATIONS[i] upgrades version i to i + 1.
 MIGRATIONS: Final[tuple[str, ...]] = (
     _V1,
@@ -267,6 +273,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     _V4_SCHEDULES,
     _V4_BACKUP_SPEED,
     _V4_RESTORE_PENDING,
+    _V8_ATTACHMENT_MEDIA_TYPE,
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 

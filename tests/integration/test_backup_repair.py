@@ -75,9 +75,12 @@ def _printed_command(out: str) -> list[str]:
 class Joined:
     """One ``agents-machine join`` process (it serves once joined); stopped by the test."""
 
-    def __init__(self, argv: list[str], data_dir: Path, log: Path) -> None:
+    def __init__(
+        self, argv: list[str], data_dir: Path, log: Path, extra: dict[str, str] | None = None
+    ) -> None:
         self.log = log
         env = {k: v for k, v in os.environ.items() if k != "AGENTS_DATA_DIR"}
+        env.update(extra or {})
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [str(MACHINE_EXE), *argv[1:], "--data-dir", str(data_dir)],
@@ -183,7 +186,10 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
     # up by `agents-machine backup now`.
     old_dir = tmp_path / "old"
     argv = _printed_command(_ok(cp.cli("token", "create", "--account", account_id)))
-    first = Joined(argv, old_dir, tmp_path / "old.log")
+    # A setting of its own: the backup carries it, the repair names it.
+    first = Joined(
+        argv, old_dir, tmp_path / "old.log", {"AGENTS_MACHINE_EVENT_RETENTION_DAYS": "30"}
+    )
     try:
         first.wait_for("joined as machine")
         first.wait_for("serving on")
@@ -285,6 +291,7 @@ async def test_lost_machine_is_replaced_and_restored_with_only_the_recovery_key(
         second.wait_for(f"restored {AGENTS} agents (archived) from backup {backup_id}")
         assert f"machine {machine_id} is joined already; restoring" in second.output()
         assert f"warning: backup {forged} was refused" in second.output()
+        assert "  event_retention_days = 30 (here 7)" in second.output()
         assert not identity.restore_pending(new_dir)
         # Backed up at once under this box's keys (the stored ones open with the
         # recovery key only), every segment under its own naming key: a forged

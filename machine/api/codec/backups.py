@@ -14,7 +14,7 @@ from machine.api.codec.fields import time_field
 from machine.api.views import BackupView, VerifyReport
 from machine.backups.engine import BackupResult
 from machine.backups.service import BackupStatus, RestoreCheck
-from machine.backups.transfer import InResult
+from machine.backups.transfer import InResult, SettingDiff
 from machine.formats.backup import BackupManifest
 from shared.backup_target import ManifestInfo
 from shared.crypto import BoxKeyPair, decode_private_key
@@ -132,6 +132,10 @@ def restore_result_to_pb(result: InResult) -> pb.RestoreResponse:
         skipped=result.skipped_existing,
         skipped_erased=result.skipped_erased,
         attachments=result.attachments,
+        settings=[
+            pb.SettingDifference(name=d.name, in_backup=d.in_backup, here=d.here)
+            for d in result.settings
+        ],
     )
 
 
@@ -168,11 +172,13 @@ def verify_to_pb(report: VerifyReport) -> pb.VerifyBackupResponse:
 def in_result_from_pb(msg: pb.ImportResponse | pb.RestoreResponse) -> InResult:
     """An import's or a restore's reply -> what it did."""
     restored = msg.imported if isinstance(msg, pb.ImportResponse) else msg.restored
+    settings = () if isinstance(msg, pb.ImportResponse) else msg.settings
     return InResult(
         restored=tuple(restored),
         skipped_existing=tuple(msg.skipped),
         skipped_erased=tuple(msg.skipped_erased),
         attachments=msg.attachments,
+        settings=tuple(SettingDiff(d.name, d.in_backup, d.here) for d in settings),
     )
 
 

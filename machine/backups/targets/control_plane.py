@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -26,6 +26,7 @@ import grpc.aio
 from machine.backups.engine import BackupEngine
 from machine.backups.restore import restore_fetched
 from machine.backups.source import DatabaseBackupSource
+from machine.backups.transfer import SettingDiff, settings_differ
 from machine.link import identity
 from machine.link.client import LinkClient
 from machine.link.clock import handshake_clock_problem
@@ -195,6 +196,8 @@ class RepairRestore:
     attachments: int = 0
     refused: tuple[str, ...] = ()
     """Newer backups passed over: their manifest was refused (forged, altered)."""
+    settings: tuple[SettingDiff, ...] = ()
+    """The lost machine's settings that differ from this box's (shown, not applied)."""
 
 
 async def restore_newest(
@@ -204,8 +207,11 @@ async def restore_newest(
     recovery: BoxKeyPair,
     *,
     after_load: Callable[[], None] | None = None,
+    settings: Mapping[str, str] | None = None,
 ) -> RepairRestore:
-    """Restore this joined machine's newest backup kept by the control plane.
+    """Restore this joined machine's newest backup kept by the control plane;
+    ``settings``: this box's (MachineConfig.backup_settings), to name the backed-up
+    ones that differ.
 
     Run once after a repair join (the box took over a lost machine's id, so
     the backups are "its own"). Opened with the account recovery key only.
@@ -260,6 +266,7 @@ async def restore_newest(
             result = await restore_fetched(
                 db, fetched, attachments_dir=attachments_dir, erased=set(), after_load=after_load
             )
+            differ = settings_differ(fetched.manifest.settings, settings or {})
         finally:
             await asyncio.to_thread(shutil.rmtree, stage, True)
     logger.info("restored %d agents of backup %s", len(result.restored), newest)
@@ -269,6 +276,7 @@ async def restore_newest(
         result.skipped_existing + result.skipped_erased,
         result.attachments,
         tuple(refused),
+        differ,
     )
 
 

@@ -23,13 +23,16 @@ def add_attachment_ref(
     *,
     run_id: str = "",
     file_name: str = "",
+    media_type: str = "",
     now: float,
 ) -> None:
-    """Reference an attachment from an agent (an upload) or a run (a prompt)."""
+    """Reference an attachment from an agent (an upload, with its file name and
+    media type) or a run (a prompt)."""
     conn.execute(
-        "INSERT INTO attachment_refs (sha256, agent_id, run_id, file_name, created_at)"
-        " VALUES (?,?,?,?,?) ON CONFLICT DO NOTHING",
-        (sha256, agent_id, run_id, file_name, now),
+        "INSERT INTO attachment_refs"
+        " (sha256, agent_id, run_id, file_name, media_type, created_at)"
+        " VALUES (?,?,?,?,?,?) ON CONFLICT DO NOTHING",
+        (sha256, agent_id, run_id, file_name, media_type, now),
     )
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 from machine.formats.export import MAX_LINE, encode_jsonl, load_json, parse_jsonl_line, read_jsonl
+from machine.formats.media_types import check_media_type
 from machine.models import AgentState, EventKind
 from machine.storage.tables import search_backlog
 from machine.storage.tables.rows import archive_field, archive_time, present
@@ -209,7 +210,7 @@ def dump_agent_to(conn: sqlite3.Connection, agent_id: str, files: AgentFiles) ->
     if row is None:
         raise NotFound("agent", agent_id)
     refs = conn.execute(
-        "SELECT sha256, run_id, file_name, created_at FROM attachment_refs "
+        "SELECT sha256, run_id, file_name, media_type, created_at FROM attachment_refs "
         "WHERE agent_id = ? ORDER BY sha256, run_id",
         (agent_id,),
     )
@@ -626,10 +627,22 @@ def _insert_attachment_ref(
         " ON CONFLICT (sha256) DO NOTHING",
         (sha, created),
     )
+    # Archives written before media types were kept have none: ''.
+    media_type = ref.get("media_type", "")
+    if media_type:
+        check_media_type(str(media_type), "archive")
     conn.execute(
-        "INSERT INTO attachment_refs (sha256, agent_id, run_id, file_name, created_at)"
-        " VALUES (?,?,?,?,?) ON CONFLICT DO NOTHING",
-        (sha, agent_id, str(ref.get("run_id", "")), str(ref.get("file_name", "")), created),
+        "INSERT INTO attachment_refs"
+        " (sha256, agent_id, run_id, file_name, media_type, created_at)"
+        " VALUES (?,?,?,?,?,?) ON CONFLICT DO NOTHING",
+        (
+            sha,
+            agent_id,
+            str(ref.get("run_id", "")),
+            str(ref.get("file_name", "")),
+            str(media_type),
+            created,
+        ),
     )
 
 

@@ -80,6 +80,15 @@ async def _populate(m: Machine, tmp: Path, agents: int) -> list[str]:
     return ids
 
 
+async def _attachment_refs(m: Machine) -> list[tuple[str, str, str, str]]:
+    rows = await m.db.read(
+        lambda c: c.execute(
+            "SELECT sha256, agent_id, run_id, media_type FROM attachment_refs ORDER BY 1, 2, 3"
+        ).fetchall()
+    )
+    return [tuple(r) for r in rows]
+
+
 async def _export_files(m: Machine, agents: list[str], dest: Path) -> dict[str, bytes]:
     await export_agents(
         m.db,
@@ -105,6 +114,8 @@ async def test_backup_restores_on_a_new_machine_byte_equal(tmp_path: Path) -> No
     async with open_machine(_config(tmp_path / "old")) as old:
         agents = await _populate(old, tmp_path, 4)
         before = await _export_files(old, agents, tmp_path / "before.tar.gz")
+        refs_before = await _attachment_refs(old)
+        assert {r[3] for r in refs_before} == {"text/plain", ""}  # uploads, runs' references
         engine = BackupEngine(
             DatabaseBackupSource(old.db, old.config.attachments_dir, tmp_path / "work-old"),
             StoreTarget(FolderStore(target_root)),
@@ -130,6 +141,8 @@ async def test_backup_restores_on_a_new_machine_byte_equal(tmp_path: Path) -> No
         assert sorted(result.restored) == sorted(agents)
         after = await _export_files(new, agents, tmp_path / "after.tar.gz")
         assert after == before
+        # Each upload's media type comes back with it.
+        assert await _attachment_refs(new) == refs_before
         for agent in agents:
             rec = await new.agents.get(agent)
             assert rec.state is AgentState.ARCHIVED and rec.name.startswith("agent-")

@@ -1287,22 +1287,29 @@ class AttachmentHeader(_message.Message):
     AGENT_ID_FIELD_NUMBER: _builtins.int
     FILE_NAME_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
+    MEDIA_TYPE_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The agent the file is for."""
     file_name: _builtins.str
     """The file's name, for display only (no path)."""
     size: _builtins.int
     """The declared size; an upload over the limit is refused before any byte is read."""
+    media_type: _builtins.str
+    """The file's media type, "type/subtype" (at most 255 characters, no
+    parameters; INVALID_ARGUMENT naming "media_type" otherwise). Empty: guessed
+    from file_name's extension, else "application/octet-stream".
+    """
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
         file_name: _builtins.str = ...,
         size: _builtins.int = ...,
+        media_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "file_name", b"file_name", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "file_name", b"file_name", "media_type", b"media_type", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1347,22 +1354,26 @@ class Attachment(_message.Message):
     SHA256_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     AGENT_ID_FIELD_NUMBER: _builtins.int
+    MEDIA_TYPE_FIELD_NUMBER: _builtins.int
     sha256: _builtins.str
     """SHA-256 of the content (lower-case hex); pass it in PromptRequest.attachments."""
     size: _builtins.int
     """Size in bytes."""
     agent_id: _builtins.str
     """The agent it is recorded against."""
+    media_type: _builtins.str
+    """The media type recorded for this upload (declared or guessed, lower case)."""
     def __init__(
         self,
         *,
         sha256: _builtins.str = ...,
         size: _builtins.int = ...,
         agent_id: _builtins.str = ...,
+        media_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "media_type", b"media_type", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1935,6 +1946,7 @@ class RestoreResponse(_message.Message):
     SKIPPED_FIELD_NUMBER: _builtins.int
     SKIPPED_ERASED_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
     attachments: _builtins.int
     """Attachment files placed."""
     @_builtins.property
@@ -1949,6 +1961,13 @@ class RestoreResponse(_message.Message):
     def skipped_erased(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Agents skipped because they are on the erased list."""
 
+    @_builtins.property
+    def settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___SettingDifference]:
+        """The settings of the machine that made the backup that differ from this
+        machine's (a backup carries its non-secret settings; nothing is changed:
+        set them in machine.toml to keep them). By name.
+        """
+
     def __init__(
         self,
         *,
@@ -1956,14 +1975,45 @@ class RestoreResponse(_message.Message):
         skipped: _abc.Iterable[_builtins.str] | None = ...,
         skipped_erased: _abc.Iterable[_builtins.str] | None = ...,
         attachments: _builtins.int = ...,
+        settings: _abc.Iterable[Global___SettingDifference] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "restored", b"restored", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "restored", b"restored", "settings", b"settings", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RestoreResponse: _TypeAlias = RestoreResponse  # noqa: Y015
+
+@_typing.final
+class SettingDifference(_message.Message):
+    """A setting with another value in a backup than on this machine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    IN_BACKUP_FIELD_NUMBER: _builtins.int
+    HERE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The machine.toml key ("backup_keep")."""
+    in_backup: _builtins.str
+    """Its value when the backup was made, as machine.toml spells it."""
+    here: _builtins.str
+    """Its value on this machine."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        in_backup: _builtins.str = ...,
+        here: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["here", b"here", "in_backup", b"in_backup", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SettingDifference: _TypeAlias = SettingDifference  # noqa: Y015
 
 @_typing.final
 class Schedule(_message.Message):
