@@ -23,8 +23,7 @@ from pathlib import Path
 from machine.backups.engine import BackupEngine
 from machine.backups.handoff import Handoff
 from machine.backups.service import BackupService
-from machine.backups.targets.folder import open_backup_folder
-from machine.backups.wiring import backup_times, build_backups
+from machine.backups.wiring import backup_times, build_backups, open_backups_from
 from machine.config import MachineConfig
 from machine.core.agents import AgentsService
 from machine.core.attachments import AttachmentStore, remove_partial_uploads
@@ -169,13 +168,15 @@ class Machine:
 
     @contextlib.asynccontextmanager
     async def backups_at(self, from_dir: str = "") -> AsyncIterator[BackupEngine]:
-        """The engine on the configured target, or on the backup folder ``from_dir``
-        (a copied backup dir, perhaps of a lost machine: its ``machine.json`` says whose)."""
+        """The engine on the configured target, or on ``from_dir``: a backup folder (a
+        copied backup dir, perhaps of a lost machine) or ``s3://bucket/prefix``, whose
+        ``machine.json`` says whose backups it holds."""
         service = self.require_backups()
         if not from_dir:
             yield service.engine
             return
-        async with open_backup_folder(from_dir) as (target, machine_id):
+        registry = self.metrics.registry if self.metrics is not None else None
+        async with open_backups_from(self.config, from_dir, registry) as (target, machine_id):
             yield service.engine_for(target, machine_id)
 
     def require_erasure(self) -> ErasureService:

@@ -4,19 +4,24 @@ Values come from command-line flags, then the environment (passed in as a
 mapping), then a TOML file (``<data_dir>/machine.toml`` or ``--config``), then
 defaults. This is the only module of the machine package that looks at
 environment values (``AGENTS_MACHINE_*``, ``AGENTS_DATA_DIR``, ``TZ``,
-``XDG_DATA_HOME``, the runtimes' homes and systemd's notify variables).
+``XDG_DATA_HOME``, the runtimes' homes, systemd's notify variables and a
+backup bucket's ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``).
 """
 
 from __future__ import annotations
 
+import configparser
 import ipaddress
 import logging
 import os
+import re
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 from machine.backups.service import parse_daily_time
 from machine.formats.cron import validate_zone
@@ -34,6 +39,8 @@ from shared.durations import seconds_value
 from shared.errors import ConfigError, InvalidArgument
 from shared.logs import check_format, check_level, parse_format, parse_level
 from shared.sd_notify import NotifyConfig
+from shared.store.s3_config import S3Config
+from shared.store.url import StoreOptions, describe_store, parse_store_url
 
 __all__ = [
     "BACKUP_SETTINGS",
@@ -42,9 +49,11 @@ __all__ = [
     "FILE_KEYS",
     "SERVICE_METRICS_ADDRESS",
     "MachineConfig",
+    "check_backup_target",
     "default_data_dir",
     "default_time_zone",
     "parse_hostport",
+    "read_backup_credentials",
     "resolve_data_dir",
     "server_data_dir",
 ]
@@ -67,6 +76,8 @@ SERVICE_METRICS_ADDRESS: Final = "127.0.0.1:9471"
 _MAX_SOCKET_PATH = 100
 #: The longest shutdown grace accepted, in seconds.
 _MAX_GRACE = 3600.0
+#: The largest backup credentials file read (an AWS shared-credentials file is tiny).
+_MAX_CREDENTIALS_FILE = 64 * 1024
 
 
 def default_data_dir(env: Mapping[str, str], home: Path, platform: str | None = None) -> Path:
@@ -145,6 +156,10 @@ FILE_KEYS: dict[str, tuple[type, ...]] = {
     "backup_keep": (int,),
     "backup_time": (str,),
     "backup_dir": (str,),
+    "backup_target": (str,),
+    "backup_store_endpoint": (str,),
+    "backup_store_region": (str,),
+    "backup_credentials_file": (str,),
     "time_zone": (str,),
     "scheduler": (bool,),
     "log_level": (str,),
@@ -207,6 +222,104 @@ def parse_hostport(value: str, field: str) -> tuple[str, int]:
     return str(addr), port
 
 
+#: An S3 region name (us-east-1, eu-central-2, a MinIO server's own name).
+_REGION: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,62}", re.ASCII)
+
+
+def check_backup_target(value: str) -> Path | S3Config:
+    """``backup_target`` parsed: an absolute folder or an ``s3://bucket/prefix``
+    bucket; ConfigError naming it otherwise (the message never echoes a URL's query,
+    which might hold a key)."""
+    if not value.strip():
+        raise ConfigError("backup_target", "is empty; give a folder or s3://bucket/prefix")
+    if "://" not in value and not Path(value).expanduser().is_absolute():
+        raise ConfigError(
+            "backup_target", f"must be an absolute folder or s3://bucket/prefix, got {value[:80]!r}"
+        )
+    scheme = value.partition("://")[0].lower() if "://" in value else ""
+    if scheme not in ("", "file", "s3"):
+        raise ConfigError(
+            "backup_target",
+            f"unsupported scheme {scheme[:16]!r} (use a folder or s3://bucket/prefix)",
+        )
+    try:
+        parsed = parse_store_url(value)
+    except InvalidArgument as e:
+        raise ConfigError("backup_target", e.reason) from None
+    if isinstance(parsed, S3Config) and (parsed.access_key or parsed.secret_key):
+        raise ConfigError(
+            "backup_target",
+            "credentials never go in the URL (it is shown in status and logs): set"
+            " AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or backup_credentials_file",
+        )
+    return parsed
+
+
+def _check_endpoint(endpoint: str) -> None:
+    parts = urlsplit(endpoint)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.username
+        or parts.password
+        or not port_ok
+        or parts.query
+        or parts.fragment
+    ):
+        raise ConfigError(
+            "backup_store_endpoint",
+            "must be an http(s) URL of the S3 server without credentials"
+            " (such as http://127.0.0.1:9000)",
+        )
+
+
+def read_backup_credentials(path: Path) -> tuple[str, str]:
+    """The access key id and secret key of the AWS shared-credentials file ``path``
+    (its ``[default]`` profile). ConfigError naming ``backup_credentials_file``
+    when it cannot be read, is readable or writable by others than its owner, or
+    is not in that format; no message holds a line of it."""
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError("backup_credentials_file", f"{path}: {why}")
+
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise refuse("not a regular file")
+        if info.st_mode & 0o077:
+            # As ssh does with a private key: a secret others can read is not one.
+            raise refuse(
+                f"readable or writable by others (mode {stat.S_IMODE(info.st_mode):04o});"
+                f" make it private: chmod 600 {path}"
+            )
+        if info.st_size > _MAX_CREDENTIALS_FILE:
+            raise refuse(f"larger than a credentials file ({info.st_size} bytes)")
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise refuse(f"cannot be read ({e.strerror or type(e).__name__})") from None
+    except UnicodeDecodeError:
+        raise refuse("not UTF-8 text") from None
+    wanted = "a [default] profile with aws_access_key_id and aws_secret_access_key"
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(text)
+    except configparser.Error:
+        # configparser's messages quote the line: it may hold the secret.
+        raise refuse(f"not in the AWS shared-credentials format ({wanted})") from None
+    if not parser.has_section("default"):
+        raise refuse(f"no [default] profile ({wanted})")
+    profile = parser["default"]
+    access = profile.get("aws_access_key_id", "").strip()
+    secret = profile.get("aws_secret_access_key", "").strip()
+    if not access or not secret:
+        raise refuse(f"an empty or missing key ({wanted})")
+    return access, secret
+
+
 @dataclass(frozen=True)
 class MachineConfig:
     """Everything the machine daemon needs to know, fixed at start."""
@@ -263,7 +376,36 @@ class MachineConfig:
 
     backup_dir: Path | None = None
     """A stand-alone machine's backup folder; ``None`` means ``<data_dir>/backups``.
-    ``status`` warns when it is on the same device as the data."""
+    ``status`` warns when it is on the same device as the data. ``backup_target``
+    (a folder or a bucket) says the same and more; give one of the two."""
+
+    backup_target: str | None = None
+    """Where a stand-alone machine's backups go: an absolute folder (best on another
+    disk) or ``s3://bucket/prefix`` (an S3-compatible bucket; a prefix of its own
+    per machine). ``None``: ``backup_dir``. A joined machine backs up to its
+    control plane and ignores this (a warning in the log and in ``status``)."""
+
+    backup_store_endpoint: str | None = None
+    """http(s) URL of the S3-compatible server of an ``s3://`` backup target or
+    ``backup ... --from s3://...`` (MinIO, moto); ``None``: AWS itself."""
+
+    backup_store_region: str | None = None
+    """The bucket's region (request signing); ``None``: the URL's ``region`` or
+    us-east-1."""
+
+    backup_credentials_file: Path | None = None
+    """A file holding the bucket's credentials, in the AWS shared-credentials format
+    (``[default]`` with ``aws_access_key_id`` and ``aws_secret_access_key``), readable
+    by its owner only (0600; refused otherwise). Wins over the environment's
+    ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``. Read by the daemon when it opens
+    the bucket, never kept in a backup, a log line or the bucket."""
+
+    backup_access_key: str | None = field(default=None, repr=False)
+    """The bucket's access key id from ``$AWS_ACCESS_KEY_ID`` (environment only:
+    never a flag or a file key); see ``backup_credentials_file``."""
+
+    backup_secret_key: str | None = field(default=None, repr=False)
+    """The bucket's secret key from ``$AWS_SECRET_ACCESS_KEY`` (environment only)."""
 
     claude_home: Path | None = None
     """Claude Code's folder (``$CLAUDE_CONFIG_DIR`` or ``~/.claude``): deleting a
@@ -339,8 +481,43 @@ class MachineConfig:
 
     @property
     def backups_dir(self) -> Path:
-        """The stand-alone backup folder actually used."""
+        """The stand-alone backup folder actually used (unused with a bucket target)."""
+        if self.backup_target is not None and "://" not in self.backup_target:
+            return Path(self.backup_target).expanduser()
+        if self.backup_target is not None and self.backup_target.startswith("file://"):
+            parsed = parse_store_url(self.backup_target)
+            assert isinstance(parsed, Path)  # validate() refused anything else
+            return parsed
         return self.backup_dir or self.data_dir / "backups"
+
+    @property
+    def backup_bucket(self) -> str | None:
+        """The ``s3://`` URL of a bucket backup target, or ``None`` (a folder)."""
+        if self.backup_target is not None and self.backup_target.startswith("s3://"):
+            return self.backup_target
+        return None
+
+    def backup_store_options(self) -> StoreOptions:
+        """How to reach a backup bucket: endpoint, region and the credentials
+        (``backup_credentials_file``, read now, else the environment's; neither:
+        botocore's own chain, e.g. an instance role). ConfigError naming the file
+        when it is not private or not in the AWS shared-credentials format; the
+        message never holds a line of it."""
+        access, secret = self.backup_access_key, self.backup_secret_key
+        if self.backup_credentials_file is not None:
+            access, secret = read_backup_credentials(self.backup_credentials_file)
+        return StoreOptions(
+            access_key=access,
+            secret_key=secret,
+            region=self.backup_store_region,
+            endpoint_url=self.backup_store_endpoint,
+        )
+
+    def describe_backup_bucket(self, url: str) -> str:
+        """The bucket ``url`` names for messages and ``status``: never a credential."""
+        where = describe_store(url)
+        endpoint = self.backup_store_endpoint
+        return f"{where} at {endpoint}" if endpoint else where
 
     @property
     def outgoing_dir(self) -> Path:
@@ -428,7 +605,31 @@ class MachineConfig:
             raise ConfigError("crash_after_join", "must not be negative")
         if self.backup_dir is not None and not self.backup_dir.is_absolute():
             raise ConfigError("backup_dir", f"must be an absolute path, got {self.backup_dir}")
+        self._validate_backup_target()
         return self
+
+    def _validate_backup_target(self) -> None:
+        if self.backup_target is not None:
+            if self.backup_dir is not None:
+                raise ConfigError(
+                    "backup_target",
+                    "give backup_target or backup_dir, not both (they say one thing)",
+                )
+            check_backup_target(self.backup_target)
+        if self.backup_store_endpoint is not None:
+            _check_endpoint(self.backup_store_endpoint)
+        if self.backup_store_region is not None and not _REGION.fullmatch(self.backup_store_region):
+            raise ConfigError(
+                "backup_store_region",
+                f"must be a region name such as eu-west-1, got {self.backup_store_region[:40]!r}",
+            )
+        if (self.backup_access_key is None) != (self.backup_secret_key is None):
+            raise ConfigError(
+                "AWS_ACCESS_KEY_ID", "and AWS_SECRET_ACCESS_KEY go together; set both or neither"
+            )
+        creds = self.backup_credentials_file
+        if creds is not None and not creds.is_absolute():
+            raise ConfigError("backup_credentials_file", f"must be an absolute path, got {creds}")
 
     @classmethod
     def build(
@@ -457,6 +658,7 @@ class MachineConfig:
 
         socket = opt("socket_path", "AGENTS_MACHINE_SOCKET")
         backup_dir = opt("backup_dir", "AGENTS_MACHINE_BACKUP_DIR")
+        credentials = opt("backup_credentials_file", "AGENTS_MACHINE_BACKUP_CREDENTIALS_FILE")
         cfg = cls(
             data_dir=data_dir,
             socket_path=Path(socket).absolute() if socket else None,
@@ -498,6 +700,15 @@ class MachineConfig:
             ),
             backup_time=src.get("backup_time", "AGENTS_MACHINE_BACKUP_TIME", DEFAULT_BACKUP_TIME),
             backup_dir=Path(backup_dir).expanduser() if backup_dir else None,
+            backup_target=opt("backup_target", "AGENTS_MACHINE_BACKUP_TARGET"),
+            backup_store_endpoint=opt(
+                "backup_store_endpoint", "AGENTS_MACHINE_BACKUP_STORE_ENDPOINT"
+            ),
+            backup_store_region=opt("backup_store_region", "AGENTS_MACHINE_BACKUP_STORE_REGION"),
+            backup_credentials_file=Path(credentials).expanduser() if credentials else None,
+            # Secrets from the environment only, never a flag (ps shows it) or the file.
+            backup_access_key=env.get("AWS_ACCESS_KEY_ID") or None,
+            backup_secret_key=env.get("AWS_SECRET_ACCESS_KEY") or None,
             time_zone=src.get("time_zone", "AGENTS_MACHINE_TIME_ZONE", default_time_zone(env)),
             scheduler=src.get("scheduler", "AGENTS_MACHINE_SCHEDULER", True, parse_bool),
             schedule_test_seconds=int(file.get("schedule_test_seconds", 0)),

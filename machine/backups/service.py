@@ -111,6 +111,12 @@ class BackupMetrics:
             "When the last restore check ran (Unix time).",
             registry=registry,
         )
+        self.same_device = Gauge(
+            "agents_machine_backup_same_device",
+            "1 when backups go to a folder on the data folder's device (a failed disk"
+            " loses both), 0 when they leave it (another disk, a bucket, the control plane).",
+            registry=registry,
+        )
         self.check_duration = Histogram(
             "agents_machine_restore_check_duration_seconds",
             "Time to open and authenticate the newest backup.",

@@ -59,11 +59,15 @@ def _recovery(ctx: Ctx) -> BoxKeyPair | None:
 
 
 def _from_dir(args: argparse.Namespace) -> str:
+    """``--from``: a backup folder, made absolute, or an ``s3://`` prefix as given
+    (the daemon reaches the bucket with its own settings and credentials)."""
     folder = getattr(args, "from_dir", None)
     if folder is None:
         return ""
     if not folder:  # "$DIR" of an unset variable: never the configured target instead
-        raise UsageError("--from: empty; name the backup folder")
+        raise UsageError("--from: empty; name the backup folder or s3://bucket/prefix")
+    if folder.startswith("s3://"):
+        return str(folder)
     path = Path(folder).expanduser().absolute()
     if not path.is_dir():
         raise UsageError(f"--from: {folder} is not a folder")

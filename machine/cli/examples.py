@@ -81,7 +81,11 @@ EXAMPLES: Final[dict[tuple[str, ...], tuple[str, ...]]] = {
     ("agent", "erasures"): (f"{_P} agent erasures", f"{_P} agent erasures --json"),
     ("backup",): (f"{_P} backup now", f"{_P} backup list"),
     ("backup", "now"): (f"{_P} backup now",),
-    ("backup", "list"): (f"{_P} backup list", f"{_P} backup list --from /mnt/usb/agents-backups"),
+    ("backup", "list"): (
+        f"{_P} backup list",
+        f"{_P} backup list --from /mnt/usb/agents-backups",
+        f"{_P} backup list --from s3://acme-backups/old-laptop",
+    ),
     ("backup", "verify"): (
         f"{_P} backup verify {_BACKUP}",
         f"{_P} backup verify {_BACKUP} --from /mnt/usb/agents-backups "
@@ -90,6 +94,8 @@ EXAMPLES: Final[dict[tuple[str, ...], tuple[str, ...]]] = {
     ("backup", "restore"): (
         f"{_P} backup restore {_BACKUP}",
         f"{_P} backup restore {_BACKUP} --recovery-key ~/offline/recovery.key",
+        f"{_P} backup restore {_BACKUP} --from s3://acme-backups/old-laptop "
+        "--recovery-key ~/offline/recovery.key",
     ),
     ("backup", "recovery-key"): (
         "# stand-alone machines: prints the private half once; keep it offline",

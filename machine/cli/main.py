@@ -115,7 +115,10 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
 
 # ---------------------------------------------------------------- parser
 
-_FROM = "a backup folder other than the configured one (a copied backup dir)"
+_FROM = (
+    "backups other than the configured target: a backup folder (a copied backup dir) or"
+    " s3://bucket/prefix (reached with this machine's backup_store_* settings)"
+)
 _AGENT_ID = "the agent's id (ag_…; see `agent list --all`)"
 _LIMIT = bounded_int(1, INT32_MAX)
 
@@ -265,14 +268,14 @@ def _parser() -> CliParser:
     bverbs = b.add_subparsers(dest="verb", parser_class=CliParser)
     bverbs.add_parser("now", parents=[common], help="back up now (then prune and check)")
     bl = bverbs.add_parser("list", parents=[common], help="backups at the target, newest first")
-    bl.add_argument("--from", dest="from_dir", metavar="DIR", help=_FROM)
+    bl.add_argument("--from", dest="from_dir", metavar="DIR|URL", help=_FROM)
     for verb, text in (
         ("verify", "open a backup and authenticate every segment"),
         ("restore", "restore a backup's agents (archived), skipping existing ones"),
     ):
         bv = bverbs.add_parser(verb, parents=[common], help=text)
         bv.add_argument("backup_id", metavar="ID", help="the backup's id (bk_…; see `backup list`)")
-        bv.add_argument("--from", dest="from_dir", metavar="DIR", help=_FROM)
+        bv.add_argument("--from", dest="from_dir", metavar="DIR|URL", help=_FROM)
         bv.add_argument(
             "--recovery-key",
             metavar="FILE",

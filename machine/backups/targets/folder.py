@@ -59,16 +59,16 @@ async def _read_backup_owner(folder_store: FolderStore, folder: Path) -> str:
         raise InvalidArgument("--from", f"{folder}/{_OWNER_KEY} is damaged") from None
 
 
-def check_backup_folder(folder: Path, data_dir: Path) -> None:
+def check_backup_folder(folder: Path, data_dir: Path, setting: str = "backup_dir") -> None:
     """Refuse a configured backup folder that is not one to make private and sweep:
     a file, the data folder or a folder holding it, one of the daemon's own
     folders in it (``keys/``: a copy of the backups would carry the private keys),
     or a folder with other files in it (a new disk's ``lost+found`` and what a
     first start that stopped midway leaves, hidden temp and lock files, are not
-    others)."""
+    others). ``setting``: the one that named the folder, named by the error."""
 
     def refuse(why: str) -> ConfigError:
-        return ConfigError("backup_dir", f"{folder}: {why}")
+        return ConfigError(setting, f"{folder}: {why}")
 
     try:
         where, data = folder.resolve(), data_dir.resolve()
