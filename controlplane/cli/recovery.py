@@ -15,6 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from controlplane.cli.admin_types import rfc3339
 from controlplane.cli.common import PROG, Ctx, admin_client, emit, once
 from controlplane.cli.drill import DrillReport, run_drill
 from controlplane.recovery.fsck import fsck_deployment, serving_pid
@@ -141,7 +142,7 @@ async def cert_rotate_server(ctx: Ctx) -> int:
     """``cert rotate-server``: a new server certificate under the same CA."""
     async with admin_client(ctx.cfg) as c:
         rotated = await c.rotate_server_certificate()
-    data = {"serial": rotated.serial, "not_after": rotated.not_after.isoformat()}
+    data = {"serial": rotated.serial, "not_after": rfc3339(rotated.not_after)}
     return emit(
         ctx,
         data,

@@ -25,6 +25,7 @@ from shared.cli import message_dict
 from shared.errors import NotFound
 from shared.ids import new_id
 from shared.pb.control.v1 import admin_pb2
+from tests.helpers.json_style import assert_json_style, assert_listing
 
 
 @dataclass
@@ -117,6 +118,15 @@ async def test_admin_verbs_print_what_the_server_answered(
     machines = await _raw(daemon, "ListMachines", admin_pb2.ListMachinesRequest())
     out, _ = await _cli(capsys, daemon, "machine", "list", "--json")
     assert json.loads(out) == machines == {"machines": []}
+
+    # Every listing is {"<things>": [...]} in the one style (docs/cli-json.md), with
+    # --json before the command as after the verb (as agents-machine takes it).
+    for words, key in ((["account", "list"], "accounts"), (["token", "list"], "tokens")):
+        first, _ = await _cli(capsys, daemon, "--json", *words)
+        last, _ = await _cli(capsys, daemon, *words, "--json")
+        assert first == last and assert_listing(json.loads(first), key)
+    assert_json_style(shown)
+    assert_json_style(token)
 
     # A deletion, watched to the end: the last read is the server's record.
     out, _ = await _cli(capsys, daemon, "account", "delete", acct, "--wait", "--json")
