@@ -22,6 +22,7 @@ from controlplane.recovery.fsck import fsck_deployment, serving_pid
 from controlplane.recovery.restore import restore_home
 from shared.cli import ExitCode, UsageError
 from shared.crypto import BoxKeyPair, encode_public_key
+from shared.progress import Progress
 from shared.recovery_key import read_recovery_key, write_recovery_key
 
 __all__ = [
@@ -127,13 +128,15 @@ async def cmd_drill(ctx: Ctx) -> int:
             workdir = Path(args.workdir)
         else:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agents-drill-")))
-        report = await run_drill(
-            workdir,
-            machines=args.machines,
-            env=env,
-            store_url=args.store_url or "",
-            store_endpoint=args.store_endpoint or "",
-        )
+        # A minute or more of starting, killing and restoring: a spinner with the time.
+        with Progress(f"drill with {args.machines} machines", quiet=ctx.out.as_json):
+            report = await run_drill(
+                workdir,
+                machines=args.machines,
+                env=env,
+                store_url=args.store_url or "",
+                store_endpoint=args.store_endpoint or "",
+            )
     emit(ctx, report.to_dict(), *_drill_text(report))
     return ExitCode.OK if report.ok else ExitCode.FAILED
 

@@ -13,7 +13,6 @@ import math
 import os
 import shlex
 import stat
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,10 +23,10 @@ from machine.api import codec
 from machine.cli.client import MachineClient
 from machine.config import MachineConfig
 from shared.cli import ExitCode, Output, UsageError, message_dict
+from shared.progress import human
 
 __all__ = [
     "PROG",
-    "Bar",
     "Ctx",
     "build_config",
     "call",
@@ -136,46 +135,6 @@ def when(seconds: float | None) -> str:
         .astimezone()
         .strftime("%Y-%m-%d %H:%M:%S")
     )
-
-
-def human(size: int) -> str:
-    """A size in B, KiB, MiB or GiB."""
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{size} B"
-
-
-class Bar:
-    """A rich progress bar on a terminal (stderr), nothing otherwise (scripts, --json)."""
-
-    def __init__(self, out: Output, what: str) -> None:
-        self._bar: Any = None
-        self._task: Any = None
-        self._what = what
-        if not out.as_json and sys.stderr.isatty():
-            from rich.progress import Progress  # imported late: only on a terminal
-
-            self._bar = Progress(transient=True)
-
-    def __enter__(self) -> Bar:
-        if self._bar is not None:
-            self._bar.start()
-            self._task = self._bar.add_task(self._what, total=None)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def update(self, stage: str, done: int, total: int) -> None:
-        """Show ``done`` of ``total`` in ``stage``."""
-        if self._bar is not None:
-            self._bar.update(
-                self._task, description=f"{self._what}: {stage}", completed=done, total=total
-            )
 
 
 def open_regular(path: Path, what: str, kind: str = "") -> tuple[IO[bytes], int]:

@@ -4,7 +4,9 @@ prints the one style of docs/cli-json.md."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -77,3 +79,34 @@ async def test_listings_and_records_share_one_style(
     assert assert_listing(erasures, "erasures") == []
     [status] = await _json(capsys, daemon, "status")
     assert_json_style(status)
+
+
+class Terminal(io.StringIO):
+    """stderr as a terminal: what is written to it is kept."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+async def test_long_verbs_show_progress_on_a_terminal_only_without_json(
+    daemon: MachineConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    where = ["--data-dir", str(daemon.data_dir)]
+    made = await asyncio.to_thread(
+        main, [*where, "agent", "create", "a", "--folder", str(tmp_path), "--json"]
+    )
+    assert made == 0
+    seen: list[str] = []
+    cases = ((Terminal(), []), (Terminal(), ["--json"]), (io.StringIO(), []))
+    for n, (stderr, json_flag) in enumerate(cases):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        archive = tmp_path / f"out{n}.tar.gz"
+        exported = await asyncio.to_thread(
+            main, [*where, "export", "--folder", str(tmp_path), "-o", str(archive), *json_flag]
+        )
+        imported = await asyncio.to_thread(main, [*where, "import", str(archive), *json_flag])
+        assert (exported, imported) == (0, 0), stderr.getvalue()
+        seen.append(stderr.getvalue())
+    assert "exporting" in seen[0] and "importing" in seen[0]
+    assert seen[1] == ""  # --json: nothing on stderr, even at a terminal
+    assert seen[2] == ""  # a pipe or a file: nothing either
