@@ -9,7 +9,8 @@ One shape for every CLI of the platform (STYLE.md rule 2):
 - :func:`run_main` runs a CLI's body and turns every expected failure into
   ONE line on stderr (``prog: message``), plus ``Try: …`` when a hint helps;
 - :class:`Output` is the only writer of stdout: one JSON object per reply
-  (``--json``), or text and tables whose id columns are never cut or wrapped.
+  (``--json``, in the one style of docs/cli-json.md that :func:`message_dict`
+  makes), or text and tables whose id columns are never cut or wrapped.
 
 Nothing here prints except :func:`run_main` (errors) and :class:`Output`.
 """
