@@ -175,7 +175,7 @@ def _backup(m: Machine) -> bool:
     if made.returncode != 0:
         print(f"  backup on {m.name} failed: {made.stderr.strip()[-300:]}")
         return False
-    backup_id = str(json.loads(made.stdout)["id"])
+    backup_id = str(json.loads(made.stdout)["backup_id"])
     checked = run_cli(m.data, "backup", "verify", backup_id, timeout=DEADLINE)
     if checked.returncode != 0:
         print(f"  backup {backup_id} on {m.name} does not verify: {checked.stderr.strip()}")
@@ -248,7 +248,7 @@ def _run(
                 "agent",
             )
         )
-        m.agent = str(made["id"])
+        m.agent = str(made["agent_id"])
         _ok(
             run_cli(m.data, "schedule", "add", m.agent, "--cron", "* * * * *", "--text", "tick"),
             "schedule add",

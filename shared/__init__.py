@@ -1,7 +1,7 @@
-"""Code both daemons use: errors, ids, atomic files, config helpers, the CLI scaffold, crypto,
-the object store, retry policy, metrics helpers, TLS helpers, gRPC error
-mapping, logging setup, systemd's notify protocol, and the generated protobuf
-stubs under ``shared.pb``.
+"""Code both daemons use: errors, ids, atomic files, config helpers, the CLI scaffold
+and its progress display, crypto, the object store, retry policy, metrics helpers,
+TLS helpers, gRPC error mapping, logging setup, systemd's notify protocol, and
+the generated protobuf stubs under ``shared.pb``.
 
 Modules are imported by name (``from shared.store import open_store``);
 this package deliberately imports nothing at import time so that the light
@@ -18,6 +18,7 @@ __all__ = [
     "logs",
     "metrics",
     "outage",
+    "progress",
     "retry",
     "rpc",
     "sd_notify",

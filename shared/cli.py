@@ -9,7 +9,8 @@ One shape for every CLI of the platform (STYLE.md rule 2):
 - :func:`run_main` runs a CLI's body and turns every expected failure into
   ONE line on stderr (``prog: message``), plus ``Try: …`` when a hint helps;
 - :class:`Output` is the only writer of stdout: one JSON object per reply
-  (``--json``), or text and tables whose id columns are never cut or wrapped.
+  (``--json``, in the one style of docs/cli-json.md that :func:`message_dict`
+  makes), or text and tables whose id columns are never cut or wrapped.
 
 Nothing here prints except :func:`run_main` (errors) and :class:`Output`.
 """
@@ -56,7 +57,6 @@ __all__ = [
     "EXIT_FOR",
     "INT32_MAX",
     "INT64_MAX",
-    "Bar",
     "Column",
     "SHELLS",
     "CliParser",
@@ -73,7 +73,10 @@ __all__ = [
     "completion_script",
     "dispatch",
     "duration",
+    "enum_text",
     "exit_code_for",
+    "id_key",
+    "json_time",
     "message_dict",
     "one_line",
     "read_stdin_text",
@@ -483,47 +486,88 @@ _INT64_TYPES = {
     FieldDescriptor.TYPE_SFIXED64,
 }
 
+_TIMESTAMP = "google.protobuf.Timestamp"
+_FRACTION = re.compile(r"\.\d+Z$")
+_WORD_START = re.compile(r"(?<!^)(?=[A-Z])")
+
+
+def _snake(name: str) -> str:
+    """``RunEventKind`` → ``run_event_kind``."""
+    return _WORD_START.sub("_", name).lower()
+
+
+def id_key(message_name: str) -> str:
+    """The key a message's own ``id`` field is printed under: ``Agent`` →
+    ``agent_id``, the key every other message refers to an agent by."""
+    return f"{_snake(message_name)}_id"
+
+
+def enum_text(enum_name: str, value: str | int) -> str | int:
+    """An enum value as printed: its name without the enum type's prefix, in lower
+    case (``RunState`` ``RUN_STATE_FINISHED`` → ``finished``, ``RunEventKind``
+    ``TEXT_DELTA`` → ``text_delta``). A number this CLI does not know stays a number."""
+    if not isinstance(value, str):
+        return value
+    return value.removeprefix(f"{_snake(enum_name).upper()}_").lower()
+
+
+def json_time(text: str) -> str:
+    """protobuf's RFC 3339 text of a Timestamp cut to whole seconds
+    (``2026-12-05T09:40:12.250Z`` → ``2026-12-05T09:40:12Z``): one fixed shape,
+    which jq's ``fromdate`` reads (it refuses fractions)."""
+    return _FRACTION.sub("Z", text)
+
 
 def message_dict(msg: Message) -> dict[str, Any]:
-    """A protobuf message as the JSON both CLIs print.
+    """A protobuf message as the JSON both CLIs print (docs/cli-json.md).
 
-    Every field is present (zero, empty, ``[]``), with its proto name;
-    64-bit integers are numbers, not the strings proto3 JSON makes of them;
-    timestamps stay RFC 3339 strings and enums their names.
+    Every field is present (zero, empty, ``[]``, ``null`` for an unset message),
+    under its proto name, but a message's own ``id``, which is under
+    ``<message>_id`` (:func:`id_key`); 64-bit integers are numbers, not the strings
+    proto3 JSON makes of them; timestamps RFC 3339 UTC to the second
+    (:func:`json_time`); enums lower case without their type's prefix
+    (:func:`enum_text`); bytes base64.
     """
     data = MessageToDict(
         msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
     desc: Any = msg.DESCRIPTOR  # upb's and the pure-Python descriptor types differ
-    return _numbers(desc, data)
+    return _fields(desc, data)
 
 
-def _numbers(desc: Descriptor, data: dict[str, Any]) -> dict[str, Any]:
-    if desc.full_name.startswith("google.protobuf."):
-        return data  # well-known types keep their JSON form (timestamps as text)
+def _fields(desc: Descriptor, data: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for f in desc.fields:
+        key = id_key(desc.name) if f.name == "id" else f.name
         if f.name not in data:
             # A message field that is not set (a timestamp never reached): null,
             # so that every field of the reply is present.
             if f.message_type is not None and not f.is_repeated and f.containing_oneof is None:
-                data[f.name] = None
+                out[key] = None
             continue
         value = data[f.name]
         if f.message_type is not None and f.message_type.GetOptions().map_entry:
             value_field = f.message_type.fields_by_name["value"]
-            data[f.name] = {k: _convert(value_field, v) for k, v in value.items()}
+            out[key] = {k: _convert(value_field, v) for k, v in value.items()}
         elif f.is_repeated:
-            data[f.name] = [_convert(f, v) for v in value]
+            out[key] = [_convert(f, v) for v in value]
         else:
-            data[f.name] = _convert(f, value)
-    return data
+            out[key] = _convert(f, value)
+    return out
 
 
 def _convert(f: FieldDescriptor, value: Any) -> Any:
     if f.type in _INT64_TYPES and isinstance(value, str):
         return int(value)
-    if f.message_type is not None and isinstance(value, dict):
-        return _numbers(f.message_type, value)
+    if f.enum_type is not None:
+        return enum_text(f.enum_type.name, value)
+    if f.message_type is not None:
+        if f.message_type.full_name == _TIMESTAMP and isinstance(value, str):
+            return json_time(value)
+        if f.message_type.full_name.startswith("google.protobuf."):
+            return value  # other well-known types keep their JSON form
+        if isinstance(value, dict):
+            return _fields(f.message_type, value)
     return value
 
 
@@ -671,33 +715,3 @@ class Output:
         """One record as ``key  value`` lines; values are never cut."""
         pairs = list(pairs)
         self.lines(*render_table([Column("", whole=True), Column("", whole=True)], pairs, None)[1:])
-
-
-class Bar:
-    """A rich progress bar on a terminal (stderr), nothing otherwise (scripts, --json)."""
-
-    def __init__(self, out: Output, what: str) -> None:
-        self._bar: Any = None
-        self._task: Any = None
-        self._what = what
-        if not out.as_json and sys.stderr.isatty():
-            from rich.progress import Progress  # imported late: only on a terminal
-
-            self._bar = Progress(transient=True)
-
-    def __enter__(self) -> Bar:
-        if self._bar is not None:
-            self._bar.start()
-            self._task = self._bar.add_task(self._what, total=None)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def update(self, stage: str, done: int, total: int) -> None:
-        """Show ``done`` of ``total`` in ``stage``."""
-        if self._bar is not None:
-            self._bar.update(
-                self._task, description=f"{self._what}: {stage}", completed=done, total=total
-            )

@@ -15,6 +15,7 @@ from controlplane.cli.admin_types import Account, NewJoinToken, rfc3339
 from controlplane.cli.common import Ctx, admin_client, emit, listing, once, record
 from shared.cli import Column, ExitCode, table_time
 from shared.crypto import decode_public_key, encode_private_key, encode_public_key
+from shared.progress import Progress
 
 __all__ = [
     "account_create",
@@ -105,9 +106,13 @@ async def account_delete(ctx: Ctx) -> int:
     """``account delete ACCOUNT [--wait]``: the deletion's progress, or its result."""
     async with admin_client(ctx.cfg) as c:
         deletion = await c.delete_account(ctx.args.account_id)
-        while ctx.args.wait and deletion.state != "deleted":
-            await asyncio.sleep(_DELETION_POLL)  # the daemon does the work; we only watch
-            deletion = await c.get_deletion(ctx.args.account_id)
+        if ctx.args.wait:
+            # No total is known: a spinner with the objects deleted so far.
+            with Progress(f"deleting {ctx.args.account_id}", quiet=ctx.out.as_json) as progress:
+                while deletion.state != "deleted":
+                    progress.note(f"{deletion.deleted_objects} objects deleted")
+                    await asyncio.sleep(_DELETION_POLL)  # the daemon does the work; we watch
+                    deletion = await c.get_deletion(ctx.args.account_id)
     return record(ctx, deletion.to_json())
 
 

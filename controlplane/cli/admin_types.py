@@ -8,11 +8,11 @@ only place that sees those messages and its callers never see protobuf. A
 field added to the proto and not here (or the other way round) fails the unit
 tests, not a user.
 
-``to_json()`` gives the shape ``agents-control --json`` has always printed
-(what :func:`shared.cli.message_dict` makes of the message): every field
-present, times as RFC 3339 text or ``null`` when unset, bytes as base64,
-integers as numbers. Scripts parse that shape, so it must not drift; the unit
-tests compare the two for every type.
+``to_json()`` gives the shape ``agents-control --json`` prints, the one of
+docs/cli-json.md (what :func:`shared.cli.message_dict` makes of the message):
+every field present, times as RFC 3339 UTC text to the second or ``null`` when
+unset, bytes as base64, integers as numbers. Scripts parse that shape, so it
+must not drift; the unit tests compare the two for every type.
 
 The one-time secrets (a join token's value, a new credential, a generated
 recovery private key) are kept out of ``repr`` so that logging a reply never
@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Literal, Self
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from shared.cli import json_time
 from shared.timestamps import from_datetime, to_datetime
 
 __all__ = [
@@ -51,8 +52,8 @@ Presence = Literal["revoked", "online", "starting", "offline"]
 
 
 def rfc3339(value: dt.datetime | None) -> str | None:
-    """``value`` as the RFC 3339 text protobuf's JSON gives a Timestamp (None: None)."""
-    return None if value is None else from_datetime(value).ToJsonString()
+    """``value`` as the CLIs print a Timestamp: RFC 3339 UTC to the second (None: None)."""
+    return None if value is None else json_time(from_datetime(value).ToJsonString())
 
 
 def _json_value(value: object) -> Any:

@@ -299,7 +299,7 @@ class Drill:
                     machine, "agent", "create", "drill", "--folder", str(self.workdir), "--json"
                 )
             )
-            machine.agent_id = str(made_agent["id"])
+            machine.agent_id = str(made_agent["agent_id"])
 
     def identity(self, machine: _Machine) -> tuple[str, bytes]:
         """(machine id, client certificate) the machine holds."""

@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Also before the command (`agents-control --home H machine list`), as
     # agents-machine takes --data-dir; each command takes it after itself too.
     root.add_argument("--home", dest="root_home", help="control-plane home (AGENTS_CONTROL_HOME)")
-    # And --json, as agents-machine takes it: `agents-control --json machine list`.
+    # --json too: both CLIs take it before the command and after the verb.
     root.add_argument("--json", dest="root_json", action="store_true", help="print JSON")
     sub = root.add_subparsers(dest="cmd", parser_class=CliParser)
 
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             # init prints a secret the operator must copy: keep its output to that
             # (and to real warnings), not the store's progress lines.
             _setup_logging("WARNING" if args.cmd == "init" else "CRITICAL")
-        ctx = Ctx(args, cfg, Output(as_json=bool(getattr(args, "json", False))))
+        ctx = Ctx(args, cfg, Output(as_json=bool(getattr(args, "json", False) or args.root_json)))
         return dispatch(COMMANDS, PROG, args.cmd, args.verb, ctx)
 
     return run_main(PROG, body, message_for=_message)

@@ -15,12 +15,14 @@ import os
 import tempfile
 from pathlib import Path
 
+from controlplane.cli.admin_types import rfc3339
 from controlplane.cli.common import PROG, Ctx, admin_client, emit, once
 from controlplane.cli.drill import DrillReport, run_drill
 from controlplane.recovery.fsck import fsck_deployment, serving_pid
 from controlplane.recovery.restore import restore_home
 from shared.cli import ExitCode, UsageError
 from shared.crypto import BoxKeyPair, encode_public_key
+from shared.progress import Progress
 from shared.recovery_key import read_recovery_key, write_recovery_key
 
 __all__ = [
@@ -126,13 +128,15 @@ async def cmd_drill(ctx: Ctx) -> int:
             workdir = Path(args.workdir)
         else:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="agents-drill-")))
-        report = await run_drill(
-            workdir,
-            machines=args.machines,
-            env=env,
-            store_url=args.store_url or "",
-            store_endpoint=args.store_endpoint or "",
-        )
+        # A minute or more of starting, killing and restoring: a spinner with the time.
+        with Progress(f"drill with {args.machines} machines", quiet=ctx.out.as_json):
+            report = await run_drill(
+                workdir,
+                machines=args.machines,
+                env=env,
+                store_url=args.store_url or "",
+                store_endpoint=args.store_endpoint or "",
+            )
     emit(ctx, report.to_dict(), *_drill_text(report))
     return ExitCode.OK if report.ok else ExitCode.FAILED
 
@@ -141,7 +145,7 @@ async def cert_rotate_server(ctx: Ctx) -> int:
     """``cert rotate-server``: a new server certificate under the same CA."""
     async with admin_client(ctx.cfg) as c:
         rotated = await c.rotate_server_certificate()
-    data = {"serial": rotated.serial, "not_after": rotated.not_after.isoformat()}
+    data = {"serial": rotated.serial, "not_after": rfc3339(rotated.not_after)}
     return emit(
         ctx,
         data,

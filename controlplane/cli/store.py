@@ -11,7 +11,8 @@ import logging
 
 from controlplane.cli.common import PROG, Ctx, emit
 from controlplane.recovery.migrate import StoreTarget, crash_after, migrate_store
-from shared.cli import Bar, ExitCode
+from shared.cli import ExitCode
+from shared.progress import Progress
 
 __all__ = ["store_migrate"]
 
@@ -27,7 +28,7 @@ async def store_migrate(ctx: Ctx) -> int:
         region=args.to_region or None,
         object_lock=bool(args.to_object_lock),
     )
-    with Bar(ctx.out, "migrating the store") as bar:
+    with Progress("migrating the store", quiet=ctx.out.as_json) as bar:
         result = await migrate_store(
             ctx.cfg,
             target,

@@ -11,14 +11,14 @@ import shlex
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Final
+from typing import IO, Final
 
 from machine.api import codec
 from machine.api.views import BackupView
 from machine.backups.handoff import MAX_IMPORT_BYTES
 from machine.backups.transfer import InResult, SettingDiff
 from machine.cli.client import MachineClient
-from machine.cli.common import Bar, Ctx, call, human, open_regular, show, show_record, when, wire
+from machine.cli.common import Ctx, call, human, open_regular, show, show_record, when, wire
 from shared.atomic import STALE_TEMP_SECONDS, open_atomic, sweep_tagged_temps
 from shared.cli import (
     Column,
@@ -31,6 +31,7 @@ from shared.cli import (
 from shared.crypto import BoxKeyPair, encode_private_key, encode_public_key
 from shared.errors import AgentsError, InvalidArgument, InvalidState, NotFound, TransientError
 from shared.ids import validate_id
+from shared.progress import Progress
 from shared.recovery_key import read_recovery_key
 
 __all__ = [
@@ -111,7 +112,7 @@ async def backup_now(ctx: Ctx) -> int:
     """``backup now``: a progress bar on a terminal, then what the backup did."""
     done: BackupView | None = None
     async with MachineClient(ctx.cfg) as client:
-        with Bar(ctx.out, "backing up") as bar:
+        with Progress("backing up", quiet=ctx.out.as_json) as bar:
             async for update in client.backup_now():
                 if isinstance(update, BackupView):
                     done = update
@@ -163,7 +164,8 @@ async def backup_verify(ctx: Ctx) -> int:
     args = ctx.args
     from_dir, recovery = _from_dir(args), _recovery(ctx)
     async with MachineClient(ctx.cfg) as client:
-        with _listing_from(ctx, from_dir), Bar(ctx.out, "verifying"):
+        # The daemon answers only at the end: a spinner with the time elapsed.
+        with _listing_from(ctx, from_dir), Progress("verifying", quiet=ctx.out.as_json):
             report = await client.verify_backup(
                 args.backup_id, from_dir=from_dir, recovery=recovery
             )
@@ -179,7 +181,7 @@ async def backup_restore(ctx: Ctx) -> int:
     args = ctx.args
     from_dir, recovery = _from_dir(args), _recovery(ctx)
     async with MachineClient(ctx.cfg) as client:
-        with _listing_from(ctx, from_dir), Bar(ctx.out, "restoring"):
+        with _listing_from(ctx, from_dir), Progress("restoring", quiet=ctx.out.as_json):
             result = await client.restore(args.backup_id, from_dir=from_dir, recovery=recovery)
         restored = set(result.restored)
         # Only this machine's own agents may run once unarchived; another
@@ -290,11 +292,13 @@ async def cmd_export(ctx: Ctx) -> int:
             # Private (0600: conversations), whole at dest or absent, never over
             # a file that appeared meanwhile.
             with (
-                Bar(ctx.out, "exporting"),
+                Progress("exporting", quiet=ctx.out.as_json) as progress,
                 open_atomic(dest, create_new=True, tag=_EXPORT_TAG) as f,
             ):
+                # The size is known only at the end: a spinner with the bytes so far.
                 async for chunk in client.export(ids, folder):
                     f.write(chunk)
+                    progress.moved(len(chunk))
     except FileExistsError:
         raise UsageError(f"export: {dest} exists; refusing to overwrite it") from None
     except OSError as e:
@@ -304,6 +308,13 @@ async def cmd_export(ctx: Ctx) -> int:
     else:
         ctx.out.lines(str(dest))
     return ExitCode.OK
+
+
+def _sent(handle: IO[bytes], size: int, progress: Progress) -> Iterator[bytes]:
+    """The file in chunks, each counted as sent (of ``size``: a bar)."""
+    for chunk in iter(lambda: handle.read(_CHUNK), b""):
+        progress.moved(len(chunk), size)
+        yield chunk
 
 
 #: In the name of an export's temp file, so that a later export can tell an
@@ -345,7 +356,7 @@ async def cmd_import(ctx: Ctx) -> int:
                 f" ({human(MAX_IMPORT_BYTES)})"
             )
         async with MachineClient(ctx.cfg) as client:
-            with Bar(ctx.out, "importing"):
-                result = await client.import_export(iter(lambda: handle.read(_CHUNK), b""))
+            with Progress("importing", quiet=ctx.out.as_json) as progress:
+                result = await client.import_export(_sent(handle, size, progress))
     lines = _arrived(f"imported {len(result.restored)} agents (archived)", result)
     return show_record(ctx.out, result, lambda: ctx.out.lines(*lines))

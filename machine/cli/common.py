@@ -20,11 +20,11 @@ from typing import IO, Any, TypeVar
 from machine.api import codec
 from machine.cli.client import MachineClient
 from machine.config import MachineConfig
-from shared.cli import Bar, ExitCode, Output, UsageError, message_dict, table_time
+from shared.cli import ExitCode, Output, UsageError, message_dict, table_time
+from shared.progress import human
 
 __all__ = [
     "PROG",
-    "Bar",
     "Ctx",
     "build_config",
     "call",
@@ -127,16 +127,6 @@ def when(seconds: float | None) -> str:
     """A time in Unix seconds as every table shows one (:func:`shared.cli.table_time`:
     ``2026-12-05 09:40:12Z``), or "-" when not set."""
     return table_time(seconds)
-
-
-def human(size: int) -> str:
-    """A size in B, KiB, MiB or GiB."""
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{size} B"
 
 
 def open_regular(path: Path, what: str, kind: str = "") -> tuple[IO[bytes], int]:

@@ -144,7 +144,7 @@ def test_a_clock_ahead_or_behind_loses_no_prompt_and_stretches_no_token(
         machine_id = _online(cp, True)
         made = run_cli(data, "agent", "create", "c", "--folder", str(tmp_path), "--json")
         assert made.returncode == 0, made.stderr
-        agent = json.loads(made.stdout)["id"]
+        agent = json.loads(made.stdout)["agent_id"]
         joined.send_signal(signal.SIGTERM)
         assert joined.wait(timeout=DEADLINE) == 0
         _online(cp, False)

@@ -93,7 +93,7 @@ async def test_restore_from_the_bucket_brings_every_machine_back_without_a_join(
         backed_up = drill.machines[0]
         drill.machine_cli(backed_up, "backup", "now")
         listed = drill.machine_cli(backed_up, "backup", "list", "--json")
-        backup_id = listed.split('"id": "')[1].split('"')[0]
+        backup_id = listed.split('"backup_id": "')[1].split('"')[0]
         assert backup_id.startswith("bk_")
 
         await drill.queue_prompts()

@@ -92,7 +92,7 @@ def _use(cp: ControlProc, tmp_path: Path) -> dict[str, str]:
         poll_until(lambda: _online(cp, machine_id, True), deadline=DEADLINE, what="online")
         made = run_cli(data, "agent", "create", "a", "--folder", str(tmp_path), "--json")
         assert made.returncode == 0, made.stderr
-        agent = json.loads(made.stdout)["id"]
+        agent = json.loads(made.stdout)["agent_id"]
         backup = run_cli(data, "backup", "now", "--json")
         assert backup.returncode == 0, backup.stderr
         joined.send_signal(signal.SIGTERM)

@@ -207,7 +207,7 @@ async def test_ca_rollover_renews_online_and_offline_machines_then_retires(
     # a's daemon never restarted: its backups follow the renewal and the rollover
     # (before: "certificate not issued by this control plane" until a restart).
     made = _machine_json(a.data_dir, "backup", "now")
-    assert str(made["id"]).startswith("bk_"), made
+    assert str(made["backup_id"]).startswith("bk_"), made
 
     # After a restart (the home holds the new CA only) both come back by themselves.
     stop_serve(cp)
@@ -239,8 +239,9 @@ async def test_keys_lost_adopt_and_re_pair_keep_id_agents_backups_and_queue(
     await _until(m.joined, 15, "joined")
     machine_id = identity.load_link(m.data_dir).machine_id
     await _until(lambda: _online(cp, machine_id), 10, "online")
-    agent = str(_machine_json(m.data_dir, "agent", "create", "a", "--folder", str(tmp_path))["id"])
-    first_backup = _machine_json(m.data_dir, "backup", "now")["id"]
+    made = _machine_json(m.data_dir, "agent", "create", "a", "--folder", str(tmp_path))
+    agent = str(made["agent_id"])
+    first_backup = _machine_json(m.data_dir, "backup", "now")["backup_id"]
     m.stop()
     await _until(lambda: _offline(cp, machine_id), 5, "offline")
     sent = cp.cli("prompt", "send", "--machine", machine_id, "--agent", agent, "--text", "hi")
@@ -274,10 +275,10 @@ async def test_keys_lost_adopt_and_re_pair_keep_id_agents_backups_and_queue(
         # The queued prompt, sealed to the box key the machine kept, is delivered.
         await _until(lambda: any(r[1] == "hi" for r in _runs(m.data_dir)), 20, "prompt ran")
         agents = _machine_json(m.data_dir, "agent", "list")["agents"]
-        assert isinstance(agents, list) and [a["id"] for a in agents] == [agent]
+        assert isinstance(agents, list) and [a["agent_id"] for a in agents] == [agent]
         after = _machine_json(m.data_dir, "backup", "list")["backups"]
         assert isinstance(after, list) and len(after) == 2  # the old one and a fresh one
-        assert first_backup in {b["id"] for b in after}
+        assert first_backup in {b["backup_id"] for b in after}
         async with admin(adopted) as client:
             listed = await client.list_machines(account)
         assert [x.machine_id for x in listed] == [machine_id]

@@ -94,7 +94,7 @@ def _export_contents(data: Path, agents: list[str], dest: Path) -> dict[str, byt
 
 def _backup_ids(data: Path, *extra: str) -> list[str]:
     listed = json.loads(_ok(run_cli(data, "--json", "backup", "list", *extra)))
-    return [b["id"] for b in listed.get("backups", [])]
+    return [b["backup_id"] for b in listed.get("backups", [])]
 
 
 def _agents(data: Path) -> list[dict[str, object]]:
@@ -223,8 +223,8 @@ def test_restore_on_a_fresh_daemon_with_the_recovery_key(
         )  # fmt: skip
         assert f"restored {len(agents)} agents" in restored
         listed = _agents(data)
-        assert sorted(str(a["id"]) for a in listed) == sorted(agents)
-        assert all(a.get("archived") or a.get("state") == "AGENT_STATE_ARCHIVED" for a in listed)
+        assert sorted(str(a["agent_id"]) for a in listed) == sorted(agents)
+        assert all(a["state"] == "archived" for a in listed), listed
         after = _export_contents(data, agents, tmp_path / "after.tar.gz")
         assert after == before
         # Restoring again skips them all.
@@ -300,7 +300,7 @@ def test_keep_two_prunes_the_oldest(tmp_path: Path, machine_proc: MakeProc) -> N
         for n in range(3):
             _ok(run_cli(data, "agent", "prompt", agents[0], f"change {n}"))
             made.append(_ok(run_cli(data, "--json", "backup", "now")))
-        ids = [json.loads(m)["id"] for m in made]
+        ids = [json.loads(m)["backup_id"] for m in made]
         assert json.loads(made[2])["pruned"] == [ids[0]]
         assert _backup_ids(data) == [ids[2], ids[1]]
         for backup_id in ids[1:]:
@@ -476,7 +476,7 @@ def test_sigkill_in_a_prune_that_repacks_leaves_both_kept_backups_restorable(
     contents: dict[str, dict[str, bytes]] = {}
     with proc:
         _big_agents(proc.target, work, agents=40, prompt_bytes=4_000, varied=True)
-        agents = sorted(str(a["id"]) for a in _agents(data))
+        agents = sorted(str(a["agent_id"]) for a in _agents(data))
         key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
         key_file.chmod(0o600)  # kept private, as its advice says
         for turn in (1, 2):
@@ -539,7 +539,7 @@ def test_sigkill_during_a_restore_or_an_import_leaves_nothing_and_it_runs_again_
     with proc:
         agents = _populate(data, work, agents=1)
         _big_agents(proc.target, work, agents=10, prompt_bytes=1_000_000, varied=True)
-        agents = [str(a["id"]) for a in _agents(data)]
+        agents = [str(a["agent_id"]) for a in _agents(data)]
         key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
         key_file.chmod(0o600)  # kept private, as its advice says
         _ok(run_cli(data, "backup", "now", timeout=120))
@@ -592,7 +592,7 @@ def test_sigkill_while_a_restores_histories_load_resumes_at_the_next_start(
         _populate(data, work, agents=1)
         # About 1 MB packed each: a few agents per load transaction.
         _big_agents(proc.target, work, agents=10, prompt_bytes=1_000_000, varied=True)
-        agents = [str(a["id"]) for a in _agents(data)]
+        agents = [str(a["agent_id"]) for a in _agents(data)]
         key_file.write_text(_ok(run_cli(data, "backup", "recovery-key")))
         key_file.chmod(0o600)
         _ok(run_cli(data, "backup", "now", timeout=120))
@@ -622,7 +622,7 @@ def test_sigkill_while_a_restores_histories_load_resumes_at_the_next_start(
     with proc:
         # The start resumes the load in the background: the pack goes once all is in.
         poll_until(lambda: not pack.exists(), deadline=60, what="the restart loading the rest")
-        assert sorted(str(a["id"]) for a in _agents(data)) == sorted(agents)
+        assert sorted(str(a["agent_id"]) for a in _agents(data)) == sorted(agents)
         assert _export_contents(data, agents, tmp_path / "after.tar.gz") == before
 
 

@@ -152,7 +152,7 @@ def test_prometheus_scrapes_both_daemons(cp: ControlProc, tmp_path: Path) -> Non
             res = run_cli(data_dir, "agent", "create", "echo-1", "--folder", str(work), "--json")
             assert res.returncode == 0, res.stderr
             created = json.loads(res.stdout)
-            agent_id = (created.get("agent") or created)["id"]
+            agent_id = (created.get("agent") or created)["agent_id"]
             res = run_cli(data_dir, "agent", "prompt", agent_id, "hello metrics")
             assert res.returncode == 0, res.stderr
             assert "hello metrics" in res.stdout

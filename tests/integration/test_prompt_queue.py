@@ -166,9 +166,9 @@ async def test_queued_prompts_run_once_in_order_and_survive_a_control_plane_cras
             for name in ("a", "b"):
                 made = run_cli(data, "agent", "create", name, "--folder", str(tmp_path), "--json")
                 assert made.returncode == 0, made.stderr
-                agents.append(json.loads(made.stdout)["id"])
+                agents.append(json.loads(made.stdout)["agent_id"])
             made = run_cli(data, "agent", "create", "c", "--folder", str(tmp_path), "--json")
-            archived = json.loads(made.stdout)["id"]
+            archived = json.loads(made.stdout)["agent_id"]
             assert run_cli(data, "agent", "archive", archived).returncode == 0
             joined.send_signal(signal.SIGTERM)
             assert joined.wait(timeout=DEADLINE) == 0
@@ -308,7 +308,7 @@ async def test_a_machine_killed_after_recording_a_prompt_before_its_ack_runs_it_
             await _online(client, machine_id, True)
             made = run_cli(data, "agent", "create", "a", "--folder", str(tmp_path), "--json")
             assert made.returncode == 0, made.stderr
-            agent = json.loads(made.stdout)["id"]
+            agent = json.loads(made.stdout)["agent_id"]
             joined.send_signal(signal.SIGTERM)
             assert joined.wait(timeout=DEADLINE) == 0
             await _online(client, machine_id, False)

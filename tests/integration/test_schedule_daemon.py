@@ -101,7 +101,7 @@ def test_schedule_fires_survive_sigkill_neither_lost_nor_repeated(
         data, "schedule", "add", agent, "--cron", "* * * * *", "--text", "tick", "--missed", "once"
     ).strip()
     listed = json.loads(cli_ok(data, "--json", "schedule", "list", agent))["schedules"]
-    assert [(s["id"], s["enabled"], s["missed"]) for s in listed] == [(sid, True, "once")]
+    assert [(s["schedule_id"], s["enabled"], s["missed"]) for s in listed] == [(sid, True, "once")]
 
     # Two fires recorded, then SIGKILL the moment a third is.
     poll_until(lambda: len(fires(data, sid)) >= 2, deadline=DEADLINE, what="two fires")

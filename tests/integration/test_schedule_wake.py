@@ -126,7 +126,7 @@ async def test_stopped_machine_is_started_for_its_schedule(tmp_path: Path, cp: C
             machine_id = await apoll_until(joined_id, deadline=DEADLINE, what="joined")
             made = run_cli(data, "agent", "create", "w", "--folder", str(tmp_path), "--json")
             assert made.returncode == 0, made.stderr
-            agent = json.loads(made.stdout)["id"]
+            agent = json.loads(made.stdout)["agent_id"]
             added = run_cli(data, "schedule", "add", agent, "--cron", "* * * * *", "--text", "tick")
             assert added.returncode == 0, added.stderr
 

@@ -168,7 +168,7 @@ async def test_keyed_prompts_resent_after_errors_run_once_in_order(
             await _online(client, machine_id, True)
             made = run_cli(data, "agent", "create", "a", "--folder", str(tmp_path), "--json")
             assert made.returncode == 0, made.stderr
-            agent = json.loads(made.stdout)["id"]
+            agent = json.loads(made.stdout)["agent_id"]
             _stop(joined)
             await _online(client, machine_id, False)
 
@@ -290,7 +290,7 @@ async def test_backups_reported_made_verify_and_none_reported_failed_exists(
         for n in range(3):
             made = run_cli(data, "agent", "create", f"a{n}", "--folder", str(tmp_path), "--json")
             assert made.returncode == 0, made.stderr
-            agents.append(json.loads(made.stdout)["id"])
+            agents.append(json.loads(made.stdout)["agent_id"])
 
         proxy.flaky(RATE, seed=2)
         made_ids: list[str] = []
@@ -303,7 +303,7 @@ async def test_backups_reported_made_verify_and_none_reported_failed_exists(
                 res = run_cli(data, "--json", "backup", "now", timeout=120)
                 assert "Traceback" not in res.stderr, res.stderr
                 if res.stdout.strip():  # reported made (exit 1 if its check failed)
-                    made_ids.append(json.loads(res.stdout)["id"])
+                    made_ids.append(json.loads(res.stdout)["backup_id"])
                     assert res.returncode == 0, res.stderr  # the check survives lost answers
                     break
                 # Reported failed: one line, exit 1, and no backup id.
@@ -334,7 +334,7 @@ async def test_backups_reported_made_verify_and_none_reported_failed_exists(
         else:
             raise AssertionError("the backups were never listed")
         listed = json.loads(res.stdout)
-        assert {b["id"] for b in listed["backups"]} == manifests
+        assert {b["backup_id"] for b in listed["backups"]} == manifests
         for backup_id in made_ids[-KEEP:]:
             for _ in range(BACKUP_TRIES):
                 verify = run_cli(data, "backup", "verify", backup_id, timeout=120)
@@ -348,7 +348,7 @@ async def test_backups_reported_made_verify_and_none_reported_failed_exists(
         # which no listing shows) goes with the next backup's prune.
         proxy.flaky(0)
         last = json.loads(_ok_machine(run_cli(data, "--json", "backup", "now", timeout=120)))
-        made_ids.append(last["id"])
+        made_ids.append(last["backup_id"])
         manifests, names = _backup_ids_in_bucket(moto_endpoint, s3_bucket)
         assert manifests == names == set(made_ids[-KEEP:]), (manifests, names, made_ids)
     finally:

@@ -155,7 +155,8 @@ def test_times_are_aware_utc_and_unset_ones_none() -> None:
     m = Machine.from_pb(_machine())
     assert m.joined_at == WHEN and m.joined_at is not None and m.joined_at.tzinfo == dt.UTC
     assert m.next_wake_at == LATER
-    assert rfc3339(m.joined_at) == "2026-03-04T03:06:07.891011Z"
+    # To the second (docs/cli-json.md): the microseconds are cut, not rounded.
+    assert rfc3339(m.joined_at) == "2026-03-04T03:06:07Z"
     never = Machine.from_pb(pb.Machine(machine_id="mc_1"))
     # An unset Timestamp reads as 1970 in protobuf; here it is "never".
     assert never.last_seen_at is None and never.next_fire_at is None

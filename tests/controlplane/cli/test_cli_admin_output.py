@@ -4,8 +4,10 @@ the server's messages say (the --json shape scripts parse), against one in-proce
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ from shared.cli import message_dict
 from shared.errors import NotFound
 from shared.ids import new_id
 from shared.pb.control.v1 import admin_pb2
+from tests.helpers.json_style import assert_json_style, assert_listing
 
 
 @dataclass
@@ -118,6 +121,15 @@ async def test_admin_verbs_print_what_the_server_answered(
     out, _ = await _cli(capsys, daemon, "machine", "list", "--json")
     assert json.loads(out) == machines == {"machines": []}
 
+    # Every listing is {"<things>": [...]} in the one style (docs/cli-json.md), with
+    # --json before the command as after the verb (as agents-machine takes it).
+    for words, key in ((["account", "list"], "accounts"), (["token", "list"], "tokens")):
+        first, _ = await _cli(capsys, daemon, "--json", *words)
+        last, _ = await _cli(capsys, daemon, *words, "--json")
+        assert first == last and assert_listing(json.loads(first), key)
+    assert_json_style(shown)
+    assert_json_style(token)
+
     # A deletion, watched to the end: the last read is the server's record.
     out, _ = await _cli(capsys, daemon, "account", "delete", acct, "--wait", "--json")
     done = json.loads(out)
@@ -135,3 +147,33 @@ async def test_a_refusal_is_the_domain_error_with_the_grpc_error_as_cause(
             await client.get_account(new_id("account"))
     assert isinstance(info.value.__cause__, grpc.aio.AioRpcError)
     assert info.value.__cause__.code() == grpc.StatusCode.NOT_FOUND
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal: what is written to it is kept."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+async def test_delete_wait_shows_a_spinner_on_a_terminal_only_without_json(
+    daemon: Daemon, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = []
+    for n, flags in enumerate(([], ["--json"])):
+        out, _ = await _cli(
+            capsys, daemon, "account", "create", "--github-id", str(10 + n), "--github-login",
+            f"u{n}", "--json",
+        )  # fmt: skip
+        acct = json.loads(out)["account_id"]
+        terminal = _Terminal()
+        with monkeypatch.context() as patch:
+            patch.setattr(sys, "stderr", terminal)
+            code = await asyncio.to_thread(
+                main, daemon.argv("account", "delete", acct, "--wait", *flags)
+            )
+        assert code == 0, terminal.getvalue()
+        assert "deleted" in capsys.readouterr().out  # the reply, on stdout
+        seen.append(terminal.getvalue())
+    assert "deleting acct_" in seen[0]
+    assert seen[1] == ""  # --json: nothing on stderr, even at a terminal
