@@ -89,8 +89,8 @@ def test_a_stand_alone_machine_backs_up_to_a_bucket_that_never_holds_its_keys(
             key_file.chmod(0o600)
             made = _ok(run_cli(data, "backup", "now"))
             listed = json.loads(_ok(run_cli(data, "--json", "backup", "list")))["backups"]
-            assert len(listed) == 1 and listed[0]["id"] in made
-            backup_id = listed[0]["id"]
+            assert len(listed) == 1 and listed[0]["backup_id"] in made
+            backup_id = listed[0]["backup_id"]
             assert "ok" in _ok(run_cli(data, "backup", "verify", backup_id))
             before = _conversations(data, agent, tmp_path / "before.tar.gz")
             assert any(b"remember the bucket words" in v for v in before.values())
