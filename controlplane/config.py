@@ -166,6 +166,12 @@ class ControlConfig:
     wait (controlplane.integrity.clock)."""
     clock_check_seconds: float = 60.0
     """How often our clock is compared with the store's."""
+    intent_recheck_seconds: float = 30.0
+    """Seconds before the self-check asks again about an abandoned change whose
+    roll-back said wait (a held join within ``join_confirm_grace``): how much later
+    than its grace a roll-back may come (controlplane.integrity.intents.WAIT_RECHECK).
+    ``config.toml`` only; tests that wait for a roll-back after a short grace
+    shorten it, so it comes within a second of the grace, not 30 s after it."""
     notify: NotifyConfig = field(default_factory=NotifyConfig)
     """systemd's notify socket and watchdog (``$NOTIFY_SOCKET``, ``$WATCHDOG_USEC``,
     ``$WATCHDOG_PID``, set for a ``Type=notify`` unit): ``serve`` sends READY,
@@ -233,6 +239,8 @@ class ControlConfig:
             raise ConfigError("clock_skew_bound_seconds", "must be between 2 and 86400 seconds")
         if not 0.1 <= self.clock_check_seconds <= 3600:
             raise ConfigError("clock_check_seconds", "must be between 0.1 and 3600 seconds")
+        if not 0.1 <= self.intent_recheck_seconds <= 3600:
+            raise ConfigError("intent_recheck_seconds", "must be between 0.1 and 3600 seconds")
         check_level(self.log_level)
         check_format(self.log_format)
         self.notify.validate()
@@ -291,6 +299,7 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "store_retry_seconds": (int, float),
     "clock_skew_bound_seconds": (int, float),
     "clock_check_seconds": (int, float),
+    "intent_recheck_seconds": (int, float),
 }
 
 
@@ -414,6 +423,7 @@ def load_config(
             "clock_skew_bound_seconds", None, d.clock_skew_bound_seconds, float
         ),
         clock_check_seconds=get("clock_check_seconds", None, d.clock_check_seconds, float),
+        intent_recheck_seconds=get("intent_recheck_seconds", None, d.intent_recheck_seconds, float),
         notify=NotifyConfig.from_env(env, os.getpid()),
         store_overrides=_store_overrides(flags, env),
         crash_in_migrate_after=_test_count(env, "AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER"),

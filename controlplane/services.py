@@ -42,7 +42,7 @@ class Services:
         self.keyring = keyring if keyring is not None else KeyRing(keys)
         self.auditor = Auditor(store)
         # One intent log for every multi-object change (controlplane.integrity.intents).
-        self.intents = Intents(store)
+        self.intents = Intents(store, recheck=cfg.intent_recheck_seconds)
         # Records found older than their markers (controlplane.integrity.replays).
         replays = ReplayLog(on_replay)
         self.accounts = AccountService(store, self.auditor, intents=self.intents, replays=replays)

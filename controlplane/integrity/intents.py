@@ -36,9 +36,10 @@ The self-check calls :meth:`Intents.recover_if_due` at every tick. What it
 costs does not grow with the intents left waiting (a burst of joins holds one
 per machine until it connects): an intent record never changes, so each is
 read once; one whose resolver said wait is asked again only after
-:data:`WAIT_RECHECK` seconds; and intents/ is listed again only when this
-process began or abandoned one since (it is the store's only writer: fenced),
-when a waiting one is due, or every :data:`QUIET_RECHECK` seconds.
+:data:`WAIT_RECHECK` seconds (config ``intent_recheck_seconds``); and intents/
+is listed again only when this process began or abandoned one since (it is the
+store's only writer: fenced), when a waiting one is due, or every
+:data:`QUIET_RECHECK` seconds.
 """
 
 from __future__ import annotations
@@ -123,8 +124,10 @@ class Intents:
         clock: Clock = utc_now,
         *,
         monotonic: Callable[[], float] = time.monotonic,
+        recheck: float = WAIT_RECHECK,
     ) -> None:
         self._store = store
+        self._recheck = recheck
         self._clock = clock
         self._monotonic = monotonic
         self._resolvers: dict[str, Resolver] = {}
@@ -189,7 +192,7 @@ class Intents:
         self._active.discard(intent.intent_id)
         self._handed_over.add(intent.intent_id)
         # Just begun, so nothing to roll back yet: asked like one that said wait.
-        self._recheck_at[intent.intent_id] = self._monotonic() + WAIT_RECHECK
+        self._recheck_at[intent.intent_id] = self._monotonic() + self._recheck
 
     @contextlib.asynccontextmanager
     async def change(
@@ -294,7 +297,7 @@ class Intents:
                 # Unless it was committed while its resolver ran (a machine connected):
                 # a recheck of nothing would be due for ever, a listing every tick.
                 if intent.intent_id in self._read:
-                    self._recheck_at[intent.intent_id] = self._monotonic() + WAIT_RECHECK
+                    self._recheck_at[intent.intent_id] = self._monotonic() + self._recheck
         self._listed_at = listed_at
         return done
 

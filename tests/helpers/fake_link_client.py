@@ -556,11 +556,22 @@ class FakeControlPlane:
         return Renewed(issued.cert_pem.decode(), self.ca.cert_pem.decode())
 
 
+#: An HTTP/2 SETTINGS frame with no settings (length 0, type 4, no flags, stream
+#: 0): the first thing a gRPC server sends on a new connection.
+_EMPTY_H2_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
 @contextlib.asynccontextmanager
-async def serve_pin_check(ca: tls.CertKey, *, with_ca: bool = True) -> AsyncIterator[str]:
+async def serve_pin_check(
+    ca: tls.CertKey, *, with_ca: bool = True, speaks_first: bool = True
+) -> AsyncIterator[str]:
     """A bare TLS listener presenting a server certificate of ``ca``; its address.
 
     ``with_ca=False`` leaves the CA out of the chain (a misconfigured server).
+    Like the control plane's public port it sends an HTTP/2 SETTINGS frame after
+    the handshake, which tells the pin check it is not the link port at once;
+    ``speaks_first=False`` stays silent instead (a proxy that waits for the
+    client), which the pin check waits out (machine.link.join._HANGUP_WAIT, 2 s).
     """
     server_cert = tls.issue_server_cert(ca)
     chain = server_cert.cert_pem + (ca.cert_pem if with_ca else b"")
@@ -574,6 +585,9 @@ async def serve_pin_check(ca: tls.CertKey, *, with_ca: bool = True) -> AsyncIter
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # The join's pin check only shakes hands and hangs up.
         with contextlib.suppress(OSError, ssl.SSLError):
+            if speaks_first:
+                writer.write(_EMPTY_H2_SETTINGS)
+                await writer.drain()
             await reader.read()
         writer.close()
         with contextlib.suppress(OSError, ssl.SSLError):

@@ -59,6 +59,10 @@ pytestmark = pytest.mark.integration
 HEARTBEAT = 0.3
 #: Seconds a joined machine has to connect before its join is rolled back.
 CONFIRM_GRACE = 3.0
+#: Seconds before the self-check asks again about a held join (config
+#: intent_recheck_seconds, 30 by default): a trial waits for the roll-back, which
+#: comes within this of CONFIRM_GRACE.
+INTENT_RECHECK = 0.5
 MAX_WRITES = 12
 MACHINE_EXE = Path(sys.executable).parent / "agents-machine"
 #: Where the control plane keeps its intents in the bucket (store URL s3://bucket/cp).
@@ -77,6 +81,8 @@ def cp(tmp_path: Path, proxy: CrashProxy, s3_bucket: str) -> Iterator[ControlPro
     running = run_init(
         tmp_path / "home", f"s3://{s3_bucket}/cp", env, ["--heartbeat-interval", str(HEARTBEAT)]
     )
+    with (running.home / "config.toml").open("a") as f:
+        f.write(f"intent_recheck_seconds = {INTENT_RECHECK}\n")
     try:
         start_serve(running)
         yield running

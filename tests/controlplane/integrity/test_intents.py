@@ -151,6 +151,34 @@ async def test_the_self_check_lists_intents_only_when_something_may_have_changed
     assert reads[0] == 1  # every record read once at most, ours never
 
 
+async def test_a_waiting_intent_is_asked_again_after_the_configured_recheck() -> None:
+    """``recheck`` (config intent_recheck_seconds) replaces WAIT_RECHECK: a held
+    change and one an earlier process left are asked again that long after they
+    said wait, not before."""
+    store, rolled = MemoryStore(), []  # type: list[str]
+    crashed = _intents(store, Clock(T0), rolled, verdict=False)
+    left = await crashed.begin("demo", thing="left")
+    ticks = [0.0]
+    intents = Intents(store, Clock(T0), monotonic=lambda: ticks[0], recheck=0.5)
+    asked: list[str] = []
+
+    async def wait(intent: Intent, age: float) -> bool:
+        asked.append(intent.intent_id)
+        return False
+
+    intents.register("demo", wait)
+    await intents.recover()  # at start: asked once, it says wait
+    async with intents.change("demo", hold=True, thing="held") as held:
+        pass
+    assert asked == [left.intent_id]
+    ticks[0] = 0.4
+    await intents.recover_if_due(every=3600)
+    assert asked == [left.intent_id]  # neither is due yet
+    ticks[0] = 0.5
+    await intents.recover_if_due(every=3600)
+    assert sorted(asked) == sorted([left.intent_id, left.intent_id, held.intent_id])
+
+
 async def test_an_intent_committed_while_its_resolver_ran_leaves_no_recheck() -> None:
     """A held join confirmed (committed) while recovery asked its resolver: the
     resolver's "wait" must not leave a recheck of nothing behind, which would be

@@ -234,6 +234,18 @@ async def test_join_writes_private_identity(control: FakeControlPlane, tmp_path:
     assert "PRIVATE" not in (data_dir / identity.LINK_FILE).read_text()
 
 
+async def test_a_server_that_waits_for_the_client_to_speak_is_not_taken_for_the_link_port(
+    control: FakeControlPlane, ca: tls.CertKey, tmp_path: Path
+) -> None:
+    """A proxy in front of the public port may stay silent after the handshake
+    (the control plane itself sends its HTTP/2 settings at once): the pin check
+    waits a moment for a hang-up, and a silence is no hang-up."""
+    async with serve_pin_check(ca, speaks_first=False) as silent:
+        control.public_address = silent
+        result = await _join(control, tmp_path / "data")
+    assert result.account_id == control.account_id and len(control.joined) == 1
+
+
 async def test_wrong_pin_is_refused_before_join(control: FakeControlPlane, tmp_path: Path) -> None:
     other = tls.ca_hash(tls.make_ca().cert_pem)
     with pytest.raises(IntegrityError) as info:
