@@ -202,9 +202,22 @@ def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDu
     return dump_agent_to(conn, agent_id, open_file)
 
 
-def dump_agent_to(conn: sqlite3.Connection, agent_id: str, files: AgentFiles) -> AgentDump:
+def dump_agent_to(
+    conn: sqlite3.Connection, agent_id: str, files: AgentFiles, *, since_seq: int = 0
+) -> AgentDump:
     """Write ``agent_id``'s export files to ``files(name)`` (opened for writing, in
-    :data:`AGENT_FILES` order); return its record. Call it inside one read job."""
+    :data:`AGENT_FILES` order); return its record. Call it inside one read job.
+
+    With ``since_seq`` the files are a *delta* (a continuous backup's increment,
+    docs/backups.md): the conversation holds only the events after that seq, and
+    the summaries and tool log only the rows of the runs those events belong to,
+    whole (a tool call started before and ended after is one row, its newest).
+    The record and the schedules are whole: they are small, and a delta merged
+    onto the agent's earlier files (:mod:`machine.formats.backup_delta`) then
+    gives exactly what a whole dump at the same time gives.
+    """
+    if since_seq < 0:
+        raise ValueError("since_seq is a sequence number: 0 or more")
     row = conn.execute("SELECT * FROM agents WHERE id = ?", (agent_id,)).fetchone()
     if row is None:
         raise NotFound("agent", agent_id)
@@ -230,21 +243,32 @@ def dump_agent_to(conn: sqlite3.Connection, agent_id: str, files: AgentFiles) ->
             json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
         )
     events = conn.execute(
-        "SELECT seq, run_id, kind, payload_json, time FROM events WHERE agent_id = ? ORDER BY seq",
-        (agent_id,),
+        "SELECT seq, run_id, kind, payload_json, time FROM events WHERE agent_id = ?"
+        " AND seq > ? ORDER BY seq",
+        (agent_id, since_seq),
     )
     with files("conversation.jsonl") as f:
         _conversation(f, events)
+    # A delta's rows: those of the runs its events belong to (summaries and the
+    # tool log are written in the transactions that append those events).
+    runs = (
+        " AND run_id IN (SELECT DISTINCT run_id FROM events WHERE agent_id = ? AND seq > ?)"
+        if since_seq
+        else ""
+    )
+    run_args: tuple[Any, ...] = (agent_id, since_seq) if since_seq else ()
     summaries = conn.execute(
-        "SELECT run_id, text, created_at FROM summaries WHERE agent_id = ? ORDER BY run_id",
-        (agent_id,),
+        "SELECT run_id, text, created_at FROM summaries WHERE agent_id = ?"
+        + runs
+        + " ORDER BY run_id",
+        (agent_id, *run_args),
     )
     with files("summaries.jsonl") as f:
         _lines(f, (dict(s) for s in summaries))
     tools = conn.execute(
         "SELECT run_id, call_id, title, tool_kind, input_json, status, output, started_at,"
-        " ended_at FROM tool_log WHERE agent_id = ? ORDER BY id",
-        (agent_id,),
+        " ended_at FROM tool_log WHERE agent_id = ?" + runs + " ORDER BY id",
+        (agent_id, *run_args),
     )
     with files("tools.jsonl") as f:
         _lines(f, (dict(t) for t in tools))
