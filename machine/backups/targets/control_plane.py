@@ -31,7 +31,7 @@ from machine.link.client import LinkClient
 from machine.link.clock import handshake_clock_problem
 from machine.storage.db import Database
 from shared.atomic import ensure_private_dir
-from shared.backup_target import MAX_LINK_MANIFEST, ManifestInfo, PruneResult
+from shared.backup_target import MAX_LINK_MANIFEST, ManifestInfo, PruneResult, backup_order
 from shared.crypto import BoxKeyPair
 from shared.errors import (
     AgentsError,
@@ -154,7 +154,7 @@ class ControlPlaneTarget:
         # The link lists newest first; the target contract is oldest first.
         return sorted(
             (ManifestInfo(e.backup_id, e.manifest_size) for e in entries),
-            key=lambda m: m.backup_id,
+            key=lambda m: backup_order(m.backup_id),
         )
 
     async def get_manifest(self, backup_id: str) -> bytes:

@@ -48,6 +48,8 @@ __all__ = [
     "load_agent",
     "load_agent_files",
     "load_history",
+    "marker_seq",
+    "usage_rows_since",
     "insert_record",
     "parse_record",
     "set_attachment_size",
@@ -116,6 +118,12 @@ def agent_markers(conn: sqlite3.Connection) -> list[tuple[str, str]]:
     ]
 
 
+def marker_seq(marker: str) -> int:
+    """The last seq an :func:`agent_markers` marker was taken at (its first field)."""
+    head = marker.partition(":")[0]
+    return int(head) if head.isdigit() else 0
+
+
 def existing_agents(conn: sqlite3.Connection, ids: Iterable[str]) -> set[str]:
     """Which of ``ids`` are agents on this machine already."""
     return present(conn, "agents", "id", ids)
@@ -146,6 +154,21 @@ def usage_rows(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     """The usage and time history: one row per run (prompts are in the conversations)."""
     fields = [f for f in _RUN_FIELDS if f not in ("prompt", "attachments_json")]
     rows = conn.execute(f"SELECT {', '.join(fields)} FROM runs ORDER BY created_at, id")
+    return [dict(zip(fields, tuple(r), strict=True)) for r in rows]
+
+
+def usage_rows_since(
+    conn: sqlite3.Connection, agent_id: str, since_seq: int
+) -> list[dict[str, Any]]:
+    """The usage rows (:func:`usage_rows`) of the runs of ``agent_id``'s events
+    after ``since_seq``: those of a delta dumped from there."""
+    fields = [f for f in _RUN_FIELDS if f not in ("prompt", "attachments_json")]
+    rows = conn.execute(
+        f"SELECT {', '.join(fields)} FROM runs WHERE id IN"
+        " (SELECT DISTINCT run_id FROM events WHERE agent_id = ? AND seq > ?)"
+        " ORDER BY created_at, id",
+        (agent_id, since_seq),
+    )
     return [dict(zip(fields, tuple(r), strict=True)) for r in rows]
 
 

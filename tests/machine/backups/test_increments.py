@@ -1,0 +1,195 @@
+"""Continuous backups through a real machine: increments of what changed, restored
+to a time byte-equal; idle ships nothing; a broken chain is refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tarfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from machine.app import Machine, open_machine
+from machine.backups.engine import BackupEngine
+from machine.backups.restore import restore_fetched
+from machine.backups.source import DatabaseBackupSource
+from machine.backups.transfer import export_agents
+from machine.config import MachineConfig
+from machine.models import EventKind
+from shared.backup_target import StoreTarget
+from shared.crypto import BoxKeyPair
+from shared.errors import IntegrityError
+from shared.store.memory import MemoryStore
+
+DEADLINE = 10.0
+
+
+class CountingStore(MemoryStore):
+    """A memory store counting every request made of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = 0
+
+    async def get(self, key: str) -> bytes:
+        self.requests += 1
+        return await super().get(key)
+
+    def get_stream(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        self.requests += 1
+        return super().get_stream(key, *args, **kwargs)
+
+    async def head(self, key: str) -> Any:
+        self.requests += 1
+        return await super().head(key)
+
+    async def put(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        self.requests += 1
+        return await super().put(key, *args, **kwargs)
+
+    async def delete(self, key: str) -> None:
+        self.requests += 1
+        await super().delete(key)
+
+    def list_pages(self, *args: Any, **kwargs: Any) -> Any:
+        self.requests += 1
+        return super().list_pages(*args, **kwargs)
+
+
+def _config(root: Path) -> MachineConfig:
+    return MachineConfig(
+        data_dir=root, background_loops=False, shutdown_grace_seconds=0, prompt_limit=4096
+    ).validate()
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def _prompt(m: Machine, agent: str, text: str, attachments: list[str] = []) -> None:  # noqa: B006
+    async def run() -> None:
+        stream = await m.runs.prompt(agent, text, attachments)
+        async for ev in stream:
+            if ev.kind is EventKind.PERMISSION_REQUEST:
+                await m.runs.answer(ev.run_id, ev.payload["request_id"], "allow_once")
+
+    await asyncio.wait_for(run(), DEADLINE)
+
+
+async def _export(m: Machine, agents: list[str], dest: Path) -> dict[str, bytes]:
+    await export_agents(
+        m.db, agents, dest, machine_id=m.ids.canonical,
+        attachments_dir=m.config.attachments_dir, now=1.0,
+    )  # fmt: skip
+    out: dict[str, bytes] = {}
+    with tarfile.open(dest) as tar:
+        for member in tar:
+            f = tar.extractfile(member)
+            if f is not None and not member.name.endswith(("record.json", "manifest.json")):
+                out[member.name] = f.read()
+    return out
+
+
+def _engine(m: Machine, store: MemoryStore, work: Path, key: BoxKeyPair) -> BackupEngine:
+    return BackupEngine(
+        DatabaseBackupSource(m.db, m.config.attachments_dir, work),
+        StoreTarget(store),
+        machine_id=m.ids.canonical,
+        naming_key=b"n" * 32,
+        recipients=[key.public_key],
+        keypair=key,
+        work_dir=work,
+    )
+
+
+async def _restore(new: Machine, engine: BackupEngine, dest: Path, at: float | None = None) -> Any:
+    chain = await engine.chain_at(at)
+    fetched = await engine.fetch_chain(chain, dest)
+    return await restore_fetched(
+        new.db, fetched, attachments_dir=new.config.attachments_dir, erased=set()
+    )
+
+
+async def test_increments_restore_byte_equal_and_idle_ships_nothing(tmp_path: Path) -> None:
+    key, store = BoxKeyPair.generate(), CountingStore()
+    async with open_machine(_config(tmp_path / "old")) as old:
+        a = (await old.agents.create(name="a", folder=str(tmp_path))).id
+        b = (await old.agents.create(name="b", folder=str(tmp_path))).id
+        gone = (await old.agents.create(name="gone", folder=str(tmp_path))).id
+        for agent in (a, b, gone):
+            for i in range(5):
+                await _prompt(old, agent, f"before the point {i} " + "long text " * 200)
+        engine = _engine(old, store, tmp_path / "work", key)
+        point = await engine.backup_now()
+        at_point = await _export(old, [a, b], tmp_path / "p.tar.gz")
+
+        before = store.requests
+        assert await engine.increment_now() is None
+        assert store.requests == before, "an idle interval makes no store request"
+
+        await _prompt(old, a, "/tool ls MARKER-TOOL")
+        data = b"an attachment MARKER-ATT " * 100
+        rec = await old.attachments.upload(
+            agent_id=b, file_name="f.txt", declared_size=len(data), chunks=_chunks(data)
+        )
+        await _prompt(old, b, "with a file", [rec.sha256])
+        c = (await old.agents.create(name="c", folder=str(tmp_path))).id
+        await _prompt(old, c, "a new agent")
+        await old.agents.archive(gone)
+        await old.require_erasure().delete(gone)
+        first = await engine.increment_now()
+        assert first is not None and first.backup_id.startswith("bki_")
+        # About the prompts' own events, not the conversations.
+        assert first.uploaded_bytes < point.uploaded_bytes / 2
+
+        await _prompt(old, a, "after the first increment ü ☃")
+        await old.agents.rename(b, "b renamed")
+        second = await engine.increment_now()
+        assert second is not None and second.agents == 2
+        assert await engine.increment_now() is None
+        final = await _export(old, [a, b, c], tmp_path / "f.tar.gz")
+
+    async with open_machine(_config(tmp_path / "new")) as new:
+        result = await _restore(new, engine, tmp_path / "fetch")
+        assert sorted(result.restored) == sorted([a, b, c]), "the deleted agent stays out"
+        assert await _export(new, [a, b, c], tmp_path / "after.tar.gz") == final
+        assert (await new.agents.get(b)).name == "b renamed"
+    # To the point's time: the point alone.
+    async with open_machine(_config(tmp_path / "at")) as at:
+        result = await _restore(at, engine, tmp_path / "fetch2", point.created_at)
+        assert sorted(result.restored) == sorted([a, b, gone])
+        assert await _export(at, [a, b], tmp_path / "at.tar.gz") == at_point
+    # The prune keeps the increments with their point; a new point drops neither yet.
+    chains = await engine.chains()
+    assert [i.backup_id for i in chains[point.backup_id].increments] == [
+        first.backup_id, second.backup_id,
+    ]  # fmt: skip
+    verified = await engine.verify_chain(chains[point.backup_id])
+    assert verified.segments >= point.segments + first.segments + second.segments
+
+
+async def test_a_broken_chain_is_refused_naming_the_increment(tmp_path: Path) -> None:
+    key, store = BoxKeyPair.generate(), MemoryStore()
+    work = tmp_path / "work"
+    async with open_machine(_config(tmp_path / "old")) as old:
+        a = (await old.agents.create(name="a", folder=str(tmp_path))).id
+        await _prompt(old, a, "one")
+        engine = _engine(old, store, work, key)
+        await engine.backup_now()
+        await _prompt(old, a, "two")
+        # The chain's state claims more than the point holds: the delta leaves a gap.
+        state = json.loads((work / "continuous.json").read_bytes())
+        state["seqs"][a] += 3
+        (work / "continuous.json").write_text(json.dumps(state))
+        made = await engine.increment_now()
+        assert made is not None
+    async with open_machine(_config(tmp_path / "new")) as new:
+        with pytest.raises(IntegrityError, match=f"{made.backup_id}.*continues from event"):
+            await _restore(new, engine, tmp_path / "fetch")
+        assert not (tmp_path / "fetch").exists(), "nothing is left staged"
+        assert await new.agents.list() == []
+    assert os.path.exists(work / "continuous.json")
