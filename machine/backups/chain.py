@@ -49,7 +49,7 @@ from shared.crypto import BoxKeyPair
 from shared.errors import IntegrityError, NotFound
 from shared.ids import id_time_ms
 
-__all__ = ["Chain", "chains", "fetch_chain", "plan_chain"]
+__all__ = ["Chain", "chains", "fetch_chain", "follow", "plan_chain"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ Opener = Any
 """``async (backup_id) -> BackupManifest``: opens a manifest (IntegrityError if not)."""
 
 
-async def _follow(
+async def follow(
     point: BackupManifest, increments: Sequence[ManifestInfo], open_: Opener, at: float
 ) -> Chain:
     """The increments continuing ``point`` up to ``at`` (see the module doc)."""
@@ -123,7 +123,7 @@ async def plan_chain(
             continue
         if point.created_at > when:
             continue
-        return await _follow(point, increments, open_, when)
+        return await follow(point, increments, open_, when)
     if refused is not None:
         raise refused
     moment = "" if at is None else f" made at or before {_iso(at)}"
@@ -134,15 +134,23 @@ async def chains(listed: Sequence[ManifestInfo], open_: Opener) -> dict[str, Cha
     """For each point of ``listed`` that opens, its chain of increments (what
     ``backup list`` and ``backup verify`` show)."""
     increments = [i for i in listed if i.increment]
+    opened: dict[str, BackupManifest] = {}
+
+    async def once(backup_id: str) -> BackupManifest:
+        # Each increment is opened once, whichever point's chain asks.
+        if backup_id not in opened:
+            opened[backup_id] = await open_(backup_id)
+        return opened[backup_id]
+
     out: dict[str, Chain] = {}
     for info in listed:
         if info.increment:
             continue
         try:
-            point = await open_(info.backup_id)
+            point = await once(info.backup_id)
         except IntegrityError:
             continue
-        out[info.backup_id] = await _follow(point, increments, open_, float("inf"))
+        out[info.backup_id] = await follow(point, increments, once, float("inf"))
     return out
 
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from machine.backups.chain import Chain, chains, fetch_chain, plan_chain
+from machine.backups.chain import Chain, chains, fetch_chain, follow, plan_chain
 from machine.backups.increments import ChainState, make_increment, point_state
 from machine.backups.reader import BackupReader, FetchedBackup, VerifyResult
 from machine.backups.source import BackupSource
@@ -65,7 +65,7 @@ from shared.atomic import ensure_private_dir, write_atomic
 from shared.backup_target import BackupTarget, ManifestInfo, PackTarget, PruneResult
 from shared.crypto import BoxKeyPair
 from shared.errors import AgentsError, IntegrityError, InvalidArgument
-from shared.ids import id_time_ms, new_id
+from shared.ids import id_time_ms, is_increment, new_id
 from shared.retry import retrying
 
 __all__ = [
@@ -391,6 +391,10 @@ class BackupEngine:
 
     # -- increments (machine.backups.increments) ------------------------------
 
+    async def has_agents(self) -> bool:
+        """Whether there is any agent to back up."""
+        return bool(await self._source.agents())
+
     def continuing(self) -> bool:
         """Whether a chain is known, so an increment can be made (else a point first)."""
         return ChainState.load(self._work, self._chain_target) is not None
@@ -442,6 +446,31 @@ class BackupEngine:
         (:func:`machine.backups.chain.plan_chain`)."""
         listed = await self._target.list_manifests()
         return await plan_chain(listed, lambda b: self.open(b, keypair), at)
+
+    async def chain_from(
+        self, point_id: str, listed: list[ManifestInfo], keypair: BoxKeyPair | None = None
+    ) -> Chain:
+        """The point ``point_id`` and every increment continuing it (of ``listed``)."""
+        point = await self.open(point_id, keypair)
+        return await follow(point, listed, lambda b: self.open(b, keypair), float("inf"))
+
+    async def chain_for(self, backup_id: str, keypair: BoxKeyPair | None = None) -> Chain:
+        """The chain a backup id names: a point with every increment continuing it;
+        an increment with its point and the increments before it (IntegrityError
+        when it does not continue them: it is not restorable)."""
+        listed = await self._target.list_manifests()
+        if not is_increment(backup_id):
+            return await self.chain_from(backup_id, listed, keypair)
+        chain = await plan_chain(
+            listed, lambda b: self.open(b, keypair), id_time_ms(backup_id) / 1000 + 1
+        )
+        if backup_id not in {m.backup_id for m in chain.increments}:
+            raise IntegrityError(
+                f"backup increment {backup_id}",
+                "not restorable: it does not continue the backups before it",
+            )
+        cut = [m.backup_id for m in chain.increments].index(backup_id) + 1
+        return Chain(chain.point, chain.increments[:cut])
 
     async def chains(self, keypair: BoxKeyPair | None = None) -> dict[str, Chain]:
         """Each point that opens, with the increments continuing it."""

@@ -44,6 +44,7 @@ __all__ = [
     "backup_times",
     "backup_warnings",
     "build_backups",
+    "continuous_interval",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,11 @@ class BackupSettings(Protocol):
     @property
     def backup_time(self) -> str:
         """Local time of day (``HH:MM``) of the daily backup."""
+        ...
+
+    @property
+    def backup_interval(self) -> float:
+        """Seconds between a joined machine's continuous backups (increments)."""
         ...
 
     @property
@@ -164,6 +170,7 @@ async def build_backups(
         metrics=BackupMetrics(metrics.registry) if metrics is not None else None,
         warnings=await asyncio.to_thread(backup_warnings, config, target),
         after_load=crash_after(config.crash_in_transfer_after, "agents loaded in a transfer"),
+        interval=continuous_interval(config, target),
     )
     await asyncio.to_thread(service.sweep_stale)
     try:
@@ -171,6 +178,12 @@ async def build_backups(
     except AgentsError as e:
         logger.warning("cannot list the stored backups at start: %s", e)
     return service
+
+
+def continuous_interval(config: BackupSettings, target: BackupTarget) -> float | None:
+    """Seconds between continuous backups' increments: ``backup_interval`` for a
+    joined machine (its backups leave the machine), None (daily only) else."""
+    return config.backup_interval if isinstance(target, ControlPlaneTarget) else None
 
 
 def backup_times(service: BackupService) -> Callable[[], Awaitable[list[float]]]:

@@ -138,6 +138,22 @@ def when(seconds: float | None) -> str:
     )
 
 
+def parse_when(text: str, option: str = "--at") -> float:
+    """A moment as the CLI takes it: RFC 3339 (``2026-12-05T09:41:20Z``, an offset)
+    or local time as listings show it (``2026-12-05 09:41[:20]``); Unix seconds."""
+    raw = text.strip()
+    try:
+        moment = dt.datetime.fromisoformat(raw.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise UsageError(
+            f"{option}: {text[:40]!r} is not a time",
+            "Try: 2026-12-05T09:41:20Z, or local time as `backup list` shows it: 2026-12-05 09:41",
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.astimezone()  # local time, as `when` shows it
+    return moment.timestamp()
+
+
 def human(size: int) -> str:
     """A size in B, KiB, MiB or GiB."""
     value = float(size)

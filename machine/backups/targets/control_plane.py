@@ -205,7 +205,8 @@ async def restore_newest(
     *,
     after_load: Callable[[], None] | None = None,
 ) -> RepairRestore:
-    """Restore this joined machine's newest backup kept by the control plane.
+    """Restore this joined machine's newest backup kept by the control plane: its
+    newest daily point that opens, and the increments shipped since.
 
     Run once after a repair join (the box took over a lost machine's id, so
     the backups are "its own"). Opened with the account recovery key only.
@@ -253,10 +254,16 @@ async def restore_newest(
             work_dir=work,
             keep=1,
         )
-        newest, refused = await newest_authentic(engine, backups, recovery)
+        points = [b for b in backups if not b.increment]
+        if not points:
+            return RepairRestore("")
+        point, refused = await newest_authentic(engine, points, recovery)
+        # The newest point and the increments shipped since (continuous backups).
+        chain = await engine.chain_from(point, backups, recovery)
+        newest = chain.backup_id
         stage = work / f"{_REPAIR_STAGE}{os.getpid()}"
         try:
-            fetched = await engine.fetch(newest, stage, recovery, decode_agents=False)
+            fetched = await engine.fetch_chain(chain, stage, recovery)
             result = await restore_fetched(
                 db, fetched, attachments_dir=attachments_dir, erased=set(), after_load=after_load
             )

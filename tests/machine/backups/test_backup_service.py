@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
@@ -402,3 +403,41 @@ async def test_a_restore_check_is_not_failed_by_a_lost_answer(tmp_path: Path) ->
         service.engine.verify = flaky_verify  # type: ignore[method-assign,assignment]
         check = await service.restore_check(made.backup_id)
         assert check.ok and not lost, check.problem
+
+
+async def test_continuous_loop_starts_a_chain_then_ships_only_changes(tmp_path: Path) -> None:
+    """Each interval: no chain -> a point; a change -> an increment; idle -> nothing."""
+    registry = CollectorRegistry()
+    async with open_machine(_config(tmp_path / "m")) as m:
+        agent = await _agent(m, tmp_path, "one")
+        slept: list[float] = []
+        ticks: list[Callable[[], Awaitable[None]]] = []
+
+        async def sleep(seconds: float) -> None:
+            slept.append(seconds)
+            if not ticks:
+                raise asyncio.CancelledError
+            await ticks.pop(0)()
+
+        async def nothing() -> None:
+            pass
+
+        async def prompt() -> None:
+            async for _ in await m.runs.prompt(agent, "two"):
+                pass
+
+        service = BackupService(
+            m.db, StoreTarget(FolderStore(tmp_path / "target")), target_name="t",
+            machine_id=m.ids.canonical, keys=load_backup_keys(m.config.data_dir),
+            data_dir=m.config.data_dir, attachments_dir=m.config.attachments_dir, keep=3,
+            daily_at=dt.time(3, 30), metrics=BackupMetrics(registry), sleep=sleep, interval=15.0,
+        )  # fmt: skip
+        ticks += [nothing, nothing, prompt, nothing]
+        with pytest.raises(asyncio.CancelledError):
+            await service.run_continuous()
+        assert slept == [15.0] * 5
+        listed = [i.backup_id for i in await service.engine._target.list_manifests()]
+        assert [b.split("_")[0] for b in listed] == ["bk", "bki"], listed
+        increments = {"result": "ok"}
+        assert registry.get_sample_value("agents_machine_backup_increments_total", increments) == 1
+        assert registry.get_sample_value("agents_machine_backups_total", {"result": "ok"}) == 1
