@@ -139,6 +139,8 @@ class BackupEngine:
         ``chain_target`` names the target in the chain's state (increments
         continue only a chain on the same target)."""
         self._chain_target = chain_target
+        # Whether the chain's base was seen stored since this engine started (once).
+        self._chain_seen = False
         self._source = source
         self._target = target
         self._machine_id = machine_id
@@ -358,6 +360,7 @@ class BackupEngine:
         markers = {a.agent_id: a.marker for a in agents}
         # After the commit: the next increment continues this point.
         point_state(self._chain_target, backup_id, refs, agents).save(self._work)
+        self._chain_seen = True
         self._save_cache(
             {
                 (r.ref if r.kind == "agent" else f"attachment:{r.ref}"): {
@@ -404,7 +407,7 @@ class BackupEngine:
         nothing changed (nothing is asked of the target) or no chain is known."""
         async with self._lock:
             state = ChainState.load(self._work, self._chain_target)
-            if state is None:
+            if state is None or not await self._base_stored(state):
                 return None
             started = time.monotonic()
             # After its base whatever the clock says: a restore follows ids in order.
@@ -440,6 +443,26 @@ class BackupEngine:
                 agents=sum(1 for r in refs if r.kind == "delta"),
                 created_at=made.manifest.created_at,
             )
+
+    async def _base_stored(self, state: ChainState) -> bool:
+        """Whether the chain's base is stored (asked once per start: one listing).
+
+        A chain whose base is gone (the target lost it, a data folder copied
+        from elsewhere) is forgotten: increments on it would not restore, so
+        the next interval starts a new chain with a point.
+        """
+        if self._chain_seen:
+            return True
+        listed = {i.backup_id for i in await self._target.list_manifests()}
+        if state.base not in listed:
+            logger.warning(
+                "continuous backups: the chain's base %s is not stored; a point starts a new one",
+                state.base,
+            )
+            ChainState.forget(self._work)
+            return False
+        self._chain_seen = True
+        return True
 
     async def chain_at(self, at: float | None = None, keypair: BoxKeyPair | None = None) -> Chain:
         """What a restore to ``at`` (None: the newest) restores

@@ -193,3 +193,39 @@ async def test_a_broken_chain_is_refused_naming_the_increment(tmp_path: Path) ->
         assert not (tmp_path / "fetch").exists(), "nothing is left staged"
         assert await new.agents.list() == []
     assert os.path.exists(work / "continuous.json")
+
+
+async def test_an_orphan_increment_is_passed_over_and_a_lost_base_restarts_the_chain(
+    tmp_path: Path,
+) -> None:
+    """A crash between an increment's commit and the chain's write: the next increment
+    continues the same base with more, and a restore follows it. A chain whose base
+    the target lost is forgotten: the next backup must be a point."""
+    key, store = BoxKeyPair.generate(), MemoryStore()
+    work = tmp_path / "work"
+    async with open_machine(_config(tmp_path / "old")) as old:
+        a = (await old.agents.create(name="a", folder=str(tmp_path))).id
+        await _prompt(old, a, "one")
+        engine = _engine(old, store, work, key)
+        await engine.backup_now()
+        state = (work / "continuous.json").read_bytes()
+        await _prompt(old, a, "two")
+        orphan = await engine.increment_now()
+        (work / "continuous.json").write_bytes(state)  # as if killed before the write
+        await _prompt(old, a, "three")
+        newer = await engine.increment_now()
+        assert orphan is not None and newer is not None
+        final = await _export(old, [a], tmp_path / "f.tar.gz")
+        chain = await engine.chain_at()
+        assert [m.backup_id for m in chain.increments] == [newer.backup_id]
+        async with open_machine(_config(tmp_path / "new")) as new:
+            await _restore(new, engine, tmp_path / "fetch")
+            assert await _export(new, [a], tmp_path / "n.tar.gz") == final
+
+        # The target lost the chain's base (a new engine: a restarted daemon).
+        await store.delete(f"manifests/{newer.backup_id}.sealed")
+        restarted = _engine(old, store, work, key)
+        await _prompt(old, a, "four")
+        assert restarted.continuing()
+        assert await restarted.increment_now() is None
+        assert not restarted.continuing(), "forgotten: the next backup is a point"
