@@ -229,3 +229,56 @@ async def test_an_orphan_increment_is_passed_over_and_a_lost_base_restarts_the_c
         assert restarted.continuing()
         assert await restarted.increment_now() is None
         assert not restarted.continuing(), "forgotten: the next backup is a point"
+
+
+async def test_the_api_lists_verifies_and_restores_to_a_time(tmp_path: Path) -> None:
+    """ListBackups counts a point's increments; VerifyBackup (no id) checks the point
+    and its increments; Restore --at restores to a time between increments."""
+    from machine.api.servicer import MachineServicer
+    from shared.crypto import encode_private_key
+    from shared.pb.machine.v1 import machine_pb2 as pb
+    from shared.timestamps import from_seconds, to_seconds
+
+    async with open_machine(_config(tmp_path / "old")) as old:
+        a = (await old.agents.create(name="a", folder=str(tmp_path))).id
+        await _prompt(old, a, "MARKER-ONE")
+        service = old.require_backups()
+        pair = service.create_recovery_key()
+        point = await service.backup_now()
+        await _prompt(old, a, "MARKER-TWO")
+        first = await service.increment_now()
+        await _prompt(old, a, "MARKER-THREE")
+        second = await service.increment_now()
+        assert first is not None and second is not None
+        api = MachineServicer(old)
+        listed = await api.ListBackups(pb.ListBackupsRequest(), None)  # type: ignore[arg-type]
+        (shown,) = listed.backups
+        assert (shown.id, shown.increments) == (point.backup_id, 2)
+        assert abs(to_seconds(shown.newest_increment_at) - second.created_at) < 1e-3
+        verified = await api.VerifyBackup(pb.VerifyBackupRequest(), None)  # type: ignore[arg-type]
+        assert verified.ok and verified.segments == point.segments + 2
+        folder = str(old.config.backups_dir)
+    async with open_machine(_config(tmp_path / "new")) as new:
+        request = pb.RestoreRequest(
+            from_dir=folder,
+            recovery_private_key=encode_private_key(pair.private_key),
+            at=from_seconds(first.created_at),
+        )
+        restored = await MachineServicer(new).Restore(request, None)  # type: ignore[arg-type]
+        assert list(restored.restored) == [a]
+        texts = await _payloads(new, a)
+        assert any("MARKER-TWO" in t for t in texts)
+        assert not any("MARKER-THREE" in t for t in texts), "restored to the first increment"
+
+
+async def _payloads(m: Machine, agent: str) -> list[str]:
+    from machine.storage import restored
+
+    await restored.ensure_loaded(m.db)  # a restore loads histories after its commit
+    rows = await m.db.read(
+        lambda c: c.execute(
+            "SELECT payload_json FROM events WHERE agent_id = ? ORDER BY seq", (agent,)
+        ).fetchall(),
+        what="t",
+    )
+    return [str(r[0]) for r in rows]
