@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -123,3 +124,41 @@ async def test_overlap_is_dropped_a_gap_is_refused(tmp_path: Path) -> None:
         merge_delta(None, gap, base_seq=base + 2, agent_id=agent, increment="bki_gap")
     # From 0: the agent whole, whatever came before.
     assert merge_delta(None, whole, base_seq=0, agent_id=agent, increment="bki_y") == whole
+
+
+def test_a_row_changed_after_the_base_replaces_the_earlier_one_in_place() -> None:
+    """A tool call started before the base and ended after it: the delta holds the
+    run's rows whole, and its row replaces the earlier one where it stood."""
+    agent = "ag_0000000000aaaaaaaaaaaaaaaa"
+
+    def line(**row: object) -> bytes:
+        return json.dumps(row, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+    event = '{{"kind":"TEXT_DELTA","payload":{{"text": "x"}},"run_id":"r{}","seq":{},"time":1}}\n'
+    earlier: AgentSegment = {
+        "record.json": b"{}",
+        "conversation.jsonl": "".join(event.format(1, s) for s in (1, 2)).encode(),
+        "summaries.jsonl": line(run_id="r1", text="old", created_at=1),
+        "tools.jsonl": line(run_id="r0", call_id="a", status="completed")
+        + line(run_id="r1", call_id="c", status=None)
+        + line(run_id="r1", call_id="d", status=None),
+        "schedules.jsonl": b"gone\n",
+    }
+    delta: AgentSegment = {
+        "record.json": b'{"new":1}',
+        "conversation.jsonl": event.format(1, 3).encode(),
+        "summaries.jsonl": line(run_id="r1", text="new", created_at=1),
+        "tools.jsonl": line(run_id="r1", call_id="c", status="completed")
+        + line(run_id="r1", call_id="e", status=None),
+    }
+    merged = merge_delta(earlier, delta, base_seq=2, agent_id=agent, increment="bki_z")
+    assert merged["tools.jsonl"] == (
+        line(run_id="r0", call_id="a", status="completed")
+        + line(run_id="r1", call_id="c", status="completed")
+        + line(run_id="r1", call_id="d", status=None)
+        + line(run_id="r1", call_id="e", status=None)
+    )
+    assert merged["summaries.jsonl"] == line(run_id="r1", text="new", created_at=1)
+    assert merged["record.json"] == b'{"new":1}'
+    assert "schedules.jsonl" not in merged, "the delta has none: the agent has none now"
+    assert merged["conversation.jsonl"].count(b"\n") == 3
