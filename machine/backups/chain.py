@@ -30,10 +30,9 @@ import datetime as dt
 import io
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from machine.backups.reader import BackupReader, FetchedBackup, decode_checked, stored_chunks
 from machine.formats.backup import BackupManifest, SegmentRef
@@ -71,8 +70,8 @@ class Chain:
         return self.increments[-1].created_at if self.increments else self.point.created_at
 
 
-Opener = Any
-"""``async (backup_id) -> BackupManifest``: opens a manifest (IntegrityError if not)."""
+Opener = Callable[[str], Awaitable[BackupManifest]]
+"""Opens the manifest of a backup id (IntegrityError when it does not open)."""
 
 
 async def follow(
@@ -175,8 +174,8 @@ async def fetch_chain(
 
 async def _merge_increments(reader: BackupReader, chain: Chain, fetched: FetchedBackup) -> None:
     point = chain.point
+    # Agents an increment changed: their files so far (None: removed).
     merged: dict[str, AgentSegment | None] = {}
-    """Agents changed by an increment: their files so far (None: removed)."""
     usage = {str(u.get("id")): u for u in point.usage}
 
     async def whole(agent_id: str) -> AgentSegment | None:

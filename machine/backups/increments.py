@@ -130,9 +130,11 @@ async def make_increment(
     new_attachments = [(sha, p) for sha, p in attachments if sha not in state.attachments]
     if not changed and not removed and not new_attachments:
         return None
-    bases = {a.agent_id: state.seqs.get(a.agent_id, 0) for a in changed}
     # A new agent's delta is from 0: the agent whole.
-    bases = {a: (s if a in state.markers else 0) for a, s in bases.items()}
+    bases = {
+        a.agent_id: state.seqs.get(a.agent_id, 0) if a.agent_id in state.markers else 0
+        for a in changed
+    }
 
     async def write_delta(agent_id: str, out: BinaryIO) -> None:
         await source.write_delta(agent_id, bases[agent_id], out)
