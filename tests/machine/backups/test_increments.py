@@ -282,3 +282,37 @@ async def _payloads(m: Machine, agent: str) -> list[str]:
         what="t",
     )
     return [str(r[0]) for r in rows]
+
+
+async def test_an_increment_that_did_not_commit_is_shipped_again_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """Its deltas were sent, its manifest was not (the commit point): the chain did
+    not move, so the next increment holds those changes too, and a prune removes
+    the deltas no manifest names."""
+    key, store = BoxKeyPair.generate(), MemoryStore()
+    work = tmp_path / "work"
+    async with open_machine(_config(tmp_path / "old")) as old:
+        a = (await old.agents.create(name="a", folder=str(tmp_path))).id
+        await _prompt(old, a, "one")
+        engine = _engine(old, store, work, key)
+        await engine.backup_now()
+        await _prompt(old, a, "two")
+        target = engine._target  # noqa: SLF001 - the fault point is the target's commit
+
+        async def refused(*args: Any, **kwargs: Any) -> None:
+            raise IntegrityError("backup", "the test refuses this commit")
+
+        commit, target.put_manifest = target.put_manifest, refused  # type: ignore[method-assign]
+        with pytest.raises(IntegrityError, match="refuses this commit"):
+            await engine.increment_now()
+        target.put_manifest = commit  # type: ignore[method-assign]
+        await _prompt(old, a, "three")
+        made = await engine.increment_now()
+        assert made is not None
+        final = await _export(old, [a], tmp_path / "f.tar.gz")
+    async with open_machine(_config(tmp_path / "new")) as new:
+        await _restore(new, engine, tmp_path / "fetch")
+        assert await _export(new, [a], tmp_path / "n.tar.gz") == final
+    pruned = await engine.prune()
+    assert pruned.segments == 1 and not pruned.manifests, "the uncommitted delta goes"
