@@ -316,3 +316,68 @@ async def test_an_increment_that_did_not_commit_is_shipped_again_by_the_next(
         assert await _export(new, [a], tmp_path / "n.tar.gz") == final
     pruned = await engine.prune()
     assert pruned.segments == 1 and not pruned.manifests, "the uncommitted delta goes"
+
+
+async def test_one_prompt_in_a_conversation_of_100000_events_ships_about_its_own(
+    tmp_path: Path,
+) -> None:
+    """The increment after one prompt costs about that prompt's events compressed and
+    sealed alone (at most 2x), whatever the conversation's length."""
+    import contextlib
+    import io
+
+    from machine.formats.backup import encode_segment, segment_key, segment_name
+    from machine.storage.tables.export import dump_agent_to
+
+    key, store = BoxKeyPair.generate(), MemoryStore()
+    async with open_machine(_config(tmp_path / "old")) as old:
+        a = (await old.agents.create(name="a", folder=str(tmp_path))).id
+        await _prompt(old, a, "the first prompt")
+        run = await old.db.read(
+            lambda c: c.execute("SELECT run_id FROM events WHERE agent_id = ?", (a,)).fetchone()[0],
+            what="t",
+        )
+
+        def history(conn: Any) -> None:
+            start = conn.execute("SELECT last_seq FROM agents WHERE id = ?", (a,)).fetchone()[0]
+            rows = [
+                (a, start + i, run, "TEXT_DELTA", json.dumps({"text": f"line {i} " * 8}), 1.0)
+                for i in range(1, 100_001)
+            ]
+            conn.executemany(
+                "INSERT INTO events (agent_id, seq, run_id, kind, payload_json, time)"
+                " VALUES (?,?,?,?,?,?)",
+                rows,
+            )
+            conn.execute("UPDATE agents SET last_seq = ? WHERE id = ?", (start + 100_000, a))
+
+        await old.db.write(history, what="t")
+        engine = _engine(old, store, tmp_path / "work", key)
+        point = await engine.backup_now()
+        since = await old.db.read(
+            lambda c: c.execute("SELECT last_seq FROM agents WHERE id = ?", (a,)).fetchone()[0],
+            what="t",
+        )
+        await _prompt(old, a, "one more prompt " * 20)
+        made = await engine.increment_now()
+        assert made is not None
+
+        def own(conn: Any) -> bytes:
+            files: dict[str, bytes] = {}
+
+            @contextlib.contextmanager
+            def open_file(name: str) -> Any:
+                buf = io.BytesIO()
+                yield buf
+                files[name] = buf.getvalue()
+
+            dump_agent_to(conn, a, open_file, since_seq=since)
+            return files["conversation.jsonl"]
+
+        events = await old.db.read(own, what="t")
+    name = segment_name(b"n" * 32, [events])
+    sealed = sum(
+        len(c) for c in encode_segment([events], name=name, key=segment_key(b"n" * 32, name))
+    )
+    assert made.uploaded_bytes <= 2 * sealed, (made.uploaded_bytes, sealed)
+    assert made.uploaded_bytes * 100 < point.uploaded_bytes
