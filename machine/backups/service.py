@@ -212,7 +212,6 @@ class BackupService:
         self._last_id = ""
         self._last_bytes = 0
         self._listed = False  # the stored backups were listed once (load_last)
-        self._last_increment_at: float | None = None
         #: Called after a restore committed (wakes the search indexer).
         self.on_restored: Callable[[], None] | None = None
 
@@ -474,16 +473,14 @@ class BackupService:
         """Ship an increment of what changed (None: nothing did, or no chain yet)."""
         try:
             result = await self.engine.increment_now()
-        except BaseException:
+        except Exception:  # a daemon stopping mid-increment is not a failure
             if self._metrics:
                 self._metrics.increments.labels("failed").inc()
             raise
-        if result is not None:
-            self._last_increment_at = result.created_at
-            if self._metrics:
-                self._metrics.increments.labels("ok").inc()
-                self._metrics.last_increment.set(result.created_at)
-                self._metrics.uploaded_bytes.inc(result.uploaded_bytes)
+        if result is not None and self._metrics:
+            self._metrics.increments.labels("ok").inc()
+            self._metrics.last_increment.set(result.created_at)
+            self._metrics.uploaded_bytes.inc(result.uploaded_bytes)
         return result
 
     async def run_continuous(self) -> None:
