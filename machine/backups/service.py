@@ -489,8 +489,12 @@ class BackupService:
         Without a chain (no point made on this target from this data folder: a
         first join, a new folder) something to back up starts one with a point.
         A failure is logged; the next interval tries again with all it missed.
+        While the target stays down only the first failure is an ERROR (the
+        others are DEBUG lines, counted in the metric), and the recovery says
+        how many intervals failed.
         """
         assert self.interval is not None
+        failing = 0
         while True:
             await self._sleep(self.interval)
             try:
@@ -498,15 +502,21 @@ class BackupService:
                     if await self.engine.has_agents():
                         logger.info("continuous backups: no chain yet; making a point")
                         await self.backup_now()
-                    continue
-                await self.increment_now()
+                else:
+                    await self.increment_now()
             except asyncio.CancelledError:
                 raise
-            except AgentsError as e:
-                logger.error("continuous backup failed (%s); trying again in %.0f s",
-                             e, self.interval)  # fmt: skip
-            except Exception:
-                logger.exception("continuous backup failed; trying again in %.0f s", self.interval)
+            except Exception as e:
+                failing += 1
+                level = logging.ERROR if failing == 1 else logging.DEBUG
+                known = isinstance(e, AgentsError)
+                logger.log(level, "continuous backup failed (%s); trying again every %.0f s",
+                           e if known else type(e).__name__, self.interval,
+                           exc_info=not known)  # fmt: skip
+                continue
+            if failing:
+                logger.info("continuous backups resumed after %d failed interval(s)", failing)
+                failing = 0
 
     def status(self) -> BackupStatus:
         warnings = list(self._warnings)
