@@ -484,7 +484,12 @@ class BackupService:
         return result
 
     async def run_continuous(self) -> None:
-        """Every ``interval`` seconds, ship what changed, until cancelled.
+        """Every half ``interval``, ship what changed, until cancelled.
+
+        Half: a change committed just after a look waits for the next one, then
+        for its upload; looking every half interval ships it within the
+        interval (half of it, plus the upload), at the cost of one marker query
+        more per interval on an idle machine (no request to the target).
 
         Without a chain (no point made on this target from this data folder: a
         first join, a new folder) something to back up starts one with a point.
@@ -496,7 +501,7 @@ class BackupService:
         assert self.interval is not None
         failing = 0
         while True:
-            await self._sleep(self.interval)
+            await self._sleep(self.interval / 2)
             try:
                 if not self.engine.continuing():
                     if await self.engine.has_agents():

@@ -435,7 +435,7 @@ async def test_continuous_loop_starts_a_chain_then_ships_only_changes(tmp_path: 
         ticks += [nothing, nothing, prompt, nothing]
         with pytest.raises(asyncio.CancelledError):
             await service.run_continuous()
-        assert slept == [15.0] * 5
+        assert slept == [7.5] * 5, "a look every half interval"
         listed = [i.backup_id for i in await service.engine._target.list_manifests()]
         assert [b.split("_")[0] for b in listed] == ["bk", "bki"], listed
         increments = {"result": "ok"}
