@@ -21,8 +21,8 @@ Usage: ``.venv/bin/python -m bench.backup [--agents N] [--mb M] [--json PATH]``.
 
 ``--continuous`` runs the continuous backups' case instead (docs/backups.md):
 1,000 agents, a daily point, then one prompt each to 10 agents a minute for 10
-minutes, an increment shipped each minute (the minutes are simulated: the
-increments are made back to back). Printed per prompt: bytes and store requests
+minutes, an increment shipped at each look, every half minute (the minutes are
+simulated: the increments are made back to back). Printed per prompt: bytes and store requests
 sent, against the prompt's own events compressed and sealed alone (target:
 at most 2x) and against the daily full backup's size; and that an idle interval
 makes no store request. ``--quick`` is a small run of it (the smoke test).
@@ -408,8 +408,12 @@ async def _continuous(args: argparse.Namespace) -> int:
             pool = _paragraphs(2000, 3)
             sent = requests_sent = own = prompts = 0
             started = time.monotonic()
-            for minute in range(minutes):
-                chosen = ids[(minute * per_minute) % len(ids) :][:per_minute]
+            # The daemon looks every half interval and ships what it finds: prompts
+            # spread over the minute give two increments a minute, half each.
+            looks, increments = 2 * minutes, 0
+            for look in range(looks):
+                first = look * per_minute // 2
+                chosen = ids[first % len(ids) :][: (look + 1) * per_minute // 2 - first]
                 seqs = await db.read(
                     lambda c, chosen=chosen: {
                         a: c.execute("SELECT last_seq FROM agents WHERE id = ?", (a,)).fetchone()[0]
@@ -417,7 +421,7 @@ async def _continuous(args: argparse.Namespace) -> int:
                     }
                 )
                 await db.write(
-                    lambda c, chosen=chosen, minute=minute: _fill(c, chosen, 1, pool, f"m{minute}")
+                    lambda c, chosen=chosen, look=look: _fill(c, chosen, 1, pool, f"l{look}")
                 )
                 for a in chosen:
                     since = seqs[a]
@@ -430,13 +434,14 @@ async def _continuous(args: argparse.Namespace) -> int:
                 sent += made.stored_bytes  # its deltas and its manifest
                 requests_sent += type(store).requests - before
                 prompts += len(chosen)
+                increments += 1
             seconds = time.monotonic() - started
         finally:
             await db.close()
     per_prompt, own_per = sent / prompts, own / prompts
     print(
         f"continuous: {prompts} prompts ({per_minute} agents a minute, {minutes} minutes),"
-        f" {minutes} increments in {seconds:.2f} s"
+        f" {increments} increments (a look every half minute) in {seconds:.2f} s"
     )
     print(
         f"per prompt: {per_prompt / 1024:.1f} KiB sent, {requests_sent / prompts:.2f} store"
@@ -454,7 +459,7 @@ async def _continuous(args: argparse.Namespace) -> int:
         command="python -m bench.backup --continuous" + (" --quick" if args.quick else ""),
         notes=[
             f"{agents} agents; one prompt each to {per_minute} agents a minute for"
-            f" {minutes} minutes, an increment a minute; {requests_sent / prompts:.2f}"
+            f" {minutes} minutes, an increment every half minute; {requests_sent / prompts:.2f}"
             f" store requests a prompt; an idle interval made {idle_requests}",
         ],
         rows=[
