@@ -30,11 +30,18 @@ import datetime as dt
 import io
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from machine.backups.reader import BackupReader, FetchedBackup, decode_checked, stored_chunks
+from machine.backups.reader import (
+    BackupReader,
+    FetchedBackup,
+    VerifyResult,
+    decode_checked,
+    stored_chunks,
+)
 from machine.formats.backup import BackupManifest, SegmentRef
 from machine.formats.backup_delta import (
     AgentSegment,
@@ -43,14 +50,29 @@ from machine.formats.backup_delta import (
     segment_entries,
 )
 from shared.archive import write_tar
-from shared.backup_target import ManifestInfo, backup_order
+from shared.backup_target import BackupTarget, ManifestInfo, backup_order
 from shared.crypto import BoxKeyPair
 from shared.errors import IntegrityError, NotFound
-from shared.ids import id_time_ms
+from shared.ids import id_time_ms, is_increment
 
-__all__ = ["Chain", "chains", "fetch_chain", "follow", "plan_chain"]
+__all__ = ["BackupChains", "Chain", "Link", "chains", "fetch_chain", "follow", "plan_chain"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Link:
+    """What planning a chain needs of an increment: its id, its base and its time
+    (kept by the engine once known, so a listing does not open every increment
+    again; a restore opens the ones it merges)."""
+
+    backup_id: str
+    base: str
+    created_at: float
+
+    @classmethod
+    def of(cls, manifest: BackupManifest) -> Link:
+        return cls(manifest.backup_id, manifest.base, manifest.created_at)
 
 
 @dataclass(frozen=True)
@@ -58,7 +80,7 @@ class Chain:
     """One restorable time: a daily point and the increments after it, in order."""
 
     point: BackupManifest
-    increments: tuple[BackupManifest, ...] = ()
+    increments: tuple[Link, ...] = ()
 
     @property
     def backup_id(self) -> str:
@@ -72,10 +94,12 @@ class Chain:
 
 Opener = Callable[[str], Awaitable[BackupManifest]]
 """Opens the manifest of a backup id (IntegrityError when it does not open)."""
+Linker = Callable[[str], Awaitable[Link]]
+"""The :class:`Link` of an increment id (IntegrityError when it does not open)."""
 
 
 async def follow(
-    point: BackupManifest, increments: Sequence[ManifestInfo], open_: Opener, at: float
+    point: BackupManifest, increments: Sequence[ManifestInfo], link_of: Linker, at: float
 ) -> Chain:
     """The increments continuing ``point`` up to ``at`` (see the module doc)."""
     after = [
@@ -84,16 +108,16 @@ async def follow(
         if backup_order(i.backup_id) > backup_order(point.backup_id)
         and id_time_ms(i.backup_id) / 1000 <= at
     ]
-    opened: list[BackupManifest] = []
+    opened: list[Link] = []
     for info in after:
         try:
-            manifest = await open_(info.backup_id)
-        except IntegrityError as e:
+            link = await link_of(info.backup_id)
+        except (IntegrityError, NotFound) as e:  # NotFound: pruned since it was listed
             logger.warning("backup increment %s does not open: %s", info.backup_id, e)
             continue
-        if manifest.created_at <= at:
-            opened.append(manifest)
-    chain: list[BackupManifest] = []
+        if link.created_at <= at:
+            opened.append(link)
+    chain: list[Link] = []
     tip = point.backup_id
     while True:
         children = [m for m in opened if m.base == tip]
@@ -105,7 +129,7 @@ async def follow(
 
 
 async def plan_chain(
-    listed: Sequence[ManifestInfo], open_: Opener, at: float | None = None
+    listed: Sequence[ManifestInfo], open_: Opener, link_of: Linker, at: float | None = None
 ) -> Chain:
     """The chain to restore for time ``at`` (None: the newest) from every stored
     backup ``listed`` (oldest first); NotFound when no point at or before it opens."""
@@ -122,34 +146,28 @@ async def plan_chain(
             continue
         if point.created_at > when:
             continue
-        return await follow(point, increments, open_, when)
+        return await follow(point, increments, link_of, when)
     if refused is not None:
         raise refused
     moment = "" if at is None else f" made at or before {_iso(at)}"
     raise NotFound("backup", f"no daily backup{moment}")
 
 
-async def chains(listed: Sequence[ManifestInfo], open_: Opener) -> dict[str, Chain]:
+async def chains(
+    listed: Sequence[ManifestInfo], open_: Opener, link_of: Linker
+) -> dict[str, Chain]:
     """For each point of ``listed`` that opens, its chain of increments (what
     ``backup list`` and ``backup verify`` show)."""
     increments = [i for i in listed if i.increment]
-    opened: dict[str, BackupManifest] = {}
-
-    async def once(backup_id: str) -> BackupManifest:
-        # Each increment is opened once, whichever point's chain asks.
-        if backup_id not in opened:
-            opened[backup_id] = await open_(backup_id)
-        return opened[backup_id]
-
     out: dict[str, Chain] = {}
     for info in listed:
         if info.increment:
             continue
         try:
-            point = await once(info.backup_id)
+            point = await open_(info.backup_id)
         except IntegrityError:
             continue
-        out[info.backup_id] = await follow(point, increments, once, float("inf"))
+        out[info.backup_id] = await follow(point, increments, link_of, float("inf"))
     return out
 
 
@@ -165,14 +183,95 @@ async def fetch_chain(
     if not chain.increments:
         return fetched
     try:
-        await _merge_increments(reader, chain, fetched)
+        await _merge_increments(reader, chain, fetched, keypair)
     except BaseException:
         await asyncio.to_thread(_cleanup, dest)
         raise
     return fetched
 
 
-async def _merge_increments(reader: BackupReader, chain: Chain, fetched: FetchedBackup) -> None:
+class BackupChains:
+    """Plans, fetches and verifies chains on one target, for the engine.
+
+    Increments' links are kept once known (made by this engine, or opened
+    once): manifests are write-once, so a listing does not open every increment
+    again; those pruned are dropped at the next listing.
+    """
+
+    def __init__(self, target: BackupTarget, reader: BackupReader) -> None:
+        self._target = target
+        self._reader = reader
+        self._links: dict[str, Link] = {}
+
+    def known(self, link: Link) -> None:
+        """An increment the engine just committed."""
+        self._links[link.backup_id] = link
+
+    def _opener(self, keypair: BoxKeyPair | None) -> Opener:
+        return lambda backup_id: self._reader.open(backup_id, keypair)
+
+    def _linker(self, keypair: BoxKeyPair | None) -> Linker:
+        async def link(backup_id: str) -> Link:
+            if backup_id not in self._links:
+                self._links[backup_id] = Link.of(await self._reader.open(backup_id, keypair))
+            return self._links[backup_id]
+
+        return link
+
+    async def at(self, at: float | None, keypair: BoxKeyPair | None) -> Chain:
+        """What a restore to ``at`` (None: the newest) restores (:func:`plan_chain`)."""
+        listed = await self._target.list_manifests()
+        return await plan_chain(listed, self._opener(keypair), self._linker(keypair), at)
+
+    async def from_point(
+        self, point_id: str, listed: Sequence[ManifestInfo], keypair: BoxKeyPair | None
+    ) -> Chain:
+        """The point ``point_id`` and every increment continuing it (of ``listed``)."""
+        point = await self._reader.open(point_id, keypair)
+        return await follow(point, listed, self._linker(keypair), float("inf"))
+
+    async def for_id(self, backup_id: str, keypair: BoxKeyPair | None) -> Chain:
+        """A point with every increment continuing it; an increment with its point
+        and the increments before it (IntegrityError when it does not continue
+        them: it is not restorable)."""
+        listed = await self._target.list_manifests()
+        if not is_increment(backup_id):
+            return await self.from_point(backup_id, listed, keypair)
+        at = id_time_ms(backup_id) / 1000 + 1
+        chain = await plan_chain(listed, self._opener(keypair), self._linker(keypair), at)
+        ids = [link.backup_id for link in chain.increments]
+        if backup_id not in ids:
+            raise IntegrityError(
+                f"backup increment {backup_id}",
+                "not restorable: it does not continue the backups before it",
+            )
+        return Chain(chain.point, chain.increments[: ids.index(backup_id) + 1])
+
+    async def every(self, keypair: BoxKeyPair | None) -> dict[str, Chain]:
+        """Each point that opens, with the increments continuing it (:func:`chains`)."""
+        listed = await self._target.list_manifests()
+        stored = {i.backup_id for i in listed}
+        for gone in [b for b in self._links if b not in stored]:
+            del self._links[gone]  # pruned
+        return await chains(listed, self._opener(keypair), self._linker(keypair))
+
+    async def fetch(self, chain: Chain, dest: Path, keypair: BoxKeyPair | None) -> FetchedBackup:
+        """:func:`fetch_chain` on this target."""
+        return await fetch_chain(self._reader, chain, dest, keypair)
+
+    async def verify(self, chain: Chain, keypair: BoxKeyPair | None) -> VerifyResult:
+        """Authenticate every segment of the point and of each of its increments."""
+        started = time.monotonic()
+        segments = plain = 0
+        for backup_id in (chain.point.backup_id, *(i.backup_id for i in chain.increments)):
+            done = await self._reader.verify(backup_id, keypair)
+            segments, plain = segments + done.segments, plain + done.plain_bytes
+        return VerifyResult(chain.backup_id, segments, plain, time.monotonic() - started)
+
+
+async def _merge_increments(
+    reader: BackupReader, chain: Chain, fetched: FetchedBackup, keypair: BoxKeyPair | None
+) -> None:
     point = chain.point
     # Agents an increment changed: their files so far (None: removed).
     merged: dict[str, AgentSegment | None] = {}
@@ -190,7 +289,9 @@ async def _merge_increments(reader: BackupReader, chain: Chain, fetched: Fetched
             return read_agent_segment(data, agent_id)
         return None
 
-    for inc in chain.increments:
+    last: BackupManifest | None = None
+    for link in chain.increments:
+        inc = last = await reader.open(link.backup_id, keypair)
         for ref in inc.segments:
             if ref.kind == "attachment":
                 if ref.ref not in fetched.attachment_files:
@@ -215,7 +316,7 @@ async def _merge_increments(reader: BackupReader, chain: Chain, fetched: Fetched
         path = fetched.folder / f"merged-{agent_id}"
         await asyncio.to_thread(_write_segment, path, agent_id, files)
         fetched.agent_files[agent_id] = path
-    last = chain.increments[-1]
+    assert last is not None
     fetched.manifest = dataclasses.replace(
         point,
         backup_id=last.backup_id,

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from machine.backups.chain import Chain, chains, fetch_chain, follow, plan_chain
+from machine.backups.chain import BackupChains, Chain, Link
 from machine.backups.increments import ChainState, make_increment, point_state
 from machine.backups.reader import BackupReader, FetchedBackup, VerifyResult
 from machine.backups.source import BackupSource
@@ -65,7 +65,7 @@ from shared.atomic import ensure_private_dir, write_atomic
 from shared.backup_target import BackupTarget, ManifestInfo, PackTarget, PruneResult
 from shared.crypto import BoxKeyPair
 from shared.errors import AgentsError, IntegrityError, InvalidArgument
-from shared.ids import id_time_ms, is_increment, new_id
+from shared.ids import id_time_ms, new_id
 from shared.retry import retrying
 
 __all__ = [
@@ -141,6 +141,7 @@ class BackupEngine:
         self._chain_target = chain_target
         # Whether the chain's base was seen stored since this engine started (once).
         self._chain_seen = False
+
         self._source = source
         self._target = target
         self._machine_id = machine_id
@@ -159,6 +160,7 @@ class BackupEngine:
             work_dir=work_dir,
             on_damaged=self._note_damaged,
         )
+        self._chains = BackupChains(target, self._reader)
 
     def seal_to(self, recipients: list[bytes]) -> None:
         """Seal later manifests to ``recipients`` (a recovery key was just made)."""
@@ -430,6 +432,7 @@ class BackupEngine:
                     await asyncio.to_thread(self._target.discard_pending)
                 raise
             made.state.save(self._work)
+            self._chains.known(Link.of(made.manifest))
             refs = made.manifest.segments
             logger.info("backup increment %s: %d segments", backup_id, len(refs))
             return BackupResult(
@@ -465,55 +468,32 @@ class BackupEngine:
         return True
 
     async def chain_at(self, at: float | None = None, keypair: BoxKeyPair | None = None) -> Chain:
-        """What a restore to ``at`` (None: the newest) restores
-        (:func:`machine.backups.chain.plan_chain`)."""
-        listed = await self._target.list_manifests()
-        return await plan_chain(listed, lambda b: self.open(b, keypair), at)
+        """What a restore to ``at`` (None: the newest) restores."""
+        return await self._chains.at(at, keypair)
 
     async def chain_from(
         self, point_id: str, listed: list[ManifestInfo], keypair: BoxKeyPair | None = None
     ) -> Chain:
         """The point ``point_id`` and every increment continuing it (of ``listed``)."""
-        point = await self.open(point_id, keypair)
-        return await follow(point, listed, lambda b: self.open(b, keypair), float("inf"))
+        return await self._chains.from_point(point_id, listed, keypair)
 
     async def chain_for(self, backup_id: str, keypair: BoxKeyPair | None = None) -> Chain:
-        """The chain a backup id names: a point with every increment continuing it;
-        an increment with its point and the increments before it (IntegrityError
-        when it does not continue them: it is not restorable)."""
-        listed = await self._target.list_manifests()
-        if not is_increment(backup_id):
-            return await self.chain_from(backup_id, listed, keypair)
-        chain = await plan_chain(
-            listed, lambda b: self.open(b, keypair), id_time_ms(backup_id) / 1000 + 1
-        )
-        if backup_id not in {m.backup_id for m in chain.increments}:
-            raise IntegrityError(
-                f"backup increment {backup_id}",
-                "not restorable: it does not continue the backups before it",
-            )
-        cut = [m.backup_id for m in chain.increments].index(backup_id) + 1
-        return Chain(chain.point, chain.increments[:cut])
+        """The chain a backup id names (:meth:`BackupChains.for_id`)."""
+        return await self._chains.for_id(backup_id, keypair)
 
     async def chains(self, keypair: BoxKeyPair | None = None) -> dict[str, Chain]:
         """Each point that opens, with the increments continuing it."""
-        listed = await self._target.list_manifests()
-        return await chains(listed, lambda b: self.open(b, keypair))
+        return await self._chains.every(keypair)
 
     async def fetch_chain(
         self, chain: Chain, dest: Path, keypair: BoxKeyPair | None = None
     ) -> FetchedBackup:
         """Fetch a point and its increments merged, to restore (see :mod:`.chain`)."""
-        return await fetch_chain(self._reader, chain, dest, keypair)
+        return await self._chains.fetch(chain, dest, keypair)
 
     async def verify_chain(self, chain: Chain, keypair: BoxKeyPair | None = None) -> VerifyResult:
         """Authenticate every segment of a point and of each of its increments."""
-        started = time.monotonic()
-        segments = plain = 0
-        for manifest in (chain.point, *chain.increments):
-            done = await self._reader.verify(manifest.backup_id, keypair)
-            segments, plain = segments + done.segments, plain + done.plain_bytes
-        return VerifyResult(chain.backup_id, segments, plain, time.monotonic() - started)
+        return await self._chains.verify(chain, keypair)
 
     # -- reading (machine.backups.reader) -------------------------------------
 

@@ -124,6 +124,7 @@ async def test_increments_restore_byte_equal_and_idle_ships_nothing(tmp_path: Pa
             for i in range(5):
                 await _prompt(old, agent, f"before the point {i} " + "long text " * 200)
         engine = _engine(old, store, tmp_path / "work", key)
+        machine_id = old.ids.canonical
         point = await engine.backup_now()
         at_point = await _export(old, [a, b], tmp_path / "p.tar.gz")
 
@@ -170,6 +171,19 @@ async def test_increments_restore_byte_equal_and_idle_ships_nothing(tmp_path: Pa
     ]  # fmt: skip
     verified = await engine.verify_chain(chains[point.backup_id])
     assert verified.segments >= point.segments + first.segments + second.segments
+    # A listing opens each increment once (a restarted daemon's engine), then
+    # knows its link: the next listing reads the listing and the point only.
+    async with open_machine(_config(tmp_path / "again")) as again:
+        fresh = BackupEngine(
+            DatabaseBackupSource(again.db, again.config.attachments_dir, tmp_path / "work2"),
+            StoreTarget(store), machine_id=machine_id, naming_key=b"n" * 32,
+            recipients=[key.public_key], keypair=key, work_dir=tmp_path / "work2",
+        )  # fmt: skip
+        before = store.requests
+        assert (await fresh.chains())[point.backup_id].backup_id == second.backup_id
+        first_listing, before = store.requests - before, store.requests
+        await fresh.chains()
+        assert (first_listing, store.requests - before) == (4, 2)
 
 
 async def test_a_broken_chain_is_refused_naming_the_increment(tmp_path: Path) -> None:
