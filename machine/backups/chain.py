@@ -4,9 +4,12 @@ The restorable times are the daily points and, after each, the increments
 that continue it (:mod:`machine.backups.increments`). Which ones, for a time
 T (default: the newest):
 
-* the newest point made at or before T whose manifest opens;
-* then, from it, the newest increment made at or before T that names it as
-  ``base``, then the newest that names that one, and so on. An increment
+* from each point made at or before T whose manifest opens, the newest
+  increment made at or before T that names it as ``base``, then the newest
+  that names that one, and so on;
+* of those chains, the one whose newest backup is newest (the newest point's,
+  unless a daemon was killed between a point's commit and the chain's write:
+  it went on continuing the chain before, past the new point). An increment
   whose base is not in the chain (its base was never committed, or does not
   open, or it was orphaned by a crash before the chain recorded it) is never
   restored; an increment that does not open ends the chain where it is.
@@ -137,6 +140,7 @@ async def plan_chain(
     points = [i for i in listed if not i.increment and id_time_ms(i.backup_id) / 1000 <= when]
     increments = [i for i in listed if i.increment]
     refused: IntegrityError | None = None
+    best: Chain | None = None
     for info in reversed(points):
         try:
             point = await open_(info.backup_id)
@@ -146,7 +150,14 @@ async def plan_chain(
             continue
         if point.created_at > when:
             continue
-        return await follow(point, increments, link_of, when)
+        # Each point's chain (a few: ``backup_keep`` at most), the one reaching
+        # furthest wins: a daemon killed between a point's commit and the chain's
+        # write went on continuing the chain before it, past the new point.
+        chain = await follow(point, increments, link_of, when)
+        if best is None or chain.created_at > best.created_at:
+            best = chain
+    if best is not None:
+        return best
     if refused is not None:
         raise refused
     moment = "" if at is None else f" made at or before {_iso(at)}"

@@ -257,9 +257,9 @@ async def restore_newest(
         points = [b for b in backups if not b.increment]
         if not points:
             return RepairRestore("")
-        point, refused = await newest_authentic(engine, points, recovery)
+        _, refused = await newest_authentic(engine, points, recovery)
         # The newest point and the increments shipped since (continuous backups).
-        chain = await engine.chain_from(point, backups, recovery)
+        chain = await engine.chain_at(None, recovery)
         newest = chain.backup_id
         stage = work / f"{_REPAIR_STAGE}{os.getpid()}"
         try:

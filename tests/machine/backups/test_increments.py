@@ -395,3 +395,29 @@ async def test_one_prompt_in_a_conversation_of_100000_events_ships_about_its_own
     )
     assert made.uploaded_bytes <= 2 * sealed, (made.uploaded_bytes, sealed)
     assert made.uploaded_bytes * 100 < point.uploaded_bytes
+
+
+async def test_killed_between_a_points_commit_and_the_chains_write(tmp_path: Path) -> None:
+    """The chain still names the point before: increments go on continuing it, past
+    the new point, and a restore to the newest follows them (not the new point alone)."""
+    key, store = BoxKeyPair.generate(), MemoryStore()
+    work = tmp_path / "work"
+    async with open_machine(_config(tmp_path / "old")) as old:
+        a = (await old.agents.create(name="a", folder=str(tmp_path))).id
+        await _prompt(old, a, "one")
+        engine = _engine(old, store, work, key)
+        await engine.backup_now()
+        await _prompt(old, a, "two")
+        assert await engine.increment_now() is not None
+        state = (work / "continuous.json").read_bytes()
+        await _prompt(old, a, "three")
+        await engine.backup_now()
+        (work / "continuous.json").write_bytes(state)  # as if killed before the write
+        await _prompt(old, a, "four")
+        made = await engine.increment_now()
+        assert made is not None
+        final = await _export(old, [a], tmp_path / "f.tar.gz")
+    assert (await engine.chain_at()).backup_id == made.backup_id
+    async with open_machine(_config(tmp_path / "new")) as new:
+        await _restore(new, engine, tmp_path / "fetch")
+        assert await _export(new, [a], tmp_path / "n.tar.gz") == final
