@@ -18,6 +18,14 @@ stored sizes and peak RSS of each step; ``--json PATH`` also writes them for
 ``bench/report.py`` (bench/results.py).
 
 Usage: ``.venv/bin/python -m bench.backup [--agents N] [--mb M] [--json PATH]``.
+
+``--continuous`` runs the continuous backups' case instead (docs/backups.md):
+1,000 agents, a daily point, then one prompt each to 10 agents a minute for 10
+minutes, an increment shipped at each look, every half minute (the minutes are
+simulated: the increments are made back to back). Printed per prompt: bytes and store requests
+sent, against the prompt's own events compressed and sealed alone (target:
+at most 2x) and against the daily full backup's size; and that an idle interval
+makes no store request. ``--quick`` is a small run of it (the smoke test).
 """
 
 from __future__ import annotations
@@ -302,6 +310,174 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+# -- continuous backups ------------------------------------------------------
+
+
+def _counting_store(root: Path) -> Any:
+    """A folder store counting the requests made of it (what a bucket would bill)."""
+    from shared.store.folder import FolderStore
+
+    class Counting(FolderStore):
+        requests = 0
+
+        async def get(self, key: str) -> bytes:
+            Counting.requests += 1
+            return await super().get(key)
+
+        def get_stream(self, key: str, *a: Any, **k: Any) -> Any:
+            Counting.requests += 1
+            return super().get_stream(key, *a, **k)
+
+        async def head(self, key: str) -> Any:
+            Counting.requests += 1
+            return await super().head(key)
+
+        async def put(self, key: str, *a: Any, **k: Any) -> Any:
+            Counting.requests += 1
+            return await super().put(key, *a, **k)
+
+        async def delete(self, key: str) -> None:
+            Counting.requests += 1
+            await super().delete(key)
+
+        def list_pages(self, *a: Any, **k: Any) -> Any:
+            Counting.requests += 1
+            return super().list_pages(*a, **k)
+
+    return Counting(root)
+
+
+def _own_sealed(conn: sqlite3.Connection, agent: str, since: int, naming_key: bytes) -> int:
+    """The prompt's own events (after ``since``) as the export writes them,
+    compressed and sealed alone: the least a backup of them could send."""
+    import contextlib
+    import io
+
+    from machine.formats.backup import encode_segment, segment_key, segment_name
+    from machine.storage.tables.export import dump_agent_to
+
+    files: dict[str, bytes] = {}
+
+    @contextlib.contextmanager
+    def open_file(name: str) -> Any:
+        buf = io.BytesIO()
+        yield buf
+        files[name] = buf.getvalue()
+
+    dump_agent_to(conn, agent, open_file, since_seq=since)
+    own = files["conversation.jsonl"]
+    name = segment_name(naming_key, [own])
+    return sum(len(c) for c in encode_segment([own], name=name, key=segment_key(naming_key, name)))
+
+
+async def _continuous(args: argparse.Namespace) -> int:
+    from machine.backups.engine import BackupEngine
+    from machine.backups.source import DatabaseBackupSource
+    from shared.backup_target import StoreTarget
+    from shared.crypto import BoxKeyPair
+
+    minutes, per_minute = (2, 5) if args.quick else (10, 10)
+    agents, mb = (30, 1) if args.quick else (args.agents, args.mb)
+    with tempfile.TemporaryDirectory(prefix="bench-continuous-") as tmp:
+        base = Path(tmp)
+        data, work, target = base / "data", base / "work", base / "target"
+        t0 = time.monotonic()
+        ids = await _make_data(data, agents, mb)
+        print(
+            f"data: {agents} agents, machine.db {_du(data) / 1e6:.1f} MB "
+            f"(made in {time.monotonic() - t0:.1f} s)"
+        )
+        key, naming = BoxKeyPair.generate(), os.urandom(32)
+        store = _counting_store(target)
+        db = await Database.open(data / "machine.db")
+        try:
+            engine = BackupEngine(
+                DatabaseBackupSource(db, data / "attachments", work),
+                StoreTarget(store),
+                machine_id=new_machine_id(),
+                naming_key=naming,
+                recipients=[key.public_key, BoxKeyPair.generate().public_key],
+                keypair=key,
+                work_dir=work,
+            )
+            point = await engine.backup_now()
+            full = _du(target)
+            requests = type(store).requests
+            idle = await engine.increment_now()
+            idle_requests = type(store).requests - requests
+            pool = _paragraphs(2000, 3)
+            sent = requests_sent = own = prompts = 0
+            started = time.monotonic()
+            # The daemon looks every half interval and ships what it finds: prompts
+            # spread over the minute give two increments a minute, half each.
+            looks, increments = 2 * minutes, 0
+            for look in range(looks):
+                first = look * per_minute // 2
+                chosen = ids[first % len(ids) :][: (look + 1) * per_minute // 2 - first]
+                seqs = await db.read(
+                    lambda c, chosen=chosen: {
+                        a: c.execute("SELECT last_seq FROM agents WHERE id = ?", (a,)).fetchone()[0]
+                        for a in chosen
+                    }
+                )
+                await db.write(
+                    lambda c, chosen=chosen, look=look: _fill(c, chosen, 1, pool, f"l{look}")
+                )
+                for a in chosen:
+                    since = seqs[a]
+                    own += await db.read(
+                        lambda c, a=a, since=since: _own_sealed(c, a, since, naming)
+                    )
+                before = type(store).requests
+                made = await engine.increment_now()
+                assert made is not None and made.agents == len(chosen), made
+                sent += made.stored_bytes  # its deltas and its manifest
+                requests_sent += type(store).requests - before
+                prompts += len(chosen)
+                increments += 1
+            seconds = time.monotonic() - started
+        finally:
+            await db.close()
+    per_prompt, own_per = sent / prompts, own / prompts
+    print(
+        f"continuous: {prompts} prompts ({per_minute} agents a minute, {minutes} minutes),"
+        f" {increments} increments (a look every half minute) in {seconds:.2f} s"
+    )
+    print(
+        f"per prompt: {per_prompt / 1024:.1f} KiB sent, {requests_sent / prompts:.2f} store"
+        f" requests; its own events compressed and sealed {own_per / 1024:.1f} KiB:"
+        f" ratio {per_prompt / own_per:.2f}x (target <= 2x)"
+    )
+    print(
+        f"daily full backup: {full / 1e6:.1f} MB stored ({point.uploaded} segments);"
+        f" per prompt {per_prompt / full * 100:.4f} % of it"
+    )
+    print(f"idle interval: increment {'none' if idle is None else idle.backup_id},"
+          f" {idle_requests} store requests")  # fmt: skip
+    figures = BenchResult(
+        bench="backup-continuous",
+        command="python -m bench.backup --continuous" + (" --quick" if args.quick else ""),
+        notes=[
+            f"{agents} agents; one prompt each to {per_minute} agents a minute for"
+            f" {minutes} minutes, an increment every half minute; {requests_sent / prompts:.2f}"
+            f" store requests a prompt; an idle interval made {idle_requests}",
+        ],
+        rows=[
+            Row("bytes sent per prompt", per_prompt, own_per, "B",
+                "the prompt's own events compressed and sealed", target="<= 2x"),
+            Row("bytes sent per prompt", per_prompt, full, "B", "daily full backup"),
+        ],
+    )  # fmt: skip
+    figures.write(args.json)
+    return 0
+
+
+def new_machine_id() -> str:
+    from shared.ids import new_id
+
+    return new_id("machine")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         _child(sys.argv[2:])
@@ -310,7 +486,13 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=1000)
     parser.add_argument("--mb", type=int, default=200, help="MB of conversation text")
     parser.add_argument("--json", type=Path, help="also write the figures here (bench/results.py)")
+    parser.add_argument(
+        "--continuous", action="store_true", help="the continuous backups' case instead"
+    )
+    parser.add_argument("--quick", action="store_true", help="a small continuous run (smoke)")
     args = parser.parse_args()
+    if args.continuous or args.quick:
+        return asyncio.run(_continuous(args))
     restic = shutil.which("restic")
     with tempfile.TemporaryDirectory(prefix="bench-backup-") as tmp:
         base = Path(tmp)

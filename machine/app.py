@@ -453,6 +453,12 @@ async def open_machine(
                 loops.append(
                     asyncio.create_task(machine.backups.run_daily(), name="machine-backup-daily")
                 )
+                if machine.backups.interval is not None:
+                    loops.append(
+                        asyncio.create_task(
+                            machine.backups.run_continuous(), name="machine-backup-continuous"
+                        )
+                    )
         steps.report()
         yield machine
     finally:

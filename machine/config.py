@@ -64,6 +64,10 @@ DEFAULT_PROMPT_LIMIT = 1024 * 1024
 DEFAULT_ATTACHMENT_LIMIT = 20 * 1024 * 1024
 DEFAULT_EVENT_RETENTION_DAYS = 7
 DEFAULT_BACKUP_KEEP = 3
+#: Continuous backups: what changed ships within this many seconds (10 s to 24 h).
+DEFAULT_BACKUP_INTERVAL = 60.0
+MIN_BACKUP_INTERVAL = 10.0
+MAX_BACKUP_INTERVAL = 86400.0
 DEFAULT_BACKUP_TIME = "03:30"
 #: Where a machine daemon run as a service serves ``/metrics`` unless told
 #: otherwise: the unit ``join --install-service`` writes passes it, as
@@ -155,6 +159,7 @@ FILE_KEYS: dict[str, tuple[type, ...]] = {
     "integrity_check_seconds": (int, float),
     "backup_keep": (int,),
     "backup_time": (str,),
+    "backup_interval": (int, float),
     "backup_dir": (str,),
     "backup_target": (str,),
     "backup_store_endpoint": (str,),
@@ -187,6 +192,15 @@ def default_time_zone(env: Mapping[str, str], etc: Path = Path("/etc")) -> str:
         return "UTC"
     _, found, zone = target.partition("zoneinfo/")
     return zone if found and zone else "UTC"
+
+
+def _parse_interval(value: object) -> float:
+    try:
+        return float(str(value))
+    except ValueError:
+        raise ConfigError(
+            "backup_interval", f"must be a number of seconds (10 to 86400), got {value!r}"
+        ) from None
 
 
 def _parse_keep(value: object) -> int:
@@ -373,6 +387,11 @@ class MachineConfig:
     backup_time: str = DEFAULT_BACKUP_TIME
     """Local time of day (``HH:MM``, 24-hour) of the daily backup (default 03:30).
     Needs ``background_loops``."""
+
+    backup_interval: float = DEFAULT_BACKUP_INTERVAL
+    """A joined machine ships what changed (continuous backups: an increment)
+    within this many seconds of its commit (10 s to 24 h, default 60). Needs
+    ``background_loops``."""
 
     backup_dir: Path | None = None
     """A stand-alone machine's backup folder; ``None`` means ``<data_dir>/backups``.
@@ -579,6 +598,12 @@ class MachineConfig:
             raise ConfigError(
                 "backup_keep", f"must be a whole number from 1 to 10, got {self.backup_keep!r}"
             )
+        if not MIN_BACKUP_INTERVAL <= self.backup_interval <= MAX_BACKUP_INTERVAL:
+            raise ConfigError(
+                "backup_interval",
+                f"must be {MIN_BACKUP_INTERVAL:.0f} to {MAX_BACKUP_INTERVAL:.0f} seconds,"
+                f" got {self.backup_interval!r}",
+            )
         try:
             parse_daily_time(self.backup_time)
         except InvalidArgument:
@@ -699,6 +724,12 @@ class MachineConfig:
                 "backup_keep", "AGENTS_MACHINE_BACKUP_KEEP", DEFAULT_BACKUP_KEEP, _parse_keep
             ),
             backup_time=src.get("backup_time", "AGENTS_MACHINE_BACKUP_TIME", DEFAULT_BACKUP_TIME),
+            backup_interval=src.get(
+                "backup_interval",
+                "AGENTS_MACHINE_BACKUP_INTERVAL",
+                DEFAULT_BACKUP_INTERVAL,
+                _parse_interval,
+            ),
             backup_dir=Path(backup_dir).expanduser() if backup_dir else None,
             backup_target=opt("backup_target", "AGENTS_MACHINE_BACKUP_TARGET"),
             backup_store_endpoint=opt(

@@ -12,6 +12,7 @@ manifest's id is new for each backup, so every write is create-once and
 retrying one is safe. Layout inside a target (after its prefix)::
 
     manifests/<backup id>.sealed     the sealed manifest (the commit point)
+                                     (bk_...: a daily point; bki_...: an increment)
     manifests/<backup id>.names      JSON list of the segment names it uses
     segments/<segment name>          sealed segments, shared by backups
 
@@ -34,8 +35,8 @@ from pathlib import Path
 from typing import BinaryIO, Final, Protocol, runtime_checkable
 
 from shared.backup_packs import PackedSegment
-from shared.errors import IntegrityError, NotFound, PreconditionFailed
-from shared.ids import is_valid_id, validate_id
+from shared.errors import IntegrityError, InvalidId, NotFound, PreconditionFailed
+from shared.ids import id_time_ms, is_backup_id, is_increment
 from shared.limits import LINK_MAX_MESSAGE
 from shared.store.base import ObjectStore, validate_prefix
 
@@ -49,10 +50,15 @@ __all__ = [
     "PackTarget",
     "PruneResult",
     "StoreTarget",
+    "backup_order",
+    "is_backup_id",
+    "is_increment",
     "is_segment_name",
+    "kept_by_points",
     "manifest_key",
     "names_key",
     "segment_key",
+    "validate_backup_id",
 ]
 
 logger = logging.getLogger(__name__)
@@ -84,14 +90,42 @@ def _check_name(name: str) -> str:
     return name
 
 
+def validate_backup_id(value: str, field: str = "backup_id") -> str:
+    """``value`` if it is a point's or an increment's id, else InvalidId."""
+    if not is_backup_id(value):
+        raise InvalidId("backup", value if isinstance(value, str) else repr(value), field)
+    return value
+
+
+def backup_order(backup_id: str) -> tuple[int, str]:
+    """Sort key of backups by time, points and increments together (their prefixes
+    differ, so the ids alone do not sort across kinds)."""
+    return id_time_ms(backup_id), backup_id
+
+
+def kept_by_points(ids: list[str], keep: int) -> tuple[list[str], list[str]]:
+    """Which backups (ids oldest first) a prune keeping ``keep`` points keeps, and
+    which it drops: the newest ``keep`` daily points, and every increment after
+    the oldest of them (an increment goes with the point it continues). Before
+    any point is stored, nothing is dropped."""
+    points = [b for b in ids if not is_increment(b)]
+    if not points:
+        return list(ids), []
+    kept_points = set(points[-keep:])
+    oldest = backup_order(points[-keep:][0])
+    kept = [b for b in ids if b in kept_points or (is_increment(b) and backup_order(b) > oldest)]
+    held = set(kept)
+    return kept, [b for b in ids if b not in held]
+
+
 def manifest_key(backup_id: str) -> str:
     """Key of a sealed manifest inside a target."""
-    return MANIFESTS + validate_id("backup", backup_id, "backup_id") + _SUFFIX
+    return MANIFESTS + validate_backup_id(backup_id) + _SUFFIX
 
 
 def names_key(backup_id: str) -> str:
     """Key of the list of segment names a backup uses (beside its manifest)."""
-    return MANIFESTS + validate_id("backup", backup_id, "backup_id") + NAMES_SUFFIX
+    return MANIFESTS + validate_backup_id(backup_id) + NAMES_SUFFIX
 
 
 def segment_key(name: str) -> str:
@@ -105,6 +139,11 @@ class ManifestInfo:
 
     backup_id: str
     size: int
+
+    @property
+    def increment(self) -> bool:
+        """An increment of continuous backups (else a daily point)."""
+        return is_increment(self.backup_id)
 
 
 @dataclass(frozen=True)
@@ -145,7 +184,8 @@ class BackupTarget(Protocol):
         ...
 
     async def list_manifests(self) -> list[ManifestInfo]:
-        """Every stored backup, oldest first (backup ids sort by time)."""
+        """Every stored backup (points and increments), oldest first
+        (:func:`backup_order`)."""
         ...
 
     async def get_manifest(self, backup_id: str) -> bytes:
@@ -157,8 +197,10 @@ class BackupTarget(Protocol):
         ...
 
     async def prune(self, keep: int) -> PruneResult:
-        """Keep the newest ``keep`` backups; delete older manifests, then every
-        segment no kept backup names. A crash part-way leaves every kept backup whole."""
+        """Keep the newest ``keep`` daily points and the increments after the
+        oldest of them (:func:`kept_by_points`); delete the other manifests, then
+        every segment no kept backup names. A crash part-way leaves every kept
+        backup whole."""
         ...
 
 
@@ -266,9 +308,9 @@ class StoreTarget:
         start = self._key(MANIFESTS)
         async for info in self._store.list(start):
             backup_id = info.key[len(start) :].removesuffix(_SUFFIX)
-            if info.key.endswith(_SUFFIX) and is_valid_id("backup", backup_id):
+            if info.key.endswith(_SUFFIX) and is_backup_id(backup_id):
                 out.append(ManifestInfo(backup_id, info.size))
-        return sorted(out, key=lambda m: m.backup_id)
+        return sorted(out, key=lambda m: backup_order(m.backup_id))
 
     async def get_manifest(self, backup_id: str) -> bytes:
         try:
@@ -301,7 +343,9 @@ class StoreTarget:
         if keep < 1:
             raise ValueError("keep at least one backup")
         infos = await self.list_manifests()
-        kept, dropped = infos[-keep:], infos[:-keep]
+        by_id = {i.backup_id: i for i in infos}
+        kept_list, dropped_list = kept_by_points([i.backup_id for i in infos], keep)
+        kept, dropped = [by_id[b] for b in kept_list], [by_id[b] for b in dropped_list]
         named: set[str] = set()
         for info in kept:
             names = await self._names(info.backup_id)

@@ -17,7 +17,16 @@ from typing import Final
 
 from shared.errors import InvalidId
 
-__all__ = ["KINDS", "id_time_ms", "is_valid_id", "new_id", "validate_id", "validate_sha256"]
+__all__ = [
+    "KINDS",
+    "id_time_ms",
+    "is_backup_id",
+    "is_increment",
+    "is_valid_id",
+    "new_id",
+    "validate_id",
+    "validate_sha256",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +38,9 @@ KINDS: Final[dict[str, str]] = {
     "agent": "ag",
     "attachment": "att",
     "backup": "bk",
+    # A continuous backup's increment (docs/backups.md): told from a daily point
+    # by its id alone, so a target that cannot open manifests prunes by kind.
+    "increment": "bki",
     "event": "ev",
     "machine": "mc",
     "prompt": "pr",
@@ -82,6 +94,16 @@ def is_valid_id(kind: str, value: str) -> bool:
     """True when ``value`` is a well-formed id of ``kind``."""
     pattern = _PATTERNS.get(kind)
     return bool(pattern and isinstance(value, str) and pattern.match(value))
+
+
+def is_increment(value: str) -> bool:
+    """Whether ``value`` is a continuous backup's increment id (``bki_...``)."""
+    return is_valid_id("increment", value)
+
+
+def is_backup_id(value: str) -> bool:
+    """Whether ``value`` is a stored backup's id: a daily point or an increment."""
+    return is_valid_id("backup", value) or is_valid_id("increment", value)
 
 
 def validate_id(kind: str, value: str, field: str | None = None) -> str:

@@ -40,7 +40,7 @@ revoked             ``accounts/<a>/revoked/<mc>.json``                          
 retired             ``accounts/<a>/retired/<mc>/<serial>.json``                 yes
 queue_entry         ``accounts/<a>/queue/<mc>/<seq>[-<tag>].sealed``            yes
 queue_acked         ``accounts/<a>/queue-acked/<mc>/<seq>-<tag>.json``          yes
-backup_manifest     ``accounts/<a>/backups/<mc>/manifests/<bk>.sealed|.names``  yes
+backup_manifest     ``accounts/<a>/backups/<mc>/manifests/<bk|bki>.sealed|.names``  yes
 backup_segment      ``accounts/<a>/backups/<mc>/segments/<64 hex>``             no
 probe               ``_probe/<16 hex>`` (the S3 probe's, deleted as it ends)    no
 ==================  ==========================================================  ==========
@@ -99,7 +99,8 @@ _SHAPES: Final[tuple[tuple[str, re.Pattern[str]], ...]] = tuple(
         ("queue_acked", rf"accounts/{_ACCT}/queue-acked/{_MC}/[0-9]{{20}}-[0-9a-f]{{16}}\.json"),
         (
             "backup_manifest",
-            rf"accounts/{_ACCT}/backups/{_MC}/manifests/{_id('bk', 'ident')}\.(?:sealed|names)",
+            # A daily point (bk_) or a continuous backup's increment (bki_).
+            rf"accounts/{_ACCT}/backups/{_MC}/manifests/{_id('bki?', 'ident')}\.(?:sealed|names)",
         ),
         ("backup_segment", rf"accounts/{_ACCT}/backups/{_MC}/segments/(?P<ident>[0-9a-f]{{64}})"),
         ("probe", r"_probe/[0-9a-f]{16}"),

@@ -23,12 +23,12 @@ from machine.backups.handoff import read_chunks
 from machine.backups.reader import NOT_OURS
 from machine.models import StoredEvent
 from machine.version import machine_version
+from shared.backup_target import validate_backup_id
 from shared.crypto import BoxKeyPair, decode_public_key, encode_private_key, encode_public_key
 from shared.errors import AgentsError, IntegrityError, InvalidArgument
-from shared.ids import validate_id
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
-from shared.timestamps import from_seconds
+from shared.timestamps import from_seconds, to_seconds
 
 __all__ = ["SERVICE_NAME", "MachineServicer"]
 
@@ -89,7 +89,7 @@ async def _write_quietly(context: Ctx, message: Any) -> None:
 
 
 def _backup_id(value: str) -> str:
-    return validate_id("backup", value, "backup_id")
+    return validate_backup_id(value, "backup_id")
 
 
 @contextlib.contextmanager
@@ -280,8 +280,12 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
     ) -> pb.ListBackupsResponse:
         async with self._m.backups_at(request.from_dir) as engine:
             listed = await engine.list_described()
+            chains = await engine.chains()
         return pb.ListBackupsResponse(
-            backups=[codec.backup_info_to_pb(*described) for described in reversed(listed)]
+            backups=[
+                codec.backup_info_to_pb(*described, chain=chains.get(described[0].backup_id))
+                for described in reversed(listed)
+            ]
         )
 
     async def VerifyBackup(
@@ -290,7 +294,12 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         recovery = codec.recovery_key_from_pb(request.recovery_private_key)
         async with self._m.backups_at(request.from_dir) as engine:
             with _key_refused(recovery):
-                result = await engine.verify(_backup_id(request.backup_id), recovery)
+                # A point with every increment continuing it (the newest: no id).
+                backup_id = _backup_id(request.backup_id) if request.backup_id else None
+                chain = await (
+                    engine.chain_for(backup_id, recovery) if backup_id else engine.chain_at()
+                )
+                result = await engine.verify_chain(chain, recovery)
         return pb.VerifyBackupResponse(
             ok=True,
             segments=result.segments,
@@ -304,7 +313,10 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         async with self._m.backups_at(request.from_dir) as engine:
             with _key_refused(recovery):
                 result = await service.restore(
-                    _backup_id(request.backup_id), recovery=recovery, engine=engine
+                    _backup_id(request.backup_id) if request.backup_id else None,
+                    at=to_seconds(request.at) if request.HasField("at") else None,
+                    recovery=recovery,
+                    engine=engine,
                 )
         return codec.restore_result_to_pb(result)
 

@@ -85,6 +85,9 @@ class BackupView:
     opens: bool
     pruned: tuple[str, ...]
     problem: str = ""
+    increments: int = 0
+    """Continuous backups' increments continuing it (listings)."""
+    newest_increment_at: float | None = None
 
 
 @dataclass(frozen=True)

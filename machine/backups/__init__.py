@@ -1,8 +1,11 @@
 """Backups and transfer: agents leaving the machine and coming back.
 
-``engine`` (make and prune sealed backups over a target), ``reader`` (list,
-open, verify and fetch them), ``source`` (what a backup reads: the contract and
-the machine's database as one), ``writer`` (encoding and sending new segments),
+``engine`` (make and prune sealed backups over a target), ``increments``
+(continuous backups: an increment of what changed since the chain's newest
+backup), ``chain`` (restoring to a time: a point and the increments
+continuing it, merged), ``reader`` (list, open, verify and fetch them),
+``source`` (what a backup reads: the contract and the machine's database as
+one), ``writer`` (encoding and sending new segments),
 ``workers/`` (segments made in worker processes: ``segment_workers``, their
 entry point ``segment_worker_main``, the process ``pool``), ``keys`` (the keys
 backups are sealed and named with), ``service`` (when backups run, where they
@@ -19,8 +22,10 @@ Nothing here is imported by the core, storage or the link.
 """
 
 __all__ = [
+    "chain",
     "engine",
     "handoff",
+    "increments",
     "keys",
     "reader",
     "restore",

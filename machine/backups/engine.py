@@ -29,6 +29,18 @@ next backup, never reported as the backup's failure.
 
 An agent whose change marker and segment are the same as in the last backup
 is not read again: its segment is reused as it is (the *cache*).
+
+Continuous backups (docs/backups.md). The backup above is the daily *point*
+(``bk_...``); between points :meth:`BackupEngine.increment_now` ships an
+*increment* (``bki_...``) of what changed since the newest backup, a delta per
+changed agent (:mod:`machine.backups.increments`), with the same one commit
+point (its manifest) and no prune. A point starts the chain (written after its
+commit); without a chain (a new folder, another target) increments wait for
+the next point. Pruning keeps the newest ``keep`` points and the increments
+after the oldest of them (:func:`shared.backup_target.kept_by_points`): by
+id alone, so the control plane prunes alike. Restoring to a time merges the
+newest point at or before it with the increments continuing it
+(:mod:`machine.backups.chain`).
 """
 
 from __future__ import annotations
@@ -43,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from machine.backups.chain import BackupChains, Chain, Link
+from machine.backups.increments import ChainState, make_increment, point_state
 from machine.backups.reader import BackupReader, FetchedBackup, VerifyResult
 from machine.backups.source import BackupSource
 from machine.backups.writer import SegmentWriter
@@ -118,9 +132,16 @@ class BackupEngine:
         keep: int = 3,
         clock: Callable[[], float] = time.time,
         mend: bool = True,
+        chain_target: str = "",
     ) -> None:
         """``mend``: a segment found damaged (verify, the restore check) is sent
-        again by the next backup (off for an engine reading another folder)."""
+        again by the next backup (off for an engine reading another folder).
+        ``chain_target`` names the target in the chain's state (increments
+        continue only a chain on the same target)."""
+        self._chain_target = chain_target
+        # Whether the chain's base was seen stored since this engine started (once).
+        self._chain_seen = False
+
         self._source = source
         self._target = target
         self._machine_id = machine_id
@@ -139,6 +160,7 @@ class BackupEngine:
             work_dir=work_dir,
             on_damaged=self._note_damaged,
         )
+        self._chains = BackupChains(target, self._reader)
 
     def seal_to(self, recipients: list[bytes]) -> None:
         """Seal later manifests to ``recipients`` (a recovery key was just made)."""
@@ -338,6 +360,9 @@ class BackupEngine:
             # while this backup ran stays for the next one.
             self._forget_damaged(damaged)
         markers = {a.agent_id: a.marker for a in agents}
+        # After the commit: the next increment continues this point.
+        point_state(self._chain_target, backup_id, refs, agents).save(self._work)
+        self._chain_seen = True
         self._save_cache(
             {
                 (r.ref if r.kind == "agent" else f"attachment:{r.ref}"): {
@@ -368,6 +393,107 @@ class BackupEngine:
         return SegmentRef(
             name, segment_key(self._naming_key, name), kind, ref, size, int(hit["plain_size"])
         )
+
+    # -- increments (machine.backups.increments) ------------------------------
+
+    async def has_agents(self) -> bool:
+        """Whether there is any agent to back up."""
+        return bool(await self._source.agents())
+
+    def continuing(self) -> bool:
+        """Whether a chain is known, so an increment can be made (else a point first)."""
+        return ChainState.load(self._work, self._chain_target) is not None
+
+    async def increment_now(self) -> BackupResult | None:
+        """Ship an increment of what changed since the newest backup; None when
+        nothing changed (nothing is asked of the target) or no chain is known."""
+        async with self._lock:
+            state = ChainState.load(self._work, self._chain_target)
+            if state is None or not await self._base_stored(state):
+                return None
+            started = time.monotonic()
+            # After its base whatever the clock says: a restore follows ids in order.
+            now_ms = max(int(self._clock() * 1000), id_time_ms(state.base) + 1)
+            backup_id = new_id("increment", now_ms=now_ms)
+            ensure_private_dir(self._work)
+            try:
+                with tempfile.TemporaryDirectory(dir=self._work, prefix=".stage-") as stage:
+                    made = await make_increment(
+                        self._source, self._target, state, backup_id=backup_id,
+                        machine_id=self._machine_id, naming_key=self._naming_key,
+                        stage=Path(stage), clock=self._clock,
+                    )  # fmt: skip
+                    if made is None:
+                        return None
+                    blob = seal_manifest(made.manifest, self._recipients)
+                    await self._commit(backup_id, blob, made.names)
+            except BaseException:
+                if isinstance(self._target, PackTarget):
+                    await asyncio.to_thread(self._target.discard_pending)
+                raise
+            made.state.save(self._work)
+            self._chains.known(Link.of(made.manifest))
+            refs = made.manifest.segments
+            logger.info("backup increment %s: %d segments", backup_id, len(refs))
+            return BackupResult(
+                backup_id,
+                len(refs),
+                made.uploaded,
+                made.uploaded_bytes,
+                made.uploaded_bytes + len(blob),
+                sum(r.plain_size for r in refs),
+                time.monotonic() - started,
+                agents=sum(1 for r in refs if r.kind == "delta"),
+                created_at=made.manifest.created_at,
+            )
+
+    async def _base_stored(self, state: ChainState) -> bool:
+        """Whether the chain's base is stored (asked once per start: one listing).
+
+        A chain whose base is gone (the target lost it, a data folder copied
+        from elsewhere) is forgotten: increments on it would not restore, so
+        the next interval starts a new chain with a point.
+        """
+        if self._chain_seen:
+            return True
+        listed = {i.backup_id for i in await self._target.list_manifests()}
+        if state.base not in listed:
+            logger.warning(
+                "continuous backups: the chain's base %s is not stored; a point starts a new one",
+                state.base,
+            )
+            ChainState.forget(self._work)
+            return False
+        self._chain_seen = True
+        return True
+
+    async def chain_at(self, at: float | None = None, keypair: BoxKeyPair | None = None) -> Chain:
+        """What a restore to ``at`` (None: the newest) restores."""
+        return await self._chains.at(at, keypair)
+
+    async def chain_from(
+        self, point_id: str, listed: list[ManifestInfo], keypair: BoxKeyPair | None = None
+    ) -> Chain:
+        """The point ``point_id`` and every increment continuing it (of ``listed``)."""
+        return await self._chains.from_point(point_id, listed, keypair)
+
+    async def chain_for(self, backup_id: str, keypair: BoxKeyPair | None = None) -> Chain:
+        """The chain a backup id names (:meth:`BackupChains.for_id`)."""
+        return await self._chains.for_id(backup_id, keypair)
+
+    async def chains(self, keypair: BoxKeyPair | None = None) -> dict[str, Chain]:
+        """Each point that opens, with the increments continuing it."""
+        return await self._chains.every(keypair)
+
+    async def fetch_chain(
+        self, chain: Chain, dest: Path, keypair: BoxKeyPair | None = None
+    ) -> FetchedBackup:
+        """Fetch a point and its increments merged, to restore (see :mod:`.chain`)."""
+        return await self._chains.fetch(chain, dest, keypair)
+
+    async def verify_chain(self, chain: Chain, keypair: BoxKeyPair | None = None) -> VerifyResult:
+        """Authenticate every segment of a point and of each of its increments."""
+        return await self._chains.verify(chain, keypair)
 
     # -- reading (machine.backups.reader) -------------------------------------
 
@@ -403,6 +529,7 @@ class BackupEngine:
     # -- pruning -------------------------------------------------------------
 
     async def prune(self) -> PruneResult:
-        """Keep the newest ``keep`` backups; delete the rest and unreferenced segments."""
+        """Keep the newest ``keep`` points and their increments; delete the rest and
+        unreferenced segments."""
         async with self._lock:
             return await self._target.prune(self.keep)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import io
 import logging
 import os
 import tempfile
@@ -176,6 +177,8 @@ class BackupReader:
         it opens): ``another key``, or ``refused: <reason>`` (forged, altered)."""
         out: list[tuple[ManifestInfo, BackupManifest | None, str]] = []
         for info in await self._target.list_manifests():
+            if info.increment:
+                continue  # opened only to restore or verify (machine.backups.chain)
             try:
                 out.append((info, await self.open(info.backup_id), ""))
             except IntegrityError as e:
@@ -186,7 +189,8 @@ class BackupReader:
         return out
 
     async def list(self) -> list[tuple[ManifestInfo, BackupManifest | None]]:
-        """Every stored backup, oldest first, with its manifest when it opens."""
+        """Every stored daily point, oldest first, with its manifest when it opens
+        (increments: :mod:`machine.backups.chain`)."""
         return [(info, manifest) for info, manifest, _ in await self.list_described()]
 
     async def open(self, backup_id: str, keypair: BoxKeyPair | None = None) -> BackupManifest:
@@ -195,6 +199,13 @@ class BackupReader:
         return open_manifest(
             blob, keypair or self._keypair, machine_id=self._machine_id, backup_id=backup_id
         )
+
+    async def read_segment(self, ref: SegmentRef, naming_key: bytes) -> bytes:
+        """Download, authenticate and decode one (small) segment whole: a delta."""
+        ensure_private_dir(self._work)
+        out = io.BytesIO()
+        await self._segment_to(ref, naming_key, self._work, out)
+        return out.getvalue()
 
     async def _segment_to(
         self, ref: SegmentRef, naming_key: bytes, work: Path, out: BinaryIO | None

@@ -6,6 +6,11 @@ joined one), runs it daily at a configured local time, runs a restore check
 (open the newest backup, authenticate every chunk, compare it with the live
 data) after each backup, restores, and keeps what ``status`` and the metrics
 show: last backup, next run, last restore check.
+
+With an ``interval`` (a joined machine: continuous backups, docs/backups.md)
+it also ships an increment of what changed every ``interval`` seconds
+(:meth:`BackupService.run_continuous`); an idle interval costs one query of
+the agents' change markers and no request to the target.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from machine.storage.tables import export as store_export
 from shared.backup_target import BackupTarget
 from shared.crypto import BoxKeyPair
 from shared.errors import AgentsError, IntegrityError, InvalidArgument
+from shared.ids import is_increment
 from shared.retry import retrying
 
 __all__ = ["BackupMetrics", "BackupService", "BackupStatus", "RestoreCheck", "parse_daily_time"]
@@ -117,6 +123,17 @@ class BackupMetrics:
             " loses both), 0 when they leave it (another disk, a bucket, the control plane).",
             registry=registry,
         )
+        self.increments = Counter(
+            "agents_machine_backup_increments",
+            "Continuous backup increments shipped, by result.",
+            ["result"],
+            registry=registry,
+        )
+        self.last_increment = Gauge(
+            "agents_machine_backup_last_increment_timestamp_seconds",
+            "When the last continuous backup increment was committed (Unix time).",
+            registry=registry,
+        )
         self.check_duration = Histogram(
             "agents_machine_restore_check_duration_seconds",
             "Time to open and authenticate the newest backup.",
@@ -177,11 +194,14 @@ class BackupService:
         warnings: tuple[str, ...] = (),
         after_load: Callable[[], None] | None = None,
         settings: Mapping[str, str] | None = None,
+        interval: float | None = None,
     ) -> None:
+        """``interval``: seconds between continuous backups' increments (None: daily only)."""
         self._db = db
         # The machine's non-secret settings: each backup carries them, and a
         # restore names those of the backup that differ (MachineConfig.backup_settings).
         self._settings = dict(settings or {})
+        self.interval = interval
         self._sleep = sleep
         self._after_load = after_load  # a test's fault point (machine.backups.transfer)
         self._target = target
@@ -195,7 +215,7 @@ class BackupService:
         self.daily_at = daily_at
         self._warnings = warnings
         self._keep = keep
-        self.engine = self.engine_for(target, machine_id, mend=True)
+        self.engine = self.engine_for(target, machine_id, mend=True, chain_target=target_name)
         self._last: BackupResult | None = None
         self._last_at: float | None = None
         self._last_check: RestoreCheck | None = None
@@ -206,7 +226,7 @@ class BackupService:
         self.on_restored: Callable[[], None] | None = None
 
     def engine_for(
-        self, target: BackupTarget, machine_id: str, *, mend: bool = False
+        self, target: BackupTarget, machine_id: str, *, mend: bool = False, chain_target: str = ""
     ) -> BackupEngine:
         """An engine on ``target`` reading ``machine_id``'s backups (a copied backup
         folder of another machine, for restore and verify); ``mend``: the
@@ -222,6 +242,7 @@ class BackupService:
             keep=self._keep,
             clock=self._clock,
             mend=mend,
+            chain_target=chain_target,
         )
 
     def create_recovery_key(self) -> BoxKeyPair:
@@ -359,23 +380,34 @@ class BackupService:
 
     async def restore(
         self,
-        backup_id: str,
+        backup_id: str | None,
         *,
+        at: float | None = None,
         recovery: BoxKeyPair | None = None,
         erased: set[str] | None = None,
         engine: BackupEngine | None = None,
     ) -> InResult:
         """Restore a backup's agents (archived), skipping existing and erased ones.
 
+        ``backup_id``: a daily point alone, or an increment with its point and
+        the increments before it; None: the time ``at`` (None: the newest), the
+        newest point at or before it and its increments up to it.
         ``recovery`` opens a backup made by another machine's key (the disk is
         gone); without it the machine's own key is used. ``engine`` reads
         another target (:meth:`engine_for`).
         """
+        engine = engine or self.engine
         stage = self._work / f".restore-{os.getpid()}-{int(self._clock() * 1000)}"
         try:
-            fetched = await (engine or self.engine).fetch(
-                backup_id, stage, recovery, decode_agents=False
-            )
+            if backup_id is not None and not is_increment(backup_id):
+                fetched = await engine.fetch(backup_id, stage, recovery, decode_agents=False)
+            else:
+                chain = await (
+                    engine.chain_for(backup_id, recovery)
+                    if backup_id is not None
+                    else engine.chain_at(at, recovery)
+                )
+                fetched = await engine.fetch_chain(chain, stage, recovery)
             result = await restore_fetched(
                 self._db,
                 fetched,
@@ -453,6 +485,60 @@ class BackupService:
                 await self.restore_check(made.backup_id)
             except Exception:  # the backup stands; the check runs again tomorrow
                 logger.exception("the restore check could not run")
+
+    async def increment_now(self) -> BackupResult | None:
+        """Ship an increment of what changed (None: nothing did, or no chain yet)."""
+        try:
+            result = await self.engine.increment_now()
+        except Exception:  # a daemon stopping mid-increment is not a failure
+            if self._metrics:
+                self._metrics.increments.labels("failed").inc()
+            raise
+        if result is not None and self._metrics:
+            self._metrics.increments.labels("ok").inc()
+            self._metrics.last_increment.set(result.created_at)
+            self._metrics.uploaded_bytes.inc(result.uploaded_bytes)
+        return result
+
+    async def run_continuous(self) -> None:
+        """Every half ``interval``, ship what changed, until cancelled.
+
+        Half: a change committed just after a look waits for the next one, then
+        for its upload; looking every half interval ships it within the
+        interval (half of it, plus the upload), at the cost of one marker query
+        more per interval on an idle machine (no request to the target).
+
+        Without a chain (no point made on this target from this data folder: a
+        first join, a new folder) something to back up starts one with a point.
+        A failure is logged; the next interval tries again with all it missed.
+        While the target stays down only the first failure is an ERROR (the
+        others are DEBUG lines, counted in the metric), and the recovery says
+        how many intervals failed.
+        """
+        assert self.interval is not None
+        failing = 0
+        while True:
+            await self._sleep(self.interval / 2)
+            try:
+                if not self.engine.continuing():
+                    if await self.engine.has_agents():
+                        logger.info("continuous backups: no chain yet; making a point")
+                        await self.backup_now()
+                else:
+                    await self.increment_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                failing += 1
+                level = logging.ERROR if failing == 1 else logging.DEBUG
+                known = isinstance(e, AgentsError)
+                logger.log(level, "continuous backup failed (%s); trying again every %.0f s",
+                           e if known else type(e).__name__, self.interval,
+                           exc_info=not known)  # fmt: skip
+                continue
+            if failing:
+                logger.info("continuous backups resumed after %d failed interval(s)", failing)
+                failing = 0
 
     def status(self) -> BackupStatus:
         warnings = list(self._warnings)

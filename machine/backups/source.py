@@ -42,6 +42,8 @@ class AgentItem:
 
     agent_id: str
     marker: str
+    last_seq: int = 0
+    """The agent's last event's seq when listed (a delta continues from it)."""
 
 
 class BackupSource(Protocol):
@@ -53,6 +55,15 @@ class BackupSource(Protocol):
 
     async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
         """Write the agent's plaintext segment (export-format tar) to ``out``."""
+        ...
+
+    async def write_delta(self, agent_id: str, since_seq: int, out: BinaryIO) -> None:
+        """Write the agent's delta segment after event ``since_seq`` (an increment's:
+        :mod:`machine.formats.backup_delta`) to ``out``; NotFound when it is gone."""
+        ...
+
+    async def usage_since(self, bases: dict[str, int]) -> list[dict[str, Any]]:
+        """The usage rows of the runs of each agent's events after its seq in ``bases``."""
         ...
 
     def segment_maker(
@@ -104,7 +115,7 @@ class DatabaseBackupSource:
             await restored.ensure_loaded(self._db)
             rows, unloaded = await self._db.read(_markers, what="backup list agents")
             if not unloaded:
-                return [AgentItem(a, m) for a, m in rows]
+                return [AgentItem(a, m, store_export.marker_seq(m)) for a, m in rows]
 
     async def write_agent(self, agent_id: str, out: BinaryIO) -> None:
         failed = await self._db.read(
@@ -123,6 +134,26 @@ class DatabaseBackupSource:
             # The tar goes to ``out`` in a worker thread: a backup's ``out``
             # hashes and compresses what it is given (machine.backups.writer).
             await asyncio.to_thread(write_tar, out, entries)
+
+    async def write_delta(self, agent_id: str, since_seq: int, out: BinaryIO) -> None:
+        # An agent is listed after its restored history loaded (agents()); the
+        # delta is from machine.db, as a whole segment is.
+        ensure_private_dir(self._work)
+        with contextlib.ExitStack() as stack:
+            entries = await self._db.read(
+                lambda c: dump_agent_spooled(c, agent_id, stack, self._work, since_seq=since_seq),
+                what=f"back up the changes of agent {agent_id}",
+            )
+            await asyncio.to_thread(write_tar, out, entries)
+
+    async def usage_since(self, bases: dict[str, int]) -> list[dict[str, Any]]:
+        def rows(conn: Any) -> list[dict[str, Any]]:
+            out: list[dict[str, Any]] = []
+            for agent_id, since in bases.items():
+                out += store_export.usage_rows_since(conn, agent_id, since)
+            return out
+
+        return await self._db.read(rows, what="backup usage of the changes")
 
     def segment_maker(
         self, *, naming_key: bytes, work_dir: Path, agents: int, pack_folder: Path | None = None

@@ -52,6 +52,7 @@ __all__ = [
     "backup_times",
     "backup_warnings",
     "build_backups",
+    "continuous_interval",
     "open_backups_from",
     "shares_data_device",
 ]
@@ -103,6 +104,11 @@ class BackupSettings(Protocol):
     @property
     def backup_time(self) -> str:
         """Local time of day (``HH:MM``) of the daily backup."""
+        ...
+
+    @property
+    def backup_interval(self) -> float:
+        """Seconds between a joined machine's continuous backups (increments)."""
         ...
 
     @property
@@ -269,6 +275,7 @@ async def build_backups(
         warnings=await asyncio.to_thread(backup_warnings, config, target),
         after_load=crash_after(config.crash_in_transfer_after, "agents loaded in a transfer"),
         settings=config.backup_settings(),
+        interval=continuous_interval(config, target),
     )
     await asyncio.to_thread(service.sweep_stale)
     try:
@@ -276,6 +283,15 @@ async def build_backups(
     except AgentsError as e:
         logger.warning("cannot list the stored backups at start: %s", e)
     return service
+
+
+def continuous_interval(config: BackupSettings, target: BackupTarget) -> float | None:
+    """Seconds between continuous backups' increments: ``backup_interval`` when
+    backups leave the machine for a store (a joined machine's control plane, a
+    stand-alone machine's bucket), None (daily only) for a folder: increments every
+    minute to a folder on this box's own disk would not outlive that disk."""
+    leaves = isinstance(target, ControlPlaneTarget | BucketTarget)
+    return config.backup_interval if leaves else None
 
 
 def backup_times(service: BackupService) -> Callable[[], Awaitable[list[float]]]:

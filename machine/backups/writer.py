@@ -168,8 +168,12 @@ class SegmentWriter:
         tick: Tick,
         maker: SegmentMaker | None = None,
         replace: Set[str] = frozenset(),
+        ask: bool = True,
     ) -> None:
-        """``replace``: names sent even when the target has them (stored damaged)."""
+        """``replace``: names sent even when the target has them (stored damaged).
+        ``ask=False``: the target is not asked which names it has (an increment's
+        deltas are new content: a question per increment would cost a listing of
+        every stored segment); a segment stored already is kept by the put."""
         self._write_agent = write_agent
         self._maker = maker
         self._target = target
@@ -177,6 +181,7 @@ class SegmentWriter:
         self._work = work_dir
         self._tick = tick
         self._replace = replace
+        self._ask = ask
         self._packs = target if isinstance(target, PackTarget) else None
         self._cpu = asyncio.Semaphore(PARALLEL if maker is None else maker.parallel)
         self._io = asyncio.Semaphore(UPLOADS)
@@ -284,7 +289,8 @@ class SegmentWriter:
         window = [item for item in window if not item.gone]
         refs = [item.ref for item in window]
         assert all(ref is not None for ref in refs)
-        have = await self._target.have_segments({ref.name for ref in refs if ref is not None})
+        names = {ref.name for ref in refs if ref is not None}
+        have = await self._target.have_segments(names) if self._ask else {}
 
         async def send(item: _Item) -> SegmentRef:
             ref = item.ref

@@ -18,7 +18,17 @@ from machine.api.views import BackupView
 from machine.backups.handoff import MAX_IMPORT_BYTES
 from machine.backups.transfer import InResult, SettingDiff
 from machine.cli.client import MachineClient
-from machine.cli.common import Ctx, call, human, open_regular, show, show_record, when, wire
+from machine.cli.common import (
+    Ctx,
+    call,
+    human,
+    open_regular,
+    parse_when,
+    show,
+    show_record,
+    when,
+    wire,
+)
 from shared.atomic import STALE_TEMP_SECONDS, open_atomic, sweep_tagged_temps
 from shared.cli import (
     Column,
@@ -148,14 +158,17 @@ async def backup_list(ctx: Ctx) -> int:
     backups = await call(ctx, lambda c: c.list_backups(from_dir))
     rows = [
         [b.id, when(b.created_at), str(b.agents) if b.opens else "?",
-         str(b.segments) if b.opens else "?", "yes" if b.opens else f"no ({_short(b.problem)})"]
+         str(b.segments) if b.opens else "?", "yes" if b.opens else f"no ({_short(b.problem)})",
+         str(b.increments), when(b.newest_increment_at)]
         for b in backups
     ]  # fmt: skip
     columns = [Column("backup", whole=True), Column("created", whole=True), Column("agents")]
+    # Continuous backups: each daily backup's increments, restorable to the newest.
+    more = [Column("increments"), Column("newest increment", whole=True)]
     return show(
         ctx.out,
         {"backups": [wire(b) for b in backups]},
-        lambda: ctx.out.table([*columns, Column("segments"), Column("opens")], rows),
+        lambda: ctx.out.table([*columns, Column("segments"), Column("opens"), *more], rows),
     )
 
 
@@ -167,22 +180,35 @@ async def backup_verify(ctx: Ctx) -> int:
         # The daemon answers only at the end: a spinner with the time elapsed.
         with _listing_from(ctx, from_dir), Progress("verifying", quiet=ctx.out.as_json):
             report = await client.verify_backup(
-                args.backup_id, from_dir=from_dir, recovery=recovery
+                args.backup_id or "", from_dir=from_dir, recovery=recovery
             )
+    # A daily backup is verified with every increment continuing it.
     text = (
-        f"{args.backup_id}: ok, {report.segments} segments, "
+        f"{args.backup_id or 'the newest backup'}: ok, {report.segments} segments, "
         f"{human(report.plain_bytes)} authenticated in {report.duration_ms / 1000:.1f} s"
     )
     return show_record(ctx.out, report, lambda: ctx.out.lines(text))
 
 
+def _at(ctx: Ctx) -> float | None:
+    """``--at TIME`` (restore to a time: continuous backups' increments included)."""
+    text = getattr(ctx.args, "at", None)
+    if text is None:
+        return None
+    if ctx.args.backup_id:
+        raise UsageError("restore: give a backup ID or --at TIME, not both")
+    return parse_when(text)
+
+
 async def backup_restore(ctx: Ctx) -> int:
     """``backup restore ID``: its agents arrive archived; existing ones are skipped."""
     args = ctx.args
-    from_dir, recovery = _from_dir(args), _recovery(ctx)
+    from_dir, recovery, at = _from_dir(args), _recovery(ctx), _at(ctx)
     async with MachineClient(ctx.cfg) as client:
         with _listing_from(ctx, from_dir), Progress("restoring", quiet=ctx.out.as_json):
-            result = await client.restore(args.backup_id, from_dir=from_dir, recovery=recovery)
+            result = await client.restore(
+                args.backup_id or "", from_dir=from_dir, recovery=recovery, at=at
+            )
         restored = set(result.restored)
         # Only this machine's own agents may run once unarchived; another
         # machine's (a backup restored onto a new stand-alone box) stay read-only.

@@ -39,6 +39,7 @@ from shared.errors import AgentsError, InvalidState, TransientError
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from shared.rpc import from_server, rpc_errors
+from shared.timestamps import from_seconds
 
 __all__ = ["MAX_MESSAGE", "DaemonNotRunning", "DaemonUnreachable", "MachineClient"]
 
@@ -347,11 +348,20 @@ class MachineClient:
         return await self._call(self._rpc.VerifyBackup(request), codec.verify_from_pb)
 
     async def restore(
-        self, backup_id: str, *, from_dir: str = "", recovery: BoxKeyPair | None = None
+        self,
+        backup_id: str,
+        *,
+        from_dir: str = "",
+        recovery: BoxKeyPair | None = None,
+        at: float | None = None,
     ) -> InResult:
-        """Restore a backup's agents (archived), skipping those already here."""
+        """Restore a backup's agents (archived), skipping those already here. With no
+        ``backup_id``: to the time ``at`` (None: the newest), increments included."""
         request = pb.RestoreRequest(
-            backup_id=backup_id, from_dir=from_dir, recovery_private_key=_key_text(recovery)
+            backup_id=backup_id,
+            from_dir=from_dir,
+            recovery_private_key=_key_text(recovery),
+            at=from_seconds(at),
         )
         return await self._call(self._rpc.Restore(request), codec.in_result_from_pb)
 

@@ -7,6 +7,7 @@ Only the modules of ``machine.cli`` print.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import logging
 import os
 import shlex
@@ -127,6 +128,23 @@ def when(seconds: float | None) -> str:
     """A time in Unix seconds as every table shows one (:func:`shared.cli.table_time`:
     ``2026-12-05 09:40:12Z``), or "-" when not set."""
     return table_time(seconds)
+
+
+def parse_when(text: str, option: str = "--at") -> float:
+    """A moment as the CLI takes it: RFC 3339 (``2026-12-05T09:41:20Z``, an offset),
+    a time as tables show one (``2026-12-05 09:41:20Z``), or a time without a zone,
+    taken as local time (``2026-12-05 09:41[:20]``); Unix seconds."""
+    raw = text.strip()
+    try:
+        moment = dt.datetime.fromisoformat(raw.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise UsageError(
+            f"{option}: {text[:40]!r} is not a time",
+            "Try: 2026-12-05T09:41:20Z, or as `backup list` shows one: 2026-12-05 09:41:20Z",
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.astimezone()  # no zone given: local time
+    return moment.timestamp()
 
 
 def open_regular(path: Path, what: str, kind: str = "") -> tuple[IO[bytes], int]:

@@ -43,7 +43,7 @@ from shared.cli import (
     run_main,
 )
 from shared.errors import ConfigError, InvalidArgument, InvalidState, NotFound
-from shared.ids import validate_id
+from shared.ids import is_backup_id, validate_id
 from shared.logs import add_log_options
 
 __all__ = ["main", "parse_args"]
@@ -68,8 +68,8 @@ def _check_args(args: argparse.Namespace) -> None:
     """Validate ids and runtime references given on the command line."""
     for attr, (kind, name) in _ID_ARGS.items():
         value = getattr(args, attr, None)
-        if value is not None:
-            validate_id(kind, value, name)
+        if value is not None and not (kind == "backup" and is_backup_id(value)):
+            validate_id(kind, value, name)  # a backup: a daily point's or an increment's
     for attr in ("request_id", "option_id"):
         value = getattr(args, attr, None)
         if value is not None:
@@ -270,11 +270,24 @@ def _parser() -> CliParser:
     bl = bverbs.add_parser("list", parents=[common], help="backups at the target, newest first")
     bl.add_argument("--from", dest="from_dir", metavar="DIR|URL", help=_FROM)
     for verb, text in (
-        ("verify", "open a backup and authenticate every segment"),
+        ("verify", "open a backup (and its increments) and authenticate every segment"),
         ("restore", "restore a backup's agents (archived), skipping existing ones"),
     ):
         bv = bverbs.add_parser(verb, parents=[common], help=text)
-        bv.add_argument("backup_id", metavar="ID", help="the backup's id (bk_…; see `backup list`)")
+        bv.add_argument(
+            "backup_id",
+            metavar="ID",
+            nargs="?",
+            help="the backup's id (bk_… or an increment's bki_…; see `backup list`);"
+            " default: the newest, increments included",
+        )
+        if verb == "restore":
+            bv.add_argument(
+                "--at",
+                metavar="TIME",
+                help="restore to this time: the newest daily backup and increments at or"
+                " before it (RFC 3339, or a time as `backup list` shows it)",
+            )
         bv.add_argument("--from", dest="from_dir", metavar="DIR|URL", help=_FROM)
         bv.add_argument(
             "--recovery-key",

@@ -18,6 +18,15 @@ A backup is one sealed **manifest** naming sealed **segments**:
   recovery key, with the machine id and backup id as associated data, so a
   manifest renamed or moved to another machine's folder fails to open.
 
+A continuous backup's **increment** is a manifest of the same format whose id
+is an increment's (``bki_...``, :func:`shared.backup_target.is_increment`). It
+names the backup it continues (``base``: the daily point, or the increment
+before), a **delta** segment for each agent changed since (the agent's files
+after ``base_seq``: :mod:`machine.formats.backup_delta`), the attachments new
+since, the agents gone since (``removed``) and the usage rows of the runs its
+deltas hold. A point never names a delta; an increment never names a whole
+agent.
+
 The full specification is docs/formats/backup.md.
 """
 
@@ -43,7 +52,7 @@ from shared.crypto import (
     seal_bytes,
 )
 from shared.errors import IntegrityError
-from shared.ids import is_valid_id
+from shared.ids import is_backup_id, is_increment, is_valid_id
 
 __all__ = [
     "MANIFEST_VERSION",
@@ -76,8 +85,9 @@ ZSTD_LEVEL: Final = 2
 _SEGMENT_AAD: Final = b"agents.backup.segment.v1:"
 _MANIFEST_AAD: Final = b"agents.backup.manifest.v1:"
 _KEY_PERSON: Final = b"agents.segkey.v1"[:16]
-#: Segment kinds.
-KINDS: Final = frozenset({"agent", "attachment"})
+#: Segment kinds: a point names agents and attachments, an increment deltas
+#: (an agent's files after ``base_seq``) and attachments.
+KINDS: Final = frozenset({"agent", "attachment", "delta"})
 #: A sealed manifest's plaintext is its JSON compressed with zstd (one row per run
 #: ever made: the usage history grows with the machine's age, and JSON of such rows
 #: shrinks about tenfold). Older manifests are plain JSON; both open.
@@ -237,9 +247,11 @@ class SegmentRef:
     size: int
     """Stored (compressed, encrypted) bytes."""
     plain_size: int
+    base_seq: int = 0
+    """A delta's: the agent's events after this seq (0: the agent whole)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "key": self.key.hex(),
             "kind": self.kind,
@@ -247,6 +259,9 @@ class SegmentRef:
             "size": self.size,
             "plain_size": self.plain_size,
         }
+        if self.kind == "delta":
+            out["base_seq"] = self.base_seq
+        return out
 
 
 def _is_hex(value: object, length: int) -> bool:
@@ -271,15 +286,19 @@ def _parse_segment(row: object, where: str) -> SegmentRef:
         raise IntegrityError(where, f"unknown segment kind {kind!r}")
     if not isinstance(ref, str):
         raise IntegrityError(where, "ref malformed")
-    good_ref = is_valid_id("agent", ref) if kind == "agent" else _is_hex(ref, 64)
+    good_ref = is_valid_id("agent", ref) if kind != "attachment" else _is_hex(ref, 64)
     if not good_ref:
         raise IntegrityError(where, "ref malformed")
     size, plain = row.get("size"), row.get("plain_size")
     if not _int(size) or not _int(plain):
         raise IntegrityError(where, "sizes malformed")
+    base_seq = row.get("base_seq", 0)
+    if kind == "delta" and not _int(base_seq):
+        raise IntegrityError(where, "base_seq malformed")
     assert isinstance(name, str) and isinstance(key, str)  # narrowed by _is_hex
     assert isinstance(size, int) and isinstance(plain, int)
-    return SegmentRef(name, bytes.fromhex(key), str(kind), ref, size, plain)
+    seq = int(base_seq) if kind == "delta" else 0
+    return SegmentRef(name, bytes.fromhex(key), str(kind), ref, size, plain, seq)
 
 
 @dataclass(frozen=True)
@@ -300,6 +319,15 @@ class BackupManifest:
     settings: dict[str, str] = field(default_factory=dict)
     """Settings that are not secrets."""
     version: int = MANIFEST_VERSION
+    base: str = ""
+    """An increment's: the backup it continues (a point, or the increment before)."""
+    removed: tuple[str, ...] = ()
+    """An increment's: agents gone (erased, deleted) since its base."""
+
+    @property
+    def increment(self) -> bool:
+        """An increment of continuous backups (else a daily point)."""
+        return is_increment(self.backup_id)
 
     def to_json(self) -> bytes:
         data = {
@@ -313,6 +341,9 @@ class BackupManifest:
             "erased": list(self.erased),
             "settings": dict(sorted(self.settings.items())),
         }
+        if self.increment:
+            data["base"] = self.base
+            data["removed"] = sorted(self.removed)
         return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -327,7 +358,7 @@ class BackupManifest:
         if data.get("version") != MANIFEST_VERSION:
             raise IntegrityError(what, f"unknown manifest version {data.get('version')!r}")
         backup_id, machine_id = data.get("backup_id"), data.get("machine_id")
-        if not isinstance(backup_id, str) or not is_valid_id("backup", backup_id):
+        if not isinstance(backup_id, str) or not is_backup_id(backup_id):
             raise IntegrityError(what, "backup_id malformed")
         if not isinstance(machine_id, str) or not is_valid_id("machine", machine_id):
             raise IntegrityError(what, "machine_id malformed")
@@ -351,6 +382,7 @@ class BackupManifest:
             raise IntegrityError(what, "usage or erased rows malformed")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in settings.items()):
             raise IntegrityError(what, "settings malformed")
+        base, removed = _chain_fields(data, backup_id, segments, what)
         return cls(
             backup_id,
             machine_id,
@@ -360,7 +392,29 @@ class BackupManifest:
             tuple(usage),
             tuple(erased),
             dict(settings),
+            base=base,
+            removed=removed,
         )
+
+
+def _chain_fields(
+    data: dict[str, Any], backup_id: str, segments: tuple[SegmentRef, ...], what: str
+) -> tuple[str, tuple[str, ...]]:
+    """An increment's base and removed agents, checked; a point has neither, nor deltas."""
+    if not is_increment(backup_id):
+        if any(s.kind == "delta" for s in segments) or "base" in data:
+            raise IntegrityError(what, "a daily backup names a delta")
+        return "", ()
+    base, removed = data.get("base"), data.get("removed", [])
+    if not isinstance(base, str) or not is_backup_id(base):
+        raise IntegrityError(what, "base malformed")
+    if any(s.kind == "agent" for s in segments):
+        raise IntegrityError(what, "an increment names a whole agent")
+    if not isinstance(removed, list) or not all(
+        isinstance(a, str) and is_valid_id("agent", a) for a in removed
+    ):
+        raise IntegrityError(what, "removed malformed")
+    return base, tuple(removed)
 
 
 def manifest_aad(machine_id: str, backup_id: str) -> bytes:

@@ -114,6 +114,18 @@ def test_backup_bench_prints_its_table() -> None:
     assert "tar|zstd -3" in out, out
 
 
+def test_backup_bench_continuous_quick(tmp_path: Path) -> None:
+    out = _run("-m", "bench.backup", "--quick", "--json", str(tmp_path / "continuous.json"))
+    ratio = re.search(r"per prompt: .* ratio (\d+\.\d\d)x \(target <= 2x\)", out)
+    assert ratio, out
+    assert "idle interval: increment none, 0 store requests" in out, out
+    result = load(tmp_path / "continuous.json")
+    assert [r.baseline_name for r in result.rows] == [
+        "the prompt's own events compressed and sealed",
+        "daily full backup",
+    ]
+
+
 def test_soak_smoke_keeps_every_promise() -> None:
     """Six days of the soak (a CA rollover on day 3): the promises that a short run
     can show are checked by the soak itself, which exits 1 naming a broken one."""

@@ -10,9 +10,10 @@ import grpc
 import pytest
 
 from machine.app import open_machine
+from machine.backups.targets.bucket import BucketTarget
 from machine.backups.targets.control_plane import ControlPlaneTarget
 from machine.backups.targets.folder import check_backup_folder
-from machine.backups.wiring import backup_warnings
+from machine.backups.wiring import backup_warnings, continuous_interval
 from machine.config import MachineConfig
 from machine.link.client import LinkClient
 from machine.metrics import MachineMetrics
@@ -20,6 +21,7 @@ from shared.backup_target import StoreTarget
 from shared.errors import ConfigError, InvalidArgument
 from shared.metrics import new_registry
 from shared.store.folder import FolderStore
+from shared.store.url import StoreOptions
 
 
 def _config(root: Path, keep: int = 3) -> MachineConfig:
@@ -146,3 +148,11 @@ async def test_a_backup_folder_that_cannot_be_made_stops_the_start_with_its_reas
     with pytest.raises(ConfigError, match="cannot be made or opened"):
         async with open_machine(cfg):
             pass
+
+
+def test_increments_go_to_a_store_off_the_machine_not_to_a_folder(tmp_path: Path) -> None:
+    cfg = MachineConfig(data_dir=tmp_path / "data", backup_interval=45)
+    folder = StoreTarget(FolderStore(tmp_path / "backups"))
+    bucket = BucketTarget("s3://b/p", StoreOptions(), where="bucket s3://b/p", owner="mc_1")
+    assert continuous_interval(cfg, bucket) == 45
+    assert continuous_interval(cfg, folder) is None

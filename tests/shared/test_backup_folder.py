@@ -131,3 +131,19 @@ async def test_a_segment_put_to_replace_is_written_over_the_stored_one(tmp_path:
     await target.put_segment(name, _chunks(b"good"), replace=True)
     await target.put_manifest(new_id("backup"), b"sealed", [name])
     assert await _read(target, name) == b"good"
+
+
+async def test_prune_by_kind_in_the_folder_target(tmp_path: Path) -> None:
+    """A folder target (packs) prunes increments with their point, as every target does."""
+    target = FolderTarget(FolderStore(tmp_path / "t"))
+    made = []
+    for kind, t in (("backup", 1000), ("increment", 1500), ("backup", 2000), ("increment", 2500)):
+        seg = os.urandom(32).hex()
+        await target.put_segment(seg, _chunks(seg.encode()))
+        backup = new_id(kind, now_ms=t)
+        await target.put_manifest(backup, b"sealed", [seg])
+        made.append((backup, seg))
+    result = await target.prune(1)
+    assert set(result.manifests) == {made[0][0], made[1][0]} and result.segments == 2
+    assert [m.backup_id for m in await target.list_manifests()] == [made[2][0], made[3][0]]
+    assert set(await target.have_segments([s for _, s in made])) == {made[2][1], made[3][1]}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.backup_target import BackupTarget, StoreTarget, manifest_key
+from shared.backup_target import BackupTarget, StoreTarget, kept_by_points, manifest_key
 from shared.errors import InvalidArgument, InvalidId, NotFound, PreconditionFailed
 from shared.ids import new_id
 from shared.store.folder import FolderStore
@@ -119,3 +119,52 @@ def test_prefix_must_be_a_folder() -> None:
         StoreTarget(MemoryStore(), "accounts/a")
     with pytest.raises(InvalidArgument):
         StoreTarget(MemoryStore(), "../x/")
+
+
+async def _chain(target: BackupTarget) -> dict[str, tuple[str, str]]:
+    """Two days of points with increments between them: each backup's id and the
+    one segment only it names."""
+    out: dict[str, tuple[str, str]] = {}
+    for label, kind, t in (
+        ("p1", "backup", 1000), ("i1a", "increment", 1100), ("i1b", "increment", 1200),
+        ("p2", "backup", 2000), ("i2a", "increment", 2100),
+        ("p3", "backup", 3000), ("i3a", "increment", 3100), ("i3b", "increment", 3200),
+    ):  # fmt: skip
+        seg = _name()
+        await target.put_segment(seg, _chunks(seg.encode()))
+        backup = new_id(kind, now_ms=t)
+        await target.put_manifest(backup, label.encode(), [seg])
+        out[label] = (backup, seg)
+    return out
+
+
+async def test_prune_keeps_points_and_the_increments_after_them(target: BackupTarget) -> None:
+    made = await _chain(target)
+    listed = [m.backup_id for m in await target.list_manifests()]
+    # Points and increments sort by time together, though their prefixes differ.
+    assert listed == [b for b, _ in made.values()]
+    assert [m.increment for m in await target.list_manifests()] == [
+        False, True, True, False, True, False, True, True,
+    ]  # fmt: skip
+    result = await target.prune(2)
+    gone = {"p1", "i1a", "i1b"}
+    assert set(result.manifests) == {made[k][0] for k in gone} and result.segments == 3
+    assert [m.backup_id for m in await target.list_manifests()] == [
+        b for k, (b, _) in made.items() if k not in gone
+    ]
+    segments = [s for _, s in made.values()]
+    assert set(await target.have_segments(segments)) == {
+        s for k, (_, s) in made.items() if k not in gone
+    }
+    # Keep one: the newest point and the increments after it.
+    await target.prune(1)
+    assert [m.backup_id for m in await target.list_manifests()] == [
+        made["p3"][0], made["i3a"][0], made["i3b"][0],
+    ]  # fmt: skip
+
+
+def test_kept_by_points_before_any_point_keeps_everything() -> None:
+    a, b = new_id("increment", now_ms=1), new_id("increment", now_ms=2)
+    assert kept_by_points([a, b], 1) == ([a, b], [])
+    p = new_id("backup", now_ms=3)
+    assert kept_by_points([a, b, p], 1) == ([p], [a, b])

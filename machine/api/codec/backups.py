@@ -12,6 +12,7 @@ import logging
 
 from machine.api.codec.fields import time_field
 from machine.api.views import BackupView, VerifyReport
+from machine.backups.chain import Chain
 from machine.backups.engine import BackupResult
 from machine.backups.service import BackupStatus, RestoreCheck
 from machine.backups.transfer import InResult, SettingDiff
@@ -64,10 +65,15 @@ def backup_result_to_pb(result: BackupResult, problem: str = "") -> pb.Backup:
 
 
 def backup_info_to_pb(
-    info: ManifestInfo, manifest: BackupManifest | None, problem: str = ""
+    info: ManifestInfo,
+    manifest: BackupManifest | None,
+    problem: str = "",
+    *,
+    chain: Chain | None = None,
 ) -> pb.Backup:
     """A stored backup; ``manifest`` is None when it does not open with this machine's
-    key, and ``problem`` says why."""
+    key, and ``problem`` says why; ``chain`` (a :class:`machine.backups.chain.Chain`)
+    the increments continuing it."""
     if manifest is None:
         return pb.Backup(
             id=info.backup_id,
@@ -84,6 +90,12 @@ def backup_info_to_pb(
         created_at=from_seconds(manifest.created_at),
         segments=len(manifest.segments),
         agents=sum(1 for s in manifest.segments if s.kind == "agent"),
+        increments=len(chain.increments) if chain is not None else 0,
+        newest_increment_at=(
+            from_seconds(chain.increments[-1].created_at)
+            if chain is not None and chain.increments
+            else None
+        ),
     )
 
 
@@ -195,6 +207,8 @@ def backup_view_from_pb(msg: pb.Backup) -> BackupView:
         opens=msg.opens,
         pruned=tuple(msg.pruned),
         problem=msg.problem,
+        increments=msg.increments,
+        newest_increment_at=time_field(msg, "newest_increment_at"),
     )
 
 

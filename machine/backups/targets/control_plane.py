@@ -32,7 +32,7 @@ from machine.link.client import LinkClient
 from machine.link.clock import handshake_clock_problem
 from machine.storage.db import Database
 from shared.atomic import ensure_private_dir
-from shared.backup_target import MAX_LINK_MANIFEST, ManifestInfo, PruneResult
+from shared.backup_target import MAX_LINK_MANIFEST, ManifestInfo, PruneResult, backup_order
 from shared.crypto import BoxKeyPair
 from shared.errors import (
     AgentsError,
@@ -155,7 +155,7 @@ class ControlPlaneTarget:
         # The link lists newest first; the target contract is oldest first.
         return sorted(
             (ManifestInfo(e.backup_id, e.manifest_size) for e in entries),
-            key=lambda m: m.backup_id,
+            key=lambda m: backup_order(m.backup_id),
         )
 
     async def get_manifest(self, backup_id: str) -> bytes:
@@ -209,9 +209,9 @@ async def restore_newest(
     after_load: Callable[[], None] | None = None,
     settings: Mapping[str, str] | None = None,
 ) -> RepairRestore:
-    """Restore this joined machine's newest backup kept by the control plane;
-    ``settings``: this box's (MachineConfig.backup_settings), to name the backed-up
-    ones that differ.
+    """Restore this joined machine's newest backup kept by the control plane: its
+    newest daily point that opens, and the increments shipped since; ``settings``:
+    this box's (MachineConfig.backup_settings), to name the backed-up ones that differ.
 
     Run once after a repair join (the box took over a lost machine's id, so
     the backups are "its own"). Opened with the account recovery key only.
@@ -259,10 +259,16 @@ async def restore_newest(
             work_dir=work,
             keep=1,
         )
-        newest, refused = await newest_authentic(engine, backups, recovery)
+        points = [b for b in backups if not b.increment]
+        if not points:
+            return RepairRestore("")
+        _, refused = await newest_authentic(engine, points, recovery)
+        # The newest point and the increments shipped since (continuous backups).
+        chain = await engine.chain_at(None, recovery)
+        newest = chain.backup_id
         stage = work / f"{_REPAIR_STAGE}{os.getpid()}"
         try:
-            fetched = await engine.fetch(newest, stage, recovery, decode_agents=False)
+            fetched = await engine.fetch_chain(chain, stage, recovery)
             result = await restore_fetched(
                 db, fetched, attachments_dir=attachments_dir, erased=set(), after_load=after_load
             )

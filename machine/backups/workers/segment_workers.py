@@ -70,14 +70,20 @@ class MadeSegment:
 
 
 def dump_agent_spooled(
-    conn: sqlite3.Connection, agent_id: str, stack: contextlib.ExitStack, work_dir: Path
+    conn: sqlite3.Connection,
+    agent_id: str,
+    stack: contextlib.ExitStack,
+    work_dir: Path,
+    *,
+    since_seq: int = 0,
 ) -> list[tuple[str, IO[bytes]]]:
     """Dump ``agent_id`` (one read of ``conn``: call it inside one read transaction)
     into spooled files closed with ``stack``; return them as its segment's tar entries.
 
     Spooled (in memory, on disk past :data:`_SPOOL`) because a tar header names
     its file's size before the file. Write the entries with
-    :func:`shared.archive.write_tar`: that is the agent's plaintext segment.
+    :func:`shared.archive.write_tar`: that is the agent's plaintext segment
+    (with ``since_seq``, its delta: see ``store_export.dump_agent_to``).
     """
     spools: dict[str, IO[bytes]] = {}
 
@@ -89,7 +95,7 @@ def dump_agent_spooled(
             )
         return contextlib.nullcontext(spools[name])
 
-    store_export.dump_agent_to(conn, agent_id, spool)
+    store_export.dump_agent_to(conn, agent_id, spool, since_seq=since_seq)
     names = [*AGENT_FILES, *(n for n in OPTIONAL_AGENT_FILES if n in spools)]
     return [(agent_path(agent_id, n), spools[n]) for n in names]
 

@@ -49,6 +49,8 @@ __all__ = [
     "load_agent",
     "load_agent_files",
     "load_history",
+    "marker_seq",
+    "usage_rows_since",
     "insert_record",
     "parse_record",
     "set_attachment_size",
@@ -117,6 +119,12 @@ def agent_markers(conn: sqlite3.Connection) -> list[tuple[str, str]]:
     ]
 
 
+def marker_seq(marker: str) -> int:
+    """The last seq an :func:`agent_markers` marker was taken at (its first field)."""
+    head = marker.partition(":")[0]
+    return int(head) if head.isdigit() else 0
+
+
 def existing_agents(conn: sqlite3.Connection, ids: Iterable[str]) -> set[str]:
     """Which of ``ids`` are agents on this machine already."""
     return present(conn, "agents", "id", ids)
@@ -147,6 +155,21 @@ def usage_rows(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     """The usage and time history: one row per run (prompts are in the conversations)."""
     fields = [f for f in _RUN_FIELDS if f not in ("prompt", "attachments_json")]
     rows = conn.execute(f"SELECT {', '.join(fields)} FROM runs ORDER BY created_at, id")
+    return [dict(zip(fields, tuple(r), strict=True)) for r in rows]
+
+
+def usage_rows_since(
+    conn: sqlite3.Connection, agent_id: str, since_seq: int
+) -> list[dict[str, Any]]:
+    """The usage rows (:func:`usage_rows`) of the runs of ``agent_id``'s events
+    after ``since_seq``: those of a delta dumped from there."""
+    fields = [f for f in _RUN_FIELDS if f not in ("prompt", "attachments_json")]
+    rows = conn.execute(
+        f"SELECT {', '.join(fields)} FROM runs WHERE id IN"
+        " (SELECT DISTINCT run_id FROM events WHERE agent_id = ? AND seq > ?)"
+        " ORDER BY created_at, id",
+        (agent_id, since_seq),
+    )
     return [dict(zip(fields, tuple(r), strict=True)) for r in rows]
 
 
@@ -203,9 +226,22 @@ def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDu
     return dump_agent_to(conn, agent_id, open_file)
 
 
-def dump_agent_to(conn: sqlite3.Connection, agent_id: str, files: AgentFiles) -> AgentDump:
+def dump_agent_to(
+    conn: sqlite3.Connection, agent_id: str, files: AgentFiles, *, since_seq: int = 0
+) -> AgentDump:
     """Write ``agent_id``'s export files to ``files(name)`` (opened for writing, in
-    :data:`AGENT_FILES` order); return its record. Call it inside one read job."""
+    :data:`AGENT_FILES` order); return its record. Call it inside one read job.
+
+    With ``since_seq`` the files are a *delta* (a continuous backup's increment,
+    docs/backups.md): the conversation holds only the events after that seq, and
+    the summaries and tool log only the rows of the runs those events belong to,
+    whole (a tool call started before and ended after is one row, its newest).
+    The record and the schedules are whole: they are small, and a delta merged
+    onto the agent's earlier files (:mod:`machine.formats.backup_delta`) then
+    gives exactly what a whole dump at the same time gives.
+    """
+    if since_seq < 0:
+        raise ValueError("since_seq is a sequence number: 0 or more")
     row = conn.execute("SELECT * FROM agents WHERE id = ?", (agent_id,)).fetchone()
     if row is None:
         raise NotFound("agent", agent_id)
@@ -231,21 +267,32 @@ def dump_agent_to(conn: sqlite3.Connection, agent_id: str, files: AgentFiles) ->
             json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
         )
     events = conn.execute(
-        "SELECT seq, run_id, kind, payload_json, time FROM events WHERE agent_id = ? ORDER BY seq",
-        (agent_id,),
+        "SELECT seq, run_id, kind, payload_json, time FROM events WHERE agent_id = ?"
+        " AND seq > ? ORDER BY seq",
+        (agent_id, since_seq),
     )
     with files("conversation.jsonl") as f:
         _conversation(f, events)
+    # A delta's rows: those of the runs its events belong to (summaries and the
+    # tool log are written in the transactions that append those events).
+    runs = (
+        " AND run_id IN (SELECT DISTINCT run_id FROM events WHERE agent_id = ? AND seq > ?)"
+        if since_seq
+        else ""
+    )
+    run_args: tuple[Any, ...] = (agent_id, since_seq) if since_seq else ()
     summaries = conn.execute(
-        "SELECT run_id, text, created_at FROM summaries WHERE agent_id = ? ORDER BY run_id",
-        (agent_id,),
+        "SELECT run_id, text, created_at FROM summaries WHERE agent_id = ?"
+        + runs
+        + " ORDER BY run_id",
+        (agent_id, *run_args),
     )
     with files("summaries.jsonl") as f:
         _lines(f, (dict(s) for s in summaries))
     tools = conn.execute(
         "SELECT run_id, call_id, title, tool_kind, input_json, status, output, started_at,"
-        " ended_at FROM tool_log WHERE agent_id = ? ORDER BY id",
-        (agent_id,),
+        " ended_at FROM tool_log WHERE agent_id = ?" + runs + " ORDER BY id",
+        (agent_id, *run_args),
     )
     with files("tools.jsonl") as f:
         _lines(f, (dict(t) for t in tools))

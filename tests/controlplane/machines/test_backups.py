@@ -68,6 +68,18 @@ async def test_prune_and_bad_ids() -> None:
     assert len((await backups.prune(ACCT, machine, 1)).manifests) == 1
 
 
+async def test_prune_keeps_increments_with_their_point() -> None:
+    """The control plane cannot open manifests: it tells increments by their ids."""
+    backups = MachineBackups(MemoryStore())
+    machine = new_id("machine")
+    ids = [new_id(k, now_ms=t) for k, t in (("backup", 1000), ("increment", 1500),
+                                            ("backup", 2000), ("increment", 2500))]  # fmt: skip
+    for backup in ids:
+        await backups.put_manifest(ACCT, machine, backup, b"m", [])
+    assert set((await backups.prune(ACCT, machine, 1)).manifests) == set(ids[:2])
+    assert [i.backup_id for i in await backups.list_manifests(ACCT, machine)] == ids[2:]
+
+
 async def test_reads_of_another_machine_only_within_the_account() -> None:
     mine, sibling, stranger = new_id("machine"), new_id("machine"), new_id("machine")
     owners = {(ACCT, mine), (ACCT, sibling)}

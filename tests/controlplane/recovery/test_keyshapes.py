@@ -61,6 +61,8 @@ def _made_keys() -> dict[str, str]:
         "queue_acked": _record_key(A, M, 1733350000123457, HEX64),
         "backup_manifest": backups + manifest_key(new_id("backup")),
         "backup_names": backups + names_key(new_id("backup")),
+        # A continuous backup's increment: a manifest as a point's.
+        "backup_manifest_keyed": backups + manifest_key(new_id("increment")),
         "backup_segment": backups + segment_key(HEX64),
         "probe": f"_probe/{secrets.token_hex(8)}",  # shared.store.s3.S3Store.probe
     }

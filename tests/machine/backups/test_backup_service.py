@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
@@ -402,3 +403,92 @@ async def test_a_restore_check_is_not_failed_by_a_lost_answer(tmp_path: Path) ->
         service.engine.verify = flaky_verify  # type: ignore[method-assign,assignment]
         check = await service.restore_check(made.backup_id)
         assert check.ok and not lost, check.problem
+
+
+async def test_continuous_loop_starts_a_chain_then_ships_only_changes(tmp_path: Path) -> None:
+    """Each interval: no chain -> a point; a change -> an increment; idle -> nothing."""
+    registry = CollectorRegistry()
+    async with open_machine(_config(tmp_path / "m")) as m:
+        agent = await _agent(m, tmp_path, "one")
+        slept: list[float] = []
+        ticks: list[Callable[[], Awaitable[None]]] = []
+
+        async def sleep(seconds: float) -> None:
+            slept.append(seconds)
+            if not ticks:
+                raise asyncio.CancelledError
+            await ticks.pop(0)()
+
+        async def nothing() -> None:
+            pass
+
+        async def prompt() -> None:
+            async for _ in await m.runs.prompt(agent, "two"):
+                pass
+
+        service = BackupService(
+            m.db, StoreTarget(FolderStore(tmp_path / "target")), target_name="t",
+            machine_id=m.ids.canonical, keys=load_backup_keys(m.config.data_dir),
+            data_dir=m.config.data_dir, attachments_dir=m.config.attachments_dir, keep=3,
+            daily_at=dt.time(3, 30), metrics=BackupMetrics(registry), sleep=sleep, interval=15.0,
+        )  # fmt: skip
+        ticks += [nothing, nothing, prompt, nothing]
+        with pytest.raises(asyncio.CancelledError):
+            await service.run_continuous()
+        assert slept == [7.5] * 5, "a look every half interval"
+        listed = [i.backup_id for i in await service.engine._target.list_manifests()]
+        assert [b.split("_")[0] for b in listed] == ["bk", "bki"], listed
+        increments = {"result": "ok"}
+        assert registry.get_sample_value("agents_machine_backup_increments_total", increments) == 1
+        assert registry.get_sample_value("agents_machine_backups_total", {"result": "ok"}) == 1
+
+
+async def test_a_target_down_logs_one_error_then_the_recovery(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from shared.errors import PermissionDenied
+
+    class Flaky(StoreTarget):
+        down = False
+
+        async def put_segment(self, name: str, data: AsyncIterable[bytes], **kw: bool) -> None:
+            if self.down:
+                raise PermissionDenied("backups: the test's target is down")
+            await super().put_segment(name, data, **kw)
+
+    target = Flaky(FolderStore(tmp_path / "target"))
+    async with open_machine(_config(tmp_path / "m")) as m:
+        agent = await _agent(m, tmp_path, "one")
+
+        async def down() -> None:
+            target.down = True
+            async for _ in await m.runs.prompt(agent, "two"):
+                pass
+
+        async def still_down() -> None:
+            pass
+
+        async def up() -> None:
+            target.down = False
+
+        ticks = [still_down, down, still_down, up]
+
+        async def sleep(seconds: float) -> None:
+            if not ticks:
+                raise asyncio.CancelledError
+            await ticks.pop(0)()
+
+        service = BackupService(
+            m.db, target, target_name="t", machine_id=m.ids.canonical,
+            keys=load_backup_keys(m.config.data_dir), data_dir=m.config.data_dir,
+            attachments_dir=m.config.attachments_dir, keep=3, daily_at=dt.time(3, 30),
+            sleep=sleep, interval=10.0,
+        )  # fmt: skip
+        caplog.set_level("DEBUG", logger="machine.backups.service")
+        with pytest.raises(asyncio.CancelledError):
+            await service.run_continuous()
+    failed = [r for r in caplog.records if "continuous backup failed" in r.getMessage()]
+    assert [r.levelname for r in failed] == ["ERROR", "DEBUG"]
+    assert any("resumed after 2 failed" in r.getMessage() for r in caplog.records)
+    listed = await StoreTarget(FolderStore(tmp_path / "target")).list_manifests()
+    assert [i.increment for i in listed] == [False, True], "the changes shipped once it was up"

@@ -166,3 +166,25 @@ def test_manifest_bound_to_its_machine_and_id() -> None:
 def test_malformed_manifest_refused(raw: bytes) -> None:
     with pytest.raises(IntegrityError):
         BackupManifest.parse(raw, "backup x")
+
+
+def test_an_increment_round_trips_and_the_kinds_do_not_mix() -> None:
+    kp = BoxKeyPair.generate()
+    increment, agent = new_id("increment"), new_id("agent")
+    delta = SegmentRef("d" * 64, os.urandom(32), "delta", agent, 10, 20, 41)
+    made = BackupManifest(
+        increment, MACHINE, 2.5, NAMING, (delta,), base=BACKUP, removed=(new_id("agent"),)
+    )
+    assert made.increment and not _manifest().increment
+    opened = open_manifest(
+        seal_manifest(made, [kp.public_key]), kp, machine_id=MACHINE, backup_id=increment
+    )
+    assert opened == made and opened.segments[0].base_seq == 41
+    whole = SegmentRef("a" * 64, os.urandom(32), "agent", agent, 10, 20)
+    for bad, why in (
+        (BackupManifest(increment, MACHINE, 2.5, NAMING, (delta,)), "base malformed"),
+        (BackupManifest(increment, MACHINE, 2.5, NAMING, (whole,), base=BACKUP), "whole agent"),
+        (BackupManifest(BACKUP, MACHINE, 2.5, NAMING, (delta,)), "names a delta"),
+    ):
+        with pytest.raises(IntegrityError, match=why):
+            BackupManifest.parse(bad.to_json(), "backup x")

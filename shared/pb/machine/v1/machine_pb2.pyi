@@ -1690,6 +1690,8 @@ class Backup(_message.Message):
     OPENS_FIELD_NUMBER: _builtins.int
     PRUNED_FIELD_NUMBER: _builtins.int
     PROBLEM_FIELD_NUMBER: _builtins.int
+    INCREMENTS_FIELD_NUMBER: _builtins.int
+    NEWEST_INCREMENT_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The backup's id ("bk_...")."""
     agents: _builtins.int
@@ -1710,6 +1712,10 @@ class Backup(_message.Message):
     """Why it does not open (listings, opens false): "another key" (sealed to
     keys this machine does not hold) or "refused: ..." (forged or altered).
     """
+    increments: _builtins.int
+    """Continuous backups' increments continuing this daily backup (listings):
+    each restorable to its time with `backup restore --at`.
+    """
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When it was taken."""
@@ -1717,6 +1723,10 @@ class Backup(_message.Message):
     @_builtins.property
     def pruned(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Backups pruned after it (BackupNow only)."""
+
+    @_builtins.property
+    def newest_increment_at(self) -> _timestamp_pb2.Timestamp:
+        """When the newest of those increments was made (unset when there is none)."""
 
     def __init__(
         self,
@@ -1731,10 +1741,12 @@ class Backup(_message.Message):
         opens: _builtins.bool = ...,
         pruned: _abc.Iterable[_builtins.str] | None = ...,
         problem: _builtins.str = ...,
+        increments: _builtins.int = ...,
+        newest_increment_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "newest_increment_at", b"newest_increment_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "created_at", b"created_at", "id", b"id", "opens", b"opens", "problem", b"problem", "pruned", b"pruned", "segments", b"segments", "size_bytes", b"size_bytes", "uploaded_bytes", b"uploaded_bytes", "uploaded_segments", b"uploaded_segments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "created_at", b"created_at", "id", b"id", "increments", b"increments", "newest_increment_at", b"newest_increment_at", "opens", b"opens", "problem", b"problem", "pruned", b"pruned", "segments", b"segments", "size_bytes", b"size_bytes", "uploaded_bytes", b"uploaded_bytes", "uploaded_segments", b"uploaded_segments"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1796,7 +1808,9 @@ class VerifyBackupRequest(_message.Message):
     FROM_DIR_FIELD_NUMBER: _builtins.int
     RECOVERY_PRIVATE_KEY_FIELD_NUMBER: _builtins.int
     backup_id: _builtins.str
-    """The backup's id."""
+    """The backup's id: a daily backup is verified with every increment continuing
+    it. Empty: the newest daily backup and its increments.
+    """
     from_dir: _builtins.str
     """A backup folder to read instead of the configured target."""
     recovery_private_key: _builtins.str
@@ -1861,24 +1875,34 @@ class RestoreRequest(_message.Message):
     BACKUP_ID_FIELD_NUMBER: _builtins.int
     FROM_DIR_FIELD_NUMBER: _builtins.int
     RECOVERY_PRIVATE_KEY_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
     backup_id: _builtins.str
-    """The backup's id."""
+    """The backup's id (a daily backup alone, or an increment with the daily
+    backup and the increments before it). Empty: see `at`.
+    """
     from_dir: _builtins.str
     """A backup folder to read instead of the configured target (a copied backup dir)."""
     recovery_private_key: _builtins.str
     """A recovery private key (agsk1_...) for a backup made with another machine's
     key (the disk is gone). Sent only over the local socket; never logged.
     """
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp:
+        """With no backup_id: restore to this time (the newest daily backup made at or
+        before it, and the increments continuing it up to it). Unset: the newest.
+        """
+
     def __init__(
         self,
         *,
         backup_id: _builtins.str = ...,
         from_dir: _builtins.str = ...,
         recovery_private_key: _builtins.str = ...,
+        at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_id", b"backup_id", "from_dir", b"from_dir", "recovery_private_key", b"recovery_private_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "backup_id", b"backup_id", "from_dir", b"from_dir", "recovery_private_key", b"recovery_private_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
