@@ -138,7 +138,7 @@ def run(workdir: Path, once: bool) -> int:
             _run([*mach, "agent", "create", "demo-agent", "--folder", str(workdir / "work"),
                   "--json"], env, "agent create")
         )  # fmt: skip
-        agent_id = agent["id"]
+        agent_id = agent["agent_id"]
         print(_run([*mach, "agent", "prompt", agent_id, "hello from the demo"], env, "prompt"))
         print(_run([*mach, "agent", "list"], env, "agent list"))
         if once:
