@@ -164,6 +164,10 @@ def backup_view_to_pb(b: BackupView) -> pb.Backup:
         opens=b.opens,
         pruned=b.pruned,
         problem=b.problem,
+        increments=b.increments,
+        newest_increment_at=(
+            from_seconds(b.newest_increment_at) if b.newest_increment_at is not None else None
+        ),
     )
 
 
