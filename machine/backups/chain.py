@@ -160,8 +160,8 @@ async def plan_chain(
         return best
     if refused is not None:
         raise refused
-    moment = "" if at is None else f" made at or before {_iso(at)}"
-    raise NotFound("backup", f"no daily backup{moment}")
+    # "daily backup made at or before 2020-01-01T00:00:00Z: not found"
+    raise NotFound("daily backup", "stored" if at is None else f"made at or before {_iso(at)}")
 
 
 async def chains(
@@ -349,7 +349,8 @@ def _write_segment(path: Path, agent_id: str, files: AgentSegment) -> None:
 
 
 def _iso(at: float) -> str:
-    return dt.datetime.fromtimestamp(at, dt.UTC).isoformat(timespec="seconds")
+    moment = dt.datetime.fromtimestamp(at, dt.UTC)
+    return moment.isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def _cleanup(folder: Path) -> None:

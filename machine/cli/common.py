@@ -140,7 +140,7 @@ def parse_when(text: str, option: str = "--at") -> float:
     except ValueError:
         raise UsageError(
             f"{option}: {text[:40]!r} is not a time",
-            "Try: 2026-12-05T09:41:20Z, or as `backup list` shows one: 2026-12-05 09:41:20Z",
+            "2026-12-05T09:41:20Z, or a time as `backup list` shows one: 2026-12-05 09:41:20Z",
         ) from None
     if moment.tzinfo is None:
         moment = moment.astimezone()  # no zone given: local time
