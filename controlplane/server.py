@@ -185,7 +185,14 @@ class ControlPlane:
         # The epoch before any write: a superseded home stops here having written
         # nothing, and from now on every write first checks that we still own it.
         status("starting: taking the deployment epoch")
-        self.fence = await take_epoch(cfg.home, trusted.authenticated, trusted.where, self._fenced)
+        # Replicas of one home join its epoch rather than fence each other.
+        self.fence = await take_epoch(
+            cfg.home,
+            trusted.authenticated,
+            trusted.where,
+            self._fenced,
+            replica=bool(cfg.cluster_url),
+        )
         trusted.set_fence(self.fence)
         self.metrics.epoch.set(self.fence.epoch)
         self.metrics.key_bundle_sealed.set(1 if await _reseal(cfg, trusted) else 0)

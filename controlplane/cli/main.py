@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the daemon")
     _common(p, client=False)
     _daemon_flags(p)
+    p.add_argument(
+        "--cluster",
+        dest="cluster_url",
+        metavar="NATS_URL",
+        help="run one replica of a deployment served by several, coordinated through "
+        "this NATS server (nats://host:port; docs/controlplane.md, Replicas)",
+    )
 
     p = sub.add_parser("fsck", help="check the store for inconsistencies (read-only)")
     _common(p, client=False)
