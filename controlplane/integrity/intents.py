@@ -147,6 +147,22 @@ class Intents:
         self._read: dict[str, Intent] = {}
         self._recheck_at: dict[str, float] = {}
         self._changed = True
+        self._may_resolve: Callable[[str], bool] | None = None
+
+    @property
+    def owner(self) -> str:
+        """The token this process's intents carry (replicas tell it to each other)."""
+        return self._owner
+
+    def share_with(self, may_resolve: Callable[[str], bool]) -> None:
+        """Replicas (controlplane.cluster): resolve another process's intent only
+        when ``may_resolve(its owner)`` (its owner is gone and we hold the jobs'
+        lease); every intent is listed again at the next tick when one goes."""
+        self._may_resolve = may_resolve
+
+    def mark_changed(self) -> None:
+        """List intents/ again at the next :meth:`recover_if_due` (a replica went)."""
+        self._changed = True
 
     def register(self, kind: str, resolver: Resolver) -> None:
         """Use ``resolver`` to roll back abandoned intents of ``kind``."""
@@ -283,6 +299,13 @@ class Intents:
         for intent in await self.pending():
             if self._mine(intent) and intent.intent_id not in self._handed_over:
                 left += 1
+                continue
+            if (
+                not self._mine(intent)
+                and self._may_resolve is not None
+                and not self._may_resolve(intent.owner)
+            ):
+                left += 1  # a live replica's, or ours to leave to the lease holder
                 continue
             if due_only and self._recheck_at.get(intent.intent_id, 0.0) > listed_at:
                 left += 1

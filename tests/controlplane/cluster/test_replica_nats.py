@@ -1,0 +1,122 @@
+"""Replicas over a real nats-server: presence, routing, the jobs' lease (cluster.*)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.cluster.lease import JobLease
+from controlplane.cluster.replica import Replica
+from shared.errors import TransientError
+from tests.helpers.nats_proc import NatsProc, nats_binary, nats_server
+from tests.helpers.poll import apoll_until
+
+pytestmark = pytest.mark.skipif(nats_binary() is None, reason="nats-server not installed")
+
+HOME = "ab" * 16
+
+
+@pytest.fixture
+def nats(tmp_path: Path) -> Iterator[NatsProc]:
+    with nats_server(tmp_path / "nats") as proc:
+        yield proc
+
+
+def _replica(url: str, owner: str, got: list[tuple[str, str, str]], deleted: list[str]) -> Replica:
+    async def notice(machine_id: str, kind: str, fields: dict[str, str]) -> bool:
+        got.append((owner, machine_id, kind))
+        return True
+
+    return Replica(
+        (url,),
+        HOME,
+        heartbeat_interval=0.5,
+        owner=owner,
+        on_notice=notice,
+        on_account_deleted=deleted.append,
+    )
+
+
+async def test_presence_and_routing_between_two_replicas(nats: NatsProc) -> None:
+    got: list[tuple[str, str, str]] = []
+    deleted: list[str] = []
+    a, b = _replica(nats.url, "owner-a", got, deleted), _replica(nats.url, "owner-b", got, [])
+    await a.start()
+    await b.start()
+    try:
+        assert a.owner_alive("owner-b") and b.owner_alive("owner-a")
+        assert not a.owner_alive("owner-gone")
+        await a.linked("m1", "acct", "1.0", 2)
+        held = await apoll_until(lambda: b.holder("m1"), deadline=5, what="b sees m1 at a")
+        assert held.replica == a.replica_id and held.agent_count == 2
+        assert a.holder("m1") is None, "not 'another replica' for its own link"
+        # A notice through b reaches a's handler; one for an unlinked machine none.
+        assert await b.route("m1", "renew_now", reason="x")
+        assert got == [("owner-a", "m1", "renew_now")]
+        assert not await b.route("m2", "revoked", reason="y")
+        # Account deletions reach every replica.
+        b.announce_account_deleted("acct")
+        await apoll_until(lambda: deleted == ["acct"], deadline=5, what="a told")
+        # The link ends at a: b no longer sees it, and a route finds nobody.
+        await a.unlinked("m1")
+        await apoll_until(lambda: b.holder("m1") is None, deadline=5, what="m1 withdrawn")
+        assert not await b.route("m1", "renew_now", reason="x")
+        # A replica that stops refreshing is gone within the TTL: its machines too.
+        await a.linked("m3", "acct", "1.0", 0)
+        await apoll_until(lambda: b.holder("m3"), deadline=5, what="b sees m3")
+        for task in a._tasks:  # a frozen replica: alive in NATS, refreshing nothing
+            task.cancel()
+        await apoll_until(
+            lambda: b.holder("m3") is None and not b.owner_alive("owner-a"),
+            deadline=3 * b.ttl,
+            what="a's entries expired",
+        )
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_without_nats_a_route_is_unavailable_naming_it(nats: NatsProc) -> None:
+    a = _replica(nats.url, "owner-a", [], [])
+    await a.start()
+    try:
+        nats.stop()
+        await apoll_until(lambda: not a.connected, deadline=5, what="a disconnected")
+        with pytest.raises(TransientError, match="NATS at nats://127.0.0.1"):
+            await a.route("m1", "revoked", reason="x")
+        with pytest.raises(TransientError, match="NATS"):
+            a.check_connected("machine status")
+    finally:
+        await a.close()
+
+
+async def test_one_lease_holder_and_each_slot_claimed_once(nats: NatsProc) -> None:
+    a, b = _replica(nats.url, "a", [], []), _replica(nats.url, "b", [], [])
+    await a.start()
+    await b.start()
+    try:
+        assert a.js_kv is not None and b.js_kv is not None
+        la = JobLease(await a.js_kv("lease", 1.5), await a.js_kv("jobs", None), "a", ttl=1.5)
+        lb = JobLease(await b.js_kv("lease", 1.5), await b.js_kv("jobs", None), "b", ttl=1.5)
+        await la.tick()
+        await lb.tick()
+        assert la.held and not lb.held
+        assert await la.claim("wake", 10)
+        assert not await la.claim("wake", 10), "a slot runs once"
+        assert not await lb.claim("wake", 11), "only the holder claims"
+        # The holder dies (no renewal): the other takes the lease within the TTL,
+        # and does not run again the slot the first one ran.
+        async def taken() -> bool:
+            await lb.tick()
+            return lb.held
+
+        await apoll_until(taken, deadline=5, what="b takes the lease")
+        assert not await lb.claim("wake", 10)
+        assert await lb.claim("wake", 11)
+        await la.tick()
+        assert not la.held, "the old holder learns it lost the lease"
+    finally:
+        await a.close()
+        await b.close()
