@@ -106,6 +106,7 @@ async def test_one_lease_holder_and_each_slot_claimed_once(nats: NatsProc) -> No
         assert await la.claim("wake", 10)
         assert not await la.claim("wake", 10), "a slot runs once"
         assert not await lb.claim("wake", 11), "only the holder claims"
+
         # The holder dies (no renewal): the other takes the lease within the TTL,
         # and does not run again the slot the first one ran.
         async def taken() -> bool:
