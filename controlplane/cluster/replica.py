@@ -51,7 +51,7 @@ from shared.errors import AgentsError, TransientError
 from shared.outage import OutageLog
 from shared.timestamps import utc_now
 
-__all__ = ["TTL_HEARTBEATS", "Holder", "NoticeHandler", "Replica", "bucket_prefix"]
+__all__ = ["TTL_HEARTBEATS", "Holder", "NoticeHandler", "Replica", "deployment_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ REQUEST_TIMEOUT: Final = 3.0
 NoticeHandler = Callable[[str, str, dict[str, str]], Awaitable[bool]]
 
 
-def bucket_prefix(home_id: str) -> str:
+def deployment_name(home_id: str) -> str:
     """The deployment's name in NATS (KV buckets, subjects): replicas of one home
     share it, another deployment on the same NATS server does not."""
     return f"agents-{home_id[:16]}"
@@ -104,7 +104,7 @@ class Replica:
     ) -> None:
         self.servers = servers
         self.replica_id = secrets.token_hex(6)
-        self.name = bucket_prefix(home_id)
+        self.name = deployment_name(home_id)
         self.ttl = max(MIN_TTL, TTL_HEARTBEATS * heartbeat_interval)
         self._refresh_every = self.ttl / TTL_HEARTBEATS
         self._owner = owner

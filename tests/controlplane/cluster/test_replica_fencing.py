@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,11 @@ async def test_replicas_of_one_home_share_its_epoch_and_a_restore_fences_them_al
             await take_epoch(cfg.home, trusted.authenticated, "f", replica=True)
     finally:
         await trusted.close()
+
+
+def test_a_lone_control_plane_never_imports_nats() -> None:
+    code = (
+        "import sys, controlplane.server, controlplane.cli.main\n"
+        "assert not [m for m in sys.modules if m == 'nats' or m.startswith('nats.')]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
