@@ -312,7 +312,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "home store_url store_endpoint store_region store_object_lock listen link_listen "
         "metrics_listen "
         "advertise_host heartbeat_interval log_level log_format address credential credential_file "
-        "server_names"
+        "server_names cluster_url"
     ).split()
     for name in ("home", "address", "credential", "credential_file"):
         # "$VAR" of an unset variable: never the default home, serve.json's

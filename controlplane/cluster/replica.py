@@ -62,6 +62,9 @@ MIN_TTL: Final = 1.5
 #: Seconds a routed notice waits for the holding replica's answer.
 REQUEST_TIMEOUT: Final = 3.0
 
+#: JetStream's "wrong last sequence" error codes (a conditional write lost).
+WRONG_LAST_SEQUENCE: Final = (10071, 10164)
+
 #: ``handler(machine_id, kind, fields)``: deliver a routed notice to a local link;
 #: False when the machine has none here.
 NoticeHandler = Callable[[str, str, dict[str, str]], Awaitable[bool]]
@@ -277,8 +280,11 @@ class Replica:
                 await sub.unsubscribe()
             if local is not None and local["rev"] and self._kv is not None:
                 # Only our own write: a newer one is another replica's (it moved).
-                with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+                try:
                     await self._kv.delete(f"m.{machine_id}", last=local["rev"])
+                except nats.js.errors.APIError as e:
+                    if e.err_code not in WRONG_LAST_SEQUENCE:
+                        raise
         except Exception as e:  # the entry expires by itself
             logger.info("machine %s: cannot withdraw its entry: %s", machine_id, e)
 

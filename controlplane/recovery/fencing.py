@@ -388,19 +388,37 @@ class Fence:
 
     async def join(self) -> int:
         """A replica's start (module doc): the current epoch when the record names
-        this home, else the next one as :meth:`acquire` takes it (with its
-        refusals). Writes the record only when taking a new epoch."""
+        this home; the first one when there is none (create-only: replicas
+        starting together all join the one that landed); else as :meth:`acquire`
+        (with its refusals). Writes the record only when there was none."""
         await self._check_not_superseded()
-        found = await self._read()
-        if found is None or found[1].home_id != self._home_id:
-            return await self.acquire()
-        etag, current = found
-        self._refuse_going_back(current)
-        self._etag, self.epoch, self.problem = etag, current.epoch, None
-        if self._state().epoch != current.epoch:
-            self._remember(dataclasses.replace(self._state(), epoch=current.epoch))
-        logger.info("%s: epoch %d joined (a replica of this home)", EPOCH_KEY, current.epoch)
-        return current.epoch
+        for _ in range(_ACQUIRE_ATTEMPTS):
+            found = await self._read()
+            if found is not None and found[1].home_id != self._home_id:
+                return await self.acquire()  # refused as a start is, or (none) taken
+            if found is not None:
+                etag, current = found
+                self._refuse_going_back(current)
+                self._etag, self.epoch, self.problem = etag, current.epoch, None
+                if self._state().epoch != current.epoch:
+                    self._remember(dataclasses.replace(self._state(), epoch=current.epoch))
+                logger.info("%s: epoch %d joined (a replica of this home)", EPOCH_KEY, self.epoch)
+                return self.epoch
+            self._refuse_going_back(None)
+            first = Epoch(
+                1, self._home_id, utc_iso(self._clock()), socket.gethostname(), os.getpid()
+            )
+            try:
+                etag = await self._store.put(EPOCH_KEY, first.to_json(), if_none_match=True)
+            except PreconditionFailed:
+                continue  # a peer took it at the same moment: join it
+            self._etag, self.epoch, self.problem = etag, first.epoch, None
+            self._remember(dataclasses.replace(self._state(), epoch=first.epoch))
+            logger.info("%s: epoch %d taken", EPOCH_KEY, first.epoch)
+            return first.epoch
+        raise InvalidState(
+            "epoch", f"{EPOCH_KEY} keeps changing; is another control plane starting?"
+        )
 
     async def hold_current(self) -> int:
         """Write under the current epoch without taking a new one (``fsck --repair``,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
@@ -75,3 +76,24 @@ def test_a_lone_control_plane_never_imports_nats() -> None:
         "assert not [m for m in sys.modules if m == 'nats' or m.startswith('nats.')]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_replicas_starting_together_on_a_fresh_store_share_the_first_epoch(
+    tmp_path: Path,
+) -> None:
+    cfg = _cfg(tmp_path)
+    await init_control_plane(cfg)
+    homes = [cfg.home]
+    for i in (1, 2):
+        shutil.copytree(cfg.home, tmp_path / f"copy{i}")
+        homes.append(tmp_path / f"copy{i}")
+    trusted = await open_trusted_store(cfg, load_home_keys(cfg.home), None)
+    try:
+        fences = await asyncio.gather(
+            *(take_epoch(h, trusted.authenticated, "t", replica=True) for h in homes)
+        )
+        assert [f.epoch for f in fences] == [1, 1, 1]
+        for fence in fences:
+            await fence.check()
+    finally:
+        await trusted.close()
