@@ -92,7 +92,10 @@ def cluster_servers(value: str) -> tuple[str, ...]:
         if not url:
             continue
         scheme, sep, rest = url.partition("://")
-        if not sep or scheme not in ("nats", "tls") or "@" in rest or "/" in rest.rstrip("/"):
+        if "@" in rest:
+            # Not echoed: what precedes the @ is a password.
+            raise ConfigError("cluster_url", "must not carry credentials (user:password@)")
+        if not sep or scheme not in ("nats", "tls") or "/" in rest.rstrip("/"):
             raise ConfigError("cluster_url", f"must be nats://host:port (got {url[:64]!r})")
         parse_hostport(rest.rstrip("/"), "cluster_url")
         out.append(url)

@@ -6,7 +6,9 @@ TLS: tests.helpers.sim_links), each listing the three link addresses. Admin
 calls through every replica reach every machine; then one replica is
 SIGKILLed: every machine is linked again within 5 s, prompts queued meanwhile
 are delivered once, a deletion started on the killed replica completes, and
-the periodic job ran once per due time across all three.
+the periodic job ran once per due time across all three. Then NATS stops: each
+replica keeps its own links, and a call that needs the others is UNAVAILABLE
+naming NATS.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.errors import TransientError
 from tests.helpers.control_proc import (
     ControlProc,
     run_init,
@@ -90,7 +93,7 @@ def _slots(cp: ControlProc) -> list[int]:
     return [int(m) for m in SLOT_LINE.findall(cp.log_path.read_text(errors="replace"))]
 
 
-async def test_three_replicas_one_killed(replicas: list[ControlProc]) -> None:
+async def test_three_replicas_one_killed(replicas: list[ControlProc], nats: NatsProc) -> None:
     links = [cp.link for cp in replicas]
     async with replicas[0].admin() as admin:
         account = (await admin.create_account(36, "replicas")).account.account_id
@@ -191,6 +194,28 @@ async def test_three_replicas_one_killed(replicas: list[ControlProc]) -> None:
         )
         ran = Counter(slot for cp in replicas for slot in _slots(cp))
         assert ran and max(ran.values()) == 1, [s for s, n in ran.items() if n > 1]
+
+        # NATS gone: each replica keeps its own links; a listing (which needs the
+        # others) is UNAVAILABLE naming NATS; a prompt to a machine linked here goes.
+        nats.stop()
+        here = survivors[0]
+        local = [s for s in live if s.linked_to == here.link]
+        assert local
+        async with here.admin() as admin:
+
+            async def refused() -> bool:
+                try:
+                    await admin.list_machines(account)
+                except TransientError as e:
+                    return "NATS" in str(e)
+                return False
+
+            await apoll_until(refused, deadline=10, what="UNAVAILABLE naming NATS")
+            reply = await admin.send_prompt(local[0].machine_id, "ag_" + "2" * 26, "local")
+        await apoll_until(
+            lambda: reply.prompt_id in local[0].deliveries, deadline=10, what="delivered here"
+        )
+        assert all(s.linked_to == here.link for s in local), "links kept without NATS"
     finally:
         for task in tasks:
             task.cancel()
