@@ -78,6 +78,7 @@ from shared.sd_notify import Notifier
 from shared.store.causes import OTHER, set_cause, store_cause
 
 if TYPE_CHECKING:
+    from controlplane.cluster.lease import JobLease
     from controlplane.cluster.replica import Replica
 
 __all__ = ["ControlPlane", "run_daemon"]
@@ -137,6 +138,7 @@ class ControlPlane:
         self._replica: Replica | None = None
         self._cluster_tasks: list[asyncio.Task[None]] = []
         self._route_here: Callable[[str, str, dict[str, str]], Awaitable[bool]] | None = None
+        self._lease: JobLease | None = None
         self.public_port = 0
         self.link_port = 0
         self._serve_info: dict[str, object] = {}
@@ -253,6 +255,7 @@ class ControlPlane:
             status("starting: joining the other replicas over NATS")
             self._replica = await _join_replicas(cfg, self.fence.home_id, services.intents, self)
             presence.set_peers(self._replica)
+            self._replica.on_machine_changed = presence.forget_stored
         status("starting: finishing changes a previous run left unfinished")
         recovered = await services.intents.recover()
         if recovered:
@@ -410,6 +413,11 @@ class ControlPlane:
             "serving: public %s, link %s, metrics %s", info["public"], info["link"], metrics_addr
         )
 
+    def holds_lease(self) -> bool:
+        """Whether this replica runs the periodic jobs now (False for a lone process:
+        it runs them without a lease)."""
+        return self._lease is not None and self._lease.held
+
     async def _routed(self, machine_id: str, kind: str, fields: dict[str, str]) -> bool:
         """A notice another replica routed here (none is taken before serving)."""
         if self._route_here is None:
@@ -440,7 +448,7 @@ class ControlPlane:
             on_held=held,
             on_run=lambda job: metrics.singleton_runs.labels(job).inc(),
         )
-        intents.share_with(lambda owner: lease.held and not replica.owner_alive(owner))
+        self._lease = lease
 
         async def wake() -> None:
             with store_cause("wake"):
@@ -680,6 +688,10 @@ async def _join_replicas(
     except BaseException:
         await replica.close()
         raise
+    # From the first recovery on (at start, before the lease can be held): another
+    # process's unfinished change is finished only by the lease holder, and only
+    # once its owner is gone.
+    intents.share_with(lambda owner: cp.holds_lease() and not replica.owner_alive(owner))
     return replica
 
 

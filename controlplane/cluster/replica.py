@@ -126,6 +126,9 @@ class Replica:
         self._subs: dict[str, Subscription] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loaded = asyncio.Event()
+        self.on_machine_changed: Callable[[str], None] | None = None
+        """Called with a machine's id whenever its entry changes (another replica
+        linked or unlinked it: the store's record of it was rewritten there)."""
 
     # ------------------------------------------------------------ lifecycle
 
@@ -362,6 +365,11 @@ class Replica:
             return
         if key.startswith("m."):
             machine_id = key[2:]
+            held = self._holders.get(machine_id)
+            if self.on_machine_changed is not None and (
+                deleted or held is None or (held.replica != value.get("replica"))
+            ):
+                self.on_machine_changed(machine_id)
             if deleted:
                 self._holders.pop(machine_id, None)
                 return

@@ -275,6 +275,11 @@ class PresenceRegistry:
         """Serve as one replica of several (module doc); before any link opens."""
         self._peers = peers
 
+    def forget_stored(self, machine_id: str) -> None:
+        """The machine linked or unlinked at another replica, which writes its record:
+        read it again when next asked (each link's start and end is seen in NATS)."""
+        self._stored.pop(machine_id, None)
+
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(len(self._sessions))
@@ -489,8 +494,6 @@ class PresenceRegistry:
                 )
             # Offline as far as NATS tells; without NATS, nobody knows.
             self._peers.check_connected("machine status")
-            # Other replicas write records too: this process's copy may be stale.
-            self._stored.pop(machine.machine_id, None)
         if machine.machine_id in self._stored:
             rec = self._stored[machine.machine_id]
         else:

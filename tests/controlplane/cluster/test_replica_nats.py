@@ -48,8 +48,11 @@ async def test_presence_and_routing_between_two_replicas(nats: NatsProc) -> None
     try:
         assert a.owner_alive("owner-b") and b.owner_alive("owner-a")
         assert not a.owner_alive("owner-gone")
+        changed: list[str] = []
+        b.on_machine_changed = changed.append  # b's cached presence record of it is stale
         await a.linked("m1", "acct", "1.0", 2)
         held = await apoll_until(lambda: b.holder("m1"), deadline=5, what="b sees m1 at a")
+        assert changed == ["m1"]
         assert held.replica == a.replica_id and held.agent_count == 2
         assert a.holder("m1") is None, "not 'another replica' for its own link"
         # A notice through b reaches a's handler; one for an unlinked machine none.
@@ -62,6 +65,7 @@ async def test_presence_and_routing_between_two_replicas(nats: NatsProc) -> None
         # The link ends at a: b no longer sees it, and a route finds nobody.
         await a.unlinked("m1")
         await apoll_until(lambda: b.holder("m1") is None, deadline=5, what="m1 withdrawn")
+        assert changed == ["m1", "m1"], "refreshes change nothing; the end does"
         assert not await b.route("m1", "renew_now", reason="x")
         # A replica that stops refreshing is gone within the TTL: its machines too.
         await a.linked("m3", "acct", "1.0", 0)

@@ -185,3 +185,19 @@ async def test_an_intent_committed_while_its_resolver_ran_leaves_no_recheck() ->
 async def _agree(rolled: list[str], intent: Intent) -> bool:
     rolled.append(intent.intent_id)
     return True
+
+
+async def test_replicas_leave_a_live_peers_intents_to_it() -> None:
+    store, rolled = MemoryStore(), []  # type: list[str]
+    peer = _intents(store, Clock(T0), rolled)
+    mine = await peer.begin("demo", thing="in flight at a live replica")
+    here = _intents(store, Clock(T0 + dt.timedelta(seconds=5)), rolled)
+    alive, holding = {peer.owner}, [False]
+    here.share_with(lambda owner: holding[0] and owner not in alive)
+    assert await here.recover() == 0, "a live replica's change is its own"
+    holding[0] = True
+    assert await here.recover() == 0, "also for the lease holder"
+    alive.clear()  # the peer died
+    here.mark_changed()
+    assert await here.recover_if_due() == 1
+    assert rolled == [mine.intent_id]
