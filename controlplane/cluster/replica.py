@@ -126,6 +126,7 @@ class Replica:
         self._subs: dict[str, Subscription] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loaded = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
         self.on_machine_changed: Callable[[str], None] | None = None
         """Called with a machine's id whenever its entry changes (another replica
         linked or unlinked it: the store's record of it was rewritten there)."""
@@ -178,7 +179,8 @@ class Replica:
         self.js_kv = kv
         self._kv = await kv("presence", self.ttl)
         await nc.subscribe(f"{self._subject_root}.account.deleted", cb=self._account_deleted)
-        self._tasks.append(asyncio.create_task(self._watch(), name="cluster-watch"))
+        self._watcher = asyncio.create_task(self._watch(), name="cluster-watch")
+        self._tasks.append(self._watcher)
         self._tasks.append(asyncio.create_task(self._refresh(), name="cluster-refresh"))
         await self._announce()
         async with asyncio.timeout(10):
@@ -213,6 +215,14 @@ class Replica:
 
     async def _reconnected(self) -> None:
         logger.info("NATS at %s: reconnected", self.where)
+        # A restarted server lost the watch's consumer: watch again, from the
+        # bucket's current entries (our own are put again by the next refresh).
+        old = self._watcher
+        if old is not None and not old.done():
+            old.cancel()
+            self._watcher = asyncio.create_task(self._watch(), name="cluster-watch")
+            self._tasks.append(self._watcher)
+            self._watcher.add_done_callback(self._forget_task)
 
     # ------------------------------------------------------------ presence
 
@@ -336,6 +346,7 @@ class Replica:
         """Follow the bucket (every entry, then each change) for as long as we run."""
         while True:
             assert self._kv is not None
+            watcher = None
             try:
                 watcher = await self._kv.watchall()
                 async for entry in watcher:
@@ -344,6 +355,9 @@ class Replica:
                         continue
                     self._apply(entry)
             except asyncio.CancelledError:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()  # type: ignore[no-untyped-call]
                 raise
             except Exception as e:  # NATS went away: watch again once it is back
                 logger.info("NATS presence watch ended: %s", e)

@@ -125,3 +125,20 @@ async def test_one_lease_holder_and_each_slot_claimed_once(nats: NatsProc) -> No
     finally:
         await a.close()
         await b.close()
+
+
+async def test_presence_follows_again_after_nats_restarts(nats: NatsProc) -> None:
+    a, b = _replica(nats.url, "owner-a", [], []), _replica(nats.url, "owner-b", [], [])
+    await a.start()
+    await b.start()
+    try:
+        nats.stop()
+        await apoll_until(lambda: not a.connected and not b.connected, deadline=5, what="down")
+        nats.start()  # the same port and folder: the buckets are still there
+        await apoll_until(lambda: a.connected and b.connected, deadline=10, what="back")
+        await a.linked("m1", "acct", "1.0", 0)
+        await apoll_until(lambda: b.holder("m1"), deadline=5, what="b sees a's new link")
+        assert await b.route("m1", "renew_now", reason="x")
+    finally:
+        await a.close()
+        await b.close()
