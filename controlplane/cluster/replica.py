@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 TTL_HEARTBEATS: Final = 3
 #: The shortest presence TTL (seconds): a refresh must land well within it.
 MIN_TTL: Final = 1.5
+#: Seconds a replica's start waits for NATS to answer.
+CONNECT_TIMEOUT: Final = 5.0
 #: Seconds a routed notice waits for the holding replica's answer.
 REQUEST_TIMEOUT: Final = 3.0
 
@@ -127,6 +129,7 @@ class Replica:
         self._tasks: list[asyncio.Task[None]] = []
         self._loaded = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
+        self._closing = False
         self.on_machine_changed: Callable[[str], None] | None = None
         """Called with a machine's id whenever its entry changes (another replica
         linked or unlinked it: the store's record of it was rewritten there)."""
@@ -149,22 +152,43 @@ class Replica:
         """Connect, open the buckets, load every replica's presence and announce
         this one (before recovery: a live replica's intents are left alone)."""
         try:
-            nc = await nats.connect(
-                servers=list(self.servers),
-                name=f"agents-control {self.replica_id}",
-                connect_timeout=2,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                error_cb=self._error,
-                disconnected_cb=self._disconnected,
-                reconnected_cb=self._reconnected,
-            )
+            # Bounded: an unreachable server is retried for ever by the client.
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                nc = await self._connect()
         except (OSError, nats.errors.Error, TimeoutError) as e:
             raise TransientError(
-                f"cluster: cannot reach NATS at {self.where}: {e or type(e).__name__}"
+                f"cluster: cannot reach NATS at {self.where}: {str(e) or type(e).__name__}"
             ) from None
         self._nc = nc
+        try:
+            await self._open(nc)
+        except (nats.errors.Error, TimeoutError) as e:
+            raise TransientError(
+                f"cluster: NATS at {self.where} answered but its JetStream did not (is it "
+                f"started with -js?): {str(e) or type(e).__name__}"
+            ) from None
+        logger.info(
+            "replica %s of %s: NATS %s, %d other replica(s) alive",
+            self.replica_id,
+            self.name,
+            self.where,
+            len(self._replicas) - 1,
+        )
+
+    async def _connect(self) -> Client:
+        return await nats.connect(
+            servers=list(self.servers),
+            name=f"agents-control {self.replica_id}",
+            connect_timeout=2,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=self._error,
+            disconnected_cb=self._disconnected,
+            reconnected_cb=self._reconnected,
+        )
+
+    async def _open(self, nc: Client) -> None:
         js = nc.jetstream(timeout=REQUEST_TIMEOUT)
 
         async def kv(suffix: str, ttl: float | None) -> KeyValue:
@@ -185,16 +209,10 @@ class Replica:
         await self._announce()
         async with asyncio.timeout(10):
             await self._loaded.wait()
-        logger.info(
-            "replica %s of %s: NATS %s, %d other replica(s) alive",
-            self.replica_id,
-            self.name,
-            self.where,
-            len(self._replicas) - 1,
-        )
 
     async def close(self) -> None:
         """Leave: forget this replica's entries (its machines relink elsewhere)."""
+        self._closing = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -211,7 +229,8 @@ class Replica:
         logger.debug("NATS: %s", e)
 
     async def _disconnected(self) -> None:
-        logger.warning("NATS at %s: disconnected; local links go on", self.where)
+        if not self._closing:
+            logger.warning("NATS at %s: disconnected; local links go on", self.where)
 
     async def _reconnected(self) -> None:
         logger.info("NATS at %s: reconnected", self.where)
@@ -428,7 +447,7 @@ class Replica:
                 self._on_routed("unavailable")
             raise TransientError(
                 f"machine {machine_id}: {kind}: the replica holding its link did not answer "
-                f"over NATS at {self.where}: {e or type(e).__name__}"
+                f"over NATS at {self.where}: {str(e) or type(e).__name__}"
             ) from None
         else:
             done = reply.data == b"ok"

@@ -142,3 +142,28 @@ async def test_presence_follows_again_after_nats_restarts(nats: NatsProc) -> Non
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_replica_without_nats_does_not_start_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from controlplane.cluster import replica
+    from controlplane.config import ControlConfig
+    from controlplane.recovery.bootstrap import init_control_plane
+    from controlplane.server import ControlPlane
+    from tests.helpers.moto_server import free_port
+
+    monkeypatch.setattr(replica, "CONNECT_TIMEOUT", 0.5)
+    cfg = ControlConfig(
+        home=tmp_path / "home",
+        store_url=str(tmp_path / "store"),
+        listen="127.0.0.1:0",
+        link_listen="127.0.0.1:0",
+        metrics_listen="",
+        cluster_url=f"nats://127.0.0.1:{free_port()}",
+    ).validate()
+    await init_control_plane(cfg)
+    with pytest.raises(TransientError, match="cannot reach NATS at nats://127.0.0.1:"):
+        async with ControlPlane(cfg):
+            pass
+    assert not (cfg.home / "serve.json").exists()
