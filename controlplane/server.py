@@ -255,7 +255,7 @@ class ControlPlane:
             status("starting: joining the other replicas over NATS")
             self._replica = await _join_replicas(cfg, self.fence.home_id, services.intents, self)
             presence.set_peers(self._replica)
-            self._replica.on_machine_changed = presence.forget_stored
+            self._replica.board.on_machine_changed = presence.forget_stored
         status("starting: finishing changes a previous run left unfinished")
         recovered = await services.intents.recover()
         if recovered:

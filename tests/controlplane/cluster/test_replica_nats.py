@@ -49,7 +49,7 @@ async def test_presence_and_routing_between_two_replicas(nats: NatsProc) -> None
         assert a.owner_alive("owner-b") and b.owner_alive("owner-a")
         assert not a.owner_alive("owner-gone")
         changed: list[str] = []
-        b.on_machine_changed = changed.append  # b's cached presence record of it is stale
+        b.board.on_machine_changed = changed.append  # b's cached presence record of it is stale
         await a.linked("m1", "acct", "1.0", 2)
         held = await apoll_until(lambda: b.holder("m1"), deadline=5, what="b sees m1 at a")
         assert changed == ["m1"]
