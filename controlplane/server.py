@@ -250,19 +250,25 @@ class ControlPlane:
                 objects=self.metrics.account_deletion_objects.inc,
             )
         )
+        rosters = AgentRosters(trusted.store)
         if cfg.cluster_url:
             # Before recovery: a live replica's unfinished changes are its own.
             status("starting: joining the other replicas over NATS")
             self._replica = await _join_replicas(cfg, self.fence.home_id, services.intents, self)
             presence.set_peers(self._replica)
-            self._replica.board.on_machine_changed = presence.forget_stored
+
+            def changed_elsewhere(machine_id: str) -> None:
+                # Another replica rewrote its presence record (and maybe roster).
+                presence.forget_stored(machine_id)
+                rosters.forget(machine_id)
+
+            self._replica.board.on_machine_changed = changed_elsewhere
         status("starting: finishing changes a previous run left unfinished")
         recovered = await services.intents.recover()
         if recovered:
             logger.warning("rolled back %d change(s) a previous run left unfinished", recovered)
         services.machines.on_revoke(presence.kick)
         self._presence = presence
-        rosters = AgentRosters(trusted.store)
         prompt_queue = PromptQueue(
             trusted.store,
             services.machines,

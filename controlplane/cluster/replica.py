@@ -338,4 +338,6 @@ class Replica:
                 raise
             except (nats.errors.Error, OSError) as e:  # watch again once NATS is back
                 logger.info("NATS presence watch ended: %s", e)
+            except Exception:  # a bug: its traceback, and the watch goes on
+                logger.exception("NATS presence watch failed; watching again")
             await asyncio.sleep(self._refresh_every)  # retry pacing

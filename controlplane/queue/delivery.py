@@ -146,7 +146,8 @@ class PromptDelivery:
             agent_id,
             text,
             idempotency_key,
-            check_roster=self._live(machine_id) is None,
+            # Linked to another replica counts as online: it answers itself too.
+            check_roster=not self._presence.online(machine_id),
         )
         link = self._live(machine_id)
         # Linked to another replica: that one delivers it (controlplane.cluster).

@@ -2,7 +2,9 @@
 
 Real processes on loopback: moto, nats-server, three ``serve --cluster`` from
 copies of one home, and 30 simulated machines (the real link protocol over real
-TLS: tests.helpers.sim_links), each listing the three link addresses. Admin
+TLS: tests.helpers.sim_links), each listing the three link addresses, and one
+real ``agents-machine`` (its prompt, sent through another replica than its own,
+is acknowledged by it). Admin
 calls through every replica reach every machine; then one replica is
 SIGKILLed: every machine is linked again within 5 s, prompts queued meanwhile
 are delivered once, a deletion started on the killed replica completes, and
@@ -14,6 +16,7 @@ naming NATS.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 import signal
@@ -25,16 +28,19 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import TransientError
+from shared.errors import NotFound, TransientError
 from tests.helpers.control_proc import (
     ControlProc,
+    join_new_account,
     run_init,
     s3_env,
     start_serve,
     wait_serve,
 )
+from tests.helpers.machine_proc import run_cli
 from tests.helpers.nats_proc import NatsProc, nats_binary, nats_server
 from tests.helpers.poll import apoll_until
+from tests.helpers.processes import stop_process
 from tests.helpers.sim_links import SimMachine, join_sim
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="nats-server not installed")
@@ -93,8 +99,16 @@ def _slots(cp: ControlProc) -> list[int]:
     return [int(m) for m in SLOT_LINE.findall(cp.log_path.read_text(errors="replace"))]
 
 
-async def test_three_replicas_one_killed(replicas: list[ControlProc], nats: NatsProc) -> None:
+async def test_three_replicas_one_killed(
+    replicas: list[ControlProc], nats: NatsProc, tmp_path: Path
+) -> None:
     links = [cp.link for cp in replicas]
+    # A real agents-machine too, linked to the third replica (never the one killed):
+    # it learns one link address at join, so it cannot move (docs/controlplane.md).
+    real_data = tmp_path / "real-machine"
+    real = join_new_account(
+        replicas[2], real_data, tmp_path / "real.log", github_id=99, login="real"
+    )
     async with replicas[0].admin() as admin:
         account = (await admin.create_account(36, "replicas")).account.account_id
         doomed = (await admin.create_account(37, "doomed")).account.account_id
@@ -135,6 +149,37 @@ async def test_three_replicas_one_killed(replicas: list[ControlProc], nats: Nats
             what="every prompt through every replica delivered",
         )
 
+        # The real machine, reached through another replica than its own.
+        async with replicas[0].admin() as admin:
+
+            async def real_online() -> str:
+                for m in await admin.list_machines():
+                    if m.hostname != "sim" and m.online:
+                        return m.machine_id
+                return ""
+
+            real_id = await apoll_until(real_online, deadline=30, what="the real machine online")
+        made = run_cli(real_data, "agent", "create", "r", "--folder", str(tmp_path), "--json")
+        assert made.returncode == 0, made.stderr
+        agent = json.loads(made.stdout)["id"]
+        async with replicas[0].admin() as admin:
+            # Its roster (sent after the agent was made) decides the send: retried
+            # until the control plane has it.
+            async def sent_real() -> str:
+                try:
+                    return (await admin.send_prompt(real_id, agent, "hello")).prompt_id
+                except NotFound:
+                    return ""
+
+            real_prompt = await apoll_until(sent_real, deadline=15, what="a prompt queued")
+        async with replicas[2].admin() as admin:
+
+            async def acknowledged() -> bool:
+                listed = (await admin.list_prompts(real_id)).prompts
+                return any(p.prompt_id == real_prompt and p.run_id for p in listed)
+
+            await apoll_until(acknowledged, deadline=20, what="the real machine's ack")
+
         # A revoke through a replica the machine is not linked to reaches it.
         revoked = ours[-1]
         other = next(cp for cp in replicas if cp.link != revoked.linked_to)
@@ -144,7 +189,7 @@ async def test_three_replicas_one_killed(replicas: list[ControlProc], nats: Nats
         live = ours[:-1]
 
         # Kill the replica holding the most links, right after it started a deletion.
-        victim = max(replicas, key=lambda cp: sum(s.linked_to == cp.link for s in sims))
+        victim = max(replicas[:2], key=lambda cp: sum(s.linked_to == cp.link for s in sims))
         survivors = [cp for cp in replicas if cp is not victim]
         async with victim.admin() as admin:
             await admin.delete_account(doomed)
@@ -220,6 +265,7 @@ async def test_three_replicas_one_killed(replicas: list[ControlProc], nats: Nats
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        stop_process(real, grace=10)
 
 
 async def _deleted(admin: object, account_id: str) -> bool:
