@@ -258,9 +258,11 @@ class ControlPlane:
             presence.set_peers(self._replica)
 
             def changed_elsewhere(machine_id: str) -> None:
-                # Another replica rewrote its presence record (and maybe roster).
+                # Another replica rewrote its presence record (and maybe roster); it
+                # may have joined, revoked or deleted it too: the fleet is listed again.
                 presence.forget_stored(machine_id)
                 rosters.forget(machine_id)
+                fleet.changed()
 
             self._replica.board.on_machine_changed = changed_elsewhere
         status("starting: finishing changes a previous run left unfinished")
