@@ -83,10 +83,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ControlPlane", "run_daemon"]
 
-#: Seconds the periodic jobs' lease outlives its holder (cluster.lease.LEASE_TTL;
-#: repeated here so a lone process never imports NATS).
-LEASE_TTL: Final = 3.0
-
 logger = logging.getLogger(__name__)
 
 #: Seconds between two counts of offline machines.
@@ -439,7 +435,8 @@ class ControlPlane:
         waker: ScheduleWaker,
         retention: AuditRetention,
     ) -> None:
-        from controlplane.cluster.lease import JobLease  # only replicas import NATS
+        # Imported here: a lone process never loads NATS.
+        from controlplane.cluster.lease import LEASE_TTL, JobLease
 
         assert replica.js_kv is not None
         metrics = self.metrics
