@@ -4,7 +4,9 @@ The replica holding a machine's link subscribes to
 ``agents.<deployment>.machine.<id>.notice`` while it is up (:meth:`Router.take`,
 :meth:`Router.drop`); a notice for it is a request on that subject, answered
 ``ok`` by the holder once the notice is in the link's outbox (revoke,
-renew-now, drain its prompt queue). No responder means no replica holds it now:
+renew-now, drain its prompt queue). A replica whose link to the machine is
+stale (the machine has linked to another since, as presence shows) does not
+answer, so the live link's replica does. No responder means no replica holds it now:
 its next link gets what the store says. Account deletions go to every replica
 on ``agents.<deployment>.account.deleted``. Without NATS a route is refused
 with TransientError (UNAVAILABLE) naming it.
@@ -160,6 +162,10 @@ class Router:
 
     async def _notice(self, msg: Msg) -> None:
         machine_id = msg.subject.split(".")[-2]
+        if self._holds(machine_id):
+            # The machine linked to another replica since (its link here is dead
+            # and not timed out yet): stay silent so that replica's answer is the one.
+            return
         try:
             data = json.loads(msg.data)
             kind = str(data.pop("kind"))

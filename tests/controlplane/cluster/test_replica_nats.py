@@ -167,3 +167,24 @@ async def test_a_replica_without_nats_does_not_start_and_says_why(
         async with ControlPlane(cfg):
             pass
     assert not (cfg.home / "serve.json").exists()
+
+
+async def test_a_machine_that_moved_is_answered_for_by_its_new_replica_only(
+    nats: NatsProc,
+) -> None:
+    got: list[tuple[str, str, str]] = []
+    a, b = _replica(nats.url, "owner-a", got, []), _replica(nats.url, "owner-b", got, [])
+    await a.start()
+    await b.start()
+    try:
+        await a.linked("m1", "acct", "1.0", 0)
+        await apoll_until(lambda: b.holder("m1"), deadline=5, what="b sees m1 at a")
+        # It links to b while a has not noticed its old link died yet.
+        await b.linked("m1", "acct", "1.0", 0)
+        await apoll_until(lambda: a.holder("m1"), deadline=5, what="a sees m1 at b")
+        for _ in range(5):
+            assert await a.route("m1", "renew_now", reason="x")
+        assert {owner for owner, _, _ in got} == {"owner-b"}, got
+    finally:
+        await a.close()
+        await b.close()
