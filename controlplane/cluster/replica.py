@@ -259,8 +259,8 @@ class Replica:
     ) -> None:
         """A link opened here: take its routed notices, say we hold it."""
         self._local[machine_id] = _Local(account_id, version, agent_count)
-        if self._nc is None:
-            return
+        if not self.connected:
+            return  # no wait for NATS before the welcome: the next refresh says it
         try:
             await self.router.take(machine_id)
             await self._put(machine_id)
@@ -270,10 +270,10 @@ class Replica:
     async def unlinked(self, machine_id: str) -> None:
         """The link ended here: stop taking its notices, drop the entry we wrote."""
         local = self._local.pop(machine_id, None)
-        if self._nc is None or not self._nc.is_connected:
-            return
         try:
             await self.router.drop(machine_id)
+            if not self.connected:
+                return  # the entry expires by itself
             if local is not None and local.revision and self._kv is not None:
                 # Only our own write: a newer one is another replica's (it moved).
                 try:
@@ -312,6 +312,8 @@ class Replica:
             self.board.drop_gone()
             try:
                 await self._announce()
+                for machine_id in list(self._local):
+                    await self.router.take(machine_id)  # linked while NATS was away
                 await asyncio.gather(*(self._put(m) for m in list(self._local)))
             except (nats.errors.Error, OSError) as e:
                 outage.failed(e)

@@ -95,10 +95,12 @@ class Router:
             )
 
     async def drop(self, machine_id: str) -> None:
-        """Its link ended here: stop answering."""
+        """Its link ended here: stop answering (also while NATS is away: the
+        client forgets it now and tells the server when it is back)."""
         sub = self._subs.pop(machine_id, None)
-        if sub is not None and self._connected() is not None:
-            await sub.unsubscribe()
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
 
     async def route(self, machine_id: str, kind: str, **fields: str) -> bool:
         """Ask the replica holding ``machine_id`` to deliver a notice; whether one

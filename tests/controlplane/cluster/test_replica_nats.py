@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,11 +135,16 @@ async def test_presence_follows_again_after_nats_restarts(nats: NatsProc) -> Non
     try:
         nats.stop()
         await apoll_until(lambda: not a.connected and not b.connected, deadline=5, what="down")
+        # A link opened meanwhile waits for nothing, and is announced once NATS is back.
+        async with asyncio.timeout(1):
+            await a.linked("m0", "acct", "1.0", 0)
         nats.start()  # the same port and folder: the buckets are still there
         await apoll_until(lambda: a.connected and b.connected, deadline=10, what="back")
         await a.linked("m1", "acct", "1.0", 0)
         await apoll_until(lambda: b.holder("m1"), deadline=5, what="b sees a's new link")
         assert await b.route("m1", "renew_now", reason="x")
+        await apoll_until(lambda: b.holder("m0"), deadline=5, what="b sees the one made meanwhile")
+        assert await b.route("m0", "renew_now", reason="x")
     finally:
         await a.close()
         await b.close()
