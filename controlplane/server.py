@@ -350,6 +350,14 @@ class ControlPlane:
             starter=starter,
             waker=waker,
             rotation=rotation,
+            # Each replica's keys are its home's: a rotation would reach only one.
+            rotation_refused=(
+                "key rotation is refused while serving as one of several replicas: it "
+                "would change this replica's home only; stop the replicas, rotate with one "
+                "plain serve, copy its home to the others (docs/controlplane.md, Replicas)"
+                if cfg.cluster_url
+                else ""
+            ),
         )
         link_pb2_grpc.add_MachineLinkServicer_to_server(link, server)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)

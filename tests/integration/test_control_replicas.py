@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import NotFound, TransientError
+from shared.errors import InvalidState, NotFound, TransientError
 from tests.helpers.control_proc import (
     ControlProc,
     join_new_account,
@@ -148,6 +148,11 @@ async def test_three_replicas_one_killed(
             deadline=15,
             what="every prompt through every replica delivered",
         )
+
+        # A key rotation would change one replica's home only: refused.
+        async with replicas[1].admin() as admin:
+            with pytest.raises(InvalidState, match="one of several replicas"):
+                await admin.rotate_server_certificate()
 
         # The real machine, reached through another replica than its own.
         async with replicas[0].admin() as admin:
