@@ -265,6 +265,7 @@ class Intents:
         """Every intent record in the store, oldest first (refused ones are skipped)."""
         out: list[Intent] = []
         listed: set[str] = set()
+        started = self._monotonic()
         async for info in self._store.list(INTENTS_PREFIX):
             name = info.key[len(INTENTS_PREFIX) :].removesuffix(".json")
             if not is_valid_id("intent", name):
@@ -284,6 +285,13 @@ class Intents:
         # the listing ran is not gone.
         for gone in set(self._read) - listed - self._active - self._handed_over:
             self._forget(gone)
+        # Held here, released long before this listing began (its recheck was due),
+        # and not listed: committed elsewhere (a replica the machine linked to
+        # confirmed its join). Kept, it stayed due and intents/ was listed every tick.
+        for gone in self._handed_over - listed:
+            if self._recheck_at.get(gone, float("inf")) <= started:
+                self._handed_over.discard(gone)
+                self._forget(gone)
         for stale in set(self._recheck_at) - set(self._read):
             del self._recheck_at[stale]
         return out

@@ -201,3 +201,28 @@ async def test_replicas_leave_a_live_peers_intents_to_it() -> None:
     here.mark_changed()
     assert await here.recover_if_due() == 1
     assert rolled == [mine.intent_id]
+
+
+async def test_a_held_change_committed_by_another_replica_stops_the_listings() -> None:
+    store, rolled = MemoryStore(), []  # type: list[str]
+    listings = [0]
+    list_pages = store.list_pages
+
+    def counting(prefix: str = "", **kw: object):  # type: ignore[no-untyped-def]
+        listings[0] += prefix.startswith("cp/intents/")
+        return list_pages(prefix, **kw)  # type: ignore[arg-type]
+
+    store.list_pages = counting  # type: ignore[method-assign]
+    ticks = [0.0]
+    here = _intents(store, Clock(T0), rolled, verdict=False, ticks=ticks)
+    async with here.change("demo", hold=True, thing="a join") as held:
+        pass
+    # The machine linked to another replica, which confirmed (committed) it.
+    await _intents(store, Clock(T0), rolled).commit_id(held.intent_id)
+    ticks[0] = WAIT_RECHECK
+    await here.recover_if_due(every=3600)  # due: listed once, found gone
+    for _ in range(3):
+        ticks[0] += 1
+        await here.recover_if_due(every=3600)
+    assert listings[0] == 1, "before: listed again at every tick"
+    assert rolled == []
