@@ -119,8 +119,10 @@ async def test_three_replicas_one_killed(
         cp = replicas[i % 3]  # joins through every replica
         value = token if i < MACHINES else doomed_token
         machine_id, cert, key = await join_sim(cp.public, cp.ca_pem, value)
-        # Each lists the three link addresses, starting with a different one.
-        order = links[i % 3 :] + links[: i % 3]
+        # Each lists the three link addresses, starting with the next replica's:
+        # its join is confirmed by another replica than the one it joined through.
+        first = (i + 1) % 3
+        order = links[first:] + links[:first]
         return SimMachine(machine_id, cert, key, cp.ca_pem, order)
 
     sims = list(await asyncio.gather(*(joined(i) for i in range(MACHINES + 3))))
