@@ -83,16 +83,20 @@ def raise_fd_limit() -> int:
     return hard
 
 
-def start_control(tmp: Path, heartbeat: float, settings: str = "") -> ControlProc:
+def start_control(
+    tmp: Path, heartbeat: float, settings: str = "", *, serve: bool = True
+) -> ControlProc:
     """A fresh ``agents-control`` (init + serve, folder store under ``tmp``);
-    ``settings``: TOML lines added to its config.toml before it serves."""
+    ``settings``: TOML lines added to its config.toml before it serves
+    (``serve=False``: init only)."""
     cp = run_init(
         tmp / "cp-home", f"file://{tmp / 'store'}", {}, ["--heartbeat-interval", str(heartbeat)]
     )
     if settings:
         with (cp.home / "config.toml").open("a") as config:
             config.write(settings + "\n")
-    start_serve(cp)
+    if serve:
+        start_serve(cp)
     return cp
 
 

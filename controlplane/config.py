@@ -12,7 +12,7 @@ Environment variables: ``AGENTS_CONTROL_HOME``, ``AGENTS_CONTROL_STORE``,
 ``AGENTS_CONTROL_CREDENTIAL``, ``AGENTS_CONTROL_CREDENTIAL_FILE``,
 ``AGENTS_CONTROL_HEARTBEAT``,
 ``AGENTS_CONTROL_LOG_LEVEL``, ``AGENTS_CONTROL_LOG_FORMAT``,
-``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``; test only:
+``AGENTS_CONTROL_JOIN_CONFIRM_GRACE``, ``AGENTS_CONTROL_CLUSTER``; test only:
 ``AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER``; and systemd's
 ``NOTIFY_SOCKET``, ``WATCHDOG_USEC``, ``WATCHDOG_PID`` (shared.sd_notify).
 """
@@ -46,6 +46,7 @@ __all__ = [
     "MAX_TOKEN_TTL",
     "SERVE_FILE",
     "ControlConfig",
+    "cluster_servers",
     "default_home",
     "load_config",
     "parse_hostport",
@@ -80,6 +81,27 @@ def parse_hostport(value: str, field_name: str, *, allow_empty: bool = False) ->
             return ("", 0)
         raise ConfigError(field_name, "must be host:port")
     return split_hostport(text, field_name)
+
+
+def cluster_servers(value: str) -> tuple[str, ...]:
+    """The NATS server URLs of ``cluster_url`` (comma-separated), checked: each
+    ``nats://host:port`` or ``tls://host:port``; () for an empty value."""
+    out: list[str] = []
+    for raw in value.split(","):
+        url = raw.strip()
+        if not url:
+            continue
+        scheme, sep, rest = url.partition("://")
+        if "@" in rest:
+            # Not echoed: what precedes the @ is a password.
+            raise ConfigError("cluster_url", "must not carry credentials (user:password@)")
+        if not sep or scheme not in ("nats", "tls") or "/" in rest.rstrip("/"):
+            raise ConfigError("cluster_url", f"must be nats://host:port (got {url[:64]!r})")
+        parse_hostport(rest.rstrip("/"), "cluster_url")
+        out.append(url)
+    if value.strip() and not out:
+        raise ConfigError("cluster_url", "must be nats://host:port")
+    return tuple(out)
 
 
 def default_home(env: Mapping[str, str]) -> Path:
@@ -181,6 +203,11 @@ class ControlConfig:
     environment variables that set ``store_url``, ``store_endpoint`` or
     ``store_region`` (``store migrate`` switches config.toml, which they would
     keep overriding)."""
+    cluster_url: str = ""
+    """NATS server(s) of a deployment served by several replicas (``nats://host:port``,
+    comma-separated for several): ``serve`` then runs one replica of it
+    (controlplane.cluster). Empty (the default): one process serves alone and
+    NATS is not used at all."""
     crash_in_migrate_after: int = 0
     """Test only (no flag, no file key; ``AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER``):
     ``store migrate`` SIGKILLs itself once it copied this many objects, so a
@@ -241,6 +268,7 @@ class ControlConfig:
             raise ConfigError("clock_check_seconds", "must be between 0.1 and 3600 seconds")
         if not 0.1 <= self.intent_recheck_seconds <= 3600:
             raise ConfigError("intent_recheck_seconds", "must be between 0.1 and 3600 seconds")
+        cluster_servers(self.cluster_url)
         check_level(self.log_level)
         check_format(self.log_format)
         self.notify.validate()
@@ -300,6 +328,7 @@ FILE_KEYS: Final[dict[str, tuple[type, ...]]] = {
     "clock_skew_bound_seconds": (int, float),
     "clock_check_seconds": (int, float),
     "intent_recheck_seconds": (int, float),
+    "cluster_url": (str,),
 }
 
 
@@ -424,6 +453,7 @@ def load_config(
         ),
         clock_check_seconds=get("clock_check_seconds", None, d.clock_check_seconds, float),
         intent_recheck_seconds=get("intent_recheck_seconds", None, d.intent_recheck_seconds, float),
+        cluster_url=get("cluster_url", "AGENTS_CONTROL_CLUSTER", "", str),
         notify=NotifyConfig.from_env(env, os.getpid()),
         store_overrides=_store_overrides(flags, env),
         crash_in_migrate_after=_test_count(env, "AGENTS_CONTROL_TEST_CRASH_IN_MIGRATE_AFTER"),

@@ -204,6 +204,26 @@ class ControlMetrics:
             registry=registry,
         )
 
+        # Replicas (serve --cluster, controlplane.cluster); never set by a lone process.
+        self.cluster_routed = Counter(
+            "agents_cp_cluster_routed",
+            "Notices for a machine linked to another replica, sent over NATS, by outcome "
+            "(delivered, not_linked, unavailable).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.lease_held = Gauge(
+            "agents_cp_lease_held",
+            "1 while this replica holds the periodic jobs' lease (0 otherwise).",
+            registry=registry,
+        )
+        self.singleton_runs = Counter(
+            "agents_cp_singleton_runs",
+            "Periodic jobs run by this replica under the lease, by job (wake, audit_retention).",
+            ["job"],
+            registry=registry,
+        )
+
     def watch_queue(self, depth: Callable[[], float], oldest_age: Callable[[], float]) -> None:
         """Read the prompt queue's gauges from it at each scrape."""
         self.queue_depth.set_function(depth)

@@ -21,8 +21,9 @@ import json
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Final, Self
+from typing import TYPE_CHECKING, Final, Self
 
 import grpc
 import grpc.aio
@@ -32,9 +33,9 @@ from controlplane.access.accounts import AccountService
 from controlplane.api.admin import AdminServicer
 from controlplane.api.causes import CauseInterceptor, rpc_causes
 from controlplane.api.link import LinkServicer
-from controlplane.config import ControlConfig, parse_hostport
+from controlplane.config import ControlConfig, cluster_servers, parse_hostport
 from controlplane.deletion.service import AccountDeletion, DeletionHooks
-from controlplane.integrity.audit import AuditRetention
+from controlplane.integrity.audit import AUDIT_SWEEP_INTERVAL, AuditRetention
 from controlplane.integrity.clock import ClockCheck
 from controlplane.integrity.intents import Intents
 from controlplane.integrity.keys import KeyRing, load_home_keys
@@ -43,7 +44,7 @@ from controlplane.integrity.trusted import DeploymentGuard, TrustedStore, open_t
 from controlplane.machines.alive import AliveStamps
 from controlplane.machines.backups import MachineBackups
 from controlplane.machines.fleet import FleetView
-from controlplane.machines.presence import PresenceRegistry
+from controlplane.machines.presence import PresenceRegistry, RenewNowNotice
 from controlplane.machines.registry import MachineRegistry
 from controlplane.machines.rosters import AgentRosters
 from controlplane.metrics import ControlMetrics
@@ -75,6 +76,10 @@ from shared.rpc import (
 )
 from shared.sd_notify import Notifier
 from shared.store.causes import OTHER, set_cause, store_cause
+
+if TYPE_CHECKING:
+    from controlplane.cluster.lease import JobLease
+    from controlplane.cluster.replica import Replica
 
 __all__ = ["ControlPlane", "run_daemon"]
 
@@ -126,6 +131,10 @@ class ControlPlane:
         self._deletion: AccountDeletion | None = None
         self._prompts: PromptDelivery | None = None
         self._starter: MachineStarter | None = None
+        self._replica: Replica | None = None
+        self._cluster_tasks: list[asyncio.Task[None]] = []
+        self._route_here: Callable[[str, str, dict[str, str]], Awaitable[bool]] | None = None
+        self._lease: JobLease | None = None
         self.public_port = 0
         self.link_port = 0
         self._serve_info: dict[str, object] = {}
@@ -185,7 +194,14 @@ class ControlPlane:
         # The epoch before any write: a superseded home stops here having written
         # nothing, and from now on every write first checks that we still own it.
         status("starting: taking the deployment epoch")
-        self.fence = await take_epoch(cfg.home, trusted.authenticated, trusted.where, self._fenced)
+        # Replicas of one home join its epoch rather than fence each other.
+        self.fence = await take_epoch(
+            cfg.home,
+            trusted.authenticated,
+            trusted.where,
+            self._fenced,
+            replica=bool(cfg.cluster_url),
+        )
         trusted.set_fence(self.fence)
         self.metrics.epoch.set(self.fence.epoch)
         self.metrics.key_bundle_sealed.set(1 if await _reseal(cfg, trusted) else 0)
@@ -230,13 +246,27 @@ class ControlPlane:
                 objects=self.metrics.account_deletion_objects.inc,
             )
         )
+        rosters = AgentRosters(trusted.store)
+        if cfg.cluster_url:
+            # Before recovery: a live replica's unfinished changes are its own.
+            status("starting: joining the other replicas over NATS")
+            self._replica = await _join_replicas(cfg, self.fence.home_id, services.intents, self)
+            presence.set_peers(self._replica)
+
+            def changed_elsewhere(machine_id: str) -> None:
+                # Another replica rewrote its presence record (and maybe roster); it
+                # may have joined, revoked or deleted it too: the fleet is listed again.
+                presence.forget_stored(machine_id)
+                rosters.forget(machine_id)
+                fleet.changed()
+
+            self._replica.board.on_machine_changed = changed_elsewhere
         status("starting: finishing changes a previous run left unfinished")
         recovered = await services.intents.recover()
         if recovered:
             logger.warning("rolled back %d change(s) a previous run left unfinished", recovered)
         services.machines.on_revoke(presence.kick)
         self._presence = presence
-        rosters = AgentRosters(trusted.store)
         prompt_queue = PromptQueue(
             trusted.store,
             services.machines,
@@ -254,9 +284,7 @@ class ControlPlane:
 
         async def prompts_wait(machine: Machine) -> bool:
             # Offline, with a prompt in its queue (as this process knows it).
-            return presence.session(machine.machine_id) is None and await prompt_queue.waiting(
-                machine
-            )
+            return not presence.online(machine.machine_id) and await prompt_queue.waiting(machine)
 
         self._starter = starter = MachineStarter(
             trusted.store,
@@ -322,6 +350,14 @@ class ControlPlane:
             starter=starter,
             waker=waker,
             rotation=rotation,
+            # Each replica's keys are its home's: a rotation would reach only one.
+            rotation_refused=(
+                "key rotation is refused while serving as one of several replicas: it "
+                "would change this replica's home only; stop the replicas, rotate with one "
+                "plain serve, copy its home to the others (docs/controlplane.md, Replicas)"
+                if cfg.cluster_url
+                else ""
+            ),
         )
         link_pb2_grpc.add_MachineLinkServicer_to_server(link, server)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
@@ -337,7 +373,6 @@ class ControlPlane:
         self._stamps = asyncio.create_task(
             alive.keep(cfg.presence_write_interval), name="alive-stamps"
         )
-        self._waker = asyncio.create_task(waker.run(), name="schedule-waker")
         self._clocks = asyncio.create_task(
             clock_check.run(cfg.clock_check_seconds), name="clock-check"
         )
@@ -347,7 +382,26 @@ class ControlPlane:
             on_removed=self.metrics.audit_records_removed.inc,
             may_expire=clock_check.may_expire,
         )
-        self._audit_sweep = asyncio.create_task(retention.run(), name="audit-retention")
+        if self._replica is None:
+            self._waker = asyncio.create_task(waker.run(), name="schedule-waker")
+            self._audit_sweep = asyncio.create_task(retention.run(), name="audit-retention")
+        else:
+            # One replica at a time runs them, once per due time (cluster.lease).
+            await self._start_singletons(self._replica, services.intents, waker, retention)
+
+            async def routed(machine_id: str, kind: str, fields: dict[str, str]) -> bool:
+                if presence.session(machine_id) is None:
+                    return False
+                if kind == "revoked":
+                    await presence.kick("", machine_id, fields.get("reason", "revoked"))
+                    return True
+                if kind == "renew_now":
+                    return presence.notify(machine_id, RenewNowNotice(fields.get("reason", "")))
+                if kind == "drain":
+                    return prompts.drain_now(machine_id)
+                return False
+
+            self._route_here = routed
         self._checker = asyncio.create_task(
             _self_check(trusted.guard, services.intents, cfg.heartbeat_interval, self.fence),
             name="store-self-check",
@@ -370,6 +424,63 @@ class ControlPlane:
         logger.info(
             "serving: public %s, link %s, metrics %s", info["public"], info["link"], metrics_addr
         )
+
+    def holds_lease(self) -> bool:
+        """Whether this replica runs the periodic jobs now (False for a lone process:
+        it runs them without a lease)."""
+        return self._lease is not None and self._lease.held
+
+    async def _routed(self, machine_id: str, kind: str, fields: dict[str, str]) -> bool:
+        """A notice another replica routed here (none is taken before serving)."""
+        if self._route_here is None:
+            return False
+        return await self._route_here(machine_id, kind, fields)
+
+    async def _start_singletons(
+        self,
+        replica: Replica,
+        intents: Intents,
+        waker: ScheduleWaker,
+        retention: AuditRetention,
+    ) -> None:
+        # Imported here: a lone process never loads NATS.
+        from controlplane.cluster.lease import LEASE_TTL, JobLease
+
+        assert replica.js_kv is not None
+        metrics = self.metrics
+
+        def held(now: bool) -> None:
+            metrics.lease_held.set(1 if now else 0)
+            if now:
+                intents.mark_changed()  # a dead replica's changes are ours to finish
+
+        lease = JobLease(
+            await replica.js_kv("lease", LEASE_TTL),
+            await replica.js_kv("jobs", None),
+            replica.replica_id,
+            on_held=held,
+            on_run=lambda job: metrics.singleton_runs.labels(job).inc(),
+        )
+        self._lease = lease
+
+        async def wake() -> None:
+            with store_cause("wake"):
+                await waker.check()
+
+        async def sweep() -> None:
+            with store_cause("retention"):
+                await retention.sweep()
+
+        self._cluster_tasks = [
+            asyncio.create_task(lease.run(), name="jobs-lease"),
+            asyncio.create_task(
+                lease.every("wake", self.cfg.wake_check_seconds, wake), name="schedule-waker"
+            ),
+            asyncio.create_task(
+                lease.every("audit_retention", AUDIT_SWEEP_INTERVAL, sweep),
+                name="audit-retention",
+            ),
+        ]
 
     def _bind(self, keyring: KeyRing) -> grpc.aio.Server:
         """The gRPC server with both listeners bound (not started yet): RuntimeError
@@ -430,6 +541,10 @@ class ControlPlane:
     async def stop(self, grace: float) -> None:
         """Drain for ``grace`` seconds, then close the server, /metrics and the store."""
         self._stopped.set()
+        for task in self._cluster_tasks:
+            task.cancel()
+        await asyncio.gather(*self._cluster_tasks, return_exceptions=True)
+        self._cluster_tasks = []
         if self._offline is not None:
             offline, self._offline = self._offline, None
             offline.cancel()
@@ -472,6 +587,9 @@ class ControlPlane:
             if self._starter is not None:
                 await self._starter.close()
             await server.stop(grace)
+        if self._replica is not None:
+            replica, self._replica = self._replica, None
+            await replica.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
             self._metrics_server = None
@@ -549,6 +667,45 @@ async def _self_check(
             outage.failed(e)
         else:
             outage.recovered()
+
+
+async def _join_replicas(
+    cfg: ControlConfig, home_id: str, intents: Intents, cp: ControlPlane
+) -> Replica:
+    """This process as one replica (controlplane.cluster): connected to NATS, with
+    every live replica known. Imported here: a lone process never loads NATS."""
+    from controlplane.cluster.replica import Replica
+
+    async def routed(machine_id: str, kind: str, fields: dict[str, str]) -> bool:
+        return await cp._routed(machine_id, kind, fields)
+
+    def account_deleted(account_id: str) -> None:
+        if cp._presence is not None:
+            cp._presence.close_account_here(account_id)
+
+    def gone(replica_id: str) -> None:
+        intents.mark_changed()  # its unfinished changes may be ours to finish now
+
+    replica = Replica(
+        cluster_servers(cfg.cluster_url),
+        home_id,
+        heartbeat_interval=cfg.heartbeat_interval,
+        owner=intents.owner,
+        on_notice=routed,
+        on_account_deleted=account_deleted,
+        on_replica_gone=gone,
+        on_routed=lambda outcome: cp.metrics.cluster_routed.labels(outcome).inc(),
+    )
+    try:
+        await replica.start()
+    except BaseException:
+        await replica.close()
+        raise
+    # From the first recovery on (at start, before the lease can be held): another
+    # process's unfinished change is finished only by the lease holder, and only
+    # once its owner is gone.
+    intents.share_with(lambda owner: cp.holds_lease() and not replica.owner_alive(owner))
+    return replica
 
 
 def _machine_backups(

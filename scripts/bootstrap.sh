@@ -10,7 +10,7 @@ fi
 stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test,dev,bench]"
+  .venv/bin/python -m pip install -q -e ".[test,dev,bench,cluster]"
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

@@ -112,6 +112,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         waker: ScheduleWaker | None = None,
         rotation: KeyRotation | None = None,
         clock: Clock = utc_now,
+        rotation_refused: str = "",
     ) -> None:
         self._accounts = accounts
         self._credentials = credentials
@@ -125,6 +126,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._starter = starter
         self._waker = waker
         self._rotation = rotation
+        # Why rotations are refused here though keys can be read ("": they are not).
+        self._rotation_refused = rotation_refused
         # "Now" for token states and prompt ages (tests move it).
         self._clock = clock
 
@@ -375,6 +378,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         )
 
     def _require_rotation(self) -> KeyRotation:
+        if self._rotation_refused:
+            raise InvalidState("keys", self._rotation_refused)
         if self._rotation is None:
             raise InvalidState("keys", "key rotation is not available in this server")
         return self._rotation

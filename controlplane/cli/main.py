@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the daemon")
     _common(p, client=False)
     _daemon_flags(p)
+    p.add_argument(
+        "--cluster",
+        dest="cluster_url",
+        metavar="NATS_URL",
+        help="run one replica of a deployment served by several, coordinated through "
+        "this NATS server (nats://host:port; docs/controlplane.md, Replicas)",
+    )
 
     p = sub.add_parser("fsck", help="check the store for inconsistencies (read-only)")
     _common(p, client=False)
@@ -305,7 +312,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "home store_url store_endpoint store_region store_object_lock listen link_listen "
         "metrics_listen "
         "advertise_host heartbeat_interval log_level log_format address credential credential_file "
-        "server_names"
+        "server_names cluster_url"
     ).split()
     for name in ("home", "address", "credential", "credential_file"):
         # "$VAR" of an unset variable: never the default home, serve.json's

@@ -150,6 +150,22 @@ class Intents:
         self._read: dict[str, Intent] = {}
         self._recheck_at: dict[str, float] = {}
         self._changed = True
+        self._may_resolve: Callable[[str], bool] | None = None
+
+    @property
+    def owner(self) -> str:
+        """The token this process's intents carry (replicas tell it to each other)."""
+        return self._owner
+
+    def share_with(self, may_resolve: Callable[[str], bool]) -> None:
+        """Replicas (controlplane.cluster): resolve another process's intent only
+        when ``may_resolve(its owner)`` (its owner is gone and we hold the jobs'
+        lease); every intent is listed again at the next tick when one goes."""
+        self._may_resolve = may_resolve
+
+    def mark_changed(self) -> None:
+        """List intents/ again at the next :meth:`recover_if_due` (a replica went)."""
+        self._changed = True
 
     def register(self, kind: str, resolver: Resolver) -> None:
         """Use ``resolver`` to roll back abandoned intents of ``kind``."""
@@ -252,6 +268,7 @@ class Intents:
         """Every intent record in the store, oldest first (refused ones are skipped)."""
         out: list[Intent] = []
         listed: set[str] = set()
+        started = self._monotonic()
         async for info in self._store.list(INTENTS_PREFIX):
             name = info.key[len(INTENTS_PREFIX) :].removesuffix(".json")
             if not is_valid_id("intent", name):
@@ -271,6 +288,13 @@ class Intents:
         # the listing ran is not gone.
         for gone in set(self._read) - listed - self._active - self._handed_over:
             self._forget(gone)
+        # Held here, released long before this listing began (its recheck was due),
+        # and not listed: committed elsewhere (a replica the machine linked to
+        # confirmed its join). Kept, it stayed due and intents/ was listed every tick.
+        for gone in self._handed_over - listed:
+            if self._recheck_at.get(gone, float("inf")) <= started:
+                self._handed_over.discard(gone)
+                self._forget(gone)
         for stale in set(self._recheck_at) - set(self._read):
             del self._recheck_at[stale]
         return out
@@ -286,6 +310,13 @@ class Intents:
         for intent in await self.pending():
             if self._mine(intent) and intent.intent_id not in self._handed_over:
                 left += 1
+                continue
+            if (
+                not self._mine(intent)
+                and self._may_resolve is not None
+                and not self._may_resolve(intent.owner)
+            ):
+                left += 1  # a live replica's, or ours to leave to the lease holder
                 continue
             if due_only and self._recheck_at.get(intent.intent_id, 0.0) > listed_at:
                 left += 1

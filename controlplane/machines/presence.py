@@ -16,6 +16,12 @@ link is up, listings take last seen from the session; a record a control plane
 killed without a goodbye left ``online`` is taken as seen until that process's
 last alive stamp (:mod:`controlplane.machines.alive`: one write per interval for
 the whole fleet), at most an interval before it died.
+
+Replicas (``serve --cluster``): a :class:`Peers` (controlplane.cluster.replica)
+is told of each link that opens and ends here; a machine linked to another
+replica reads as online from there, notices for it are routed to that replica,
+and an account deletion is announced to every replica. Without one (a lone
+process) nothing of this runs.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from controlplane.integrity.records import Machine, Presence, decode, encode, presence_key
 from controlplane.machines.alive import AliveStamps
@@ -46,6 +52,8 @@ __all__ = [
     "DeliveryNotice",
     "MachineStatus",
     "Outbox",
+    "Peers",
+    "RemoteLink",
     "Outgoing",
     "PresenceRegistry",
     "RenewNowNotice",
@@ -193,6 +201,44 @@ class MachineStatus:
     """The soonest schedule fire time it reported (kept after it went offline)."""
 
 
+class RemoteLink(Protocol):
+    """A machine's link held by another replica."""
+
+    @property
+    def last_seen_at(self) -> dt.datetime: ...
+    @property
+    def version(self) -> str: ...
+    @property
+    def agent_count(self) -> int: ...
+
+
+class Peers(Protocol):
+    """The other replicas (controlplane.cluster.replica.Replica), as presence uses them."""
+
+    async def linked(
+        self, machine_id: str, account_id: str, version: str, agent_count: int
+    ) -> None:
+        """A link opened here."""
+
+    async def unlinked(self, machine_id: str) -> None:
+        """The link ended here."""
+
+    def holder(self, machine_id: str) -> RemoteLink | None:
+        """The machine's link at another replica, if any."""
+
+    def check_connected(self, what: str) -> None:
+        """TransientError naming NATS unless the other replicas can be known."""
+
+    async def route(self, machine_id: str, kind: str, **fields: str) -> bool:
+        """Hand a notice to the replica holding the machine; whether it did."""
+
+    def route_later(self, machine_id: str, kind: str, **fields: str) -> bool:
+        """:meth:`route` in the background; whether another replica holds it."""
+
+    def announce_account_deleted(self, account_id: str) -> None:
+        """Tell every replica to close the account's links (in the background)."""
+
+
 class PresenceRegistry:
     """Live sessions by machine id; one instance per daemon."""
 
@@ -223,6 +269,16 @@ class PresenceRegistry:
         # machine's status costs one GET per process, not one per wake check, a
         # machine that never connected included.
         self._stored: dict[str, Presence | None] = {}
+        self._peers: Peers | None = None
+
+    def set_peers(self, peers: Peers) -> None:
+        """Serve as one replica of several (module doc); before any link opens."""
+        self._peers = peers
+
+    def forget_stored(self, machine_id: str) -> None:
+        """The machine linked or unlinked at another replica, which writes its record:
+        read it again when next asked (each link's start and end is seen in NATS)."""
+        self._stored.pop(machine_id, None)
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -256,6 +312,8 @@ class PresenceRegistry:
         self._sessions[machine.machine_id] = session
         self._changed()
         logger.info("machine %s online", machine.machine_id)
+        if self._peers is not None:
+            await self._peers.linked(machine.machine_id, machine.account_id, version, agent_count)
         return session
 
     async def seen(self, session: Session, agent_count: int | None = None) -> None:
@@ -291,6 +349,8 @@ class PresenceRegistry:
         """The link ended: forget it and write last seen (idempotent; a replaced
         session is already forgotten and its successor writes for it)."""
         if self._sessions.get(session.machine_id) is not session:
+            if self._peers is not None and session.machine_id not in self._sessions:
+                await self._peers.unlinked(session.machine_id)  # kicked: no longer here
             return
         # Written before it is forgotten: a close cancelled during the write (the
         # link's reader task, torn down as the link ends) leaves the session
@@ -303,6 +363,8 @@ class PresenceRegistry:
         del self._sessions[session.machine_id]
         self._changed()
         logger.info("machine %s offline", session.machine_id)
+        if self._peers is not None:
+            await self._peers.unlinked(session.machine_id)
 
     def close_all(self, reason: CloseReason = CloseReason.SHUTDOWN) -> int:
         """Tell every live link to end (at shutdown, so draining does not wait on them).
@@ -315,28 +377,65 @@ class PresenceRegistry:
             session.outbox.put_nowait(CloseLink(reason))
         return len(sessions)
 
+    def online(self, machine_id: str) -> bool:
+        """Whether the machine has a live link, here or at another replica."""
+        if machine_id in self._sessions:
+            return True
+        return self._peers is not None and self._peers.holder(machine_id) is not None
+
     def notify(self, machine_id: str, message: Outgoing) -> bool:
-        """Queue a message for the machine's live link; False when it is offline."""
+        """Queue a message for the machine's live link; False when it is offline.
+        A renew-now for a machine linked to another replica is routed there."""
         session = self._sessions.get(machine_id)
         if session is None:
+            if self._peers is not None and isinstance(message, RenewNowNotice):
+                return self._peers.route_later(machine_id, "renew_now", reason=message.reason)
             return False
         session.outbox.put_nowait(message)
         return True
+
+    async def route(self, machine_id: str, kind: str, **fields: str) -> bool:
+        """Hand a notice to the replica holding the machine's link; False when
+        none does (or this process serves alone). TransientError naming NATS
+        when it cannot be known."""
+        if self._peers is None or machine_id in self._sessions:
+            return False
+        if self._peers.holder(machine_id) is None:
+            self._peers.check_connected(f"machine {machine_id}")
+            return False
+        return await self._peers.route(machine_id, kind, **fields)
 
     async def kick(
         self, account_id: str, machine_id: str, reason: str = "machine revoked by an administrator"
     ) -> None:
         """Close a revoked (or repaired) machine's link at once, telling it ``reason``
-        (a hook for MachineRegistry.revoke and .repair)."""
+        (a hook for MachineRegistry.revoke and .repair); at the replica holding it
+        when that is another (the revoke is stored already: a failure to tell it
+        is logged, and its next connect is refused)."""
         if self.notify(machine_id, RevokedNotice(reason)):
             if self._sessions.pop(machine_id, None) is not None:
                 self._changed()
+            return
+        try:
+            await self.route(machine_id, "revoked", reason=reason)
+        except AgentsError as e:
+            logger.warning(
+                "machine %s: revoked, but its link stays until it reconnects: %s", machine_id, e
+            )
 
     def close_account(self, account_id: str) -> int:
-        """Tell every live link of ``account_id`` that the account is being deleted.
+        """Tell every live link of ``account_id`` that the account is being deleted
+        (and every other replica, to tell theirs).
 
-        Each link sends ``account_deleted`` and ends; returns how many were told.
+        Each link sends ``account_deleted`` and ends; returns how many were told here.
         """
+        if self._peers is not None:
+            self._peers.announce_account_deleted(account_id)
+        return self.close_account_here(account_id)
+
+    def close_account_here(self, account_id: str) -> int:
+        """:meth:`close_account` for this process's links only (what another
+        replica's announcement asks of this one)."""
         sessions = [s for s in self._sessions.values() if s.account_id == account_id]
         for session in sessions:
             session.outbox.put_nowait(AccountDeletedNotice(account_id))
@@ -373,7 +472,7 @@ class PresenceRegistry:
         """Machines of ``known`` (the fleet: machines.fleet), not revoked, without a
         live link here. Providers only start machines, never stop them on purpose,
         so every such machine counts."""
-        return sum(1 for m in known if not m.revoked and m.machine_id not in self._sessions)
+        return sum(1 for m in known if not m.revoked and not self.online(m.machine_id))
 
     async def status(self, machine: Machine) -> MachineStatus:
         """The machine's listing view: live session first, else its stored last seen."""
@@ -387,6 +486,14 @@ class PresenceRegistry:
                 live.agent_count,
                 live.next_fire_at,
             )
+        if self._peers is not None:
+            remote = self._peers.holder(machine.machine_id)
+            if remote is not None:
+                return MachineStatus(
+                    machine, True, remote.last_seen_at, remote.version, remote.agent_count
+                )
+            # Offline as far as NATS tells; without NATS, nobody knows.
+            self._peers.check_connected("machine status")
         if machine.machine_id in self._stored:
             rec = self._stored[machine.machine_id]
         else:

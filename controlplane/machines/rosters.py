@@ -106,6 +106,11 @@ class AgentRosters:
             len(known.archived),
         )
 
+    def forget(self, machine_id: str) -> None:
+        """Read the machine's roster again when next asked (replicas: it linked or
+        unlinked at another one, which wrote what it reported)."""
+        self._known.pop(machine_id, None)
+
     async def check(self, account_id: str, machine_id: str, agent_id: str) -> None:
         """Refuse a prompt for an agent the machine's roster does not run: NotFound
         when it is not on it, InvalidState when archived. No roster: no refusal."""

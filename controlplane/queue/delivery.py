@@ -146,9 +146,14 @@ class PromptDelivery:
             agent_id,
             text,
             idempotency_key,
-            check_roster=self._live(machine_id) is None,
+            # Linked to another replica counts as online: it answers itself too.
+            check_roster=not self._presence.online(machine_id),
         )
         link = self._live(machine_id)
+        # Linked to another replica: that one delivers it (controlplane.cluster).
+        if link is None and sent.state == "queued" and sent.entry is not None:
+            if await self._presence.route(machine_id, "drain"):
+                return SendOutcome(sent.prompt_id, "queued")
         if link is None and self._on_queued is not None and sent.state == "queued":
             # A prompt waits (a retried send too): ask the provider (debounced).
             self._on_queued(sent.account_id, machine_id)
@@ -209,6 +214,17 @@ class PromptDelivery:
         task = asyncio.create_task(self._drain(link), name=f"drain-{session.machine_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def drain_now(self, machine_id: str) -> bool:
+        """Deliver the machine's queue now, when its link is up here (another
+        replica queued a prompt for it); False when it is not."""
+        link = self._live(machine_id)
+        if link is None:
+            return False
+        task = asyncio.create_task(self._drain(link), name=f"drain-{machine_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
 
     def disconnected(self, session: Session) -> None:
         """The link ended: its in-flight prompts go again on the next connect."""

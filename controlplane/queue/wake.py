@@ -74,7 +74,7 @@ class ScheduleWaker:
         now = self._clock()
         woken: list[str] = []
         for machine in await self._fleet.machines():
-            if machine.revoked or self._presence.session(machine.machine_id) is not None:
+            if machine.revoked or self._presence.online(machine.machine_id):
                 continue
             if await self._schedule_due(machine, now):
                 logger.info(

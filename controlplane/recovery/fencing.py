@@ -34,6 +34,16 @@ restore, started against an older copy of its own record put back by a
 bucket writer, still refuses. A writer who may also delete can remove that
 marker; against that writer S3 Object Lock is the answer (docs/security.md).
 
+Replicas (``serve --cluster``, controlplane.cluster) are copies of one home
+folder: one home id, so one owner. A replica does not take the next epoch
+(that would fence its peers, as a copied home started by mistake fences the
+live one): it *joins* the current one (:meth:`Fence.join`), taking a first
+epoch only when there is none yet, with the same refusals as a start (another
+home's record, a superseded home, a record older than the home held). Its
+check before each write then finds the etag it joined: replicas of one epoch
+never fence each other, while a restore (the next epoch, another home) or a
+plain ``serve`` of the home (the next epoch) fences every replica at once.
+
 The home itself is held by one process at a time: ``serve`` and ``store
 migrate`` take ``serve.lock`` in the home (:func:`lock_home`, an ``flock``
 released when the process ends, however it ends), so neither starts while the
@@ -376,6 +386,40 @@ class Fence:
             "epoch", f"{EPOCH_KEY} keeps changing; is another control plane starting?"
         )
 
+    async def join(self) -> int:
+        """A replica's start (module doc): the current epoch when the record names
+        this home; the first one when there is none (create-only: replicas
+        starting together all join the one that landed); else as :meth:`acquire`
+        (with its refusals). Writes the record only when there was none."""
+        await self._check_not_superseded()
+        for _ in range(_ACQUIRE_ATTEMPTS):
+            found = await self._read()
+            if found is not None and found[1].home_id != self._home_id:
+                return await self.acquire()  # refused as a start is, or (none) taken
+            if found is not None:
+                etag, current = found
+                self._refuse_going_back(current)
+                self._etag, self.epoch, self.problem = etag, current.epoch, None
+                if self._state().epoch != current.epoch:
+                    self._remember(dataclasses.replace(self._state(), epoch=current.epoch))
+                logger.info("%s: epoch %d joined (a replica of this home)", EPOCH_KEY, self.epoch)
+                return self.epoch
+            self._refuse_going_back(None)
+            first = Epoch(
+                1, self._home_id, utc_iso(self._clock()), socket.gethostname(), os.getpid()
+            )
+            try:
+                etag = await self._store.put(EPOCH_KEY, first.to_json(), if_none_match=True)
+            except PreconditionFailed:
+                continue  # a peer took it at the same moment: join it
+            self._etag, self.epoch, self.problem = etag, first.epoch, None
+            self._remember(dataclasses.replace(self._state(), epoch=first.epoch))
+            logger.info("%s: epoch %d taken", EPOCH_KEY, first.epoch)
+            return first.epoch
+        raise InvalidState(
+            "epoch", f"{EPOCH_KEY} keeps changing; is another control plane starting?"
+        )
+
     async def hold_current(self) -> int:
         """Write under the current epoch without taking a new one (``fsck --repair``,
         run while ``serve`` is stopped): StoreFenced when another home owns it.
@@ -449,8 +493,11 @@ async def take_epoch(
     store: ObjectStore,
     where: str,
     on_fenced: Callable[[StoreFenced], None] | None = None,
+    *,
+    replica: bool = False,
 ) -> Fence:
-    """``serve``'s start: the home's fence with the next epoch taken.
+    """``serve``'s start: the home's fence with the next epoch taken (a
+    ``replica`` joins the current one instead: :meth:`Fence.join`).
 
     A home made before fencing gets an id now, but only when the store has no
     epoch record yet (otherwise another home owns the deployment).
@@ -473,5 +520,8 @@ async def take_epoch(
         # the next start has its id and takes the epoch. The other way round it
         # found an epoch of a home without an id, and refused itself as stale.
         write_home_id(home, fence.home_id)
-    await fence.acquire()
+    if replica:
+        await fence.join()
+    else:
+        await fence.acquire()
     return fence

@@ -34,6 +34,10 @@ def test_precedence(tmp_path: Path) -> None:
         ({"listen": "nope"}, "listen"),
         ({"heartbeat_interval": 0.0001}, "heartbeat_interval"),
         ({"log_level": "LOUD"}, "log_level"),
+        ({"cluster_url": "http://127.0.0.1:4222"}, "cluster_url"),
+        ({"cluster_url": "nats://127.0.0.1"}, "cluster_url"),
+        ({"cluster_url": "nats://user:secret@127.0.0.1:4222"}, "cluster_url"),
+        ({"cluster_url": " , "}, "cluster_url"),
     ],
 )
 def test_validation_names_the_field(tmp_path: Path, flags: dict[str, object], field: str) -> None:
@@ -86,3 +90,19 @@ def test_a_bad_log_format_names_the_field_and_where_it_came_from(tmp_path: Path)
     (tmp_path / "config.toml").write_text('log_level = "loud"\n')
     with pytest.raises(ConfigError, match="log_level: bad value from config file"):
         load_config({"home": tmp_path}, {})
+
+
+def test_cluster_url_from_flag_env_or_file(tmp_path: Path) -> None:
+    assert load_config({"home": tmp_path}, {}).cluster_url == "", "one process by default"
+    (tmp_path / "config.toml").write_text('cluster_url = "nats://10.0.0.5:4222"\n')
+    assert load_config({"home": tmp_path}, {}).cluster_url == "nats://10.0.0.5:4222"
+    env = {"AGENTS_CONTROL_CLUSTER": "nats://a:1, tls://b:2"}
+    cfg = load_config({"home": tmp_path}, env)
+    from controlplane.config import cluster_servers
+
+    assert cluster_servers(cfg.cluster_url) == ("nats://a:1", "tls://b:2")
+    flags = {"home": tmp_path, "cluster_url": "nats://c:3"}
+    assert load_config(flags, env).cluster_url == "nats://c:3"
+    with pytest.raises(ConfigError, match="credentials") as e:
+        load_config({"home": tmp_path, "cluster_url": "nats://u:secret@h:1"}, {})
+    assert "secret" not in str(e.value), "a password is never echoed"

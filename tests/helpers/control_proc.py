@@ -272,3 +272,21 @@ def control_plane(
         yield cp
     finally:
         stop_serve(cp)
+
+
+def wait_serve(cp: ControlProc) -> None:
+    """Wait (deadline) until a ``serve`` started with ``start_serve(cp, wait=False)``
+    names its ports in serve.json (several started at once, then waited for)."""
+    process, log_path = cp.process, cp.log_path
+    assert process is not None and log_path is not None
+
+    def ready() -> dict[str, Any] | None:
+        if process.poll() is not None:
+            raise AssertionError(f"serve exited early:\n{log_path.read_text()}")
+        try:
+            info = json.loads((cp.home / "serve.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return info if info.get("pid") == process.pid else None
+
+    cp.serve_info = poll_until(ready, deadline=START_DEADLINE, what="serve")

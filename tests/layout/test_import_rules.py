@@ -82,7 +82,10 @@ ALLOWED: dict[str, set[str]] = {
     "controlplane.services": _C_DOMAIN | {"controlplane.deletion"},
     "controlplane.recovery": _C_DOMAIN | {"controlplane.services"},
     "controlplane.api": _C_ROOMS,
-    "controlplane.server": _C_ROOMS | {"controlplane.api", "controlplane.services"},
+    # Replicas over NATS (only serve --cluster loads it): presence, routing, the lease.
+    "controlplane.cluster": _C_LOW,
+    "controlplane.server": _C_ROOMS
+    | {"controlplane.api", "controlplane.services", "controlplane.cluster"},
     "controlplane.cli": _C_ROOMS
     | {"controlplane.api", "controlplane.services", "controlplane.server"},
 }

@@ -213,3 +213,44 @@ async def test_an_intent_committed_while_its_resolver_ran_leaves_no_recheck() ->
 async def _agree(rolled: list[str], intent: Intent) -> bool:
     rolled.append(intent.intent_id)
     return True
+
+
+async def test_replicas_leave_a_live_peers_intents_to_it() -> None:
+    store, rolled = MemoryStore(), []  # type: list[str]
+    peer = _intents(store, Clock(T0), rolled)
+    mine = await peer.begin("demo", thing="in flight at a live replica")
+    here = _intents(store, Clock(T0 + dt.timedelta(seconds=5)), rolled)
+    alive, holding = {peer.owner}, [False]
+    here.share_with(lambda owner: holding[0] and owner not in alive)
+    assert await here.recover() == 0, "a live replica's change is its own"
+    holding[0] = True
+    assert await here.recover() == 0, "also for the lease holder"
+    alive.clear()  # the peer died
+    here.mark_changed()
+    assert await here.recover_if_due() == 1
+    assert rolled == [mine.intent_id]
+
+
+async def test_a_held_change_committed_by_another_replica_stops_the_listings() -> None:
+    store, rolled = MemoryStore(), []  # type: list[str]
+    listings = [0]
+    list_pages = store.list_pages
+
+    def counting(prefix: str = "", **kw: object):  # type: ignore[no-untyped-def]
+        listings[0] += prefix.startswith("cp/intents/")
+        return list_pages(prefix, **kw)  # type: ignore[arg-type]
+
+    store.list_pages = counting  # type: ignore[method-assign]
+    ticks = [0.0]
+    here = _intents(store, Clock(T0), rolled, verdict=False, ticks=ticks)
+    async with here.change("demo", hold=True, thing="a join") as held:
+        pass
+    # The machine linked to another replica, which confirmed (committed) it.
+    await _intents(store, Clock(T0), rolled).commit_id(held.intent_id)
+    ticks[0] = WAIT_RECHECK
+    await here.recover_if_due(every=3600)  # due: listed once, found gone
+    for _ in range(3):
+        ticks[0] += 1
+        await here.recover_if_due(every=3600)
+    assert listings[0] == 1, "before: listed again at every tick"
+    assert rolled == []

@@ -44,10 +44,13 @@ class _Fleet:
 class _Presence:
     def __init__(self, fires: dict[str, dt.datetime | None], online: set[str]) -> None:
         self.fires = fires
-        self.online = online
+        self.linked = online
 
     def session(self, machine_id: str) -> object | None:
-        return object() if machine_id in self.online else None
+        return object() if machine_id in self.linked else None
+
+    def online(self, machine_id: str) -> bool:
+        return machine_id in self.linked
 
     async def status(self, m: Machine) -> MachineStatus:
         return MachineStatus(m, False, NOW, "1", 1, self.fires.get(m.machine_id))

@@ -1,0 +1,345 @@
+"""One replica of a deployment: its NATS connection, presence and routing.
+
+Presence lives in a JetStream KV bucket whose entries expire after
+:data:`TTL_HEARTBEATS` heartbeat intervals (``agents-<deployment>-presence``):
+
+- ``m.<machine id>``: the replica holding the machine's link, its account, last
+  seen, version and agent count; written when the link opens and again every
+  heartbeat interval while it is up, deleted when it ends (unless another
+  replica wrote it since: the machine moved).
+- ``r.<replica id>``: a live replica and the owner token of its intents
+  (controlplane.integrity.intents): recovery leaves a live replica's intents
+  alone, and only the lease holder finishes a dead one's.
+
+Every replica watches the whole bucket (:mod:`controlplane.cluster.board` keeps
+what it saw), so a listing asks no one: a SIGKILLed replica's machines read as
+offline within the TTL, and as online again once they have linked to another
+replica. Notices for a machine linked elsewhere go through
+:mod:`controlplane.cluster.routing`. With NATS unreachable, local links go on
+as before and a call that needs another replica is refused with UNAVAILABLE
+naming NATS; a start without NATS fails (it could not tell a live replica's
+unfinished changes from abandoned ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js.kv import KeyValue
+
+from controlplane.cluster.board import Holder, PresenceBoard
+from controlplane.cluster.routing import REQUEST_TIMEOUT, NoticeHandler, Router
+from controlplane.integrity.records import utc_iso
+from shared.errors import TransientError
+from shared.outage import OutageLog
+from shared.timestamps import utc_now
+
+__all__ = ["CONNECT_TIMEOUT", "TTL_HEARTBEATS", "Replica", "deployment_name"]
+
+logger = logging.getLogger(__name__)
+
+#: Heartbeat intervals a presence entry outlives its last refresh.
+TTL_HEARTBEATS: Final = 3
+#: The shortest presence TTL (seconds): a refresh must land well within it.
+MIN_TTL: Final = 1.5
+#: Seconds a replica's start waits for NATS to answer.
+CONNECT_TIMEOUT: Final = 5.0
+#: JetStream's "wrong last sequence" error codes (a conditional write lost).
+WRONG_LAST_SEQUENCE: Final = (10071, 10164)
+
+
+def deployment_name(home_id: str) -> str:
+    """The deployment's name in NATS (KV buckets, subjects): replicas of one home
+    share it, another deployment on the same NATS server does not."""
+    return f"agents-{home_id[:16]}"
+
+
+@dataclass
+class _Local:
+    """A link held here, as its presence entry says it."""
+
+    account_id: str
+    version: str
+    agent_count: int
+    revision: int = 0
+    """The entry's revision we last wrote (0: none yet)."""
+
+
+class Replica:
+    """This process as one replica (module doc); implements presence's ``Peers``."""
+
+    def __init__(
+        self,
+        servers: tuple[str, ...],
+        home_id: str,
+        *,
+        heartbeat_interval: float,
+        owner: str,
+        on_notice: NoticeHandler,
+        on_account_deleted: Callable[[str], object],
+        on_replica_gone: Callable[[str], None] | None = None,
+        on_routed: Callable[[str], None] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.servers = servers
+        self.replica_id = secrets.token_hex(6)
+        self.name = deployment_name(home_id)
+        self.ttl = max(MIN_TTL, TTL_HEARTBEATS * heartbeat_interval)
+        self._refresh_every = self.ttl / TTL_HEARTBEATS
+        self._owner = owner
+        self.board = PresenceBoard(
+            self.replica_id, owner, self.ttl, on_replica_gone=on_replica_gone, monotonic=monotonic
+        )
+        self.router = Router(
+            self.name,
+            self.where,
+            on_notice=on_notice,
+            on_account_deleted=on_account_deleted,
+            on_routed=on_routed,
+            holds=lambda machine_id: self.board.holder(machine_id) is not None,
+        )
+        self._nc: Client | None = None
+        self._kv: KeyValue | None = None
+        self.js_kv: Callable[[str, float | None], Awaitable[KeyValue]] | None = None
+        """Opens (or makes) one of the deployment's KV buckets (the lease's too)."""
+        self._local: dict[str, _Local] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._loaded = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def where(self) -> str:
+        """The NATS servers, as errors name them."""
+        return ",".join(self.servers)
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    async def start(self) -> None:
+        """Connect, open the buckets, load every replica's presence and announce
+        this one (before recovery: a live replica's intents are left alone)."""
+        try:
+            # Bounded: an unreachable server is retried for ever by the client.
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                nc = await self._connect()
+        except (OSError, nats.errors.Error, TimeoutError) as e:
+            raise TransientError(
+                f"cluster: cannot reach NATS at {self.where}: {str(e) or type(e).__name__}"
+            ) from None
+        self._nc = nc
+        try:
+            await self._open(nc)
+        except (nats.errors.Error, TimeoutError) as e:
+            raise TransientError(
+                f"cluster: NATS at {self.where} answered but its JetStream did not (is it "
+                f"started with -js?): {str(e) or type(e).__name__}"
+            ) from None
+        logger.info(
+            "replica %s of %s: NATS %s, %d other replica(s) alive",
+            self.replica_id,
+            self.name,
+            self.where,
+            self.board.others,
+        )
+
+    async def _connect(self) -> Client:
+        return await nats.connect(
+            servers=list(self.servers),
+            name=f"agents-control {self.replica_id}",
+            connect_timeout=2,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=self._error,
+            disconnected_cb=self._disconnected,
+            reconnected_cb=self._reconnected,
+        )
+
+    async def _open(self, nc: Client) -> None:
+        js = nc.jetstream(timeout=REQUEST_TIMEOUT)
+
+        async def kv(suffix: str, ttl: float | None) -> KeyValue:
+            bucket = f"{self.name}-{suffix}"
+            try:
+                return await js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                with contextlib.suppress(nats.js.errors.BadRequestError):
+                    return await js.create_key_value(bucket=bucket, ttl=ttl, history=1)
+                return await js.key_value(bucket)  # another replica made it meanwhile
+
+        self.js_kv = kv
+        self._kv = await kv("presence", self.ttl)
+        await self.router.start(nc)
+        self._watcher = asyncio.create_task(self._watch(), name="cluster-watch")
+        self._tasks.append(self._watcher)
+        self._tasks.append(asyncio.create_task(self._refresh(), name="cluster-refresh"))
+        await self._announce()
+        async with asyncio.timeout(10):
+            await self._loaded.wait()
+
+    async def close(self) -> None:
+        """Leave: forget this replica's entries (its machines relink elsewhere)."""
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self.router.close()
+        if self._nc is not None:
+            nc, self._nc = self._nc, None
+            if nc.is_connected and self._kv is not None:
+                with contextlib.suppress(Exception):  # best effort: the TTL ends them anyway
+                    await self._kv.delete(f"r.{self.replica_id}")
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+    async def _error(self, e: Exception) -> None:
+        logger.debug("NATS: %s", e)
+
+    async def _disconnected(self) -> None:
+        if not self._closing:
+            logger.warning("NATS at %s: disconnected; local links go on", self.where)
+
+    async def _reconnected(self) -> None:
+        logger.info("NATS at %s: reconnected", self.where)
+        # A restarted server lost the watch's consumer: watch again, from the
+        # bucket's current entries (our own are put again by the next refresh).
+        old = self._watcher
+        if old is not None and not old.done():
+            old.cancel()
+            self._watcher = asyncio.create_task(self._watch(), name="cluster-watch")
+            self._tasks.append(self._watcher)
+
+    # ------------------------------------------------------------ Peers (presence)
+
+    def holder(self, machine_id: str) -> Holder | None:
+        """Who else holds ``machine_id``'s link now (None: no other replica)."""
+        return self.board.holder(machine_id)
+
+    def owner_alive(self, owner: str) -> bool:
+        """Whether a live replica (this one included) owns intents of ``owner``."""
+        return self.board.owner_alive(owner)
+
+    def check_connected(self, what: str) -> None:
+        """TransientError (UNAVAILABLE) naming NATS unless connected: what other
+        replicas know cannot be trusted without it."""
+        if not self.connected:
+            raise self.router.unavailable(what)
+
+    async def route(self, machine_id: str, kind: str, **fields: str) -> bool:
+        """Hand a notice to the replica holding the machine (routing.Router.route)."""
+        return await self.router.route(machine_id, kind, **fields)
+
+    def route_later(self, machine_id: str, kind: str, **fields: str) -> bool:
+        """:meth:`route` in the background; whether another replica holds it."""
+        return self.router.route_later(machine_id, kind, **fields)
+
+    def announce_account_deleted(self, account_id: str) -> None:
+        """Tell every replica to close the account's links (in the background)."""
+        self.router.announce_account_deleted(account_id)
+
+    async def linked(
+        self, machine_id: str, account_id: str, version: str, agent_count: int
+    ) -> None:
+        """A link opened here: take its routed notices, say we hold it."""
+        self._local[machine_id] = _Local(account_id, version, agent_count)
+        if not self.connected:
+            return  # no wait for NATS before the welcome: the next refresh says it
+        try:
+            await self.router.take(machine_id)
+            await self._put(machine_id)
+        except (nats.errors.Error, OSError) as e:  # NATS down: the link itself goes on
+            logger.warning("machine %s: cannot announce its link over NATS: %s", machine_id, e)
+
+    async def unlinked(self, machine_id: str) -> None:
+        """The link ended here: stop taking its notices, drop the entry we wrote."""
+        local = self._local.pop(machine_id, None)
+        try:
+            await self.router.drop(machine_id)
+            if not self.connected:
+                return  # the entry expires by itself
+            if local is not None and local.revision and self._kv is not None:
+                # Only our own write: a newer one is another replica's (it moved).
+                try:
+                    await self._kv.delete(f"m.{machine_id}", last=local.revision)
+                except nats.js.errors.APIError as e:
+                    if e.err_code not in WRONG_LAST_SEQUENCE:
+                        raise
+        except (nats.errors.Error, OSError) as e:  # the entry expires by itself
+            logger.info("machine %s: cannot withdraw its entry: %s", machine_id, e)
+
+    # ------------------------------------------------------------ the bucket
+
+    async def _put(self, machine_id: str) -> None:
+        local = self._local.get(machine_id)
+        if local is None or self._kv is None:
+            return
+        value = {
+            "replica": self.replica_id,
+            "account": local.account_id,
+            "seen": utc_iso(utc_now()),
+            "version": local.version,
+            "agents": local.agent_count,
+        }
+        local.revision = await self._kv.put(f"m.{machine_id}", json.dumps(value).encode())
+
+    async def _announce(self) -> None:
+        if self._kv is not None:
+            value = {"owner": self._owner}
+            await self._kv.put(f"r.{self.replica_id}", json.dumps(value).encode())
+
+    async def _refresh(self) -> None:
+        """Every TTL/3: refresh this replica's entries; notice replicas gone."""
+        outage = OutageLog(logger, f"NATS at {self.where}: cannot refresh presence")
+        while True:
+            await asyncio.sleep(self._refresh_every)  # a period, not synchronisation
+            self.board.drop_gone()
+            try:
+                await self._announce()
+                for machine_id in list(self._local):
+                    await self.router.take(machine_id)  # linked while NATS was away
+                await asyncio.gather(*(self._put(m) for m in list(self._local)))
+            except (nats.errors.Error, OSError) as e:
+                outage.failed(e)
+            else:
+                outage.recovered()
+
+    async def _watch(self) -> None:
+        """Follow the bucket (every entry, then each change) for as long as we run."""
+        while True:
+            assert self._kv is not None
+            watcher = None
+            try:
+                watcher = await self._kv.watchall()
+                async for entry in watcher:
+                    if entry is None:
+                        self._loaded.set()  # the entries present at start are read
+                        continue
+                    deleted = entry.operation in ("DEL", "PURGE")
+                    self.board.apply(entry.key, entry.value, deleted, entry.created)
+            except asyncio.CancelledError:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()  # type: ignore[no-untyped-call]
+                raise
+            except (nats.errors.Error, OSError) as e:  # watch again once NATS is back
+                logger.info("NATS presence watch ended: %s", e)
+            except Exception:  # a bug: its traceback, and the watch goes on
+                logger.exception("NATS presence watch failed; watching again")
+            await asyncio.sleep(self._refresh_every)  # retry pacing
