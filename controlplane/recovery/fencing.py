@@ -74,6 +74,7 @@ from typing import Final
 from controlplane.integrity.records import utc_iso
 from shared.atomic import write_atomic
 from shared.errors import (
+    ConfigError,
     IntegrityError,
     InvalidState,
     NotFound,
@@ -120,9 +121,15 @@ def lock_home(home: Path, holder: str) -> int:
     """Hold ``home``'s lock for ``holder`` (``serve``, ``store migrate``) and return
     its file descriptor (close it to let go; the process ending lets go too).
 
-    InvalidState naming the holder when another process holds it.
+    InvalidState naming the holder when another process holds it; ConfigError
+    when the home cannot be opened (a folder that does not exist: not made by
+    ``init``, or a typo in ``--home``).
     """
-    fd = os.open(home / HOME_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(home / HOME_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        hint = " (agents-control init makes one)" if isinstance(e, FileNotFoundError) else ""
+        raise ConfigError("home", f"cannot open {home}: {e.strerror or e}{hint}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

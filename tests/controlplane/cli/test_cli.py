@@ -212,3 +212,25 @@ def test_a_prompt_file_past_the_largest_limit_is_refused_without_reading_it_all(
         "agents-control: prompt send: /dev/zero is larger than the 4 MiB a prompt may be"
         " at most (the control plane's prompt_max_bytes, 1 MiB by default)"
     )
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_serve_on_a_home_that_is_not_a_folder_is_one_line_and_makes_nothing(
+    tmp_path: Path, kind: str
+) -> None:
+    home = tmp_path / "home"
+    if kind == "file":
+        home.write_text("x")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTS_CONTROL_")}
+    proc = subprocess.run(
+        [str(agents_control_exe()), "serve", "--home", str(home)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    _assert_one_error_line(lines, hint=False)
+    assert str(home) in lines[0] and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if kind == "missing" else ["home"])
