@@ -307,9 +307,11 @@ def _re_pair(ctx: Ctx) -> None:
 def _join(ctx: Ctx, recovery_public_key: bytes = b"") -> JoinResult:
     """Spend the join token: the control plane signs this folder's certificate
     (a takeover only when ``recovery_public_key``, if given, is the account's)."""
-    from machine.link.join import join_control_plane
+    from machine.link.join import join_control_plane, parse_link_addresses
 
     args = ctx.args
+    # Checked before the token is spent: a bad address is exit 2, nothing written.
+    links = parse_link_addresses(args.link_address) if args.link_address else ()
     return asyncio.run(
         join_control_plane(
             data_dir=ctx.cfg.data_dir,
@@ -322,6 +324,7 @@ def _join(ctx: Ctx, recovery_public_key: bytes = b"") -> JoinResult:
             take_over=bool(args.recovery_key) or args.no_restore,
             recovery_public_key=recovery_public_key,
             as_new=args.as_new,
+            link_addresses=links,
         )
     )
 

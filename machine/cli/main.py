@@ -202,6 +202,12 @@ def _parser() -> CliParser:
         "agents and data",
     )
     j.add_argument(
+        "--link-address",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the link addresses of the control plane's other replicas: the machine "
+        "moves to one of them when its replica goes (docs/controlplane.md)",
+    )
+    j.add_argument(
         "--no-restore",
         action="store_true",
         help="with a repair token on a new box: take the machine over empty, restoring nothing",

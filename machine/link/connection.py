@@ -38,6 +38,14 @@ it again. A machine that never connected since its join (the join's mark,
 and is refused as unknown had its join rolled back: the ERROR it logs says how
 to join the folder again (``join --as-new``).
 
+Replicas: the link record may list several link addresses, one per replica
+of the control plane (``join --link-address``). The link tries the first (the
+one that last worked); a failed attempt or a stream that ended moves it to the
+next, round-robin, with the same backoff and one WARNING per outage (not one
+per address). The address that answers with a welcome is saved first in the
+record, so the renewals and the backups (:mod:`machine.link.following`, which
+reads the record) follow it, and a restarted daemon starts there.
+
 Renewal: while a stream is up, :mod:`machine.link.renewal` renews the
 client certificate when it is due or the control plane says ``renew_now``;
 the live stream keeps going and the next connection uses the new
@@ -231,6 +239,9 @@ class ControlLink:
         self._attempts = 0
         self._outage = OutageLog(logger, "control link", remind=_REMIND_EVERY)
         self._link: identity.LinkRecord | None = None
+        # Which of the record's addresses the next attempt dials (see the module doc).
+        self._address_at = 0
+        self._address = ""
         self._ca_pem = b""
         self._next_probe = 0.0  # time.monotonic() before which no probe runs
         self._final_reason = ""
@@ -336,7 +347,7 @@ class ControlLink:
             line=(
                 "control link to %s failed (attempt %d), retrying in %.2fs: %s: %s",
                 (
-                    self._link.control_address if self._link else "?",
+                    self._address or "?",
                     state.attempt_number,
                     wait,
                     type(failure).__name__,
@@ -360,7 +371,7 @@ class ControlLink:
         self._next_probe = time.monotonic() + _PROBE_EVERY
         now = self._clock()
         server_pem = await asyncio.to_thread(
-            fetch_server_certificate, self._link.control_address, _PROBE_TIMEOUT
+            fetch_server_certificate, self._address, _PROBE_TIMEOUT
         )
         certificates = [("the control plane's certificate", server_pem)] if server_pem else []
         certificates.append(("the control plane's CA certificate", self._ca_pem))
@@ -448,10 +459,15 @@ class ControlLink:
         await self._set_state(LinkState.CONNECTING)
         link = await asyncio.to_thread(identity.load_link, self._data_dir)
         keys = await asyncio.to_thread(identity.load_keys, self._data_dir)
+        addresses = link.control_addresses
+        self._address = addresses[self._address_at % len(addresses)]
+        # Whatever ends this session, the next one dials the next replica: a
+        # replica that went away is not tried again before the others.
+        self._address_at += 1
         self._link = link
         self._ca_pem = keys.ca_cert_pem
         client = self._dial(
-            link.control_address,
+            self._address,
             ca_pem=keys.ca_cert_pem,
             key_pem=keys.tls_key_pem,
             cert_pem=keys.tls_cert_pem,
@@ -500,13 +516,14 @@ class ControlLink:
             await asyncio.to_thread(identity.clear_unconfirmed, self._data_dir)
             self._unconfirmed = None
         self._next_probe = 0.0
+        await self._remember_address()
         if first.server_time is not None:
             self._skew.observe(first.server_time, sent, received)
         interval = first.heartbeat_interval or self._link_interval()
         self._outage.recovered(extra=self._ids())
         logger.info(
             "control link up: %s as %s, heartbeat every %.3fs",
-            self._link.control_address if self._link else "?",
+            self._address,
             first.machine_id,
             interval,
             extra={"machine_id": first.machine_id},
@@ -562,6 +579,22 @@ class ControlLink:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await stream.done_writing()
         await asyncio.wait({reader}, timeout=1.0)
+
+    async def _remember_address(self) -> None:
+        """Save the address that welcomed us first in the record (when it is not),
+        so the renewals, the backups and the next start use it."""
+        link = self._link
+        if link is None or link.control_address == self._address:
+            return
+        # Reread: a renewal may have saved a new certificate since the session began.
+        current = await asyncio.to_thread(identity.load_link, self._data_dir)
+        if self._address not in current.control_addresses:
+            return
+        self._link = current.starting_at(self._address)
+        await asyncio.to_thread(identity.save_link, self._data_dir, self._link)
+        # The round-robin goes on from the address now first.
+        self._address_at = 1
+        logger.info("control link: %s is now the first link address", self._address)
 
     def _link_interval(self) -> float:
         return self._link.heartbeat_interval if self._link else 10.0

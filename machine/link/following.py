@@ -7,6 +7,11 @@ on presenting the certificate of that moment: after ``ca rollover
 call was refused until the daemon restarted (backups stopped on day 30). So a
 long-lived user of the link (the backup target) asks :meth:`current` before each
 call: a ``stat`` of the three files, and a new client when one of them changed.
+
+The same goes for the address: the live link saves the link address that
+last worked first in ``link.json`` (a replica that went away, docs/
+controlplane.md "Replicas"), so ``link.json`` is stamped too and the client
+dials the record's first address.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class FollowingLinkClients:
-    """Mutual-TLS clients of ``address`` built from ``data_dir``'s current keys."""
+    """Mutual-TLS clients of the record's first link address (``address`` until
+    there is a record) built from ``data_dir``'s current keys."""
 
     def __init__(self, data_dir: Path, address: str) -> None:
         self._data_dir = data_dir
@@ -45,7 +51,18 @@ class FollowingLinkClients:
                 return ()  # load_keys says what is wrong
             # The inode too: certificates are replaced by rename, maybe within one tick.
             stamp += [st.st_ino, st.st_mtime_ns, st.st_size]
+        try:
+            st = (self._data_dir / identity.LINK_FILE).stat()
+            stamp += [st.st_ino, st.st_mtime_ns, st.st_size]
+        except OSError:
+            stamp += [0, 0, 0]  # no record: the address given at start
         return tuple(stamp)
+
+    def _record_address(self) -> str:
+        """The record's first link address (the one that last worked), else the last known."""
+        if not (self._data_dir / identity.LINK_FILE).is_file():
+            return self._address
+        return identity.load_link(self._data_dir).control_address
 
     async def current(self) -> LinkClient:
         """The client for the keys on disk now (a new one when they changed)."""
@@ -54,9 +71,15 @@ class FollowingLinkClients:
             if self._client is not None and stamp and stamp == self._stamp:
                 return self._client
             keys = await asyncio.to_thread(identity.load_keys, self._data_dir)
+            address = await asyncio.to_thread(self._record_address)
             if self._client is not None:
                 self._replaced.append(self._client)
-                logger.info("the machine's certificate changed on disk: the link client follows")
+                logger.info(
+                    "the machine's certificate or link address changed on disk:"
+                    " the link client follows (%s)",
+                    address,
+                )
+            self._address = address
             self._client = LinkClient.mutual(
                 self._address,
                 ca_pem=keys.ca_cert_pem,

@@ -30,7 +30,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -39,9 +39,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from shared import tls
 from shared.atomic import ensure_private_dir, fsync_dir, write_atomic
+from shared.config import split_hostport
 from shared.crypto import BoxKeyPair, decode_private_key, decode_public_key, encode_private_key
 from shared.crypto import encode_public_key as encode_box_public_key
-from shared.errors import AgentsError, IntegrityError, InvalidArgument, InvalidState
+from shared.errors import AgentsError, ConfigError, IntegrityError, InvalidArgument, InvalidState
 from shared.ids import validate_id
 
 __all__ = [
@@ -106,6 +107,8 @@ _FORMAT: Final = 1
 _STAGE_MARK: Final = ".join-"
 # link.json is small; anything bigger is not ours.
 _MAX_LINK_BYTES: Final = 64 * 1024
+#: Most link addresses a record holds (one per control-plane replica).
+MAX_CONTROL_ADDRESSES: Final = 16
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ class LinkRecord:
     """What ``link.json`` holds: how to reach the control plane and who we are there."""
 
     control_address: str
-    """``host:port`` of the control plane's machine endpoint (mutual TLS)."""
+    """``host:port`` of the control plane's machine endpoint (mutual TLS): the
+    one the link last worked with, tried first."""
     machine_id: str
     """This machine's id (``mc_...``), as issued at join."""
     account_id: str
@@ -126,8 +130,22 @@ class LinkRecord:
     """Expiry of the current client certificate (UTC)."""
     cert_received_at: dt.datetime
     """When the current client certificate was received (UTC); renewal is timed from it."""
+    other_addresses: tuple[str, ...] = ()
+    """The link addresses of the control plane's other replicas, in the order the
+    link tries them after ``control_address`` (docs/controlplane.md "Replicas")."""
 
     def __post_init__(self) -> None:
+        addresses = self.control_addresses
+        for address in addresses:
+            # Validated before use: the link dials them; no secret is ever among them.
+            try:
+                split_hostport(address, "control_addresses", allow_port_zero=False)
+            except ConfigError as e:
+                raise InvalidArgument("control_addresses", e.reason) from None
+        if len(set(addresses)) != len(addresses):
+            raise InvalidArgument("control_addresses", "an address is listed twice")
+        if len(addresses) > MAX_CONTROL_ADDRESSES:
+            raise InvalidArgument("control_addresses", f"at most {MAX_CONTROL_ADDRESSES} addresses")
         validate_id("machine", self.machine_id, "machine_id")
         validate_id("account", self.account_id, "account_id")
         if len(self.account_recovery_public_key) != 32:
@@ -138,11 +156,26 @@ class LinkRecord:
             if getattr(self, name).tzinfo is None:
                 raise InvalidArgument(name, "must be timezone-aware")
 
+    @property
+    def control_addresses(self) -> tuple[str, ...]:
+        """Every link address, the one to try first first."""
+        return (self.control_address, *self.other_addresses)
+
+    def starting_at(self, address: str) -> LinkRecord:
+        """This record with ``address`` (one of its own) tried first, the round-robin
+        order kept: a, b, c starting at b is b, c, a."""
+        addresses = self.control_addresses
+        at = addresses.index(address)
+        first, *others = addresses[at:] + addresses[:at]
+        return replace(self, control_address=first, other_addresses=tuple(others))
+
     def to_json(self) -> bytes:
         """Serialise as the ``link.json`` document."""
         doc = {
             "format": _FORMAT,
+            # The first address alone too: the field an older daemon reads.
             "control_address": self.control_address,
+            "control_addresses": list(self.control_addresses),
             "machine_id": self.machine_id,
             "account_id": self.account_id,
             "account_recovery_public_key": encode_box_public_key(self.account_recovery_public_key),
@@ -161,8 +194,13 @@ class LinkRecord:
                 raise ValueError("not a JSON object")
             if doc.get("format") != _FORMAT:
                 raise ValueError(f"unknown format {doc.get('format')!r}")
+            # A record written before replicas holds control_address alone.
+            listed = doc.get("control_addresses", [doc["control_address"]])
+            if not isinstance(listed, list) or not listed:
+                raise ValueError("control_addresses must be a non-empty list")
             return cls(
-                control_address=str(doc["control_address"]),
+                control_address=str(listed[0]),
+                other_addresses=tuple(str(a) for a in listed[1:]),
                 machine_id=str(doc["machine_id"]),
                 account_id=str(doc["account_id"]),
                 account_recovery_public_key=decode_public_key(
@@ -407,12 +445,8 @@ def save_certificate(
     keys_dir = data_dir / KEYS_DIR
     write_atomic(keys_dir / CA_CERT, ca_cert_pem)
     write_atomic(keys_dir / TLS_CERT, cert_pem)
-    updated = LinkRecord(
-        control_address=link.control_address,
-        machine_id=link.machine_id,
-        account_id=link.account_id,
-        account_recovery_public_key=link.account_recovery_public_key,
-        heartbeat_interval=link.heartbeat_interval,
+    updated = replace(
+        link,
         cert_not_after=tls.cert_not_after(cert_pem),
         cert_received_at=received_at or dt.datetime.now(dt.UTC),
     )

@@ -61,6 +61,7 @@ __all__ = [
     "fetch_pinned_ca",
     "join_control_plane",
     "parse_address",
+    "parse_link_addresses",
     "validate_ca_hash",
     "validate_name",
     "validate_token",
@@ -303,6 +304,23 @@ def _link_address(reply: JoinReply, host: str, port: int) -> str:
     )
 
 
+def parse_link_addresses(text: str) -> tuple[str, ...]:
+    """``HOST:PORT[,HOST:PORT…]``: the link addresses of a control plane's replicas,
+    each checked (InvalidArgument naming ``link_address``), repeats dropped."""
+    out: list[str] = []
+    for part in text.split(","):
+        try:
+            host, port = parse_address(part)
+        except InvalidArgument as e:
+            raise InvalidArgument("link_address", e.reason) from None
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if address not in out:
+            out.append(address)
+    if len(out) > identity.MAX_CONTROL_ADDRESSES:
+        raise InvalidArgument("link_address", f"at most {identity.MAX_CONTROL_ADDRESSES} addresses")
+    return tuple(out)
+
+
 def _connection_lost(e: grpc.aio.AioRpcError) -> bool:
     """UNAVAILABLE from the transport (no status detail of ours): the server went away."""
     if e.code() != grpc.StatusCode.UNAVAILABLE:
@@ -321,6 +339,7 @@ async def join_control_plane(
     take_over: bool = False,
     recovery_public_key: bytes = b"",
     as_new: bool = False,
+    link_addresses: tuple[str, ...] = (),
     clock: Clock = utc_now,
     dial: JoinDialer = LinkClient.for_join,
 ) -> JoinResult:
@@ -356,6 +375,10 @@ async def join_control_plane(
     A new box given one also commits, with its identity, that the restore is
     still to come (:func:`machine.link.identity.restore_pending`): the caller clears
     it once the restore committed.
+
+    ``link_addresses`` (checked by :func:`parse_link_addresses`): the link
+    addresses of the control plane's other replicas; the record lists them after
+    the one the reply names, and the link moves to them when its replica goes.
 
     ``dial`` opens the channel the token goes over, once the pin check passed
     (the real TLS client; tests pass a fake control plane's).
@@ -416,6 +439,7 @@ async def join_control_plane(
     interval_ms = reply.heartbeat_interval_ms or 10_000
     link = identity.LinkRecord(
         control_address=link_address,
+        other_addresses=tuple(a for a in link_addresses if a != link_address),
         machine_id=reply.machine_id,
         account_id=reply.account_id,
         account_recovery_public_key=reply.account_recovery_public_key,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import json
 import os
 import stat
 from pathlib import Path
@@ -267,6 +269,57 @@ def test_repr_hides_keys(ca: tls.CertKey, tmp_path: Path) -> None:
     assert "agsk1_" not in repr(loaded)
 
 
+def test_a_record_lists_every_replicas_link_address(ca: tls.CertKey) -> None:
+    _, cert, _ = _material(ca)
+    link = _record(cert, other_addresses=("10.0.0.2:7444", "[::1]:7444"))
+    assert link.control_addresses == ("127.0.0.1:7444", "10.0.0.2:7444", "[::1]:7444")
+    doc = json.loads(link.to_json())
+    # The first alone too, for a daemon that predates the list.
+    assert doc["control_address"] == "127.0.0.1:7444"
+    assert doc["control_addresses"] == list(link.control_addresses)
+    assert identity.LinkRecord.from_json(link.to_json()) == link
+    # Starting at another keeps the round-robin order.
+    moved = link.starting_at("[::1]:7444")
+    assert moved.control_addresses == ("[::1]:7444", "127.0.0.1:7444", "10.0.0.2:7444")
+    assert identity.LinkRecord.from_json(moved.to_json()) == moved
+
+
+def test_a_record_written_before_replicas_is_read_as_one_address(ca: tls.CertKey) -> None:
+    """An existing data folder's link.json (control_address alone) keeps working."""
+    _, cert, _ = _material(ca)
+    doc = json.loads(_record(cert).to_json())
+    del doc["control_addresses"]
+    old = identity.LinkRecord.from_json(json.dumps(doc).encode())
+    assert old.control_addresses == ("127.0.0.1:7444",)
+    assert old.other_addresses == ()
+
+
+@pytest.mark.parametrize(
+    "addresses",
+    [
+        ["nohost"],
+        ["127.0.0.1:0"],
+        ["127.0.0.1:99999"],
+        ["127.0.0.1:7444", "127.0.0.1:x"],
+        ["127.0.0.1:7444", "127.0.0.1:7444"],
+        [":7444"],
+        [],
+        "127.0.0.1:7444",
+        [f"10.0.0.{i}:7444" for i in range(identity.MAX_CONTROL_ADDRESSES + 1)],
+    ],
+)
+def test_bad_link_addresses_are_refused(ca: tls.CertKey, addresses: object) -> None:
+    _, cert, _ = _material(ca)
+    doc = json.loads(_record(cert).to_json())
+    doc["control_addresses"] = addresses
+    with pytest.raises(IntegrityError, match="link.json"):
+        identity.LinkRecord.from_json(json.dumps(doc).encode())
+    if isinstance(addresses, list) and addresses:
+        with pytest.raises(InvalidArgument) as info:
+            _record(cert, control_address=addresses[0], other_addresses=tuple(addresses[1:]))
+        assert info.value.field == "control_addresses"
+
+
 def test_save_certificate_replaces_cert_and_record(ca: tls.CertKey, tmp_path: Path) -> None:
     keys, cert, link = _material(ca)
     data_dir = tmp_path / "data"
@@ -331,3 +384,35 @@ async def test_following_clients_follow_a_renewed_certificate(
     assert await clients.current() is second
     await clients.aclose()
     assert first.closed and second.closed  # type: ignore[attr-defined]
+
+
+async def test_following_clients_follow_the_link_address_that_worked(
+    ca: tls.CertKey, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The live link saves the replica that answered first in link.json: the backup
+    client dials it from its next call (before: the join's address, forever)."""
+    from machine.link import following
+
+    keys, cert, link = _material(ca)
+    link = dataclasses.replace(link, other_addresses=("127.0.0.1:7446",))
+    data_dir = tmp_path / "data"
+    with identity.staged_join(data_dir) as stage:
+        identity.write_identity(stage, keys, cert_pem=cert, ca_cert_pem=ca.cert_pem, link=link)
+    dialled: list[str] = []
+
+    class Client:
+        async def aclose(self) -> None:
+            pass
+
+    def mutual(address: str, *, ca_pem: bytes, key_pem: bytes, cert_pem: bytes) -> Client:
+        dialled.append(address)
+        return Client()
+
+    monkeypatch.setattr(following.LinkClient, "mutual", mutual)
+    clients = following.FollowingLinkClients(data_dir, link.control_address)
+    first = await clients.current()
+    assert await clients.current() is first and dialled == ["127.0.0.1:7444"]
+    identity.save_link(data_dir, link.starting_at("127.0.0.1:7446"))
+    assert await clients.current() is not first
+    assert dialled == ["127.0.0.1:7444", "127.0.0.1:7446"]
+    await clients.aclose()

@@ -29,7 +29,13 @@ from prometheus_client import CollectorRegistry
 from machine.link import identity
 from machine.link.client import AccountDeleted, AgentRoster, DeliveryAck, RenewNow, Revoked
 from machine.link.connection import ControlLink, Delivery, LinkState
-from machine.link.join import join_control_plane, parse_address, validate_ca_hash, validate_token
+from machine.link.join import (
+    join_control_plane,
+    parse_address,
+    parse_link_addresses,
+    validate_ca_hash,
+    validate_token,
+)
 from shared import tls
 from shared.errors import (
     AgentsError,
@@ -815,6 +821,90 @@ async def test_a_stream_dying_young_backs_off(
         control.drop(control.streams[0])
         await link.wait_for_state(LinkState.BACKING_OFF, timeout=5)
         assert len(control.streams) == 1
+
+
+async def test_join_records_the_other_replicas_link_addresses(
+    control: FakeControlPlane, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    given = parse_link_addresses(f"127.0.0.1:7446, {control.link_address},[::1]:7447")
+    assert given == ("127.0.0.1:7446", control.link_address, "[::1]:7447")
+    await _join(control, data_dir, link_addresses=given)
+    link = identity.load_link(data_dir)
+    # The replica that answered first, the others in the order given.
+    assert link.control_addresses == (control.link_address, "127.0.0.1:7446", "[::1]:7447")
+
+
+@pytest.mark.parametrize("text", ["", "127.0.0.1", "127.0.0.1:7446,", "h:0", "a:1,b:70000"])
+def test_bad_link_addresses_are_refused_before_a_join(text: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        parse_link_addresses(text)
+    assert info.value.field == "link_address"
+
+
+async def test_a_link_moves_round_robin_to_the_replica_that_answers(
+    control: FakeControlPlane,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its replica gone, the link tries the next address, then the next, with the
+    backoff between attempts (a fake sleep records it), one WARNING for the outage,
+    and saves the one that welcomed it first (renewals and backups follow it)."""
+    data_dir = tmp_path / "data"
+    first, second, third = control.link_address, "127.0.0.1:7446", "127.0.0.1:7447"
+    await _join(control, data_dir, link_addresses=(second, third))
+    dialled: list[str] = []
+
+    def dial(target: str, **kw: bytes) -> Any:
+        dialled.append(target)
+        return control.mutual(target, **kw)
+
+    link = _link(
+        control, data_dir, CollectorRegistry(), dial=dial, backoff_initial=1.0, backoff_max=4.0
+    )
+    waits: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(link, "_interruptible_sleep", fake_sleep)
+    caplog.set_level(logging.DEBUG, logger="machine.link.connection")
+    async with link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        assert dialled == [first]
+        control.link_address = third  # the first replica dies; the third serves
+        control.drop(control.streams[0])
+        await _until(lambda: len(control.streams) == 2)
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        # The young stream's end and the second's refusal each waited the
+        # backoff (full jitter); the third answered.
+        assert dialled == [first, second, third]
+        assert len(waits) == 2 and all(0 <= w <= 4.0 for w in waits)
+        assert identity.load_link(data_dir).control_addresses == (third, first, second)
+        # The third goes too, the first is back: third -> first, no more attempts.
+        control.link_address = first
+        control.drop(control.streams[1])
+        await _until(lambda: len(control.streams) == 3)
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        assert dialled == [first, second, third, first]
+        assert identity.load_link(data_dir).control_addresses == (first, second, third)
+        # All down: every address in turn, the backoff under its cap.
+        control.down = True
+        control.drop(control.streams[2])
+        await _until(lambda: len(dialled) >= 11)
+        assert dialled[4:10] == [second, third, first, second, third, first]
+        assert all(0 <= w <= 4.0 for w in waits)
+        control.down = False
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+    failed = [
+        r
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.getMessage().startswith("control link to")
+    ]
+    # One WARNING per outage (three here), not one per address tried (16 attempts).
+    assert len(failed) == 3, [r.getMessage() for r in failed]
 
 
 async def test_account_deleted_stops_the_link(control: FakeControlPlane, tmp_path: Path) -> None:
