@@ -594,7 +594,9 @@ class ControlLink:
         await asyncio.to_thread(identity.save_link, self._data_dir, self._link)
         # The round-robin goes on from the address now first.
         self._address_at = 1
-        logger.info("control link: %s is now the first link address", self._address)
+        logger.info(
+            "control link: %s is now the first link address", self._address, extra=self._ids()
+        )
 
     def _link_interval(self) -> float:
         return self._link.heartbeat_interval if self._link else 10.0

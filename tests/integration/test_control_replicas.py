@@ -103,8 +103,8 @@ async def test_three_replicas_one_killed(
     replicas: list[ControlProc], nats: NatsProc, tmp_path: Path
 ) -> None:
     links = [cp.link for cp in replicas]
-    # A real agents-machine too, linked to the third replica (never the one killed):
-    # it learns one link address at join, so it cannot move (docs/controlplane.md).
+    # A real agents-machine too, linked to the third replica (never the one killed;
+    # a real machine's move: tests/integration/test_machine_failover.py).
     real_data = tmp_path / "real-machine"
     real = join_new_account(
         replicas[2], real_data, tmp_path / "real.log", github_id=99, login="real"
@@ -168,7 +168,7 @@ async def test_three_replicas_one_killed(
             real_id = await apoll_until(real_online, deadline=30, what="the real machine online")
         made = run_cli(real_data, "agent", "create", "r", "--folder", str(tmp_path), "--json")
         assert made.returncode == 0, made.stderr
-        agent = json.loads(made.stdout)["id"]
+        agent = json.loads(made.stdout)["agent_id"]
         async with replicas[0].admin() as admin:
             # Its roster (sent after the agent was made) decides the send: retried
             # until the control plane has it.

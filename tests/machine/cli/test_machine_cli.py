@@ -226,6 +226,8 @@ def test_input_that_would_be_silently_replaced_is_refused(
         (["--recovery-key", "k", "--no-restore"], "--recovery-key restores the machine's backup"),
         (["--recovery-key", ""], "--recovery-key: empty"),
         (["--as-new"], "--as-new is for a data folder that was joined"),
+        (["--link-address", "127.0.0.1:7444,bad"], "link_address: must be HOST:PORT"),
+        (["--link-address", "127.0.0.1:0"], "link_address: port must be 1..65535"),
     ],
 )
 def test_join_refuses_contradictory_or_empty_options_before_anything_is_sent(

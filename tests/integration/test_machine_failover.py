@@ -1,0 +1,157 @@
+"""A real ``agents-machine`` moves to another control-plane replica when its own goes.
+
+Real processes on loopback: moto, nats-server, two ``serve --cluster`` replicas
+of one home, and one ``agents-machine`` joined through the first with
+``--link-address`` naming the second's link listener. The first replica is
+SIGKILLed: within 5 s the machine is linked to the second (its link.json names
+the survivor first, and the survivor lists it online), and a prompt sent
+through the survivor is delivered and acknowledged.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from machine.link import identity
+from shared.errors import IntegrityError, InvalidState, NotFound
+from tests.helpers.control_proc import (
+    ControlProc,
+    join_new_account,
+    run_init,
+    s3_env,
+    start_serve,
+    wait_serve,
+)
+from tests.helpers.machine_proc import run_cli
+from tests.helpers.nats_proc import NatsProc, nats_binary, nats_server
+from tests.helpers.poll import apoll_until
+from tests.helpers.processes import stop_process
+
+pytestmark = pytest.mark.skipif(nats_binary() is None, reason="nats-server not installed")
+
+HEARTBEAT = 0.5
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, s3_bucket: str, moto_endpoint: str) -> Iterator[list[ControlProc]]:
+    with nats_server(tmp_path / "nats") as nats:
+        yield from _replicas(tmp_path, s3_bucket, moto_endpoint, nats)
+
+
+def _replicas(
+    tmp_path: Path, s3_bucket: str, moto_endpoint: str, nats: NatsProc
+) -> Iterator[list[ControlProc]]:
+    first = run_init(
+        tmp_path / "home0",
+        f"s3://{s3_bucket}/cp",
+        s3_env(moto_endpoint),
+        ["--heartbeat-interval", str(HEARTBEAT)],
+    )
+    second = tmp_path / "home1"  # a replica's home: a copy of the folder
+    shutil.copytree(first.home, second)
+    procs = [first, ControlProc(second, first.env, first.operator, first.ca_hash)]
+    try:
+        for cp in procs:  # together: the first epoch is joined by both
+            start_serve(cp, ["--cluster", nats.url], wait=False)
+        for cp in procs:
+            wait_serve(cp)
+        yield procs
+    finally:
+        for cp in procs:
+            if cp.process is not None and cp.process.poll() is None:
+                cp.process.send_signal(signal.SIGTERM)
+        for cp in procs:
+            if cp.process is not None:
+                try:
+                    cp.process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    cp.process.kill()
+                    cp.process.wait(timeout=5)
+
+
+def _first_address(data: Path) -> str:
+    try:
+        return identity.load_link(data).control_address
+    except (InvalidState, IntegrityError):
+        return ""
+
+
+async def test_a_real_machine_moves_to_the_surviving_replica(
+    replicas: list[ControlProc], tmp_path: Path
+) -> None:
+    doomed, survivor = replicas
+    data = tmp_path / "machine"
+    machine = join_new_account(
+        doomed,
+        data,
+        tmp_path / "machine.log",
+        github_id=38,
+        login="failover",
+        extra=["--link-address", survivor.link],
+    )
+    try:
+        # Joined through the first replica: its link address first, the other after.
+        await apoll_until(
+            lambda: _first_address(data) == doomed.link, deadline=15, what="the machine joined"
+        )
+        assert identity.load_link(data).control_addresses == (doomed.link, survivor.link)
+        async with survivor.admin() as admin:
+
+            async def online() -> str:
+                listed = await admin.list_machines()
+                return next((m.machine_id for m in listed if m.online), "")
+
+            machine_id = await apoll_until(online, deadline=15, what="the machine online")
+        made = run_cli(data, "agent", "create", "r", "--folder", str(tmp_path), "--json")
+        assert made.returncode == 0, made.stderr
+        agent = json.loads(made.stdout)["agent_id"]
+
+        assert doomed.process is not None
+        doomed.process.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        doomed.process.wait(timeout=10)
+
+        # Linked to the survivor (it saved it first, so renewals and backups follow)
+        # and listed online there, within 5 s of the kill.
+        await apoll_until(
+            lambda: _first_address(data) == survivor.link,
+            deadline=5,
+            what="the machine linked to the survivor",
+        )
+        async with survivor.admin() as admin:
+
+            async def online_there() -> bool:
+                listed = await admin.list_machines()
+                return any(m.machine_id == machine_id and m.online for m in listed)
+
+            await apoll_until(
+                online_there,
+                deadline=5 - (time.monotonic() - killed_at),
+                what="listed online through the survivor within 5 s of the kill",
+            )
+
+            # Its roster (sent after the agent was made) decides the send.
+            async def sent() -> str:
+                try:
+                    return (await admin.send_prompt(machine_id, agent, "hello")).prompt_id
+                except NotFound:
+                    return ""
+
+            prompt = await apoll_until(sent, deadline=10, what="a prompt queued")
+
+            async def acknowledged() -> bool:
+                listed = (await admin.list_prompts(machine_id)).prompts
+                return any(p.prompt_id == prompt and p.run_id for p in listed)
+
+            await apoll_until(acknowledged, deadline=10, what="the prompt acknowledged")
+        assert machine.poll() is None, "the machine still serves"
+    finally:
+        stop_process(machine, grace=10)
