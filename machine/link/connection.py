@@ -147,6 +147,12 @@ class _Metrics:
             "Connection attempts after the first one.",
             registry=registry,
         )
+        self.moves = Counter(
+            "agents_machine_link_address_moves",
+            "Welcomes at another link address than the one first in link.json (a"
+            " control-plane replica that went: the link moved to another).",
+            registry=registry,
+        )
         self.heartbeats = Counter(
             "agents_machine_link_heartbeats",
             "Heartbeats sent on the Connect stream.",
@@ -591,7 +597,13 @@ class ControlLink:
         if self._address not in current.control_addresses:
             return
         self._link = current.starting_at(self._address)
-        await asyncio.to_thread(identity.save_link, self._data_dir, self._link)
+        self._metrics.moves.inc()
+        try:
+            await asyncio.to_thread(identity.save_link, self._data_dir, self._link)
+        except OSError as e:
+            # The link works; only the order on disk is stale (renewals use the
+            # record in memory, backups and the next start try the old one first).
+            logger.warning("control link: cannot save the link address that works: %s", e)
         # The round-robin goes on from the address now first.
         self._address_at = 1
         logger.info(

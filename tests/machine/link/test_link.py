@@ -860,9 +860,8 @@ async def test_a_link_moves_round_robin_to_the_replica_that_answers(
         dialled.append(target)
         return control.mutual(target, **kw)
 
-    link = _link(
-        control, data_dir, CollectorRegistry(), dial=dial, backoff_initial=1.0, backoff_max=4.0
-    )
+    registry = CollectorRegistry()
+    link = _link(control, data_dir, registry, dial=dial, backoff_initial=1.0, backoff_max=4.0)
     waits: list[float] = []
 
     async def fake_sleep(seconds: float) -> None:
@@ -890,6 +889,7 @@ async def test_a_link_moves_round_robin_to_the_replica_that_answers(
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
         assert dialled == [first, second, third, first]
         assert identity.load_link(data_dir).control_addresses == (first, second, third)
+        assert _sample(registry, "agents_machine_link_address_moves_total") == 2
         # All down: every address in turn, the backoff under its cap.
         control.down = True
         control.drop(control.streams[2])
