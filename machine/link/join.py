@@ -316,8 +316,11 @@ def parse_link_addresses(text: str) -> tuple[str, ...]:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if address not in out:
             out.append(address)
-    if len(out) > identity.MAX_CONTROL_ADDRESSES:
-        raise InvalidArgument("link_address", f"at most {identity.MAX_CONTROL_ADDRESSES} addresses")
+    # Room for the address the join reply names: the record is refused past the
+    # maximum, and by then the token would be spent.
+    most = identity.MAX_CONTROL_ADDRESSES - 1
+    if len(out) > most:
+        raise InvalidArgument("link_address", f"at most {most} addresses")
     return tuple(out)
 
 
@@ -386,6 +389,8 @@ async def join_control_plane(
     token_id = validate_token(token)
     expected = validate_ca_hash(ca_hash)
     host, port = parse_address(address)
+    if link_addresses:
+        link_addresses = parse_link_addresses(",".join(link_addresses))
     machine_name = validate_name(name)
     data_dir = Path(data_dir).absolute()
     current = await asyncio.to_thread(_current_link, data_dir)

@@ -833,9 +833,25 @@ async def test_join_records_the_other_replicas_link_addresses(
     link = identity.load_link(data_dir)
     # The replica that answered first, the others in the order given.
     assert link.control_addresses == (control.link_address, "127.0.0.1:7446", "[::1]:7447")
+    # A caller's bad address is refused before the token is sent.
+    calls = control.join_calls
+    with pytest.raises(InvalidArgument):
+        await _join(control, tmp_path / "other", link_addresses=("nohost",))
+    assert control.join_calls == calls and not (tmp_path / "other").exists()
 
 
-@pytest.mark.parametrize("text", ["", "127.0.0.1", "127.0.0.1:7446,", "h:0", "a:1,b:70000"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "127.0.0.1",
+        "127.0.0.1:7446,",
+        "h:0",
+        "a:1,b:70000",
+        # One place is the join reply's.
+        ",".join(f"10.0.0.{i}:7444" for i in range(identity.MAX_CONTROL_ADDRESSES)),
+    ],
+)
 def test_bad_link_addresses_are_refused_before_a_join(text: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         parse_link_addresses(text)
