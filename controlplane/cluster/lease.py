@@ -28,6 +28,7 @@ from typing import Final
 import nats.js.errors
 from nats.js.kv import KeyValue
 
+from controlplane.cluster.faults import outage_error
 from shared.outage import OutageLog
 
 __all__ = ["LEASE_TTL", "JobLease"]
@@ -93,7 +94,7 @@ class JobLease:
                 raise
             except Exception as e:  # NATS gone: not holding what we cannot renew
                 self._set(False)
-                outage.failed(e)
+                outage.failed(outage_error(e))
             else:
                 outage.recovered()
             await asyncio.sleep(self._ttl / 3)  # a period, not synchronisation
@@ -141,7 +142,7 @@ class JobLease:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # the next slot tries again
-                    outage.failed(e)
+                    outage.failed(outage_error(e))
                 else:
                     outage.recovered()
             # Look again soon: a lease taken over mid-period runs the slot at once.

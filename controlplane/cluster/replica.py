@@ -40,6 +40,7 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
 from controlplane.cluster.board import Holder, PresenceBoard
+from controlplane.cluster.faults import outage_error
 from controlplane.cluster.routing import REQUEST_TIMEOUT, NoticeHandler, Router
 from controlplane.integrity.records import utc_iso
 from shared.errors import TransientError
@@ -316,7 +317,7 @@ class Replica:
                     await self.router.take(machine_id)  # linked while NATS was away
                 await asyncio.gather(*(self._put(m) for m in list(self._local)))
             except (nats.errors.Error, OSError) as e:
-                outage.failed(e)
+                outage.failed(outage_error(e))
             else:
                 outage.recovered()
 

@@ -194,3 +194,45 @@ async def test_a_machine_that_moved_is_answered_for_by_its_new_replica_only(
     finally:
         await a.close()
         await b.close()
+
+
+async def test_nats_gone_is_one_warning_line_per_job_without_a_traceback(
+    nats: NatsProc, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, "controlplane.cluster")
+    a = _replica(nats.url, "a", [], [])
+    await a.start()
+    assert a.js_kv is not None
+    lease = JobLease(await a.js_kv("lease", 1.5), await a.js_kv("jobs", None), "a", ttl=1.5)
+    task = asyncio.create_task(lease.run())
+    try:
+        await apoll_until(lambda: lease.held, deadline=5, what="lease held")
+        nats.stop()
+
+        def warned() -> list[logging.LogRecord]:
+            return [
+                r
+                for r in caplog.records
+                if r.levelno == logging.WARNING
+                and r.name in ("controlplane.cluster.lease", "controlplane.cluster.replica")
+                and "nats" in r.getMessage().lower()
+                and "disconnected" not in r.getMessage()
+            ]
+
+        await apoll_until(
+            lambda: {r.name for r in warned()} >= {"controlplane.cluster.lease",
+                                                   "controlplane.cluster.replica"},
+            deadline=15,
+            what="the lease's and the presence refresh's outage lines",
+        )  # fmt: skip
+        assert not lease.held
+        lines = warned()
+        assert all(r.exc_info is None for r in lines), [r.getMessage() for r in lines]
+        assert "Traceback" not in caplog.text
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await a.close()
