@@ -94,13 +94,22 @@ def test_a_folder_is_named(tmp_path: Path) -> None:
     assert "cannot read" in _refusal(tmp_path, tmp_path)
 
 
-def test_an_unreadable_file_is_named(tmp_path: Path) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root reads any file")
+def test_an_unreadable_file_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "locked"
     path.write_text(CREDENTIAL)
     path.chmod(0)
-    assert "Permission denied" in _refusal(tmp_path, path)
+    if os.geteuid() == 0:
+        # Root reads any file: the open fails as it would for anyone else.
+        real_open = Path.open
+
+        def refused(self: Path, *args: object, **kwargs: object) -> object:
+            if self == path:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real_open(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Path, "open", refused)
+    message = _refusal(tmp_path, path)
+    assert "Permission denied" in message and CREDENTIAL not in message
 
 
 @pytest.mark.parametrize("content", [b"", b"\n", b"   \nadm_on_the_second_line\n"])
