@@ -159,7 +159,7 @@ FILE_KEYS: dict[str, tuple[type, ...]] = {
     "integrity_check_seconds": (int, float),
     "backup_keep": (int,),
     "backup_time": (str,),
-    "backup_interval": (int, float),
+    "backup_interval": (int, float, str),
     "backup_dir": (str,),
     "backup_target": (str,),
     "backup_store_endpoint": (str,),
@@ -195,11 +195,13 @@ def default_time_zone(env: Mapping[str, str], etc: Path = Path("/etc")) -> str:
 
 
 def _parse_interval(value: object) -> float:
+    # Seconds as a number, or a duration as the CLIs spell them ("90s", "5m").
     try:
-        return float(str(value))
+        return seconds_value(value)
     except ValueError:
         raise ConfigError(
-            "backup_interval", f"must be a number of seconds (10 to 86400), got {value!r}"
+            "backup_interval",
+            f'must be a duration from 10s to 24h (60, "90s", "5m"), got {value!r}',
         ) from None
 
 

@@ -183,3 +183,27 @@ def test_log_level_and_format_from_file_env_and_flags(tmp_path: Path) -> None:
         ConfigError, match=r"log_format: bad value from \$AGENTS_MACHINE_LOG_FORMAT"
     ):
         build({}, {"AGENTS_MACHINE_LOG_FORMAT": "xml"})
+
+
+@pytest.mark.parametrize(
+    ("written", "seconds"), [("90", 90.0), ('"90s"', 90.0), ('"5m"', 300.0), ('"1h30m"', 5400.0)]
+)
+def test_backup_interval_takes_seconds_or_a_duration(
+    tmp_path: Path, written: str, seconds: float
+) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "machine.toml").write_text(f"backup_interval = {written}\n")
+    cfg = MachineConfig.build(flags={"data_dir": str(data)}, env={}, home=HOME)
+    assert cfg.backup_interval == seconds
+
+
+@pytest.mark.parametrize("written", ['"10 sec"', '"-5m"', '"5s"', '"2d"'])
+def test_backup_interval_bad_or_out_of_range_names_the_setting(
+    tmp_path: Path, written: str
+) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "machine.toml").write_text(f"backup_interval = {written}\n")
+    with pytest.raises(ConfigError, match="backup_interval"):
+        MachineConfig.build(flags={"data_dir": str(data)}, env={}, home=HOME)
