@@ -17,7 +17,6 @@ backlog is empty, search answers with how many agents are still indexing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sqlite3
 import time
@@ -30,6 +29,7 @@ from machine.storage import restored
 from machine.storage.db import Database
 from machine.storage.tables import restore_pending, search_backlog
 from shared.errors import AgentsError
+from shared.wakeups import wait_set
 
 __all__ = ["SearchIndexer"]
 
@@ -151,5 +151,4 @@ class SearchIndexer:
                 # Not ours to die of: log it, and try again later.
                 logger.exception("search index: indexing restored agents failed")
                 wait = RETRY_SECONDS
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+            await wait_set(self._wake, wait)

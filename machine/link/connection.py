@@ -112,6 +112,7 @@ from shared.errors import AgentsError, IntegrityError, InvalidArgument, InvalidS
 from shared.outage import OutageLog
 from shared.retry import reconnecting
 from shared.timestamps import Clock, utc_now
+from shared.wakeups import wait_set
 
 __all__ = ["RECONNECT_CAP", "ControlLink", "Delivery", "LinkState"]
 
@@ -327,8 +328,7 @@ class ControlLink:
 
     async def _interruptible_sleep(self, seconds: float) -> None:
         # tenacity's sleep hook: a close() wakes the backoff at once.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), seconds)
+        await wait_set(self._stop, seconds)
 
     async def _before_sleep(self, state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None

@@ -27,7 +27,6 @@ ends the stream.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -44,6 +43,7 @@ from machine.link.states import LinkStopped, map_error
 from shared import tls
 from shared.errors import AgentsError, IntegrityError, InvalidArgument, InvalidState
 from shared.timestamps import Clock
+from shared.wakeups import wait_set
 
 __all__ = ["NOT_DUE_BACKOFF", "RENEWAL_BACKOFF_CAP", "CertificateRenewal", "renewal_backoff"]
 
@@ -149,8 +149,7 @@ class CertificateRenewal:
                 backoff = max(0.0, self._retry_at - time.monotonic())
                 delay = backoff if asked else max(delay, backoff)
             if delay > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._renew_now.wait(), delay)
+                await wait_set(self._renew_now, delay)
             asked = asked or self._renew_now.is_set()
             self._renew_now.clear()
             try:

@@ -68,6 +68,7 @@ from machine.storage import restored, tables
 from machine.storage.db import Database
 from shared.errors import InvalidArgument, InvalidState, NotFound
 from shared.ids import new_id, validate_id
+from shared.wakeups import wait_set
 
 __all__ = ["MISSED_POLICIES", "Scheduler", "SchedulesService", "cron_expr"]
 
@@ -532,7 +533,4 @@ class Scheduler:
             # A little past the fire time: the loop's timer may wake a hair early.
             timeout = _MAX_WAIT if wait is None else min(wait + 0.01, _MAX_WAIT)
             # Wakes at the next fire time, or at once when a schedule changes.
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout)
-            except TimeoutError:
-                pass
+            await wait_set(self._changed, timeout)
