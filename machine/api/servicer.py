@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -20,12 +20,12 @@ from machine.api import codec
 from machine.api.views import DaemonStatus
 from machine.app import Machine
 from machine.backups.handoff import read_chunks
-from machine.backups.reader import NOT_OURS
+from machine.backups.reader import key_refused
 from machine.models import StoredEvent
 from machine.version import machine_version
 from shared.backup_target import validate_backup_id
-from shared.crypto import BoxKeyPair, decode_public_key, encode_private_key, encode_public_key
-from shared.errors import AgentsError, IntegrityError, InvalidArgument
+from shared.crypto import decode_public_key, encode_private_key, encode_public_key
+from shared.errors import AgentsError, InvalidArgument
 from shared.pb.machine.v1 import machine_pb2 as pb
 from shared.pb.machine.v1 import machine_pb2_grpc as pb_grpc
 from shared.timestamps import from_seconds, to_seconds
@@ -90,23 +90,6 @@ async def _write_quietly(context: Ctx, message: Any) -> None:
 
 def _backup_id(value: str) -> str:
     return validate_backup_id(value, "backup_id")
-
-
-@contextlib.contextmanager
-def _key_refused(recovery: BoxKeyPair | None) -> Iterator[None]:
-    """A backup not sealed to the key it was opened with is the caller's input (the
-    wrong key, or none for another machine's backup), not damage: INVALID_ARGUMENT."""
-    try:
-        yield
-    except IntegrityError as e:
-        if e.reason != NOT_OURS:
-            raise
-        detail = (
-            "the recovery key given is not the one of the machine or account that made it"
-            if recovery is not None
-            else "another machine made it: give its or its account's recovery key"
-        )
-        raise InvalidArgument("recovery_key", f"{e.what}: {NOT_OURS} ({detail})") from None
 
 
 class MachineServicer(pb_grpc.MachineServiceServicer):
@@ -293,7 +276,7 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
     ) -> pb.VerifyBackupResponse:
         recovery = codec.recovery_key_from_pb(request.recovery_private_key)
         async with self._m.backups_at(request.from_dir) as engine:
-            with _key_refused(recovery):
+            with key_refused(recovery):
                 # A point with every increment continuing it (the newest: no id).
                 backup_id = _backup_id(request.backup_id) if request.backup_id else None
                 chain = await (
@@ -311,7 +294,7 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
         recovery = codec.recovery_key_from_pb(request.recovery_private_key)
         service = self._m.require_backups()
         async with self._m.backups_at(request.from_dir) as engine:
-            with _key_refused(recovery):
+            with key_refused(recovery):
                 result = await service.restore(
                     _backup_id(request.backup_id) if request.backup_id else None,
                     at=to_seconds(request.at) if request.HasField("at") else None,

@@ -162,6 +162,11 @@ class BackupEngine:
         )
         self._chains = BackupChains(target, self._reader)
 
+    @property
+    def machine_id(self) -> str:
+        """The machine whose backups this engine reads and writes."""
+        return self._machine_id
+
     def seal_to(self, recipients: list[bytes]) -> None:
         """Seal later manifests to ``recipients`` (a recovery key was just made)."""
         self._recipients = list(recipients)

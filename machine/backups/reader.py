@@ -39,7 +39,7 @@ from machine.formats.backup import (
 from shared.atomic import ensure_private_dir
 from shared.backup_target import BackupTarget, LocalSegments, ManifestInfo
 from shared.crypto import BoxKeyPair, KeyedHasher
-from shared.errors import IntegrityError, NotFound
+from shared.errors import IntegrityError, InvalidArgument, NotFound
 
 __all__ = [
     "NOT_OURS",
@@ -48,6 +48,7 @@ __all__ = [
     "StoredSegment",
     "VerifyResult",
     "decode_checked",
+    "key_refused",
     "file_chunks",
     "stored_chunks",
 ]
@@ -342,3 +343,20 @@ class BackupReader:
             _cleanup(dest)
             raise
         return fetched
+
+
+@contextlib.contextmanager
+def key_refused(recovery: BoxKeyPair | None) -> Iterator[None]:
+    """A backup not sealed to the key it was opened with is the caller's input (the
+    wrong key, or none for another machine's backup), not damage: INVALID_ARGUMENT."""
+    try:
+        yield
+    except IntegrityError as e:
+        if e.reason != NOT_OURS:
+            raise
+        detail = (
+            "the recovery key given is not the one of the machine or account that made it"
+            if recovery is not None
+            else "another machine made it: give its or its account's recovery key"
+        )
+        raise InvalidArgument("recovery_key", f"{e.what}: {NOT_OURS} ({detail})") from None

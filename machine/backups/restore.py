@@ -61,8 +61,12 @@ async def restore_fetched(
     erased: set[str],
     now: float | None = None,
     after_load: Callable[[], None] | None = None,
+    in_commit: Callable[[Any], None] | None = None,
 ) -> InResult:
     """Restore a fetched backup's agents (archived), skipping existing and erased ones.
+
+    ``in_commit(conn)`` writes with them in the restore's one transaction
+    (:func:`~machine.backups.transfer.commit_staged`).
 
     Each stored agent segment is authenticated, checked and packed
     (:mod:`machine.storage.restored`), and its record committed in the one transaction
@@ -128,6 +132,7 @@ async def restore_fetched(
             whole=False,
             after_load=after_load,
             before_commit=pack.sync,
+            in_commit=in_commit,
         )
     )
     try:

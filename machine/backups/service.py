@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -386,6 +386,7 @@ class BackupService:
         recovery: BoxKeyPair | None = None,
         erased: set[str] | None = None,
         engine: BackupEngine | None = None,
+        in_commit: Callable[[Any], None] | None = None,
     ) -> InResult:
         """Restore a backup's agents (archived), skipping existing and erased ones.
 
@@ -394,7 +395,8 @@ class BackupService:
         newest point at or before it and its increments up to it.
         ``recovery`` opens a backup made by another machine's key (the disk is
         gone); without it the machine's own key is used. ``engine`` reads
-        another target (:meth:`engine_for`).
+        another target (:meth:`engine_for`). ``in_commit(conn)`` writes in the
+        restore's one transaction (a take-over's adopted id: :mod:`machine.cli.take_over`).
         """
         engine = engine or self.engine
         stage = self._work / f".restore-{os.getpid()}-{int(self._clock() * 1000)}"
@@ -414,6 +416,7 @@ class BackupService:
                 attachments_dir=self._attachments,
                 erased=erased or set(),
                 after_load=self._after_load,
+                in_commit=in_commit,
             )
             differ = settings_differ(fetched.manifest.settings, self._settings)
         finally:

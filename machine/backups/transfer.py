@@ -202,11 +202,14 @@ async def commit_staged(
     not_from: frozenset[str] = frozenset(),
     after_load: Callable[[], None] | None = None,
     before_commit: Callable[[], None] | None = None,
+    in_commit: Callable[[Any], None] | None = None,
 ) -> InResult:
     """Skip existing and erased agents, then load the rest and place attachments in
     one transaction; ``load(conn, agent_id)`` loads one (default: from its folder),
     ``start`` is told which agents will be loaded, in order, before the first;
-    ``before_commit`` runs last inside the transaction (a restore's pack fsync);
+    ``in_commit(conn)`` runs first inside the transaction, its writes committed
+    with the agents (a take-over's adopted machine id) and its refusal rolling
+    everything back; ``before_commit`` runs last inside it (a restore's pack fsync);
     ``whole`` refuses an attachment a conversation names and the archive lacks
     (an export always holds them; a backup of a machine that lost one does not)."""
 
@@ -232,6 +235,8 @@ async def commit_staged(
         return store_export.load_agent(conn, folders[agent_id], runs=runs, not_from=not_from)
 
     def commit(conn: Any) -> None:
+        if in_commit is not None:
+            in_commit(conn)
         # Looked at again inside the transaction: an import or an erasure that
         # committed since the look above must not be overwritten or brought back.
         existing.update(store_export.existing_agents(conn, todo))
@@ -280,7 +285,7 @@ async def commit_staged(
         if before_commit is not None:
             before_commit()
 
-    if todo or erased_entries:
+    if todo or erased_entries or in_commit is not None:
         # The commit point: every agent or none.
         await db.write(commit, what=what, bulk=True)
     skipped_existing = tuple(sorted(a for a in folders if a in existing))

@@ -223,7 +223,12 @@ async def backup_restore(ctx: Ctx) -> int:
     elif not foreign:
         head += " (archived; `agent unarchive ID` to run one)"
     elif not own:
-        head += " (archived, read-only: their origin is another machine)"
+        # A box replacing a lost stand-alone machine wants its agents to run: the
+        # hint names the verb that makes it that machine (docs/backups.md).
+        head += (
+            " (archived, read-only: their origin is another machine; to make a fresh box"
+            " that machine instead: `backup take-over`)"
+        )
     else:
         head += (
             f" (archived; {own} of this machine, `agent unarchive ID` to run one;"

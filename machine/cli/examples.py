@@ -101,6 +101,13 @@ EXAMPLES: Final[dict[tuple[str, ...], tuple[str, ...]]] = {
         "# stand-alone machines: prints the private half once; keep it offline",
         f"{_P} backup recovery-key",
     ),
+    ("backup", "take-over"): (
+        "# a new stand-alone box replacing a lost one (daemon stopped): becomes that machine",
+        f"{_P} backup take-over --from s3://acme-backups/old-laptop "
+        "--recovery-key ~/offline/recovery.key",
+        f"{_P} backup take-over --from /mnt/usb/agents-backups --recovery-key recovery.key "
+        '--at "2026-12-05 09:40:00Z"',
+    ),
     ("schedule",): (
         f'{_P} schedule add {_AGENT} --cron "0 7 * * 1-5" --text "triage new issues"',
         f"{_P} schedule list",

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from machine.backups.reader import NOT_OURS
-from machine.cli import agents, backup, completion, daemon_verbs, joining, schedules
+from machine.cli import agents, backup, completion, daemon_verbs, joining, schedules, take_over
 from machine.cli.client import DaemonNotRunning
 from machine.cli.common import PROG, Ctx, prog_of
 from machine.cli.examples import EXAMPLES
@@ -101,6 +101,7 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("backup", "verify"): backup.backup_verify,
     ("backup", "restore"): backup.backup_restore,
     ("backup", "recovery-key"): backup.backup_recovery_key,
+    ("backup", "take-over"): take_over.backup_take_over,
     ("schedule", "add"): schedules.schedule_add,
     ("schedule", "list"): schedules.schedule_list,
     ("schedule", "pause"): schedules.schedule_pause,
@@ -304,6 +305,25 @@ def _parser() -> CliParser:
         "recovery-key",
         parents=[common],
         help="make this stand-alone machine's recovery key; prints the private half once",
+    )
+    bt = bverbs.add_parser(
+        "take-over",
+        parents=[common],
+        help="make this fresh stand-alone box the lost machine whose backups --from holds"
+        " (the daemon stopped)",
+    )
+    bt.add_argument(
+        "backup_id",
+        metavar="ID",
+        nargs="?",
+        help="the backup (bk_… or bki_…); default: the newest, increments included",
+    )
+    bt.add_argument(
+        "--at", metavar="TIME", help="the newest point and increments at or before TIME"
+    )
+    bt.add_argument("--from", dest="from_dir", metavar="DIR|URL", required=True, help=_FROM)
+    bt.add_argument(
+        "--recovery-key", metavar="FILE", required=True, help="the lost machine's recovery key file"
     )
     sc = sub.add_parser("schedule", parents=[common], help="prompts an agent runs on a cron")
     sverbs = sc.add_subparsers(dest="verb", parser_class=CliParser)

@@ -24,7 +24,7 @@ from machine.storage import tables
 from shared.errors import AgentsError
 from shared.ids import new_id
 
-__all__ = ["joined_id", "machine_ids"]
+__all__ = ["adopt_machine_id", "joined_id", "machine_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 _LOCAL_ID = "machine_id"
 _OWN_IDS = "own_machine_ids"
 _JOINED_ID = "joined_machine_id"
+# The id of the lost machine a stand-alone box took over (adopt_machine_id).
+_ADOPTED_ID = "adopted_machine_id"
 
 
 def joined_id(data_dir: Path) -> tuple[bool, str | None]:
@@ -73,7 +75,21 @@ def machine_ids(conn: sqlite3.Connection, joined: bool, link_id: str | None) -> 
     encoded = json.dumps(own)
     if raw != encoded:
         tables.set_setting(conn, _OWN_IDS, encoded)
-    canonical = local
+    canonical = tables.get_setting(conn, _ADOPTED_ID) or local
     if joined:
-        canonical = link_id or tables.get_setting(conn, _JOINED_ID) or local
+        canonical = link_id or tables.get_setting(conn, _JOINED_ID) or canonical
+    if canonical not in own:  # an adopted id is recorded in own with it; never trust one
+        own.append(canonical)
     return MachineIds(canonical=canonical, own=frozenset(own), joined=joined)
+
+
+def adopt_machine_id(conn: sqlite3.Connection, machine_id: str) -> None:
+    """Make ``machine_id`` (a lost machine's) this stand-alone machine's own and
+    canonical id from the next start, in the caller's transaction."""
+    raw = tables.get_setting(conn, _OWN_IDS)
+    own: list[str] = [str(i) for i in json.loads(raw)] if raw else []
+    if machine_id not in own:
+        own.append(machine_id)
+        tables.set_setting(conn, _OWN_IDS, json.dumps(own))
+    tables.set_setting(conn, _ADOPTED_ID, machine_id)
+    logger.info("machine id %s adopted: this machine takes it over", machine_id)

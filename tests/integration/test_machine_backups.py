@@ -440,7 +440,7 @@ def test_sigkill_at_each_delete_of_a_prune_leaves_both_kept_backups_restorable(
             # line advised `agent unarchive`, which refuses them).
             assert said.splitlines()[0] == (
                 f"restored {len(agents)} agents (archived, read-only: their origin is another"
-                " machine)"
+                " machine; to make a fresh box that machine instead: `backup take-over`)"
             ), said
             after = _export_contents(data, agents, tmp_path / f"after-{backup_id}.tar.gz")
             assert after == contents[backup_id]

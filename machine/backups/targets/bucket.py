@@ -154,7 +154,8 @@ class BucketTarget:
                 raise NotOurs(
                     self.where,
                     f"holds machine {found}'s backups, and this machine is {self._owner};"
-                    " give this machine a prefix of its own",
+                    " give this machine a prefix of its own (or, on a fresh box replacing"
+                    " that lost machine, `agents-machine backup take-over --from` it first)",
                 )
             return found
         if self._owner is None:
