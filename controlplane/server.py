@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Self
 
@@ -370,9 +371,6 @@ class ControlPlane:
         self._offline = asyncio.create_task(
             _count_offline(presence, fleet, self.metrics), name="machines-offline"
         )
-        self._stamps = asyncio.create_task(
-            alive.keep(cfg.presence_write_interval), name="alive-stamps"
-        )
         self._clocks = asyncio.create_task(
             clock_check.run(cfg.clock_check_seconds), name="clock-check"
         )
@@ -385,9 +383,24 @@ class ControlPlane:
         if self._replica is None:
             self._waker = asyncio.create_task(waker.run(), name="schedule-waker")
             self._audit_sweep = asyncio.create_task(retention.run(), name="audit-retention")
+            self._stamps = asyncio.create_task(
+                alive.keep(cfg.presence_write_interval), name="alive-stamps"
+            )
         else:
-            # One replica at a time runs them, once per due time (cluster.lease).
-            await self._start_singletons(self._replica, services.intents, waker, retention)
+            # One replica at a time runs the jobs on shared state, once per due time
+            # (cluster.lease). The self-check's marker and epoch reads and the clock
+            # check stay on every replica: each is this process's own stop condition
+            # or clock; the offline count is a gauge each replica exports.
+            await self._start_singletons(
+                self._replica,
+                services.intents,
+                [
+                    _Job("wake", cfg.wake_check_seconds, "wake", waker.check),
+                    _Job("audit_retention", AUDIT_SWEEP_INTERVAL, "retention", retention.sweep),
+                    # Replicas share the epoch: one stamp per interval says it is alive.
+                    _Job("alive_stamps", cfg.presence_write_interval, "presence", alive.stamp),
+                ],
+            )
 
             async def routed(machine_id: str, kind: str, fields: dict[str, str]) -> bool:
                 if presence.session(machine_id) is None:
@@ -436,13 +449,7 @@ class ControlPlane:
             return False
         return await self._route_here(machine_id, kind, fields)
 
-    async def _start_singletons(
-        self,
-        replica: Replica,
-        intents: Intents,
-        waker: ScheduleWaker,
-        retention: AuditRetention,
-    ) -> None:
+    async def _start_singletons(self, replica: Replica, intents: Intents, jobs: list[_Job]) -> None:
         # Imported here: a lone process never loads NATS.
         from controlplane.cluster.lease import LEASE_TTL, JobLease
 
@@ -462,25 +469,11 @@ class ControlPlane:
             on_run=lambda job: metrics.singleton_runs.labels(job).inc(),
         )
         self._lease = lease
-
-        async def wake() -> None:
-            with store_cause("wake"):
-                await waker.check()
-
-        async def sweep() -> None:
-            with store_cause("retention"):
-                await retention.sweep()
-
-        self._cluster_tasks = [
-            asyncio.create_task(lease.run(), name="jobs-lease"),
-            asyncio.create_task(
-                lease.every("wake", self.cfg.wake_check_seconds, wake), name="schedule-waker"
-            ),
-            asyncio.create_task(
-                lease.every("audit_retention", AUDIT_SWEEP_INTERVAL, sweep),
-                name="audit-retention",
-            ),
-        ]
+        self._cluster_tasks = [asyncio.create_task(lease.run(), name="jobs-lease")]
+        for job in jobs:
+            self._cluster_tasks.append(
+                asyncio.create_task(lease.every(job.name, job.period, job.once), name=job.name)
+            )
 
     def _bind(self, keyring: KeyRing) -> grpc.aio.Server:
         """The gRPC server with both listeners bound (not started yet): RuntimeError
@@ -603,6 +596,24 @@ class ControlPlane:
         if self._home_lock is not None:
             lock, self._home_lock = self._home_lock, None
             os.close(lock)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A periodic job on shared state, run under the replicas' lease."""
+
+    name: str
+    """Its name in the jobs bucket (``done.<name>``) and the singleton_runs label."""
+    period: float
+    """Seconds between two due times."""
+    cause: str
+    """The store-request cause its requests count under."""
+    run: Callable[[], Awaitable[object]]
+    """One run."""
+
+    async def once(self) -> None:
+        with store_cause(self.cause):
+            await self.run()
 
 
 async def _count_offline(
