@@ -88,6 +88,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two counts of offline machines.
 OFFLINE_COUNT_INTERVAL = 60.0
+#: Most link addresses handed to a machine: the most its link.json keeps
+#: (machine.link.identity.MAX_CONTROL_ADDRESSES).
+MAX_CONTROL_ADDRESSES: Final = 16
 #: Largest gRPC message accepted (prompts and segments are chunked below this).
 MAX_MESSAGE_BYTES = LINK_MAX_MESSAGE
 #: The gRPC server's options (bench/bare_link.py serves its floor with the same).
@@ -251,7 +254,9 @@ class ControlPlane:
         if cfg.cluster_url:
             # Before recovery: a live replica's unfinished changes are its own.
             status("starting: joining the other replicas over NATS")
-            self._replica = await _join_replicas(cfg, self.fence.home_id, services.intents, self)
+            self._replica = await _join_replicas(
+                cfg, self.fence.home_id, services.intents, self, self._link_address()
+            )
             presence.set_peers(self._replica)
 
             def changed_elsewhere(machine_id: str) -> None:
@@ -325,6 +330,7 @@ class ControlPlane:
             backups=_machine_backups(trusted, services.machines, services.accounts),
             deliveries=prompts,
             rosters=rosters,
+            control_addresses=self._control_addresses,
         )
         rotation = KeyRotation(
             home=cfg.home,
@@ -437,6 +443,25 @@ class ControlPlane:
         logger.info(
             "serving: public %s, link %s, metrics %s", info["public"], info["link"], metrics_addr
         )
+
+    def _link_address(self) -> str:
+        """The address machines dial this process's link listener at: the advertised
+        host (else the listener's) and the link port; "" when the listener is on
+        every interface and no host is advertised (the machine then uses the
+        host it joined through, as the join reply's empty link_host says)."""
+        lhost, _ = parse_hostport(self.cfg.link_listen, "link_listen")
+        host = self.cfg.advertise_host or lhost
+        if host in ("", "0.0.0.0", "::"):
+            return ""
+        return f"{_bracket(host)}:{self.link_port}"
+
+    def _control_addresses(self) -> tuple[str, ...]:
+        """The link addresses a machine is given at join and each welcome: every
+        live replica's, this one's first (a lone process: its own only)."""
+        if self._replica is not None:
+            return self._replica.link_addresses(MAX_CONTROL_ADDRESSES)
+        own = self._link_address()
+        return (own,) if own else ()
 
     def holds_lease(self) -> bool:
         """Whether this replica runs the periodic jobs now (False for a lone process:
@@ -681,11 +706,17 @@ async def _self_check(
 
 
 async def _join_replicas(
-    cfg: ControlConfig, home_id: str, intents: Intents, cp: ControlPlane
+    cfg: ControlConfig, home_id: str, intents: Intents, cp: ControlPlane, link_address: str
 ) -> Replica:
     """This process as one replica (controlplane.cluster): connected to NATS, with
     every live replica known. Imported here: a lone process never loads NATS."""
     from controlplane.cluster.replica import Replica
+
+    if not link_address:
+        logger.warning(
+            "replica: the link listener is on every interface and advertise_host is not "
+            "set: machines linked to other replicas cannot learn this one's address"
+        )
 
     async def routed(machine_id: str, kind: str, fields: dict[str, str]) -> bool:
         return await cp._routed(machine_id, kind, fields)
@@ -706,6 +737,7 @@ async def _join_replicas(
         on_account_deleted=account_deleted,
         on_replica_gone=gone,
         on_routed=lambda outcome: cp.metrics.cluster_routed.labels(outcome).inc(),
+        link_address=link_address,
     )
     try:
         await replica.start()

@@ -127,6 +127,8 @@ class Welcome:
     """Seconds between the machine's heartbeats."""
     server_time: dt.datetime
     machine_id: str
+    control_addresses: tuple[str, ...] = ()
+    """The live replicas' link addresses (the machine adds those it lacks)."""
 
 
 LinkNotice = Welcome | RenewNowNotice | RevokedNotice | AccountDeletedNotice | DeliveryNotice
@@ -202,6 +204,7 @@ class LinkSessions:
         deliveries: DeliveryHooks | None = None,
         rosters: AgentRosters | None = None,
         current_ca: Callable[[bytes], bool] | None = None,
+        control_addresses: Callable[[], tuple[str, ...]] = tuple,
     ) -> None:
         # A callable follows CA rotations (the daemon passes Pairing's view).
         self._ca_cert_pem = ca_cert_pem if callable(ca_cert_pem) else lambda: ca_cert_pem
@@ -217,6 +220,8 @@ class LinkSessions:
         self._linger = linger
         self._deliveries = deliveries
         self._rosters = rosters
+        # Read at each welcome: replicas come and go while links stay up.
+        self._control_addresses = control_addresses
 
     async def authorize(self, cert_pem: bytes | None) -> AuthorizedPeer:
         """The machine a client certificate names, if it may still act, and its identity.
@@ -277,7 +282,9 @@ class LinkSessions:
         # connection reset, the call cancelled): broken, unless a reason is set below.
         reason = CloseReason.BROKEN.value
         try:
-            yield Welcome(self._heartbeat, self._clock(), machine.machine_id)
+            yield Welcome(
+                self._heartbeat, self._clock(), machine.machine_id, self._control_addresses()
+            )
             if tls.needs_renewal(cert_pem, self._renew_threshold):
                 yield RenewNowNotice("certificate nearing expiry")
             elif self._current_ca is not None and not self._current_ca(cert_pem):

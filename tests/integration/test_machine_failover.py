@@ -1,8 +1,9 @@
 """A real ``agents-machine`` moves to another control-plane replica when its own goes.
 
 Real processes on loopback: moto, nats-server, two ``serve --cluster`` replicas
-of one home, and one ``agents-machine`` joined through the first with
-``--link-address`` naming the second's link listener. The first replica is
+of one home, and one ``agents-machine`` joined through the first with one
+``--link-address``, the first's own: the second's it learns from the join
+reply (every replica publishes its link address in NATS). The first replica is
 SIGKILLed: within 5 s the machine is linked to the second (its link.json names
 the survivor first, and the survivor lists it online), and a prompt sent
 through the survivor is delivered and acknowledged.
@@ -95,7 +96,8 @@ async def test_a_real_machine_moves_to_the_surviving_replica(
         tmp_path / "machine.log",
         github_id=38,
         login="failover",
-        extra=["--link-address", survivor.link],
+        # The operator names no other replica: the join reply does.
+        extra=["--link-address", doomed.link],
     )
     try:
         # Joined through the first replica: its link address first, the other after.
