@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 import signal
-import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -29,18 +27,12 @@ from pathlib import Path
 import pytest
 
 from shared.errors import InvalidState, NotFound, TransientError
-from tests.helpers.control_proc import (
-    ControlProc,
-    join_new_account,
-    run_init,
-    s3_env,
-    start_serve,
-    wait_serve,
-)
+from tests.helpers.control_proc import ControlProc, join_new_account
 from tests.helpers.machine_proc import run_cli
 from tests.helpers.nats_proc import NatsProc, nats_binary, nats_server
 from tests.helpers.poll import apoll_until
 from tests.helpers.processes import stop_process
+from tests.helpers.replicas import serve_replicas
 from tests.helpers.sim_links import SimMachine, join_sim
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="nats-server not installed")
@@ -64,36 +56,17 @@ def nats(tmp_path: Path) -> Iterator[NatsProc]:
 def replicas(
     tmp_path: Path, s3_bucket: str, moto_endpoint: str, nats: NatsProc
 ) -> Iterator[list[ControlProc]]:
-    first = run_init(
-        tmp_path / "home0",
-        f"s3://{s3_bucket}/cp",
-        {**s3_env(moto_endpoint), "AGENTS_CONTROL_LOG_LEVEL": "DEBUG"},
-        ["--heartbeat-interval", str(HEARTBEAT)],
-    )
-    with (first.home / "config.toml").open("a") as f:
-        f.write(f"wake_check_seconds = {WAKE_EVERY}\n")
-    procs = [first]
-    for i in (1, 2):  # a replica's home: a copy of the folder (its ports are 0: its own)
-        home = tmp_path / f"home{i}"
-        shutil.copytree(first.home, home)
-        procs.append(ControlProc(home, first.env, first.operator, first.ca_hash))
-    try:
-        for cp in procs:  # together: the first epoch is joined by all
-            start_serve(cp, ["--cluster", nats.url], wait=False)
-        for cp in procs:
-            wait_serve(cp)
+    with serve_replicas(
+        tmp_path,
+        s3_bucket,
+        moto_endpoint,
+        nats,
+        3,
+        heartbeat=HEARTBEAT,
+        env={"AGENTS_CONTROL_LOG_LEVEL": "DEBUG"},
+        config=[f"wake_check_seconds = {WAKE_EVERY}"],
+    ) as procs:
         yield procs
-    finally:
-        for cp in procs:  # all drain at once
-            if cp.process is not None and cp.process.poll() is None:
-                cp.process.send_signal(signal.SIGTERM)
-        for cp in procs:
-            if cp.process is not None:
-                try:
-                    cp.process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    cp.process.kill()
-                    cp.process.wait(timeout=5)
 
 
 def _slots(cp: ControlProc, job: str = "wake") -> list[int]:

@@ -12,9 +12,7 @@ through the survivor is delivered and acknowledged.
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,18 +21,12 @@ import pytest
 
 from machine.link import identity
 from shared.errors import IntegrityError, InvalidState, NotFound
-from tests.helpers.control_proc import (
-    ControlProc,
-    join_new_account,
-    run_init,
-    s3_env,
-    start_serve,
-    wait_serve,
-)
+from tests.helpers.control_proc import ControlProc, join_new_account
 from tests.helpers.machine_proc import run_cli
-from tests.helpers.nats_proc import NatsProc, nats_binary, nats_server
+from tests.helpers.nats_proc import nats_binary, nats_server
 from tests.helpers.poll import apoll_until
 from tests.helpers.processes import stop_process
+from tests.helpers.replicas import serve_replicas
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="nats-server not installed")
 
@@ -43,39 +35,11 @@ HEARTBEAT = 0.5
 
 @pytest.fixture
 def replicas(tmp_path: Path, s3_bucket: str, moto_endpoint: str) -> Iterator[list[ControlProc]]:
-    with nats_server(tmp_path / "nats") as nats:
-        yield from _replicas(tmp_path, s3_bucket, moto_endpoint, nats)
-
-
-def _replicas(
-    tmp_path: Path, s3_bucket: str, moto_endpoint: str, nats: NatsProc
-) -> Iterator[list[ControlProc]]:
-    first = run_init(
-        tmp_path / "home0",
-        f"s3://{s3_bucket}/cp",
-        s3_env(moto_endpoint),
-        ["--heartbeat-interval", str(HEARTBEAT)],
-    )
-    second = tmp_path / "home1"  # a replica's home: a copy of the folder
-    shutil.copytree(first.home, second)
-    procs = [first, ControlProc(second, first.env, first.operator, first.ca_hash)]
-    try:
-        for cp in procs:  # together: the first epoch is joined by both
-            start_serve(cp, ["--cluster", nats.url], wait=False)
-        for cp in procs:
-            wait_serve(cp)
+    with (
+        nats_server(tmp_path / "nats") as nats,
+        serve_replicas(tmp_path, s3_bucket, moto_endpoint, nats, 2, heartbeat=HEARTBEAT) as procs,
+    ):
         yield procs
-    finally:
-        for cp in procs:
-            if cp.process is not None and cp.process.poll() is None:
-                cp.process.send_signal(signal.SIGTERM)
-        for cp in procs:
-            if cp.process is not None:
-                try:
-                    cp.process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    cp.process.kill()
-                    cp.process.wait(timeout=5)
 
 
 def _first_address(data: Path) -> str:
