@@ -45,7 +45,11 @@ from controlplane.integrity.trusted import DeploymentGuard, TrustedStore, open_t
 from controlplane.machines.alive import AliveStamps
 from controlplane.machines.backups import MachineBackups
 from controlplane.machines.fleet import FleetView
-from controlplane.machines.presence import PresenceRegistry, RenewNowNotice
+from controlplane.machines.presence import (
+    PresenceRegistry,
+    RenewNowNotice,
+    ReplicasChangedNotice,
+)
 from controlplane.machines.registry import MachineRegistry
 from controlplane.machines.rosters import AgentRosters
 from controlplane.metrics import ControlMetrics
@@ -728,6 +732,11 @@ async def _join_replicas(
     def gone(replica_id: str) -> None:
         intents.mark_changed()  # its unfinished changes may be ours to finish now
 
+    def added(replica_id: str) -> None:
+        # Machines linked here learn its link address (a fresh welcome lists it).
+        if cp._presence is not None:
+            cp._presence.tell_all(ReplicasChangedNotice())
+
     replica = Replica(
         cluster_servers(cfg.cluster_url),
         home_id,
@@ -739,6 +748,7 @@ async def _join_replicas(
         on_routed=lambda outcome: cp.metrics.cluster_routed.labels(outcome).inc(),
         link_address=link_address,
     )
+    replica.board.on_replica_added = added
     try:
         await replica.start()
     except BaseException:

@@ -57,6 +57,9 @@ class PresenceBoard:
         monotonic: Callable[[], float] = time.monotonic,
         link_address: str = "",
     ) -> None:
+        self.on_replica_added: Callable[[str], None] | None = None
+        """Called with another replica's id when its entry first appears (or
+        reappears after it was taken for gone); not for a refresh."""
         self._replica_id = replica_id
         self._link = link_address
         self._owner = owner
@@ -141,10 +144,13 @@ class PresenceBoard:
                 if self._replicas.pop(rid, None) is not None and self._on_replica_gone:
                     self._on_replica_gone(rid)
                 return
+            added = rid not in self._replicas and rid != self._replica_id
             self._replicas[rid] = (str(data.get("owner", "")), expires)
             link = data.get("link", "")
             # Another replica's word, handed on to machines: only a plain host:port.
             self._links[rid] = link if isinstance(link, str) and _is_hostport(link) else ""
+            if added and self.on_replica_added is not None:
+                self.on_replica_added(rid)
 
     def _machine(
         self, machine_id: str, data: dict[str, object], deleted: bool, expires: float

@@ -45,10 +45,11 @@ next, round-robin, with the same backoff and one WARNING per outage (not one
 per address). The address that answers with a welcome is saved first in the
 record, so the renewals and the backups (:mod:`machine.link.following`, which
 reads the record) follow it, and a restarted daemon starts there. Each
-welcome lists the live replicas' link addresses; the ones the record lacks
-are added after its own (identity.LinkRecord.learning: checked, bounded, none
-of its own dropped), so a machine joined through one replica, or before a
-replica was added, can still move.
+welcome (the first of each stream, and another whenever a replica joins the
+control plane) lists the live replicas' link addresses; the ones the record
+lacks are added after its own (identity.LinkRecord.learning: checked,
+bounded, none of its own dropped), so a machine joined through one replica,
+or before a replica was added, can still move.
 
 Renewal: while a stream is up, :mod:`machine.link.renewal` renews the
 client certificate when it is due or the control plane says ``renew_now``;
@@ -654,6 +655,9 @@ class ControlLink:
                 self._renewal.request()
             elif isinstance(notice, Delivery):
                 await self._deliver(notice, stream)
+            elif isinstance(notice, Welcome):
+                # Sent again when a replica joins: its list names the newcomer.
+                await self._learn_addresses(notice.control_addresses)
             else:
                 logger.debug("control link: ignoring %s", _kind(notice))
 

@@ -475,11 +475,15 @@ def save_certificate(
 
     Each file is replaced atomically; the certificate goes first so that a
     crash in between leaves a newer certificate with an older expiry in
-    ``link.json``, which only makes the next renewal come early.
+    ``link.json``, which only makes the next renewal come early. Link
+    addresses the record on disk gained since ``link`` was read (a welcome
+    listed a new replica meanwhile) are kept.
     """
     keys_dir = data_dir / KEYS_DIR
     write_atomic(keys_dir / CA_CERT, ca_cert_pem)
     write_atomic(keys_dir / TLS_CERT, cert_pem)
+    with contextlib.suppress(InvalidState, IntegrityError):
+        link = link.learning(load_link(data_dir).control_addresses)
     updated = replace(
         link,
         cert_not_after=tls.cert_not_after(cert_pem),

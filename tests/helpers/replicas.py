@@ -21,7 +21,7 @@ from pathlib import Path
 from tests.helpers.control_proc import ControlProc, run_init, s3_env, start_serve, wait_serve
 from tests.helpers.nats_proc import NatsProc
 
-__all__ = ["serve_replicas"]
+__all__ = ["add_replica", "serve_replicas"]
 
 #: Seconds a replica has to drain at teardown before it is killed.
 STOP_DEADLINE = 15.0
@@ -52,10 +52,8 @@ def serve_replicas(
         with (first.home / "config.toml").open("a") as f:
             f.writelines(f"{line}\n" for line in config)
     procs = [first]
-    for i in range(1, count):
-        home = tmp_path / f"home{i}"
-        shutil.copytree(first.home, home)
-        procs.append(ControlProc(home, first.env, first.operator, first.ca_hash))
+    for _ in range(1, count):
+        procs.append(_copy(procs))
     try:
         for cp in procs:  # together: the first epoch is joined by all
             start_serve(cp, ["--cluster", nats.url], wait=False)
@@ -73,3 +71,21 @@ def serve_replicas(
                 except subprocess.TimeoutExpired:
                     cp.process.kill()
                     cp.process.wait(timeout=5)
+
+
+def add_replica(procs: list[ControlProc], nats: NatsProc) -> ControlProc:
+    """One more replica of the running ones' home, serving once this returns;
+    appended to ``procs`` (the list :func:`serve_replicas` yielded), so its
+    teardown stops it too."""
+    cp = _copy(procs)
+    procs.append(cp)
+    start_serve(cp, ["--cluster", nats.url])
+    return cp
+
+
+def _copy(procs: list[ControlProc]) -> ControlProc:
+    """A copy of the first replica's home, beside it (``home<N>``)."""
+    first = procs[0]
+    home = first.home.parent / f"home{len(procs)}"
+    shutil.copytree(first.home, home, ignore=shutil.ignore_patterns("serve.*", "*.log"))
+    return ControlProc(home, first.env, first.operator, first.ca_hash)

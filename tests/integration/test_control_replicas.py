@@ -29,7 +29,7 @@ import pytest
 from shared.errors import InvalidState, NotFound, TransientError
 from tests.helpers.control_proc import ControlProc, join_new_account
 from tests.helpers.machine_proc import run_cli
-from tests.helpers.nats_proc import NatsProc, nats_binary, nats_server
+from tests.helpers.nats_proc import NatsProc, nats_binary
 from tests.helpers.poll import apoll_until
 from tests.helpers.processes import stop_process
 from tests.helpers.replicas import serve_replicas
@@ -44,12 +44,6 @@ WAKE_EVERY = 0.5
 SLOT_LINE = re.compile(r"periodic job (\w+): slot (\d+) runs here")
 #: Every job run under the lease (controlplane/server.py): each once per due time.
 LEASE_JOBS = {"wake", "audit_retention", "alive_stamps"}
-
-
-@pytest.fixture
-def nats(tmp_path: Path) -> Iterator[NatsProc]:
-    with nats_server(tmp_path / "nats") as proc:
-        yield proc
 
 
 @pytest.fixture

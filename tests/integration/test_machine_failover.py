@@ -3,7 +3,8 @@
 Real processes on loopback: moto, nats-server, two ``serve --cluster`` replicas
 of one home, and one ``agents-machine`` joined through the first with one
 ``--link-address``, the first's own: the second's it learns from the join
-reply (every replica publishes its link address in NATS). The first replica is
+reply (every replica publishes its link address in NATS), and a third
+replica started after the join over the live link. The first replica is
 SIGKILLed: within 5 s the machine is linked to the second (its link.json names
 the survivor first, and the survivor lists it online), and a prompt sent
 through the survivor is delivered and acknowledged.
@@ -23,10 +24,10 @@ from machine.link import identity
 from shared.errors import IntegrityError, InvalidState, NotFound
 from tests.helpers.control_proc import ControlProc, join_new_account
 from tests.helpers.machine_proc import run_cli
-from tests.helpers.nats_proc import nats_binary, nats_server
+from tests.helpers.nats_proc import NatsProc, nats_binary
 from tests.helpers.poll import apoll_until
 from tests.helpers.processes import stop_process
-from tests.helpers.replicas import serve_replicas
+from tests.helpers.replicas import add_replica, serve_replicas
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="nats-server not installed")
 
@@ -34,12 +35,18 @@ HEARTBEAT = 0.5
 
 
 @pytest.fixture
-def replicas(tmp_path: Path, s3_bucket: str, moto_endpoint: str) -> Iterator[list[ControlProc]]:
-    with (
-        nats_server(tmp_path / "nats") as nats,
-        serve_replicas(tmp_path, s3_bucket, moto_endpoint, nats, 2, heartbeat=HEARTBEAT) as procs,
-    ):
+def replicas(
+    tmp_path: Path, s3_bucket: str, moto_endpoint: str, nats: NatsProc
+) -> Iterator[list[ControlProc]]:
+    with serve_replicas(tmp_path, s3_bucket, moto_endpoint, nats, 2, heartbeat=HEARTBEAT) as procs:
         yield procs
+
+
+def _addresses(data: Path) -> tuple[str, ...]:
+    try:
+        return identity.load_link(data).control_addresses
+    except (InvalidState, IntegrityError):
+        return ()
 
 
 def _first_address(data: Path) -> str:
@@ -50,7 +57,7 @@ def _first_address(data: Path) -> str:
 
 
 async def test_a_real_machine_moves_to_the_surviving_replica(
-    replicas: list[ControlProc], tmp_path: Path
+    replicas: list[ControlProc], nats: NatsProc, tmp_path: Path
 ) -> None:
     doomed, survivor = replicas
     data = tmp_path / "machine"
@@ -79,6 +86,14 @@ async def test_a_real_machine_moves_to_the_surviving_replica(
         made = run_cli(data, "agent", "create", "r", "--folder", str(tmp_path), "--json")
         assert made.returncode == 0, made.stderr
         agent = json.loads(made.stdout)["agent_id"]
+
+        # A replica started now is learned over the live link (a fresh welcome).
+        later = add_replica(replicas, nats)
+        await apoll_until(
+            lambda: _addresses(data) == (doomed.link, survivor.link, later.link),
+            deadline=10,
+            what="the machine learning the replica started after its join",
+        )
 
         assert doomed.process is not None
         doomed.process.send_signal(signal.SIGKILL)

@@ -56,6 +56,8 @@ def _replica(owner: str, link: object) -> bytes:
 def test_link_addresses_are_the_live_replicas_own_first_bounded_and_checked() -> None:
     now = [100.0]
     board = PresenceBoard("me", "o", 3.0, monotonic=lambda: now[0], link_address="10.0.0.1:7444")
+    added: list[str] = []
+    board.on_replica_added = added.append
     fresh = utc_now()
     assert board.link_addresses(16) == ("10.0.0.1:7444",), "before the watch saw anything"
     board.apply("r.me", _replica("o", "10.0.0.1:7444"), False, fresh)
@@ -67,6 +69,9 @@ def test_link_addresses_are_the_live_replicas_own_first_bounded_and_checked() ->
         board.apply("r.e", _replica("oe", bad), False, fresh)
         assert len(board.link_addresses(16)) == 3, bad
     assert board.link_addresses(16) == ("10.0.0.1:7444", "[::1]:7444", "10.0.0.3:7444")
+    # Each other replica once, when first seen; a refresh is not news.
+    board.apply("r.b", _replica("ob", "10.0.0.3:7444"), False, fresh)
+    assert added == ["b", "a", "c", "d", "e"]
     assert board.link_addresses(2) == ("10.0.0.1:7444", "[::1]:7444")
     board.apply("r.a", None, True, None)  # a withdrew
     assert board.link_addresses(16) == ("10.0.0.1:7444", "10.0.0.3:7444")

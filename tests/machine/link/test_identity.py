@@ -339,6 +339,11 @@ def test_save_certificate_replaces_cert_and_record(ca: tls.CertKey, tmp_path: Pa
     assert updated.machine_id == link.machine_id
     assert _mode(data_dir / "keys" / identity.TLS_CERT) == 0o600
     assert [p.name for p in (data_dir / "keys").iterdir() if p.name.startswith(".")] == []
+    # A replica learned since the renewal read its record is kept.
+    identity.save_link(data_dir, updated.learning(["10.0.0.9:7444"]))
+    again = identity.save_certificate(data_dir, newer.cert_pem, ca.cert_pem, link)
+    assert again.control_addresses == (link.control_address, "10.0.0.9:7444")
+    assert identity.load_link(data_dir) == again
 
 
 async def test_following_clients_follow_a_renewed_certificate(

@@ -27,7 +27,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from machine.link import identity
-from machine.link.client import AccountDeleted, AgentRoster, DeliveryAck, RenewNow, Revoked
+from machine.link.client import (
+    AccountDeleted,
+    AgentRoster,
+    DeliveryAck,
+    RenewNow,
+    Revoked,
+    Welcome,
+)
 from machine.link.connection import ControlLink, Delivery, LinkState
 from machine.link.join import (
     join_control_plane,
@@ -865,6 +872,13 @@ async def test_a_machine_joined_through_one_replica_learns_the_others(
             later,
         )
         assert any(later in r.getMessage() and "learned" in r.getMessage() for r in caplog.records)
+        # A welcome mid-stream (a replica joined the control plane) adds it too.
+        newest = "127.0.0.1:7449"
+        control.streams[0].inbox.put_nowait(
+            Welcome(control.streams[0].machine_id, control.heartbeat_ms / 1000, None, (newest,))
+        )
+        await _until(lambda: newest in identity.load_link(data_dir).control_addresses)
+        assert link.state == LinkState.CONNECTED
         # The next welcome lists nothing new: link.json is not written again.
         written = path.stat().st_mtime_ns
         control.drop(control.streams[0])
