@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Self
 
@@ -44,7 +45,11 @@ from controlplane.integrity.trusted import DeploymentGuard, TrustedStore, open_t
 from controlplane.machines.alive import AliveStamps
 from controlplane.machines.backups import MachineBackups
 from controlplane.machines.fleet import FleetView
-from controlplane.machines.presence import PresenceRegistry, RenewNowNotice
+from controlplane.machines.presence import (
+    PresenceRegistry,
+    RenewNowNotice,
+    ReplicasChangedNotice,
+)
 from controlplane.machines.registry import MachineRegistry
 from controlplane.machines.rosters import AgentRosters
 from controlplane.metrics import ControlMetrics
@@ -87,6 +92,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two counts of offline machines.
 OFFLINE_COUNT_INTERVAL = 60.0
+#: Most link addresses handed to a machine: the most its link.json keeps
+#: (machine.link.identity.MAX_CONTROL_ADDRESSES).
+MAX_CONTROL_ADDRESSES: Final = 16
 #: Largest gRPC message accepted (prompts and segments are chunked below this).
 MAX_MESSAGE_BYTES = LINK_MAX_MESSAGE
 #: The gRPC server's options (bench/bare_link.py serves its floor with the same).
@@ -250,7 +258,9 @@ class ControlPlane:
         if cfg.cluster_url:
             # Before recovery: a live replica's unfinished changes are its own.
             status("starting: joining the other replicas over NATS")
-            self._replica = await _join_replicas(cfg, self.fence.home_id, services.intents, self)
+            self._replica = await _join_replicas(
+                cfg, self.fence.home_id, services.intents, self, self._link_address()
+            )
             presence.set_peers(self._replica)
 
             def changed_elsewhere(machine_id: str) -> None:
@@ -324,6 +334,7 @@ class ControlPlane:
             backups=_machine_backups(trusted, services.machines, services.accounts),
             deliveries=prompts,
             rosters=rosters,
+            control_addresses=self._control_addresses,
         )
         rotation = KeyRotation(
             home=cfg.home,
@@ -370,9 +381,6 @@ class ControlPlane:
         self._offline = asyncio.create_task(
             _count_offline(presence, fleet, self.metrics), name="machines-offline"
         )
-        self._stamps = asyncio.create_task(
-            alive.keep(cfg.presence_write_interval), name="alive-stamps"
-        )
         self._clocks = asyncio.create_task(
             clock_check.run(cfg.clock_check_seconds), name="clock-check"
         )
@@ -385,9 +393,24 @@ class ControlPlane:
         if self._replica is None:
             self._waker = asyncio.create_task(waker.run(), name="schedule-waker")
             self._audit_sweep = asyncio.create_task(retention.run(), name="audit-retention")
+            self._stamps = asyncio.create_task(
+                alive.keep(cfg.presence_write_interval), name="alive-stamps"
+            )
         else:
-            # One replica at a time runs them, once per due time (cluster.lease).
-            await self._start_singletons(self._replica, services.intents, waker, retention)
+            # One replica at a time runs the jobs on shared state, once per due time
+            # (cluster.lease). The self-check's marker and epoch reads and the clock
+            # check stay on every replica: each is this process's own stop condition
+            # or clock; the offline count is a gauge each replica exports.
+            await self._start_singletons(
+                self._replica,
+                services.intents,
+                [
+                    _Job("wake", cfg.wake_check_seconds, "wake", waker.check),
+                    _Job("audit_retention", AUDIT_SWEEP_INTERVAL, "retention", retention.sweep),
+                    # Replicas share the epoch: one stamp per interval says it is alive.
+                    _Job("alive_stamps", cfg.presence_write_interval, "presence", alive.stamp),
+                ],
+            )
 
             async def routed(machine_id: str, kind: str, fields: dict[str, str]) -> bool:
                 if presence.session(machine_id) is None:
@@ -425,6 +448,25 @@ class ControlPlane:
             "serving: public %s, link %s, metrics %s", info["public"], info["link"], metrics_addr
         )
 
+    def _link_address(self) -> str:
+        """The address machines dial this process's link listener at: the advertised
+        host (else the listener's) and the link port; "" when the listener is on
+        every interface and no host is advertised (the machine then uses the
+        host it joined through, as the join reply's empty link_host says)."""
+        lhost, _ = parse_hostport(self.cfg.link_listen, "link_listen")
+        host = self.cfg.advertise_host or lhost
+        if host in ("", "0.0.0.0", "::"):
+            return ""
+        return f"{_bracket(host)}:{self.link_port}"
+
+    def _control_addresses(self) -> tuple[str, ...]:
+        """The link addresses a machine is given at join and each welcome: every
+        live replica's, this one's first (a lone process: its own only)."""
+        if self._replica is not None:
+            return self._replica.link_addresses(MAX_CONTROL_ADDRESSES)
+        own = self._link_address()
+        return (own,) if own else ()
+
     def holds_lease(self) -> bool:
         """Whether this replica runs the periodic jobs now (False for a lone process:
         it runs them without a lease)."""
@@ -436,13 +478,7 @@ class ControlPlane:
             return False
         return await self._route_here(machine_id, kind, fields)
 
-    async def _start_singletons(
-        self,
-        replica: Replica,
-        intents: Intents,
-        waker: ScheduleWaker,
-        retention: AuditRetention,
-    ) -> None:
+    async def _start_singletons(self, replica: Replica, intents: Intents, jobs: list[_Job]) -> None:
         # Imported here: a lone process never loads NATS.
         from controlplane.cluster.lease import LEASE_TTL, JobLease
 
@@ -462,25 +498,11 @@ class ControlPlane:
             on_run=lambda job: metrics.singleton_runs.labels(job).inc(),
         )
         self._lease = lease
-
-        async def wake() -> None:
-            with store_cause("wake"):
-                await waker.check()
-
-        async def sweep() -> None:
-            with store_cause("retention"):
-                await retention.sweep()
-
-        self._cluster_tasks = [
-            asyncio.create_task(lease.run(), name="jobs-lease"),
-            asyncio.create_task(
-                lease.every("wake", self.cfg.wake_check_seconds, wake), name="schedule-waker"
-            ),
-            asyncio.create_task(
-                lease.every("audit_retention", AUDIT_SWEEP_INTERVAL, sweep),
-                name="audit-retention",
-            ),
-        ]
+        self._cluster_tasks = [asyncio.create_task(lease.run(), name="jobs-lease")]
+        for job in jobs:
+            self._cluster_tasks.append(
+                asyncio.create_task(lease.every(job.name, job.period, job.once), name=job.name)
+            )
 
     def _bind(self, keyring: KeyRing) -> grpc.aio.Server:
         """The gRPC server with both listeners bound (not started yet): RuntimeError
@@ -605,6 +627,24 @@ class ControlPlane:
             os.close(lock)
 
 
+@dataclass(frozen=True)
+class _Job:
+    """A periodic job on shared state, run under the replicas' lease."""
+
+    name: str
+    """Its name in the jobs bucket (``done.<name>``) and the singleton_runs label."""
+    period: float
+    """Seconds between two due times."""
+    cause: str
+    """The store-request cause its requests count under."""
+    run: Callable[[], Awaitable[object]]
+    """One run."""
+
+    async def once(self) -> None:
+        with store_cause(self.cause):
+            await self.run()
+
+
 async def _count_offline(
     presence: PresenceRegistry, fleet: FleetView, metrics: ControlMetrics
 ) -> None:
@@ -670,11 +710,17 @@ async def _self_check(
 
 
 async def _join_replicas(
-    cfg: ControlConfig, home_id: str, intents: Intents, cp: ControlPlane
+    cfg: ControlConfig, home_id: str, intents: Intents, cp: ControlPlane, link_address: str
 ) -> Replica:
     """This process as one replica (controlplane.cluster): connected to NATS, with
     every live replica known. Imported here: a lone process never loads NATS."""
     from controlplane.cluster.replica import Replica
+
+    if not link_address:
+        logger.warning(
+            "replica: the link listener is on every interface and advertise_host is not "
+            "set: machines linked to other replicas cannot learn this one's address"
+        )
 
     async def routed(machine_id: str, kind: str, fields: dict[str, str]) -> bool:
         return await cp._routed(machine_id, kind, fields)
@@ -686,6 +732,11 @@ async def _join_replicas(
     def gone(replica_id: str) -> None:
         intents.mark_changed()  # its unfinished changes may be ours to finish now
 
+    def added(replica_id: str) -> None:
+        # Machines linked here learn its link address (a fresh welcome lists it).
+        if cp._presence is not None:
+            cp._presence.tell_all(ReplicasChangedNotice())
+
     replica = Replica(
         cluster_servers(cfg.cluster_url),
         home_id,
@@ -695,7 +746,9 @@ async def _join_replicas(
         on_account_deleted=account_deleted,
         on_replica_gone=gone,
         on_routed=lambda outcome: cp.metrics.cluster_routed.labels(outcome).inc(),
+        link_address=link_address,
     )
+    replica.board.on_replica_added = added
     try:
         await replica.start()
     except BaseException:

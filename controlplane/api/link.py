@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Final
 
 import grpc
@@ -93,6 +93,7 @@ def _encode(notice: LinkNotice) -> link_pb2.ControlMessage:
                 heartbeat_interval_ms=int(notice.heartbeat_interval * 1000),
                 server_time=from_datetime(notice.server_time),
                 machine_id=notice.machine_id,
+                control_addresses=notice.control_addresses,
             )
         )
     if isinstance(notice, RevokedNotice):
@@ -131,6 +132,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         deliveries: DeliveryHooks | None = None,
         rosters: AgentRosters | None = None,
         clock: Clock = _utcnow,
+        control_addresses: Callable[[], tuple[str, ...]] = tuple,
     ) -> None:
         self._pairing = pairing
         self._clock = clock
@@ -150,7 +152,9 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             clock=clock,
             deliveries=deliveries,
             rosters=rosters,
+            control_addresses=control_addresses,
         )
+        self._control_addresses = control_addresses
         self.link_port = link_port
         self.link_host = link_host
 
@@ -181,6 +185,7 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
             certificate_not_after=from_datetime(result.cert.not_after),
             link_port=self.link_port,
             link_host=self.link_host,
+            control_addresses=self._control_addresses(),
         )
 
     async def RenewCertificate(

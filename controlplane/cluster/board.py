@@ -3,9 +3,10 @@
 :class:`~controlplane.cluster.replica.Replica` feeds it each entry its watch of
 the bucket sees (:meth:`PresenceBoard.apply`). Keys (see the replica module):
 ``m.<machine id>`` (who holds the machine's link) and ``r.<replica id>`` (a
-live replica and its intents' owner token). JetStream drops an expired entry
-without telling watchers, so each entry is given its own expiry here (the
-TTL less its age when read) and an entry past it counts as gone.
+live replica, its intents' owner token and the link address machines dial it
+at). JetStream drops an expired entry without telling watchers, so each entry
+is given its own expiry here (the TTL less its age when read) and an entry
+past it counts as gone.
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from controlplane.integrity.records import parse_time
+from shared.config import split_hostport
+from shared.errors import ConfigError
 from shared.timestamps import utc_now
 
-__all__ = ["Holder", "PresenceBoard"]
+__all__ = ["MAX_ADDRESS", "Holder", "PresenceBoard"]
 
 logger = logging.getLogger(__name__)
+
+#: The longest link address handed on (a DNS name of 253 characters and a port).
+MAX_ADDRESS = 261
 
 
 @dataclass(frozen=True)
@@ -49,14 +55,20 @@ class PresenceBoard:
         *,
         on_replica_gone: Callable[[str], None] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        link_address: str = "",
     ) -> None:
+        self.on_replica_added: Callable[[str], None] | None = None
+        """Called with another replica's id when its entry first appears (or
+        reappears after it was taken for gone); not for a refresh."""
         self._replica_id = replica_id
+        self._link = link_address
         self._owner = owner
         self._ttl = ttl
         self._on_replica_gone = on_replica_gone
         self._monotonic = monotonic
         self._holders: dict[str, Holder] = {}
         self._replicas: dict[str, tuple[str, float]] = {}  # id -> (owner, expires)
+        self._links: dict[str, str] = {}  # id -> its link address ("": it names none)
         self.on_machine_changed: Callable[[str], None] | None = None
         """Called with a machine's id when its entry appears, moves to another
         replica or goes (the store's record of it was rewritten there); not for
@@ -76,6 +88,22 @@ class PresenceBoard:
             return None
         return held
 
+    def link_addresses(self, most: int) -> tuple[str, ...]:
+        """The link addresses of the live replicas: this one's first, then the
+        others' in the order of their ids; at most ``most``, repeats and
+        replicas that name none left out."""
+        now = self._monotonic()
+        others = sorted(
+            rid
+            for rid, (_, expires) in self._replicas.items()
+            if rid != self._replica_id and expires > now
+        )
+        out: list[str] = []
+        for link in (self._link, *(self._links.get(rid, "") for rid in others)):
+            if link and link not in out and len(out) < most:
+                out.append(link)
+        return tuple(out)
+
     def owner_alive(self, owner: str) -> bool:
         """Whether a live replica (this one included) owns intents of ``owner``."""
         now = self._monotonic()
@@ -89,6 +117,7 @@ class PresenceBoard:
         for rid, (_, expires) in list(self._replicas.items()):
             if expires <= now and rid != self._replica_id:
                 del self._replicas[rid]
+                self._links.pop(rid, None)
                 logger.warning("replica %s is gone (no refresh within %.1fs)", rid, self._ttl)
                 if self._on_replica_gone is not None:
                     self._on_replica_gone(rid)
@@ -111,10 +140,17 @@ class PresenceBoard:
         elif key.startswith("r."):
             rid = key[2:]
             if deleted:
+                self._links.pop(rid, None)
                 if self._replicas.pop(rid, None) is not None and self._on_replica_gone:
                     self._on_replica_gone(rid)
                 return
+            added = rid not in self._replicas and rid != self._replica_id
             self._replicas[rid] = (str(data.get("owner", "")), expires)
+            link = data.get("link", "")
+            # Another replica's word, handed on to machines: only a plain host:port.
+            self._links[rid] = link if isinstance(link, str) and _is_hostport(link) else ""
+            if added and self.on_replica_added is not None:
+                self.on_replica_added(rid)
 
     def _machine(
         self, machine_id: str, data: dict[str, object], deleted: bool, expires: float
@@ -138,3 +174,13 @@ class PresenceBoard:
             )
         except (KeyError, ValueError, TypeError):
             return
+
+
+def _is_hostport(text: str) -> bool:
+    if len(text) > MAX_ADDRESS or not text.isprintable() or any(c.isspace() for c in text):
+        return False
+    try:
+        split_hostport(text, "link", allow_port_zero=False)
+    except ConfigError:
+        return False
+    return True

@@ -7,9 +7,11 @@ Presence lives in a JetStream KV bucket whose entries expire after
   seen, version and agent count; written when the link opens and again every
   heartbeat interval while it is up, deleted when it ends (unless another
   replica wrote it since: the machine moved).
-- ``r.<replica id>``: a live replica and the owner token of its intents
-  (controlplane.integrity.intents): recovery leaves a live replica's intents
-  alone, and only the lease holder finishes a dead one's.
+- ``r.<replica id>``: a live replica, the owner token of its intents
+  (controlplane.integrity.intents: recovery leaves a live replica's intents
+  alone, and only the lease holder finishes a dead one's) and its link
+  address (``link``: what machines dial; every replica hands the live ones'
+  to its machines at join and at each welcome, so they learn of each other).
 
 Every replica watches the whole bucket (:mod:`controlplane.cluster.board` keeps
 what it saw), so a listing asks no one: a SIGKILLed replica's machines read as
@@ -93,6 +95,7 @@ class Replica:
         on_replica_gone: Callable[[str], None] | None = None,
         on_routed: Callable[[str], None] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        link_address: str = "",
     ) -> None:
         self.servers = servers
         self.replica_id = secrets.token_hex(6)
@@ -100,8 +103,14 @@ class Replica:
         self.ttl = max(MIN_TTL, TTL_HEARTBEATS * heartbeat_interval)
         self._refresh_every = self.ttl / TTL_HEARTBEATS
         self._owner = owner
+        self._link = link_address
         self.board = PresenceBoard(
-            self.replica_id, owner, self.ttl, on_replica_gone=on_replica_gone, monotonic=monotonic
+            self.replica_id,
+            owner,
+            self.ttl,
+            on_replica_gone=on_replica_gone,
+            monotonic=monotonic,
+            link_address=link_address,
         )
         self.router = Router(
             self.name,
@@ -237,6 +246,10 @@ class Replica:
         """Whether a live replica (this one included) owns intents of ``owner``."""
         return self.board.owner_alive(owner)
 
+    def link_addresses(self, most: int) -> tuple[str, ...]:
+        """The live replicas' link addresses, this one's first (board.link_addresses)."""
+        return self.board.link_addresses(most)
+
     def check_connected(self, what: str) -> None:
         """TransientError (UNAVAILABLE) naming NATS unless connected: what other
         replicas know cannot be trusted without it."""
@@ -302,7 +315,7 @@ class Replica:
 
     async def _announce(self) -> None:
         if self._kv is not None:
-            value = {"owner": self._owner}
+            value = {"owner": self._owner, "link": self._link}
             await self._kv.put(f"r.{self.replica_id}", json.dumps(value).encode())
 
     async def _refresh(self) -> None:

@@ -13,7 +13,9 @@ async iterator of its decoded messages, and yields the notices to send it:
 4. The session is registered, then revocation is checked again: a revoke that
    landed between authorisation and registration found no session to close.
 5. :class:`Welcome`, then a renew-now notice when the certificate is due, then
-   whatever the presence registry queues for the machine. The link ends on a
+   whatever the presence registry queues for the machine (a
+   :class:`~controlplane.machines.presence.ReplicasChangedNotice` is sent as
+   a fresh welcome: it lists the replicas' link addresses). The link ends on a
    revoked / account-deleted notice (after a short linger so the machine can
    read it), on a :class:`~controlplane.machines.presence.CloseLink`, after three silent
    heartbeat intervals, or once the certificate it connected with has expired.
@@ -41,6 +43,7 @@ from controlplane.machines.presence import (
     DeliveryNotice,
     PresenceRegistry,
     RenewNowNotice,
+    ReplicasChangedNotice,
     RevokedNotice,
     Session,
 )
@@ -127,6 +130,8 @@ class Welcome:
     """Seconds between the machine's heartbeats."""
     server_time: dt.datetime
     machine_id: str
+    control_addresses: tuple[str, ...] = ()
+    """The live replicas' link addresses (the machine adds those it lacks)."""
 
 
 LinkNotice = Welcome | RenewNowNotice | RevokedNotice | AccountDeletedNotice | DeliveryNotice
@@ -202,6 +207,7 @@ class LinkSessions:
         deliveries: DeliveryHooks | None = None,
         rosters: AgentRosters | None = None,
         current_ca: Callable[[bytes], bool] | None = None,
+        control_addresses: Callable[[], tuple[str, ...]] = tuple,
     ) -> None:
         # A callable follows CA rotations (the daemon passes Pairing's view).
         self._ca_cert_pem = ca_cert_pem if callable(ca_cert_pem) else lambda: ca_cert_pem
@@ -217,6 +223,8 @@ class LinkSessions:
         self._linger = linger
         self._deliveries = deliveries
         self._rosters = rosters
+        # Read at each welcome: replicas come and go while links stay up.
+        self._control_addresses = control_addresses
 
     async def authorize(self, cert_pem: bytes | None) -> AuthorizedPeer:
         """The machine a client certificate names, if it may still act, and its identity.
@@ -235,6 +243,9 @@ class LinkSessions:
             raise Unauthenticated("link: certificate not issued by this control plane") from None
         machine = await self._machines.authorize_peer(peer)
         return AuthorizedPeer(machine, peer, cert_pem)
+
+    def _welcome(self, machine_id: str) -> Welcome:
+        return Welcome(self._heartbeat, self._clock(), machine_id, self._control_addresses())
 
     async def run(
         self, cert_pem: bytes | None, messages: AsyncIterator[MachineMessage]
@@ -277,7 +288,7 @@ class LinkSessions:
         # connection reset, the call cancelled): broken, unless a reason is set below.
         reason = CloseReason.BROKEN.value
         try:
-            yield Welcome(self._heartbeat, self._clock(), machine.machine_id)
+            yield self._welcome(machine.machine_id)
             if tls.needs_renewal(cert_pem, self._renew_threshold):
                 yield RenewNowNotice("certificate nearing expiry")
             elif self._current_ca is not None and not self._current_ca(cert_pem):
@@ -290,6 +301,10 @@ class LinkSessions:
                 if isinstance(item, CloseLink):
                     reason = item.reason.value
                     break
+                if isinstance(item, ReplicasChangedNotice):
+                    # Welcome is the message that lists the replicas' link addresses.
+                    yield self._welcome(machine.machine_id)
+                    continue
                 yield item
                 if isinstance(item, RevokedNotice | AccountDeletedNotice):
                     reason = "revoked" if isinstance(item, RevokedNotice) else "account_deleted"

@@ -57,6 +57,7 @@ __all__ = [
     "Outgoing",
     "PresenceRegistry",
     "RenewNowNotice",
+    "ReplicasChangedNotice",
     "RevokedNotice",
     "Session",
 ]
@@ -83,6 +84,12 @@ class RenewNowNotice:
     """Ask the machine to renew its certificate."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class ReplicasChangedNotice:
+    """A replica joined: the link sends a fresh welcome, which lists every live
+    replica's link address (a machine adds those it lacks; an older one ignores it)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,14 @@ class CloseLink:
     reason: CloseReason
 
 
-Outgoing = RevokedNotice | AccountDeletedNotice | RenewNowNotice | DeliveryNotice | CloseLink
+Outgoing = (
+    RevokedNotice
+    | AccountDeletedNotice
+    | RenewNowNotice
+    | DeliveryNotice
+    | ReplicasChangedNotice
+    | CloseLink
+)
 #: Notices after which the link closes.
 TERMINAL = (RevokedNotice, AccountDeletedNotice, CloseLink)
 
@@ -375,6 +389,13 @@ class PresenceRegistry:
         sessions = list(self._sessions.values())
         for session in sessions:
             session.outbox.put_nowait(CloseLink(reason))
+        return len(sessions)
+
+    def tell_all(self, message: Outgoing) -> int:
+        """Queue ``message`` for every link held here; how many."""
+        sessions = list(self._sessions.values())
+        for session in sessions:
+            session.outbox.put_nowait(message)
         return len(sessions)
 
     def online(self, machine_id: str) -> bool:

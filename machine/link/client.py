@@ -66,6 +66,11 @@ _CHANNEL_OPTIONS: Final = (
 )
 
 
+#: Link addresses taken from a reply or a welcome: no more are ever kept
+#: (machine.link.identity.MAX_CONTROL_ADDRESSES).
+_MOST_LISTED: Final = 16
+
+
 @dataclass(frozen=True)
 class MachineInfo:
     """What a joining machine tells about itself."""
@@ -89,6 +94,9 @@ class JoinReply:
     heartbeat_interval_ms: int
     link_host: str
     link_port: int
+    control_addresses: tuple[str, ...] = ()
+    """Every live replica's link address, as the control plane lists them
+    (unchecked here: identity.LinkRecord.learning checks them)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,8 @@ class Welcome:
     """Seconds; 0 when the control plane names none."""
     server_time: dt.datetime | None = None
     """The control plane's clock as it sent the welcome (None from one that sends none)."""
+    control_addresses: tuple[str, ...] = ()
+    """Every live replica's link address (unchecked here, as in JoinReply)."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +190,7 @@ def _notice(msg: link_pb2.ControlMessage) -> ControlNotice:
             msg.welcome.machine_id,
             msg.welcome.heartbeat_interval_ms / 1000,
             field_datetime(msg.welcome, "server_time"),
+            tuple(msg.welcome.control_addresses[:_MOST_LISTED]),
         )
     if kind == "revoked":
         return Revoked(msg.revoked.reason)
@@ -439,6 +450,7 @@ class LinkClient:
             heartbeat_interval_ms=reply.heartbeat_interval_ms,
             link_host=reply.link_host,
             link_port=reply.link_port,
+            control_addresses=tuple(reply.control_addresses[:_MOST_LISTED]),
         )
 
     async def renew(self, csr_pem: str, *, timeout: float) -> Renewed:

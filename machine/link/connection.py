@@ -44,7 +44,12 @@ one that last worked); a failed attempt or a stream that ended moves it to the
 next, round-robin, with the same backoff and one WARNING per outage (not one
 per address). The address that answers with a welcome is saved first in the
 record, so the renewals and the backups (:mod:`machine.link.following`, which
-reads the record) follow it, and a restarted daemon starts there.
+reads the record) follow it, and a restarted daemon starts there. Each
+welcome (the first of each stream, and another whenever a replica joins the
+control plane) lists the live replicas' link addresses; the ones the record
+lacks are added after its own (identity.LinkRecord.learning: checked,
+bounded, none of its own dropped), so a machine joined through one replica,
+or before a replica was added, can still move.
 
 Renewal: while a stream is up, :mod:`machine.link.renewal` renews the
 client certificate when it is due or the control plane says ``renew_now``;
@@ -523,6 +528,7 @@ class ControlLink:
             self._unconfirmed = None
         self._next_probe = 0.0
         await self._remember_address()
+        await self._learn_addresses(first.control_addresses)
         if first.server_time is not None:
             self._skew.observe(first.server_time, sent, received)
         interval = first.heartbeat_interval or self._link_interval()
@@ -586,6 +592,30 @@ class ControlLink:
             await stream.done_writing()
         await asyncio.wait({reader}, timeout=1.0)
 
+    async def _learn_addresses(self, listed: tuple[str, ...]) -> None:
+        """Add the replicas the welcome lists that link.json lacks (one started since
+        the join, or one the operator did not name), so the link can move to them."""
+        link = self._link
+        if link is None or not listed or link.learning(listed) is link:
+            return
+        # Reread, as _remember_address does: the record on disk is the one to extend.
+        current = await asyncio.to_thread(identity.load_link, self._data_dir)
+        learned = current.learning(listed)
+        self._link = learned
+        if learned is current:
+            return
+        try:
+            await asyncio.to_thread(identity.save_link, self._data_dir, learned)
+        except OSError as e:
+            logger.warning("control link: cannot save the replicas' link addresses: %s", e)
+            return
+        new = [a for a in learned.control_addresses if a not in current.control_addresses]
+        logger.info(
+            "control link: learned link address(es) %s from the control plane",
+            ", ".join(new),
+            extra=self._ids(),
+        )
+
     async def _remember_address(self) -> None:
         """Save the address that welcomed us first in the record (when it is not),
         so the renewals, the backups and the next start use it."""
@@ -625,6 +655,9 @@ class ControlLink:
                 self._renewal.request()
             elif isinstance(notice, Delivery):
                 await self._deliver(notice, stream)
+            elif isinstance(notice, Welcome):
+                # Sent again when a replica joins: its list names the newcomer.
+                await self._learn_addresses(notice.control_addresses)
             else:
                 logger.debug("control link: ignoring %s", _kind(notice))
 

@@ -29,7 +29,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
@@ -109,6 +109,22 @@ _STAGE_MARK: Final = ".join-"
 _MAX_LINK_BYTES: Final = 64 * 1024
 #: Most link addresses a record holds (one per control-plane replica).
 MAX_CONTROL_ADDRESSES: Final = 16
+#: The longest link address kept (a DNS name of 253 characters and a port).
+_MAX_ADDRESS: Final = 261
+
+
+def listed_address(text: str) -> str | None:
+    """A link address as the control plane listed it, in the form the record keeps
+    (``host:port``, ``[v6]:port``); None when it is not one (never dialled)."""
+    if len(text) > _MAX_ADDRESS or not text.isprintable() or any(c.isspace() for c in text):
+        return None
+    try:
+        host, port = split_hostport(text, "control_addresses", allow_port_zero=False)
+    except ConfigError:
+        return None
+    if "," in host or "/" in host or "@" in host:
+        return None
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -168,6 +184,25 @@ class LinkRecord:
         at = addresses.index(address)
         first, *others = addresses[at:] + addresses[:at]
         return replace(self, control_address=first, other_addresses=tuple(others))
+
+    def learning(self, listed: Sequence[str]) -> LinkRecord:
+        """This record with the link addresses the control plane ``listed`` (every
+        live replica's, at join and at each welcome) that it lacks, added after its
+        own: the order kept and none of its own dropped (the ones the operator gave
+        with ``--link-address`` among them); each checked (:func:`listed_address`,
+        the others left out), repeats left out, none past
+        :data:`MAX_CONTROL_ADDRESSES`. The record itself when nothing is new."""
+        known = list(self.control_addresses)
+        for raw in listed[:MAX_CONTROL_ADDRESSES]:
+            address = listed_address(raw)
+            if address is None or address in known:
+                continue
+            if len(known) >= MAX_CONTROL_ADDRESSES:
+                break
+            known.append(address)
+        if len(known) == len(self.control_addresses):
+            return self
+        return replace(self, other_addresses=tuple(known[1:]))
 
     def to_json(self) -> bytes:
         """Serialise as the ``link.json`` document."""
@@ -440,11 +475,15 @@ def save_certificate(
 
     Each file is replaced atomically; the certificate goes first so that a
     crash in between leaves a newer certificate with an older expiry in
-    ``link.json``, which only makes the next renewal come early.
+    ``link.json``, which only makes the next renewal come early. Link
+    addresses the record on disk gained since ``link`` was read (a welcome
+    listed a new replica meanwhile) are kept.
     """
     keys_dir = data_dir / KEYS_DIR
     write_atomic(keys_dir / CA_CERT, ca_cert_pem)
     write_atomic(keys_dir / TLS_CERT, cert_pem)
+    with contextlib.suppress(InvalidState, IntegrityError):
+        link = link.learning(load_link(data_dir).control_addresses)
     updated = replace(
         link,
         cert_not_after=tls.cert_not_after(cert_pem),

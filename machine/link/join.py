@@ -381,7 +381,9 @@ async def join_control_plane(
 
     ``link_addresses`` (checked by :func:`parse_link_addresses`): the link
     addresses of the control plane's other replicas; the record lists them after
-    the one the reply names, and the link moves to them when its replica goes.
+    the one the reply names, then the live replicas the reply lists that are not
+    among them (:meth:`~machine.link.identity.LinkRecord.learning`), and the link
+    moves to them when its replica goes.
 
     ``dial`` opens the channel the token goes over, once the pin check passed
     (the real TLS client; tests pass a fake control plane's).
@@ -451,7 +453,8 @@ async def join_control_plane(
         heartbeat_interval=interval_ms / 1000,
         cert_not_after=tls.cert_not_after(cert_pem),
         cert_received_at=clock(),
-    )
+        # The other replicas the control plane knows of, after the operator's.
+    ).learning(reply.control_addresses)
     if current is not None:
         same = (reply.machine_id, reply.account_id) == (current.machine_id, current.account_id)
         if same == as_new:

@@ -161,7 +161,12 @@ class FakeStream:
         self._record = record
         self._fake.streams.append(record)
         self._inbox.put_nowait(
-            Welcome(record.machine_id, self._fake.heartbeat_ms / 1000, self._fake.clock())
+            Welcome(
+                record.machine_id,
+                self._fake.heartbeat_ms / 1000,
+                self._fake.clock(),
+                self._fake.control_addresses,
+            )
         )
 
     def _live(self) -> Stream:
@@ -382,6 +387,8 @@ class FakeControlPlane:
         self.heartbeat_ms = heartbeat_ms
         self.link_address = link_address
         """Where the mutual-TLS listener is (the join reply names its port)."""
+        self.control_addresses: tuple[str, ...] = ()
+        """The live replicas' link addresses the join reply and each welcome list."""
         self.public_address = ""
         """Where joins go (set by whoever serves the pin check)."""
         self.clock = clock
@@ -532,6 +539,7 @@ class FakeControlPlane:
             heartbeat_interval_ms=self.heartbeat_ms,
             link_host="",  # the join's host, like a control plane on one address
             link_port=int(self.link_address.rpartition(":")[2]),
+            control_addresses=self.control_addresses,
         )
         tamper, self.tamper_join = self.tamper_join, None
         return tamper(reply) if tamper else reply

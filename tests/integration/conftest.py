@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.machine_proc import MachineProc
+from tests.helpers.nats_proc import NatsProc, nats_server
 
 
 @pytest.fixture
@@ -26,3 +27,11 @@ def machine_proc(tmp_path: Path) -> Iterator[Callable[..., MachineProc]]:
     finally:
         for proc in made:
             proc.kill()
+
+
+@pytest.fixture
+def nats(tmp_path: Path) -> Iterator[NatsProc]:
+    """A real nats-server with JetStream (tests.helpers.nats_proc), stopped at
+    teardown; the replicas' tests (tests.helpers.replicas) run on it."""
+    with nats_server(tmp_path / "nats") as proc:
+        yield proc

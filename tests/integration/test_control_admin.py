@@ -157,6 +157,8 @@ async def test_join_tokens_and_isolation(cp: ControlProc) -> None:
     joined_b, _ = await _join(cp, token_b, "b-box")
     assert joined_a.account_id == acct_a and joined_b.account_id == acct_b
     assert joined_a.link_port == int(cp.link.rsplit(":", 1)[1])
+    # A lone process lists its own link address only (replicas list every one).
+    assert list(joined_a.control_addresses) == [cp.link]
     assert tls.identity_from_cert(joined_a.certificate_pem).machine_id == joined_a.machine_id
     mc_a, mc_b = joined_a.machine_id, joined_b.machine_id
 
@@ -345,6 +347,7 @@ async def test_link_foreign_ca_refused_and_revocation(cp: ControlProc) -> None:
         first = await asyncio.wait_for(call.read(), 5)
         assert first.WhichOneof("kind") == "welcome"
         assert first.welcome.machine_id == joined.machine_id
+        assert list(first.welcome.control_addresses) == [cp.link]
 
         # Heartbeat from the welcome on, as a machine does: the control plane marks a
         # silent session offline after 3 missed beats (1.5 s here), less than a CLI

@@ -8,9 +8,9 @@ is acknowledged by it). Admin
 calls through every replica reach every machine; then one replica is
 SIGKILLed: every machine is linked again within 5 s, prompts queued meanwhile
 are delivered once, a deletion started on the killed replica completes, and
-the periodic job ran once per due time across all three. Then NATS stops: each
-replica keeps its own links, and a call that needs the others is UNAVAILABLE
-naming NATS.
+each periodic job under the lease ran once per due time across all three.
+Then NATS stops: each replica keeps its own links, and a call that needs the
+others is UNAVAILABLE naming NATS.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 import signal
-import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -29,18 +27,12 @@ from pathlib import Path
 import pytest
 
 from shared.errors import InvalidState, NotFound, TransientError
-from tests.helpers.control_proc import (
-    ControlProc,
-    join_new_account,
-    run_init,
-    s3_env,
-    start_serve,
-    wait_serve,
-)
+from tests.helpers.control_proc import ControlProc, join_new_account
 from tests.helpers.machine_proc import run_cli
-from tests.helpers.nats_proc import NatsProc, nats_binary, nats_server
+from tests.helpers.nats_proc import NatsProc, nats_binary
 from tests.helpers.poll import apoll_until
 from tests.helpers.processes import stop_process
+from tests.helpers.replicas import serve_replicas
 from tests.helpers.sim_links import SimMachine, join_sim
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="nats-server not installed")
@@ -49,54 +41,37 @@ HEARTBEAT = 0.5
 MACHINES = 30
 #: The wake check's period here (seconds): several due times within the test.
 WAKE_EVERY = 0.5
-SLOT_LINE = re.compile(r"periodic job wake: slot (\d+) runs here")
-
-
-@pytest.fixture
-def nats(tmp_path: Path) -> Iterator[NatsProc]:
-    with nats_server(tmp_path / "nats") as proc:
-        yield proc
+SLOT_LINE = re.compile(r"periodic job (\w+): slot (\d+) runs here")
+#: Every job run under the lease (controlplane/server.py): each once per due time.
+LEASE_JOBS = {"wake", "audit_retention", "alive_stamps"}
 
 
 @pytest.fixture
 def replicas(
     tmp_path: Path, s3_bucket: str, moto_endpoint: str, nats: NatsProc
 ) -> Iterator[list[ControlProc]]:
-    first = run_init(
-        tmp_path / "home0",
-        f"s3://{s3_bucket}/cp",
-        {**s3_env(moto_endpoint), "AGENTS_CONTROL_LOG_LEVEL": "DEBUG"},
-        ["--heartbeat-interval", str(HEARTBEAT)],
-    )
-    with (first.home / "config.toml").open("a") as f:
-        f.write(f"wake_check_seconds = {WAKE_EVERY}\n")
-    procs = [first]
-    for i in (1, 2):  # a replica's home: a copy of the folder (its ports are 0: its own)
-        home = tmp_path / f"home{i}"
-        shutil.copytree(first.home, home)
-        procs.append(ControlProc(home, first.env, first.operator, first.ca_hash))
-    try:
-        for cp in procs:  # together: the first epoch is joined by all
-            start_serve(cp, ["--cluster", nats.url], wait=False)
-        for cp in procs:
-            wait_serve(cp)
+    with serve_replicas(
+        tmp_path,
+        s3_bucket,
+        moto_endpoint,
+        nats,
+        3,
+        heartbeat=HEARTBEAT,
+        env={"AGENTS_CONTROL_LOG_LEVEL": "DEBUG"},
+        config=[f"wake_check_seconds = {WAKE_EVERY}"],
+    ) as procs:
         yield procs
-    finally:
-        for cp in procs:  # all drain at once
-            if cp.process is not None and cp.process.poll() is None:
-                cp.process.send_signal(signal.SIGTERM)
-        for cp in procs:
-            if cp.process is not None:
-                try:
-                    cp.process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    cp.process.kill()
-                    cp.process.wait(timeout=5)
 
 
-def _slots(cp: ControlProc) -> list[int]:
+def _slots(cp: ControlProc, job: str = "wake") -> list[int]:
+    return [slot for name, slot in _runs(cp) if name == job]
+
+
+def _runs(cp: ControlProc) -> list[tuple[str, int]]:
+    """(job, slot) for each periodic job this replica ran under the lease."""
     assert cp.log_path is not None
-    return [int(m) for m in SLOT_LINE.findall(cp.log_path.read_text(errors="replace"))]
+    text = cp.log_path.read_text(errors="replace")
+    return [(job, int(slot)) for job, slot in SLOT_LINE.findall(text)]
 
 
 async def test_three_replicas_one_killed(
@@ -238,14 +213,16 @@ async def test_three_replicas_one_killed(
             assert max(sim.deliveries.values()) == 1, (sim.machine_id, sim.deliveries)
         assert all(s.stopped or not s.linked_to for s in theirs)
 
-        # The wake check ran once per due time, across the three, before and after.
+        # Each periodic job ran once per due time, across the three, before and after
+        # (the wake check's short period gives several; the others' one or two).
         await apoll_until(
             lambda: max(_slots(survivors[0]) + _slots(survivors[1]), default=0) > slot_at_kill + 2,
             deadline=10,
             what="the wake check running after the kill",
         )
-        ran = Counter(slot for cp in replicas for slot in _slots(cp))
-        assert ran and max(ran.values()) == 1, [s for s, n in ran.items() if n > 1]
+        ran = Counter(run for cp in replicas for run in _runs(cp))
+        assert {job for job, _slot in ran} == LEASE_JOBS, ran
+        assert max(ran.values()) == 1, [run for run, n in ran.items() if n > 1]
 
         # NATS gone: each replica keeps its own links; a listing (which needs the
         # others) is UNAVAILABLE naming NATS; a prompt to a machine linked here goes.

@@ -1,8 +1,10 @@
 """A real ``agents-machine`` moves to another control-plane replica when its own goes.
 
 Real processes on loopback: moto, nats-server, two ``serve --cluster`` replicas
-of one home, and one ``agents-machine`` joined through the first with
-``--link-address`` naming the second's link listener. The first replica is
+of one home, and one ``agents-machine`` joined through the first with one
+``--link-address``, the first's own: the second's it learns from the join
+reply (every replica publishes its link address in NATS), and a third
+replica started after the join over the live link. The first replica is
 SIGKILLed: within 5 s the machine is linked to the second (its link.json names
 the survivor first, and the survivor lists it online), and a prompt sent
 through the survivor is delivered and acknowledged.
@@ -11,9 +13,7 @@ through the survivor is delivered and acknowledged.
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,18 +22,12 @@ import pytest
 
 from machine.link import identity
 from shared.errors import IntegrityError, InvalidState, NotFound
-from tests.helpers.control_proc import (
-    ControlProc,
-    join_new_account,
-    run_init,
-    s3_env,
-    start_serve,
-    wait_serve,
-)
+from tests.helpers.control_proc import ControlProc, join_new_account
 from tests.helpers.machine_proc import run_cli
-from tests.helpers.nats_proc import NatsProc, nats_binary, nats_server
+from tests.helpers.nats_proc import NatsProc, nats_binary
 from tests.helpers.poll import apoll_until
 from tests.helpers.processes import stop_process
+from tests.helpers.replicas import add_replica, serve_replicas
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="nats-server not installed")
 
@@ -41,40 +35,18 @@ HEARTBEAT = 0.5
 
 
 @pytest.fixture
-def replicas(tmp_path: Path, s3_bucket: str, moto_endpoint: str) -> Iterator[list[ControlProc]]:
-    with nats_server(tmp_path / "nats") as nats:
-        yield from _replicas(tmp_path, s3_bucket, moto_endpoint, nats)
-
-
-def _replicas(
+def replicas(
     tmp_path: Path, s3_bucket: str, moto_endpoint: str, nats: NatsProc
 ) -> Iterator[list[ControlProc]]:
-    first = run_init(
-        tmp_path / "home0",
-        f"s3://{s3_bucket}/cp",
-        s3_env(moto_endpoint),
-        ["--heartbeat-interval", str(HEARTBEAT)],
-    )
-    second = tmp_path / "home1"  # a replica's home: a copy of the folder
-    shutil.copytree(first.home, second)
-    procs = [first, ControlProc(second, first.env, first.operator, first.ca_hash)]
-    try:
-        for cp in procs:  # together: the first epoch is joined by both
-            start_serve(cp, ["--cluster", nats.url], wait=False)
-        for cp in procs:
-            wait_serve(cp)
+    with serve_replicas(tmp_path, s3_bucket, moto_endpoint, nats, 2, heartbeat=HEARTBEAT) as procs:
         yield procs
-    finally:
-        for cp in procs:
-            if cp.process is not None and cp.process.poll() is None:
-                cp.process.send_signal(signal.SIGTERM)
-        for cp in procs:
-            if cp.process is not None:
-                try:
-                    cp.process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    cp.process.kill()
-                    cp.process.wait(timeout=5)
+
+
+def _addresses(data: Path) -> tuple[str, ...]:
+    try:
+        return identity.load_link(data).control_addresses
+    except (InvalidState, IntegrityError):
+        return ()
 
 
 def _first_address(data: Path) -> str:
@@ -85,7 +57,7 @@ def _first_address(data: Path) -> str:
 
 
 async def test_a_real_machine_moves_to_the_surviving_replica(
-    replicas: list[ControlProc], tmp_path: Path
+    replicas: list[ControlProc], nats: NatsProc, tmp_path: Path
 ) -> None:
     doomed, survivor = replicas
     data = tmp_path / "machine"
@@ -95,7 +67,8 @@ async def test_a_real_machine_moves_to_the_surviving_replica(
         tmp_path / "machine.log",
         github_id=38,
         login="failover",
-        extra=["--link-address", survivor.link],
+        # The operator names no other replica: the join reply does.
+        extra=["--link-address", doomed.link],
     )
     try:
         # Joined through the first replica: its link address first, the other after.
@@ -113,6 +86,14 @@ async def test_a_real_machine_moves_to_the_surviving_replica(
         made = run_cli(data, "agent", "create", "r", "--folder", str(tmp_path), "--json")
         assert made.returncode == 0, made.stderr
         agent = json.loads(made.stdout)["agent_id"]
+
+        # A replica started now is learned over the live link (a fresh welcome).
+        later = add_replica(replicas, nats)
+        await apoll_until(
+            lambda: _addresses(data) == (doomed.link, survivor.link, later.link),
+            deadline=10,
+            what="the machine learning the replica started after its join",
+        )
 
         assert doomed.process is not None
         doomed.process.send_signal(signal.SIGKILL)

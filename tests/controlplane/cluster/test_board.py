@@ -47,3 +47,33 @@ def test_entries_expire_by_their_age_and_a_gone_replica_is_told_once() -> None:
     assert changed[-1] == "m1"
     board.apply("m.bad", b"not json", False, None)
     assert board.holder("bad") is None
+
+
+def _replica(owner: str, link: object) -> bytes:
+    return json.dumps({"owner": owner, "link": link}).encode()
+
+
+def test_link_addresses_are_the_live_replicas_own_first_bounded_and_checked() -> None:
+    now = [100.0]
+    board = PresenceBoard("me", "o", 3.0, monotonic=lambda: now[0], link_address="10.0.0.1:7444")
+    added: list[str] = []
+    board.on_replica_added = added.append
+    fresh = utc_now()
+    assert board.link_addresses(16) == ("10.0.0.1:7444",), "before the watch saw anything"
+    board.apply("r.me", _replica("o", "10.0.0.1:7444"), False, fresh)
+    board.apply("r.b", _replica("ob", "10.0.0.3:7444"), False, fresh)
+    board.apply("r.a", _replica("oa", "[::1]:7444"), False, fresh)
+    board.apply("r.c", _replica("oc", "10.0.0.3:7444"), False, fresh)  # the same as b's
+    board.apply("r.d", _replica("od", ""), False, fresh)  # names none
+    for bad in ("nohost", "h:0", "a b:1", "h:1\n", 7444, "x" * 300 + ":1"):
+        board.apply("r.e", _replica("oe", bad), False, fresh)
+        assert len(board.link_addresses(16)) == 3, bad
+    assert board.link_addresses(16) == ("10.0.0.1:7444", "[::1]:7444", "10.0.0.3:7444")
+    # Each other replica once, when first seen; a refresh is not news.
+    board.apply("r.b", _replica("ob", "10.0.0.3:7444"), False, fresh)
+    assert added == ["b", "a", "c", "d", "e"]
+    assert board.link_addresses(2) == ("10.0.0.1:7444", "[::1]:7444")
+    board.apply("r.a", None, True, None)  # a withdrew
+    assert board.link_addresses(16) == ("10.0.0.1:7444", "10.0.0.3:7444")
+    now[0] += 3.5  # no refresh within the TTL: b, c, d gone
+    assert board.link_addresses(16) == ("10.0.0.1:7444",)

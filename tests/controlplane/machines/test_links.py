@@ -25,7 +25,12 @@ from controlplane.machines.links import (
     Welcome,
 )
 from controlplane.machines.pairing import Pairing
-from controlplane.machines.presence import PresenceRegistry, RenewNowNotice, RevokedNotice
+from controlplane.machines.presence import (
+    PresenceRegistry,
+    RenewNowNotice,
+    ReplicasChangedNotice,
+    RevokedNotice,
+)
 from controlplane.machines.registry import MachineInfo, MachineRegistry
 from controlplane.metrics import ControlMetrics
 from shared import tls
@@ -107,6 +112,36 @@ async def _rest(notices: AsyncIterator[LinkNotice]) -> list[LinkNotice]:
         return [n async for n in notices]
 
     return await asyncio.wait_for(drain(), _PROMPT)
+
+
+async def test_each_welcome_lists_the_replicas_as_they_are_then() -> None:
+    """The first welcome lists the link addresses of the moment; a replica joining
+    (ReplicasChangedNotice, to every link here) sends a fresh welcome with the new list."""
+    w = World()
+    machine_id, pem = await w.join()
+    replicas = ["10.0.0.1:7444"]
+    sessions = LinkSessions(
+        ca_cert_pem=w.ca.cert_pem,
+        machines=w.machines,
+        presence=w.presence,
+        metrics=w.metrics,
+        heartbeat_interval=0.5,
+        renew_threshold=1 / 3,
+        clock=w.clock,
+        linger=0.05,
+        control_addresses=lambda: tuple(replicas),
+    )
+    feed = Feed(Hello("2.0", 0))
+    async with contextlib.aclosing(sessions.run(pem, feed)) as notices:
+        first = await _next(notices)
+        assert isinstance(first, Welcome) and first.control_addresses == ("10.0.0.1:7444",)
+        replicas.append("10.0.0.2:7444")
+        assert w.presence.tell_all(ReplicasChangedNotice()) == 1
+        again = await _next(notices)
+        assert isinstance(again, Welcome) and again.machine_id == machine_id
+        assert again.control_addresses == ("10.0.0.1:7444", "10.0.0.2:7444")
+        feed.queue.put_nowait(None)
+        assert await _rest(notices) == []
 
 
 async def test_anonymous_refused_without_reading() -> None:

@@ -339,6 +339,11 @@ def test_save_certificate_replaces_cert_and_record(ca: tls.CertKey, tmp_path: Pa
     assert updated.machine_id == link.machine_id
     assert _mode(data_dir / "keys" / identity.TLS_CERT) == 0o600
     assert [p.name for p in (data_dir / "keys").iterdir() if p.name.startswith(".")] == []
+    # A replica learned since the renewal read its record is kept.
+    identity.save_link(data_dir, updated.learning(["10.0.0.9:7444"]))
+    again = identity.save_certificate(data_dir, newer.cert_pem, ca.cert_pem, link)
+    assert again.control_addresses == (link.control_address, "10.0.0.9:7444")
+    assert identity.load_link(data_dir) == again
 
 
 async def test_following_clients_follow_a_renewed_certificate(
@@ -416,3 +421,41 @@ async def test_following_clients_follow_the_link_address_that_worked(
     assert await clients.current() is not first
     assert dialled == ["127.0.0.1:7444", "127.0.0.1:7446"]
     await clients.aclose()
+
+
+def test_a_record_learns_the_replicas_the_control_plane_lists(ca: tls.CertKey) -> None:
+    """New addresses go after the record's own (its order and every one of them
+    kept: the operator's --link-address among them); bad ones, repeats and any
+    past the bound are left out; nothing new gives the record itself back."""
+    _, cert, _ = _material(ca)
+    link = _record(cert, other_addresses=("10.0.0.2:7444",))
+    learned = link.learning(
+        [
+            "10.0.0.3:7444",
+            "127.0.0.1:7444",  # its own
+            "::1:7445",  # unbracketed: the last colon is the port's
+            "10.0.0.3:7444",  # twice
+            "nohost",
+            "10.0.0.4:0",
+            "10.0.0.5:99999",
+            "a b:7444",
+            "x" * 300 + ":7444",
+            "evil\n:7444",
+            "",
+        ]
+    )
+    assert learned.control_addresses == (
+        "127.0.0.1:7444",
+        "10.0.0.2:7444",
+        "10.0.0.3:7444",
+        "[::1]:7445",
+    )
+    assert identity.LinkRecord.from_json(learned.to_json()) == learned
+    assert learned.learning(["10.0.0.3:7444", "[::1]:7445"]) is learned
+    assert link.learning([]) is link
+    # Bounded: a record never holds more than the maximum, its own first.
+    flood = [f"10.1.0.{i}:7444" for i in range(100)]
+    full = link.learning(flood)
+    assert len(full.control_addresses) == identity.MAX_CONTROL_ADDRESSES
+    assert full.control_addresses[:2] == link.control_addresses
+    assert full.control_addresses[2:] == tuple(flood[: identity.MAX_CONTROL_ADDRESSES - 2])

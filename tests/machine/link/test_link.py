@@ -27,7 +27,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from machine.link import identity
-from machine.link.client import AccountDeleted, AgentRoster, DeliveryAck, RenewNow, Revoked
+from machine.link.client import (
+    AccountDeleted,
+    AgentRoster,
+    DeliveryAck,
+    RenewNow,
+    Revoked,
+    Welcome,
+)
 from machine.link.connection import ControlLink, Delivery, LinkState
 from machine.link.join import (
     join_control_plane,
@@ -838,6 +845,46 @@ async def test_join_records_the_other_replicas_link_addresses(
     with pytest.raises(InvalidArgument):
         await _join(control, tmp_path / "other", link_addresses=("nohost",))
     assert control.join_calls == calls and not (tmp_path / "other").exists()
+
+
+async def test_a_machine_joined_through_one_replica_learns_the_others(
+    control: FakeControlPlane, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The join reply's list goes into link.json after the operator's addresses;
+    a welcome's list adds a replica started since (saved at once), a bad entry
+    from the control plane is never recorded, and an unchanged list writes nothing."""
+    data_dir = tmp_path / "data"
+    second, third, later = "127.0.0.1:7446", "127.0.0.1:7447", "127.0.0.1:7448"
+    control.control_addresses = (control.link_address, third, "not an address")
+    await _join(control, data_dir, link_addresses=(second,))
+    path = data_dir / identity.LINK_FILE
+    assert identity.load_link(data_dir).control_addresses == (control.link_address, second, third)
+
+    control.control_addresses = (control.link_address, "bad:0", later, third)
+    caplog.set_level(logging.INFO, logger="machine.link.connection")
+    async with _link(control, data_dir, CollectorRegistry()) as link:
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+        await _until(lambda: later in identity.load_link(data_dir).control_addresses)
+        assert identity.load_link(data_dir).control_addresses == (
+            control.link_address,
+            second,
+            third,
+            later,
+        )
+        assert any(later in r.getMessage() and "learned" in r.getMessage() for r in caplog.records)
+        # A welcome mid-stream (a replica joined the control plane) adds it too.
+        newest = "127.0.0.1:7449"
+        control.streams[0].inbox.put_nowait(
+            Welcome(control.streams[0].machine_id, control.heartbeat_ms / 1000, None, (newest,))
+        )
+        await _until(lambda: newest in identity.load_link(data_dir).control_addresses)
+        assert link.state == LinkState.CONNECTED
+        # The next welcome lists nothing new: link.json is not written again.
+        written = path.stat().st_mtime_ns
+        control.drop(control.streams[0])
+        await _until(lambda: len(control.streams) == 2)
+        await link.wait_for_state(LinkState.CONNECTED, timeout=5)
+    assert path.stat().st_mtime_ns == written
 
 
 @pytest.mark.parametrize(

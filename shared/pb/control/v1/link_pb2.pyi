@@ -146,6 +146,7 @@ class JoinResponse(_message.Message):
     CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _builtins.int
     LINK_PORT_FIELD_NUMBER: _builtins.int
     LINK_HOST_FIELD_NUMBER: _builtins.int
+    CONTROL_ADDRESSES_FIELD_NUMBER: _builtins.int
     certificate_pem: _builtins.str
     """PEM client certificate for mutual TLS; encodes machine and account ids."""
     ca_certificate_pem: _builtins.str
@@ -172,6 +173,14 @@ class JoinResponse(_message.Message):
     def certificate_not_after(self) -> _timestamp_pb2.Timestamp:
         """When the client certificate expires."""
 
+    @_builtins.property
+    def control_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The link addresses ("host:port") of every live replica of the control
+        plane, this one's first when it can name it (a lone process: its own
+        only; none when it listens on every interface without an advertised
+        host). At most 16; the machine keeps them after the address above.
+        """
+
     def __init__(
         self,
         *,
@@ -184,10 +193,11 @@ class JoinResponse(_message.Message):
         certificate_not_after: _timestamp_pb2.Timestamp | None = ...,
         link_port: _builtins.int = ...,
         link_host: _builtins.str = ...,
+        control_addresses: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["certificate_not_after", b"certificate_not_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "account_recovery_public_key", b"account_recovery_public_key", "ca_certificate_pem", b"ca_certificate_pem", "certificate_not_after", b"certificate_not_after", "certificate_pem", b"certificate_pem", "heartbeat_interval_ms", b"heartbeat_interval_ms", "link_host", b"link_host", "link_port", b"link_port", "machine_id", b"machine_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "account_recovery_public_key", b"account_recovery_public_key", "ca_certificate_pem", b"ca_certificate_pem", "certificate_not_after", b"certificate_not_after", "certificate_pem", b"certificate_pem", "control_addresses", b"control_addresses", "heartbeat_interval_ms", b"heartbeat_interval_ms", "link_host", b"link_host", "link_port", b"link_port", "machine_id", b"machine_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -470,6 +480,7 @@ class Welcome(_message.Message):
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     SERVER_TIME_FIELD_NUMBER: _builtins.int
     MACHINE_ID_FIELD_NUMBER: _builtins.int
+    CONTROL_ADDRESSES_FIELD_NUMBER: _builtins.int
     heartbeat_interval_ms: _builtins.int
     """The heartbeat interval the machine must keep, in milliseconds."""
     machine_id: _builtins.str
@@ -478,16 +489,24 @@ class Welcome(_message.Message):
     def server_time(self) -> _timestamp_pb2.Timestamp:
         """The control plane's clock, so the machine can warn on skew."""
 
+    @_builtins.property
+    def control_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The link addresses of every live replica, as in JoinResponse: the
+        machine adds the ones it does not know yet to its list (so it learns of
+        a replica started after it joined at its next connect).
+        """
+
     def __init__(
         self,
         *,
         heartbeat_interval_ms: _builtins.int = ...,
         server_time: _timestamp_pb2.Timestamp | None = ...,
         machine_id: _builtins.str = ...,
+        control_addresses: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["server_time", b"server_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "machine_id", b"machine_id", "server_time", b"server_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_addresses", b"control_addresses", "heartbeat_interval_ms", b"heartbeat_interval_ms", "machine_id", b"machine_id", "server_time", b"server_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
