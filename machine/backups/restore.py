@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from machine.backups.reader import FetchedBackup, StoredSegment, stored_chunks
 from machine.backups.transfer import InResult, commit_staged
+from machine.core.agents import ArrivingSettings
 from machine.core.recorder import complete
 from machine.formats.backup import SegmentRef
 from machine.formats.segment_files import open_segment
@@ -78,6 +79,7 @@ async def restore_fetched(
         usage_of.setdefault(str(row.get("agent_id")), []).append(row)
     pack = restored.PackWriter(restored.pack_dir(db), fetched.manifest.backup_id)
     ahead = _DecodeAhead(fetched.stored_agents, fetched.manifest.naming_key, fetched.folder)
+    arriving = ArrivingSettings()
 
     def load_whole(conn: Any, agent_id: str, segment: Path) -> str:
         with open_segment(segment, agent_id) as files:
@@ -89,6 +91,7 @@ async def restore_fetched(
                 runs=runs,
                 index=False,
                 now=queued_at,
+                settings_of=arriving,
             )
 
     def load(conn: Any, agent_id: str) -> str:
@@ -98,7 +101,7 @@ async def restore_fetched(
             record = store_export.parse_record(decoded.record, agent_id)
             if record["agent_id"] != agent_id:
                 return str(record["agent_id"])  # refused by the caller
-            store_export.insert_record(conn, record, agent_id)
+            store_export.insert_record(conn, record, agent_id, settings_of=arriving)
             offset, length = pack.append(decoded.packed)
         restore_pending.queue(
             conn, agent_id, pack.name, offset, length, usage_of.get(agent_id, ()), queued_at
@@ -128,6 +131,7 @@ async def restore_fetched(
             whole=False,
             after_load=after_load,
             before_commit=pack.sync,
+            arriving=arriving,
         )
     )
     try:

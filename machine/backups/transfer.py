@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from machine.core.agents import ArrivingSettings, SettingsNote, portable_settings
 from machine.formats.export import (
     AGENT_FILES,
     OPTIONAL_AGENT_FILES,
@@ -54,6 +55,7 @@ from shared.ids import validate_id
 __all__ = [
     "InResult",
     "SettingDiff",
+    "SettingsNote",
     "settings_differ",
     "commit_staged",
     "export_agents",
@@ -99,6 +101,9 @@ class InResult:
     settings: tuple[SettingDiff, ...] = ()
     """A restore's: the backed-up machine's settings that differ from this one's
     (nothing puts them back: machine.toml is the operator's)."""
+    agent_settings: tuple[SettingsNote, ...] = ()
+    """The agents that came in without all of their runtime settings: values a
+    runtime withheld (secrets), or settings it refused. ``agent configure`` sets them."""
 
 
 # -- out ---------------------------------------------------------------------
@@ -113,7 +118,8 @@ async def _dump(db: Database, agent_id: str, folder: Path) -> dict[str, Any]:
     ensure_private_dir(folder)
     await restored.ensure_loaded(db, agent_id)
     return await db.read(
-        lambda c: store_export.dump_agent(c, agent_id, folder), what=f"export agent {agent_id}"
+        lambda c: store_export.dump_agent(c, agent_id, folder, portable=portable_settings),
+        what=f"export agent {agent_id}",
     )
 
 
@@ -202,9 +208,11 @@ async def commit_staged(
     not_from: frozenset[str] = frozenset(),
     after_load: Callable[[], None] | None = None,
     before_commit: Callable[[], None] | None = None,
+    arriving: ArrivingSettings | None = None,
 ) -> InResult:
     """Skip existing and erased agents, then load the rest and place attachments in
-    one transaction; ``load(conn, agent_id)`` loads one (default: from its folder),
+    one transaction; ``load(conn, agent_id)`` loads one (default: from its folder,
+    its settings through ``arriving``, whose notes the result carries),
     ``start`` is told which agents will be loaded, in order, before the first;
     ``before_commit`` runs last inside the transaction (a restore's pack fsync);
     ``whole`` refuses an attachment a conversation names and the archive lacks
@@ -227,9 +235,12 @@ async def commit_staged(
     loaded_ids: list[str] = []
 
     runs = store_export.usage_by_run(usage)
+    arriving = arriving or ArrivingSettings()
 
     def load_folder(conn: Any, agent_id: str) -> str:
-        return store_export.load_agent(conn, folders[agent_id], runs=runs, not_from=not_from)
+        return store_export.load_agent(
+            conn, folders[agent_id], runs=runs, not_from=not_from, settings_of=arriving
+        )
 
     def commit(conn: Any) -> None:
         # Looked at again inside the transaction: an import or an erasure that
@@ -288,7 +299,13 @@ async def commit_staged(
     logger.info(
         "%s: %d agents in, %d skipped", what, len(loaded_ids), len(folders) - len(loaded_ids)
     )
-    return InResult(tuple(loaded_ids), skipped_existing, skipped_erased, len(sizes))
+    return InResult(
+        tuple(loaded_ids),
+        skipped_existing,
+        skipped_erased,
+        len(sizes),
+        agent_settings=arriving.notes(loaded_ids),
+    )
 
 
 async def _extract_in_thread(archive: Path, stage: Path, limits: ArchiveLimits | None) -> list[str]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 from machine.backups.workers.pool import Answer, Handler, WorkerGone, WorkerPool, processes, serve
+from machine.core.agents import portable_settings
 from machine.formats.backup import SEGMENT_CHUNK, SegmentCompressor, encrypt_segment, segment_key
 from machine.formats.export import AGENT_FILES, OPTIONAL_AGENT_FILES, agent_path
 from machine.storage import restored
@@ -95,7 +96,9 @@ def dump_agent_spooled(
             )
         return contextlib.nullcontext(spools[name])
 
-    store_export.dump_agent_to(conn, agent_id, spool, since_seq=since_seq)
+    store_export.dump_agent_to(
+        conn, agent_id, spool, portable=portable_settings, since_seq=since_seq
+    )
     names = [*AGENT_FILES, *(n for n in OPTIONAL_AGENT_FILES if n in spools)]
     return [(agent_path(agent_id, n), spools[n]) for n in names]
 

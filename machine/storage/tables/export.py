@@ -7,8 +7,15 @@ the conversation's length. Loading inserts an agent and everything it holds
 inside the caller's transaction: a restore or import of many agents commits
 them all at once or none.
 
-Never dumped: the agent's settings (they may name MCP servers and carry
-secrets), its runtime session id, tokens, remembered permission rules.
+The record carries the agent's runtime settings only as its runtime made
+them portable (the caller's ``portable`` hook, :data:`Portable`: an acp
+agent's ``command`` and ``kind``, never its ``env`` values, whose names go in
+``settings_withheld``) and its runtime session id. A load gives them back only
+through the caller's ``settings_of`` hook (:data:`RecordSettings`), which
+checks them with the runtime; without it (and for a record written before
+they were kept) the agent loads with no settings and no session.
+
+Never dumped: settings a runtime withholds, tokens, remembered permission rules.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from shared.timestamps import MAX_SECONDS
 __all__ = [
     "MAX_RECORD",
     "AgentDump",
+    "Portable",
+    "RecordSettings",
     "agent_markers",
     "agents_in_folder",
     "attachments_named",
@@ -176,6 +185,16 @@ def usage_rows_since(
 AgentDump = dict[str, Any]
 """An agent's record.json as a dict."""
 
+Portable = Callable[[str, Mapping[str, Any]], tuple[dict[str, Any], list[str]]]
+"""``(runtime, settings) -> (kept, withheld)``: what of an agent's settings a
+dump writes (``runtime_settings``) and the names of what it leaves out
+(``settings_withheld``); the runtime registry's split, passed in by the caller."""
+
+RecordSettings = Callable[[Mapping[str, Any]], tuple[dict[str, Any], str | None]]
+"""``record -> (settings, session_id)``: the settings and the runtime session an
+agent loaded from its (checked) record gets, checked by the caller with its
+runtime; it never raises for them (a bad one loads as ``({}, None)``)."""
+
 
 def _lines(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
     batch: list[dict[str, Any]] = []
@@ -214,7 +233,9 @@ def _conversation(f: IO[bytes], events: Iterable[Sequence[Any]]) -> None:
     f.write(b"".join(batch))
 
 
-def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDump:
+def dump_agent(
+    conn: sqlite3.Connection, agent_id: str, folder: Path, *, portable: Portable
+) -> AgentDump:
     """Write ``agent_id``'s export files into ``folder``; return its record.
 
     Call it inside one read job: every file then comes from one snapshot.
@@ -223,11 +244,16 @@ def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDu
     def open_file(name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return open(folder / name, "wb")
 
-    return dump_agent_to(conn, agent_id, open_file)
+    return dump_agent_to(conn, agent_id, open_file, portable=portable)
 
 
 def dump_agent_to(
-    conn: sqlite3.Connection, agent_id: str, files: AgentFiles, *, since_seq: int = 0
+    conn: sqlite3.Connection,
+    agent_id: str,
+    files: AgentFiles,
+    *,
+    portable: Portable,
+    since_seq: int = 0,
 ) -> AgentDump:
     """Write ``agent_id``'s export files to ``files(name)`` (opened for writing, in
     :data:`AGENT_FILES` order); return its record. Call it inside one read job.
@@ -238,7 +264,8 @@ def dump_agent_to(
     whole (a tool call started before and ended after is one row, its newest).
     The record and the schedules are whole: they are small, and a delta merged
     onto the agent's earlier files (:mod:`machine.formats.backup_delta`) then
-    gives exactly what a whole dump at the same time gives.
+    gives exactly what a whole dump at the same time gives. ``portable`` splits
+    the agent's settings (:data:`Portable`): only the kept part is written.
     """
     if since_seq < 0:
         raise ValueError("since_seq is a sequence number: 0 or more")
@@ -262,6 +289,10 @@ def dump_agent_to(
         "last_seq": row["last_seq"],
         "attachments": [dict(r) for r in refs],
     }
+    kept, withheld = portable(row["runtime"], json.loads(row["settings_json"]))
+    record["runtime_settings"] = kept
+    record["settings_withheld"] = sorted(withheld)
+    record["session_id"] = row["session_id"]
     with files("record.json") as f:
         f.write(
             json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
@@ -354,6 +385,7 @@ def load_agent(
     runs: Mapping[str, dict[str, Any]] | Iterable[dict[str, Any]] = (),
     index: bool = True,
     not_from: frozenset[str] = frozenset(),
+    settings_of: RecordSettings | None = None,
 ) -> str:
     """Insert the agent dumped in ``folder`` (archived), in the caller's transaction.
 
@@ -377,6 +409,7 @@ def load_agent(
         runs=runs,
         index=index,
         not_from=not_from,
+        settings_of=settings_of,
     )
 
 
@@ -390,6 +423,7 @@ def load_agent_files(
     index: bool = True,
     now: float = 0.0,
     not_from: frozenset[str] = frozenset(),
+    settings_of: RecordSettings | None = None,
 ) -> str:
     """Insert one agent's export files (archived), in the caller's transaction.
 
@@ -403,12 +437,13 @@ def load_agent_files(
     Anything malformed raises InvalidArgument naming the file and line, and
     the caller's transaction rolls back: nothing of the agent is kept. An agent
     whose origin is in ``not_from`` is refused (an import: an agent claiming to
-    be this machine's own would run here once unarchived).
+    be this machine's own would run here once unarchived). ``settings_of``
+    gives the agent its settings and session back (see :func:`insert_record`).
     """
     with files("record.json") as f:
         raw = f.read(MAX_RECORD + 1)
     record = parse_record(raw, label, not_from=not_from)
-    agent_id = insert_record(conn, record, label)
+    agent_id = insert_record(conn, record, label, settings_of=settings_of)
     load_history(conn, agent_id, label, files, runs=runs, optional=optional, index=index, now=now)
     return agent_id
 
@@ -435,23 +470,34 @@ def parse_record(
     return record
 
 
-def insert_record(conn: sqlite3.Connection, record: dict[str, Any], label: str) -> str:
+def insert_record(
+    conn: sqlite3.Connection,
+    record: dict[str, Any],
+    label: str,
+    *,
+    settings_of: RecordSettings | None = None,
+) -> str:
     """Insert an agent (archived) and its attachment references from its checked
     record (:func:`parse_record`), in the caller's transaction; return its id.
 
     ``last_seq`` is the record's until :func:`load_history` loads the conversation.
+    Its settings and runtime session are what ``settings_of`` makes of the
+    record (:data:`RecordSettings`); without it, none.
     """
     agent_id = str(record["agent_id"])
+    settings, session_id = settings_of(record) if settings_of is not None else ({}, None)
     conn.execute(
         "INSERT INTO agents (id, name, folder, runtime, settings_json, state, origin_machine,"
-        " session_id, created_at, updated_at, last_seq) VALUES (?,?,?,?,'{}',?,?,NULL,?,?,?)",
+        " session_id, created_at, updated_at, last_seq) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
         (
             agent_id,
             record["name"],
             record["folder"],
             record["runtime"],
+            json.dumps(settings, sort_keys=True),
             AgentState.ARCHIVED.value,
             record["origin_machine"],
+            session_id,
             record["created_at"],
             record["updated_at"],
             record["last_seq"],
