@@ -193,10 +193,12 @@ def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair, *, first: bool = False) 
         if done.backup_id
         else "the control plane keeps no backup of this machine: nothing to restore"
     )
-    if done.settings:
-        from machine.cli.backup import settings_lines
+    if done.settings or done.agent_settings:
+        from machine.cli.backup import agent_settings_lines, settings_lines
 
-        ctx.out.lines(*settings_lines(done.settings))
+        ctx.out.lines(
+            *settings_lines(done.settings), *agent_settings_lines(ctx.prog, done.agent_settings)
+        )
     if done.backup_id:
         _backup_after_restore(ctx)
 

@@ -26,7 +26,7 @@ import grpc.aio
 from machine.backups.engine import BackupEngine
 from machine.backups.restore import restore_fetched
 from machine.backups.source import DatabaseBackupSource
-from machine.backups.transfer import SettingDiff, settings_differ
+from machine.backups.transfer import SettingDiff, SettingsNote, settings_differ
 from machine.link import identity
 from machine.link.client import LinkClient
 from machine.link.clock import handshake_clock_problem
@@ -198,6 +198,8 @@ class RepairRestore:
     """Newer backups passed over: their manifest was refused (forged, altered)."""
     settings: tuple[SettingDiff, ...] = ()
     """The lost machine's settings that differ from this box's (shown, not applied)."""
+    agent_settings: tuple[SettingsNote, ...] = ()
+    """The agents restored without all of their runtime settings (withheld secrets)."""
 
 
 async def restore_newest(
@@ -283,6 +285,7 @@ async def restore_newest(
         result.attachments,
         tuple(refused),
         differ,
+        result.agent_settings,
     )
 
 
