@@ -131,7 +131,7 @@ def _arrived(ctx: Ctx, head: str, result: InResult) -> list[str]:
         lines.append(f"skipped {len(result.skipped_existing)} already on this machine")
     if result.skipped_erased:
         lines.append(f"skipped {len(result.skipped_erased)} erased")
-    return lines + agent_settings_lines(ctx.prog, result.agent_settings)
+    return [*lines, *agent_settings_lines(ctx.prog, result.agent_settings), *result.sessions]
 
 
 async def backup_now(ctx: Ctx) -> int:

@@ -6,6 +6,8 @@ An agent's settings leave the machine only as its runtime makes them portable
 only as its runtime accepts them (:class:`ArrivingSettings`): a restore or an
 import never fails for an agent's settings, it loads the agent without them
 and says so, and the person sets them again with :meth:`AgentsService.configure`.
+The CLIs' session files travel with them (``machine.runtimes.session_files``,
+re-exported here for the backups, which reach the runtimes through the core).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from typing import Any
 
 from machine.models import AgentRecord, AgentState, MachineIds, SearchHit
 from machine.runtimes import RuntimeRegistry, check_session_id, default_registry
+from machine.runtimes.session_files import (
+    SessionCapture,
+    SessionHomes,
+    SessionRestore,
+    capture_session_files,
+    restore_session_tar,
+)
 from machine.storage import restored, tables
 from machine.storage.db import Database
 from machine.storage.tables import search_backlog
@@ -34,8 +43,13 @@ from shared.ids import new_id, validate_id
 __all__ = [
     "AgentsService",
     "ArrivingSettings",
+    "SessionCapture",
+    "SessionHomes",
+    "SessionRestore",
     "SettingsNote",
+    "capture_session_files",
     "portable_settings",
+    "restore_session_tar",
     "validate_name",
 ]
 

@@ -142,6 +142,7 @@ def in_result_to_pb(result: InResult) -> pb.ImportResponse:
         skipped_erased=result.skipped_erased,
         attachments=result.attachments,
         agent_settings=_notes_to_pb(result.agent_settings),
+        session_notes=result.sessions,
     )
 
 
@@ -157,6 +158,7 @@ def restore_result_to_pb(result: InResult) -> pb.RestoreResponse:
             for d in result.settings
         ],
         agent_settings=_notes_to_pb(result.agent_settings),
+        session_notes=result.sessions,
     )
 
 
@@ -207,6 +209,7 @@ def in_result_from_pb(msg: pb.ImportResponse | pb.RestoreResponse) -> InResult:
         agent_settings=tuple(
             SettingsNote(n.agent_id, tuple(n.withheld), n.problem) for n in msg.agent_settings
         ),
+        sessions=tuple(msg.session_notes),
     )
 
 

@@ -30,7 +30,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from pathlib import Path
 from typing import IO, Any, Final
 
-from machine.formats.export import MAX_LINE, encode_jsonl, load_json, parse_jsonl_line, read_jsonl
+from machine.formats.export import (
+    MAX_LINE,
+    SESSIONS,
+    encode_jsonl,
+    load_json,
+    parse_jsonl_line,
+    read_jsonl,
+)
 from machine.formats.media_types import check_media_type
 from machine.models import AgentState, EventKind
 from machine.storage.tables import search_backlog
@@ -46,6 +53,7 @@ __all__ = [
     "AgentDump",
     "Portable",
     "RecordSettings",
+    "SessionFiles",
     "agent_markers",
     "agents_in_folder",
     "attachments_named",
@@ -189,6 +197,10 @@ Portable = Callable[[str, Mapping[str, Any]], tuple[dict[str, Any], list[str]]]
 """``(runtime, settings) -> (kept, withheld)``: what of an agent's settings a
 dump writes (``runtime_settings``) and the names of what it leaves out
 (``settings_withheld``); the runtime registry's split, passed in by the caller."""
+
+SessionFiles = Callable[[str, bytes], None]
+"""``(agent_id, sessions.tar bytes)``: puts an agent's CLI session files back (the
+caller's: they go under the runtimes' homes, not into machine.db)."""
 
 RecordSettings = Callable[[Mapping[str, Any]], tuple[dict[str, Any], str | None]]
 """``record -> (settings, session_id)``: the settings and the runtime session an
@@ -386,6 +398,7 @@ def load_agent(
     index: bool = True,
     not_from: frozenset[str] = frozenset(),
     settings_of: RecordSettings | None = None,
+    sessions: SessionFiles | None = None,
 ) -> str:
     """Insert the agent dumped in ``folder`` (archived), in the caller's transaction.
 
@@ -410,6 +423,7 @@ def load_agent(
         index=index,
         not_from=not_from,
         settings_of=settings_of,
+        sessions=sessions,
     )
 
 
@@ -424,6 +438,7 @@ def load_agent_files(
     now: float = 0.0,
     not_from: frozenset[str] = frozenset(),
     settings_of: RecordSettings | None = None,
+    sessions: SessionFiles | None = None,
 ) -> str:
     """Insert one agent's export files (archived), in the caller's transaction.
 
@@ -438,13 +453,24 @@ def load_agent_files(
     the caller's transaction rolls back: nothing of the agent is kept. An agent
     whose origin is in ``not_from`` is refused (an import: an agent claiming to
     be this machine's own would run here once unarchived). ``settings_of``
-    gives the agent its settings and session back (see :func:`insert_record`).
+    gives the agent its settings and session back (see :func:`insert_record`),
+    ``sessions`` its CLI session files (without it they are read and dropped).
     """
     with files("record.json") as f:
         raw = f.read(MAX_RECORD + 1)
     record = parse_record(raw, label, not_from=not_from)
     agent_id = insert_record(conn, record, label, settings_of=settings_of)
-    load_history(conn, agent_id, label, files, runs=runs, optional=optional, index=index, now=now)
+    load_history(
+        conn,
+        agent_id,
+        label,
+        files,
+        runs=runs,
+        optional=optional,
+        index=index,
+        now=now,
+        sessions=sessions,
+    )
     return agent_id
 
 
@@ -518,10 +544,12 @@ def load_history(
     optional: OptionalFiles | None = None,
     index: bool = True,
     now: float = 0.0,
+    sessions: SessionFiles | None = None,
 ) -> None:
     """Insert the conversation, runs, summaries, tool log and schedules of
     ``agent_id`` (inserted by :func:`insert_record`) from its export files after
-    ``record.json``, in the caller's transaction (see :func:`load_agent_files`)."""
+    ``record.json``, in the caller's transaction (see :func:`load_agent_files`);
+    its ``sessions.tar`` goes to ``sessions`` (None: read and dropped)."""
     started: dict[str, dict[str, Any]] = {}
     ended: dict[str, tuple[str, dict[str, Any], float]] = {}
     last_seq = 0
@@ -612,6 +640,11 @@ def load_history(
             if found is not None:
                 what = f"{label}/schedules.jsonl"
                 load_schedules(conn, agent_id, read_jsonl(found, what), what)
+        with optional(SESSIONS) as found:
+            if found is not None:
+                data = found.read()
+                if sessions is not None:
+                    sessions(agent_id, data)
     if index:
         search_backlog.index_agent(conn, agent_id)
     else:

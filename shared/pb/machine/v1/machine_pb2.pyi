@@ -1594,6 +1594,7 @@ class ImportResponse(_message.Message):
     SKIPPED_ERASED_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
     AGENT_SETTINGS_FIELD_NUMBER: _builtins.int
+    SESSION_NOTES_FIELD_NUMBER: _builtins.int
     attachments: _builtins.int
     """Attachment files placed."""
     @_builtins.property
@@ -1612,6 +1613,12 @@ class ImportResponse(_message.Message):
     def agent_settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentSettingsNote]:
         """The agents imported without all of their runtime settings."""
 
+    @_builtins.property
+    def session_notes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What putting the agents' CLI session files back said, one line each (a
+        file kept here because it changed after the copy that came in).
+        """
+
     def __init__(
         self,
         *,
@@ -1620,10 +1627,11 @@ class ImportResponse(_message.Message):
         skipped_erased: _abc.Iterable[_builtins.str] | None = ...,
         attachments: _builtins.int = ...,
         agent_settings: _abc.Iterable[Global___AgentSettingsNote] | None = ...,
+        session_notes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_settings", b"agent_settings", "attachments", b"attachments", "imported", b"imported", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_settings", b"agent_settings", "attachments", b"attachments", "imported", b"imported", "session_notes", b"session_notes", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2040,6 +2048,7 @@ class RestoreResponse(_message.Message):
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
     SETTINGS_FIELD_NUMBER: _builtins.int
     AGENT_SETTINGS_FIELD_NUMBER: _builtins.int
+    SESSION_NOTES_FIELD_NUMBER: _builtins.int
     attachments: _builtins.int
     """Attachment files placed."""
     @_builtins.property
@@ -2065,6 +2074,10 @@ class RestoreResponse(_message.Message):
     def agent_settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentSettingsNote]:
         """The agents restored without all of their runtime settings."""
 
+    @_builtins.property
+    def session_notes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """As ImportResponse.session_notes."""
+
     def __init__(
         self,
         *,
@@ -2074,10 +2087,11 @@ class RestoreResponse(_message.Message):
         attachments: _builtins.int = ...,
         settings: _abc.Iterable[Global___SettingDifference] | None = ...,
         agent_settings: _abc.Iterable[Global___AgentSettingsNote] | None = ...,
+        session_notes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_settings", b"agent_settings", "attachments", b"attachments", "restored", b"restored", "settings", b"settings", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_settings", b"agent_settings", "attachments", b"attachments", "restored", b"restored", "session_notes", b"session_notes", "settings", b"settings", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
