@@ -148,8 +148,9 @@ async def make_increment(
     sessions: dict[str, dict[str, str]] = {}
 
     async def write_delta(agent_id: str, out: BinaryIO) -> None:
-        # A session file goes in only when it changed since the chain's copy.
-        known = state.sessions.get(agent_id, {}) if agent_id in state.markers else {}
+        # A session file goes in only when it changed since the chain's copy; a
+        # delta from seq 0 replaces the agent whole (merge_delta): all of them.
+        known = state.sessions.get(agent_id, {}) if bases[agent_id] else {}
         sessions[agent_id] = await source.write_delta(agent_id, bases[agent_id], out, known)
 
     writer = SegmentWriter(
