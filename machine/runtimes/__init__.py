@@ -8,7 +8,8 @@ withheld)`` (:data:`base.PortableSettings`) used when an agent goes into a
 backup or an export, so no secret setting travels: ``echo`` (built in, the
 default) and ``acp``. The ``acp``
 runtime is the package ``acp/`` (imported on first use); ``claude_files`` finds
-the CLIs' session files it deletes.
+the CLIs' session files it deletes, and ``session_files`` carries them in
+backups and exports and puts them back.
 
 May import: ``machine.models``, ``shared``; the rest of the machine drives a
 runtime through ``base.Runtime`` and never the reverse.

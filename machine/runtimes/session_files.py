@@ -155,6 +155,13 @@ def _regular_files(path: Path) -> Iterator[Path]:
                     yield child
 
 
+def _size(file: Path) -> int:
+    try:
+        return file.lstat().st_size
+    except FileNotFoundError:  # the CLI removed it meanwhile
+        return 0
+
+
 def _content(tar_path: str, file: Path) -> tuple[bytes, float] | None:
     """The bytes to carry of ``file`` and its mtime (None: gone, or unreadable)."""
     try:
@@ -190,7 +197,7 @@ def capture_session_files(
     nothing is carried and ``skipped`` says why (logged once, here).
     """
     files = session_tar_files(homes, settings, session_id)
-    total = sum(f.lstat().st_size for _, f in files)
+    total = sum(_size(f) for _, f in files)
     if total > MAX_SESSION_BYTES:
         reason = (
             f"its session files are {total} bytes, over the {MAX_SESSION_BYTES}-byte limit:"
