@@ -83,7 +83,7 @@ async def restore_fetched(
     pack = restored.PackWriter(restored.pack_dir(db), fetched.manifest.backup_id)
     ahead = _DecodeAhead(fetched.stored_agents, fetched.manifest.naming_key, fetched.folder)
     arriving = ArrivingSettings()
-    sessions = ArrivingSessions(homes)
+    sessions = ArrivingSessions(homes, arriving)
 
     def load_whole(conn: Any, agent_id: str, segment: Path) -> str:
         with open_segment(segment, agent_id) as files:

@@ -124,14 +124,21 @@ class ArrivingSessions:
     like the attachments: a crash before the commit leaves only files no agent
     here names. Without ``homes`` they are dropped."""
 
-    def __init__(self, homes: SessionHomes | None) -> None:
+    def __init__(self, homes: SessionHomes | None, settings: ArrivingSettings) -> None:
         self._homes = homes
+        # The session id each agent loaded with: only that session's files come back.
+        self._settings = settings
         self._notes: dict[str, tuple[str, ...]] = {}
 
     def __call__(self, agent_id: str, data: bytes) -> None:
         if self._homes is None:
             return
-        done = restore_session_tar(self._homes, data, f"agent {agent_id}/{SESSIONS}")
+        done = restore_session_tar(
+            self._homes,
+            data,
+            self._settings.session_id(agent_id),
+            f"agent {agent_id}/{SESSIONS}",
+        )
         self._notes[agent_id] = tuple(
             f"{agent_id}: session file {name} changed here since the copy was made: kept"
             for name in done.kept_newer
@@ -295,7 +302,7 @@ async def commit_staged(
 
     runs = store_export.usage_by_run(usage)
     arriving = arriving or ArrivingSettings()
-    sessions = sessions or ArrivingSessions(None)
+    sessions = sessions or ArrivingSessions(None, arriving)
 
     def load_folder(conn: Any, agent_id: str) -> str:
         return store_export.load_agent(
@@ -409,11 +416,13 @@ async def import_archive(
     homes: SessionHomes | None = None,
 ) -> InResult:
     """Import an export ``.tar.gz``: checked whole, then committed whole or not at all.
+    The agents' CLI session files go back under ``homes`` (none: dropped).
 
     An agent whose origin is one of ``own_ids`` (this machine's) is refused: an
     import never brings an agent that could run here.
     """
     ensure_private_dir(staging_dir)
+    arriving = ArrivingSettings()
     stage = Path(tempfile.mkdtemp(dir=staging_dir, prefix=".import-"))
     os.rmdir(stage)  # extract_staged makes it, and removes it on refusal
     try:
@@ -434,7 +443,8 @@ async def import_archive(
             what=f"import {archive.name}",
             not_from=own_ids,
             after_load=after_load,
-            sessions=ArrivingSessions(homes),
+            arriving=arriving,
+            sessions=ArrivingSessions(homes, arriving),
         )
     finally:
         shutil.rmtree(stage, ignore_errors=True)

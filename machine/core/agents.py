@@ -163,6 +163,11 @@ class ArrivingSettings:
     def __init__(self, runtimes: RuntimeRegistry | None = None) -> None:
         self._runtimes = runtimes or _builtin_runtimes()
         self._notes: dict[str, SettingsNote] = {}
+        self._sessions: dict[str, str | None] = {}
+
+    def session_id(self, agent_id: str) -> str | None:
+        """The runtime session ``agent_id`` loaded with (None: none, or not loaded)."""
+        return self._sessions.get(agent_id)
 
     def __call__(self, record: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
         agent_id = str(record["agent_id"])
@@ -193,6 +198,7 @@ class ArrivingSettings:
                 session_id = check_session_id(settings, record["session_id"])
             except InvalidArgument as e:
                 logger.warning("agent %s: runtime session not restored: %s", agent_id, e.reason)
+        self._sessions[agent_id] = session_id
         if withheld or problem:
             self._notes[agent_id] = SettingsNote(agent_id, withheld, problem)
         else:

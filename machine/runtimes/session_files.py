@@ -17,9 +17,11 @@ What is carried, and what never is:
 - a ``.jsonl`` file is cut after its last complete line (a run may be writing it).
 
 Putting them back (:func:`restore_session_tar`) checks every path before it
-writes any: a path that is absolute, holds ``..`` or names another place is
-refused (InvalidArgument naming it); a folder on the way that is a link is
-refused too, so nothing is written outside the CLI's home. Each file is
+writes any: a path that is absolute, holds ``..``, or is not one of the
+places the CLI keeps *that* session's files (so an archive can never write a
+CLI's settings, hooks or another session) is refused (InvalidArgument naming
+it); a folder on the way that is a link is refused too, so nothing is written
+outside the CLI's home. Each file is
 written atomically (temp, fsync, rename, fsync of its folder). An existing
 file with the same bytes is left alone; one changed after the carried copy
 (a newer mtime) is kept, and the result says so; an older one is replaced.
@@ -248,6 +250,28 @@ def _checked_path(name: str, where: str) -> tuple[str, tuple[str, ...]]:
     return parts[0], parts[1:]
 
 
+def _is_session_file(kind: str, parts: tuple[str, ...], sid: str) -> bool:
+    """Whether ``parts`` (under the home of CLI ``kind``) is where that CLI keeps a
+    file of session ``sid`` (:mod:`.claude_files`)."""
+    top, name = parts[0], parts[-1]
+    if kind == "claude":
+        return (
+            (top == "projects" and len(parts) == 3 and name == f"{sid}.jsonl")
+            or (top == "projects" and len(parts) >= 4 and parts[2] == sid)
+            or (
+                top == "todos"
+                and len(parts) == 2
+                and name.startswith(f"{sid}-agent-")
+                and name.endswith(".json")
+            )
+            or (top == "file-history" and len(parts) >= 3 and parts[1] == sid)
+        )
+    in_name = sid in name and name.endswith(".jsonl")
+    return (top == "sessions" and len(parts) == 5 and in_name) or (
+        top == "archived_sessions" and len(parts) == 2 and in_name
+    )
+
+
 def read_session_tar(data: bytes, where: str) -> list[tuple[str, bytes, float]]:
     """(tar path, bytes, mtime) of each file of a ``sessions.tar``, every path
     checked (InvalidArgument naming the first refused) before any is returned."""
@@ -291,11 +315,21 @@ def _folder_inside(home: Path, parts: tuple[str, ...]) -> Path | None:
     return cur
 
 
-def restore_session_tar(homes: SessionHomes, data: bytes, where: str) -> SessionRestore:
-    """Put the files of a ``sessions.tar`` back under the CLIs' homes (see the
-    module doc). InvalidArgument naming a refused path, before anything is
-    written; a CLI whose home this machine does not know is skipped (logged)."""
+def restore_session_tar(
+    homes: SessionHomes, data: bytes, session_id: str | None, where: str
+) -> SessionRestore:
+    """Put the files of a ``sessions.tar`` of session ``session_id`` back under
+    the CLIs' homes (see the module doc). InvalidArgument naming a refused
+    path, before anything is written; a CLI whose home this machine does not
+    know is skipped (logged)."""
     files = read_session_tar(data, where)
+    sid = session_id if session_id and SESSION_ID_PATTERN.fullmatch(session_id) else ""
+    for name, _, _ in files:
+        kind, parts = _checked_path(name, where)
+        if not sid or not _is_session_file(kind, parts, sid):
+            raise InvalidArgument(
+                "archive", f"{where}: {name[:200]!r} is not a file of the agent's session"
+            )
     written: list[str] = []
     unchanged: list[str] = []
     newer: list[str] = []

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import hashlib
+import io
 import json
 import shutil
 import sys
+import tarfile
 from pathlib import Path
+
+import pytest
 
 from machine.app import Machine, open_machine
 from machine.backups.engine import BackupEngine
@@ -19,8 +24,10 @@ from machine.backups.source import DatabaseBackupSource
 from machine.config import MachineConfig
 from machine.core.agents import SessionHomes, SettingsNote
 from machine.storage import tables
+from shared.archive import write_tar_gz
 from shared.backup_target import StoreTarget
 from shared.crypto import BoxKeyPair
+from shared.errors import InvalidArgument
 from shared.store.memory import MemoryStore
 
 SID = "0b7c4a52-5a7e-4a38-9c3e-2f1d7e0f9a11"
@@ -175,3 +182,36 @@ async def test_a_point_and_increments_restore_the_newest_session_files(tmp_path:
             f"projects/-srv/{sid}.jsonl": b'{"turn":1}\n{"turn":2}\n{"turn":3}\n',
             f"todos/{sid}-agent-{sid}.json": b"[]",
         }
+
+
+async def test_an_import_whose_session_files_leave_the_session_is_refused_whole(
+    tmp_path: Path,
+) -> None:
+    """A crafted export (its manifest's hashes made to match) that would write the
+    CLI's own settings: refused naming the path, no agent, no file written."""
+    async with open_machine(_config(tmp_path / "old")) as old:
+        agent_id = await _agent(old, tmp_path)
+        archive, _ = await old.require_handoff().export([agent_id])
+    with tarfile.open(archive) as tar:
+        entries = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}  # type: ignore[union-attr]
+    hostile = io.BytesIO()
+    with tarfile.open(fileobj=hostile, mode="w") as tar:
+        info = tarfile.TarInfo("claude/settings.json")
+        body = b'{"hooks": "run me"}'
+        info.size = len(body)
+        tar.addfile(info, io.BytesIO(body))
+    name = f"agents/{agent_id}/sessions.tar"
+    entries[name] = hostile.getvalue()
+    manifest = json.loads(entries.pop("manifest.json"))
+    manifest["agents"][0]["files"]["sessions.tar"] = hashlib.sha256(entries[name]).hexdigest()
+    crafted = tmp_path / "crafted.tar.gz"
+    write_tar_gz(crafted, [*entries.items(), ("manifest.json", json.dumps(manifest).encode())])
+    async with open_machine(_config(tmp_path / "new")) as new:
+        incoming = new.require_handoff().incoming_file()
+        shutil.copy(crafted, incoming)
+        with pytest.raises(InvalidArgument) as refused:
+            await new.require_handoff().import_file(incoming)
+        assert "'claude/settings.json' is not a file of the agent's session" in str(refused.value)
+        assert await new.agents.list(include_archived=True) == []
+        assert new.config.claude_home is not None
+        assert not (new.config.claude_home / "settings.json").exists()

@@ -104,27 +104,27 @@ def test_over_the_cap_nothing_travels_and_it_says_so(
 def test_files_come_back_byte_equal_under_another_home(tmp_path: Path) -> None:
     data, _ = _capture(_claude_home(tmp_path / "old"))
     new = tmp_path / "new-claude"
-    done = restore_session_tar(SessionHomes(claude=new), data, "agent ag_x/sessions.tar")
+    done = restore_session_tar(SessionHomes(claude=new), data, SID, "agent ag_x/sessions.tar")
     assert len(done.written) == 3 and not done.kept_newer
     for name, body, mtime in read_session_tar(data, "t"):
         path = new / name.removeprefix("claude/")
         assert path.read_bytes() == body
         assert path.stat().st_mtime == mtime
         assert path.stat().st_mode & 0o777 == 0o600
-    again = restore_session_tar(SessionHomes(claude=new), data, "t")
+    again = restore_session_tar(SessionHomes(claude=new), data, SID, "t")
     assert again.written == () and len(again.unchanged) == 3
 
 
 def test_a_file_changed_here_since_is_kept_and_named(tmp_path: Path) -> None:
     data, _ = _capture(_claude_home(tmp_path / "old"))
     new = tmp_path / "new"
-    restore_session_tar(SessionHomes(claude=new), data, "t")
+    restore_session_tar(SessionHomes(claude=new), data, SID, "t")
     newer = new / "projects" / "-srv-demo" / f"{SID}.jsonl"
     newer.write_bytes(b"changed here after\n")
     older = new / "todos" / f"{SID}-agent-{SID}.json"
     older.write_bytes(b"older")
     os.utime(older, (1, 1))
-    done = restore_session_tar(SessionHomes(claude=new), data, "t")
+    done = restore_session_tar(SessionHomes(claude=new), data, SID, "t")
     assert done.kept_newer == (f"claude/projects/-srv-demo/{SID}.jsonl",)
     assert newer.read_bytes() == b"changed here after\n"
     assert older.read_bytes() == b"[]"  # older than the copy: replaced
@@ -149,15 +149,21 @@ def _tar(*entries: tuple[str, bytes]) -> bytes:
         "elsewhere/escape.txt",
         "claude/session-env/x/env",
         "claude/debug/x.txt",
+        # Inside the home, but not a file of this session: never the CLI's own
+        # settings (hooks run commands), nor another session's transcript.
+        "claude/settings.json",
+        f"claude/projects/p/{OTHER}.jsonl",
+        f"claude/todos/{OTHER}-agent-x.json",
+        "codex/config.toml",
     ],
 )
 def test_a_path_leaving_the_home_is_refused_naming_it_before_any_write(
     tmp_path: Path, bad: str
 ) -> None:
     home = tmp_path / "home" / "claude"
-    data = _tar(("claude/projects/p/ok.jsonl", b"ok\n"), (bad, b"x"))
+    data = _tar((f"claude/projects/p/{SID}.jsonl", b"ok\n"), (bad, b"x"))
     with pytest.raises(InvalidArgument) as err:
-        restore_session_tar(SessionHomes(claude=home), data, "agent ag_x/sessions.tar")
+        restore_session_tar(SessionHomes(claude=home), data, SID, "agent ag_x/sessions.tar")
     assert "agent ag_x/sessions.tar" in str(err.value) and bad[:40] in str(err.value)
     assert not home.exists()
     assert not list(tmp_path.rglob("escape.txt"))
@@ -169,19 +175,27 @@ def test_a_link_on_the_way_is_never_followed(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (home / "projects").symlink_to(elsewhere)
-    data = _tar(("claude/projects/p/x.jsonl", b"x\n"))
+    data = _tar((f"claude/projects/p/{SID}.jsonl", b"x\n"))
     with pytest.raises(InvalidArgument, match="would go through a link"):
-        restore_session_tar(SessionHomes(claude=home), data, "t")
+        restore_session_tar(SessionHomes(claude=home), data, SID, "t")
     assert list(elsewhere.iterdir()) == []
     (home / "projects").unlink()
     (home / "projects" / "p").mkdir(parents=True)
-    (home / "projects" / "p" / "x.jsonl").symlink_to(elsewhere / "target")
+    (home / "projects" / "p" / f"{SID}.jsonl").symlink_to(elsewhere / "target")
     with pytest.raises(InvalidArgument, match="is a link or a folder here"):
-        restore_session_tar(SessionHomes(claude=home), data, "t")
+        restore_session_tar(SessionHomes(claude=home), data, SID, "t")
     assert not (elsewhere / "target").exists()
 
 
+def test_without_a_session_id_no_file_comes_back(tmp_path: Path) -> None:
+    data = _tar((f"claude/projects/p/{SID}.jsonl", b"x\n"))
+    for sid in (None, "not-a-uuid"):
+        with pytest.raises(InvalidArgument, match="not a file of the agent's session"):
+            restore_session_tar(SessionHomes(claude=tmp_path / "c"), data, sid, "t")
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_cli_this_machine_has_no_home_for_is_skipped(tmp_path: Path) -> None:
-    data = _tar(("codex/sessions/2026/01/01/rollout-x.jsonl", b"x\n"))
-    done = restore_session_tar(SessionHomes(claude=tmp_path / "c"), data, "t")
+    data = _tar((f"codex/sessions/2026/01/01/rollout-x-{SID}.jsonl", b"x\n"))
+    done = restore_session_tar(SessionHomes(claude=tmp_path / "c"), data, SID, "t")
     assert done.written == ()
