@@ -25,7 +25,7 @@ from machine.backups.handoff import Handoff
 from machine.backups.service import BackupService
 from machine.backups.wiring import backup_times, build_backups, open_backups_from
 from machine.config import MachineConfig
-from machine.core.agents import AgentsService
+from machine.core.agents import AgentsService, SessionHomes
 from machine.core.attachments import AttachmentStore, remove_partial_uploads
 from machine.core.runs import RunEngine
 from machine.core.search_indexer import SearchIndexer
@@ -353,6 +353,7 @@ async def open_machine(
             outgoing=config.outgoing_dir,
             incoming=config.incoming_dir,
             clock=clock,
+            homes=SessionHomes(config.claude_home, config.codex_home),
         )
         backups = await build_backups(config, db, ids, metrics, closing)
         steps.done("backups")

@@ -121,6 +121,12 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
     async def RenameAgent(self, request: pb.RenameAgentRequest, context: Ctx) -> pb.Agent:
         return codec.agent_to_pb(await self._m.agents.rename(request.agent_id, request.name))
 
+    async def UpdateAgentSettings(
+        self, request: pb.UpdateAgentSettingsRequest, context: Ctx
+    ) -> pb.Agent:
+        agent = await self._m.agents.configure(request.agent_id, request.settings_json)
+        return codec.agent_to_pb(agent)
+
     async def ArchiveAgent(self, request: pb.ArchiveAgentRequest, context: Ctx) -> pb.Agent:
         return codec.agent_to_pb(await self._m.agents.archive(request.agent_id))
 

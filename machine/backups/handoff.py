@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Final
 
 from machine.backups.transfer import InResult, export_agents, import_archive
+from machine.core.agents import SessionHomes
 from machine.formats.export import ExportManifest
 from machine.storage.db import Database
 from machine.storage.faults import disk_full_named
@@ -61,8 +62,12 @@ class Handoff:
         clock: Callable[[], float] = time.time,
         own_ids: frozenset[str] = frozenset(),
         after_load: Callable[[], None] | None = None,
+        homes: SessionHomes | None = None,
     ) -> None:
         self._db = db
+        # The CLIs' homes: an export carries its agents' session files, an import
+        # puts them back.
+        self._homes = homes
         self._after_load = after_load  # a test's fault point (machine.backups.transfer)
         self._machine_id = machine_id
         # Every id this machine has had: an import of an agent from one is refused.
@@ -96,6 +101,7 @@ class Handoff:
             machine_id=self._machine_id,
             attachments_dir=self._attachments,
             now=now,
+            homes=self._homes,
         )
         return dest, manifest
 
@@ -126,6 +132,7 @@ class Handoff:
                     erased=self._erased(),
                     own_ids=self._own,
                     after_load=self._after_load,
+                    homes=self._homes,
                 )
         finally:
             self.done(path)

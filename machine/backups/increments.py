@@ -61,6 +61,10 @@ class ChainState:
     markers: dict[str, str] = field(default_factory=dict)
     seqs: dict[str, int] = field(default_factory=dict)
     attachments: set[str] = field(default_factory=set)
+    sessions: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Each agent's CLI session files the chain holds: SHA-256 by path. Unknown
+    after a point (its segments are made apart, maybe in worker processes): the
+    first delta of an agent after a point then carries its files whole."""
 
     @classmethod
     def load(cls, work: Path, target: str) -> ChainState | None:
@@ -73,6 +77,10 @@ class ChainState:
                 {str(k): str(v) for k, v in data["markers"].items()},
                 {str(k): int(v) for k, v in data["seqs"].items()},
                 {str(s) for s in data["attachments"]},
+                {
+                    str(a): {str(p): str(h) for p, h in files.items()}
+                    for a, files in data.get("sessions", {}).items()
+                },
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
@@ -88,6 +96,7 @@ class ChainState:
             "markers": self.markers,
             "seqs": self.seqs,
             "attachments": sorted(self.attachments),
+            "sessions": self.sessions,
         }
         write_atomic(work / _STATE_FILE, json.dumps(data, sort_keys=True).encode())
 
@@ -136,8 +145,13 @@ async def make_increment(
         for a in changed
     }
 
+    sessions: dict[str, dict[str, str]] = {}
+
     async def write_delta(agent_id: str, out: BinaryIO) -> None:
-        await source.write_delta(agent_id, bases[agent_id], out)
+        # A session file goes in only when it changed since the chain's copy; a
+        # delta from seq 0 replaces the agent whole (merge_delta): all of them.
+        known = state.sessions.get(agent_id, {}) if bases[agent_id] else {}
+        sessions[agent_id] = await source.write_delta(agent_id, bases[agent_id], out, known)
 
     writer = SegmentWriter(
         write_delta, target, naming_key=naming_key, work_dir=stage, tick=lambda _: None, ask=False
@@ -170,11 +184,13 @@ async def make_increment(
         {a: m for a, m in state.markers.items() if a not in removed},
         {a: s for a, s in state.seqs.items() if a not in removed},
         {*state.attachments, *(r.ref for r in refs if r.kind == "attachment")},
+        {a: h for a, h in state.sessions.items() if a not in removed},
     )
     for a in changed:
         if a.agent_id in delta_agents:
             after.markers[a.agent_id] = a.marker
             after.seqs[a.agent_id] = a.last_seq
+            after.sessions[a.agent_id] = sessions.get(a.agent_id, {})
     return IncrementMade(
         manifest, [r.name for r in refs], after, written.uploaded, written.uploaded_bytes
     )

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any, Final
 
 from machine.backups.reader import FetchedBackup, StoredSegment, stored_chunks
-from machine.backups.transfer import InResult, commit_staged
+from machine.backups.transfer import ArrivingSessions, InResult, commit_staged
+from machine.core.agents import ArrivingSettings, SessionHomes
 from machine.core.recorder import complete
 from machine.formats.backup import SegmentRef
+from machine.formats.export import SESSIONS
 from machine.formats.segment_files import open_segment
 from machine.storage import restored
 from machine.storage.db import Database
@@ -62,6 +64,7 @@ async def restore_fetched(
     now: float | None = None,
     after_load: Callable[[], None] | None = None,
     in_commit: Callable[[Any], None] | None = None,
+    homes: SessionHomes | None = None,
 ) -> InResult:
     """Restore a fetched backup's agents (archived), skipping existing and erased ones.
 
@@ -73,6 +76,7 @@ async def restore_fetched(
     with where its history lies; histories are loaded into machine.db after the
     commit (then indexed for search), or at once for an agent someone reads.
     Segments fetched decoded (``fetch(decode_agents=True)``) are loaded whole.
+    The agents' CLI session files go back under ``homes`` (none: dropped).
     """
     queued_at = time.time() if now is None else now
     usage = fetched.manifest.usage
@@ -82,6 +86,8 @@ async def restore_fetched(
         usage_of.setdefault(str(row.get("agent_id")), []).append(row)
     pack = restored.PackWriter(restored.pack_dir(db), fetched.manifest.backup_id)
     ahead = _DecodeAhead(fetched.stored_agents, fetched.manifest.naming_key, fetched.folder)
+    arriving = ArrivingSettings()
+    sessions = ArrivingSessions(homes, arriving)
 
     def load_whole(conn: Any, agent_id: str, segment: Path) -> str:
         with open_segment(segment, agent_id) as files:
@@ -93,6 +99,8 @@ async def restore_fetched(
                 runs=runs,
                 index=False,
                 now=queued_at,
+                settings_of=arriving,
+                sessions=sessions,
             )
 
     def load(conn: Any, agent_id: str) -> str:
@@ -102,7 +110,9 @@ async def restore_fetched(
             record = store_export.parse_record(decoded.record, agent_id)
             if record["agent_id"] != agent_id:
                 return str(record["agent_id"])  # refused by the caller
-            store_export.insert_record(conn, record, agent_id)
+            store_export.insert_record(conn, record, agent_id, settings_of=arriving)
+            if decoded.sessions is not None:
+                sessions(agent_id, decoded.sessions)
             offset, length = pack.append(decoded.packed)
         restore_pending.queue(
             conn, agent_id, pack.name, offset, length, usage_of.get(agent_id, ()), queued_at
@@ -133,6 +143,8 @@ async def restore_fetched(
             after_load=after_load,
             before_commit=pack.sync,
             in_commit=in_commit,
+            arriving=arriving,
+            sessions=sessions,
         )
     )
     try:
@@ -158,6 +170,8 @@ class _Decoded:
 
     packed: _Spool
     record: bytes
+    sessions: bytes | None = None
+    """Its ``sessions.tar``, if any: put back when the record is inserted."""
 
     def __enter__(self) -> _Decoded:
         return self
@@ -202,12 +216,15 @@ class _DecodeAhead:
     def _decode(self, agent_id: str) -> _Decoded:
         ref, stored = self._segments[agent_id]
         out = _spool(self._work)
+        kept: dict[str, bytes] = {}
         try:
-            record = restored.decode_for_pack(ref, self._key, stored_chunks(stored), out, agent_id)
+            record = restored.decode_for_pack(
+                ref, self._key, stored_chunks(stored), out, agent_id, kept
+            )
         except BaseException:
             out.close()
             raise
-        return _Decoded(out, record)
+        return _Decoded(out, record, kept.get(SESSIONS))
 
     def take(self, agent_id: str) -> _Decoded:
         """The agent's checked segment (close it after packing)."""

@@ -40,6 +40,7 @@ from machine.backups.reader import VerifyResult
 from machine.backups.restore import restore_fetched
 from machine.backups.source import DatabaseBackupSource
 from machine.backups.transfer import InResult, settings_differ
+from machine.core.agents import SessionHomes
 from machine.formats.backup import BackupManifest
 from machine.storage.db import Database
 from machine.storage.tables import erasures as store_erasures
@@ -195,9 +196,13 @@ class BackupService:
         after_load: Callable[[], None] | None = None,
         settings: Mapping[str, str] | None = None,
         interval: float | None = None,
+        homes: SessionHomes | None = None,
     ) -> None:
-        """``interval``: seconds between continuous backups' increments (None: daily only)."""
+        """``interval``: seconds between continuous backups' increments (None: daily
+        only); ``homes``: the CLIs' homes, whose agents' session files backups carry
+        and restores put back."""
         self._db = db
+        self._homes = homes
         # The machine's non-secret settings: each backup carries them, and a
         # restore names those of the backup that differ (MachineConfig.backup_settings).
         self._settings = dict(settings or {})
@@ -232,7 +237,9 @@ class BackupService:
         folder of another machine, for restore and verify); ``mend``: the
         machine's own engine (see :class:`BackupEngine`)."""
         return BackupEngine(
-            DatabaseBackupSource(self._db, self._attachments, self._work, self._settings),
+            DatabaseBackupSource(
+                self._db, self._attachments, self._work, self._settings, self._homes
+            ),
             target,
             machine_id=machine_id,
             naming_key=self._keys.naming_key,
@@ -417,6 +424,7 @@ class BackupService:
                 erased=erased or set(),
                 after_load=self._after_load,
                 in_commit=in_commit,
+                homes=self._homes,
             )
             differ = settings_differ(fetched.manifest.settings, self._settings)
         finally:

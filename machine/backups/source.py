@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Protocol
 from machine.backups.workers import segment_workers
 from machine.backups.workers.segment_workers import SegmentWorkers, dump_agent_spooled
 from machine.backups.writer import SegmentMaker
+from machine.core.agents import SessionHomes
 from machine.storage import restored
 from machine.storage.db import Database
 from machine.storage.tables import erasures as store_erasures
@@ -57,9 +58,13 @@ class BackupSource(Protocol):
         """Write the agent's plaintext segment (export-format tar) to ``out``."""
         ...
 
-    async def write_delta(self, agent_id: str, since_seq: int, out: BinaryIO) -> None:
+    async def write_delta(
+        self, agent_id: str, since_seq: int, out: BinaryIO, known: Mapping[str, str]
+    ) -> dict[str, str]:
         """Write the agent's delta segment after event ``since_seq`` (an increment's:
-        :mod:`machine.formats.backup_delta`) to ``out``; NotFound when it is gone."""
+        :mod:`machine.formats.backup_delta`) to ``out``; NotFound when it is gone.
+        Its CLI session files go in only where their SHA-256 differs from ``known``
+        (the chain's, by path); returns the hashes of all of them now."""
         ...
 
     async def usage_since(self, bases: dict[str, int]) -> list[dict[str, Any]]:
@@ -101,10 +106,13 @@ class DatabaseBackupSource:
         attachments_dir: Path,
         work_dir: Path,
         settings: Mapping[str, str] | None = None,
+        homes: SessionHomes | None = None,
     ) -> None:
         self._db = db
         self._attachments = attachments_dir
         self._work = work_dir
+        # The CLIs' homes, whose session files of each agent a backup carries.
+        self._homes = homes
         # The machine's non-secret settings (MachineConfig.backup_settings).
         self._settings = dict(settings or {})
 
@@ -127,24 +135,35 @@ class DatabaseBackupSource:
             return
         ensure_private_dir(self._work)
         with contextlib.ExitStack() as stack:
-            entries = await self._db.read(
-                lambda c: dump_agent_spooled(c, agent_id, stack, self._work),
+            entries, _ = await self._db.read(
+                lambda c: dump_agent_spooled(c, agent_id, stack, self._work, homes=self._homes),
                 what=f"back up agent {agent_id}",
             )
             # The tar goes to ``out`` in a worker thread: a backup's ``out``
             # hashes and compresses what it is given (machine.backups.writer).
             await asyncio.to_thread(write_tar, out, entries)
 
-    async def write_delta(self, agent_id: str, since_seq: int, out: BinaryIO) -> None:
+    async def write_delta(
+        self, agent_id: str, since_seq: int, out: BinaryIO, known: Mapping[str, str]
+    ) -> dict[str, str]:
         # An agent is listed after its restored history loaded (agents()); the
         # delta is from machine.db, as a whole segment is.
         ensure_private_dir(self._work)
         with contextlib.ExitStack() as stack:
-            entries = await self._db.read(
-                lambda c: dump_agent_spooled(c, agent_id, stack, self._work, since_seq=since_seq),
+            entries, captured = await self._db.read(
+                lambda c: dump_agent_spooled(
+                    c,
+                    agent_id,
+                    stack,
+                    self._work,
+                    since_seq=since_seq,
+                    homes=self._homes,
+                    known=known,
+                ),
                 what=f"back up the changes of agent {agent_id}",
             )
             await asyncio.to_thread(write_tar, out, entries)
+        return captured.hashes
 
     async def usage_since(self, bases: dict[str, int]) -> list[dict[str, Any]]:
         def rows(conn: Any) -> list[dict[str, Any]]:
@@ -166,6 +185,7 @@ class DatabaseBackupSource:
             work_dir=work_dir,
             count=segment_workers.processes(),
             pack_folder=pack_folder,
+            homes=self._homes,
         )
 
     async def attachments(self) -> list[tuple[str, Path]]:

@@ -31,9 +31,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from machine.core.agents import (
+    ArrivingSettings,
+    SessionHomes,
+    SettingsNote,
+    capture_session_files,
+    portable_settings,
+    restore_session_tar,
+)
 from machine.formats.export import (
     AGENT_FILES,
     OPTIONAL_AGENT_FILES,
+    SESSIONS,
     AgentEntry,
     ExportManifest,
     accept_path,
@@ -52,8 +61,10 @@ from shared.errors import IntegrityError, InvalidArgument
 from shared.ids import validate_id
 
 __all__ = [
+    "ArrivingSessions",
     "InResult",
     "SettingDiff",
+    "SettingsNote",
     "settings_differ",
     "commit_staged",
     "export_agents",
@@ -99,6 +110,43 @@ class InResult:
     settings: tuple[SettingDiff, ...] = ()
     """A restore's: the backed-up machine's settings that differ from this one's
     (nothing puts them back: machine.toml is the operator's)."""
+    agent_settings: tuple[SettingsNote, ...] = ()
+    """The agents that came in without all of their runtime settings: values a
+    runtime withheld (secrets), or settings it refused. ``agent configure`` sets them."""
+    sessions: tuple[str, ...] = ()
+    """What putting the agents' CLI session files back said: a file kept here
+    because it changed after the copy that came in, one line each."""
+
+
+class ArrivingSessions:
+    """Puts the CLI session files of the agents that come in back under the CLIs'
+    homes (``machine.runtimes.session_files``), inside the commit's transaction
+    like the attachments: a crash before the commit leaves only files no agent
+    here names. Without ``homes`` they are dropped."""
+
+    def __init__(self, homes: SessionHomes | None, settings: ArrivingSettings) -> None:
+        self._homes = homes
+        # The session id each agent loaded with: only that session's files come back.
+        self._settings = settings
+        self._notes: dict[str, tuple[str, ...]] = {}
+
+    def __call__(self, agent_id: str, data: bytes) -> None:
+        if self._homes is None:
+            return
+        done = restore_session_tar(
+            self._homes,
+            data,
+            self._settings.session_id(agent_id),
+            f"agent {agent_id}/{SESSIONS}",
+        )
+        self._notes[agent_id] = tuple(
+            f"{agent_id}: session file {name} changed here since the copy was made: kept"
+            for name in done.kept_newer
+        )
+
+    def notes(self, agent_ids: Iterable[str]) -> tuple[str, ...]:
+        """What came back for ``agent_ids`` that a person should know, one line each."""
+        return tuple(line for a in agent_ids for line in self._notes.get(a, ()))
 
 
 # -- out ---------------------------------------------------------------------
@@ -109,12 +157,33 @@ def _agent_files(folder: Path) -> list[str]:
     return [*AGENT_FILES, *(n for n in OPTIONAL_AGENT_FILES if (folder / n).is_file())]
 
 
-async def _dump(db: Database, agent_id: str, folder: Path) -> dict[str, Any]:
+async def _dump(
+    db: Database, agent_id: str, folder: Path, homes: SessionHomes | None
+) -> dict[str, Any]:
     ensure_private_dir(folder)
     await restored.ensure_loaded(db, agent_id)
-    return await db.read(
-        lambda c: store_export.dump_agent(c, agent_id, folder), what=f"export agent {agent_id}"
+    record = await db.read(
+        lambda c: store_export.dump_agent(c, agent_id, folder, portable=portable_settings),
+        what=f"export agent {agent_id}",
     )
+    if homes is not None:
+        await asyncio.to_thread(_dump_sessions, homes, record, folder / SESSIONS)
+    return record
+
+
+def _dump_sessions(homes: SessionHomes, record: dict[str, Any], path: Path) -> None:
+    """The agent's CLI session files as ``sessions.tar`` (none: no file)."""
+    with open(path, "wb") as f:
+        capture_session_files(
+            homes,
+            record["runtime_settings"],
+            record["session_id"],
+            f,
+            label=str(record["agent_id"]),
+        )
+        empty = f.tell() == 0
+    if empty:
+        path.unlink()
 
 
 async def export_agents(
@@ -125,6 +194,7 @@ async def export_agents(
     machine_id: str,
     attachments_dir: Path,
     now: float,
+    homes: SessionHomes | None = None,
 ) -> ExportManifest:
     """Write the agents to the ``.tar.gz`` ``dest`` (whole or absent); return its manifest."""
     ids = [validate_id("agent", a, "agent_id") for a in agent_ids]
@@ -138,7 +208,7 @@ async def export_agents(
         shas: set[str] = set()
         for agent_id in ids:
             folder = work / agent_id
-            record = await _dump(db, agent_id, folder)
+            record = await _dump(db, agent_id, folder, homes)
             names = _agent_files(folder)
             files = {name: file_sha256(folder / name) for name in names}
             mine = sorted({a["sha256"] for a in record["attachments"]})
@@ -203,9 +273,13 @@ async def commit_staged(
     after_load: Callable[[], None] | None = None,
     before_commit: Callable[[], None] | None = None,
     in_commit: Callable[[Any], None] | None = None,
+    arriving: ArrivingSettings | None = None,
+    sessions: ArrivingSessions | None = None,
 ) -> InResult:
     """Skip existing and erased agents, then load the rest and place attachments in
-    one transaction; ``load(conn, agent_id)`` loads one (default: from its folder),
+    one transaction; ``load(conn, agent_id)`` loads one (default: from its folder,
+    its settings through ``arriving`` and its session files through ``sessions``,
+    whose notes the result carries),
     ``start`` is told which agents will be loaded, in order, before the first;
     ``in_commit(conn)`` runs first inside the transaction, its writes committed
     with the agents (a take-over's adopted machine id) and its refusal rolling
@@ -230,9 +304,18 @@ async def commit_staged(
     loaded_ids: list[str] = []
 
     runs = store_export.usage_by_run(usage)
+    arriving = arriving or ArrivingSettings()
+    sessions = sessions or ArrivingSessions(None, arriving)
 
     def load_folder(conn: Any, agent_id: str) -> str:
-        return store_export.load_agent(conn, folders[agent_id], runs=runs, not_from=not_from)
+        return store_export.load_agent(
+            conn,
+            folders[agent_id],
+            runs=runs,
+            not_from=not_from,
+            settings_of=arriving,
+            sessions=sessions,
+        )
 
     def commit(conn: Any) -> None:
         if in_commit is not None:
@@ -293,7 +376,14 @@ async def commit_staged(
     logger.info(
         "%s: %d agents in, %d skipped", what, len(loaded_ids), len(folders) - len(loaded_ids)
     )
-    return InResult(tuple(loaded_ids), skipped_existing, skipped_erased, len(sizes))
+    return InResult(
+        tuple(loaded_ids),
+        skipped_existing,
+        skipped_erased,
+        len(sizes),
+        agent_settings=arriving.notes(loaded_ids),
+        sessions=sessions.notes(loaded_ids),
+    )
 
 
 async def _extract_in_thread(archive: Path, stage: Path, limits: ArchiveLimits | None) -> list[str]:
@@ -328,13 +418,16 @@ async def import_archive(
     limits: ArchiveLimits | None = None,
     own_ids: frozenset[str] = frozenset(),
     after_load: Callable[[], None] | None = None,
+    homes: SessionHomes | None = None,
 ) -> InResult:
     """Import an export ``.tar.gz``: checked whole, then committed whole or not at all.
+    The agents' CLI session files go back under ``homes`` (none: dropped).
 
     An agent whose origin is one of ``own_ids`` (this machine's) is refused: an
     import never brings an agent that could run here.
     """
     ensure_private_dir(staging_dir)
+    arriving = ArrivingSettings()
     stage = Path(tempfile.mkdtemp(dir=staging_dir, prefix=".import-"))
     os.rmdir(stage)  # extract_staged makes it, and removes it on refusal
     try:
@@ -355,6 +448,8 @@ async def import_archive(
             what=f"import {archive.name}",
             not_from=own_ids,
             after_load=after_load,
+            arriving=arriving,
+            sessions=ArrivingSessions(homes, arriving),
         )
     finally:
         shutil.rmtree(stage, ignore_errors=True)

@@ -35,6 +35,7 @@ from machine.backups.targets.folder import (
     open_backup_folder,
     record_backup_owner,
 )
+from machine.core.agents import SessionHomes
 from machine.link import identity
 from machine.link.deliveries import crash_after
 from machine.link.following import FollowingLinkClients
@@ -62,6 +63,16 @@ logger = logging.getLogger(__name__)
 
 class BackupSettings(Protocol):
     """The machine settings backups are built from (``MachineConfig`` has them all)."""
+
+    @property
+    def claude_home(self) -> Path | None:
+        """Claude Code's folder (its agents' session files travel in backups)."""
+        ...
+
+    @property
+    def codex_home(self) -> Path | None:
+        """Codex's folder, as ``claude_home``."""
+        ...
 
     @property
     def data_dir(self) -> Path:
@@ -276,6 +287,7 @@ async def build_backups(
         after_load=crash_after(config.crash_in_transfer_after, "agents loaded in a transfer"),
         settings=config.backup_settings(),
         interval=continuous_interval(config, target),
+        homes=SessionHomes(config.claude_home, config.codex_home),
     )
     await asyncio.to_thread(service.sweep_stale)
     try:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from machine.backups.engine import BackupResult
     from machine.backups.targets.control_plane import RepairRestore
     from machine.config import MachineConfig
+    from machine.core.agents import SessionHomes
 
 __all__ = ["backup_after_repair", "restore_after_join"]
 
@@ -52,6 +53,7 @@ async def restore_after_join(
     recovery: BoxKeyPair,
     after_load: Callable[[], None] | None = None,
     settings: Mapping[str, str] | None = None,
+    homes: SessionHomes | None = None,
 ) -> RepairRestore:
     """After a repair join: restore the machine's newest backup from the control plane,
     then clear the join's restore-pending mark (:func:`machine.link.identity.restore_pending`).
@@ -69,7 +71,13 @@ async def restore_after_join(
     db = await Database.open(db_path)
     try:
         done = await restore_newest(
-            data_dir, db, attachments_dir, recovery, after_load=after_load, settings=settings
+            data_dir,
+            db,
+            attachments_dir,
+            recovery,
+            after_load=after_load,
+            settings=settings,
+            homes=homes,
         )
     finally:
         await db.close()

@@ -25,6 +25,7 @@ __all__ = [
     "agent_answer",
     "agent_archive",
     "agent_cancel",
+    "agent_configure",
     "agent_create",
     "agent_delete",
     "agent_erasures",
@@ -304,6 +305,28 @@ async def agent_rename(ctx: Ctx) -> int:
     """``agent rename ID NAME``."""
     agent = await call(ctx, lambda c: c.rename_agent(ctx.args.id, ctx.args.name))
     return _show_agent(ctx.out, agent)
+
+
+#: The largest settings JSON the daemon takes (machine.core.agents).
+_MAX_SETTINGS = 64 * 1024
+
+
+async def agent_configure(ctx: Ctx) -> int:
+    """``agent configure ID --settings JSON|-``: replace the agent's runtime settings.
+
+    ``-`` reads the JSON from stdin, so secret values (an ``env`` token) need not
+    sit in the shell's history or the process list. The settings are not printed
+    back (they may hold those values): ``agent show`` shows them.
+    """
+    raw = ctx.args.settings
+    if raw == "-":
+        raw = read_stdin_text("--settings", _MAX_SETTINGS)
+    agent = await call(ctx, lambda c: c.configure_agent(ctx.args.id, raw))
+    return show_record(
+        ctx.out,
+        agent,
+        lambda: ctx.out.lines(f"{agent.id}: settings replaced; its next run uses them"),
+    )
 
 
 async def agent_archive(ctx: Ctx) -> int:

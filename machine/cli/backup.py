@@ -16,7 +16,7 @@ from typing import IO, Final
 from machine.api import codec
 from machine.api.views import BackupView
 from machine.backups.handoff import MAX_IMPORT_BYTES
-from machine.backups.transfer import InResult, SettingDiff
+from machine.backups.transfer import InResult, SettingDiff, SettingsNote
 from machine.cli.client import MachineClient
 from machine.cli.common import (
     Ctx,
@@ -108,14 +108,30 @@ def settings_lines(differ: Sequence[SettingDiff]) -> list[str]:
     ]
 
 
-def _arrived(head: str, result: InResult) -> list[str]:
-    """What an import or a restore prints: ``head``, then the agents skipped."""
+def agent_settings_lines(prog: str, notes: Sequence[SettingsNote]) -> list[str]:
+    """One line for each agent that came in without all of its runtime settings, saying
+    how to set them (a restore, an import, the repair join print them)."""
+    lines = []
+    for n in notes:
+        fix = f"`{prog} agent configure {n.agent_id} --settings …`"
+        if n.problem:
+            lines.append(f"{n.agent_id}: {n.problem}; set them with {fix}")
+            continue
+        names = ", ".join(name.replace(".", " ", 1) for name in n.withheld)
+        it = "it" if len(n.withheld) == 1 else "them"
+        lines.append(f"{n.agent_id}: {names} withheld; set {it} with {fix}")
+    return lines
+
+
+def _arrived(ctx: Ctx, head: str, result: InResult) -> list[str]:
+    """What an import or a restore prints: ``head``, then the agents skipped, then
+    those that came without all of their settings."""
     lines = [head]
     if result.skipped_existing:
         lines.append(f"skipped {len(result.skipped_existing)} already on this machine")
     if result.skipped_erased:
         lines.append(f"skipped {len(result.skipped_erased)} erased")
-    return lines
+    return [*lines, *agent_settings_lines(ctx.prog, result.agent_settings), *result.sessions]
 
 
 async def backup_now(ctx: Ctx) -> int:
@@ -234,7 +250,7 @@ async def backup_restore(ctx: Ctx) -> int:
             f" (archived; {own} of this machine, `agent unarchive ID` to run one;"
             f" {foreign} of another machine, read-only)"
         )
-    lines = _arrived(head, result)
+    lines = _arrived(ctx, head, result)
     lines += settings_lines(result.settings)
     data = message_dict(codec.restore_result_to_pb(result)) if ctx.out.as_json else {}
     return show(ctx.out, data, lambda: ctx.out.lines(*lines))
@@ -389,5 +405,5 @@ async def cmd_import(ctx: Ctx) -> int:
         async with MachineClient(ctx.cfg) as client:
             with Progress("importing", quiet=ctx.out.as_json) as progress:
                 result = await client.import_export(_sent(handle, size, progress))
-    lines = _arrived(f"imported {len(result.restored)} agents (archived)", result)
+    lines = _arrived(ctx, f"imported {len(result.restored)} agents (archived)", result)
     return show_record(ctx.out, result, lambda: ctx.out.lines(*lines))

@@ -195,6 +195,11 @@ class MachineClient:
         reply = self._rpc.RenameAgent(pb.RenameAgentRequest(agent_id=agent_id, name=name))
         return await self._call(reply, codec.agent_from_pb)
 
+    async def configure_agent(self, agent_id: str, settings_json: str) -> AgentRecord:
+        """The agent with its runtime settings replaced by ``settings_json``."""
+        request = pb.UpdateAgentSettingsRequest(agent_id=agent_id, settings_json=settings_json)
+        return await self._call(self._rpc.UpdateAgentSettings(request), codec.agent_from_pb)
+
     async def archive_agent(self, agent_id: str) -> AgentRecord:
         """The agent archived."""
         reply = self._rpc.ArchiveAgent(pb.ArchiveAgentRequest(agent_id=agent_id))

@@ -54,6 +54,12 @@ EXAMPLES: Final[dict[tuple[str, ...], tuple[str, ...]]] = {
     ("agent", "archive"): (f"{_P} agent archive {_AGENT}",),
     ("agent", "unarchive"): (f"{_P} agent unarchive {_AGENT}",),
     ("agent", "rename"): (f'{_P} agent rename {_AGENT} "release notes"',),
+    ("agent", "configure"): (
+        f"{_P} agent configure {_AGENT} "
+        """--settings '{"command": ["claude-code-acp"], "kind": "claude"}'""",
+        "# a secret value read from stdin, not from the command line",
+        f"{_P} agent configure {_AGENT} --settings - < settings.json",
+    ),
     ("agent", "prompt"): (
         f"{_P} agent prompt {_AGENT} summarise the open issues",
         f"{_P} agent prompt {_AGENT} --attach trace.log why does this fail",

@@ -154,6 +154,7 @@ def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair, *, first: bool = False) 
     """Restore the machine's newest backup after a repair join; say what came back.
     ``first``: right after the join (not its rerun)."""
     from machine.cli.after_join import restore_after_join
+    from machine.core.agents import SessionHomes
     from machine.link.deliveries import crash_after
 
     cfg = ctx.cfg
@@ -166,6 +167,7 @@ def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair, *, first: bool = False) 
                 recovery=recovery,
                 after_load=crash_after(cfg.crash_in_transfer_after, "agents loaded in a restore"),
                 settings=cfg.backup_settings(),
+                homes=SessionHomes(cfg.claude_home, cfg.codex_home),
             )
         )
     except AgentsError as e:
@@ -193,10 +195,14 @@ def _restore_after_join(ctx: Ctx, recovery: BoxKeyPair, *, first: bool = False) 
         if done.backup_id
         else "the control plane keeps no backup of this machine: nothing to restore"
     )
-    if done.settings:
-        from machine.cli.backup import settings_lines
+    if done.settings or done.agent_settings or done.sessions:
+        from machine.cli.backup import agent_settings_lines, settings_lines
 
-        ctx.out.lines(*settings_lines(done.settings))
+        ctx.out.lines(
+            *settings_lines(done.settings),
+            *agent_settings_lines(ctx.prog, done.agent_settings),
+            *done.sessions,
+        )
     if done.backup_id:
         _backup_after_restore(ctx)
 

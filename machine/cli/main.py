@@ -86,6 +86,7 @@ COMMANDS: dict[tuple[str, str | None], Handler] = {
     ("agent", "list"): agents.agent_list,
     ("agent", "show"): agents.agent_show,
     ("agent", "rename"): agents.agent_rename,
+    ("agent", "configure"): agents.agent_configure,
     ("agent", "archive"): agents.agent_archive,
     ("agent", "unarchive"): agents.agent_unarchive,
     ("agent", "prompt"): agents.agent_prompt,
@@ -233,6 +234,13 @@ def _parser() -> CliParser:
     r = verbs.add_parser("rename", parents=[common], help="rename an agent")
     r.add_argument("id", help=_AGENT_ID)
     r.add_argument("name", help="the new name")
+    cf = verbs.add_parser("configure", parents=[common], help="replace an agent's runtime settings")
+    cf.add_argument("id", help=_AGENT_ID)
+    cf.add_argument(
+        "--settings",
+        required=True,
+        help="its whole runtime settings as a JSON object ('-': read them from stdin)",
+    )
     pr = verbs.add_parser("prompt", parents=[common], help="prompt an agent and stream the run")
     pr.add_argument("id", help=_AGENT_ID)
     pr.add_argument("text", nargs="*", help="the prompt (words are joined by spaces)")

@@ -1,27 +1,57 @@
-"""The agents service: create, list, show, rename, archive, unarchive, search."""
+"""The agents service: create, list, show, rename, configure, archive, unarchive,
+search; and an agent's settings as they travel in backups and exports.
+
+An agent's settings leave the machine only as its runtime makes them portable
+(:func:`portable_settings`: secrets withheld, their names kept) and come back
+only as its runtime accepts them (:class:`ArrivingSettings`): a restore or an
+import never fails for an agent's settings, it loads the agent without them
+and says so, and the person sets them again with :meth:`AgentsService.configure`.
+The CLIs' session files travel with them (``machine.runtimes.session_files``,
+re-exported here for the backups, which reach the runtimes through the core).
+"""
 
 from __future__ import annotations
 
 import builtins
+import functools
 import json
 import logging
 import os
 import sqlite3
 import time
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from machine.models import AgentRecord, AgentState, MachineIds, SearchHit
-from machine.runtimes import RuntimeRegistry
+from machine.runtimes import RuntimeRegistry, check_session_id, default_registry
+from machine.runtimes.session_files import (
+    SessionCapture,
+    SessionHomes,
+    SessionRestore,
+    capture_session_files,
+    restore_session_tar,
+)
 from machine.storage import restored, tables
 from machine.storage.db import Database
 from machine.storage.tables import search_backlog
 from shared.errors import InvalidArgument, InvalidState, TooLarge
 from shared.ids import new_id, validate_id
 
-__all__ = ["AgentsService", "validate_name"]
+__all__ = [
+    "AgentsService",
+    "ArrivingSettings",
+    "SessionCapture",
+    "SessionHomes",
+    "SessionRestore",
+    "SettingsNote",
+    "capture_session_files",
+    "portable_settings",
+    "restore_session_tar",
+    "validate_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +105,109 @@ def _parse_settings(settings_json: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidArgument("settings_json", "must be a JSON object")
     return value
+
+
+@functools.cache
+def _builtin_runtimes() -> RuntimeRegistry:
+    # Splitting and checking settings needs none of the daemon's config (the
+    # CLIs' homes are for running): a backup's worker processes use it too.
+    return default_registry()
+
+
+def portable_settings(
+    runtime: str, settings: Mapping[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """``(kept, withheld)`` of an agent's settings for a backup or an export
+    (``machine.runtimes.base.PortableSettings``); the same in every process."""
+    return _builtin_runtimes().portable(runtime, settings)
+
+
+#: Withheld setting names a record may carry (each "field" or "field.NAME").
+_MAX_WITHHELD = 256
+_MAX_WITHHELD_NAME = 200
+
+
+@dataclass(frozen=True)
+class SettingsNote:
+    """An agent that came in (a restore, an import) without all of its settings."""
+
+    agent_id: str
+    withheld: tuple[str, ...] = ()
+    """Settings whose values stayed behind ("env.NAME"): set them with configure."""
+    problem: str = ""
+    """Why its settings did not come back at all (it loaded with none), or ''."""
+
+
+def _withheld_names(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        return ()
+    names = [
+        v
+        for v in value[:_MAX_WITHHELD]
+        if isinstance(v, str) and 0 < len(v) <= _MAX_WITHHELD_NAME and v.isprintable()
+    ]
+    return tuple(sorted(set(names)))
+
+
+class ArrivingSettings:
+    """The settings and session agents loaded from records get, checked by their runtime.
+
+    Called with each agent's checked record (a ``RecordSettings`` hook of
+    ``machine.storage.tables.export``); never raises: settings the runtime
+    refuses (or a runtime this machine lacks) load as none, a session id the
+    runtime could not hold loads as none, and :meth:`notes` names each agent
+    that came without all of its settings. A record written before settings
+    travelled loads as such records always did.
+    """
+
+    def __init__(self, runtimes: RuntimeRegistry | None = None) -> None:
+        self._runtimes = runtimes or _builtin_runtimes()
+        self._notes: dict[str, SettingsNote] = {}
+        self._sessions: dict[str, str | None] = {}
+
+    def session_id(self, agent_id: str) -> str | None:
+        """The runtime session ``agent_id`` loaded with (None: none, or not loaded)."""
+        return self._sessions.get(agent_id)
+
+    def __call__(self, record: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+        agent_id = str(record["agent_id"])
+        runtime = str(record["runtime"])
+        withheld = _withheld_names(record.get("settings_withheld"))
+        kept = record.get("runtime_settings")
+        problem = ""
+        settings: dict[str, Any] = {}
+        try:
+            if "runtime_settings" not in record:
+                # Written before settings travelled: none, as then; said only when
+                # the runtime cannot run without them (an acp agent's command).
+                self._runtimes.validate(runtime, {})
+            elif not isinstance(kept, dict):
+                raise InvalidArgument("runtime_settings", "not a JSON object")
+            else:
+                settings = self._runtimes.validate(runtime, kept)
+        except InvalidArgument as e:
+            settings = {}
+            problem = (
+                "its archive keeps no settings"
+                if "runtime_settings" not in record
+                else f"its settings were not restored ({e})"
+            )
+        session_id: str | None = None
+        if record.get("session_id") is not None:
+            try:
+                session_id = check_session_id(settings, record["session_id"])
+            except InvalidArgument as e:
+                logger.warning("agent %s: runtime session not restored: %s", agent_id, e.reason)
+        self._sessions[agent_id] = session_id
+        if withheld or problem:
+            self._notes[agent_id] = SettingsNote(agent_id, withheld, problem)
+        else:
+            self._notes.pop(agent_id, None)  # a transaction tried again
+        return settings, session_id
+
+    def notes(self, agent_ids: builtins.list[str] | tuple[str, ...]) -> tuple[SettingsNote, ...]:
+        """The notes of ``agent_ids`` (those that came in), in that order."""
+        return tuple(self._notes[a] for a in agent_ids if a in self._notes)
 
 
 class AgentsService:
@@ -149,6 +282,36 @@ class AgentsService:
             return tables.get_agent(conn, agent_id, self._own)
 
         return await self._db.write(write)
+
+    async def configure(self, agent_id: str, settings_json: str) -> AgentRecord:
+        """Replace an agent's runtime settings, checked as :meth:`create` checks them.
+
+        Allowed whatever its state (a restored agent is archived: its withheld
+        settings are set back before it is unarchived); refused for an agent of
+        another machine (it can only be read here). The next run uses them: a
+        runtime compares each run's settings with those its process started with
+        (the acp runtime restarts its agent program when they differ).
+        """
+        validate_id("agent", agent_id, "agent_id")
+        parsed = _parse_settings(settings_json)
+        now = self._clock()
+
+        def write(conn: sqlite3.Connection) -> AgentRecord:
+            agent = tables.get_agent(conn, agent_id, self._own)
+            if not agent.local:
+                raise InvalidState(
+                    f"configure agent {agent_id}",
+                    f"its origin is machine {agent.origin_machine}; it can only be read",
+                )
+            settings = self._runtimes.validate(agent.runtime, parsed)
+            tables.set_agent_settings(conn, agent_id, settings, now)
+            # The log names the agent, never the settings (env values are secrets).
+            tables.log(conn, now, "agent.configured", agent_id)
+            return tables.get_agent(conn, agent_id, self._own)
+
+        agent = await self._db.write(write)
+        logger.info("agent %s configured", agent_id)
+        return agent
 
     async def archive(self, agent_id: str) -> AgentRecord:
         """Archive an agent; refused while one of its runs is open."""

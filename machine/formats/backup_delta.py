@@ -15,6 +15,10 @@ whole. Merging it onto the agent's files as the chain restored them so far:
   the earlier one of the same key, new ones follow; summaries stay in run order
   as a whole dump writes them.
 * record and schedules: the delta's (its schedules file absent: none now).
+* sessions.tar (the CLI's session files): a delta carries only the files that
+  changed since the chain's copy, so its files replace the earlier ones of the
+  same path and the others stay (its file absent: none changed). Paths are
+  checked when the files are put back, not here.
 
 A delta of ``base_seq`` 0 is the agent whole (one new since the base): it
 replaces whatever came before. So a point's whole segment and its increments'
@@ -24,13 +28,16 @@ gives, line for line.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import tarfile
 from collections.abc import Iterable
 from typing import Any, Final
 
-from machine.formats.export import AGENT_FILES, OPTIONAL_AGENT_FILES, agent_path
+from machine.formats.export import AGENT_FILES, OPTIONAL_AGENT_FILES, SESSIONS, agent_path
 from machine.formats.segment_files import open_segment
+from shared.archive import BoundedTarInfo
 from shared.errors import IntegrityError
 
 __all__ = ["AgentSegment", "merge_delta", "read_agent_segment", "segment_entries"]
@@ -147,7 +154,39 @@ def merge_delta(
     }
     if _SCHEDULES in delta:
         merged[_SCHEDULES] = delta[_SCHEDULES]
+    sessions = _merge_sessions(earlier.get(SESSIONS), delta.get(SESSIONS), what)
+    if sessions is not None:
+        merged[SESSIONS] = sessions
     return merged
+
+
+def _session_files(data: bytes, what: str) -> dict[str, tuple[tarfile.TarInfo, bytes]]:
+    files: dict[str, tuple[tarfile.TarInfo, bytes]] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:", tarinfo=BoundedTarInfo) as tar:
+            for member in tar:
+                f = tar.extractfile(member) if member.isreg() else None
+                if f is None:
+                    raise IntegrityError(what, f"{SESSIONS} holds {member.name[:80]!r}, not a file")
+                files[member.name] = (member, f.read())
+    except (tarfile.TarError, EOFError) as e:
+        raise IntegrityError(what, f"{SESSIONS} is not a tar ({e})") from None
+    return files
+
+
+def _merge_sessions(earlier: bytes | None, delta: bytes | None, what: str) -> bytes | None:
+    """The session files of ``earlier`` with those of ``delta`` in their place, as
+    one tar in path order (None: neither has any)."""
+    if delta is None or earlier is None:
+        return delta if delta is not None else earlier
+    files = _session_files(earlier, what)
+    files.update(_session_files(delta, what))
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(files):
+            info, body = files[name]
+            tar.addfile(info, io.BytesIO(body))
+    return out.getvalue()
 
 
 def _join(lines: Iterable[bytes]) -> bytes:

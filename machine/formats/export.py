@@ -8,6 +8,7 @@ An export is a tar (``.tar.gz`` on disk) of::
     agents/<agent id>/summaries.jsonl          one turn summary per line
     agents/<agent id>/tools.jsonl              one tool-log entry per line
     agents/<agent id>/schedules.jsonl          optional: one schedule (with its fires) per line
+    agents/<agent id>/sessions.tar             optional: the CLI's session files (a plain tar)
     attachments/<sha256>                       files the conversations name
 
 The manifest names every other file with its SHA-256, so a reader checks the
@@ -37,6 +38,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
     "OPTIONAL_AGENT_FILES",
+    "SESSIONS",
     "AgentEntry",
     "ExportManifest",
     "accept_path",
@@ -55,9 +57,12 @@ FORMAT_NAME: Final = "agents-export"
 FORMAT_VERSION: Final = 1
 MANIFEST: Final = "manifest.json"
 AGENT_FILES: Final = ("record.json", "conversation.jsonl", "summaries.jsonl", "tools.jsonl")
+#: An agent's CLI session files (Claude Code, Codex): a plain tar of whole files,
+#: each ``claude/<path>`` or ``codex/<path>`` under that CLI's home.
+SESSIONS: Final = "sessions.tar"
 #: Agent files a writer adds only when it has something to put in them (an
 #: agent without schedules has no schedules.jsonl, so its archive reads as before).
-OPTIONAL_AGENT_FILES: Final = ("schedules.jsonl",)
+OPTIONAL_AGENT_FILES: Final = ("schedules.jsonl", SESSIONS)
 #: Longest agent name the format carries (the machine's own limit is lower).
 MAX_NAME: Final = 500
 #: Longest single JSONL line: one event's payload is bounded well below this.

@@ -27,6 +27,7 @@ __all__ = [
     "PermissionDecision",
     "PermissionOption",
     "PermissionRequest",
+    "PortableSettings",
     "ResumeInfo",
     "RunContext",
     "RunOutcome",
@@ -39,6 +40,7 @@ __all__ = [
     "ToolCall",
     "ToolResult",
     "UsageReport",
+    "withhold_all",
 ]
 
 logger = logging.getLogger(__name__)
@@ -175,6 +177,27 @@ class Runtime(Protocol):
     async def delete_session(self, session_id: str) -> None:
         """Remove the backend's own stored session (files under ~/.claude...)."""
         ...
+
+
+PortableSettings = Callable[[Mapping[str, Any]], tuple[dict[str, Any], list[str]]]
+"""A runtime kind's hook that splits an agent's (validated) settings for a backup
+or an export: ``(kept, withheld)``.
+
+``kept`` is what may travel (it goes into every backup and export and is
+checked by the kind's ``validate_settings`` when it comes back);
+``withheld`` names, as ``"field"`` or ``"field.NAME"``, each value left out
+because it may be a secret. The names travel (they are shown to the person
+who restores, to set the values again); the values never do. So a runtime
+must keep secrets only in settings it withholds: the ``acp`` runtime keeps
+``command`` and withholds every ``env`` value, so a credential belongs in
+``env`` (or the daemon's own environment, or the CLI's login files), never
+in the command's arguments.
+"""
+
+
+def withhold_all(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The hook of a kind that does not say what is safe: nothing kept, every key withheld."""
+    return {}, sorted(str(k) for k in settings)
 
 
 @runtime_checkable

@@ -35,7 +35,7 @@ from machine.runtimes.base import (
 )
 from shared.errors import InvalidArgument
 
-__all__ = ["EchoRuntime", "create_runtime", "validate_settings"]
+__all__ = ["EchoRuntime", "create_runtime", "portable_settings", "validate_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,11 @@ def validate_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
             raise InvalidArgument("settings_json", f"delay_ms must be 0 to {_MAX_DELAY_MS}")
         out[key] = value
     return out
+
+
+def portable_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Echo's settings hold no secret: ``delay_ms`` travels, nothing is withheld."""
+    return {k: v for k, v in settings.items() if k == "delay_ms"}, []
 
 
 def create_runtime(*, agent_id: str, folder: Path, settings: Mapping[str, Any]) -> EchoRuntime:

@@ -38,7 +38,7 @@ from typing import IO, Any, Final
 import zstandard
 
 from machine.formats.backup import IterReader, SegmentRef, decompress_segment, decrypt_segment
-from machine.formats.export import AGENT_FILES, OPTIONAL_AGENT_FILES
+from machine.formats.export import AGENT_FILES, OPTIONAL_AGENT_FILES, SESSIONS
 from machine.formats.segment_files import SegmentFiles, open_segment
 from machine.storage.db import Database
 from machine.storage.tables import restore_pending
@@ -100,12 +100,18 @@ def pack_dir(db: Database) -> Path:
 
 
 def decode_for_pack(
-    ref: SegmentRef, naming_key: bytes, stored: Iterable[bytes], out: IO[bytes], agent_id: str
+    ref: SegmentRef,
+    naming_key: bytes,
+    stored: Iterable[bytes],
+    out: IO[bytes],
+    agent_id: str,
+    kept: dict[str, bytes] | None = None,
 ) -> bytes:
     """Authenticate agent segment ``ref`` from its ``stored`` bytes, write its
     compressed plaintext to ``out``, check its plaintext against its name and
     size and walk its tar; return the agent's ``record.json`` (blocking: call
-    it in a worker thread). IntegrityError for anything wrong."""
+    it in a worker thread). IntegrityError for anything wrong. ``kept`` gets
+    the optional files that do not go into machine.db (``sessions.tar``), by name."""
     for piece in decrypt_segment(stored, name=ref.name, key=ref.key):
         out.write(piece)
     out.seek(0)
@@ -113,7 +119,7 @@ def decode_for_pack(
         whole = b"".join(decompress_segment(_pieces(out), name=ref.name, max_plain=ref.plain_size))
         _check_name(ref, naming_key, whole, len(whole))
         with open_segment(whole, agent_id) as files:
-            record = _walk(files)
+            record = _walk(files, kept)
         out.seek(0)
         return record
     h = KeyedHasher(naming_key)
@@ -128,7 +134,7 @@ def decode_for_pack(
 
     reader = io.BufferedReader(IterReader(plain()), _READ)
     with open_segment(reader, agent_id) as files:
-        record = _walk(files)
+        record = _walk(files, kept)
     while reader.read(_READ):  # the tar's end padding: part of what is named
         pass
     _check_name(ref, naming_key, h, total)
@@ -146,8 +152,9 @@ def _check_name(ref: SegmentRef, naming_key: bytes, plain: bytes | KeyedHasher, 
         raise IntegrityError(f"segment {ref.name[:16]}", "content does not match its name")
 
 
-def _walk(files: SegmentFiles) -> bytes:
-    """Read every file of the segment in order (the tar's checks), keep the record."""
+def _walk(files: SegmentFiles, kept: dict[str, bytes] | None = None) -> bytes:
+    """Read every file of the segment in order (the tar's checks), keep the record
+    (and, into ``kept``, the session files)."""
     with files.open(AGENT_FILES[0]) as f:
         record = f.read(MAX_RECORD + 1)
     for name in AGENT_FILES[1:]:
@@ -156,7 +163,10 @@ def _walk(files: SegmentFiles) -> bytes:
     for name in OPTIONAL_AGENT_FILES:
         with files.open_optional(name) as found:
             if found is not None:
-                _drain(found)
+                if kept is not None and name == SESSIONS:
+                    kept[name] = found.read()
+                else:
+                    _drain(found)
     return record
 
 

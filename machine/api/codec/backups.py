@@ -15,7 +15,7 @@ from machine.api.views import BackupView, VerifyReport
 from machine.backups.chain import Chain
 from machine.backups.engine import BackupResult
 from machine.backups.service import BackupStatus, RestoreCheck
-from machine.backups.transfer import InResult, SettingDiff
+from machine.backups.transfer import InResult, SettingDiff, SettingsNote
 from machine.formats.backup import BackupManifest
 from shared.backup_target import ManifestInfo
 from shared.crypto import BoxKeyPair, decode_private_key
@@ -127,6 +127,13 @@ def backup_status_to_pb(st: BackupStatus) -> pb.BackupStatus:
     )
 
 
+def _notes_to_pb(notes: tuple[SettingsNote, ...]) -> list[pb.AgentSettingsNote]:
+    return [
+        pb.AgentSettingsNote(agent_id=n.agent_id, withheld=n.withheld, problem=n.problem)
+        for n in notes
+    ]
+
+
 def in_result_to_pb(result: InResult) -> pb.ImportResponse:
     """What an import or a restore did -> reply (the restore's has the same fields)."""
     return pb.ImportResponse(
@@ -134,6 +141,8 @@ def in_result_to_pb(result: InResult) -> pb.ImportResponse:
         skipped=result.skipped_existing,
         skipped_erased=result.skipped_erased,
         attachments=result.attachments,
+        agent_settings=_notes_to_pb(result.agent_settings),
+        session_notes=result.sessions,
     )
 
 
@@ -148,6 +157,8 @@ def restore_result_to_pb(result: InResult) -> pb.RestoreResponse:
             pb.SettingDifference(name=d.name, in_backup=d.in_backup, here=d.here)
             for d in result.settings
         ],
+        agent_settings=_notes_to_pb(result.agent_settings),
+        session_notes=result.sessions,
     )
 
 
@@ -195,6 +206,10 @@ def in_result_from_pb(msg: pb.ImportResponse | pb.RestoreResponse) -> InResult:
         skipped_erased=tuple(msg.skipped_erased),
         attachments=msg.attachments,
         settings=tuple(SettingDiff(d.name, d.in_backup, d.here) for d in settings),
+        agent_settings=tuple(
+            SettingsNote(n.agent_id, tuple(n.withheld), n.problem) for n in msg.agent_settings
+        ),
+        sessions=tuple(msg.session_notes),
     )
 
 

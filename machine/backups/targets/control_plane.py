@@ -26,7 +26,8 @@ import grpc.aio
 from machine.backups.engine import BackupEngine
 from machine.backups.restore import restore_fetched
 from machine.backups.source import DatabaseBackupSource
-from machine.backups.transfer import SettingDiff, settings_differ
+from machine.backups.transfer import SettingDiff, SettingsNote, settings_differ
+from machine.core.agents import SessionHomes
 from machine.link import identity
 from machine.link.client import LinkClient
 from machine.link.clock import handshake_clock_problem
@@ -198,6 +199,10 @@ class RepairRestore:
     """Newer backups passed over: their manifest was refused (forged, altered)."""
     settings: tuple[SettingDiff, ...] = ()
     """The lost machine's settings that differ from this box's (shown, not applied)."""
+    agent_settings: tuple[SettingsNote, ...] = ()
+    """The agents restored without all of their runtime settings (withheld secrets)."""
+    sessions: tuple[str, ...] = ()
+    """What putting their CLI session files back said (InResult.sessions)."""
 
 
 async def restore_newest(
@@ -208,6 +213,7 @@ async def restore_newest(
     *,
     after_load: Callable[[], None] | None = None,
     settings: Mapping[str, str] | None = None,
+    homes: SessionHomes | None = None,
 ) -> RepairRestore:
     """Restore this joined machine's newest backup kept by the control plane: its
     newest daily point that opens, and the increments shipped since; ``settings``:
@@ -270,7 +276,12 @@ async def restore_newest(
         try:
             fetched = await engine.fetch_chain(chain, stage, recovery)
             result = await restore_fetched(
-                db, fetched, attachments_dir=attachments_dir, erased=set(), after_load=after_load
+                db,
+                fetched,
+                attachments_dir=attachments_dir,
+                erased=set(),
+                after_load=after_load,
+                homes=homes,
             )
             differ = settings_differ(fetched.manifest.settings, settings or {})
         finally:
@@ -283,6 +294,8 @@ async def restore_newest(
         result.attachments,
         tuple(refused),
         differ,
+        result.agent_settings,
+        result.sessions,
     )
 
 

@@ -23,13 +23,20 @@ import os
 import sqlite3
 import tempfile
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final
 
 from machine.backups.workers.pool import Answer, Handler, WorkerGone, WorkerPool, processes, serve
+from machine.core.agents import (
+    SessionCapture,
+    SessionHomes,
+    capture_session_files,
+    portable_settings,
+)
 from machine.formats.backup import SEGMENT_CHUNK, SegmentCompressor, encrypt_segment, segment_key
-from machine.formats.export import AGENT_FILES, OPTIONAL_AGENT_FILES, agent_path
+from machine.formats.export import AGENT_FILES, OPTIONAL_AGENT_FILES, SESSIONS, agent_path
 from machine.storage import restored
 from machine.storage.tables import export as store_export
 from machine.storage.tables import restore_pending
@@ -76,14 +83,20 @@ def dump_agent_spooled(
     work_dir: Path,
     *,
     since_seq: int = 0,
-) -> list[tuple[str, IO[bytes]]]:
+    homes: SessionHomes | None = None,
+    known: Mapping[str, str] | None = None,
+) -> tuple[list[tuple[str, IO[bytes]]], SessionCapture]:
     """Dump ``agent_id`` (one read of ``conn``: call it inside one read transaction)
-    into spooled files closed with ``stack``; return them as its segment's tar entries.
+    into spooled files closed with ``stack``; return them as its segment's tar
+    entries, and what of its CLI session files they hold.
 
     Spooled (in memory, on disk past :data:`_SPOOL`) because a tar header names
     its file's size before the file. Write the entries with
     :func:`shared.archive.write_tar`: that is the agent's plaintext segment
-    (with ``since_seq``, its delta: see ``store_export.dump_agent_to``).
+    (with ``since_seq``, its delta: see ``store_export.dump_agent_to``). With
+    ``homes`` the agent's session files under the CLIs' homes go in as
+    ``sessions.tar`` (with ``known``, the chain's hashes of them, only those
+    that changed: ``machine.runtimes.session_files``).
     """
     spools: dict[str, IO[bytes]] = {}
 
@@ -95,9 +108,24 @@ def dump_agent_spooled(
             )
         return contextlib.nullcontext(spools[name])
 
-    store_export.dump_agent_to(conn, agent_id, spool, since_seq=since_seq)
+    record = store_export.dump_agent_to(
+        conn, agent_id, spool, portable=portable_settings, since_seq=since_seq
+    )
+    captured = SessionCapture()
+    if homes is not None:
+        with spool(SESSIONS) as f:
+            captured = capture_session_files(
+                homes,
+                record["runtime_settings"],
+                record["session_id"],
+                f,
+                known=known,
+                label=agent_id,
+            )
+        if f.tell() == 0:  # nothing to carry: no file, so the segment reads as before
+            del spools[SESSIONS]
     names = [*AGENT_FILES, *(n for n in OPTIONAL_AGENT_FILES if n in spools)]
-    return [(agent_path(agent_id, n), spools[n]) for n in names]
+    return [(agent_path(agent_id, n), spools[n]) for n in names], captured
 
 
 # -- in the worker process ---------------------------------------------------
@@ -114,13 +142,23 @@ class _Maker:
         self._naming_key = bytes.fromhex(settings["naming_key"])
         self._work = Path(settings["work"])
         self._restored = Path(settings["db"]).parent / restored.PACK_DIR
+        self._homes = SessionHomes(
+            Path(settings["claude_home"]) if settings.get("claude_home") else None,
+            Path(settings["codex_home"]) if settings.get("codex_home") else None,
+        )
         folder = settings.get("packs")
         self._packs = PackWriter(Path(folder)) if folder else None
 
     def __call__(self, request: dict[str, Any]) -> Answer:
         agent_id = str(request["agent"])
         return _make(
-            self._conn, agent_id, self._naming_key, self._work, self._restored, self._packs
+            self._conn,
+            agent_id,
+            self._naming_key,
+            self._work,
+            self._restored,
+            self._packs,
+            self._homes,
         )
 
     def close(self) -> None:
@@ -136,6 +174,7 @@ def _make(
     work: Path,
     restored_dir: Path,
     writer: PackWriter | None = None,
+    homes: SessionHomes | None = None,
 ) -> Answer:
     compressed = io.BytesIO()
     compressor = SegmentCompressor(naming_key, compressed)
@@ -144,7 +183,11 @@ def _make(
             conn.execute("BEGIN")
             try:
                 failed = restore_pending.failed_history(conn, agent_id)
-                entries = [] if failed else dump_agent_spooled(conn, agent_id, stack, work)
+                entries = (
+                    []
+                    if failed
+                    else dump_agent_spooled(conn, agent_id, stack, work, homes=homes)[0]
+                )
             finally:
                 conn.execute("COMMIT")
             if failed is not None:  # kept as it came: a restored history that did not load
@@ -209,14 +252,18 @@ class SegmentWorkers:
         work_dir: Path,
         count: int,
         pack_folder: Path | None = None,
+        homes: SessionHomes | None = None,
     ) -> None:
         """With ``pack_folder`` (a folder target's, see shared.backup_packs) the
-        workers append the segments to packs there, and answer where."""
+        workers append the segments to packs there, and answer where; with
+        ``homes`` they add the agents' CLI session files (as the daemon does)."""
         settings = {
             "db": str(db_path),
             "naming_key": naming_key.hex(),
             "work": str(work_dir),
             "packs": str(pack_folder) if pack_folder else "",
+            "claude_home": str(homes.claude) if homes and homes.claude else "",
+            "codex_home": str(homes.codex) if homes and homes.codex else "",
         }
         self._pool = WorkerPool(
             "machine.backups.workers.segment_worker_main", settings, count=count, dropped=_drop

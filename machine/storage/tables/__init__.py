@@ -21,6 +21,7 @@ from machine.storage.tables.agents import (
     list_agents,
     rename_agent,
     row_to_agent,
+    set_agent_settings,
     set_agent_state,
     set_session_id,
 )
@@ -127,6 +128,7 @@ __all__ = [
     "runs_in_states",
     "schedule_run_at",
     "search",
+    "set_agent_settings",
     "set_agent_state",
     "set_last_fire",
     "set_run_state",

@@ -6,6 +6,7 @@ import json
 import logging
 import sqlite3
 from collections.abc import Set as AbstractSet
+from typing import Any
 
 from machine.models import AgentRecord, AgentState
 from shared.errors import NotFound
@@ -93,6 +94,16 @@ def count_agents(conn: sqlite3.Connection) -> int:
 def rename_agent(conn: sqlite3.Connection, agent_id: str, name: str, now: float) -> None:
     """Set an agent's display name."""
     conn.execute("UPDATE agents SET name = ?, updated_at = ? WHERE id = ?", (name, now, agent_id))
+
+
+def set_agent_settings(
+    conn: sqlite3.Connection, agent_id: str, settings: dict[str, Any], now: float
+) -> None:
+    """Replace an agent's (checked) runtime settings."""
+    conn.execute(
+        "UPDATE agents SET settings_json = ?, updated_at = ? WHERE id = ?",
+        (json.dumps(settings, sort_keys=True), now, agent_id),
+    )
 
 
 def set_agent_state(conn: sqlite3.Connection, agent_id: str, state: AgentState, now: float) -> None:

@@ -7,8 +7,15 @@ the conversation's length. Loading inserts an agent and everything it holds
 inside the caller's transaction: a restore or import of many agents commits
 them all at once or none.
 
-Never dumped: the agent's settings (they may name MCP servers and carry
-secrets), its runtime session id, tokens, remembered permission rules.
+The record carries the agent's runtime settings only as its runtime made
+them portable (the caller's ``portable`` hook, :data:`Portable`: an acp
+agent's ``command`` and ``kind``, never its ``env`` values, whose names go in
+``settings_withheld``) and its runtime session id. A load gives them back only
+through the caller's ``settings_of`` hook (:data:`RecordSettings`), which
+checks them with the runtime; without it (and for a record written before
+they were kept) the agent loads with no settings and no session.
+
+Never dumped: settings a runtime withholds, tokens, remembered permission rules.
 """
 
 from __future__ import annotations
@@ -23,7 +30,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from pathlib import Path
 from typing import IO, Any, Final
 
-from machine.formats.export import MAX_LINE, encode_jsonl, load_json, parse_jsonl_line, read_jsonl
+from machine.formats.export import (
+    MAX_LINE,
+    SESSIONS,
+    encode_jsonl,
+    load_json,
+    parse_jsonl_line,
+    read_jsonl,
+)
 from machine.formats.media_types import check_media_type
 from machine.models import AgentState, EventKind
 from machine.storage.tables import search_backlog
@@ -37,6 +51,9 @@ from shared.timestamps import MAX_SECONDS
 __all__ = [
     "MAX_RECORD",
     "AgentDump",
+    "Portable",
+    "RecordSettings",
+    "SessionFiles",
     "agent_markers",
     "agents_in_folder",
     "attachments_named",
@@ -176,6 +193,20 @@ def usage_rows_since(
 AgentDump = dict[str, Any]
 """An agent's record.json as a dict."""
 
+Portable = Callable[[str, Mapping[str, Any]], tuple[dict[str, Any], list[str]]]
+"""``(runtime, settings) -> (kept, withheld)``: what of an agent's settings a
+dump writes (``runtime_settings``) and the names of what it leaves out
+(``settings_withheld``); the runtime registry's split, passed in by the caller."""
+
+SessionFiles = Callable[[str, bytes], None]
+"""``(agent_id, sessions.tar bytes)``: puts an agent's CLI session files back (the
+caller's: they go under the runtimes' homes, not into machine.db)."""
+
+RecordSettings = Callable[[Mapping[str, Any]], tuple[dict[str, Any], str | None]]
+"""``record -> (settings, session_id)``: the settings and the runtime session an
+agent loaded from its (checked) record gets, checked by the caller with its
+runtime; it never raises for them (a bad one loads as ``({}, None)``)."""
+
 
 def _lines(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
     batch: list[dict[str, Any]] = []
@@ -214,7 +245,9 @@ def _conversation(f: IO[bytes], events: Iterable[Sequence[Any]]) -> None:
     f.write(b"".join(batch))
 
 
-def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDump:
+def dump_agent(
+    conn: sqlite3.Connection, agent_id: str, folder: Path, *, portable: Portable
+) -> AgentDump:
     """Write ``agent_id``'s export files into ``folder``; return its record.
 
     Call it inside one read job: every file then comes from one snapshot.
@@ -223,11 +256,16 @@ def dump_agent(conn: sqlite3.Connection, agent_id: str, folder: Path) -> AgentDu
     def open_file(name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return open(folder / name, "wb")
 
-    return dump_agent_to(conn, agent_id, open_file)
+    return dump_agent_to(conn, agent_id, open_file, portable=portable)
 
 
 def dump_agent_to(
-    conn: sqlite3.Connection, agent_id: str, files: AgentFiles, *, since_seq: int = 0
+    conn: sqlite3.Connection,
+    agent_id: str,
+    files: AgentFiles,
+    *,
+    portable: Portable,
+    since_seq: int = 0,
 ) -> AgentDump:
     """Write ``agent_id``'s export files to ``files(name)`` (opened for writing, in
     :data:`AGENT_FILES` order); return its record. Call it inside one read job.
@@ -238,7 +276,8 @@ def dump_agent_to(
     whole (a tool call started before and ended after is one row, its newest).
     The record and the schedules are whole: they are small, and a delta merged
     onto the agent's earlier files (:mod:`machine.formats.backup_delta`) then
-    gives exactly what a whole dump at the same time gives.
+    gives exactly what a whole dump at the same time gives. ``portable`` splits
+    the agent's settings (:data:`Portable`): only the kept part is written.
     """
     if since_seq < 0:
         raise ValueError("since_seq is a sequence number: 0 or more")
@@ -262,6 +301,10 @@ def dump_agent_to(
         "last_seq": row["last_seq"],
         "attachments": [dict(r) for r in refs],
     }
+    kept, withheld = portable(row["runtime"], json.loads(row["settings_json"]))
+    record["runtime_settings"] = kept
+    record["settings_withheld"] = sorted(withheld)
+    record["session_id"] = row["session_id"]
     with files("record.json") as f:
         f.write(
             json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
@@ -354,6 +397,8 @@ def load_agent(
     runs: Mapping[str, dict[str, Any]] | Iterable[dict[str, Any]] = (),
     index: bool = True,
     not_from: frozenset[str] = frozenset(),
+    settings_of: RecordSettings | None = None,
+    sessions: SessionFiles | None = None,
 ) -> str:
     """Insert the agent dumped in ``folder`` (archived), in the caller's transaction.
 
@@ -377,6 +422,8 @@ def load_agent(
         runs=runs,
         index=index,
         not_from=not_from,
+        settings_of=settings_of,
+        sessions=sessions,
     )
 
 
@@ -390,6 +437,8 @@ def load_agent_files(
     index: bool = True,
     now: float = 0.0,
     not_from: frozenset[str] = frozenset(),
+    settings_of: RecordSettings | None = None,
+    sessions: SessionFiles | None = None,
 ) -> str:
     """Insert one agent's export files (archived), in the caller's transaction.
 
@@ -403,13 +452,25 @@ def load_agent_files(
     Anything malformed raises InvalidArgument naming the file and line, and
     the caller's transaction rolls back: nothing of the agent is kept. An agent
     whose origin is in ``not_from`` is refused (an import: an agent claiming to
-    be this machine's own would run here once unarchived).
+    be this machine's own would run here once unarchived). ``settings_of``
+    gives the agent its settings and session back (see :func:`insert_record`),
+    ``sessions`` its CLI session files (without it they are read and dropped).
     """
     with files("record.json") as f:
         raw = f.read(MAX_RECORD + 1)
     record = parse_record(raw, label, not_from=not_from)
-    agent_id = insert_record(conn, record, label)
-    load_history(conn, agent_id, label, files, runs=runs, optional=optional, index=index, now=now)
+    agent_id = insert_record(conn, record, label, settings_of=settings_of)
+    load_history(
+        conn,
+        agent_id,
+        label,
+        files,
+        runs=runs,
+        optional=optional,
+        index=index,
+        now=now,
+        sessions=sessions,
+    )
     return agent_id
 
 
@@ -435,23 +496,34 @@ def parse_record(
     return record
 
 
-def insert_record(conn: sqlite3.Connection, record: dict[str, Any], label: str) -> str:
+def insert_record(
+    conn: sqlite3.Connection,
+    record: dict[str, Any],
+    label: str,
+    *,
+    settings_of: RecordSettings | None = None,
+) -> str:
     """Insert an agent (archived) and its attachment references from its checked
     record (:func:`parse_record`), in the caller's transaction; return its id.
 
     ``last_seq`` is the record's until :func:`load_history` loads the conversation.
+    Its settings and runtime session are what ``settings_of`` makes of the
+    record (:data:`RecordSettings`); without it, none.
     """
     agent_id = str(record["agent_id"])
+    settings, session_id = settings_of(record) if settings_of is not None else ({}, None)
     conn.execute(
         "INSERT INTO agents (id, name, folder, runtime, settings_json, state, origin_machine,"
-        " session_id, created_at, updated_at, last_seq) VALUES (?,?,?,?,'{}',?,?,NULL,?,?,?)",
+        " session_id, created_at, updated_at, last_seq) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
         (
             agent_id,
             record["name"],
             record["folder"],
             record["runtime"],
+            json.dumps(settings, sort_keys=True),
             AgentState.ARCHIVED.value,
             record["origin_machine"],
+            session_id,
             record["created_at"],
             record["updated_at"],
             record["last_seq"],
@@ -472,10 +544,12 @@ def load_history(
     optional: OptionalFiles | None = None,
     index: bool = True,
     now: float = 0.0,
+    sessions: SessionFiles | None = None,
 ) -> None:
     """Insert the conversation, runs, summaries, tool log and schedules of
     ``agent_id`` (inserted by :func:`insert_record`) from its export files after
-    ``record.json``, in the caller's transaction (see :func:`load_agent_files`)."""
+    ``record.json``, in the caller's transaction (see :func:`load_agent_files`);
+    its ``sessions.tar`` goes to ``sessions`` (None: read and dropped)."""
     started: dict[str, dict[str, Any]] = {}
     ended: dict[str, tuple[str, dict[str, Any], float]] = {}
     last_seq = 0
@@ -566,6 +640,11 @@ def load_history(
             if found is not None:
                 what = f"{label}/schedules.jsonl"
                 load_schedules(conn, agent_id, read_jsonl(found, what), what)
+        with optional(SESSIONS) as found:
+            if found is not None:
+                data = found.read()
+                if sessions is not None:
+                    sessions(agent_id, data)
     if index:
         search_backlog.index_agent(conn, agent_id)
     else:

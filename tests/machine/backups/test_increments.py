@@ -121,8 +121,11 @@ async def test_increments_restore_byte_equal_and_idle_ships_nothing(tmp_path: Pa
         b = (await old.agents.create(name="b", folder=str(tmp_path))).id
         gone = (await old.agents.create(name="gone", folder=str(tmp_path))).id
         for agent in (a, b, gone):
+            # Text that compresses about as a conversation does: the deltas' whole
+            # records (settings, session id) are small beside it.
             for i in range(5):
-                await _prompt(old, agent, f"before the point {i} " + "long text " * 200)
+                words = " ".join(f"w{(i * 7919 + j * 104729) % 100003}" for j in range(200))
+                await _prompt(old, agent, f"before the point {i} " + words)
         engine = _engine(old, store, tmp_path / "work", key)
         machine_id = old.ids.canonical
         point = await engine.backup_now()
@@ -340,6 +343,7 @@ async def test_one_prompt_in_a_conversation_of_100000_events_ships_about_its_own
     import contextlib
     import io
 
+    from machine.core.agents import portable_settings
     from machine.formats.backup import encode_segment, segment_key, segment_name
     from machine.storage.tables.export import dump_agent_to
 
@@ -385,7 +389,7 @@ async def test_one_prompt_in_a_conversation_of_100000_events_ships_about_its_own
                 yield buf
                 files[name] = buf.getvalue()
 
-            dump_agent_to(conn, a, open_file, since_seq=since)
+            dump_agent_to(conn, a, open_file, portable=portable_settings, since_seq=since)
             return files["conversation.jsonl"]
 
         events = await old.db.read(own, what="t")

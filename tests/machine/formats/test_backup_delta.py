@@ -16,6 +16,7 @@ import pytest
 
 from machine.app import Machine, open_machine
 from machine.config import MachineConfig
+from machine.core.agents import portable_settings
 from machine.formats.backup_delta import (
     AgentSegment,
     merge_delta,
@@ -45,7 +46,7 @@ def _dump(conn: sqlite3.Connection, agent: str, since: int = 0) -> AgentSegment:
         yield buf
         files[name] = buf.getvalue()
 
-    dump_agent_to(conn, agent, open_file, since_seq=since)
+    dump_agent_to(conn, agent, open_file, portable=portable_settings, since_seq=since)
     return files
 
 

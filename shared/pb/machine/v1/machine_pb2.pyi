@@ -394,6 +394,34 @@ class RenameAgentRequest(_message.Message):
 Global___RenameAgentRequest: _TypeAlias = RenameAgentRequest  # noqa: Y015
 
 @_typing.final
+class UpdateAgentSettingsRequest(_message.Message):
+    """UpdateAgentSettings input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    SETTINGS_JSON_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The agent's id."""
+    settings_json: _builtins.str
+    """Its whole new runtime settings as a JSON object (same rules as
+    CreateAgentRequest.settings_json); empty means {}.
+    """
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        settings_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "settings_json", b"settings_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateAgentSettingsRequest: _TypeAlias = UpdateAgentSettingsRequest  # noqa: Y015
+
+@_typing.final
 class ArchiveAgentRequest(_message.Message):
     """ArchiveAgent input."""
 
@@ -1565,6 +1593,8 @@ class ImportResponse(_message.Message):
     SKIPPED_FIELD_NUMBER: _builtins.int
     SKIPPED_ERASED_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
+    AGENT_SETTINGS_FIELD_NUMBER: _builtins.int
+    SESSION_NOTES_FIELD_NUMBER: _builtins.int
     attachments: _builtins.int
     """Attachment files placed."""
     @_builtins.property
@@ -1579,6 +1609,16 @@ class ImportResponse(_message.Message):
     def skipped_erased(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Agents skipped because they are on the erased list."""
 
+    @_builtins.property
+    def agent_settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentSettingsNote]:
+        """The agents imported without all of their runtime settings."""
+
+    @_builtins.property
+    def session_notes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What putting the agents' CLI session files back said, one line each (a
+        file kept here because it changed after the copy that came in).
+        """
+
     def __init__(
         self,
         *,
@@ -1586,14 +1626,50 @@ class ImportResponse(_message.Message):
         skipped: _abc.Iterable[_builtins.str] | None = ...,
         skipped_erased: _abc.Iterable[_builtins.str] | None = ...,
         attachments: _builtins.int = ...,
+        agent_settings: _abc.Iterable[Global___AgentSettingsNote] | None = ...,
+        session_notes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "imported", b"imported", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_settings", b"agent_settings", "attachments", b"attachments", "imported", b"imported", "session_notes", b"session_notes", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ImportResponse: _TypeAlias = ImportResponse  # noqa: Y015
+
+@_typing.final
+class AgentSettingsNote(_message.Message):
+    """An agent that came in (import, restore) without all of its runtime settings."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    WITHHELD_FIELD_NUMBER: _builtins.int
+    PROBLEM_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The agent's id."""
+    problem: _builtins.str
+    """Why its settings did not come back at all (it came with none), or empty."""
+    @_builtins.property
+    def withheld(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The settings whose values stayed behind (secrets), e.g. "env.ANTHROPIC_API_KEY":
+        set them with UpdateAgentSettings.
+        """
+
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        withheld: _abc.Iterable[_builtins.str] | None = ...,
+        problem: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "problem", b"problem", "withheld", b"withheld"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentSettingsNote: _TypeAlias = AgentSettingsNote  # noqa: Y015
 
 @_typing.final
 class BackupNowRequest(_message.Message):
@@ -1971,6 +2047,8 @@ class RestoreResponse(_message.Message):
     SKIPPED_ERASED_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
     SETTINGS_FIELD_NUMBER: _builtins.int
+    AGENT_SETTINGS_FIELD_NUMBER: _builtins.int
+    SESSION_NOTES_FIELD_NUMBER: _builtins.int
     attachments: _builtins.int
     """Attachment files placed."""
     @_builtins.property
@@ -1992,6 +2070,14 @@ class RestoreResponse(_message.Message):
         set them in machine.toml to keep them). By name.
         """
 
+    @_builtins.property
+    def agent_settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentSettingsNote]:
+        """The agents restored without all of their runtime settings."""
+
+    @_builtins.property
+    def session_notes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """As ImportResponse.session_notes."""
+
     def __init__(
         self,
         *,
@@ -2000,10 +2086,12 @@ class RestoreResponse(_message.Message):
         skipped_erased: _abc.Iterable[_builtins.str] | None = ...,
         attachments: _builtins.int = ...,
         settings: _abc.Iterable[Global___SettingDifference] | None = ...,
+        agent_settings: _abc.Iterable[Global___AgentSettingsNote] | None = ...,
+        session_notes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "restored", b"restored", "settings", b"settings", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_settings", b"agent_settings", "attachments", b"attachments", "restored", b"restored", "session_notes", b"session_notes", "settings", b"settings", "skipped", b"skipped", "skipped_erased", b"skipped_erased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -55,6 +55,11 @@ class MachineServiceStub:
                 request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.RenameAgentRequest.SerializeToString,
                 response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Agent.FromString,
                 _registered_method=True)
+        self.UpdateAgentSettings = channel.unary_unary(
+                '/shared.pb.machine.v1.MachineService/UpdateAgentSettings',
+                request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.UpdateAgentSettingsRequest.SerializeToString,
+                response_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Agent.FromString,
+                _registered_method=True)
         self.ArchiveAgent = channel.unary_unary(
                 '/shared.pb.machine.v1.MachineService/ArchiveAgent',
                 request_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.ArchiveAgentRequest.SerializeToString,
@@ -220,6 +225,17 @@ class MachineServiceServicer:
 
     def RenameAgent(self, request, context):
         """Give an agent a new display name (works on archived agents too).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateAgentSettings(self, request, context):
+        """Replace an agent's runtime settings, checked as CreateAgent checks them
+        (INVALID_ARGUMENT naming settings_json); its next run uses them. Works on
+        archived agents too (a restored agent's withheld values are set back before
+        it is unarchived). NOT_FOUND for no such agent; FAILED_PRECONDITION for an
+        agent whose origin is another machine (it can only be read here).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -459,6 +475,11 @@ def add_MachineServiceServicer_to_server(servicer, server):
             'RenameAgent': grpc.unary_unary_rpc_method_handler(
                     servicer.RenameAgent,
                     request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.RenameAgentRequest.FromString,
+                    response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Agent.SerializeToString,
+            ),
+            'UpdateAgentSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateAgentSettings,
+                    request_deserializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.UpdateAgentSettingsRequest.FromString,
                     response_serializer=shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Agent.SerializeToString,
             ),
             'ArchiveAgent': grpc.unary_unary_rpc_method_handler(
@@ -705,6 +726,33 @@ class MachineService:
             target,
             '/shared.pb.machine.v1.MachineService/RenameAgent',
             shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.RenameAgentRequest.SerializeToString,
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Agent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateAgentSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shared.pb.machine.v1.MachineService/UpdateAgentSettings',
+            shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.UpdateAgentSettingsRequest.SerializeToString,
             shared_dot_pb_dot_machine_dot_v1_dot_machine__pb2.Agent.FromString,
             options,
             channel_credentials,

@@ -54,6 +54,13 @@ class MachineServiceStub:
     """One agent by id; NOT_FOUND when there is no such agent."""
     RenameAgent: _grpc.UnaryUnaryMultiCallable[_machine_pb2.RenameAgentRequest, _machine_pb2.Agent]
     """Give an agent a new display name (works on archived agents too)."""
+    UpdateAgentSettings: _grpc.UnaryUnaryMultiCallable[_machine_pb2.UpdateAgentSettingsRequest, _machine_pb2.Agent]
+    """Replace an agent's runtime settings, checked as CreateAgent checks them
+    (INVALID_ARGUMENT naming settings_json); its next run uses them. Works on
+    archived agents too (a restored agent's withheld values are set back before
+    it is unarchived). NOT_FOUND for no such agent; FAILED_PRECONDITION for an
+    agent whose origin is another machine (it can only be read here).
+    """
     ArchiveAgent: _grpc.UnaryUnaryMultiCallable[_machine_pb2.ArchiveAgentRequest, _machine_pb2.Agent]
     """Archive an active agent: it can be read and searched, not prompted.
     FAILED_PRECONDITION while a run is in flight or waiting for a person.
@@ -164,6 +171,13 @@ class MachineServiceAsyncStub(MachineServiceStub):
     """One agent by id; NOT_FOUND when there is no such agent."""
     RenameAgent: _aio.UnaryUnaryMultiCallable[_machine_pb2.RenameAgentRequest, _machine_pb2.Agent]  # type: ignore[assignment]
     """Give an agent a new display name (works on archived agents too)."""
+    UpdateAgentSettings: _aio.UnaryUnaryMultiCallable[_machine_pb2.UpdateAgentSettingsRequest, _machine_pb2.Agent]  # type: ignore[assignment]
+    """Replace an agent's runtime settings, checked as CreateAgent checks them
+    (INVALID_ARGUMENT naming settings_json); its next run uses them. Works on
+    archived agents too (a restored agent's withheld values are set back before
+    it is unarchived). NOT_FOUND for no such agent; FAILED_PRECONDITION for an
+    agent whose origin is another machine (it can only be read here).
+    """
     ArchiveAgent: _aio.UnaryUnaryMultiCallable[_machine_pb2.ArchiveAgentRequest, _machine_pb2.Agent]  # type: ignore[assignment]
     """Archive an active agent: it can be read and searched, not prompted.
     FAILED_PRECONDITION while a run is in flight or waiting for a person.
@@ -295,6 +309,19 @@ class MachineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_machine_pb2.Agent, _abc.Awaitable[_machine_pb2.Agent]]:
         """Give an agent a new display name (works on archived agents too)."""
+
+    @_abc_1.abstractmethod
+    def UpdateAgentSettings(
+        self,
+        request: _machine_pb2.UpdateAgentSettingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_machine_pb2.Agent, _abc.Awaitable[_machine_pb2.Agent]]:
+        """Replace an agent's runtime settings, checked as CreateAgent checks them
+        (INVALID_ARGUMENT naming settings_json); its next run uses them. Works on
+        archived agents too (a restored agent's withheld values are set back before
+        it is unarchived). NOT_FOUND for no such agent; FAILED_PRECONDITION for an
+        agent whose origin is another machine (it can only be read here).
+        """
 
     @_abc_1.abstractmethod
     def ArchiveAgent(
