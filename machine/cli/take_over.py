@@ -30,18 +30,19 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from machine.api import codec
 from machine.backups.keys import has_standalone_recovery_key, keep_standalone_recovery_key
 from machine.backups.reader import key_refused
 from machine.backups.transfer import InResult
 
 # The same readings of --from, --recovery-key and --at as `backup restore`.
-from machine.cli.backup import _at, _from_dir, _recovery, settings_lines
+from machine.cli.backup import _arrived, _at, _from_dir, _recovery, settings_lines
 from machine.cli.common import Ctx, show
 from machine.config import MachineConfig
 from machine.link import identity
 from machine.link.machine_ids import adopt_machine_id
 from shared.atomic import ensure_private_dir
-from shared.cli import UsageError
+from shared.cli import UsageError, message_dict
 from shared.crypto import BoxKeyPair
 from shared.errors import AgentsError, InvalidState
 from shared.progress import Progress
@@ -189,21 +190,23 @@ async def backup_take_over(ctx: Ctx) -> int:
     result = done.result
     lines = [
         f"this machine is now {done.machine_id} (it was {done.previous_id})",
-        f"restored {len(result.restored)} agents (archived; `{ctx.prog} agent unarchive ID`"
-        " to run one once the daemon runs)",
+        *_arrived(
+            ctx,
+            f"restored {len(result.restored)} agents (archived; `{ctx.prog} agent unarchive ID`"
+            " to run one once the daemon runs)",
+            result,
+        ),
     ]
-    if result.skipped_erased:
-        lines.append(f"skipped {len(result.skipped_erased)} erased")
     if done.recovery_key_kept:
         lines.append("backups from now on are sealed to the recovery key given")
     lines += settings_lines(result.settings)
     lines.append(backed_up)
     lines.append(f"start the daemon: `{ctx.prog} serve`")
+    # The restore's own fields as `backup restore --json` prints them, and the take-over's.
     data = {
+        **(message_dict(codec.restore_result_to_pb(result)) if ctx.out.as_json else {}),
         "machine_id": done.machine_id,
         "previous_machine_id": done.previous_id,
-        "restored": list(result.restored),
-        "skipped_erased": list(result.skipped_erased),
         "recovery_key_kept": done.recovery_key_kept,
         "backup_id": backup_id,
     }
