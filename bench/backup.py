@@ -364,7 +364,8 @@ def _own_sealed(conn: sqlite3.Connection, agent: str, since: int, naming_key: by
         yield buf
         files[name] = buf.getvalue()
 
-    dump_agent_to(conn, agent, open_file, since_seq=since)
+    # The record's settings do not count: only the conversation's events are compared.
+    dump_agent_to(conn, agent, open_file, portable=lambda _runtime, _s: ({}, []), since_seq=since)
     own = files["conversation.jsonl"]
     name = segment_name(naming_key, [own])
     return sum(len(c) for c in encode_segment([own], name=name, key=segment_key(naming_key, name)))
