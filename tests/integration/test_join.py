@@ -226,9 +226,8 @@ async def test_printed_join_online_offline_and_restart(
     log = tmp_path / "machine.log"
     async with admin(cp) as client:
         # Online without a restart or a retry the test would have to make: how long it
-        # takes is measured in bench/ (bench.connect: joins and first links), not bounded
-        # here, where a loaded
-        # machine (CI, a second suite) must still pass.
+        # takes is measured in bench/ (bench.connect: joins and first links), not
+        # bounded here, where a loaded machine (CI, a second suite) must still pass.
         proc = _start(machines, data_dir, argv, log)
         await _until(lambda: _online(client, account_id), 30, "online after join")
         assert proc.joined()
