@@ -162,6 +162,12 @@ class BackupEngine:
         )
         self._chains = BackupChains(target, self._reader)
 
+    def chain_newest(self) -> str | None:
+        """The id of the newest backup of this target's chain (a point or an
+        increment; None: no chain), from the chain's state file alone."""
+        state = ChainState.load(self._work, self._chain_target)
+        return state.base if state is not None else None
+
     @property
     def machine_id(self) -> str:
         """The machine whose backups this engine reads and writes."""

@@ -48,7 +48,7 @@ from machine.storage.tables import export as store_export
 from shared.backup_target import BackupTarget
 from shared.crypto import BoxKeyPair
 from shared.errors import AgentsError, IntegrityError, InvalidArgument
-from shared.ids import is_increment
+from shared.ids import id_time_ms, is_increment
 from shared.retry import retrying
 
 __all__ = ["BackupMetrics", "BackupService", "BackupStatus", "RestoreCheck", "parse_daily_time"]
@@ -167,6 +167,10 @@ class BackupStatus:
     last_check: RestoreCheck | None
     recovery_key: bool
     warnings: tuple[str, ...]
+    increment_interval: float | None = None
+    """Seconds between continuous backups' increments (None: daily only)."""
+    last_increment_at: float | None = None
+    """When the chain's newest increment was made (None: none since its point)."""
 
 
 #: Staging folders in the work folder: a backup's (BackupEngine.backup_now) and a
@@ -568,7 +572,15 @@ class BackupService:
             last_check=self._last_check,
             recovery_key=self._keys.recovery_public_key is not None,
             warnings=tuple(warnings),
+            increment_interval=self.interval,
+            last_increment_at=self._last_increment_at() if self.interval else None,
         )
+
+    def _last_increment_at(self) -> float | None:
+        # The chain's newest backup, from its state file (no request): its id says
+        # when it was made, and an increment's is the recovery point a lost disk keeps.
+        newest = self.engine.chain_newest()
+        return id_time_ms(newest) / 1000 if newest and is_increment(newest) else None
 
 
 def same_device(a: Path, b: Path) -> bool:

@@ -21,6 +21,7 @@ from machine.cli.common import PROG, Ctx, call, human, show_record, when
 from machine.config import MachineConfig
 from machine.storage.faults import run_check
 from shared.cli import ExitCode, bind_error
+from shared.durations import format_duration
 from shared.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -82,10 +83,25 @@ def _backup_detail(b: BackupStatus) -> list[tuple[str, str]]:
         ("backup target", f"{b.target} (keep {b.keep})"),
         ("last backup", last),
         ("next backup", when(b.next_run_at)),
+        *_increments(b),
         ("restore check", check),
         ("recovery key", "yes" if b.recovery_key else "none"),
     ]
     return pairs + [("warning", w) for w in b.warnings]
+
+
+def _increments(b: BackupStatus) -> list[tuple[str, str]]:
+    """Continuous backups: how often, and the newest increment (what a disk lost now
+    would lose is what changed since)."""
+    if not b.increment_interval:
+        return []
+    every = f"every {format_duration(b.increment_interval)}"
+    last = (
+        f"newest {when(b.last_increment_at)}"
+        if b.last_increment_at
+        else "none since the last backup"
+    )
+    return [("increments", f"{every}; {last}")]
 
 
 async def cmd_check(ctx: Ctx) -> int:

@@ -124,6 +124,8 @@ def backup_status_to_pb(st: BackupStatus) -> pb.BackupStatus:
         last_check_problem=check.problem if check else "",
         recovery_key=st.recovery_key,
         warnings=list(st.warnings),
+        increment_interval_seconds=round(st.increment_interval or 0),
+        last_increment_at=from_seconds(st.last_increment_at) if st.last_increment_at else None,
     )
 
 
@@ -257,4 +259,6 @@ def backup_status_from_pb(msg: pb.BackupStatus) -> BackupStatus:
         last_check=check,
         recovery_key=msg.recovery_key,
         warnings=tuple(msg.warnings),
+        increment_interval=float(msg.increment_interval_seconds) or None,
+        last_increment_at=time_field(msg, "last_increment_at"),
     )

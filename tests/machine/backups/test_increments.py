@@ -425,3 +425,39 @@ async def test_killed_between_a_points_commit_and_the_chains_write(tmp_path: Pat
     async with open_machine(_config(tmp_path / "new")) as new:
         await _restore(new, engine, tmp_path / "fetch")
         assert await _export(new, [a], tmp_path / "n.tar.gz") == final
+
+
+async def test_status_names_the_newest_increment_from_the_chain_alone(tmp_path: Path) -> None:
+    """`status` says how often increments ship and when the newest was made: read
+    from the chain's state (no request), so a restarted daemon says it too."""
+    from machine.api import codec
+    from machine.cli.daemon_verbs import _backup_detail
+    from shared.ids import id_time_ms
+
+    async with open_machine(_config(tmp_path / "m")) as m:
+        a = (await m.agents.create(name="a", folder=str(tmp_path))).id
+        service = m.require_backups()
+        service.interval = 60.0  # as on a joined machine or a bucket target
+        await service.backup_now()
+        assert service.status().last_increment_at is None  # a point, no increment yet
+        await _prompt(m, a, "MARKER-ONE")
+        made = await service.increment_now()
+        assert made is not None
+    async with open_machine(_config(tmp_path / "m")) as again:
+        service = again.require_backups()
+        service.interval = 60.0
+        st = service.status()
+        assert st.last_increment_at is not None
+        # The time its id carries (taken as the increment began), to the millisecond.
+        assert st.last_increment_at == id_time_ms(made.backup_id) / 1000
+        assert made.created_at - 60 < st.last_increment_at <= made.created_at
+        shown = codec.backup_status_from_pb(codec.backup_status_to_pb(st))
+        assert shown.increment_interval == 60.0
+        assert shown.last_increment_at == pytest.approx(st.last_increment_at, abs=1e-6)
+        lines = dict(_backup_detail(shown))
+        assert lines["increments"].startswith("every 1m; newest ")
+        await service.backup_now()  # a new point: no increment continues it yet
+        assert service.status().last_increment_at is None
+        assert dict(_backup_detail(service.status()))["increments"] == (
+            "every 1m; none since the last backup"
+        )

@@ -2630,6 +2630,8 @@ class BackupStatus(_message.Message):
     LAST_CHECK_PROBLEM_FIELD_NUMBER: _builtins.int
     RECOVERY_KEY_FIELD_NUMBER: _builtins.int
     WARNINGS_FIELD_NUMBER: _builtins.int
+    INCREMENT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
+    LAST_INCREMENT_AT_FIELD_NUMBER: _builtins.int
     target: _builtins.str
     """Where backups go ("folder /path", "control plane")."""
     keep: _builtins.int
@@ -2644,6 +2646,8 @@ class BackupStatus(_message.Message):
     """What it found wrong."""
     recovery_key: _builtins.bool
     """Whether backups are also sealed to a recovery key."""
+    increment_interval_seconds: _builtins.int
+    """Continuous backups: how often what changed is shipped (0: daily backups only)."""
     @_builtins.property
     def last_backup_at(self) -> _timestamp_pb2.Timestamp:
         """The last backup this daemon made (unset: none since it started)."""
@@ -2660,6 +2664,12 @@ class BackupStatus(_message.Message):
     def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Things the operator should fix (backup folder on the data's device...)."""
 
+    @_builtins.property
+    def last_increment_at(self) -> _timestamp_pb2.Timestamp:
+        """When the newest increment of the chain was made (unset: none since the last
+        daily backup, or no continuous backups): a disk lost now loses what changed since.
+        """
+
     def __init__(
         self,
         *,
@@ -2674,10 +2684,12 @@ class BackupStatus(_message.Message):
         last_check_problem: _builtins.str = ...,
         recovery_key: _builtins.bool = ...,
         warnings: _abc.Iterable[_builtins.str] | None = ...,
+        increment_interval_seconds: _builtins.int = ...,
+        last_increment_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_backup_at", b"last_backup_at", "last_check_at", b"last_check_at", "next_run_at", b"next_run_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_backup_at", b"last_backup_at", "last_check_at", b"last_check_at", "last_increment_at", b"last_increment_at", "next_run_at", b"next_run_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep", b"keep", "last_backup_at", b"last_backup_at", "last_backup_bytes", b"last_backup_bytes", "last_backup_id", b"last_backup_id", "last_check_at", b"last_check_at", "last_check_ok", b"last_check_ok", "last_check_problem", b"last_check_problem", "next_run_at", b"next_run_at", "recovery_key", b"recovery_key", "target", b"target", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["increment_interval_seconds", b"increment_interval_seconds", "keep", b"keep", "last_backup_at", b"last_backup_at", "last_backup_bytes", b"last_backup_bytes", "last_backup_id", b"last_backup_id", "last_check_at", b"last_check_at", "last_check_ok", b"last_check_ok", "last_check_problem", b"last_check_problem", "last_increment_at", b"last_increment_at", "next_run_at", b"next_run_at", "recovery_key", b"recovery_key", "target", b"target", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
