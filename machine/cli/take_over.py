@@ -199,6 +199,11 @@ async def backup_take_over(ctx: Ctx) -> int:
     ]
     if done.recovery_key_kept:
         lines.append("backups from now on are sealed to the recovery key given")
+    else:
+        lines.append(
+            "backups stay sealed to the recovery key this box made before, not the one given:"
+            " keep that one too"
+        )
     lines += settings_lines(result.settings)
     lines.append(backed_up)
     lines.append(f"start the daemon: `{ctx.prog} serve`")
