@@ -128,9 +128,11 @@ async def join_machines(
     *,
     concurrency: int = JOIN_CONCURRENCY,
     first: int = 0,
+    address: Callable[[int], str] | None = None,
 ) -> float:
     """Join machines ``first`` .. ``count`` - 1 (data folders ``tmp/mNNNN``) with the
-    real join code, ``concurrency`` at a time, 1,000 a token; the seconds it took."""
+    real join code, ``concurrency`` at a time, 1,000 a token; the seconds it took.
+    ``address(i)``: where machine ``i`` joins (default: the token's join address)."""
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
@@ -138,7 +140,7 @@ async def join_machines(
         async with sem:
             await join_control_plane(
                 data_dir=tmp / f"m{i:04d}",
-                address=token.join_address,
+                address=address(i) if address else token.join_address,
                 token=token.token_value,
                 ca_hash=token.ca_hash,
                 name=f"bench-{i}",
