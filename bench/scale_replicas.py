@@ -15,6 +15,12 @@ replica (the means over the replicas):
   window, less what it spends over an equal window before the links opened
   (its own periodic work: the lease, the self-check).
 
+A point is held only if no link ended during the window: links that dropped
+(no heartbeat heard for 3 intervals: a replica too busy to read them) and
+came back are counted by ``agents_cp_disconnects_total``, and such a point is
+left out, saying so in the note, as is one whose links did not all come up
+within their deadline.
+
 The machines are joined once, through the replicas in turn, as the points
 grow (the join rate through the replicas is in the note), and kept: before
 each R, a machine's ``link.json`` is pointed at the replica it belongs to
@@ -44,6 +50,7 @@ import dataclasses
 import shutil
 import statistics
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +59,7 @@ import psutil
 
 from bench.connect import (
     TOKEN_USES,
+    control_counts,
     control_samples,
     cpu_window,
     join_machines,
@@ -211,6 +219,18 @@ class _Deployment:
                 )
 
 
+class NotHeld(Exception):
+    """The replicas did not keep every link up through the window."""
+
+
+def _ended(procs: list[ControlProc]) -> Counter[str]:
+    """Links ended so far, by reason, over the replicas."""
+    out: Counter[str] = Counter()
+    for cp in procs:
+        out += control_counts(cp, "agents_cp_disconnects_total", "reason")
+    return out
+
+
 async def _measure(deployment: _Deployment, machines: int) -> ReplicaPoint:
     settings, procs = deployment.settings, deployment.procs
     replicas = len(procs)
@@ -231,9 +251,16 @@ async def _measure(deployment: _Deployment, machines: int) -> ReplicaPoint:
             sum(v for _, v in control_samples(cp, "agents_cp_machines_online")) for cp in procs
         ]
         rss_after = [psutil.Process(p).memory_info().rss for p in pids]
+        ended_before = _ended(procs)
         busy = await asyncio.gather(
             *(cpu_window(p, opened.heartbeats, settings.window) for p in pids)
         )
+        ended = _ended(procs) - ended_before
+    if ended.total():
+        # Links that dropped (no heartbeat heard for 3 intervals) and came back:
+        # the replicas did not hold this point, and the window measured that.
+        reasons = ", ".join(f"{why} {n}" for why, n in sorted(ended.items()) if n)
+        raise NotHeld(f"{ended.total()} links ended during the window ({reasons})")
     cpus = [
         max(0.0, cpu - idle_cpu * window / idle_s)
         for (cpu, _, window), (idle_cpu, _, idle_s) in zip(busy, idle, strict=True)
@@ -278,6 +305,8 @@ async def _run(
                         measured.append(await _measure(deployment, machines))
                     finally:
                         deployment.stop()
+                except NotHeld as e:
+                    left_out.append(f"{machines} machines on {replicas} replica(s): not held: {e}")
                 except (AssertionError, TimeoutError, OSError, RuntimeError) as e:
                     left_out.append(f"{machines} machines on {replicas}: {type(e).__name__}: {e}")
     return measured, left_out, deployment.joins_per_s
