@@ -302,9 +302,14 @@ async def _run(
                 try:
                     deployment.start(replicas)
                     try:
-                        measured.append(await _measure(deployment, machines))
+                        point = await _measure(deployment, machines)
                     finally:
                         deployment.stop()
+                    measured.append(point)
+                    print(_row(point), flush=True)  # a long run shows each point as it comes
+                except SystemExit as e:
+                    # open_links' deadline for a wave (it ends a lone bench): here, one point.
+                    left_out.append(f"{machines} machines on {replicas} replica(s): {e}")
                 except NotHeld as e:
                     left_out.append(f"{machines} machines on {replicas} replica(s): not held: {e}")
                 except (AssertionError, TimeoutError, OSError, RuntimeError) as e:
@@ -367,6 +372,7 @@ def replica_curves(
     if nats_binary() is None:
         raise RuntimeError("replicas: nats-server is not installed (apt-get install nats-server)")
     raise_fd_limit()
+    print(_HEAD, flush=True)
     measured, left_out, joins = asyncio.run(_run(points, counts, settings))
     common = [
         f"folder store, one nats-server, heartbeat every {settings.heartbeat:g} s, windows of "
@@ -398,19 +404,33 @@ def replica_curves(
     return curves
 
 
+_HEAD = (
+    f"{'replicas':>8} {'machines':>8} {'links each':>10} {'KiB/link':>9} "
+    f"{'us/heartbeat':>12} {'% of a core':>11}"
+)
+
+
+def _row(p: ReplicaPoint) -> str:
+    return (
+        f"{p.replicas:>8} {p.machines:>8,} {p.links:>10,.0f} {p.rss_per_link_kib:>9.1f} "
+        f"{p.us_per_heartbeat:>12.0f} {p.cpu_percent:>11.1f}"
+    )
+
+
 def points_table(curves: list[Curve]) -> str:
     """Every (replicas, machines) point as one row a person reads."""
-    rows = [
-        f"{'replicas':>8} {'machines':>8} {'links each':>10} {'KiB/link':>9} "
-        f"{'us/heartbeat':>12} {'% of a core':>11}"
-    ]
+    rows = [_HEAD]
     for curve in curves:
-        replicas = curve.name.rsplit("-", 1)[1]
+        replicas = int(curve.name.rsplit("-", 1)[1])
         s = curve.series
         for i, x in enumerate(curve.x):
-            rows.append(
-                f"{replicas:>8} {x:>8,.0f} {s['links_per_replica'][i]:>10,.0f} "
-                f"{s['rss_per_link'][i]:>9.1f} {s['cpu_per_heartbeat'][i]:>12.0f} "
-                f"{s['replica_cpu'][i]:>11.1f}"
+            point = ReplicaPoint(
+                machines=int(x),
+                replicas=replicas,
+                links=s["links_per_replica"][i],
+                rss_per_link_kib=s["rss_per_link"][i],
+                us_per_heartbeat=s["cpu_per_heartbeat"][i],
+                cpu_percent=s["replica_cpu"][i],
             )
+            rows.append(_row(point))
     return "\n".join(rows)
