@@ -259,7 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: replica counts, e.g. 1,2,3, each serving every --points value of "
         f"machines (default {list(scale_replicas.FULL_POINTS)}; needs nats-server)",
     )
+    parser.add_argument(
+        "--heartbeat",
+        type=float,
+        help="with --replicas: the heartbeat interval in seconds (default 2; quick 1)",
+    )
     args = parser.parse_args(argv)
+    if args.heartbeat is not None and not 0.5 <= args.heartbeat <= 60:
+        parser.error("--heartbeat: 0.5..60 seconds")
     try:
         points = [int(p) for p in args.points.split(",")] if args.points else None
     except ValueError:
@@ -280,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         if nats_binary() is None:
             print("bench.scale_control: --replicas needs nats-server (apt-get install nats-server)")
             return 1
-        found = scale_replicas.replica_curves(points, counts, quick=args.quick)
+        found = scale_replicas.replica_curves(
+            points, counts, quick=args.quick, heartbeat=args.heartbeat
+        )
         print(f"control plane, spread over replicas ({'quick' if args.quick else 'full'}):")
         print(scale_replicas.points_table(found))
         print(f"note: {found[0].note}")

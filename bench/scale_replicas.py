@@ -365,10 +365,18 @@ def extrapolate(
 
 
 def replica_curves(
-    points: Sequence[int], counts: Sequence[int], *, quick: bool, budget: Budget | None = None
+    points: Sequence[int],
+    counts: Sequence[int],
+    *,
+    quick: bool,
+    budget: Budget | None = None,
+    heartbeat: float | None = None,
 ) -> list[Curve]:
-    """One curve per replica count (x: machines), the extrapolation in each note."""
+    """One curve per replica count (x: machines), the extrapolation in each note;
+    ``heartbeat``: another interval than the default's (seconds)."""
     settings = _settings(quick)
+    if heartbeat is not None:
+        settings = dataclasses.replace(settings, heartbeat=heartbeat)
     if nats_binary() is None:
         raise RuntimeError("replicas: nats-server is not installed (apt-get install nats-server)")
     raise_fd_limit()
