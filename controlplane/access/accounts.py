@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from dataclasses import dataclass
@@ -145,34 +144,23 @@ class AccountService:
     async def get(self, account_id: str) -> Account:
         """The account; NotFound if missing. ``state`` is "deleting" under a tombstone."""
         validate_id("account", account_id, "account_id")
-        # The record and both deletion markers at once: three store round trips
-        # in the time of one (every join reads an account twice). Judged in the
-        # order they were read in one after the other.
-        record, deleted, deleting = await asyncio.gather(
-            jsonstore.read(self._store, account_key(account_id)),
-            self.was_deleted(account_id),
-            self.is_deleting(account_id),
-            return_exceptions=True,
-        )
-        if isinstance(record, NotFound | IntegrityError):
+        try:
+            data = await jsonstore.read(self._store, account_key(account_id))
+        except (NotFound, IntegrityError):
             # A refused (forged) record is no account (the store counted it).
             raise NotFound("account", account_id) from None
-        if isinstance(record, BaseException):
-            raise record
-        if record.get("account_id") != account_id:
+        if data.get("account_id") != account_id:
             raise NotFound("account", account_id)
-        if isinstance(deleted, BaseException):
-            raise deleted
-        if deleted:
+        if await self.was_deleted(account_id):
             # An account's record after its deletion finished is an older copy put
             # back (write access can replay it, not remove deleted/<a>): it is gone.
             self._replays.report(
                 "account", f"account {account_id}: a record after its deletion finished: ignored"
             )
             raise NotFound("account", account_id)
-        if isinstance(deleting, BaseException):
-            raise deleting
-        return account_from_dict(record, "deleting" if deleting else "active")
+        return account_from_dict(
+            data, "deleting" if await self.is_deleting(account_id) else "active"
+        )
 
     async def is_deleting(self, account_id: str) -> bool:
         """Whether the account carries a deletion tombstone."""

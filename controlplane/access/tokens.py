@@ -305,16 +305,7 @@ class TokenService:
             # Same words as an unknown id: the answer must not tell which ids exist.
             raise Unauthenticated(_BAD_TOKEN)
         self._check_usable(token)
-        # Two independent reads at once: a join waits for its store round trips
-        # one after the other, so each one saved here is one less per join. The
-        # refusals keep their order (the markers', then the account's).
-        taken, active = await asyncio.gather(
-            self._uses_taken(token),
-            self._accounts.require_active(account_id, "join"),
-            return_exceptions=True,
-        )
-        if isinstance(taken, BaseException):
-            raise taken
+        taken = await self._uses_taken(token)
         if taken >= token.max_uses:
             # The record allows a use its markers say was taken: an older copy
             # put back (or a join killed between its marker and its record).
@@ -324,8 +315,7 @@ class TokenService:
                 f"its use markers {taken}: refused as used",
             )
             raise Unauthenticated("join: token already used")
-        if isinstance(active, BaseException):
-            raise active
+        await self._accounts.require_active(account_id, "join")
         return token
 
     async def _uses_taken(self, token: JoinToken) -> int:
