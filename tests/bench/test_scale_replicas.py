@@ -75,3 +75,11 @@ def test_replicas_bench_draws_a_curve_per_replica_count(tmp_path: Path) -> None:
     assert curve.name == "control-replicas-2" and curve.x == [4.0], curve
     assert curve.series["links_per_replica"] == [2.0], curve
     assert set(curve.series) == set(curve.units)
+
+
+def test_a_one_point_curve_states_no_growth() -> None:
+    from bench.results import Curve
+    from bench.scale import growth
+
+    curve = Curve("control-replicas-2", "machines (2 replicas)", [20.0], {"rss_per_link": [90.0]})
+    assert growth(curve) == ["control-replicas-2: 1 point(s) of machines: no growth to state"]
