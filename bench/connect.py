@@ -128,9 +128,11 @@ async def join_machines(
     *,
     concurrency: int = JOIN_CONCURRENCY,
     first: int = 0,
+    address: Callable[[int], str] | None = None,
 ) -> float:
     """Join machines ``first`` .. ``count`` - 1 (data folders ``tmp/mNNNN``) with the
-    real join code, ``concurrency`` at a time, 1,000 a token; the seconds it took."""
+    real join code, ``concurrency`` at a time, 1,000 a token; the seconds it took.
+    ``address(i)``: where machine ``i`` joins (default: the token's join address)."""
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
@@ -138,7 +140,7 @@ async def join_machines(
         async with sem:
             await join_control_plane(
                 data_dir=tmp / f"m{i:04d}",
-                address=token.join_address,
+                address=address(i) if address else token.join_address,
                 token=token.token_value,
                 ca_hash=token.ca_hash,
                 name=f"bench-{i}",
@@ -344,6 +346,8 @@ class StreamFigures:
 
     streams: int
     join_s: float
+    join_cpu_s: float
+    """The control plane's CPU over the joins (every thread of it)."""
     connect_s: float
     rss_before: int
     rss_after: int
@@ -359,6 +363,12 @@ class StreamFigures:
     @property
     def rss_per_stream_kib(self) -> float:
         return (self.rss_after - self.rss_before) / self.streams / 1024
+
+    @property
+    def ms_per_join(self) -> float:
+        """The control plane's CPU per join: what bounds its join rate (one core,
+        as its threads share one interpreter lock), whoever runs the joining side."""
+        return self.join_cpu_s / self.streams * 1e3
 
     @property
     def us_per_heartbeat(self) -> float:
@@ -380,7 +390,9 @@ async def bench_streams(
     """(b): many in-process ControlLinks against the control plane process."""
     assert cp.process is not None
     proc = psutil.Process(cp.process.pid)
+    cpu_before = sum(proc.cpu_times()[:2])
     join_s = await join_machines(tokens, tmp, streams, concurrency=concurrency)
+    join_cpu_s = sum(proc.cpu_times()[:2]) - cpu_before
     await asyncio.sleep(1.0)  # let the control plane settle before the baseline
     rss_before = proc.memory_info().rss
     ended_before = control_counts(cp, "agents_cp_disconnects_total", "reason")
@@ -397,6 +409,7 @@ async def bench_streams(
     return StreamFigures(
         streams=streams,
         join_s=join_s,
+        join_cpu_s=join_cpu_s,
         connect_s=connect_s,
         rss_before=rss_before,
         rss_after=rss_after,
@@ -442,7 +455,8 @@ def _print(args: argparse.Namespace, f: StreamFigures, bare: BareFigures | None)
     print(f"(b) {n} concurrent Connect streams (mutual TLS, one client cert each):")
     print(
         f"    {n} joins in {f.join_s:.1f}s ({n / f.join_s:.0f}/s, "
-        f"{args.join_concurrency} at a time)"
+        f"{args.join_concurrency} at a time); control plane CPU {f.ms_per_join:.1f} ms per join "
+        f"(at most {_per(1e3, f.ms_per_join)} per second on one core)"
     )
     print(f"    all connected in {f.connect_s:.1f}s; {f.connected_at_end} still up at end")
     others = ", ".join(f"{e} {k}" for e, k in sorted(f.failures.items())) or "none"
@@ -476,6 +490,11 @@ def _ratio(ours: float, base: float) -> str:
     return f"{ours / base:.2f}x" if base > 0 else "n/a"
 
 
+def _per(amount: float, cost: float) -> str:
+    """How many ``cost`` fit in ``amount`` (n/a when nothing was measured)."""
+    return f"{amount / cost:.0f}" if cost > 0 else "n/a"
+
+
 def _result(
     args: argparse.Namespace,
     timings: list[tuple[float, float]],
@@ -506,7 +525,8 @@ def _result(
     n = f.streams
     result.notes += [
         f"{n} joins in {f.join_s:.1f} s: {n / f.join_s:.0f} joins/s "
-        f"({args.join_concurrency} at a time; target >= 100/s)",
+        f"({args.join_concurrency} at a time; target >= 100/s); control plane CPU "
+        f"{f.ms_per_join:.1f} ms per join",
         f"{n} links opened at once: all connected in {f.connect_s:.1f} s, "
         f"{f.retries} connect retries, {f.timeouts} timeouts (target: none)",
         f"heartbeat every {args.heartbeat:g} s, CPU over {f.window_s:.1f} s",

@@ -1,9 +1,11 @@
 """Growth curves: how the machine daemon's costs grow with its work, and (from
-``bench/scale_control.py``) the control plane's with its fleet.
+``bench/scale_control.py``) the control plane's with its fleet, and (from
+``bench/scale_replicas.py``) its replicas' at 1,000 to 5,000 links.
 
-    python -m bench.scale                        # full: about 3 minutes on 2 busy cores
-    python -m bench.scale --quick                # about 30 s
+    python -m bench.scale                        # full: about 30 minutes on 2 busy cores
+    python -m bench.scale --quick                # about a minute
     python -m bench.scale --part machine --json scale.json
+    python -m bench.scale --part replicas        # 1, 2, 3 replicas (needs nats-server)
 
 Machine curves. Each point is a fresh data folder, filled before the daemon
 starts; then a real ``agents-machine serve`` (never joined: it serves its Unix
@@ -497,8 +499,10 @@ def _slope(x0: float, y0: float, x1: float, y1: float) -> float:
 def growth(curve: Curve) -> list[str]:
     """One line stating how each series grows over the curve, then one FINDING
     line per series growing faster than the work."""
-    x0, x1 = curve.x[0], curve.x[-1]
     work = curve.x_label.split(" (")[0]
+    if len(curve.x) < 2:
+        return [f"{curve.name}: {len(curve.x)} point(s) of {work}: no growth to state"]
+    x0, x1 = curve.x[0], curve.x[-1]
     parts: list[str] = []
     findings: list[str] = []
     for name, ys in curve.series.items():
@@ -551,11 +555,30 @@ def control_curves(*, quick: bool) -> list[Curve]:
     return scale_control.curves(list(points), quick=quick)
 
 
+def replica_curves(*, quick: bool) -> list[Curve]:
+    """The control plane's replicas (bench/scale_replicas.py); none, said in one
+    line, without nats-server."""
+    from bench import scale_replicas
+    from tests.helpers.nats_proc import nats_binary
+
+    if nats_binary() is None:
+        print("scale: replicas left out: nats-server is not installed")
+        return []
+    if quick:
+        points, counts = scale_replicas.QUICK_POINTS, scale_replicas.QUICK_COUNTS
+    else:
+        points, counts = scale_replicas.FULL_POINTS, scale_replicas.FULL_COUNTS
+    return scale_replicas.replica_curves(points, counts, quick=quick)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small points (about a minute)")
     parser.add_argument(
-        "--part", choices=("machine", "control", "all"), default="all", help="default all"
+        "--part",
+        choices=("machine", "control", "replicas", "all"),
+        default="all",
+        help="default all",
     )
     parser.add_argument("--json", type=Path, help="write the figures here (bench/results.py)")
     args = parser.parse_args(argv)
@@ -565,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         curves += machine_curves(quick=args.quick)
     if args.part in ("control", "all"):
         curves += control_curves(quick=args.quick)
+    if args.part in ("replicas", "all"):
+        curves += replica_curves(quick=args.quick)
     notes: list[str] = []
     for curve in curves:
         print()

@@ -24,14 +24,10 @@ deadline on two cores), then, with every link up and heartbeating:
 
     .venv/bin/python -m bench.scale_control [--quick] [--points 10,100,1000] [--json PATH]
 
-Replicas (``--replicas 1,2,3``, docs/controlplane.md "Replicas"): instead, the
-curve "control-replicas": for each count R, a nats-server and R ``serve
---cluster`` on one folder store (copies of one home), the machines (the first
-``--points`` value; 30 quick, 3,000 full) joined through the replicas in turn
-(so each links to the one it joined through), and, with every link up: the
-links each replica holds (the mean of ``agents_cp_machines_online``) and the
-CPU of each replica per heartbeat it serves and per second (means over the
-replicas, less their idle windows as above). Needs ``nats-server``.
+Replicas (``--replicas 1,2,3``, docs/controlplane.md "Replicas"): instead, how
+the work spreads over R ``serve --cluster`` replicas at each ``--points`` value
+(default 1,000, 3,000 and 5,000; quick: 20), and the replicas 100,000 machines
+would need: ``bench/scale_replicas.py``. Needs ``nats-server``.
 
 Every link is a socket here and one in the control plane: the open-file limit
 is raised to its hard limit, and points it cannot hold are left out (said in
@@ -43,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import statistics
 import sys
 import tempfile
@@ -53,9 +48,9 @@ from pathlib import Path
 
 import psutil
 
+from bench import scale_replicas
 from bench.connect import (
     control_counts,
-    control_samples,
     cpu_window,
     join_machines,
     new_account_tokens,
@@ -65,7 +60,8 @@ from bench.connect import (
 )
 from bench.results import BenchResult, Curve
 from controlplane.cli.client import AdminClient
-from tests.helpers.control_proc import ControlProc, start_serve, stop_serve
+from tests.helpers.control_proc import ControlProc, stop_serve
+from tests.helpers.nats_proc import nats_binary
 from tests.helpers.poll import apoll_until
 
 __all__ = ["FULL", "QUICK", "curves"]
@@ -191,6 +187,8 @@ async def _measure(points: list[int], settings: _Settings) -> tuple[list[_Point]
             continue
         try:
             measured.append(await _point(machines, settings))
+        except SystemExit as e:  # open_links' deadline for a wave: here, one point
+            left_out.append(f"{machines} machines: {e}")
         except (AssertionError, TimeoutError, OSError) as e:
             left_out.append(f"{machines} machines: {type(e).__name__}: {e}")
     return measured, left_out
@@ -242,128 +240,6 @@ def curves(points: list[int], *, quick: bool) -> list[Curve]:
     ]
 
 
-REPLICA_UNITS = {
-    "links_per_replica": "links",
-    "cpu_per_heartbeat": "us",
-    "replica_cpu": "%",
-}
-
-
-@dataclass(frozen=True)
-class _ReplicaPoint:
-    replicas: int
-    links: float
-    us_per_heartbeat: float
-    cpu_percent: float
-
-
-async def _replica_point(replicas: int, machines: int, settings: _Settings) -> _ReplicaPoint:
-    from machine.link.join import join_control_plane
-    from tests.helpers.control_proc import wait_serve
-    from tests.helpers.nats_proc import nats_server
-
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-scale-replicas-") as tmp_name,
-        nats_server(Path(tmp_name) / "nats") as nats,
-    ):
-        tmp = Path(tmp_name)
-        first = start_control(tmp, settings.heartbeat, serve=False)
-        procs = [first]
-        for i in range(1, replicas):  # a replica's home: a copy of the first's
-            shutil.copytree(first.home, tmp / f"cp-home{i}")
-            procs.append(ControlProc(tmp / f"cp-home{i}", first.env, first.operator, first.ca_hash))
-        for cp in procs:
-            start_serve(cp, ["--cluster", nats.url], wait=False)
-        try:
-            for cp in procs:
-                wait_serve(cp)
-            pids = [psutil.Process(cp.process.pid) for cp in procs if cp.process is not None]
-            _, tokens = await new_account_tokens(first, machines)
-            sem = asyncio.Semaphore(16)
-
-            async def join(i: int) -> None:
-                token = tokens[i // 1000]
-                async with sem:
-                    await join_control_plane(
-                        data_dir=tmp / f"m{i:04d}",
-                        address=procs[i % replicas].public,
-                        token=token.token_value,
-                        ca_hash=token.ca_hash,
-                        name=f"bench-{i}",
-                    )
-
-            await asyncio.gather(*(join(i) for i in range(machines)))
-            idle = await asyncio.gather(
-                *(cpu_window(p.pid, lambda: 0.0, settings.window) for p in pids)
-            )
-            async with open_links(tmp, machines, wave=_WAVE) as opened:
-                await apoll_until(
-                    lambda: opened.connected() == machines,
-                    deadline=120 + machines / 20,
-                    what=f"{machines} links connected",
-                    step=0.1,
-                )
-                await asyncio.sleep(2 * settings.heartbeat)  # past the welcomes
-                links = [
-                    sum(v for _, v in control_samples(cp, "agents_cp_machines_online"))
-                    for cp in procs
-                ]
-                busy = await asyncio.gather(
-                    *(cpu_window(p.pid, opened.heartbeats, settings.window) for p in pids)
-                )
-        finally:
-            for cp in procs:
-                stop_serve(cp)
-    cpus = [
-        max(0.0, cpu - idle_cpu * window / idle_s)
-        for (cpu, _, window), (idle_cpu, _, idle_s) in zip(busy, idle, strict=True)
-    ]
-    beats = statistics.mean(b for _, b, _ in busy)  # every link's, in each window
-    us = [
-        cpu / (beats * n / machines) * 1e6 if beats and n else 0.0
-        for cpu, n in zip(cpus, links, strict=True)
-    ]
-    return _ReplicaPoint(
-        replicas=replicas,
-        links=statistics.mean(links),
-        us_per_heartbeat=statistics.mean(us),
-        cpu_percent=statistics.mean(c / w * 100 for c, (_, _, w) in zip(cpus, busy, strict=True)),
-    )
-
-
-def replica_curves(counts: list[int], machines: int, *, quick: bool) -> list[Curve]:
-    """How the work spreads over replicas (see the module doc)."""
-    settings = _settings(quick)
-    raise_fd_limit()
-    measured: list[_ReplicaPoint] = []
-    left_out: list[str] = []
-    for replicas in counts:
-        try:
-            measured.append(asyncio.run(_replica_point(replicas, machines, settings)))
-        except (AssertionError, TimeoutError, OSError, RuntimeError) as e:
-            left_out.append(f"{replicas} replicas: {type(e).__name__}: {e}")
-    note = (
-        f"{machines} machines joined through the replicas in turn, folder store, nats-server, "
-        f"heartbeat every {settings.heartbeat:g} s, windows of {settings.window:g} s; "
-        "links, CPU per heartbeat served and CPU % are means over the replicas"
-    )
-    note = "; ".join([note] + [f"left out: {why}" for why in left_out])
-    return [
-        Curve(
-            name="control-replicas",
-            x_label="replicas",
-            x=[float(p.replicas) for p in measured],
-            series={
-                "links_per_replica": [p.links for p in measured],
-                "cpu_per_heartbeat": [p.us_per_heartbeat for p in measured],
-                "replica_cpu": [p.cpu_percent for p in measured],
-            },
-            units=dict(REPLICA_UNITS),
-            note=note,
-        )
-    ]
-
-
 def _table(curve: Curve) -> str:
     heads = [f"{name} ({curve.units[name]})" for name in curve.series]
     rows = [f"{curve.x_label:>9}  " + "  ".join(f"{h:>26}" for h in heads)]
@@ -380,10 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the curve here (bench.results)")
     parser.add_argument(
         "--replicas",
-        help="instead: replica counts, e.g. 1,2,3, each serving the first --points value "
-        "of machines (needs nats-server)",
+        help="instead: replica counts, e.g. 1,2,3, each serving every --points value of "
+        f"machines (default {list(scale_replicas.FULL_POINTS)}; needs nats-server)",
+    )
+    parser.add_argument(
+        "--heartbeat",
+        type=float,
+        help="with --replicas: the heartbeat interval in seconds (default 2; quick 1)",
     )
     args = parser.parse_args(argv)
+    if args.heartbeat is not None and not 0.5 <= args.heartbeat <= 60:
+        parser.error("--heartbeat: 0.5..60 seconds")
     try:
         points = [int(p) for p in args.points.split(",")] if args.points else None
     except ValueError:
@@ -399,17 +282,25 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--replicas: whole numbers separated by commas")
         if not counts or not all(1 <= r <= 8 for r in counts):
             parser.error("--replicas: 1..8 replicas each")
-        machines = int(args.points.split(",")[0]) if args.points else (30 if args.quick else 3000)
-        (curve,) = replica_curves(counts, machines, quick=args.quick)
+        if not args.points:
+            points = list(scale_replicas.QUICK_POINTS if args.quick else scale_replicas.FULL_POINTS)
+        if nats_binary() is None:
+            print("bench.scale_control: --replicas needs nats-server (apt-get install nats-server)")
+            return 1
+        found = scale_replicas.replica_curves(
+            points, counts, quick=args.quick, heartbeat=args.heartbeat
+        )
+        print(f"control plane, spread over replicas ({'quick' if args.quick else 'full'}):")
+        print(scale_replicas.points_table(found))
+        print(f"note: {found[0].note}")
     else:
-        (curve,) = curves(points, quick=args.quick)
-    what = "spread over replicas" if args.replicas else "growth with machines"
-    print(f"control plane, {what} ({'quick' if args.quick else 'full'}):")
-    print(_table(curve))
-    print(f"note: {curve.note}")
+        found = curves(points, quick=args.quick)
+        print(f"control plane, growth with machines ({'quick' if args.quick else 'full'}):")
+        print(_table(found[0]))
+        print(f"note: {found[0].note}")
     command = "python -m bench.scale_control " + " ".join(sys.argv[1:] if argv is None else argv)
-    BenchResult(bench="scale_control", command=command, curves=[curve]).write(args.json)
-    return 0 if curve.x else 1
+    BenchResult(bench="scale_control", command=command, curves=found).write(args.json)
+    return 0 if all(curve.x for curve in found) else 1
 
 
 if __name__ == "__main__":
