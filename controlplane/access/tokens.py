@@ -14,13 +14,9 @@ token): a fleet joining with one token would otherwise lose most of its
 compare-and-swap rounds to each other and give up (``too much contention``).
 The compare-and-swap still guards the record against any other writer.
 
-The markers are listed once per token and process, then counted from what
-this process made and deleted since (:class:`_UseMarkers`): it is the store's
-only writer (fenced), and a writer without delete rights can add markers but
-never take one away, and what it adds only makes the token look more used
-(so the count stays the marker count the module's argument rests on, without
-a listing of every use before each join: a fleet of N joining with one token
-listed N^2/2 markers).
+The markers are listed at each use (:meth:`TokenService._uses_taken`): every
+replica of a deployment writes them, so a count kept by one process would miss
+another's and let a token put back at an older use count be used again.
 """
 
 from __future__ import annotations
@@ -82,43 +78,6 @@ class NewToken:
 
 
 _BAD_TOKEN = "join: unknown token or wrong secret"
-
-
-class _UseMarkers:
-    """The use markers of each token, as this process knows them (module doc)."""
-
-    def __init__(self, store: ObjectStore) -> None:
-        self._store = store
-        self._listed: dict[str, set[str]] = {}
-        self._made: dict[str, set[str]] = {}
-        self._removed: dict[str, set[str]] = {}
-
-    async def count(self, token: JoinToken) -> int:
-        """How many use markers ``token`` has."""
-        tid = token.token_id
-        listed = self._listed.get(tid)
-        if listed is None:
-            # Markers made or deleted while this runs are in made/removed anyway.
-            prefix = token_uses_prefix(token.account_id, tid)
-            listed = {info.key[len(prefix) :] async for info in self._store.list(prefix)}
-            self._listed[tid] = listed
-        made = self._made.get(tid, set())
-        return len((listed | made) - self._removed.get(tid, set()))
-
-    def made(self, token_id: str, use_id: str) -> None:
-        """This process made (or found) the marker ``use_id``."""
-        self._made.setdefault(token_id, set()).add(use_id)
-        self._removed.get(token_id, set()).discard(use_id)
-
-    def removed(self, token_id: str, use_id: str) -> None:
-        """This process deleted the marker ``use_id``."""
-        self._removed.setdefault(token_id, set()).add(use_id)
-        self._made.get(token_id, set()).discard(use_id)
-
-    def forget(self, token_id: str) -> None:
-        """The token can no longer be used (expired, used up, revoked)."""
-        for known in (self._listed, self._made, self._removed):
-            known.pop(token_id, None)
 
 
 class TokenService:
