@@ -2,7 +2,8 @@
 
 Parsing every line of every conversation and inserting it into machine.db
 is most of a restore's work (bench/backup.py: SQLite alone copying the rows
-takes 2.7 times restic's whole restore). So a restore does only what must be
+takes about restic's whole restore, the Python parse of the lines twice that
+again). So a restore does only what must be
 done before its commit point: each agent's segment is authenticated whole,
 checked against its name, its tar walked (only the agent's files, regular,
 bounded) and its record checked; the segment's still-compressed plaintext is
