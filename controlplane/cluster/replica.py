@@ -68,6 +68,8 @@ TTL_HEARTBEATS: Final = 3
 MIN_TTL: Final = 1.5
 #: Seconds a replica's start waits for NATS to answer.
 CONNECT_TIMEOUT: Final = 5.0
+#: Machine entries of gone replicas deleted per refresh round, at most.
+SWEEP_BATCH: Final = 1000
 #: JetStream's "wrong last sequence" error codes (a conditional write lost).
 WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 
@@ -356,11 +358,11 @@ class Replica:
         """Delete the machine entries gone replicas left (one sweeper: board.sweeper)."""
         if not self.board.sweeper:
             return
-        orphans = self.board.orphans()
+        # Bounded per round: the next refresh of our own entry waits for it.
+        orphans = self.board.orphans()[:SWEEP_BATCH]
         if orphans:
             logger.info("sweeping %d machine entries of replicas gone", len(orphans))
-        for machine_id, revision in orphans:
-            await self._delete_machine(machine_id, revision)
+        await asyncio.gather(*(self._delete_machine(m, rev) for m, rev in orphans))
 
     async def _refresh(self) -> None:
         """Every TTL/3: refresh this replica's entry, put its missing machine

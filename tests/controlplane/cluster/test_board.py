@@ -1,4 +1,4 @@
-"""The presence board: what a replica makes of the presence bucket (cluster.board)."""
+"""The presence board: what a replica makes of the presence and links buckets (cluster.board)."""
 
 from __future__ import annotations
 
