@@ -1,26 +1,35 @@
 """One replica of a deployment: its NATS connection, presence and routing.
 
-Presence lives in a JetStream KV bucket whose entries expire after
-:data:`TTL_HEARTBEATS` heartbeat intervals (``agents-<deployment>-presence``):
+Presence lives in two JetStream KV buckets:
 
-- ``m.<machine id>``: the replica holding the machine's link, its account, last
-  seen, version and agent count; written when the link opens and again every
-  heartbeat interval while it is up, deleted when it ends (unless another
-  replica wrote it since: the machine moved).
-- ``r.<replica id>``: a live replica, the owner token of its intents
+- ``agents-<deployment>-links``, without expiry: ``m.<machine id>``, the
+  replica holding the machine's link, its account, when it linked, version and
+  agent count; written when the link opens here (a machine that moves is
+  written by its new replica), deleted when it ends (unless another replica
+  wrote it since: the machine moved). Not refreshed: its traffic follows link
+  churn, not heartbeats times machines (every replica watches it all).
+- ``agents-<deployment>-presence``, whose entries expire after
+  :data:`TTL_HEARTBEATS` heartbeat intervals: ``r.<replica id>``, a live
+  replica, refreshed every third of that, with the owner token of its intents
   (controlplane.integrity.intents: recovery leaves a live replica's intents
   alone, and only the lease holder finishes a dead one's) and its link
   address (``link``: what machines dial; every replica hands the live ones'
   to its machines at join and at each welcome, so they learn of each other).
 
-Every replica watches the whole bucket (:mod:`controlplane.cluster.board` keeps
-what it saw), so a listing asks no one: a SIGKILLed replica's machines read as
-offline within the TTL, and as online again once they have linked to another
-replica. Notices for a machine linked elsewhere go through
-:mod:`controlplane.cluster.routing`. With NATS unreachable, local links go on
-as before and a call that needs another replica is refused with UNAVAILABLE
-naming NATS; a start without NATS fails (it could not tell a live replica's
-unfinished changes from abandoned ones).
+A machine entry counts only while the replica it names is alive (its ``r.``
+entry has not expired), and its last seen is that replica's last refresh (its
+links end within a few silent heartbeats). Every replica watches both buckets
+(:mod:`controlplane.cluster.board` keeps what it saw), so a listing asks no
+one: a SIGKILLed replica's machines read as offline within the TTL, and as
+online again once they have linked to another replica. The live replica with
+the smallest id sweeps the entries a gone replica left (a delete conditional
+on the revision it saw: a machine rewritten since has moved). A replica puts
+its local links' entries again when they are missing (linked while NATS was
+away, or swept while it was cut off from NATS). Notices for a machine linked
+elsewhere go through :mod:`controlplane.cluster.routing`. With NATS
+unreachable, local links go on as before and a call that needs another replica
+is refused with UNAVAILABLE naming NATS; a start without NATS fails (it could
+not tell a live replica's unfinished changes from abandoned ones).
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ TTL_HEARTBEATS: Final = 3
 MIN_TTL: Final = 1.5
 #: Seconds a replica's start waits for NATS to answer.
 CONNECT_TIMEOUT: Final = 5.0
+#: Machine entries of gone replicas deleted per refresh round, at most.
+SWEEP_BATCH: Final = 1000
 #: JetStream's "wrong last sequence" error codes (a conditional write lost).
 WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 
@@ -122,12 +133,13 @@ class Replica:
         )
         self._nc: Client | None = None
         self._kv: KeyValue | None = None
+        self._links_kv: KeyValue | None = None
         self.js_kv: Callable[[str, float | None], Awaitable[KeyValue]] | None = None
         """Opens (or makes) one of the deployment's KV buckets (the lease's too)."""
         self._local: dict[str, _Local] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._loaded = asyncio.Event()
-        self._watcher: asyncio.Task[None] | None = None
+        self._loaded = {"presence": asyncio.Event(), "links": asyncio.Event()}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
         self._closing = False
 
     # ------------------------------------------------------------ lifecycle
@@ -195,13 +207,20 @@ class Replica:
 
         self.js_kv = kv
         self._kv = await kv("presence", self.ttl)
+        self._links_kv = await kv("links", None)
         await self.router.start(nc)
-        self._watcher = asyncio.create_task(self._watch(), name="cluster-watch")
-        self._tasks.append(self._watcher)
+        for bucket in self._loaded:
+            self._start_watch(bucket)
         self._tasks.append(asyncio.create_task(self._refresh(), name="cluster-refresh"))
         await self._announce()
         async with asyncio.timeout(10):
-            await self._loaded.wait()
+            for loaded in self._loaded.values():
+                await loaded.wait()
+
+    def _start_watch(self, bucket: str) -> None:
+        task = asyncio.create_task(self._watch(bucket), name=f"cluster-watch-{bucket}")
+        self._watchers[bucket] = task
+        self._tasks.append(task)
 
     async def close(self) -> None:
         """Leave: forget this replica's entries (its machines relink elsewhere)."""
@@ -230,11 +249,10 @@ class Replica:
         logger.info("NATS at %s: reconnected", self.where)
         # A restarted server lost the watch's consumer: watch again, from the
         # bucket's current entries (our own are put again by the next refresh).
-        old = self._watcher
-        if old is not None and not old.done():
-            old.cancel()
-            self._watcher = asyncio.create_task(self._watch(), name="cluster-watch")
-            self._tasks.append(self._watcher)
+        for bucket, old in list(self._watchers.items()):
+            if not old.done():
+                old.cancel()
+                self._start_watch(bucket)
 
     # ------------------------------------------------------------ Peers (presence)
 
@@ -287,22 +305,28 @@ class Replica:
         try:
             await self.router.drop(machine_id)
             if not self.connected:
-                return  # the entry expires by itself
-            if local is not None and local.revision and self._kv is not None:
+                return  # put again if NATS comes back first; else swept with us
+            if local is not None and local.revision:
                 # Only our own write: a newer one is another replica's (it moved).
-                try:
-                    await self._kv.delete(f"m.{machine_id}", last=local.revision)
-                except nats.js.errors.APIError as e:
-                    if e.err_code not in WRONG_LAST_SEQUENCE:
-                        raise
-        except (nats.errors.Error, OSError) as e:  # the entry expires by itself
+                await self._delete_machine(machine_id, local.revision)
+        except (nats.errors.Error, OSError) as e:  # swept once this replica is gone
             logger.info("machine %s: cannot withdraw its entry: %s", machine_id, e)
 
     # ------------------------------------------------------------ the bucket
 
+    async def _delete_machine(self, machine_id: str, revision: int) -> None:
+        """Delete ``m.<machine_id>`` if still at ``revision`` (else it moved)."""
+        if self._links_kv is None:
+            return
+        try:
+            await self._links_kv.delete(f"m.{machine_id}", last=revision)
+        except nats.js.errors.APIError as e:
+            if e.err_code not in WRONG_LAST_SEQUENCE:
+                raise
+
     async def _put(self, machine_id: str) -> None:
         local = self._local.get(machine_id)
-        if local is None or self._kv is None:
+        if local is None or self._links_kv is None:
             return
         value = {
             "replica": self.replica_id,
@@ -311,42 +335,77 @@ class Replica:
             "version": local.version,
             "agents": local.agent_count,
         }
-        local.revision = await self._kv.put(f"m.{machine_id}", json.dumps(value).encode())
+        local.revision = await self._links_kv.put(f"m.{machine_id}", json.dumps(value).encode())
 
     async def _announce(self) -> None:
         if self._kv is not None:
             value = {"owner": self._owner, "link": self._link}
             await self._kv.put(f"r.{self.replica_id}", json.dumps(value).encode())
 
+    def _missing(self) -> list[str]:
+        """Local links whose entry is not on the board: linked while NATS was
+        away, or swept while this replica was cut off (and taken for gone). One
+        another replica rewrote since is not ours to take back (it moved)."""
+        out: list[str] = []
+        for machine_id, local in self._local.items():
+            entry = self.board.entry(machine_id)
+            # (An entry put but not read back yet is put again: harmless, and rare.)
+            if local.revision == 0 or entry is None:
+                out.append(machine_id)
+        return out
+
+    async def _sweep(self) -> None:
+        """Delete the machine entries gone replicas left (one sweeper: board.sweeper)."""
+        if not self.board.sweeper:
+            return
+        # Bounded per round: the next refresh of our own entry waits for it.
+        orphans = self.board.orphans()[:SWEEP_BATCH]
+        if orphans:
+            logger.info("sweeping %d machine entries of replicas gone", len(orphans))
+        await asyncio.gather(*(self._delete_machine(m, rev) for m, rev in orphans))
+
     async def _refresh(self) -> None:
-        """Every TTL/3: refresh this replica's entries; notice replicas gone."""
+        """Every TTL/3: refresh this replica's entry, put its missing machine
+        entries, notice replicas gone and sweep what they left."""
         outage = OutageLog(logger, f"NATS at {self.where}: cannot refresh presence")
         while True:
             await asyncio.sleep(self._refresh_every)  # a period, not synchronisation
             self.board.drop_gone()
             try:
                 await self._announce()
-                for machine_id in list(self._local):
+                missing = self._missing()
+                for machine_id in missing:
                     await self.router.take(machine_id)  # linked while NATS was away
-                await asyncio.gather(*(self._put(m) for m in list(self._local)))
+                await asyncio.gather(*(self._put(m) for m in missing))
+                await self._sweep()
             except (nats.errors.Error, OSError) as e:
                 outage.failed(outage_error(e))
             else:
                 outage.recovered()
 
-    async def _watch(self) -> None:
-        """Follow the bucket (every entry, then each change) for as long as we run."""
+    async def _watch(self, bucket: str) -> None:
+        """Follow a bucket (every entry, then each change) for as long as we run."""
+        kv = self._links_kv if bucket == "links" else self._kv
         while True:
-            assert self._kv is not None
+            assert kv is not None
             watcher = None
+            # The links read afresh: entries deleted while the watch was away go.
+            present: set[str] | None = set() if bucket == "links" else None
             try:
-                watcher = await self._kv.watchall()
+                watcher = await kv.watchall()
                 async for entry in watcher:
                     if entry is None:
-                        self._loaded.set()  # the entries present at start are read
+                        if present is not None:
+                            self.board.keep_machines(k[2:] for k in present)
+                            present = None
+                        self._loaded[bucket].set()  # the entries present at start are read
                         continue
                     deleted = entry.operation in ("DEL", "PURGE")
-                    self.board.apply(entry.key, entry.value, deleted, entry.created)
+                    if present is not None and not deleted:
+                        present.add(entry.key)
+                    self.board.apply(
+                        entry.key, entry.value, deleted, entry.created, entry.revision or 0
+                    )
             except asyncio.CancelledError:
                 if watcher is not None:
                     with contextlib.suppress(Exception):

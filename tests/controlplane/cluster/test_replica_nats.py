@@ -78,6 +78,44 @@ async def test_presence_and_routing_between_two_replicas(nats: NatsProc) -> None
             deadline=3 * b.ttl,
             what="a's entries expired",
         )
+        # What a left is swept by the replica left (its delete is read back).
+        await apoll_until(lambda: b.board.entry("m3") is None, deadline=5, what="m3 swept")
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_machine_entries_are_not_rewritten_each_interval_but_put_back_if_gone(
+    nats: NatsProc,
+) -> None:
+    a, b = _replica(nats.url, "owner-a", [], []), _replica(nats.url, "owner-b", [], [])
+    await a.start()
+    await b.start()
+    try:
+        await a.linked("m1", "acct", "1.0", 0)
+        held = await apoll_until(lambda: b.board.entry("m1"), deadline=5, what="b sees m1")
+        first = held.revision
+        # Several refresh periods: a's own entry moves on, m1's does not.
+        assert a._kv is not None
+        seen = {(await a._kv.get(f"r.{a.replica_id}")).revision}
+
+        async def refreshed_twice() -> bool:
+            assert a._kv is not None
+            seen.add((await a._kv.get(f"r.{a.replica_id}")).revision)
+            return len(seen) >= 3
+
+        await apoll_until(refreshed_twice, deadline=5, what="a's entry refreshed")
+        entry = b.board.entry("m1")
+        assert entry is not None and entry.revision == first, "m1 was not written again"
+        # Deleted behind a's back (as a sweep while a was cut off does): put again.
+        assert a._links_kv is not None
+        await a._links_kv.delete("m.m1")
+        again = await apoll_until(
+            lambda: (e := b.board.entry("m1")) is not None and e.revision > first and e,
+            deadline=5,
+            what="m1 put back",
+        )
+        assert again.replica == a.replica_id and b.holder("m1") is not None
     finally:
         await a.close()
         await b.close()
