@@ -30,13 +30,15 @@ first link commits its join (store writes), and 1,000 first links at once
 on two cores kept store calls queued past their 5 s deadline.
 
 **On paper** (:func:`extrapolate`): the CPU a replica spends per heartbeat it
-serves is its own link's work plus, for each other replica's link, applying
-that link's presence refresh from the NATS watch; fitted over R at the
+serves is its own link's work plus, for each other replica, what grows with
+it (the fit's second term: once the watch applying every link's presence
+refresh; since machine entries are written only on link changes, docs/
+controlplane.md, the replicas' own refreshes and noise); fitted over R at the
 largest N as ``a + (R - 1) * b`` us, a fleet of F machines on n replicas at
 the default heartbeat interval h costs each replica ``F / n / h * (a + (n -
 1) * b)`` us per second, and ``F / n`` links' RSS. The smallest n within a
-per-replica budget (1 core and 4 GiB) is the answer; none when the watch
-alone (``F / h * b``) is past the budget.
+per-replica budget (1 core and 4 GiB) is the answer; none when the
+per-other-replica term alone (``F / h * b``) is past the budget.
 
     .venv/bin/python -m bench.scale_control --replicas 1,2,3 --points 1000,3000,5000
 
@@ -349,7 +351,7 @@ def extrapolate(
     basis = (
         f"{fleet:,} machines at the default {heartbeat:g} s heartbeat ({per_s:,.0f}/s), "
         f"measured at {top:,} machines: {a:.0f} us per heartbeat served + {b:.0f} us per "
-        f"other replica (the watch), {kib:.0f} KiB per link; budget {budget.cores:g} core and "
+        f"other replica, {kib:.0f} KiB per link; budget {budget.cores:g} core and "
         f"{budget.gib:g} GiB per replica"
     )
     for n in range(1, 1001):
@@ -359,7 +361,7 @@ def extrapolate(
                 f"and {gib(n):.1f} GiB ({basis})"
             )
     return (
-        f"on paper: no replica count fits: the watch alone costs each replica "
+        f"on paper: no replica count fits: the per-other-replica term alone costs each replica "
         f"{per_s * b * 1e-6:.2f} core ({basis})"
     )
 

@@ -45,7 +45,9 @@ def test_a_watch_past_the_budget_fits_no_replica_count() -> None:
     # 6,667 refreshes/s x 200 us each = 1.33 cores of watch per replica, whatever n.
     points = [_point(1, 100), _point(2, 300), _point(3, 500)]
     line = extrapolate(points, Budget(cores=1, gib=4), heartbeat=15)
-    assert line.startswith("on paper: no replica count fits: the watch alone costs each"), line
+    assert line.startswith(
+        "on paper: no replica count fits: the per-other-replica term alone costs each"
+    ), line
     assert "1.33 core" in line, line
 
 
