@@ -267,9 +267,10 @@ class MachineServicer(pb_grpc.MachineServiceServicer):
     async def ListBackups(
         self, request: pb.ListBackupsRequest, context: Ctx
     ) -> pb.ListBackupsResponse:
+        recovery = codec.recovery_key_from_pb(request.recovery_private_key)
         async with self._m.backups_at(request.from_dir) as engine:
-            listed = await engine.list_described()
-            chains = await engine.chains()
+            listed = await engine.list_described(recovery)
+            chains = await engine.chains(recovery)
         return pb.ListBackupsResponse(
             backups=[
                 codec.backup_info_to_pb(*described, chain=chains.get(described[0].backup_id))

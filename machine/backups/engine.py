@@ -508,10 +508,13 @@ class BackupEngine:
 
     # -- reading (machine.backups.reader) -------------------------------------
 
-    async def list_described(self) -> list[tuple[ManifestInfo, BackupManifest | None, str]]:
-        """Every stored backup, oldest first, with its manifest when it opens and why
-        not when it does not (:meth:`BackupReader.list_described`)."""
-        return await self._reader.list_described()
+    async def list_described(
+        self, keypair: BoxKeyPair | None = None
+    ) -> list[tuple[ManifestInfo, BackupManifest | None, str]]:
+        """Every stored backup, oldest first, with its manifest when it opens (with
+        ``keypair``, a recovery key, or the machine's) and why not when it does not
+        (:meth:`BackupReader.list_described`)."""
+        return await self._reader.list_described(keypair)
 
     async def list(self) -> list[tuple[ManifestInfo, BackupManifest | None]]:
         """Every stored backup, oldest first, with its manifest when it opens."""

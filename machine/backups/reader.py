@@ -173,15 +173,18 @@ class BackupReader:
         self._work = work_dir
         self._on_damaged = on_damaged
 
-    async def list_described(self) -> list[tuple[ManifestInfo, BackupManifest | None, str]]:
+    async def list_described(
+        self, keypair: BoxKeyPair | None = None
+    ) -> list[tuple[ManifestInfo, BackupManifest | None, str]]:
         """As :meth:`list`, with why each backup that does not open fails ("" when
-        it opens): ``another key``, or ``refused: <reason>`` (forged, altered)."""
+        it opens): ``another key``, or ``refused: <reason>`` (forged, altered).
+        ``keypair``: a recovery key to open them with (default: the machine's)."""
         out: list[tuple[ManifestInfo, BackupManifest | None, str]] = []
         for info in await self._target.list_manifests():
             if info.increment:
                 continue  # opened only to restore or verify (machine.backups.chain)
             try:
-                out.append((info, await self.open(info.backup_id), ""))
+                out.append((info, await self.open(info.backup_id, keypair), ""))
             except IntegrityError as e:
                 logger.warning("backup %s does not open: %s", info.backup_id, e)
                 reason = getattr(e, "reason", "") or e.message

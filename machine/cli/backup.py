@@ -169,13 +169,15 @@ def _short(problem: str) -> str:
 
 
 async def backup_list(ctx: Ctx) -> int:
-    """``backup list [--from DIR]``: newest first."""
-    from_dir = _from_dir(ctx.args)
-    backups = await call(ctx, lambda c: c.list_backups(from_dir))
+    """``backup list [--from DIR] [--recovery-key FILE]``: newest first."""
+    from_dir, recovery = _from_dir(ctx.args), _recovery(ctx)
+    backups = await call(ctx, lambda c: c.list_backups(from_dir, recovery))
+    # A point that does not open cannot say which increments continue it (each
+    # names its base inside its sealed manifest): "?", not 0.
     rows = [
         [b.id, when(b.created_at), str(b.agents) if b.opens else "?",
          str(b.segments) if b.opens else "?", "yes" if b.opens else f"no ({_short(b.problem)})",
-         str(b.increments), when(b.newest_increment_at)]
+         str(b.increments) if b.opens else "?", when(b.newest_increment_at)]
         for b in backups
     ]  # fmt: skip
     columns = [Column("backup", whole=True), Column("created", whole=True), Column("agents")]

@@ -338,9 +338,13 @@ class MachineClient:
 
         return self._stream(self._rpc.BackupNow(pb.BackupNowRequest()), decode)
 
-    async def list_backups(self, from_dir: str = "") -> list[BackupView]:
-        """Backups at the target (or in ``from_dir``), newest first."""
-        reply = self._rpc.ListBackups(pb.ListBackupsRequest(from_dir=from_dir))
+    async def list_backups(
+        self, from_dir: str = "", recovery: BoxKeyPair | None = None
+    ) -> list[BackupView]:
+        """Backups at the target (or in ``from_dir``), newest first; ``recovery``
+        opens those made with another machine's key."""
+        request = pb.ListBackupsRequest(from_dir=from_dir, recovery_private_key=_key_text(recovery))
+        reply = self._rpc.ListBackups(request)
         return await self._call(reply, lambda m: [codec.backup_view_from_pb(b) for b in m.backups])
 
     async def verify_backup(

@@ -91,6 +91,8 @@ EXAMPLES: Final[dict[tuple[str, ...], tuple[str, ...]]] = {
         f"{_P} backup list",
         f"{_P} backup list --from /mnt/usb/agents-backups",
         f"{_P} backup list --from s3://acme-backups/old-laptop",
+        f"{_P} backup list --from s3://acme-backups/old-laptop "
+        "--recovery-key ~/offline/recovery.key",
     ),
     ("backup", "verify"): (
         f"{_P} backup verify {_BACKUP}",

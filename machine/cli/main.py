@@ -284,6 +284,11 @@ def _parser() -> CliParser:
     bverbs.add_parser("now", parents=[common], help="back up now (then prune and check)")
     bl = bverbs.add_parser("list", parents=[common], help="backups at the target, newest first")
     bl.add_argument("--from", dest="from_dir", metavar="DIR|URL", help=_FROM)
+    bl.add_argument(
+        "--recovery-key",
+        metavar="FILE",
+        help="a recovery key file: list what backups made with another machine's key hold",
+    )
     for verb, text in (
         ("verify", "open a backup (and its increments) and authenticate every segment"),
         ("restore", "restore a backup's agents (archived), skipping existing ones"),

@@ -49,6 +49,12 @@ def test_a_fresh_box_takes_over_a_lost_machine_from_its_bucket(
         before = _replay(lost, agent)
     # The disk is gone (the folder is not used again).
 
+    # Before: what the lost machine's prefix holds, opened with its recovery key.
+    with MachineProc(new, env={**env, "AGENTS_MACHINE_BACKUP_TARGET": str(tmp_path / "b")}):
+        blind = _ok(run_cli(new, "backup", "list", "--from", url))
+        assert "no (another key)" in blind and " ? " in blind
+        keyed = _ok(run_cli(new, "backup", "list", "--from", url, "--recovery-key", str(key_file)))
+        assert "no (another key)" not in keyed and " yes " in keyed
     take = ("backup", "take-over", "--from", url, "--recovery-key", str(key_file))
     crash = {**env, "AGENTS_MACHINE_TEST_CRASH_IN_TRANSFER_AFTER_AGENTS": "1"}
     killed = run_cli(new, *take, env=crash, timeout=60)

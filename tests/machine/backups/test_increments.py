@@ -276,6 +276,16 @@ async def test_the_api_lists_verifies_and_restores_to_a_time(tmp_path: Path) -> 
         assert verified.ok and verified.segments == point.segments + 2
         folder = str(old.config.backups_dir)
     async with open_machine(_config(tmp_path / "new")) as new:
+        # Another machine's backups: listed, not opened, without its recovery key;
+        # with it, the point opens and its increments are counted.
+        api = MachineServicer(new)
+        (theirs,) = (await api.ListBackups(pb.ListBackupsRequest(from_dir=folder), None)).backups  # type: ignore[arg-type]
+        assert (theirs.opens, theirs.increments) == (False, 0)
+        keyed = pb.ListBackupsRequest(
+            from_dir=folder, recovery_private_key=encode_private_key(pair.private_key)
+        )
+        (opened,) = (await api.ListBackups(keyed, None)).backups  # type: ignore[arg-type]
+        assert (opened.opens, opened.increments, opened.agents) == (True, 2, 1)
         request = pb.RestoreRequest(
             from_dir=folder,
             recovery_private_key=encode_private_key(pair.private_key),

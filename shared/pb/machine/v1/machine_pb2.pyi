@@ -1835,16 +1835,23 @@ class ListBackupsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FROM_DIR_FIELD_NUMBER: _builtins.int
+    RECOVERY_PRIVATE_KEY_FIELD_NUMBER: _builtins.int
     from_dir: _builtins.str
     """A backup folder to read instead of the configured target (a copied backup dir)."""
+    recovery_private_key: _builtins.str
+    """A recovery private key (agsk1_...): backups made with another machine's key
+    open with it (their agents, segments and increments are then listed). Sent
+    only over the local socket; never logged.
+    """
     def __init__(
         self,
         *,
         from_dir: _builtins.str = ...,
+        recovery_private_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_dir", b"from_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_dir", b"from_dir", "recovery_private_key", b"recovery_private_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
