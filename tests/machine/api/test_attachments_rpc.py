@@ -4,10 +4,8 @@ INTERNAL) and logged once."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -15,25 +13,7 @@ import pytest
 
 from machine.cli.client import MachineClient
 from machine.config import MachineConfig
-from machine.daemon import ServeInfo, serve
 from shared.errors import InvalidArgument, InvalidState, NotFound
-
-
-@pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[MachineConfig]:
-    """A daemon served in this process on a temp data folder."""
-    cfg = MachineConfig(
-        data_dir=tmp_path / "d", background_loops=False, shutdown_grace_seconds=0
-    ).validate()
-    ready: asyncio.Future[ServeInfo] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(cfg, ready=ready.set_result, stop=stop))
-    try:
-        await asyncio.wait_for(ready, 10)
-        yield cfg
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
 
 
 def _code(err: BaseException) -> grpc.StatusCode:

@@ -7,31 +7,13 @@ import asyncio
 import io
 import json
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from machine.cli.main import main
 from machine.config import MachineConfig
-from machine.daemon import ServeInfo, serve
 from tests.helpers.json_style import assert_json_style, assert_listing
-
-
-@pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[MachineConfig]:
-    cfg = MachineConfig(
-        data_dir=tmp_path / "d", background_loops=False, shutdown_grace_seconds=0
-    ).validate()
-    ready: asyncio.Future[ServeInfo] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(cfg, ready=ready.set_result, stop=stop))
-    try:
-        await asyncio.wait_for(ready, 10)
-        yield cfg
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
 
 
 async def _json(

@@ -3,8 +3,6 @@ readers that invert the daemon's writers (the CLI's --json relies on it)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,6 @@ from machine.app import MachineStatus
 from machine.backups.service import BackupStatus, RestoreCheck
 from machine.cli.client import DaemonNotRunning, DaemonUnreachable, MachineClient
 from machine.config import MachineConfig
-from machine.daemon import ServeInfo, serve
 from machine.models import (
     AgentRecord,
     AgentState,
@@ -129,23 +126,6 @@ def test_records_read_back_to_the_same_message() -> None:
         assert message_dict(codec.message_of(record)) == message_dict(msg)
     assert codec.run_from_pb(codec.run_to_pb(runs[0])).output_tokens is None
     assert codec.agent_from_pb(codec.agent_to_pb(agent)) == agent
-
-
-@pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[MachineConfig]:
-    """A daemon served in this process on a temp data folder."""
-    cfg = MachineConfig(
-        data_dir=tmp_path / "d", background_loops=False, shutdown_grace_seconds=0
-    ).validate()
-    ready: asyncio.Future[ServeInfo] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(cfg, ready=ready.set_result, stop=stop))
-    try:
-        await asyncio.wait_for(ready, 10)
-        yield cfg
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
 
 
 async def test_agents_runs_and_schedules_come_back_typed(
