@@ -83,6 +83,11 @@ class JobLease:
                 self._set(True)
         except nats.js.errors.KeyWrongLastSequenceError:
             self._set(False)  # held by another (or taken over from us)
+        except nats.js.errors.KeyNotFoundError:
+            # nats-py's create, refused because the key exists, reads it back to
+            # see whether it is a delete marker; the holder's key can expire in
+            # between. Nobody holds it now: the next tick tries again.
+            self._set(False)
 
     async def run(self) -> None:
         """Keep trying / renewing every third of the TTL until cancelled."""
