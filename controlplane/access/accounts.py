@@ -151,6 +151,11 @@ class AccountService:
             raise NotFound("account", account_id) from None
         if data.get("account_id") != account_id:
             raise NotFound("account", account_id)
+        # The tombstone before deleted/<a>: a deletion writes deleted/<a> before it
+        # removes the tombstone, so one that finishes between the two reads is
+        # seen as deleting or deleted. Read the other way round, it could be
+        # seen as neither (active) by a join that then registers into it.
+        deleting = await self.is_deleting(account_id)
         if await self.was_deleted(account_id):
             # An account's record after its deletion finished is an older copy put
             # back (write access can replay it, not remove deleted/<a>): it is gone.
@@ -158,9 +163,7 @@ class AccountService:
                 "account", f"account {account_id}: a record after its deletion finished: ignored"
             )
             raise NotFound("account", account_id)
-        return account_from_dict(
-            data, "deleting" if await self.is_deleting(account_id) else "active"
-        )
+        return account_from_dict(data, "deleting" if deleting else "active")
 
     async def is_deleting(self, account_id: str) -> bool:
         """Whether the account carries a deletion tombstone."""

@@ -453,6 +453,10 @@ class MachineRegistry:
         machine = await self.confirm(machine)
         if await self._accounts.is_deleting(peer.account_id):
             raise PermissionDenied("link: account is being deleted")
+        # A deletion that finished since the machine was read (it writes
+        # deleted/<a> before it removes the tombstone read just now).
+        if await self._accounts.was_deleted(peer.account_id):
+            raise PermissionDenied("link: account deleted")
         return machine
 
     async def _retire(self, machine: Machine, *serials: str) -> None:

@@ -335,6 +335,58 @@ async def test_joins_refused_while_deleting_and_after(clock: Clock) -> None:
         await p.tokens.check(token)
 
 
+class FinishingBetweenReads(PassThrough):
+    """Runs ``finish`` (a deletion's last writes) right after the first read of
+    either of the account's tombstones returns."""
+
+    def __init__(self, inner: ObjectStore, acct: str) -> None:
+        super().__init__(inner)
+        self.keys = {deleted_key(acct), deleting_key(acct)}
+        self.finish: Callable[[], Awaitable[None]] | None = None
+
+    async def get(self, key: str) -> bytes:
+        try:
+            return await self.inner.get(key)
+        finally:
+            if key in self.keys and self.finish is not None:
+                finish, self.finish = self.finish, None
+                await finish()
+
+
+async def test_a_deletion_finishing_between_the_tombstone_reads_is_never_active(
+    clock: Clock,
+) -> None:
+    inner = MemoryStore()
+    acct = await _populate(Process(inner, clock), 1, 0, 0)
+    deleter = Process(inner, clock)
+    deleter.deletion.run_in_background(DeletionHooks())
+    gate = asyncio.Event()
+    real = deleter.deletion.finish
+
+    async def held_finish(account_id: str) -> None:
+        await gate.wait()
+        await real(account_id)
+
+    deleter.deletion.finish = held_finish  # type: ignore[method-assign]
+    await deleter.deletion.delete(OP, acct)  # the tombstone is written; finishing waits
+
+    async def finish_now() -> None:
+        gate.set()
+        await deleter.deletion.wait()
+
+    racing = FinishingBetweenReads(inner, acct)
+    racing.finish = finish_now
+    reader = Process(racing, clock)
+    try:
+        state = (await reader.accounts.get(acct)).state
+    except NotFound:
+        state = "gone"
+    assert racing.finish is None, "the deletion finished during the read"
+    assert state in ("deleting", "gone")
+    with pytest.raises(PermissionDenied):
+        await reader.accounts.require_active(acct, "join")
+
+
 async def test_background_run_closes_links_and_counts(clock: Clock) -> None:
     p = Process(MemoryStore(), clock)
     acct = await _populate(p, 1, 2, 30)
