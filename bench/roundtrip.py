@@ -30,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc.aio
+import psutil
 
 from bench.results import BenchResult, Row
 from shared.pb.machine.v1 import machine_pb2 as pb
@@ -38,10 +39,24 @@ from tests.helpers.machine_proc import MachineProc
 from tests.helpers.moto_server import free_port
 
 
-def _commits(metrics_url: str) -> float:
+def _commits(metrics_url: str) -> tuple[float, float]:
+    """The daemon's commits so far and the seconds they took (its own histograms)."""
     page = urllib.request.urlopen(metrics_url, timeout=15).read().decode()
-    found = re.search(r"^agents_machine_db_commit_batch_size_count (\S+)$", page, re.M)
-    return float(found.group(1)) if found else 0.0
+
+    def sample(name: str) -> float:
+        found = re.search(rf"^{name} (\S+)$", page, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    return (
+        sample("agents_machine_db_commit_batch_size_count"),
+        sample("agents_machine_db_commit_seconds_sum"),
+    )
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds of process ``pid`` so far (user and system, every thread)."""
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -58,18 +73,24 @@ async def _measure(
         for _ in range(5):
             await stub.Status(pb.StatusRequest())
             [ev async for ev in stub.Prompt(pb.PromptRequest(agent_id=agent.id, text="warm"))]
+        assert proc.proc is not None
+        pid = proc.proc.pid
         pings: list[float] = []
+        ping_cpu = _cpu(pid)
         for _ in range(prompts):
             start = time.perf_counter()
             await stub.Status(pb.StatusRequest())
             pings.append(time.perf_counter() - start)
+        ping_cpu = _cpu(pid) - ping_cpu
         before = await asyncio.to_thread(_commits, metrics_url)
+        prompt_cpu = _cpu(pid)
         trips: list[float] = []
         for i in range(prompts):
             start = time.perf_counter()
             async for ev in stub.Prompt(pb.PromptRequest(agent_id=agent.id, text=f"hello {i}")):
                 if ev.kind == pb.RUN_FINISHED:
                     trips.append(time.perf_counter() - start)
+        prompt_cpu = _cpu(pid) - prompt_cpu
         after = await asyncio.to_thread(_commits, metrics_url)
         # The same stream of events read back: what gRPC alone costs to stream a
         # finished prompt's events (no run, no commit).
@@ -87,8 +108,12 @@ async def _measure(
         "ping_p50": statistics.median(pings),
         "ping_p90": _quantile(pings, 0.9),
         "prompt_p50": statistics.median(trips),
+        "prompt_mean": statistics.fmean(trips),
         "prompt_p90": _quantile(trips, 0.9),
-        "commits_per_prompt": (after - before) / prompts,
+        "commits_per_prompt": (after[0] - before[0]) / prompts,
+        "commit_s_per_prompt": (after[1] - before[1]) / prompts,
+        "ping_cpu": ping_cpu / prompts,
+        "prompt_cpu": prompt_cpu / prompts,
     }
 
 
@@ -125,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     replay_ratio = f["replay_p50"] / f["ping_p50"]
     print(f"ratio prompt/ping p50 {ratio:.2f}x (replay/ping {replay_ratio:.2f}x)")
+    where = _where_it_goes(f)
+    print(where)
     result = BenchResult("roundtrip", "python -m bench.roundtrip " + " ".join(argv or sys.argv[1:]))
     result.rows.append(
         Row(
@@ -141,8 +168,20 @@ def main(argv: list[str] | None = None) -> int:
         f"replaying the prompt's {f['replay_events']:.0f} events (gRPC streaming alone) takes"
         f" {f['replay_p50'] * 1e3:.2f} ms p50 = {f['replay_p50'] / f['ping_p50']:.2f}x the ping"
     )
+    result.notes.append(where)
     result.write(args.json)
     return 0
+
+
+def _where_it_goes(f: dict[str, float]) -> str:
+    """Where a prompt's time goes, from the daemon's own figures: its commits' time
+    (histogram sum) and its CPU per call, against the mean round trip."""
+    commit_ms = f["commit_s_per_prompt"] * 1e3
+    return (
+        f"where a prompt's time goes (means): {f['prompt_mean'] * 1e3:.2f} ms per prompt, of"
+        f" which its commits (fsync included) {commit_ms:.2f} ms; the daemon's CPU"
+        f" {f['prompt_cpu'] * 1e3:.2f} ms per prompt vs {f['ping_cpu'] * 1e3:.2f} ms per ping"
+    )
 
 
 if __name__ == "__main__":

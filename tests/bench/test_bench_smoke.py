@@ -144,4 +144,10 @@ def test_roundtrip_bench_prints_its_ratio(tmp_path: Path) -> None:
     assert re.search(r"\(\d+\.\d commits per prompt\)", out), out
     assert re.search(r"ratio prompt/ping p50 \d+\.\d\dx", out), out
     assert re.search(r"Replay of its \d+ events: p50\s+\d+\.\d\d ms", out), out
+    where = re.search(
+        r"of which its commits \(fsync included\) (\d+\.\d\d) ms; the daemon's CPU"
+        r" (\d+\.\d\d) ms per prompt",
+        out,
+    )
+    assert where is not None and float(where.group(1)) > 0 and float(where.group(2)) > 0, out
     assert '"bench": "roundtrip"' in (tmp_path / "rt.json").read_text()
