@@ -265,7 +265,13 @@ class Replica:
         return self.board.owner_alive(owner)
 
     def link_addresses(self, most: int) -> tuple[str, ...]:
-        """The live replicas' link addresses, this one's first (board.link_addresses)."""
+        """The live replicas' link addresses, this one's first (board.link_addresses);
+        none while NATS is unreachable: this replica then sees no other, and a list
+        of itself alone would make its machines forget the others (a machine takes
+        back the learned addresses a list no longer names; an empty list changes
+        nothing)."""
+        if not self.connected:
+            return ()
         return self.board.link_addresses(most)
 
     def check_connected(self, what: str) -> None:

@@ -594,7 +594,9 @@ class ControlLink:
 
     async def _learn_addresses(self, listed: tuple[str, ...]) -> None:
         """Add the replicas the welcome lists that link.json lacks (one started since
-        the join, or one the operator did not name), so the link can move to them."""
+        the join, or one the operator did not name), so the link can move to them,
+        and take out those learned earlier that it no longer lists
+        (:meth:`~machine.link.identity.LinkRecord.learning`)."""
         link = self._link
         if link is None or not listed or link.learning(listed) is link:
             return
@@ -610,11 +612,20 @@ class ControlLink:
             logger.warning("control link: cannot save the replicas' link addresses: %s", e)
             return
         new = [a for a in learned.control_addresses if a not in current.control_addresses]
-        logger.info(
-            "control link: learned link address(es) %s from the control plane",
-            ", ".join(new),
-            extra=self._ids(),
-        )
+        gone = [a for a in current.control_addresses if a not in learned.control_addresses]
+        if new:
+            logger.info(
+                "control link: learned link address(es) %s from the control plane",
+                ", ".join(new),
+                extra=self._ids(),
+            )
+        if gone:
+            logger.info(
+                "control link: forgot link address(es) %s (learned from the control plane,"
+                " no longer listed by it)",
+                ", ".join(gone),
+                extra=self._ids(),
+            )
 
     async def _remember_address(self) -> None:
         """Save the address that welcomed us first in the record (when it is not),

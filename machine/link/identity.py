@@ -149,9 +149,14 @@ class LinkRecord:
     other_addresses: tuple[str, ...] = ()
     """The link addresses of the control plane's other replicas, in the order the
     link tries them after ``control_address`` (docs/controlplane.md "Replicas")."""
+    learned_addresses: frozenset[str] = frozenset()
+    """Those of the addresses known only from the control plane's lists (not the
+    join's, not the operator's): the ones a later list may take back."""
 
     def __post_init__(self) -> None:
         addresses = self.control_addresses
+        if not self.learned_addresses <= set(addresses):
+            raise InvalidArgument("learned_addresses", "must be among control_addresses")
         for address in addresses:
             # Validated before use: the link dials them; no secret is ever among them.
             try:
@@ -186,23 +191,45 @@ class LinkRecord:
         return replace(self, control_address=first, other_addresses=tuple(others))
 
     def learning(self, listed: Sequence[str]) -> LinkRecord:
-        """This record with the link addresses the control plane ``listed`` (every
-        live replica's, at join and at each welcome) that it lacks, added after its
-        own: the order kept and none of its own dropped (the ones the operator gave
-        with ``--link-address`` among them); each checked (:func:`listed_address`,
-        the others left out), repeats left out, none past
-        :data:`MAX_CONTROL_ADDRESSES`. The record itself when nothing is new."""
-        known = list(self.control_addresses)
+        """This record as the control plane's latest list of live replicas'
+        addresses (at join and at each welcome) leaves it: the listed addresses it
+        lacks added after its own, and those it learned from an earlier list that
+        this one no longer names taken out (a replica gone for good, or moved to
+        another address), so a fleet whose replicas are replaced over months keeps
+        learning the new ones. The join's address and the operator's
+        (``--link-address``) are never taken out, nor is the order changed. Each
+        listed address is checked (:func:`listed_address`, the others left out),
+        repeats left out, none past :data:`MAX_CONTROL_ADDRESSES`. An empty list
+        (nothing valid) changes nothing; nor does a list that changes nothing, and
+        then the record itself is given back."""
+        valid: list[str] = []
         for raw in listed[:MAX_CONTROL_ADDRESSES]:
             address = listed_address(raw)
-            if address is None or address in known:
-                continue
-            if len(known) >= MAX_CONTROL_ADDRESSES:
-                break
-            known.append(address)
-        if len(known) == len(self.control_addresses):
+            if address is not None and address not in valid:
+                valid.append(address)
+        if not valid:
             return self
-        return replace(self, other_addresses=tuple(known[1:]))
+        kept = [a for a in self.control_addresses if a not in self.learned_addresses or a in valid]
+        added = [a for a in valid if a not in kept][: MAX_CONTROL_ADDRESSES - len(kept)]
+        addresses = kept + added
+        if tuple(addresses) == self.control_addresses:
+            return self
+        learned = (self.learned_addresses & set(valid)) | set(added)
+        return replace(
+            self,
+            control_address=addresses[0],
+            other_addresses=tuple(addresses[1:]),
+            learned_addresses=frozenset(learned),
+        )
+
+    def with_addresses_of(self, other: LinkRecord) -> LinkRecord:
+        """This record with ``other``'s link addresses (and which were learned)."""
+        return replace(
+            self,
+            control_address=other.control_address,
+            other_addresses=other.other_addresses,
+            learned_addresses=other.learned_addresses,
+        )
 
     def to_json(self) -> bytes:
         """Serialise as the ``link.json`` document."""
@@ -211,6 +238,8 @@ class LinkRecord:
             # The first address alone too: the field an older daemon reads.
             "control_address": self.control_address,
             "control_addresses": list(self.control_addresses),
+            # Which of them the control plane listed (a later list may take them back).
+            "learned_addresses": sorted(self.learned_addresses),
             "machine_id": self.machine_id,
             "account_id": self.account_id,
             "account_recovery_public_key": encode_box_public_key(self.account_recovery_public_key),
@@ -233,9 +262,14 @@ class LinkRecord:
             listed = doc.get("control_addresses", [doc["control_address"]])
             if not isinstance(listed, list) or not listed:
                 raise ValueError("control_addresses must be a non-empty list")
+            # A record written before addresses could be taken back: all kept.
+            learned = doc.get("learned_addresses", [])
+            if not isinstance(learned, list) or not all(isinstance(a, str) for a in learned):
+                raise ValueError("learned_addresses must be a list of addresses")
             return cls(
                 control_address=str(listed[0]),
                 other_addresses=tuple(str(a) for a in listed[1:]),
+                learned_addresses=frozenset(learned),
                 machine_id=str(doc["machine_id"]),
                 account_id=str(doc["account_id"]),
                 account_recovery_public_key=decode_public_key(
@@ -476,14 +510,14 @@ def save_certificate(
     Each file is replaced atomically; the certificate goes first so that a
     crash in between leaves a newer certificate with an older expiry in
     ``link.json``, which only makes the next renewal come early. Link
-    addresses the record on disk gained since ``link`` was read (a welcome
-    listed a new replica meanwhile) are kept.
+    addresses are the record on disk's (a welcome may have changed them since
+    ``link`` was read).
     """
     keys_dir = data_dir / KEYS_DIR
     write_atomic(keys_dir / CA_CERT, ca_cert_pem)
     write_atomic(keys_dir / TLS_CERT, cert_pem)
     with contextlib.suppress(InvalidState, IntegrityError):
-        link = link.learning(load_link(data_dir).control_addresses)
+        link = link.with_addresses_of(load_link(data_dir))
     updated = replace(
         link,
         cert_not_after=tls.cert_not_after(cert_pem),

@@ -25,7 +25,13 @@ def nats(tmp_path: Path) -> Iterator[NatsProc]:
         yield proc
 
 
-def _replica(url: str, owner: str, got: list[tuple[str, str, str]], deleted: list[str]) -> Replica:
+def _replica(
+    url: str,
+    owner: str,
+    got: list[tuple[str, str, str]],
+    deleted: list[str],
+    link_address: str = "",
+) -> Replica:
     async def notice(machine_id: str, kind: str, fields: dict[str, str]) -> bool:
         got.append((owner, machine_id, kind))
         return True
@@ -37,6 +43,7 @@ def _replica(url: str, owner: str, got: list[tuple[str, str, str]], deleted: lis
         owner=owner,
         on_notice=notice,
         on_account_deleted=deleted.append,
+        link_address=link_address,
     )
 
 
@@ -167,12 +174,16 @@ async def test_one_lease_holder_and_each_slot_claimed_once(nats: NatsProc) -> No
 
 
 async def test_presence_follows_again_after_nats_restarts(nats: NatsProc) -> None:
-    a, b = _replica(nats.url, "owner-a", [], []), _replica(nats.url, "owner-b", [], [])
+    a = _replica(nats.url, "owner-a", [], [], link_address="127.0.0.1:7451")
+    b = _replica(nats.url, "owner-b", [], [], link_address="127.0.0.1:7452")
     await a.start()
     await b.start()
     try:
+        await apoll_until(lambda: len(a.link_addresses(16)) == 2, deadline=5, what="b listed")
         nats.stop()
         await apoll_until(lambda: not a.connected and not b.connected, deadline=5, what="down")
+        # Seeing no other replica, it lists none (its machines forget nothing).
+        assert a.link_addresses(16) == ()
         # A link opened meanwhile waits for nothing, and is announced once NATS is back.
         async with asyncio.timeout(1):
             await a.linked("m0", "acct", "1.0", 0)

@@ -459,3 +459,51 @@ def test_a_record_learns_the_replicas_the_control_plane_lists(ca: tls.CertKey) -
     assert len(full.control_addresses) == identity.MAX_CONTROL_ADDRESSES
     assert full.control_addresses[:2] == link.control_addresses
     assert full.control_addresses[2:] == tuple(flood[: identity.MAX_CONTROL_ADDRESSES - 2])
+
+
+def test_a_record_forgets_learned_replicas_the_control_plane_stops_listing(
+    ca: tls.CertKey,
+) -> None:
+    """Replicas replaced one at a time for months: each list takes back the learned
+    addresses it no longer names, so the record keeps learning new ones past the
+    bound; the join's and the operator's addresses are never taken back."""
+    _, cert, _ = _material(ca)
+    link = _record(cert, other_addresses=("10.0.0.2:7444",))
+    given = link.control_addresses
+    live = [f"10.2.0.{i}:7444" for i in range(3)]
+    record = link.learning(live)
+    assert record.control_addresses == (*given, *live)
+    assert record.learned_addresses == frozenset(live)
+    for day in range(3, 40):  # one replica replaced a day
+        live = [*live[1:], f"10.2.0.{day}:7444"]
+        record = identity.LinkRecord.from_json(record.learning(live).to_json())
+        assert record.control_addresses == (*given, *live), day
+    # A list with nothing valid in it takes nothing back.
+    assert record.learning(["nohost"]) is record
+    # Listed again by the control plane, a given address stays given.
+    assert record.learning([given[1], *live]).learned_addresses == frozenset(live)
+    # The first address may be a learned one (the link moved to it): taken back, the
+    # next one becomes first.
+    moved = record.starting_at(live[0])
+    after = moved.learning(live[1:])
+    assert after.control_address == live[1] and live[0] not in after.control_addresses
+    assert set(given) <= set(after.control_addresses)
+
+
+def test_a_record_written_before_addresses_could_be_forgotten_keeps_them_all(
+    ca: tls.CertKey,
+) -> None:
+    _, cert, _ = _material(ca)
+    link = _record(cert, other_addresses=("10.0.0.2:7444", "10.0.0.3:7444"))
+    doc = json.loads(link.to_json())
+    del doc["learned_addresses"]
+    old = identity.LinkRecord.from_json(json.dumps(doc).encode())
+    assert old.learned_addresses == frozenset()
+    assert old.learning(["10.0.0.9:7444"]).control_addresses == (
+        *link.control_addresses,
+        "10.0.0.9:7444",
+    )
+    for bad in ("x", ["10.0.0.7:7444"], [1]):
+        doc["learned_addresses"] = bad
+        with pytest.raises(IntegrityError, match="malformed"):
+            identity.LinkRecord.from_json(json.dumps(doc).encode())

@@ -874,8 +874,14 @@ async def test_a_machine_joined_through_one_replica_learns_the_others(
         assert any(later in r.getMessage() and "learned" in r.getMessage() for r in caplog.records)
         # A welcome mid-stream (a replica joined the control plane) adds it too.
         newest = "127.0.0.1:7449"
+        control.control_addresses = (control.link_address, later, third, newest)
         control.streams[0].inbox.put_nowait(
-            Welcome(control.streams[0].machine_id, control.heartbeat_ms / 1000, None, (newest,))
+            Welcome(
+                control.streams[0].machine_id,
+                control.heartbeat_ms / 1000,
+                None,
+                control.control_addresses,
+            )
         )
         await _until(lambda: newest in identity.load_link(data_dir).control_addresses)
         assert link.state == LinkState.CONNECTED
@@ -884,7 +890,22 @@ async def test_a_machine_joined_through_one_replica_learns_the_others(
         control.drop(control.streams[0])
         await _until(lambda: len(control.streams) == 2)
         await link.wait_for_state(LinkState.CONNECTED, timeout=5)
-    assert path.stat().st_mtime_ns == written
+        assert path.stat().st_mtime_ns == written
+        # A replica gone for good: the next list no longer names it, and a learned
+        # address goes; the join's and the operator's stay though neither is listed.
+        control.streams[1].inbox.put_nowait(
+            Welcome(control.streams[1].machine_id, control.heartbeat_ms / 1000, None, (newest,))
+        )
+        await _until(lambda: later not in identity.load_link(data_dir).control_addresses)
+        assert identity.load_link(data_dir).control_addresses == (
+            control.link_address,
+            second,
+            newest,
+        )
+        assert any(
+            "forgot" in r.getMessage() and later in r.getMessage() and third in r.getMessage()
+            for r in caplog.records
+        )
 
 
 @pytest.mark.parametrize(
