@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import stat
 import time
 from collections.abc import AsyncIterator, Generator
 from pathlib import Path
@@ -493,6 +494,25 @@ class FolderStore(StoreBase):
 
     # -- listing -----------------------------------------------------------
 
+    def _walk_prefix(self, prefix: str, after: str) -> Generator[ObjectInfo, None, None]:
+        """:meth:`_walk` from the deepest folder every key under ``prefix`` lies in:
+        a listing of ``a/b/c/`` reads that folder alone, and its objects are not
+        handed up through a generator per level. What the walk from the root
+        skips is skipped here too: a hidden name, a link or a file where a folder
+        should be (nothing under it is listed)."""
+        base = prefix[: prefix.rfind("/") + 1]
+        folder = self.root
+        for part in base.split("/")[:-1]:
+            if part.startswith("."):
+                return
+            folder = folder / part
+            try:
+                if not stat.S_ISDIR(os.lstat(folder).st_mode):
+                    return
+            except (FileNotFoundError, NotADirectoryError):
+                return
+        yield from self._walk(folder, base, prefix, after)
+
     def _walk(
         self, folder: Path, base: str, prefix: str, after: str
     ) -> Generator[ObjectInfo, None, None]:
@@ -520,9 +540,14 @@ class FolderStore(StoreBase):
                     continue
                 try:
                     validate_key(name)
-                    with open(entry.path, "rb") as f:
-                        etag = _parse_header(f.read(_HEADER_LEN), name)
-                        size = os.fstat(f.fileno()).st_size - _HEADER_LEN
+                    # os-level calls, not open(): a listing reads every object's
+                    # header, and a file object costs more than the read itself.
+                    fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        etag = _parse_header(os.pread(fd, _HEADER_LEN, 0), name)
+                        size = os.fstat(fd).st_size - _HEADER_LEN
+                    finally:
+                        os.close(fd)
                 except FileNotFoundError:
                     continue  # deleted while we walked
                 except (InvalidArgument, IntegrityError) as e:
@@ -542,7 +567,7 @@ class FolderStore(StoreBase):
         """See :meth:`ObjectStore.list_pages`."""
         validate_prefix(prefix)
         check_sizes(page_size, "page_size")
-        walker = self._walk(self.root, "", prefix, start_after or "")
+        walker = self._walk_prefix(prefix, start_after or "")
 
         def _take() -> list[ObjectInfo]:
             page: list[ObjectInfo] = []
