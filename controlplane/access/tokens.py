@@ -9,10 +9,14 @@ usable only while both counts allow it. A marker is made before the record's
 use is taken (killed between: the token counts as used, failing closed) and
 removed after a rolled-back join gave its use back.
 
-A token's record is updated by one join at a time in this process (a lock per
+A token's record is updated by one writer at a time in this process (a lock per
 token): a fleet joining with one token would otherwise lose most of its
 compare-and-swap rounds to each other and give up (``too much contention``).
-The compare-and-swap still guards the record against any other writer.
+The compare-and-swap still guards the record against any other writer. Joins
+waiting for that lock take their uses together: one update of the record takes
+a use for each of them in turn (each checked as if alone: a join past the last
+use is refused, the others go on), so a fleet's joins are not serialised on
+one record write each (:meth:`TokenService._take_uses`).
 
 The markers are listed at each use (:meth:`TokenService._uses_taken`): every
 replica of a deployment writes them, so a count kept by one process would miss
@@ -22,6 +26,7 @@ another's and let a token put back at an older use count be used again.
 from __future__ import annotations
 
 import asyncio
+import copy as copy_module
 import datetime as dt
 import logging
 import weakref
@@ -52,6 +57,7 @@ from shared.errors import (
     InvalidArgument,
     InvalidState,
     NotFound,
+    TransientError,
     Unauthenticated,
 )
 from shared.ids import new_id, validate_id
@@ -108,6 +114,14 @@ class TokenService:
         self._intents.register(_CREATE, self._roll_back_create)
         # One lock per token in use (see the module doc); gone with its last user.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        # The uses waiting to be taken together, by token (see _take_uses).
+        self._waiting: dict[str, list[_Use]] = {}
+
+    def _lock(self, token_id: str) -> asyncio.Lock:
+        lock = self._locks.get(token_id)
+        if lock is None:
+            lock = self._locks[token_id] = asyncio.Lock()
+        return lock
 
     async def _update(
         self,
@@ -115,12 +129,71 @@ class TokenService:
         token_id: str,
         change: Callable[[dict[str, Any]], dict[str, Any] | None],
     ) -> dict[str, Any]:
-        """:func:`jsonstore.update` of the token's record, one join at a time."""
-        lock = self._locks.get(token_id)
-        if lock is None:
-            lock = self._locks[token_id] = asyncio.Lock()
-        async with lock:
+        """:func:`jsonstore.update` of the token's record, one writer at a time."""
+        async with self._lock(token_id):
             return await jsonstore.update(self._store, token_key(account_id, token_id), change)
+
+    async def _take_uses(self, token: JoinToken, intent_id: str) -> JoinToken:
+        """Take one use of ``token`` for ``intent_id`` (compare-and-swap), with every
+        other use of it waiting meanwhile (module doc): the token as this use left
+        it, or Unauthenticated when it could not be taken."""
+        use = _Use(intent_id, asyncio.get_running_loop().create_future())
+        self._waiting.setdefault(token.token_id, []).append(use)
+        try:
+            async with self._lock(token.token_id):
+                waiting = self._waiting.pop(token.token_id, [])
+                if waiting:  # else an earlier holder took this use with its own
+                    await self._update_for(token, waiting, use)
+            outcome = await use.result
+        except asyncio.CancelledError:
+            # Not taken yet: nobody takes it now (taken already, it is as a
+            # cancelled lone join's: the join's intent gives it back).
+            pending = self._waiting.get(token.token_id, [])
+            if use in pending:
+                pending.remove(use)
+            raise
+        if isinstance(outcome, Unauthenticated):
+            raise outcome
+        return outcome
+
+    async def _update_for(self, token: JoinToken, waiting: list[_Use], mine: _Use) -> None:
+        """One update of the record taking ``waiting``'s uses; each told its outcome."""
+        try:
+            await jsonstore.update(
+                self._store,
+                token_key(token.account_id, token.token_id),
+                lambda d: self._each_use(d, waiting),
+            )
+        except BaseException as e:
+            for other in waiting:
+                if other is not mine and not other.result.done():
+                    other.result.set_exception(_copied(e))
+            raise
+        for other in waiting:
+            if not other.result.done():
+                if other.outcome is None:  # never so: every waiting use is looked at
+                    other.result.set_exception(TransientError("join: token use not taken"))
+                else:
+                    other.result.set_result(other.outcome)
+
+    def _each_use(self, d: dict[str, Any], waiting: list[_Use]) -> dict[str, Any] | None:
+        """The record with one use taken for each waiting join that may take one,
+        in turn; each one's outcome noted (recomputed on every CAS attempt)."""
+        taken = 0
+        for use in waiting:
+            try:
+                # As each join alone would: one that finds it used up takes nothing.
+                self._check_usable(JoinToken.from_dict(d))
+            except Unauthenticated as e:
+                use.outcome = e
+                continue
+            used_by = [*d.get("used_by", [])]
+            if use.intent_id:
+                used_by.append(use.intent_id)
+            d = {**d, "uses": int(d.get("uses", 0)) + 1, "used_by": used_by}
+            use.outcome = JoinToken.from_dict(d)
+            taken += 1
+        return d if taken else None
 
     async def create(
         self,
@@ -294,17 +367,8 @@ class TokenService:
         rolled-back join can give it back (:meth:`give_back`). Its marker first."""
         use_id = intent_id or new_id("intent")
         await self._mark_use(token, use_id)
-
-        def change(d: dict[str, Any]) -> dict[str, Any]:
-            # Re-checked on every CAS attempt: a concurrent join may have used it up.
-            self._check_usable(JoinToken.from_dict(d))
-            used_by = [*d.get("used_by", [])]
-            if intent_id:
-                used_by.append(intent_id)
-            return {**d, "uses": int(d.get("uses", 0)) + 1, "used_by": used_by}
-
         try:
-            used = JoinToken.from_dict(await self._update(token.account_id, token.token_id, change))
+            used = await self._take_uses(token, intent_id)
         except Unauthenticated:
             # Used up by a concurrent join meanwhile: this one took nothing.
             await self._store.delete(token_use_key(token.account_id, token.token_id, use_id))
@@ -371,3 +435,23 @@ class TokenService:
             raise Unauthenticated("join: token already used")
         if state == "expired":
             raise Unauthenticated("join: token expired")
+
+
+@dataclass
+class _Use:
+    """One join's use of a token, waiting to be taken with the others'."""
+
+    intent_id: str
+    result: asyncio.Future[JoinToken | Unauthenticated]
+    outcome: JoinToken | Unauthenticated | None = None
+    """What the last attempt of the update made of it (set by ``_each_use``)."""
+
+
+def _copied(e: BaseException) -> BaseException:
+    """``e`` for another waiter: the same error, never the very same object (each
+    raiser would add its own traceback to it); a cancellation of the update's
+    runner fails the others as unavailable, for them to try again."""
+    if isinstance(e, asyncio.CancelledError):
+        return TransientError("join: the token's update was interrupted; try again")
+    copy = copy_module.copy(e)
+    return copy if isinstance(copy, BaseException) else e

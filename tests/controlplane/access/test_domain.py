@@ -14,7 +14,7 @@ from controlplane.access.authz import CredentialService
 from controlplane.access.principals import Principal
 from controlplane.access.tokens import TokenService
 from controlplane.integrity.audit import Auditor
-from controlplane.integrity.records import Machine, deleting_key
+from controlplane.integrity.records import Machine, deleting_key, token_key, token_uses_prefix
 from controlplane.machines.alive import KEPT, AliveStamps
 from controlplane.machines.pairing import Pairing
 from controlplane.machines.presence import PresenceRegistry, RevokedNotice
@@ -171,6 +171,74 @@ async def test_a_fleet_joining_at_once_with_one_token_all_joins(w: World) -> Non
     assert len({j.machine.machine_id for j in joined}) == fleet
     token = await w.tokens.get(w.op, made.token.token_id)
     assert token.uses == fleet and token.state(w.clock()) == "used"
+
+
+async def test_joins_waiting_on_one_token_take_their_uses_together(w: World) -> None:
+    """A token of 5 uses, 12 joins at once: the record is written far fewer times
+    than there are joins, exactly 5 join and hold a use marker each, and the
+    other 7 are refused as used, their markers gone."""
+    acct = await w.account(1)
+    made = await w.tokens.create(w.op, acct, max_uses=5)
+    key = token_key(acct, made.token.token_id)
+    writes = 0
+    real_put, real_get = w.store.put, w.store.get
+
+    async def counted_put(k: str, data: Any, **kw: Any) -> str:
+        nonlocal writes
+        writes += k == key
+        await asyncio.sleep(0.002)  # a store's round trip: the others queue meanwhile
+        return await real_put(k, data, **kw)
+
+    async def slow_get(k: str) -> bytes:
+        await asyncio.sleep(0.001)
+        return await real_get(k)
+
+    w.store.put = counted_put  # type: ignore[method-assign]
+    w.store.get = slow_get  # type: ignore[method-assign]
+    results = await asyncio.gather(
+        *(w.tokens.consume(made.value, new_id("intent")) for _ in range(12)),
+        return_exceptions=True,
+    )
+    joined = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(joined) == 5
+    assert all(isinstance(r, Unauthenticated) and "already used" in str(r) for r in refused)
+    assert sorted(t.uses for t in joined) == [1, 2, 3, 4, 5], "each sees the token as it left it"
+    assert writes < 5, f"{writes} writes of the record for 5 uses"
+    token = await w.tokens.get(w.op, made.token.token_id)
+    assert token.uses == 5 and token.state(w.clock()) == "used"
+    markers = [o.key async for o in w.store.list(token_uses_prefix(acct, made.token.token_id))]
+    assert len(markers) == 5
+
+
+async def test_a_join_cancelled_while_waiting_for_the_token_takes_no_use(w: World) -> None:
+    acct = await w.account(1)
+    made = await w.tokens.create(w.op, acct, max_uses=3)
+    token = await w.tokens.check(made.value)
+    gate = asyncio.Event()
+    real_put = w.store.put
+
+    async def held_put(k: str, data: Any, **kw: Any) -> str:
+        if k == token_key(acct, token.token_id):
+            await gate.wait()
+        return await real_put(k, data, **kw)
+
+    w.store.put = held_put  # type: ignore[method-assign]
+    first = asyncio.create_task(w.tokens.use(token, new_id("intent")))
+    waiting_id = new_id("intent")
+    second = asyncio.create_task(w.tokens.use(token, waiting_id))
+    async with asyncio.timeout(10):  # the second queued behind the first's update
+        while not w.tokens._waiting.get(token.token_id):
+            await asyncio.sleep(0.001)
+    second.cancel()
+    gate.set()
+    assert (await first).uses == 1
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    # The next join takes its own use only, not the cancelled one's as well.
+    assert (await w.tokens.use(token, new_id("intent"))).uses == 2
+    after = await w.tokens.get(w.op, token.token_id)
+    assert after.uses == 2 and waiting_id not in after.used_by
 
 
 async def test_bad_csr_does_not_burn_token(w: World) -> None:
