@@ -131,6 +131,8 @@ async def _server(
     finally:
         proc.kill()
         proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 async def measure_bare(
