@@ -10,12 +10,18 @@ it costs is gRPC's and BoringSSL's (per connection: TLS buffers, HTTP/2). The
 heartbeats are spread over the interval, as a fleet's are: beats that arrive
 together cost a server much less each than beats that arrive one by one.
 
-The server runs in its own process (``python -m bench.bare_link CONFIG``), so
-its RSS and CPU are its own, as the control plane's are.
+The server runs in its own process (``python -m bench.bare_link --serve CONFIG``),
+so its RSS and CPU are its own, as the control plane's are.
+
+Alone, it measures the floor with other server options, to see what a gRPC
+option saves before the control plane takes it up::
+
+    .venv/bin/python -m bench.bare_link --streams 500 --option grpc.enable_channelz=0
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import datetime as dt
@@ -25,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +45,10 @@ from shared import tls
 from shared.entry import GRPC_EXPERIMENTS
 from shared.pb.control.v1 import link_pb2
 
-__all__ = ["BareFigures", "measure_bare"]
+__all__ = ["BareFigures", "ServerOption", "measure_bare"]
+
+#: A gRPC server option (channel argument): name and value.
+ServerOption = tuple[str, int | str]
 
 _CONNECT = f"/{LINK_SERVICE}/Connect"
 #: What a machine's channel sets that changes the wire (machine/link/client.py).
@@ -68,7 +77,10 @@ def _serve(config: Path) -> None:
         yield  # an async generator, as the real Connect
 
     async def run() -> None:
-        server = grpc.aio.server(options=list(SERVER_OPTIONS))
+        # The ones being tried, then the control plane's: of two options of one
+        # name, gRPC takes the first.
+        options = [*(tuple(o) for o in c["options"]), *SERVER_OPTIONS]
+        server = grpc.aio.server(options=options)
         handler = grpc.stream_stream_rpc_method_handler(
             connect,
             request_deserializer=link_pb2.MachineMessage.FromString,
@@ -90,7 +102,9 @@ def _serve(config: Path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _server(tmp: Path, ca: tls.CertKey) -> AsyncIterator[tuple[int, psutil.Process]]:
+async def _server(
+    tmp: Path, ca: tls.CertKey, options: Sequence[ServerOption]
+) -> AsyncIterator[tuple[int, psutil.Process]]:
     issued = tls.issue_server_cert(ca)
     config = tmp / "bare.json"
     config.write_text(
@@ -99,11 +113,12 @@ async def _server(tmp: Path, ca: tls.CertKey) -> AsyncIterator[tuple[int, psutil
                 "key": issued.key_pem.decode(),
                 "chain": (issued.cert_pem + ca.cert_pem).decode(),
                 "ca": ca.cert_pem.decode(),
+                "options": list(options),
             }
         )
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.bare_link", str(config)],
+        [sys.executable, "-m", "bench.bare_link", "--serve", str(config)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         # gRPC as the control plane runs it (its console script sets this).
@@ -116,11 +131,16 @@ async def _server(tmp: Path, ca: tls.CertKey) -> AsyncIterator[tuple[int, psutil
     finally:
         proc.kill()
         proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
-async def measure_bare(streams: int, heartbeat: float, window: float) -> BareFigures:
-    """Open ``streams`` links to a bare server; its RSS growth per link, and its CPU
-    per heartbeat over ``window`` seconds (figures as bench/connect.py takes ours)."""
+async def measure_bare(
+    streams: int, heartbeat: float, window: float, options: Sequence[ServerOption] = ()
+) -> BareFigures:
+    """Open ``streams`` links to a bare server (``options`` added to the control
+    plane's); its RSS growth per link, and its CPU per heartbeat over ``window``
+    seconds (figures as bench/connect.py takes ours)."""
     ca = tls.make_ca()
     lifetime = dt.timedelta(days=1)
     certs = []
@@ -136,7 +156,7 @@ async def measure_bare(streams: int, heartbeat: float, window: float) -> BareFig
         certs.append((tls.private_key_pem(key), issued.cert_pem))
     beats = 0
     with tempfile.TemporaryDirectory(prefix="bench-bare-") as tmp_name:
-        async with _server(Path(tmp_name), ca) as (port, server):
+        async with _server(Path(tmp_name), ca, options) as (port, server):
             rss_before = server.memory_info().rss
             channels = [
                 grpc.aio.secure_channel(
@@ -188,5 +208,48 @@ async def measure_bare(streams: int, heartbeat: float, window: float) -> BareFig
     )
 
 
+def _option(text: str) -> ServerOption:
+    """``NAME=VALUE`` (an integer value, or else a string)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("grpc."):
+        raise argparse.ArgumentTypeError(f"expected grpc.NAME=VALUE, got {text!r}")
+    try:
+        return name, int(value)
+    except ValueError:
+        return name, value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The bare gRPC mutual-TLS link server's cost.")
+    parser.add_argument("--serve", type=Path, metavar="CONFIG", help=argparse.SUPPRESS)
+    parser.add_argument("--streams", type=int, default=500, help="concurrent streams")
+    parser.add_argument("--window", type=float, default=10.0, help="CPU window in seconds")
+    parser.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval (s)")
+    parser.add_argument(
+        "--option",
+        type=_option,
+        action="append",
+        default=[],
+        metavar="grpc.NAME=VALUE",
+        help="a server option added to the control plane's (repeatable)",
+    )
+    args = parser.parse_args(argv)
+    if args.serve is not None:
+        _serve(args.serve)
+        return 0
+    if not 1 <= args.streams <= 5000 or not 1 <= args.window <= 120:
+        parser.error("--streams 1..5000, --window 1..120")
+    from bench.connect import raise_fd_limit  # bench.connect imports this module
+
+    raise_fd_limit()
+    f = asyncio.run(measure_bare(args.streams, args.heartbeat, args.window, args.option))
+    added = " ".join(f"{n}={v}" for n, v in args.option) or "none"
+    print(
+        f"bare, {f.streams} streams (options added: {added}): "
+        f"{f.rss_per_stream_kib:.1f} KiB per stream, {f.us_per_heartbeat:.0f} us per heartbeat"
+    )
+    return 0
+
+
 if __name__ == "__main__":
-    _serve(Path(sys.argv[1]))
+    sys.exit(main())

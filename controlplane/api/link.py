@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 import grpc
@@ -67,23 +67,19 @@ def _fire_time(msg: link_pb2.Hello | link_pb2.Heartbeat) -> dt.datetime | None:
     return field_datetime(msg, "next_fire_at")
 
 
-async def _decode(
-    requests: AsyncIterator[link_pb2.MachineMessage],
-) -> AsyncGenerator[MachineMessage, None]:
-    async for msg in requests:
-        kind = msg.WhichOneof("kind")
-        if kind == "hello":
-            yield Hello(msg.hello.version, msg.hello.agent_count, _fire_time(msg.hello))
-        elif kind == "heartbeat":
-            yield Heartbeat(msg.heartbeat.agent_count, _fire_time(msg.heartbeat))
-        elif kind == "ack":
-            yield Ack(msg.ack.delivery_id, msg.ack.run_id, msg.ack.refused_reason)
-        elif kind == "roster":
-            yield RosterReport(
-                tuple(msg.roster.active_agent_ids), tuple(msg.roster.archived_agent_ids)
-            )
-        else:
-            yield Ack()
+def _decode(msg: link_pb2.MachineMessage) -> MachineMessage:
+    kind = msg.WhichOneof("kind")
+    if kind == "heartbeat":  # nearly every message: first
+        return Heartbeat(msg.heartbeat.agent_count, _fire_time(msg.heartbeat))
+    if kind == "hello":
+        return Hello(msg.hello.version, msg.hello.agent_count, _fire_time(msg.hello))
+    if kind == "ack":
+        return Ack(msg.ack.delivery_id, msg.ack.run_id, msg.ack.refused_reason)
+    if kind == "roster":
+        return RosterReport(
+            tuple(msg.roster.active_agent_ids), tuple(msg.roster.archived_agent_ids)
+        )
+    return Ack()
 
 
 def _encode(notice: LinkNotice) -> link_pb2.ControlMessage:
@@ -205,12 +201,11 @@ class LinkServicer(link_pb2_grpc.MachineLinkServicer):
         self, request_iterator: AsyncIterator[link_pb2.MachineMessage], context: Context
     ) -> AsyncIterator[link_pb2.ControlMessage]:
         """See link.proto: hello -> welcome, then heartbeats/acks <-> notices."""
-        # Close both generators here, not at garbage collection: the session's
-        # cleanup (presence, disconnect reason) must run as the call ends.
-        async with (
-            contextlib.aclosing(_decode(request_iterator)) as messages,
-            contextlib.aclosing(self._sessions.run(_peer_pem(context), messages)) as notices,
-        ):
+        # Closed here, not at garbage collection: the session's cleanup (presence,
+        # disconnect reason) must run as the call ends. Messages are decoded as
+        # the session reads them (no generator of our own between it and gRPC).
+        notices = self._sessions.run(_peer_pem(context), request_iterator, _decode)
+        async with contextlib.aclosing(notices):
             async for notice in notices:
                 yield _encode(notice)
 

@@ -1,7 +1,9 @@
 """Machine link sessions: the rules of one Connect stream, without gRPC.
 
 :meth:`LinkSessions.run` takes the certificate the machine presented and an
-async iterator of its decoded messages, and yields the notices to send it:
+async iterator of its messages (each decoded by the ``decode`` it is given, as
+it is read: no generator in between, a link's one hot path being a heartbeat),
+and yields the notices to send it:
 
 1. No certificate (the public listener): refused at once, nothing held open.
 2. Otherwise the hello is read FIRST (up to three heartbeat intervals), then the
@@ -34,7 +36,7 @@ import datetime as dt
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 from controlplane.machines.presence import (
     AccountDeletedNotice,
@@ -135,6 +137,13 @@ class Welcome:
 
 
 LinkNotice = Welcome | RenewNowNotice | RevokedNotice | AccountDeletedNotice | DeliveryNotice
+#: Turns one message as read from the stream into a :data:`MachineMessage`.
+Decode = Callable[[Any], MachineMessage]
+
+
+def _as_is(message: Any) -> MachineMessage:
+    """The decode of a stream that yields :data:`MachineMessage` already."""
+    return cast(MachineMessage, message)
 
 
 class DeliveryHooks(Protocol):
@@ -248,9 +257,10 @@ class LinkSessions:
         return Welcome(self._heartbeat, self._clock(), machine_id, self._control_addresses())
 
     async def run(
-        self, cert_pem: bytes | None, messages: AsyncIterator[MachineMessage]
+        self, cert_pem: bytes | None, messages: AsyncIterator[Any], decode: Decode = _as_is
     ) -> AsyncGenerator[LinkNotice, None]:
-        """Run one link (see the module doc); close the generator to end it early."""
+        """Run one link (see the module doc); close the generator to end it early.
+        ``decode`` turns each of ``messages`` into a :data:`MachineMessage`."""
         timeout = 3 * self._heartbeat
         if cert_pem is None:
             self._metrics.connects.labels("refused").inc()
@@ -258,7 +268,7 @@ class LinkSessions:
         first: MachineMessage | None
         try:
             async with asyncio.timeout(timeout):
-                first = await anext(messages)
+                first = decode(await anext(messages))
         except (TimeoutError, StopAsyncIteration):
             first = None
         try:
@@ -283,7 +293,7 @@ class LinkSessions:
         # The machine's side ended (it half-closed, or died). A future, not an
         # Event: an Event's waiter deque is most of a KiB per link, for one wait.
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        reader = asyncio.create_task(self._read(messages, session, timeout, expires, ended))
+        reader = asyncio.create_task(self._read(messages, decode, session, timeout, expires, ended))
         # Torn down from outside without a goodbye (the machine was killed, its
         # connection reset, the call cancelled): broken, unless a reason is set below.
         reason = CloseReason.BROKEN.value
@@ -327,7 +337,8 @@ class LinkSessions:
 
     async def _read(
         self,
-        messages: AsyncIterator[MachineMessage],
+        messages: AsyncIterator[Any],
+        decode: Decode,
         session: Session,
         timeout: float,
         expires: dt.datetime,
@@ -337,7 +348,7 @@ class LinkSessions:
         or once the certificate it connected with has expired."""
         silence = _Silence(timeout)
         try:
-            reason = await self._consume(messages, session, silence, expires, ended)
+            reason = await self._consume(messages, decode, session, silence, expires, ended)
         except asyncio.CancelledError:
             if not silence.timed_out():
                 raise
@@ -356,23 +367,25 @@ class LinkSessions:
 
     async def _consume(
         self,
-        messages: AsyncIterator[MachineMessage],
+        messages: AsyncIterator[Any],
+        decode: Decode,
         session: Session,
         silence: _Silence,
         expires: dt.datetime,
         ended: asyncio.Future[None],
     ) -> CloseReason:
         """Handle the machine's messages until its stream ends (why it ended)."""
-        async for msg in messages:
+        async for raw in messages:
             silence.heard()
+            msg = decode(raw)
             if self._clock() >= expires:
                 return CloseReason.EXPIRED
             if isinstance(msg, Heartbeat):
                 # Heard, and a write only when one is due (presence.py): most
                 # heartbeats touch nothing but the session.
-                with store_cause("heartbeat"):
-                    self._presence.fire_reported(session, msg.next_fire_at)
-                    if self._presence.heard(session, msg.agent_count):
+                self._presence.fire_reported(session, msg.next_fire_at)
+                if self._presence.heard(session, msg.agent_count):
+                    with store_cause("heartbeat"):
                         await self._presence.write(session)
                 continue
             await self._presence.seen(session)
