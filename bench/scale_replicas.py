@@ -217,7 +217,13 @@ class _Deployment:
             address = self.procs[i % len(self.procs)].link
             if link.control_address != address or link.other_addresses:
                 save_link(
-                    folder, dataclasses.replace(link, control_address=address, other_addresses=())
+                    folder,
+                    dataclasses.replace(
+                        link,
+                        control_address=address,
+                        other_addresses=(),
+                        learned_addresses=frozenset(),
+                    ),
                 )
 
 
