@@ -26,7 +26,6 @@ another's and let a token put back at an older use count be used again.
 from __future__ import annotations
 
 import asyncio
-import copy as copy_module
 import datetime as dt
 import logging
 import weakref
@@ -167,7 +166,7 @@ class TokenService:
         except BaseException as e:
             for other in waiting:
                 if other is not mine and not other.result.done():
-                    other.result.set_exception(_copied(e))
+                    other.result.set_exception(_for_others(e))
             raise
         for other in waiting:
             if not other.result.done():
@@ -447,11 +446,11 @@ class _Use:
     """What the last attempt of the update made of it (set by ``_each_use``)."""
 
 
-def _copied(e: BaseException) -> BaseException:
-    """``e`` for another waiter: the same error, never the very same object (each
-    raiser would add its own traceback to it); a cancellation of the update's
-    runner fails the others as unavailable, for them to try again."""
+def _for_others(e: BaseException) -> BaseException:
+    """What the other waiters of a failed update are told: the same error (one
+    object raised by each; an exception cannot always be copied: most of ours take
+    other arguments than their message), or, when the update's runner was
+    cancelled, an unavailable store, for them to try again."""
     if isinstance(e, asyncio.CancelledError):
         return TransientError("join: the token's update was interrupted; try again")
-    copy = copy_module.copy(e)
-    return copy if isinstance(copy, BaseException) else e
+    return e

@@ -211,6 +211,29 @@ async def test_joins_waiting_on_one_token_take_their_uses_together(w: World) -> 
     assert len(markers) == 5
 
 
+async def test_joins_waiting_on_a_token_whose_record_went_all_hear_why(w: World) -> None:
+    """The record gone under a batch (the account's deletion swept it): every
+    waiting join is refused with the same NotFound, none is left waiting."""
+    acct = await w.account(1)
+    made = await w.tokens.create(w.op, acct, max_uses=10)
+    token = await w.tokens.check(made.value)
+    key = token_key(acct, token.token_id)
+    real_get = w.store.get
+
+    async def gone_get(k: str) -> bytes:
+        await asyncio.sleep(0.002)  # the others queue meanwhile
+        if k == key:
+            raise NotFound("object", k)
+        return await real_get(k)
+
+    w.store.get = gone_get  # type: ignore[method-assign]
+    async with asyncio.timeout(10):
+        results = await asyncio.gather(
+            *(w.tokens.use(token, new_id("intent")) for _ in range(6)), return_exceptions=True
+        )
+    assert all(isinstance(r, NotFound) for r in results), results
+
+
 async def test_a_join_cancelled_while_waiting_for_the_token_takes_no_use(w: World) -> None:
     acct = await w.account(1)
     made = await w.tokens.create(w.op, acct, max_uses=3)
