@@ -169,6 +169,21 @@ async def _populate(p: Process, gh: int, machines: int = 3, extra: int = 20) -> 
     return acct
 
 
+def _finish_held(p: Process) -> asyncio.Event:
+    """Run ``p``'s deletions in the background, each finishing only once the
+    returned event is set (the tombstone is written, the rest waits)."""
+    p.deletion.run_in_background(DeletionHooks())
+    gate = asyncio.Event()
+    real = p.deletion.finish
+
+    async def held_finish(account_id: str) -> None:
+        await gate.wait()
+        await real(account_id)
+
+    p.deletion.finish = held_finish  # type: ignore[method-assign]
+    return gate
+
+
 async def _keys(store: ObjectStore) -> list[str]:
     return [i.key async for i in store.list("")]
 
@@ -313,15 +328,7 @@ async def test_joins_refused_while_deleting_and_after(clock: Clock) -> None:
     p = Process(MemoryStore(), clock)
     acct = await _populate(p, 1, 1, 0)
     token = (await p.tokens.create(OP, acct)).value
-    p.deletion.run_in_background(DeletionHooks())
-    gate = asyncio.Event()
-    real = p.deletion.finish
-
-    async def slow_finish(account_id: str) -> None:
-        await gate.wait()
-        await real(account_id)
-
-    p.deletion.finish = slow_finish  # type: ignore[method-assign]
+    gate = _finish_held(p)
     started = await p.deletion.delete(OP, acct)
     assert started.state == "deleting"
     assert (await p.accounts.get(acct)).state == "deleting"
@@ -359,15 +366,7 @@ async def test_a_deletion_finishing_between_the_tombstone_reads_is_never_active(
     inner = MemoryStore()
     acct = await _populate(Process(inner, clock), 1, 0, 0)
     deleter = Process(inner, clock)
-    deleter.deletion.run_in_background(DeletionHooks())
-    gate = asyncio.Event()
-    real = deleter.deletion.finish
-
-    async def held_finish(account_id: str) -> None:
-        await gate.wait()
-        await real(account_id)
-
-    deleter.deletion.finish = held_finish  # type: ignore[method-assign]
+    gate = _finish_held(deleter)
     await deleter.deletion.delete(OP, acct)  # the tombstone is written; finishing waits
 
     async def finish_now() -> None:
